@@ -1,0 +1,1 @@
+"""dashboard: the operators' Plotly Dash app."""

@@ -1,0 +1,1 @@
+"""detector: signals, alert rules, episodes, notifications and the detector API."""

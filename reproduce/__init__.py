@@ -1,0 +1,1 @@
+"""reproduce: engine model, simulator and the harness for the pulse experiments."""

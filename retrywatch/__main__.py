@@ -1,0 +1,5 @@
+"""Allows ``python -m retrywatch``."""
+
+from retrywatch.cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""The metric-name contract shared by the proxy, the simulator, the detector, the rules and
+the dashboard. Changing a name here is a breaking change for every one of them.
+
+Our own names carry the ``retrywatch_`` prefix, base units and ``_total`` on counters;
+vLLM's names keep their colons and are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- retrywatch counters -------------------------------------------------------------
+ATTEMPTS: Final = "retrywatch_attempts_total"  # {kind="first"|"retry"}
+ATTEMPTS_ATTACHED: Final = "retrywatch_attempts_attached_total"
+ATTEMPTS_SHED: Final = "retrywatch_attempts_shed_total"  # {reason=...}
+EXECUTIONS_CREATED: Final = "retrywatch_executions_created_total"
+EXECUTIONS_DISPATCHED: Final = "retrywatch_executions_dispatched_total"
+EXECUTIONS_FINISHED: Final = "retrywatch_executions_finished_total"  # {fate=...}
+CALLS_DELIVERED: Final = "retrywatch_calls_delivered_total"  # {within_deadline="true"|"false"}
+
+# --- retrywatch gauges ---------------------------------------------------------------
+EXECUTIONS_LIVE: Final = "retrywatch_executions_live"
+EXECUTIONS_QUEUED: Final = "retrywatch_executions_queued"
+SUBSCRIBERS: Final = "retrywatch_subscribers"
+CAPACITY: Final = "retrywatch_capacity_calls_per_second"
+CLIENT_DEADLINE: Final = "retrywatch_client_deadline_seconds"
+UPSTREAM_UP: Final = "retrywatch_upstream_up"
+
+# --- retrywatch histograms -----------------------------------------------------------
+TIME_TO_FIRST_TOKEN: Final = "retrywatch_time_to_first_token_seconds"
+ATTEMPT_DURATION: Final = "retrywatch_attempt_duration_seconds"  # {outcome=...}
+
+# --- derived gauges over a sliding window (for users without Prometheus) --------------
+EXECUTION_CREATION_RATE: Final = "retrywatch_execution_creation_rate"
+ATTEMPT_RATE: Final = "retrywatch_attempt_rate"
+CREATION_CAPACITY_RATIO: Final = "retrywatch_creation_capacity_ratio"
+WAITING_LITTLES_LAW_RATIO: Final = "retrywatch_waiting_littles_law_ratio"
+PROMPT_TOKEN_GAP_RATIO: Final = "retrywatch_prompt_token_gap_ratio"
+
+# --- bounded label values, created up front -------------------------------------------
+ATTEMPT_KINDS: Final = ("first", "retry")
+SHED_REASONS: Final = ("retry_budget", "proxy_queue", "deadline")
+FATES: Final = ("completed", "orphaned", "cancelled", "dropped", "refused", "failed")
+DELIVERY_LABELS: Final = ("true", "false")
+ATTEMPT_OUTCOMES: Final = ("delivered", "disconnected", "shed", "refused", "failed")
+
+# --- vLLM's own names (served unchanged) ----------------------------------------------
+VLLM_PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"
+VLLM_PREFIX_CACHE_QUERIES: Final = "vllm:prefix_cache_queries_total"
+VLLM_PREFIX_CACHE_HITS: Final = "vllm:prefix_cache_hits_total"
+VLLM_GENERATION_TOKENS: Final = "vllm:generation_tokens_total"
+VLLM_REQUEST_SUCCESS: Final = "vllm:request_success_total"  # {finished_reason=...}
+VLLM_NUM_WAITING: Final = "vllm:num_requests_waiting"
+VLLM_NUM_RUNNING: Final = "vllm:num_requests_running"
+VLLM_NUM_PREEMPTIONS: Final = "vllm:num_preemptions_total"
+VLLM_ADMISSION_REJECTIONS: Final = "vllm:admission_rejections_total"  # {reason=...}
+VLLM_KV_CACHE_USAGE: Final = "vllm:kv_cache_usage_perc"

@@ -1,0 +1,141 @@
+"""The metrics time-series format every backend writes and the detector replays.
+
+A run's series is a JSON-lines file; each line is one scrape::
+
+    {"t": 5.0, "samples": [["retrywatch_attempts_total", {"kind": "first"}, 12.0], ...]}
+
+``t`` is seconds from the run's start (simulated or wall time); ``samples`` holds exactly what
+a scrape of the proxy's ``/metrics`` (retrywatch_* and vLLM's passthrough) would return at that
+moment, with the real names and labels. Counters are cumulative; histograms are omitted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Labels = Mapping[str, str]
+Sample = tuple[str, dict[str, str], float]
+
+
+@dataclass
+class Snapshot:
+    """One scrape: every sample at time ``t`` (seconds from the run's start)."""
+
+    t: float
+    samples: list[Sample] = field(default_factory=list)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The sum of the samples named ``name`` whose labels include ``labels``; None if none."""
+        total: float | None = None
+        for sample_name, sample_labels, value in self.samples:
+            if sample_name != name:
+                continue
+            if all(sample_labels.get(k) == v for k, v in labels.items()):
+                total = value if total is None else total + value
+        return total
+
+    def to_json(self) -> str:
+        samples = [[n, dict(lb), _finite_or_none(v)] for n, lb, v in self.samples]
+        return json.dumps({"t": self.t, "samples": samples}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> Snapshot:
+        obj = json.loads(line)
+        samples: list[Sample] = [
+            (str(n), {str(k): str(v) for k, v in lb.items()}, math.nan if v is None else float(v))
+            for n, lb, v in obj["samples"]
+        ]
+        return cls(t=float(obj["t"]), samples=samples)
+
+
+def _finite_or_none(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def write_snapshot(fh: IO[str], snapshot: Snapshot) -> None:
+    fh.write(snapshot.to_json())
+    fh.write("\n")
+
+
+def write_series(path: Path, snapshots: Iterable[Snapshot]) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for snapshot in snapshots:
+            write_snapshot(fh, snapshot)
+
+
+def read_series(path: Path) -> Iterator[Snapshot]:
+    """Yield the snapshots of a series file in order; a clear error names a bad line."""
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Snapshot.from_json(line)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a metrics snapshot ({exc})") from exc
+
+
+def parse_exposition(text: str, *, keep_histograms: bool = False) -> list[Sample]:
+    """Parse Prometheus plain-text exposition (colons kept) into samples.
+
+    Counters keep their ``_total`` name; histogram and summary series are dropped unless
+    ``keep_histograms`` is set.
+    """
+    samples: list[Sample] = []
+    for family in text_string_to_metric_families(text):
+        is_distribution = family.type in ("histogram", "summary", "gaugehistogram")
+        if is_distribution and not keep_histograms:
+            continue
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            samples.append((s.name, dict(s.labels), float(s.value)))
+    return samples
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def format_sample(name: str, labels: Labels, value: float) -> str:
+    """One exposition line (shared by the OpenMetrics writer and tests)."""
+    if labels:
+        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+        return f"{name}{{{inner}}} {value!r}"
+    return f"{name} {value!r}"
+
+
+def to_openmetrics(
+    snapshots: Iterable[Snapshot], *, start_unix_s: float, extra_labels: Labels | None = None
+) -> str:
+    """Render a series as OpenMetrics text with timestamps, for
+    ``promtool tsdb create-blocks-from openmetrics``. Every series is typed ``gauge`` because
+    the OpenMetrics parser requires counters to end in ``_total`` and forbids colons in
+    counter family names; Prometheus' rate() works on gauges all the same.
+    """
+    by_series: dict[tuple[str, tuple[tuple[str, str], ...]], list[tuple[float, float]]] = {}
+    for snap in snapshots:
+        for name, labels, value in snap.samples:
+            merged = {**labels, **(extra_labels or {})}
+            key = (name, tuple(sorted(merged.items())))
+            by_series.setdefault(key, []).append((start_unix_s + snap.t, value))
+    lines: list[str] = []
+    families: dict[str, list[tuple[tuple[tuple[str, str], ...], list[tuple[float, float]]]]] = {}
+    for (name, labels), points in by_series.items():
+        families.setdefault(name, []).append((labels, points))
+    for name in sorted(families):
+        lines.append(f"# TYPE {name} gauge")
+        for labels, points in families[name]:
+            for ts, value in points:
+                if math.isnan(value):
+                    continue
+                lines.append(f"{format_sample(name, dict(labels), value)} {ts:.3f}")
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
