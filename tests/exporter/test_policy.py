@@ -1,0 +1,314 @@
+"""The policy core's decisions, one by one, through its public entry points."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.policy import (
+    Attached,
+    Attempt,
+    AttemptKind,
+    BudgetOrder,
+    Cancel,
+    Cancellation,
+    Created,
+    Dispatch,
+    Drop,
+    Fate,
+    Policy,
+    PolicyConfig,
+    PolicyConfigError,
+    PolicyGauges,
+    QueueOrder,
+    Shed,
+    ShedReason,
+    StartTimer,
+)
+
+
+def create_policy(**overrides: object) -> Policy:
+    return Policy(PolicyConfig(**overrides))  # type: ignore[arg-type]
+
+
+def attempt(key: str | None = "call-1", *, retry_hint: bool = False, prompt_tokens: int = 1000) -> Attempt:
+    return Attempt(key=key, retry_hint=retry_hint, prompt_tokens=prompt_tokens)
+
+
+def test_first_attempt_creates_and_dispatches() -> None:
+    policy = create_policy()
+    result = policy.on_attempt(0.0, attempt())
+    assert isinstance(result.decision, Created)
+    assert result.decision.kind is AttemptKind.FIRST
+    assert not result.decision.queued
+    assert result.effects == [Dispatch(result.decision.execution_id)]
+    assert policy.counters.created == 1
+    assert policy.counters.dispatched == 1
+    assert policy.gauges().executions_live == 1
+
+
+def test_retry_of_live_call_attaches_to_its_execution() -> None:
+    policy = create_policy()
+    first = policy.on_attempt(0.0, attempt())
+    retry = policy.on_attempt(5.0, attempt())
+    assert isinstance(retry.decision, Attached)
+    assert retry.decision.kind is AttemptKind.RETRY
+    assert retry.decision.execution_id == first.decision.execution_id  # type: ignore[union-attr]
+    assert retry.effects == []
+    assert policy.counters.attached == 1
+    assert policy.counters.attempts == {AttemptKind.FIRST: 1, AttemptKind.RETRY: 1}
+
+
+def test_different_parameters_do_not_attach() -> None:
+    policy = create_policy()
+    policy.on_attempt(0.0, attempt("call-1"))
+    other = policy.on_attempt(0.0, attempt("call-2"))
+    assert isinstance(other.decision, Created)
+    assert other.decision.kind is AttemptKind.FIRST
+
+
+def test_no_coalescing_creates_one_execution_per_attempt() -> None:
+    policy = create_policy(coalesce=False)
+    policy.on_attempt(0.0, attempt())
+    retry = policy.on_attempt(1.0, attempt())
+    assert isinstance(retry.decision, Created)
+    assert retry.decision.kind is AttemptKind.RETRY  # still classified by the key seen before
+    assert policy.counters.created == 2
+
+
+def test_key_none_never_coalesces_but_honours_the_client_retry_hint() -> None:
+    policy = create_policy()
+    policy.on_attempt(0.0, attempt(None))
+    retry = policy.on_attempt(1.0, attempt(None, retry_hint=True))
+    assert isinstance(retry.decision, Created)
+    assert retry.decision.kind is AttemptKind.RETRY
+
+
+def test_key_is_forgotten_after_retry_memory() -> None:
+    policy = create_policy(retry_memory_s=10.0, coalesce=False)
+    policy.on_attempt(0.0, attempt())
+    later = policy.on_attempt(11.0, attempt())
+    assert later.decision.kind is AttemptKind.FIRST
+
+
+def test_remembered_calls_are_bounded() -> None:
+    policy = create_policy(max_remembered_calls=2, coalesce=False)
+    for key in ("a", "b", "c"):
+        policy.on_attempt(0.0, attempt(key))
+    assert policy.on_attempt(0.0, attempt("a")).decision.kind is AttemptKind.FIRST  # evicted
+    assert policy.on_attempt(0.0, attempt("c")).decision.kind is AttemptKind.RETRY
+
+
+@pytest.mark.parametrize("mode", list(Cancellation))
+def test_last_subscriber_leaving(mode: Cancellation) -> None:
+    policy = create_policy(cancellation=mode, cancel_after_s=10.0)
+    created = policy.on_attempt(0.0, attempt()).decision
+    assert isinstance(created, Created)
+    effects = policy.on_subscriber_left(120.0, created.subscriber_id)
+    execution_id = created.execution_id
+    if mode is Cancellation.OFF:
+        assert effects == []
+        assert policy.execution(execution_id) is not None  # runs on
+        policy.on_completed(300.0, execution_id)
+        assert policy.counters.finished[Fate.ORPHANED] == 1
+    elif mode is Cancellation.ON:
+        assert effects == [Cancel(execution_id)]
+        assert policy.counters.finished[Fate.CANCELLED] == 1
+        assert policy.execution(execution_id) is None
+    else:
+        assert effects == [StartTimer(execution_id, 130.0)]
+        assert policy.on_timer(129.0, execution_id) == []  # not yet due
+        assert policy.on_timer(130.0, execution_id) == [Cancel(execution_id)]
+        assert policy.counters.finished[Fate.CANCELLED] == 1
+
+
+def test_deferred_cancellation_is_called_off_when_a_retry_attaches() -> None:
+    policy = create_policy(cancellation=Cancellation.DEFERRED, cancel_after_s=10.0)
+    created = policy.on_attempt(0.0, attempt()).decision
+    assert isinstance(created, Created)
+    policy.on_subscriber_left(120.0, created.subscriber_id)
+    retry = policy.on_attempt(122.0, attempt()).decision
+    assert isinstance(retry, Attached)
+    assert policy.on_timer(130.0, created.execution_id) == []
+    policy.on_first_token(131.0, created.execution_id)
+    policy.on_completed(140.0, created.execution_id)
+    policy.on_subscriber_delivered(140.0, retry.subscriber_id)
+    assert policy.counters.finished[Fate.COMPLETED] == 1
+    assert policy.counters.finished[Fate.CANCELLED] == 0
+
+
+def test_cancellation_on_leaves_nothing_to_attach_to() -> None:
+    policy = create_policy(cancellation=Cancellation.ON)
+    created = policy.on_attempt(0.0, attempt()).decision
+    assert isinstance(created, Created)
+    policy.on_subscriber_left(120.0, created.subscriber_id)
+    retry = policy.on_attempt(121.0, attempt()).decision
+    assert isinstance(retry, Created)
+    assert retry.execution_id != created.execution_id
+
+
+def test_attached_subscriber_keeps_the_execution_when_the_first_leaves() -> None:
+    policy = create_policy(cancellation=Cancellation.ON)
+    first = policy.on_attempt(0.0, attempt()).decision
+    retry = policy.on_attempt(1.0, attempt()).decision
+    assert isinstance(first, Created) and isinstance(retry, Attached)
+    assert policy.on_subscriber_left(2.0, first.subscriber_id) == []
+    assert policy.execution(first.execution_id) is not None
+
+
+@pytest.mark.parametrize("order", list(BudgetOrder))
+def test_retry_budget_orders(order: BudgetOrder) -> None:
+    # Budget 0.5 over 60 s: with 2 first attempts, one retry that creates is admitted.
+    policy = create_policy(retry_budget=0.5, budget_order=order, cancellation=Cancellation.OFF)
+    a = policy.on_attempt(0.0, attempt("a")).decision
+    policy.on_attempt(0.0, attempt("b"))
+    assert isinstance(a, Created)
+    # A retry of "a" while its execution is live.
+    retry_live = policy.on_attempt(1.0, attempt("a")).decision
+    if order is BudgetOrder.BUDGET_FIRST:
+        # The budget is spent even though the retry could have attached.
+        assert isinstance(retry_live, Attached)
+        refused = policy.on_attempt(2.0, attempt("b")).decision
+        assert isinstance(refused, Shed)
+        assert refused.reason is ShedReason.RETRY_BUDGET
+        assert refused.retry_after_s is not None and refused.retry_after_s > 0
+    else:
+        # Lookup first: attaching does not touch the budget.
+        assert isinstance(retry_live, Attached)
+        assert isinstance(policy.on_attempt(2.0, attempt("b")).decision, Attached)
+        policy.on_completed(3.0, a.execution_id)
+        created = policy.on_attempt(4.0, attempt("a")).decision
+        assert isinstance(created, Created)  # the one retry the budget allows
+        policy.on_attempt(4.0, attempt("c"))
+        policy.on_completed(5.0, created.execution_id)
+        assert isinstance(policy.on_attempt(6.0, attempt("a")).decision, Shed)
+
+
+def test_budget_first_refuses_a_retry_that_could_attach() -> None:
+    policy = create_policy(retry_budget=0.1, budget_order=BudgetOrder.BUDGET_FIRST)
+    policy.on_attempt(0.0, attempt("a"))
+    decision = policy.on_attempt(1.0, attempt("a")).decision
+    assert isinstance(decision, Shed)
+    assert decision.reason is ShedReason.RETRY_BUDGET
+
+
+def test_retry_budget_window_slides() -> None:
+    policy = create_policy(retry_budget=1.0, budget_window_s=60.0, coalesce=False)
+    for i in range(3):
+        policy.on_attempt(0.0, attempt(f"k{i}"))
+    assert all(isinstance(policy.on_attempt(1.0, attempt(f"k{i}")).decision, Created) for i in range(3))
+    assert isinstance(policy.on_attempt(2.0, attempt("k0")).decision, Shed)
+    # After the window, old first attempts no longer fund retries: one new first funds one retry.
+    policy.on_attempt(70.0, attempt("fresh"))
+    assert isinstance(policy.on_attempt(70.5, attempt("fresh")).decision, Created)
+    assert isinstance(policy.on_attempt(71.0, attempt("fresh")).decision, Shed)
+
+
+def test_proxy_cap_queues_then_dispatches_in_fifo_order() -> None:
+    policy = create_policy(max_outstanding=1, cancellation=Cancellation.ON)
+    first = policy.on_attempt(0.0, attempt("a")).decision
+    second = policy.on_attempt(0.1, attempt("b")).decision
+    third = policy.on_attempt(0.2, attempt("c")).decision
+    assert isinstance(first, Created) and not first.queued
+    assert isinstance(second, Created) and second.queued
+    assert isinstance(third, Created) and third.queued
+    assert policy.gauges().executions_queued == 2
+    effects = policy.on_completed(1.0, first.execution_id)
+    assert effects == [Dispatch(second.execution_id)]
+
+
+def test_lifo_serves_newest_once_over_threshold() -> None:
+    policy = create_policy(max_outstanding=1, queue_order=QueueOrder.LIFO, lifo_threshold=2)
+    running = policy.on_attempt(0.0, attempt("run")).decision
+    queued = [policy.on_attempt(0.1 * i, attempt(f"q{i}")).decision for i in range(3)]
+    assert isinstance(running, Created)
+    # 3 queued > threshold 2: newest first.
+    assert policy.on_completed(1.0, running.execution_id) == [Dispatch(queued[2].execution_id)]  # type: ignore[union-attr]
+    # 2 queued, not over the threshold: back to FIFO.
+    assert policy.on_completed(2.0, queued[2].execution_id) == [Dispatch(queued[0].execution_id)]  # type: ignore[union-attr]
+
+
+def test_queued_execution_is_dropped_when_its_subscribers_leave() -> None:
+    policy = create_policy(max_outstanding=1, cancellation=Cancellation.OFF)
+    policy.on_attempt(0.0, attempt("a"))
+    queued = policy.on_attempt(0.0, attempt("b")).decision
+    assert isinstance(queued, Created) and queued.queued
+    assert policy.on_subscriber_left(120.0, queued.subscriber_id) == [Drop(queued.execution_id)]
+    assert policy.counters.finished[Fate.DROPPED] == 1
+    assert policy.gauges().executions_queued == 0
+
+
+def test_full_proxy_queue_sheds() -> None:
+    policy = create_policy(max_outstanding=1, max_queued=1)
+    policy.on_attempt(0.0, attempt("a"))
+    policy.on_attempt(0.0, attempt("b"))
+    shed = policy.on_attempt(0.0, attempt("c")).decision
+    assert isinstance(shed, Shed) and shed.reason is ShedReason.PROXY_QUEUE
+
+
+def test_deadline_check_refuses_an_attempt_that_would_miss_its_deadline() -> None:
+    policy = create_policy(deadline_check=True, deadline_s=10.0, prefill_tokens_per_s=1000.0)
+    # 5 executions of 1,000 prompt tokens ahead at 1,000 tokens/s: ~6 s, within the deadline.
+    for i in range(5):
+        assert isinstance(policy.on_attempt(0.0, attempt(f"k{i}")).decision, Created)
+    for i in range(5, 9):
+        policy.on_attempt(0.0, attempt(f"k{i}"))
+    shed = policy.on_attempt(0.0, attempt("late")).decision
+    assert isinstance(shed, Shed) and shed.reason is ShedReason.DEADLINE
+    assert shed.retry_after_s is not None and shed.retry_after_s >= 10.0
+
+
+def test_engine_refusal_and_failure_end_the_execution() -> None:
+    policy = create_policy(max_outstanding=1)
+    a = policy.on_attempt(0.0, attempt("a")).decision
+    b = policy.on_attempt(0.0, attempt("b")).decision
+    assert isinstance(a, Created) and isinstance(b, Created)
+    assert policy.on_refused(0.1, a.execution_id) == [Dispatch(b.execution_id)]
+    assert policy.subscriber(a.subscriber_id) is None
+    policy.on_failed(0.2, b.execution_id)
+    assert policy.counters.finished[Fate.REFUSED] == 1
+    assert policy.counters.finished[Fate.FAILED] == 1
+    assert policy.gauges() == PolicyGauges(executions_live=0, executions_queued=0, subscribers=0)
+
+
+def test_delivery_within_deadline_counts_from_the_calls_first_attempt() -> None:
+    policy = create_policy(deadline_s=120.0, cancellation=Cancellation.OFF)
+    first = policy.on_attempt(0.0, attempt()).decision
+    assert isinstance(first, Created)
+    policy.on_subscriber_left(120.0, first.subscriber_id)
+    retry = policy.on_attempt(121.0, attempt()).decision
+    assert isinstance(retry, Attached)
+    policy.on_completed(150.0, first.execution_id)
+    policy.on_subscriber_delivered(150.0, retry.subscriber_id)
+    assert policy.counters.delivered == {True: 0, False: 1}
+    assert policy.counters.finished[Fate.COMPLETED] == 1
+
+
+def test_first_token_wait_estimate_learns_the_prefill_rate() -> None:
+    policy = create_policy(prefill_tokens_per_s=1_000_000.0)
+    ids = []
+    for i in range(10):
+        decision = policy.on_attempt(0.0, attempt(f"k{i}", prompt_tokens=1000)).decision
+        assert isinstance(decision, Created)
+        ids.append(decision.execution_id)
+    # Ten prompts of 1,000 tokens ahead, at the prior's 1M tokens/s.
+    assert policy.estimated_first_token_wait_s(1000) == pytest.approx(11_000 / 1_000_000)
+    for i, execution_id in enumerate(ids):
+        policy.on_first_token(1.0 * (i + 1), execution_id)  # 1,000 tokens/s observed
+    # Nothing ahead now; the learned rate has moved far from the prior towards 1,000 tokens/s.
+    assert policy.estimated_first_token_wait_s(1000) > 5 * (1000 / 1_000_000)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"cancel_after_s": -1.0},
+        {"retry_budget": -0.1},
+        {"budget_window_s": 0.0},
+        {"max_outstanding": 0},
+        {"deadline_check": True},
+        {"deadline_s": 0.0},
+    ],
+)
+def test_bad_config_is_refused_with_a_clear_error(bad: dict[str, object]) -> None:
+    with pytest.raises(PolicyConfigError):
+        PolicyConfig(**bad)  # type: ignore[arg-type]
