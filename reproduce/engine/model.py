@@ -1,0 +1,909 @@
+"""The engine model: vLLM V1's scheduler, stepped by a driver (simulator or emulated engine).
+
+NOTE: one step follows vLLM's ``Scheduler.schedule()`` under a token budget
+(``max_num_batched_tokens``): running executions first (each decode takes one token, a
+prefill continues with as many prompt tokens as the budget allows: chunked prefill), then
+waiting executions in FCFS order while budget, sequence slots and KV blocks allow, each first
+matched against the prefix cache. When a running execution cannot get a KV block, the newest
+running execution is preempted (its blocks freed, still cached) and later recomputed from the
+waiting queue's head; a step that preempted admits nobody new.
+
+NOTE (asynchronous scheduling): vLLM keeps up to two steps in flight. An abort of a running
+execution that arrives during step k takes effect after step k+1: step k's outputs still count,
+step k+1 computes its tokens (its prompt blocks stay cached) but outputs nothing. An abort of
+a waiting execution takes effect at once.
+
+NOTE (speed): a step costs O(executions that change phase), not O(running): decodes are
+counted, not iterated (one global step index; each decode execution knows the step at which
+it finishes and at which it needs its next KV block, kept in heaps); sums of running and
+context tokens are maintained incrementally.
+
+Counters follow vLLM's real rules (PROTOCOL §2): ``vllm:prompt_tokens_total`` adds a prompt's
+full length at its first output token; ``vllm:prefix_cache_queries_total`` adds it once when
+the execution is first admitted to the running batch; a client abort adds nothing to
+``vllm:request_success_total``. Gauges refresh once per step, like vLLM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from reproduce.engine.config import EngineConfig
+from reproduce.engine.kvcache import BlockPool, prompt_layout
+from retrywatch.timeseries import Sample
+
+__all__ = [
+    "FINISHED_REASONS",
+    "EngineEvent",
+    "EngineModel",
+    "EngineRequest",
+    "EngineRequestError",
+    "EngineStateError",
+    "EventKind",
+    "ExecutionTrace",
+    "Sample",
+    "StepRecord",
+]
+
+# label values created up front, as vLLM does (vllm/v1/engine FINISH_REASON_STRINGS and
+# vllm/v1/metrics/loggers.py ADMISSION_REASONS)
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+REJECTION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+
+_WAITING, _PREFILL, _DECODE, _DONE = 0, 1, 2, 3
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot take (too long, no tokens, duplicate id)."""
+
+
+class EngineStateError(RuntimeError):
+    """The driver called the engine out of order (a step started twice, finished unstarted)."""
+
+
+class EventKind(StrEnum):
+    FIRST_TOKEN = "first_token"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One execution sent to the engine: its prompt as chained segments and its output length."""
+
+    request_id: str
+    segments: tuple[tuple[Hashable, int], ...]
+    max_tokens: int
+
+    @property
+    def prompt_len(self) -> int:
+        return sum(n for _, n in self.segments)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """Something the driver must learn about an execution, at simulated/engine time ``t``.
+
+    ``output_tokens``: tokens output so far (the full length for FINISHED).
+    ``computed_prompt_tokens``: prompt tokens this execution computed (recomputes included).
+    For ABORTED: ``in_flight_prompt_tokens`` of those were computed by steps that ran after
+    the abort arrived, and ``in_flight_steps`` are those steps' indices.
+    """
+
+    kind: EventKind
+    request_id: str
+    t: float
+    output_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    in_flight_prompt_tokens: int = 0
+    in_flight_steps: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class ExecutionTrace:
+    """Per-execution trace (``trace=True``): queued, steps with prompt tokens, first token, end."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    queued_at: float
+    refused: bool = False
+    admitted_at: list[float] = field(default_factory=list)
+    prefill_steps: list[tuple[int, float, int]] = field(default_factory=list)  # (step, start, tokens)
+    decode_spans: list[tuple[int, int]] = field(default_factory=list)  # (first step, last step)
+    cache_hit_tokens: list[int] = field(default_factory=list)  # per admission
+    preemptions: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    abort_requested_at: float | None = None
+    aborted_at: float | None = None
+    in_flight_steps: tuple[int, ...] = ()
+    output_tokens: int = 0
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return sum(n for _, _, n in self.prefill_steps)
+
+    def prompt_tokens_in_flight(self) -> int:
+        """Prompt tokens computed by steps that ran after the abort arrived (0 if not aborted)."""
+        steps = set(self.in_flight_steps)
+        return sum(n for s, _, n in self.prefill_steps if s in steps)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step (``trace=True``)."""
+
+    index: int
+    start: float
+    duration: float
+    prompt_tokens: int
+    num_decode: int
+    num_prefill: int
+    context_tokens: int
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    num_steps: int = 1  # coalesced decode-only steps in this record
+
+
+class _Exec:
+    __slots__ = (
+        "abort_requested_step",
+        "abort_step",
+        "admitted",
+        "base_ctx",
+        "base_out",
+        "block_seq",
+        "computed",
+        "computed_prompt",
+        "epoch",
+        "first_token",
+        "held",
+        "held_total",
+        "layout",
+        "max_tokens",
+        "next_block",
+        "out",
+        "private",
+        "prompt_at_abort",
+        "prompt_len",
+        "rid",
+        "s0",
+        "state",
+        "target",
+        "trace",
+    )
+
+    def __init__(self, req: EngineRequest, layout: list[tuple[Hashable, int]], prompt_len: int) -> None:
+        self.rid = req.request_id
+        self.prompt_len = prompt_len
+        self.max_tokens = req.max_tokens
+        self.layout = layout
+        self.held = [0] * len(layout)
+        self.held_total = 0
+        self.private = 0
+        self.state = _WAITING
+        self.computed = 0
+        self.target = prompt_len
+        self.out = 0
+        self.first_token = False
+        self.admitted = False
+        self.abort_step: int | None = None
+        self.abort_requested_step: int | None = None
+        self.prompt_at_abort = 0
+        self.epoch = 0
+        self.s0 = 0
+        self.next_block = 0  # step at which this decode needs its next KV block
+        self.block_seq = -1  # the block-heap entry that is current (older ones are stale)
+        self.base_ctx = 0
+        self.base_out = 0
+        self.computed_prompt = 0
+        self.trace: ExecutionTrace | None = None
+
+
+@dataclass(slots=True)
+class _Step:
+    index: int
+    start: float
+    chunks: list[tuple[_Exec, int]]
+    num_decode: int
+    num_steps: int = 1  # > 1: a run of identical decode-only steps (coalesced)
+    ends: list[float] = field(default_factory=list)  # end time of each coalesced step
+    early: list[tuple[_Exec, int, int]] = field(default_factory=list)  # (exec, first block step, count)
+
+    @property
+    def last(self) -> int:
+        return self.index + self.num_steps - 1
+
+
+class EngineModel:
+    """vLLM V1's scheduler as a pure stepping object (see the module docstring).
+
+    NOTE (coalescing): with ``coalesce_decode_steps`` a run of decode-only steps with nothing
+    waiting, no abort pending and no execution finishing before its last step is returned by
+    ``start_step`` as one step whose duration is the sum of the steps' durations; their KV
+    blocks are allocated at its start, only from empty blocks (nothing evicted earlier than
+    step by step would). A driver that learns of a new request or an abort during it calls
+    ``truncate_step(now)`` first: the run is cut at the first step boundary at or after
+    ``now`` and blocks of the cut steps are returned, so events, times and counters are the
+    same as stepping one by one (tested). Off by default: the emulated engine streams a token
+    per step.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        trace: bool = False,
+        *,
+        coalesce_decode_steps: bool = False,
+        max_coalesced_steps: int = 64,
+    ) -> None:
+        if max_coalesced_steps < 1:
+            raise ValueError(f"max_coalesced_steps must be >= 1, got {max_coalesced_steps}")
+        self.config = config
+        self.coalesce_decode_steps = coalesce_decode_steps
+        self.max_coalesced_steps = max_coalesced_steps
+        self._budget = config.max_num_batched_tokens
+        self._step_time = config.step_time
+        self._bs = config.block_size
+        self._pool = BlockPool(config.num_gpu_blocks, enable_caching=config.enable_prefix_caching)
+        self._live: dict[str, _Exec] = {}
+        self._waiting: deque[_Exec] = deque()
+        self._num_waiting = 0
+        self._running: dict[str, _Exec] = {}  # admission order: the last is the newest
+        self._prefilling: list[_Exec] = []
+        self._n_dec = 0
+        self._ctx_base = 0  # sum over decodes of (context after prefill - prefill's step index)
+        self._finish_heap: list[tuple[int, int, int, _Exec]] = []
+        self._block_heap: list[tuple[int, int, int, _Exec]] = []
+        self._abort_due: dict[int, list[_Exec]] = {}
+        self._aborting = 0  # running executions whose abort is in flight
+        self._seq = 0
+        self._next_step = 0
+        self._last_finished = -1
+        self._step: _Step | None = None
+        self._pending: list[EngineEvent] = []
+        # vLLM counters and gauges
+        self.prompt_tokens_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self.generation_tokens_total = 0
+        self.num_preemptions_total = 0
+        self.request_success_total: dict[str, int] = dict.fromkeys(FINISHED_REASONS, 0)
+        self.admission_rejections_total: dict[str, int] = dict.fromkeys(REJECTION_REASONS, 0)
+        self._gauge_waiting = 0
+        self._gauge_running = 0
+        self._gauge_kv_usage = 0.0
+        # traces
+        self.trace_enabled = trace
+        self.traces: dict[str, ExecutionTrace] = {}
+        self.steps: list[StepRecord] = []
+
+    # --- public queries -------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Executions waiting (never admitted, or preempted), live value."""
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        """Executions in the running batch, live value."""
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step is in progress."""
+        return self._step is not None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running) or self._num_waiting > 0
+
+    @property
+    def step_end(self) -> float | None:
+        """When the step in progress ends (engine time); None when idle."""
+        return self._step.ends[-1] if self._step is not None else None
+
+    @property
+    def steps_done(self) -> int:
+        return self._last_finished + 1
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self._pool.usage
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self._pool
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the execution is live (waiting or running, an abort possibly in flight)."""
+        return request_id in self._live
+
+    def output_tokens(self, request_id: str) -> int:
+        """Tokens output so far by a live execution (0 if unknown); O(1)."""
+        ex = self._live.get(request_id)
+        if ex is None:
+            return 0
+        if ex.state == _DECODE:
+            out = ex.base_out + (self._last_finished - ex.s0)
+            if ex.abort_step is not None:
+                out = min(out, ex.base_out + (ex.abort_step - 1 - ex.s0))
+            return max(ex.base_out, out)
+        return ex.out
+
+    # --- requests -------------------------------------------------------------------
+    def add_request(self, request: EngineRequest, now: float) -> bool:
+        """Queue an execution; False when vLLM's queue cap refuses it (HTTP 503)."""
+        rid = request.request_id
+        if rid in self._live:
+            raise EngineRequestError(f"request {rid!r} is already live in the engine")
+        if request.max_tokens < 1:
+            raise EngineRequestError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
+        layout = prompt_layout(request.segments, self._bs) if request.segments else []
+        prompt_len = request.prompt_len
+        if prompt_len < 1:
+            raise EngineRequestError(f"request {rid!r} has an empty prompt")
+        total = prompt_len + request.max_tokens
+        if total > self.config.max_model_len:
+            raise EngineRequestError(
+                f"request {rid!r}: prompt {prompt_len} + max_tokens {request.max_tokens} "
+                f"exceeds max_model_len {self.config.max_model_len}"
+            )
+        if -(-total // self._bs) > self.config.num_gpu_blocks:
+            raise EngineRequestError(f"request {rid!r} needs more KV blocks than the engine has")
+        cap = self.config.max_num_queued_reqs
+        # vLLM's API server counts its unfinished requests; an aborted one leaves that count at
+        # once, even while its last steps are still in flight in the engine core.
+        if cap is not None and self._num_waiting + len(self._running) - self._aborting + 1 > cap:
+            self.admission_rejections_total["max_num_queued_reqs"] += 1
+            if self.trace_enabled:
+                self.traces[rid] = ExecutionTrace(rid, prompt_len, request.max_tokens, now, refused=True)
+            return False
+        ex = _Exec(request, layout, prompt_len)
+        if self.trace_enabled:
+            ex.trace = self.traces[rid] = ExecutionTrace(rid, prompt_len, request.max_tokens, now)
+        self._live[rid] = ex
+        self._waiting.append(ex)
+        self._num_waiting += 1
+        return True
+
+    def abort_request(self, request_id: str, now: float) -> list[EngineEvent]:
+        """Abort an execution (the client left). Unknown ids are a no-op.
+
+        A waiting execution is dropped at once (its ABORTED event is returned here); a running
+        one is aborted after the steps in flight (its ABORTED event comes from ``finish_step``).
+        """
+        ex = self._live.get(request_id)
+        if ex is None or ex.abort_step is not None:
+            return []
+        if ex.trace is not None:
+            ex.trace.abort_requested_at = now
+        if ex.state == _WAITING:
+            ex.abort_requested_step = None
+            ex.prompt_at_abort = ex.computed_prompt
+            return [self._remove(ex, now)]
+        step = self._step
+        ex.prompt_at_abort = ex.computed_prompt
+        if step is not None:
+            current = step.last
+            ex.abort_requested_step = current
+            due = current + 1 if self.config.async_scheduling else current
+        else:
+            if not self.config.async_scheduling:
+                ex.abort_requested_step = None
+                return [self._remove(ex, now)]
+            ex.abort_requested_step = self._next_step
+            due = self._next_step
+        ex.abort_step = due
+        self._aborting += 1
+        self._abort_due.setdefault(due, []).append(ex)
+        return []
+
+    # --- stepping -------------------------------------------------------------------
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step; return its duration, or None when there is nothing to run."""
+        if self._step is not None:
+            raise EngineStateError("start_step() called while a step is in progress")
+        s = self._next_step
+        bs = self._bs
+        pool = self._pool
+        budget = self._budget
+        preempted = 0
+
+        # 1. running decodes: one token each; some need a new KV block this step.
+        heap = self._block_heap
+        if heap and heap[0][0] <= s:
+            due: list[_Exec] = []
+            while heap and heap[0][0] <= s:
+                _, seq, _, ex = heapq.heappop(heap)
+                if ex.block_seq == seq and ex.state == _DECODE:
+                    due.append(ex)
+            need = len(due)
+            if not pool.allocate(need):
+                # preempt the newest running executions until the remaining decodes fit
+                while need > pool.num_free:
+                    victim = self._running[next(reversed(self._running))]
+                    was_due = victim.state == _DECODE and any(ex is victim for ex in due)
+                    self._preempt(victim, now)
+                    preempted += 1
+                    if was_due:
+                        need -= 1
+                pool.allocate(need)
+            next_at = s + bs
+            for ex in due:
+                if ex.state == _DECODE:
+                    ex.private += 1
+                    ex.next_block = next_at
+                    self._seq += 1
+                    ex.block_seq = self._seq
+                    heapq.heappush(heap, (next_at, self._seq, ex.epoch, ex))
+
+        # 2. running prefills (chunked), in admission order.
+        chunks: list[tuple[_Exec, int]] = []
+        budget -= self._n_dec
+        for ex in list(self._prefilling) if self._prefilling else ():
+            if budget <= 0:
+                break
+            if ex.state != _PREFILL:
+                continue
+            n = min(ex.target - ex.computed, budget)
+            need = -(-(ex.computed + n) // bs) - ex.held_total - ex.private
+            got = True
+            while not pool.allocate(need):
+                victim = self._running[next(reversed(self._running))]
+                self._preempt(victim, now)
+                preempted += 1
+                if victim is ex:
+                    got = False
+                    break
+            if not got:
+                break
+            if need > 0:
+                ex.private += need
+            chunks.append((ex, n))
+            budget -= n
+        num_decode = self._n_dec  # after preemptions
+
+        # 3. waiting executions, FCFS, unless this step preempted (as vLLM does).
+        if not preempted or (not chunks and num_decode == 0):
+            self._admit(now, chunks, budget)
+
+        if not chunks and num_decode == 0:
+            self._refresh_gauges()
+            return None
+        prompt_tokens = 0
+        pairs = 0
+        context = self._ctx_base + num_decode * s
+        for ex, n in chunks:
+            prompt_tokens += n
+            context += ex.computed + n
+            pairs += n * ex.computed + n * (n + 1) // 2
+        duration = self._step_time.duration(prompt_tokens, num_decode + len(chunks), context, pairs)
+        step = self._step = _Step(s, now, chunks, num_decode, ends=[now + duration])
+        if (
+            self.coalesce_decode_steps
+            and not chunks
+            and not preempted
+            and self._num_waiting == 0
+            and not self._abort_due
+            and self.max_coalesced_steps > 1
+        ):
+            duration = self._coalesce(step, now, duration)
+        self._next_step = s + step.num_steps
+        if self.trace_enabled:
+            self.steps.append(
+                StepRecord(
+                    s,
+                    now,
+                    duration,
+                    prompt_tokens,
+                    num_decode,
+                    len(chunks),
+                    context,
+                    self._num_waiting,
+                    len(self._running),
+                    preempted,
+                    step.num_steps,
+                )
+            )
+            for ex, n in chunks:
+                if ex.trace is not None:
+                    ex.trace.prefill_steps.append((s, now, n))
+        return duration
+
+    def _coalesce(self, step: _Step, now: float, duration: float) -> float:
+        """Extend a decode-only step into a run of steps up to the next finish (see the class NOTE)."""
+        s = step.index
+        fheap = self._finish_heap
+        while fheap:
+            at, _, epoch, ex = fheap[0]
+            if ex.epoch == epoch and ex.state == _DECODE:
+                break
+            heapq.heappop(fheap)
+        if not fheap:
+            return duration
+        m = min(self.max_coalesced_steps, fheap[0][0] - s + 1)
+        if m <= 1:
+            return duration
+        bs = self._bs
+        end = s + m  # steps s+1 .. s+m-1 are added
+        heap = self._block_heap
+        early: list[tuple[_Exec, int, int]] = []
+        need = 0
+        while heap and heap[0][0] < end:
+            at, seq, _, ex = heapq.heappop(heap)
+            if ex.block_seq == seq and ex.state == _DECODE:
+                count = 1 + (end - 1 - at) // bs
+                early.append((ex, at, count))
+                need += count
+        if need > self._pool.num_free:
+            for ex, at, _ in early:  # some step would preempt: step one by one instead
+                self._seq += 1
+                ex.block_seq = self._seq
+                heapq.heappush(heap, (at, self._seq, ex.epoch, ex))
+            return duration
+        # The blocks are taken when the run ends (finish_step), in the same order and from the
+        # same LRU state as step by step: nothing else touches the pool during the run.
+        for ex, at, count in early:
+            ex.next_block = at + bs * count
+            self._seq += 1
+            ex.block_seq = self._seq
+            heapq.heappush(heap, (ex.next_block, self._seq, ex.epoch, ex))
+        n_dec = step.num_decode
+        per_step = self._step_time.duration(0, n_dec, 0)
+        per_ctx = self._step_time.per_context_token_s
+        ctx = self._ctx_base + n_dec * s
+        t = step.ends[0]
+        ends = [t]
+        for _ in range(1, m):
+            ctx += n_dec
+            t += per_step + per_ctx * ctx
+            ends.append(t)
+        step.num_steps = m
+        step.ends = ends
+        step.early = early
+        return t - now
+
+    def truncate_step(self, now: float) -> float | None:
+        """Cut a coalesced run of steps at the first step boundary at or after ``now``.
+
+        Returns the (possibly earlier) end time of the step in progress; None when idle.
+        Call it before ``add_request``/``abort_request`` when the engine is busy.
+        """
+        step = self._step
+        if step is None:
+            return None
+        ends = step.ends
+        if step.num_steps <= 1:
+            return ends[0]
+        keep = 1
+        while keep < step.num_steps and ends[keep - 1] < now:
+            keep += 1
+        if keep < step.num_steps:
+            bs = self._bs
+            cut = step.index + keep  # first step no longer run
+            heap = self._block_heap
+            early = step.early
+            for i, (ex, first, count) in enumerate(early):
+                kept = 0 if first >= cut else min(count, 1 + (cut - 1 - first) // bs)
+                if kept < count:
+                    early[i] = (ex, first, kept)
+                    ex.next_block = first + bs * kept
+                    self._seq += 1
+                    ex.block_seq = self._seq
+                    heapq.heappush(heap, (ex.next_block, self._seq, ex.epoch, ex))
+            step.num_steps = keep
+            del ends[keep:]
+            self._next_step = step.index + keep
+            if self.trace_enabled and self.steps and self.steps[-1].index == step.index:
+                rec = self.steps[-1]
+                self.steps[-1] = dataclasses.replace(rec, duration=ends[-1] - rec.start, num_steps=keep)
+        return ends[-1]
+
+    def _admit(self, now: float, chunks: list[tuple[_Exec, int]], budget: int) -> None:
+        bs = self._bs
+        pool = self._pool
+        waiting = self._waiting
+        max_seqs = self.config.max_num_seqs
+        while waiting and budget > 0 and len(self._running) < max_seqs:
+            ex = waiting[0]
+            if ex.state != _WAITING:  # aborted while waiting (lazy removal)
+                waiting.popleft()
+                continue
+            length = ex.target
+            hits, hit_blocks, free_hit = pool.lookup(ex.layout, (length - 1) // bs)
+            hit_tokens = hit_blocks * bs
+            n = min(length - hit_tokens, budget)
+            need = -(-(hit_tokens + n) // bs) - hit_blocks
+            if need + free_hit > pool.num_free:
+                break
+            waiting.popleft()
+            self._num_waiting -= 1
+            if hit_blocks:
+                layout = ex.layout
+                held = ex.held
+                for j, h in enumerate(hits):
+                    if h:
+                        pool.hold(layout[j][0], 0, h)
+                        held[j] = h
+            ex.held_total = hit_blocks
+            pool.allocate(need)
+            ex.private = need
+            ex.computed = hit_tokens
+            ex.state = _PREFILL
+            self._running[ex.rid] = ex
+            self._prefilling.append(ex)
+            if not ex.admitted:
+                ex.admitted = True
+                self.prefix_cache_queries_total += ex.prompt_len
+                self.prefix_cache_hits_total += min(hit_tokens, ex.prompt_len)
+            if ex.trace is not None:
+                ex.trace.admitted_at.append(now)
+                ex.trace.cache_hit_tokens.append(hit_tokens)
+            chunks.append((ex, n))
+            budget -= n
+
+    def finish_step(self, now: float) -> list[EngineEvent]:
+        """End the step in progress; return FIRST_TOKEN / FINISHED / ABORTED events."""
+        step = self._step
+        if step is None:
+            raise EngineStateError("finish_step() called with no step in progress")
+        self._step = None
+        s = step.last
+        self._last_finished = s
+        if step.early:
+            # KV blocks the decodes of a coalesced run needed (see _coalesce)
+            need = 0
+            for ex, _, count in step.early:
+                ex.private += count
+                need += count
+            if not self._pool.allocate(need):  # pragma: no cover - guarded by _coalesce
+                raise EngineStateError("KV blocks of a coalesced run were not available")
+        events = self._pending
+        self._pending = []
+        bs = self._bs
+        caching = self.config.enable_prefix_caching
+
+        # prefill chunks: KV computed, full prompt blocks become cached
+        for ex, n in step.chunks:
+            if ex.state != _PREFILL:
+                continue
+            ex.computed += n
+            prompt_part = min(ex.computed, ex.prompt_len) - min(ex.computed - n, ex.prompt_len)
+            ex.computed_prompt += max(0, prompt_part)
+            if caching:
+                self._commit(ex, min(ex.computed, ex.prompt_len) // bs)
+            if ex.computed >= ex.target and ex.abort_step != s:
+                self._prefill_done(ex, s, now, events)
+
+        # aborts taking effect after this step
+        due = self._abort_due.pop(s, None)
+        aborted_decodes = 0
+        if due:
+            for ex in due:
+                if ex.state == _DONE:
+                    continue
+                if ex.state == _DECODE and ex.s0 < s:
+                    aborted_decodes += 1
+                events.append(self._remove(ex, now))
+
+        # decodes: one token each per step; some finish
+        self.generation_tokens_total += step.num_decode * step.num_steps - aborted_decodes
+        heap = self._finish_heap
+        while heap and heap[0][0] <= s:
+            _, _, epoch, ex = heapq.heappop(heap)
+            if ex.epoch != epoch or ex.state != _DECODE:
+                continue
+            ex.out = ex.max_tokens
+            self._leave_decode(ex, s)
+            events.append(self._finish(ex, now))
+        self._refresh_gauges()
+        return events
+
+    # --- internals ------------------------------------------------------------------
+    def _commit(self, ex: _Exec, full_blocks: int) -> None:
+        """Turn newly filled prompt blocks into cached segment blocks held by ``ex``."""
+        if full_blocks <= ex.held_total:
+            return
+        pool = self._pool
+        start = 0
+        held = ex.held
+        for j, (segment_id, owned) in enumerate(ex.layout):
+            end = start + owned
+            upto = min(full_blocks, end) - start
+            if upto > held[j]:
+                pool.commit(segment_id, held[j], upto)
+                moved = upto - held[j]
+                ex.private -= moved
+                ex.held_total += moved
+                held[j] = upto
+            if full_blocks <= end:
+                break
+            start = end
+
+    def _prefill_done(self, ex: _Exec, s: int, now: float, events: list[EngineEvent]) -> None:
+        self._prefilling.remove(ex)
+        ex.out += 1
+        self.generation_tokens_total += 1
+        if not ex.first_token:
+            ex.first_token = True
+            self.prompt_tokens_total += ex.prompt_len
+            if ex.trace is not None:
+                ex.trace.first_token_at = now
+            events.append(
+                EngineEvent(
+                    EventKind.FIRST_TOKEN, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt
+                )
+            )
+        if ex.out >= ex.max_tokens:
+            events.append(self._finish(ex, now))
+            return
+        ex.state = _DECODE
+        ex.s0 = s
+        ex.base_ctx = ex.target
+        ex.base_out = ex.out
+        self._n_dec += 1
+        self._ctx_base += ex.base_ctx - s
+        bs = self._bs
+        self._seq += 1
+        heapq.heappush(self._finish_heap, (s + ex.max_tokens - ex.base_out, self._seq, ex.epoch, ex))
+        ex.next_block = s + bs * (-(-ex.target // bs)) - ex.target + 1
+        self._seq += 1
+        ex.block_seq = self._seq
+        heapq.heappush(self._block_heap, (ex.next_block, self._seq, ex.epoch, ex))
+        if ex.trace is not None:
+            ex.trace.decode_spans.append((s + 1, s + ex.max_tokens - ex.base_out))
+
+    def _leave_decode(self, ex: _Exec, last_step: int) -> None:
+        """Take ``ex`` out of the decode sums; its output count is fixed at ``last_step``."""
+        ex.out = min(ex.max_tokens, ex.base_out + (last_step - ex.s0))
+        self._n_dec -= 1
+        self._ctx_base -= ex.base_ctx - ex.s0
+        ex.epoch += 1
+        if ex.trace is not None and ex.trace.decode_spans:
+            first, _ = ex.trace.decode_spans[-1]
+            ex.trace.decode_spans[-1] = (first, last_step)
+
+    def _release(self, ex: _Exec) -> None:
+        pool = self._pool
+        layout = ex.layout
+        held = ex.held
+        for j, h in enumerate(held):
+            if h:
+                pool.hold(layout[j][0], h, 0)
+                held[j] = 0
+        ex.held_total = 0
+        pool.release_private(ex.private)
+        ex.private = 0
+
+    def _leave_running(self, ex: _Exec, last_step: int) -> None:
+        if ex.state == _DECODE:
+            self._leave_decode(ex, last_step)
+        elif ex.state == _PREFILL:
+            self._prefilling.remove(ex)
+        del self._running[ex.rid]
+        self._release(ex)
+
+    def _finish(self, ex: _Exec, now: float) -> EngineEvent:
+        """Complete ``ex`` (already out of the prefill list and the decode sums)."""
+        if ex.abort_step is not None:  # finished before its abort took effect
+            self._aborting -= 1
+        del self._running[ex.rid]
+        self._release(ex)
+        ex.state = _DONE
+        del self._live[ex.rid]
+        self.request_success_total["length"] += 1
+        if ex.trace is not None:
+            ex.trace.finished_at = now
+            ex.trace.output_tokens = ex.out
+        return EngineEvent(EventKind.FINISHED, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt)
+
+    def _remove(self, ex: _Exec, now: float) -> EngineEvent:
+        """Drop an aborted execution (waiting, or running after its in-flight steps)."""
+        end_step = self._last_finished
+        if ex.abort_step is not None:
+            self._aborting -= 1
+        if ex.state == _WAITING:
+            self._num_waiting -= 1  # lazily removed from the deque
+        else:
+            # outputs of the steps still in flight at the abort are not delivered
+            delivered = end_step if ex.abort_step is None else ex.abort_step - 1
+            self._leave_running(ex, max(ex.s0, delivered) if ex.state == _DECODE else delivered)
+        ex.state = _DONE
+        del self._live[ex.rid]
+        if ex.abort_requested_step is not None and ex.abort_step is not None:
+            in_flight = tuple(range(ex.abort_requested_step, min(ex.abort_step, end_step) + 1))
+        else:
+            in_flight = ()
+        in_flight_prompt = ex.computed_prompt - ex.prompt_at_abort
+        if ex.trace is not None:
+            tr = ex.trace
+            tr.aborted_at = now
+            tr.output_tokens = ex.out
+            ran = {st for st, _, _ in tr.prefill_steps}
+            for first, last in tr.decode_spans:
+                ran.update(range(first, last + 1))
+            tr.in_flight_steps = tuple(st for st in in_flight if st in ran)
+            in_flight = tr.in_flight_steps
+        return EngineEvent(
+            EventKind.ABORTED,
+            ex.rid,
+            now,
+            ex.out,
+            computed_prompt_tokens=ex.computed_prompt,
+            in_flight_prompt_tokens=in_flight_prompt,
+            in_flight_steps=in_flight,
+        )
+
+    def _preempt(self, ex: _Exec, now: float) -> None:
+        """vLLM's recompute preemption: free the blocks (they stay cached), requeue at the head."""
+        self.num_preemptions_total += 1
+        self._leave_running(ex, self._last_finished)
+        ex.computed = 0
+        ex.target = ex.prompt_len + ex.out
+        if ex.trace is not None:
+            ex.trace.preemptions += 1
+        if ex.abort_step is not None:
+            # an abort was already on its way: nothing left in flight, drop it now
+            ex.state = _WAITING
+            self._num_waiting += 1
+            self._pending.append(self._remove(ex, now))
+            return
+        ex.state = _WAITING
+        self._waiting.appendleft(ex)
+        self._num_waiting += 1
+
+    def _refresh_gauges(self) -> None:
+        self._gauge_waiting = self._num_waiting
+        self._gauge_running = len(self._running)
+        self._gauge_kv_usage = self._pool.usage
+
+    # --- metrics --------------------------------------------------------------------
+    def metrics_samples(self, labels: Mapping[str, str] | None = None) -> list[Sample]:
+        """vLLM's counters and gauges as ``(name, labels, value)`` with vLLM's names."""
+        base = dict(labels or {})
+
+        def lab(**extra: str) -> dict[str, str]:
+            return {**base, **extra}
+
+        samples: list[Sample] = [
+            ("vllm:prompt_tokens_total", lab(), float(self.prompt_tokens_total)),
+            ("vllm:prefix_cache_queries_total", lab(), float(self.prefix_cache_queries_total)),
+            ("vllm:prefix_cache_hits_total", lab(), float(self.prefix_cache_hits_total)),
+            ("vllm:generation_tokens_total", lab(), float(self.generation_tokens_total)),
+            ("vllm:num_preemptions_total", lab(), float(self.num_preemptions_total)),
+            ("vllm:num_requests_waiting", lab(), float(self._gauge_waiting)),
+            ("vllm:num_requests_running", lab(), float(self._gauge_running)),
+            ("vllm:kv_cache_usage_perc", lab(), float(self._gauge_kv_usage)),
+        ]
+        for reason, value in self.request_success_total.items():
+            samples.append(("vllm:request_success_total", lab(finished_reason=reason), float(value)))
+        for reason, value in self.admission_rejections_total.items():
+            samples.append(("vllm:admission_rejections_total", lab(reason=reason), float(value)))
+        return samples
+
+    def check(self) -> None:
+        """Verify that every KV block is accounted for (tests and debugging; O(running))."""
+        pool = self._pool
+        pool.check()
+        private = sum(ex.private for ex in self._running.values())
+        held = pool.held_blocks()
+        total = private + held + pool.free_empty + pool.free_cached
+        assert total == pool.num_blocks, (private, held, pool.free_empty, pool.free_cached, pool.num_blocks)
+        aborting = sum(1 for ex in self._running.values() if ex.abort_step is not None)
+        assert aborting == self._aborting, (aborting, self._aborting)
+        for ex in self._running.values():
+            blocks = ex.held_total + ex.private
+            tokens = ex.computed if ex.state == _PREFILL else ex.base_ctx + (self._last_finished - ex.s0)
+            assert blocks * self._bs >= tokens, (ex.rid, blocks, tokens)
+
+    def trace_records(self) -> Sequence[ExecutionTrace]:
+        """Every execution's trace, in the order they were queued (empty unless ``trace=True``)."""
+        return list(self.traces.values())
