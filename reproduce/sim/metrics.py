@@ -1,0 +1,64 @@
+"""Metrics snapshots of a simulated run, with exactly the names and labels of a real scrape.
+
+The proxy's side is produced by the real proxy's own collector (``exporter.metrics``): the
+policy core's counters and gauges, Ĉ, the deadline, and the derived gauges over the same sliding
+window, fed at every snapshot as the proxy feeds it at every scrape. The engine's side is the
+engine model's ``metrics_samples`` (vLLM's names and counting rules), passed through as the proxy
+passes vLLM's through. Histograms are omitted, as the time-series format says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from exporter.metrics import PolicyCollector, SlidingWindow, WindowSample
+from exporter.policy import Policy
+from retrywatch import metricnames as mn
+from retrywatch.timeseries import Sample, Snapshot
+
+__all__ = ["PROXY_WINDOW_S", "Scraper"]
+
+PROXY_WINDOW_S = 60.0  # the proxy's default window for its derived gauges, at the study's scale
+
+
+class Scraper:
+    """Takes the snapshots of one run; ``window_s`` is the (scaled) derived-gauge window."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        engine_samples: Callable[[], list[Sample]],
+        *,
+        capacity: float,
+        window_s: float = PROXY_WINDOW_S,
+    ) -> None:
+        self.policy = policy
+        self.engine_samples = engine_samples
+        self.window = SlidingWindow(window_s)
+        self.collector = PolicyCollector(policy, self.window, capacity, lambda: True)
+
+    def snapshot(self, t: float) -> Snapshot:
+        """One scrape at simulated time ``t``: the proxy's series, then the engine's passthrough."""
+        engine = self.engine_samples()
+        totals: dict[str, float] = {}
+        for name, _, value in engine:
+            if name in (mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES, mn.VLLM_NUM_WAITING):
+                totals[name] = totals.get(name, 0.0) + value
+        c = self.policy.counters
+        self.window.add(
+            WindowSample(
+                t=t,
+                attempts=float(sum(c.attempts.values())),
+                created=float(c.created),
+                prompt_tokens=totals.get(mn.VLLM_PROMPT_TOKENS),
+                prefix_queries=totals.get(mn.VLLM_PREFIX_CACHE_QUERIES),
+                waiting=totals.get(mn.VLLM_NUM_WAITING),
+            )
+        )
+        samples: list[Sample] = [
+            (s.name, dict(s.labels), float(s.value))
+            for family in self.collector.collect()
+            for s in family.samples
+        ]
+        samples.extend(engine)
+        return Snapshot(t, samples)

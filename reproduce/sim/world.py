@@ -1,0 +1,323 @@
+"""One simulated pulse run: workload → client → proxy policy → engine model, in simulated time.
+
+NOTE: everything decides through the shared pure cores: the client model says when attempts are
+sent, the policy core decides attach / shed / create and what happens when a subscriber leaves,
+the engine model schedules steps. This module only carries out their effects on one event heap:
+
+* an attempt is sent → ``Policy.on_attempt``: shed (429 with Retry-After for the retry budget,
+  503 otherwise) ends it at once; attached or created subscribes it, and its deadline is set;
+* ``Dispatch`` → ``engine.add_request`` (a refusal → ``Policy.on_refused``, 503 to every
+  subscriber); ``Cancel`` → ``engine.abort_request``; ``StartTimer`` → a heap event calling
+  ``Policy.on_timer``; ``Drop`` → forget the execution;
+* the engine's first token → ``Policy.on_first_token`` and the subscribers' first byte; its
+  finish → ``Policy.on_completed``, then every subscriber still waiting is delivered;
+* an attempt's deadline → ``Policy.on_subscriber_left`` and the client's retry, if any.
+
+An attempt streams its execution's output: it ends when the execution finishes (delivered)
+or at its deadline. Network time is not modelled (the study measured 3 ms through the proxy).
+The run ends once no call is outstanding, at most ``horizon`` after the last planned arrival.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from exporter.policy import (
+    Attached,
+    Attempt,
+    Cancel,
+    Created,
+    Dispatch,
+    Drop,
+    Effect,
+    Policy,
+    Shed,
+    ShedReason,
+    StartTimer,
+)
+from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
+from reproduce.conditions import Condition
+from reproduce.engine.config import EngineConfig
+from reproduce.outcomes import Timeline
+from reproduce.sim import engine_link
+from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
+from reproduce.simenv import Environment, EventHandle
+from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, paper_phases, prompt_segments
+from retrywatch.timeseries import Snapshot
+
+__all__ = ["SimResult", "SimSpec", "simulate"]
+
+SNAPSHOT_EVERY_S = 5.0  # at the study's scale
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """Everything one simulated run needs. Durations are at the study's scale; ``time_scale``
+    divides them. ``capacity`` is Ĉ of the engine in calls per simulated second (None: the
+    preset's calibrated value). ``workload`` overrides fields of ``WorkloadSpec`` (e.g. shorter
+    prompts for a quick test); ``engine`` overrides fields of the preset's ``EngineConfig``."""
+
+    model: str
+    condition: Condition
+    seed: int = 0
+    capacity: float | None = None
+    time_scale: float = 1.0
+    client: ClientConfig = field(default_factory=ClientConfig)
+    workload: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    engine_config: EngineConfig | None = None  # instead of the preset's
+    snapshot_every_s: float = SNAPSHOT_EVERY_S
+
+    @property
+    def timeline(self) -> Timeline:
+        """The run's clock for outcomes (cohorts, windows, deadline), divided by the time scale."""
+        c = self.client
+        base, pulse, hold = (d for d, _ in paper_phases(self.condition.pulse_multiple))
+        return Timeline.scaled(
+            self.time_scale,
+            base_s=base,
+            pulse_s=pulse,
+            hold_s=hold,
+            deadline_s=c.deadline_s,
+            horizon_s=c.horizon_s,
+        )
+
+
+@dataclass
+class SimResult:
+    """What a run produced: call records, the metrics series, and bookkeeping."""
+
+    spec: SimSpec
+    capacity: float
+    calls: list[CallRecord]
+    snapshots: list[Snapshot]
+    end_s: float
+    wall_s: float
+    cpu_s: float
+    trace_shares: dict[str, float | None] | None = None  # when the condition traces executions
+
+
+class _Call:
+    """A call in flight: its plan, its record and its outstanding attempt."""
+
+    __slots__ = ("deadline", "plan", "record", "segments", "subscriber")
+
+    def __init__(self, plan: PlannedCall, record: CallRecord) -> None:
+        self.plan = plan
+        self.record = record
+        self.segments = prompt_segments(plan)
+        self.subscriber: int | None = None
+        self.deadline: EventHandle | None = None
+
+
+class _World:
+    """The state of one run: the environment, the client, the policy, the engine and the calls."""
+
+    def __init__(self, spec: SimSpec, capacity: float, engine: engine_link.Engine) -> None:
+        k = spec.time_scale
+        self.spec = spec
+        self.capacity = capacity
+        self.env = Environment()
+        self.rng = random.Random(f"retrywatch-sim-{spec.seed}")
+        client_cfg = replace(spec.client.scaled(k), retries=spec.condition.retries)
+        self.client = ClientModel(client_cfg, self.rng)
+        self.deadline_s = client_cfg.deadline_s
+        self.policy = Policy(spec.condition.policy_config(self.deadline_s, k))
+        self.engine = engine
+        self.engine.bind(self.env, self._on_engine_event)
+        self.by_subscriber: dict[int, _Call] = {}
+        self.by_execution: dict[int, _Call] = {}
+        self.calls: list[_Call] = []
+        self.outstanding = 0
+        self.arrived = 0
+        self.snapshots: list[Snapshot] = []
+        self.scraper = Scraper(
+            self.policy, engine.metrics_samples, capacity=capacity, window_s=PROXY_WINDOW_S / k
+        )
+
+    # --- arrivals and attempts ------------------------------------------------------
+
+    def start(self, trace: list[PlannedCall]) -> None:
+        self.trace = trace
+        if trace:
+            self.env.schedule(trace[0].arrival_s, self._arrive, 0)
+
+    def _arrive(self, index: int) -> None:
+        plan = self.trace[index]
+        if index + 1 < len(self.trace):
+            self.env.schedule(self.trace[index + 1].arrival_s, self._arrive, index + 1)
+        record = self.client.new_call(
+            plan.call_id,
+            plan.arrival_s,
+            prompt_len=plan.prompt_len,
+            response_len=plan.response_len,
+            phase=plan.phase,
+        )
+        call = _Call(plan, record)
+        self.calls.append(call)
+        self.arrived += 1
+        self.outstanding += 1
+        self._send(call)
+
+    def _send(self, call: _Call) -> None:
+        now = self.env.now
+        attempt = self.client.send(call.record, now)
+        result = self.policy.on_attempt(now, Attempt(call.plan.call_id, prompt_tokens=call.plan.prompt_len))
+        decision = result.decision
+        if isinstance(decision, Shed):
+            if decision.reason is ShedReason.RETRY_BUDGET:
+                self._failed(call, AttemptOutcome.SHED, decision.retry_after_s)
+            else:
+                self._failed(call, AttemptOutcome.REFUSED, None)
+            return
+        call.subscriber = decision.subscriber_id
+        self.by_subscriber[decision.subscriber_id] = call
+        call.deadline = self.env.schedule(attempt.deadline_at, self._give_up, call, decision.subscriber_id)
+        if isinstance(decision, Created):
+            self.by_execution[decision.execution_id] = call
+        elif isinstance(decision, Attached):
+            execution = self.policy.execution(decision.execution_id)
+            if execution is not None and execution.first_token_at is not None:
+                self.client.first_byte(call.record, now)
+        self._apply(result.effects)
+
+    def _failed(self, call: _Call, outcome: AttemptOutcome, retry_after_s: float | None) -> None:
+        call.subscriber = None
+        if call.deadline is not None:
+            self.env.cancel(call.deadline)
+            call.deadline = None
+        nxt = self.client.failed(call.record, self.env.now, outcome, retry_after_s)
+        if nxt is None:
+            self.outstanding -= 1
+        else:
+            self.env.schedule(nxt, self._send, call)
+
+    def _give_up(self, call: _Call, subscriber_id: int) -> None:
+        if call.subscriber != subscriber_id:
+            return
+        del self.by_subscriber[subscriber_id]
+        call.deadline = None
+        effects = self.policy.on_subscriber_left(self.env.now, subscriber_id)
+        self._failed(call, AttemptOutcome.DISCONNECTED, None)
+        self._apply(effects)
+
+    # --- effects ----------------------------------------------------------------------
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Dispatch):
+                self._dispatch(effect.execution_id)
+            elif isinstance(effect, Cancel):
+                self.engine.abort(effect.execution_id, self.env.now)
+                self.by_execution.pop(effect.execution_id, None)
+            elif isinstance(effect, StartTimer):
+                self.env.schedule(max(effect.at, self.env.now), self._timer, effect.execution_id)
+            elif isinstance(effect, Drop):
+                self.by_execution.pop(effect.execution_id, None)
+
+    def _timer(self, execution_id: int) -> None:
+        self._apply(self.policy.on_timer(self.env.now, execution_id))
+
+    def _dispatch(self, execution_id: int) -> None:
+        call = self.by_execution[execution_id]
+        now = self.env.now
+        if self.engine.add(execution_id, call.segments, call.plan.response_len, now):
+            return
+        execution = self.policy.execution(execution_id)
+        subscribers = list(execution.subscribers) if execution is not None else []
+        effects = self.policy.on_refused(now, execution_id)
+        self.by_execution.pop(execution_id, None)
+        for sub in subscribers:
+            refused = self.by_subscriber.pop(sub, None)
+            if refused is not None and refused.subscriber == sub:
+                self._failed(refused, AttemptOutcome.REFUSED, None)
+        self._apply(effects)
+
+    # --- the engine's side --------------------------------------------------------------
+
+    def _on_engine_event(self, kind: engine_link.EventKind, execution_id: int) -> None:
+        now = self.env.now
+        if kind is engine_link.EventKind.FIRST_TOKEN:
+            execution = self.policy.execution(execution_id)
+            self.policy.on_first_token(now, execution_id)
+            if execution is not None:
+                for sub in execution.subscribers:
+                    call = self.by_subscriber.get(sub)
+                    if call is not None:
+                        self.client.first_byte(call.record, now)
+        elif kind is engine_link.EventKind.FINISHED:
+            execution = self.policy.execution(execution_id)
+            subscribers = list(execution.subscribers) if execution is not None else []
+            effects = self.policy.on_completed(now, execution_id)
+            self.by_execution.pop(execution_id, None)
+            for sub in subscribers:
+                call = self.by_subscriber.pop(sub, None)
+                self.policy.on_subscriber_delivered(now, sub)
+                if call is None or call.subscriber != sub:
+                    continue
+                call.subscriber = None
+                if call.deadline is not None:
+                    self.env.cancel(call.deadline)
+                    call.deadline = None
+                self.client.delivered(call.record, now)
+                self.outstanding -= 1
+            self._apply(effects)
+        # ABORTED: the policy finished the execution when it cancelled it; nothing to do.
+
+    # --- the run --------------------------------------------------------------------------
+
+    def take_snapshot(self) -> None:
+        self.snapshots.append(self.scraper.snapshot(self.env.now))
+
+    def run(self) -> float:
+        every = self.spec.snapshot_every_s / self.spec.time_scale
+        last_arrival = self.trace[-1].arrival_s if self.trace else 0.0
+        limit = last_arrival + self.client.config.horizon_s
+        n = len(self.trace)
+        t = 0.0
+        self.take_snapshot()
+        while True:
+            t = min(t + every, limit)
+            self.env.run(until=t)
+            self.take_snapshot()
+            if t >= limit or (self.arrived == n and self.outstanding == 0):
+                return t
+
+
+def simulate(spec: SimSpec) -> SimResult:
+    """Run one pulse run to its end; deterministic for ``spec`` (same seed, same result)."""
+    started = time.perf_counter()
+    cpu_started = time.process_time()
+    cond = spec.condition
+    engine = engine_link.Engine.for_preset(
+        spec.model,
+        tokens_per_step=cond.tokens_per_step,
+        queue_cap=cond.engine_queue_cap,
+        trace=cond.tracing,
+        overrides=spec.engine,
+        config=spec.engine_config,
+    )
+    capacity = spec.capacity if spec.capacity is not None else engine_link.preset_capacity(spec.model)
+    k = spec.time_scale
+    fields: dict[str, Any] = {
+        "phases": paper_phases(cond.pulse_multiple),
+        "mixed_prompts": cond.mixed_prompts,
+        **spec.workload,
+    }
+    workload = WorkloadSpec(capacity=capacity / k, seed=spec.seed, time_scale=k, **fields)
+    world = _World(spec, capacity, engine)
+    world.start(generate_trace(workload))
+    end = world.run()
+    return SimResult(
+        spec=spec,
+        capacity=capacity,
+        calls=[c.record for c in world.calls],
+        snapshots=world.snapshots,
+        end_s=end,
+        wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+        trace_shares=engine.shares() if cond.tracing else None,
+    )

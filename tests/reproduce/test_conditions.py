@@ -1,0 +1,99 @@
+"""Blocks and conditions as data: slugs, run counts and the policy each condition maps to."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.policy import BudgetOrder, Cancellation, QueueOrder
+from reproduce.conditions import BLOCKS, ConditionError, block, engine_cap_for, expand
+
+
+def test_paper_has_the_studys_137_runs() -> None:
+    assert len(expand("paper")) == 137
+    assert len({r.slug for r in expand("paper")}) == 137
+
+
+@pytest.mark.parametrize(
+    ("slug", "conditions"),
+    [
+        (
+            "diagnostic",
+            [
+                "retries-off-cancel-off",
+                "retries-on-cancel-off",
+                "retries-off-cancel-on",
+                "retries-on-cancel-on",
+            ],
+        ),
+        ("tracing", ["steps-2k-cancel-off", "steps-2k-cancel-on", "steps-8k-cancel-on"]),
+        ("composition", ["no-control", "retry-budget", "coalescing", "budget-first", "lookup-first"]),
+        ("queue-policy", ["no-control", "proxy-cap", "deadline-check", "lifo"]),
+        ("engine-cap", ["no-control", "engine-cap-338", "engine-cap-338-cancel-on", "engine-cap-100"]),
+        ("deferral", ["no-control", "coalescing", "coalescing-cancel-on", "deferred-cancellation"]),
+        (
+            "budget-cancel",
+            ["no-control", "cancellation", "retry-budget", "retry-budget-cancel-on", "deferred-cancellation"],
+        ),
+        (
+            "mixed-prompts",
+            [
+                "retries-off-cancel-off",
+                "retries-on-cancel-off",
+                "retries-off-cancel-on",
+                "retries-on-cancel-on",
+            ],
+        ),
+    ],
+)
+def test_condition_slugs_match_the_issue(slug: str, conditions: list[str]) -> None:
+    assert [c.slug for c in block(slug).conditions] == conditions
+
+
+def test_trigger_sweep_cells() -> None:
+    cells = {(c.slug, c.pulse_multiple) for c in block("trigger-sweep").conditions}
+    assert cells == {
+        (s, p) for s in ("retries-on-cancel-off", "retries-off-cancel-off") for p in (1.5, 2.0, 2.7)
+    }
+    assert len(expand("trigger-sweep")) == 18
+
+
+def test_policy_mapping_of_key_conditions() -> None:
+    lookup = block("composition").condition("lookup-first").policy_config(120.0)
+    assert lookup.coalesce and lookup.retry_budget == 0.1 and lookup.budget_order is BudgetOrder.LOOKUP_FIRST
+    assert lookup.cancellation is Cancellation.OFF
+    plain = block("queue-policy").condition("no-control").policy_config(120.0)
+    assert not plain.coalesce and plain.cancellation is Cancellation.ON and plain.max_outstanding is None
+    lifo = block("queue-policy").condition("lifo").policy_config(120.0)
+    assert lifo.max_outstanding == 100 and lifo.queue_order is QueueOrder.LIFO and lifo.lifo_threshold == 50
+    check = block("queue-policy").condition("deadline-check").policy_config(120.0)
+    assert check.deadline_check and check.deadline_s == 120.0
+    deferred = block("deferral").condition("deferred-cancellation").policy_config(12.0, time_scale=10)
+    assert deferred.cancellation is Cancellation.DEFERRED and deferred.coalesce
+    assert deferred.cancel_after_s == pytest.approx(1.0) and deferred.budget_window_s == pytest.approx(6.0)
+    assert block("engine-cap").condition("engine-cap-100").engine_queue_cap == 100
+    assert block("diagnostic").condition("retries-off-cancel-on").retries == 0
+    assert all(c.mixed_prompts for c in block("mixed-prompts").conditions)
+    assert all(c.tokens_per_step == 2048 for c in block("tracing").conditions[:2])
+
+
+def test_expand_overrides_and_errors() -> None:
+    specs = expand("diagnostic", models="qwen3-14b-h100", runs=1, seed=5)
+    assert len(specs) == 4 and {s.seed for s in specs} == {5}
+    assert {s.model for s in specs} == {"qwen3-14b-h100"}
+    with pytest.raises(ConditionError, match="unknown block"):
+        expand("nope")
+    with pytest.raises(ConditionError, match="no condition"):
+        block("diagnostic").condition("nope")
+    assert engine_cap_for(2.81) == 338
+    assert set(BLOCKS) | {"paper"} == {
+        "diagnostic",
+        "trigger-sweep",
+        "tracing",
+        "composition",
+        "queue-policy",
+        "engine-cap",
+        "deferral",
+        "mixed-prompts",
+        "budget-cancel",
+        "paper",
+    }

@@ -1,0 +1,91 @@
+"""The report: Markdown tables and an HTML page with plotly figures from summary.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reproduce.conditions import expand
+from reproduce.registry import get_backend
+from reproduce.report import render_markdown, write_report
+from reproduce.runner import run_many
+from reproduce.summary import SummaryError, write_summary
+from tests.reproduce.test_runner import SMALL
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("report")
+    runs = [
+        *expand(
+            "diagnostic",
+            models="qwen2.5-7b-h100",
+            runs=1,
+            conditions=["retries-off-cancel-off", "retries-on-cancel-off"],
+        ),
+        *expand("tracing", runs=1, conditions=["steps-2k-cancel-on"]),
+        *expand("trigger-sweep", models="qwen2.5-7b-h100", runs=1)[:2],
+    ]
+    run_many(get_backend("sim", **SMALL), runs, folder, jobs=2, time_scale=10, progress=False)
+    return folder
+
+
+def test_markdown_tables_per_block_and_trace_breakdown(out: Path) -> None:
+    md_path, html_path = write_report(out)
+    md = md_path.read_text()
+    for heading in ("## diagnostic", "## tracing", "## trigger-sweep", "## Trace breakdown"):
+        assert heading in md
+    rows = [line for line in md.splitlines() if line.startswith("| retries-")]
+    assert any(line.startswith("| retries-off-cancel-off | qwen2.5-7b-h100 | 1/1 |") for line in rows)
+    assert any(line.startswith("| retries-on-cancel-off | qwen2.5-7b-h100 | 0/1 | – |") for line in rows)
+    assert "retries-on-cancel-off (pulse-1.5)" in md  # sweep cells stay apart
+    html = html_path.read_text()
+    assert html.count('class="plotly-graph-div"') == 4
+    assert "Delivery by cohort" in html and "Recovery time" in html and "Computed prompt tokens" in html
+
+
+def test_markdown_from_hand_built_entries() -> None:
+    entry = {
+        "block": "b",
+        "condition": "c",
+        "model": "m",
+        "recovered": True,
+        "recovery_time_s": 120.0,
+        "delivery": {k: {"within_deadline": 0.5, "by_horizon": 0.75} for k in ("pulse", "hold", "primary")},
+        "rates_x_capacity": {"attempts": 1.5, "executions_created": 0.9},
+        "waiting_over_littles_law": None,
+        "prompt_token_gap_hold": 0.25,
+    }
+    md = render_markdown([entry, {**entry, "recovered": False, "recovery_time_s": None}])
+    assert "| c | m | 1/2 | 120 | 50.0 / 25.0 / 25.0 |" in md
+    assert "| 1.50 | 0.90 | – | – | – | 25.0% |" in md
+
+
+def test_missing_summary_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SummaryError, match="does not exist"):
+        write_report(tmp_path)
+
+
+def test_report_survives_an_empty_cohort(tmp_path: Path) -> None:
+    entry = {
+        "block": "b",
+        "condition": "c",
+        "model": "m",
+        "run": 0,
+        "slug": "b__c__m__r0",
+        "recovered": False,
+        "recovery_time_s": None,
+        "pulse": {"start_s": 12.0, "end_s": 22.7},
+        "hold_end_s": 94.7,
+        "delivery": {
+            "pulse": {"offered": 0, "within_deadline": None, "by_horizon": None},
+            "hold": {"offered": 3, "within_deadline": 1 / 3, "by_horizon": 2 / 3},
+            "primary": {"offered": 2, "within_deadline": 0.5, "by_horizon": 0.5},
+        },
+        "rates_x_capacity": {"attempts": 2.0, "executions_created": 1.5},
+    }
+    write_summary(tmp_path, [entry])
+    md_path, html_path = write_report(tmp_path)
+    assert "| c | m | 0/1 | – | – | 33.3 / 33.3 / 33.3 |" in md_path.read_text()
+    assert html_path.read_text().count('class="plotly-graph-div"') == 3

@@ -1,0 +1,106 @@
+"""The runner: parallel runs, summary.json's contract, series files, reruns into one folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reproduce.conditions import expand
+from reproduce.registry import BackendNotFound, backend_names, get_backend
+from reproduce.runner import run_many
+from reproduce.summary import SummaryError, read_summary
+from retrywatch.timeseries import read_series
+
+# A small engine and short prompts so a scaled run takes a fraction of a second: Ĉ = 9.77 calls/s
+# by the simulator's own calibration; its KV cache holds about 50 prompts, as the study's engine
+# held a few dozen of its 12,000-token prompts (a cache holding every retried prompt would make
+# retries nearly free).
+SMALL: dict[str, Any] = {
+    "capacity": 9.77,
+    "engine": {
+        "step_time": {
+            "fixed_s": 0.002,
+            "per_prompt_token_s": 1e-4,
+            "per_running_s": 0.0,
+            "per_context_token_s": 0.0,
+        },
+        "max_model_len": 4096,
+        "num_gpu_blocks": 4000,
+    },
+    "workload": {"prompt_mean": 1200, "prompt_std": 0, "shared_prefix_len": 200, "response_median": 20},
+}
+
+CONTRACT = {
+    "block", "condition", "model", "run", "seed", "capacity", "pulse_multiple", "recovered",
+    "recovery_time_s", "delivery", "rates_x_capacity", "retries", "executions",
+    "waiting_over_littles_law", "prompt_token_gap_hold", "series", "pulse", "deadline_s",
+    "duration_s", "time_scale", "backend",
+}  # fmt: skip
+
+
+def test_parallel_runs_write_the_summary_contract(tmp_path: Path) -> None:
+    runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1, seed=2)
+    entries = run_many(get_backend("sim", **SMALL), runs, tmp_path, jobs=2, time_scale=10, progress=False)
+    assert [e["condition"] for e in entries] == [r.condition.slug for r in runs]
+    summary = read_summary(tmp_path)
+    assert len(summary["runs"]) == 4 and summary["meta"]["backend"] == "sim"
+    for entry in summary["runs"]:
+        assert set(entry) >= CONTRACT, CONTRACT - set(entry)
+        assert set(entry["delivery"]) == {"pulse", "hold", "primary"}
+        assert {"within_deadline", "by_horizon"} <= set(entry["delivery"]["pulse"])
+        assert set(entry["rates_x_capacity"]) == {
+            "attempts", "executions_created", "executions_accepted", "executions_completed",
+        }  # fmt: skip
+        assert {"total", "refused", "attached"} == set(entry["retries"])
+        assert {
+            "created",
+            "accepted",
+            "refused_by_engine",
+            "dropped_at_proxy",
+            "cancelled",
+            "completed",
+            "orphaned",
+        } <= set(entry["executions"])
+        assert entry["deadline_s"] == pytest.approx(12.0) and entry["time_scale"] == 10
+        assert entry["pulse"] == {"start_s": pytest.approx(12.0), "end_s": pytest.approx(22.7)}
+        series = list(read_series(tmp_path / entry["series"]))
+        assert series[-1].t == pytest.approx(entry["duration_s"])
+        assert (tmp_path / entry["series"]).parent.name == entry["slug"]
+    by_condition = {e["condition"]: e for e in summary["runs"]}
+    assert by_condition["retries-off-cancel-off"]["recovered"]
+    assert not by_condition["retries-on-cancel-off"]["recovered"]
+
+
+def test_parallel_and_serial_agree_and_reruns_replace_by_slug(tmp_path: Path) -> None:
+    runs = expand("composition", models="qwen2.5-7b-h100", runs=1, conditions=["no-control", "coalescing"])
+    serial = run_many(
+        get_backend("sim", **SMALL), runs, tmp_path / "a", jobs=1, time_scale=10, progress=False
+    )
+    parallel = run_many(
+        get_backend("sim", **SMALL), runs, tmp_path / "a", jobs=2, time_scale=10, progress=False
+    )
+
+    def strip(e: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in e.items() if k not in ("wall_s", "cpu_s")}
+
+    assert [strip(e) for e in serial] == [strip(e) for e in parallel]
+    assert len(read_summary(tmp_path / "a")["runs"]) == 2  # replaced, not appended
+    other = expand("deferral", models="qwen2.5-7b-h100", runs=1, conditions=["deferred-cancellation"])
+    run_many(get_backend("sim", **SMALL), other, tmp_path / "a", time_scale=10, progress=False)
+    assert len(read_summary(tmp_path / "a")["runs"]) == 3  # another block's run is added
+
+
+def test_backend_registry_and_errors(tmp_path: Path) -> None:
+    assert "sim" in backend_names()
+    with pytest.raises(BackendNotFound, match="unknown backend"):
+        get_backend("nope")
+    with pytest.raises(ValueError, match="jobs"):
+        run_many(get_backend("sim"), expand("diagnostic", runs=1)[:1], tmp_path, jobs=0)
+    with pytest.raises(SummaryError, match="does not exist"):
+        read_summary(tmp_path / "missing")
+    (tmp_path / "summary.json").write_text(json.dumps({"nope": 1}))
+    with pytest.raises(SummaryError, match="runs"):
+        read_summary(tmp_path)

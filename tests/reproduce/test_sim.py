@@ -1,0 +1,178 @@
+"""The simulator: determinism, the counter balance, the metric names, and a scaled pulse in
+which retries without controls keep the engine from recovering while retries off recover."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from reproduce.client import AttemptOutcome
+from reproduce.conditions import Condition, block
+from reproduce.engine.config import EngineConfig, StepTimeModel
+from reproduce.outcomes import compute_outcomes
+from reproduce.sim import SimResult, SimSpec, simulate
+from retrywatch import metricnames as mn
+
+# A small engine whose capacity is easy to reason about: prefill dominates (10k prompt
+# tokens/s, 1,000 uncached tokens a call), so Ĉ is close to 10 calls/s (9.77 by calibration).
+# Its KV cache holds about 50 prompts, like the study's engine held a few dozen of its own.
+ENGINE = EngineConfig(
+    num_gpu_blocks=4_000,
+    step_time=StepTimeModel(0.002, 1e-4, 0.0, 0.0),
+    model_name="test",
+    max_model_len=4096,
+)
+WORKLOAD: dict[str, Any] = {
+    "prompt_mean": 1200,
+    "prompt_std": 0,
+    "shared_prefix_len": 200,
+    "response_median": 20,
+    "response_sigma": 0,
+}
+CAPACITY = 9.77
+TIME_SCALE = 10.0
+
+
+def run(condition: Condition, seed: int = 1, **changes: Any) -> tuple[SimSpec, SimResult]:
+    spec = SimSpec(
+        model="test",
+        condition=condition,
+        seed=seed,
+        capacity=CAPACITY,
+        time_scale=TIME_SCALE,
+        engine_config=ENGINE,
+        workload=WORKLOAD,
+        **changes,
+    )
+    return spec, simulate(spec)
+
+
+def outcomes(spec: SimSpec, result: SimResult) -> dict[str, Any]:
+    return compute_outcomes(result.calls, result.snapshots, spec.timeline, result.capacity)
+
+
+DIAG = block("diagnostic")
+
+
+def test_deterministic_for_a_seed() -> None:
+    cond = DIAG.condition("retries-on-cancel-on")
+    _, a = run(cond, seed=3)
+    _, b = run(cond, seed=3)
+    _, c = run(cond, seed=4)
+    assert [x.to_dict() for x in a.calls] == [x.to_dict() for x in b.calls]
+    assert [s.to_json() for s in a.snapshots] == [s.to_json() for s in b.snapshots]
+    assert [x.to_dict() for x in a.calls] != [x.to_dict() for x in c.calls]
+
+
+def test_scaled_pulse_retries_without_controls_never_recover_while_retries_off_do() -> None:
+    spec, off = run(DIAG.condition("retries-off-cancel-off"))
+    out_off = outcomes(spec, off)
+    spec, on = run(DIAG.condition("retries-on-cancel-off"))
+    out_on = outcomes(spec, on)
+    assert out_off["recovered"] and out_off["recovery_time_s"] is not None
+    assert not out_on["recovered"] and out_on["recovery_time_s"] is None
+    # PROTOCOL §8: the collapsed run creates executions above Ĉ, the recovered one below it,
+    # and with cancellation off the engine keeps completing (orphaned) executions at about Ĉ.
+    assert out_on["rates_x_capacity"]["executions_created"] > 2.0
+    assert out_off["rates_x_capacity"]["executions_created"] < 1.0
+    assert out_on["rates_x_capacity"]["executions_completed"] > 0.8
+    assert out_on["executions"]["orphaned"] > 5 * out_on["executions"]["completed"]
+    assert out_on["delivery"]["primary"]["within_deadline"] < 0.05
+    # the proxy's own derived gauge (its collector, its sliding window) shows the loop
+    tl = spec.timeline
+    ratios = [
+        s.value(mn.CREATION_CAPACITY_RATIO) for s in on.snapshots if tl.primary_start < s.t <= tl.hold_end
+    ]
+    assert ratios and min(r for r in ratios if r is not None) > 1.5
+    assert out_off["delivery"]["primary"]["within_deadline"] > 0.5
+
+
+def test_retries_with_cancellation_collapse_completions_and_fill_the_queue_to_littles_law() -> None:
+    spec, result = run(DIAG.condition("retries-on-cancel-on"))
+    out = outcomes(spec, result)
+    assert not out["recovered"]
+    assert out["rates_x_capacity"]["executions_completed"] < 0.1
+    assert out["waiting_over_littles_law"] == pytest.approx(1.0, abs=0.5)
+    assert out["prompt_token_gap_hold"] >= 0.0
+
+
+def test_counters_stay_balanced_and_names_are_the_contract() -> None:
+    cond = block("queue-policy").condition("lifo")
+    spec, result = run(cond)
+    every = spec.snapshot_every_s / spec.time_scale
+    assert result.snapshots[1].t - result.snapshots[0].t == pytest.approx(every)
+    known = {v for k, v in vars(mn).items() if k.isupper() and isinstance(v, str)}
+    for snap in [*result.snapshots[:: max(1, len(result.snapshots) // 15)], result.snapshots[-1]]:
+        names = {n for n, _, _ in snap.samples}
+        assert names <= known, names - known
+        assert {mn.EXECUTION_CREATION_RATE, mn.WAITING_LITTLES_LAW_RATIO, mn.PROMPT_TOKEN_GAP_RATIO} <= names
+        v = snap.value
+        attempts = v(mn.ATTEMPTS)
+        assert attempts == v(mn.ATTEMPTS_ATTACHED) + v(mn.ATTEMPTS_SHED) + v(mn.EXECUTIONS_CREATED)
+        fate = {f: v(mn.EXECUTIONS_FINISHED, fate=f) for f in mn.FATES}
+        assert v(mn.EXECUTIONS_CREATED) == v(mn.EXECUTIONS_DISPATCHED) + fate["dropped"] + v(
+            mn.EXECUTIONS_QUEUED
+        )
+        finished = fate["completed"] + fate["orphaned"] + fate["cancelled"] + fate["failed"] + fate["refused"]
+        assert v(mn.EXECUTIONS_DISPATCHED) == finished + v(mn.EXECUTIONS_LIVE)
+        assert v(mn.CAPACITY) == CAPACITY and v(mn.CLIENT_DEADLINE) == pytest.approx(12.0)
+        assert v(mn.UPSTREAM_UP) == 1.0
+        assert v(mn.VLLM_NUM_WAITING) is not None and v(mn.VLLM_PREFIX_CACHE_QUERIES) is not None
+    final = result.snapshots[-1]
+    assert final.value(mn.EXECUTIONS_FINISHED, fate="dropped") > 0  # LIFO over 50 queued drops some
+    # every call ended: delivered, or failed after its attempts
+    assert all(c.done for c in result.calls)
+    delivered = sum(c.delivered for c in result.calls)
+    assert final.value(mn.CALLS_DELIVERED) == delivered
+
+
+def test_attempts_follow_the_client_rules() -> None:
+    spec, result = run(DIAG.condition("retries-on-cancel-off"))
+    deadline = spec.timeline.deadline_s
+    for call in result.calls:
+        assert 1 <= len(call.attempts) <= 4
+        for prev, nxt in zip(call.attempts, call.attempts[1:], strict=False):
+            assert prev.outcome is AttemptOutcome.DISCONNECTED
+            assert prev.ended_at == pytest.approx(prev.sent_at + deadline)
+            assert 0.025 - 1e-9 <= nxt.sent_at - prev.ended_at <= 0.3 + 1e-9  # backoff / 10
+    _, no_retry = run(DIAG.condition("retries-off-cancel-off"))
+    assert all(len(c.attempts) == 1 for c in no_retry.calls)
+
+
+def test_engine_cap_refuses_and_the_client_retries_after_a_503() -> None:
+    spec, result = run(block("engine-cap").condition("engine-cap-100"))
+    refused = [a for c in result.calls for a in c.attempts if a.outcome is AttemptOutcome.REFUSED]
+    assert refused
+    out = outcomes(spec, result)
+    assert out["executions"]["refused_by_engine"] == len(refused)
+    assert result.snapshots[-1].value("vllm:admission_rejections_total") == len(refused)
+
+
+def test_deferred_cancellation_lets_retries_attach() -> None:
+    spec, result = run(block("deferral").condition("deferred-cancellation"))
+    out = outcomes(spec, result)
+    assert out["retries"]["attached"] > 0
+    assert out["retries"]["attached"] == out["retries"]["total"] - out["retries"]["refused"] - (
+        out["executions"]["created"] - len(result.calls)
+    )
+    assert out["delivery"]["hold"]["by_horizon"] == 1.0  # attaching delivers every hold call
+    spec, result = run(block("deferral").condition("coalescing-cancel-on"))
+    assert outcomes(spec, result)["retries"]["attached"] < out["retries"]["attached"] / 10
+
+
+def test_retry_budget_sheds_with_retry_after() -> None:
+    _, result = run(block("composition").condition("retry-budget"))
+    shed = [a for c in result.calls for a in c.attempts if a.outcome is AttemptOutcome.SHED]
+    assert shed and all(a.retry_after_s is not None and a.retry_after_s >= 0 for a in shed)
+
+
+def test_tracing_reports_the_shares() -> None:
+    _, result = run(block("tracing").condition("steps-2k-cancel-on"))
+    shares = result.trace_shares
+    assert shares is not None
+    assert 0 < shares["aborted_share"] <= 1
+    assert 0 <= shares["in_flight_share_of_aborted"] <= 1
+    assert 0 < shares["missed_share"] <= shares["aborted_share"]
+    _, untraced = run(DIAG.condition("retries-on-cancel-on"))
+    assert untraced.trace_shares is None
