@@ -1,0 +1,140 @@
+"""``retrywatch emulate``: serve the engine model over HTTP in wall time (optionally scaled)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+
+import click
+
+__all__ = ["emulate"]
+
+log = logging.getLogger(__name__)
+
+#: Large enough for the study's models (Qwen2.5's 152,064; Llama-3.1's 128,256).
+DEFAULT_VOCAB_SIZE = 152_064
+
+
+@click.command("emulate")
+@click.option(
+    "--model",
+    "preset",
+    default="qwen2.5-7b-h100",
+    show_default=True,
+    help="Engine preset (reproduce.engine.presets); also the served model name.",
+)
+@click.option("--served-model-name", default=None, help="Model name clients send (default: the preset).")
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0.001, max=1000.0),
+    default=1.0,
+    show_default=True,
+    help="Engine seconds per wall second (K > 1 runs faster than the real engine).",
+)
+@click.option(
+    "--max-num-queued-reqs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="vLLM's engine queue cap Q: refuse a request that would leave more than Q waiting or running.",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token budget per step (default: the preset's).",
+)
+@click.option(
+    "--vocab-size",
+    type=click.IntRange(min=2),
+    default=DEFAULT_VOCAB_SIZE,
+    show_default=True,
+    help="Token IDs must lie in [0, N).",
+)
+@click.option(
+    "--max-live",
+    type=click.IntRange(min=1),
+    default=16_384,
+    show_default=True,
+    help="Bound on live requests (waiting + running; ~25 KB each); beyond it requests get 503.",
+)
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="warning",
+    show_default=True,
+)
+def emulate(
+    preset: str,
+    served_model_name: str | None,
+    time_scale: float,
+    max_num_queued_reqs: int | None,
+    max_num_batched_tokens: int | None,
+    vocab_size: int,
+    max_live: int,
+    max_body_bytes: int,
+    host: str,
+    port: int,
+    log_level: str,
+) -> None:
+    """Serve the engine model with vLLM's OpenAI API and /metrics, stepped in wall time."""
+    import uvicorn
+
+    from reproduce.emulate.server import build_app
+
+    try:
+        app = build_app(
+            preset,
+            served_model_name=served_model_name,
+            time_scale=time_scale,
+            max_num_queued_reqs=max_num_queued_reqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            vocab_size=vocab_size,
+            max_live=max_live,
+            max_body_bytes=max_body_bytes,
+        )
+    except (KeyError, ValueError) as exc:
+        raise click.BadParameter(str(exc.args[0] if exc.args else exc), param_hint="--model") from None
+    _check_port(host, port)
+    _raise_open_files_limit()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+    )
+    click.echo(
+        f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on http://{host}:{port}",
+        err=True,
+    )
+    # ``run`` sets up uvicorn's event loop (uvloop when installed) before serving.
+    uvicorn.Server(config).run()
+
+
+def _raise_open_files_limit() -> None:
+    """Every live request holds a connection: allow as many open files as the system lets us."""
+    with contextlib.suppress(ImportError, ValueError, OSError):
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = max(soft, 65_536) if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail with a clear message when the port is taken (before the engine starts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None

@@ -1,0 +1,413 @@
+"""``retrywatch demo``: the whole stack on one machine, and a pulse that tips it.
+
+Starts, as subprocesses stopped by PID, the emulated engine (``retrywatch emulate``, scaled
+time), the proxy (``retrywatch proxy``), the detector (``retrywatch detect --exporter``, SQLite
+in a temporary folder) and the dashboard (``retrywatch dashboard``); then drives the study's
+pulse (base 0.6 Ĉ, pulse 2.7 Ĉ, hold 0.6 Ĉ, all durations divided by the time scale) with
+retrying clients (``retrywatch.demo_load``). Without controls the proxy runs the study's "no
+control" condition (retries on, no coalescing, cancellation off): the pulse's backlog outlives
+the deadline, retries keep the engine saturated and the detector's ``VLLMMetastableRetryLoop``
+fires. ``--with-controls`` runs the same pulse through coalescing with deferred cancellation,
+which attaches retries to their live execution so the engine recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import webbrowser
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import httpx
+
+from retrywatch.metricnames import VLLM_NUM_WAITING
+
+__all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
+
+#: The emulated engine's preset: the study's Qwen3-14B on one H100, its slowest model, so the
+#: emulated token stream (Ĉ x ~400 tokens per engine second) stays light for a laptop.
+DEMO_PRESET = "qwen3-14b-h100"
+#: Engine seconds per wall second: the protocol's 947-s trace plays in under 4 minutes.
+DEMO_TIME_SCALE = 4.0
+DEADLINE_S = 120.0  # the study's client deadline (engine seconds)
+CANCEL_AFTER_S = 10.0  # the study's deferred cancellation W (engine seconds)
+VOCAB_SIZE = 32_000
+SERVICES = ("engine", "proxy", "detector", "dashboard")
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """Every number the demo runs with, in wall seconds (already divided by the time scale)."""
+
+    preset: str
+    time_scale: float
+    capacity_engine: float  # Ĉ in calls per engine second
+    with_controls: bool
+
+    @property
+    def capacity(self) -> float:
+        """Ĉ in calls per wall second."""
+        return self.capacity_engine * self.time_scale
+
+    @property
+    def deadline_s(self) -> float:
+        return DEADLINE_S / self.time_scale
+
+    @property
+    def cancel_after_s(self) -> float:
+        return CANCEL_AFTER_S / self.time_scale
+
+
+#: Ĉ of each preset in calls per engine second: PROTOCOL §5's calibration targets, which
+#: ``python -m reproduce.fit_presets`` fits every preset's step time to reproduce (within ±3%).
+PRESET_CAPACITY = {"qwen2.5-7b-h100": 2.78, "qwen3-14b-h100": 1.09, "llama3.1-8b-h100": 1.83}
+
+
+def _preset_capacity(preset: str) -> float:
+    try:
+        return PRESET_CAPACITY[preset]
+    except KeyError:
+        raise click.UsageError(f"no calibrated capacity for preset {preset!r}") from None
+
+
+def demo_plan(
+    with_controls: bool, preset: str = DEMO_PRESET, time_scale: float = DEMO_TIME_SCALE
+) -> DemoPlan:
+    return DemoPlan(preset, time_scale, _preset_capacity(preset), with_controls)
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class _Service:
+    name: str
+    url: str
+    ready_path: str
+    process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+
+def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Path) -> dict[str, list[str]]:
+    exe = [sys.executable, "-m", "retrywatch"]
+    engine_url = f"http://{host}:{ports['engine']}"
+    proxy_url = f"http://{host}:{ports['proxy']}"
+    detector_url = f"http://{host}:{ports['detector']}"
+    if plan.with_controls:
+        controls = ["--coalesce", "--cancellation", "deferred", "--cancel-after", f"{plan.cancel_after_s:g}"]
+    else:
+        controls = ["--no-coalesce", "--cancellation", "off"]
+    capacity = ["--capacity", f"{plan.capacity:.4f}", "--deadline", f"{plan.deadline_s:g}"]
+    return {
+        "engine": [
+            *exe,
+            "emulate",
+            "--model",
+            plan.preset,
+            "--time-scale",
+            f"{plan.time_scale:g}",
+            "--vocab-size",
+            str(VOCAB_SIZE),
+            "--host",
+            host,
+            "--port",
+            str(ports["engine"]),
+        ],
+        "proxy": [
+            *exe,
+            "proxy",
+            "--upstream",
+            engine_url,
+            "--host",
+            host,
+            "--port",
+            str(ports["proxy"]),
+            *controls,
+            *capacity,
+            "--vocab-size",
+            str(VOCAB_SIZE),
+        ],
+        "detector": [
+            *exe,
+            "detect",
+            "--exporter",
+            proxy_url + "/metrics",
+            "--db",
+            f"sqlite:///{workdir / 'detector.db'}",
+            "--interval",
+            "2",
+            *capacity,
+            "--host",
+            host,
+            "--port",
+            str(ports["detector"]),
+        ],
+        "dashboard": [
+            *exe,
+            "dashboard",
+            "--detector",
+            detector_url,
+            "--host",
+            host,
+            "--port",
+            str(ports["dashboard"]),
+        ],
+    }
+
+
+def _start(service: _Service, command: Sequence[str], workdir: Path) -> None:
+    service.log = workdir / f"{service.name}.log"
+    with service.log.open("wb") as log:
+        # Own session: a Ctrl-C in the terminal reaches the demo only, which stops each child by PID.
+        service.process = subprocess.Popen(
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def _stop(services: Sequence[_Service]) -> None:
+    for service in reversed(services):
+        if service.process is not None and service.process.poll() is None:
+            service.process.terminate()
+    deadline = time.monotonic() + 8.0
+    for service in reversed(services):
+        process = service.process
+        if process is None:
+            continue
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+def _log_tail(service: _Service, lines: int = 15) -> str:
+    if service.log is None or not service.log.exists():
+        return ""
+    return "\n".join(service.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def _wait_ready(services: Sequence[_Service], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        for service in services:
+            while True:
+                assert service.process is not None
+                if service.process.poll() is not None:
+                    code = service.process.returncode
+                    raise click.ClickException(f"the {service.name} exited ({code}):\n{_log_tail(service)}")
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await http.get(service.url + service.ready_path)
+                    if response.status_code < 500:
+                        break
+                if time.monotonic() > deadline:
+                    raise click.ClickException(
+                        f"the {service.name} did not become ready:\n{_log_tail(service)}"
+                    )
+                await asyncio.sleep(0.25)
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+async def _engine_waiting(http: httpx.AsyncClient, engine_url: str) -> str:
+    """The engine's ``vllm:num_requests_waiting`` (as text; "?" when unreachable)."""
+    with contextlib.suppress(httpx.HTTPError):
+        for line in (await http.get(engine_url + "/metrics")).text.splitlines():
+            if line.startswith(VLLM_NUM_WAITING + "{"):
+                return f"{float(line.rsplit(' ', 1)[1]):.0f}"
+    return "?"
+
+
+async def _alerts(http: httpx.AsyncClient, detector_url: str) -> list[str]:
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+        response = await http.get(detector_url + "/alerts")
+        return sorted({a["alertname"] for a in response.json()["alerts"]})
+    return []
+
+
+async def _episodes(http: httpx.AsyncClient, detector_url: str) -> list[str]:
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+        response = await http.get(detector_url + "/episodes")
+        return sorted({e["alertname"] for e in response.json()["episodes"]})
+    return []
+
+
+async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed: int) -> None:
+    from reproduce.client import ClientConfig
+    from reproduce.workload import WorkloadSpec, generate_trace, paper_phases
+    from retrywatch.demo_load import LoadStats, run_load
+
+    spec = WorkloadSpec(
+        capacity=plan.capacity_engine,
+        seed=seed,
+        phases=paper_phases(2.7),
+        time_scale=plan.time_scale,
+        max_context=32_768,
+    )
+    calls = generate_trace(spec)
+    bounds = spec.phase_bounds()
+    client = ClientConfig().scaled(plan.time_scale)
+    proxy, detector = services[1], services[2]
+    stats = LoadStats()
+    load = asyncio.create_task(
+        run_load(
+            proxy.url, calls, client, served_model=plan.preset, vocab_size=VOCAB_SIZE, stats=stats, seed=seed
+        )
+    )
+    start = time.monotonic()
+    fired: set[str] = set()
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            announced = False
+            while (elapsed := time.monotonic() - start) < duration_s:
+                await asyncio.sleep(min(10.0, max(0.1, duration_s - elapsed)))
+                elapsed = time.monotonic() - start
+                phase = next((name for name, a, b in bounds if a <= elapsed < b), "drain")
+                firing = await _alerts(http, detector.url)
+                fired.update(firing)
+                if load.done() and not announced:
+                    announced = True
+                    click.echo("the pulse is over; everything stays up until --duration ends or Ctrl-C")
+                waiting = await _engine_waiting(http, services[0].url)
+                click.echo(
+                    f"[{elapsed:6.1f}s] {phase:<5} calls {stats.calls_started}: "
+                    f"{stats.calls_delivered} delivered ({stats.calls_delivered_in_deadline} in deadline), "
+                    f"{stats.calls_failed} failed; attempts {stats.attempts} ({stats.retries} retries); "
+                    f"engine waiting {waiting}; firing: {', '.join(firing) or 'none'}"
+                )
+            fired.update(await _episodes(http, detector.url))
+    finally:
+        load.cancel()
+        try:
+            await load
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # report the driver's failure, then stop everything as usual
+            click.echo(f"the load driver failed: {type(exc).__name__}: {exc}", err=True)
+    click.echo(
+        f"done: of {stats.calls_started} calls, {stats.calls_delivered} delivered "
+        f"({stats.calls_delivered_in_deadline} within the deadline), {stats.calls_failed} failed; "
+        f"alerts fired: {', '.join(sorted(fired)) or 'none'}"
+    )
+
+
+def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
+    pulse = f"{120 / plan.time_scale:.0f}-{227 / plan.time_scale:.0f} s"
+    if plan.with_controls:
+        story = (
+            "With controls (coalescing + cancellation deferred by "
+            f"{plan.cancel_after_s:g} s), retries attach to their call's live execution: executions "
+            "created stay near the call rate, the backlog drains after the pulse and service recovers."
+        )
+    else:
+        story = (
+            "Without controls (retries on, no coalescing, cancellation off), the pulse's backlog "
+            f"outlives the {plan.deadline_s:g}-s deadline: every timed-out attempt leaves an orphaned "
+            "execution and a retry, executions created climb above capacity, and "
+            "VLLMMetastableRetryLoop fires. It does not recover."
+        )
+    return (
+        f"\nDashboard: {dashboard_url}\n"
+        f"Time runs {plan.time_scale:g}x faster than the study's: capacity {plan.capacity:.2f} calls/s, "
+        f"deadline {plan.deadline_s:g} s, pulse at {pulse} (2.7x capacity).\n{story}\n"
+        "Watch executions created vs capacity, the engine's waiting queue, and the alerts.\n"
+    )
+
+
+@click.command("demo")
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=5.0),
+    default=300.0,
+    show_default=True,
+    help="Seconds to run before stopping everything (Ctrl-C stops it earlier).",
+)
+@click.option(
+    "--with-controls", is_flag=True, help="Run the proxy with coalescing and deferred cancellation."
+)
+@click.option("--no-browser", is_flag=True, help="Do not open the dashboard in a browser.")
+@click.option("--engine-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--proxy-port", type=click.IntRange(1, 65535), default=8100, show_default=True)
+@click.option("--detector-port", type=click.IntRange(1, 65535), default=8200, show_default=True)
+@click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8050, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload trace.")
+def demo(
+    duration: float,
+    with_controls: bool,
+    no_browser: bool,
+    engine_port: int,
+    proxy_port: int,
+    detector_port: int,
+    dashboard_port: int,
+    host: str,
+    seed: int,
+) -> None:
+    """Start engine, proxy, detector and dashboard, and drive a pulse of retrying clients."""
+    ports = {
+        "engine": engine_port,
+        "proxy": proxy_port,
+        "detector": detector_port,
+        "dashboard": dashboard_port,
+    }
+    if len(set(ports.values())) != len(ports):
+        raise click.UsageError("the four ports must differ")
+    for name, port in ports.items():
+        if not _port_free(host, port):
+            raise click.ClickException(
+                f"port {port} on {host} (the {name}) is taken; pick another with --{name}-port"
+            )
+    plan = demo_plan(with_controls)
+    urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
+    ready = {"engine": "/health", "proxy": "/metrics", "detector": "/healthz", "dashboard": "/"}
+    services = [_Service(name, urls[name], ready[name]) for name in SERVICES]
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    with tempfile.TemporaryDirectory(prefix="retrywatch-demo-") as tmp:
+        workdir = Path(tmp)
+        commands = demo_commands(plan, ports, host, workdir)
+        try:
+            for service in services:
+                _start(service, commands[service.name], workdir)
+            asyncio.run(_wait_ready(services, timeout_s=60.0))
+            click.echo(_what_to_watch(plan, urls["dashboard"]))
+            if not no_browser:
+                with contextlib.suppress(Exception):
+                    webbrowser.open(urls["dashboard"])
+            asyncio.run(_run(plan, services, duration, seed))
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted: stopping")
+        finally:
+            _stop(services)
+            if "trails the scaled wall clock" in _log_tail(services[0], lines=200):
+                click.echo(
+                    "note: this machine could not step the emulated engine in time (CPU-bound), so it ran "
+                    "below its capacity; close other work or run on a larger machine."
+                )
+            signal.signal(signal.SIGTERM, previous)

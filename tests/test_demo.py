@@ -1,0 +1,155 @@
+"""``retrywatch demo``: the command lines it runs, its port check, and a headless run."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from retrywatch.demo import demo_commands, demo_plan
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _value(command: list[str], option: str) -> str:
+    return command[command.index(option) + 1]
+
+
+def test_controls_switch_the_proxy_between_no_control_and_coalescing_with_deferred_cancel(
+    tmp_path: Path,
+) -> None:
+    ports = dict(zip(("engine", "proxy", "detector", "dashboard"), free_ports(4), strict=True))
+    plain = demo_commands(demo_plan(with_controls=False), ports, "127.0.0.1", tmp_path)
+    controlled = demo_commands(demo_plan(with_controls=True), ports, "127.0.0.1", tmp_path)
+    assert "--no-coalesce" in plain["proxy"] and _value(plain["proxy"], "--cancellation") == "off"
+    assert "--coalesce" in controlled["proxy"] and _value(controlled["proxy"], "--cancellation") == "deferred"
+    plan = demo_plan(with_controls=True)
+    # Deferred by W = 10 study seconds, scaled like every other duration.
+    assert float(_value(controlled["proxy"], "--cancel-after")) == pytest.approx(10.0 / plan.time_scale)
+    for commands in (plain, controlled):
+        assert _value(commands["engine"], "--time-scale") == f"{plan.time_scale:g}"
+        assert _value(commands["proxy"], "--upstream") == f"http://127.0.0.1:{ports['engine']}"
+        assert _value(commands["detector"], "--exporter") == f"http://127.0.0.1:{ports['proxy']}/metrics"
+        assert float(_value(commands["detector"], "--capacity")) == pytest.approx(plan.capacity, rel=1e-3)
+        assert float(_value(commands["detector"], "--deadline")) == pytest.approx(120.0 / plan.time_scale)
+        assert _value(commands["detector"], "--db").startswith(f"sqlite:///{tmp_path}")
+        assert _value(commands["dashboard"], "--detector") == f"http://127.0.0.1:{ports['detector']}"
+
+
+def test_a_taken_port_fails_with_a_clear_message() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine, detector, dashboard = free_ports(3)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "retrywatch",
+                "demo",
+                "--no-browser",
+                "--duration",
+                "5",
+                "--engine-port",
+                str(engine),
+                "--proxy-port",
+                str(port),
+                "--detector-port",
+                str(detector),
+                "--dashboard-port",
+                str(dashboard),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode != 0
+    assert f"port {port} on 127.0.0.1 (the proxy) is taken" in result.stderr
+    assert "--proxy-port" in result.stderr
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _retries(proxy_url: str) -> float:
+    for line in httpx.get(proxy_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith('retrywatch_attempts_total{kind="retry"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> None:
+    engine, proxy, detector, dashboard = free_ports(4)
+    command = [
+        sys.executable,
+        "-m",
+        "retrywatch",
+        "demo",
+        "--no-browser",
+        "--duration",
+        "210",
+        "--engine-port",
+        str(engine),
+        "--proxy-port",
+        str(proxy),
+        "--detector-port",
+        str(detector),
+        "--dashboard-port",
+        str(dashboard),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    detector_url = f"http://127.0.0.1:{detector}"
+    fired = firing_amid_retries = dashboard_answered = False
+    try:
+        deadline = time.monotonic() + 230
+        while time.monotonic() < deadline and process.poll() is None:
+            time.sleep(3)
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                episodes = httpx.get(detector_url + "/episodes", timeout=5).json()["episodes"]
+                fired = fired or any(e["alertname"] == "VLLMMetastableRetryLoop" for e in episodes)
+                # The loop itself: retries keep arriving while the alert is firing.
+                alerts = httpx.get(detector_url + "/alerts", timeout=5).json()["alerts"]
+                if any(a["alertname"] == "VLLMMetastableRetryLoop" for a in alerts):
+                    firing_amid_retries = _retries(f"http://127.0.0.1:{proxy}") >= 100
+            with contextlib.suppress(httpx.HTTPError):
+                page = httpx.get(f"http://127.0.0.1:{dashboard}/", timeout=10)
+                dashboard_answered = dashboard_answered or (
+                    page.status_code == 200 and "<html" in page.text.lower()
+                )
+            if fired and firing_amid_retries and dashboard_answered:
+                break
+        # Ctrl-C: the demo stops every process it started.
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+    assert fired, output[-3000:]
+    assert firing_amid_retries, output[-3000:]
+    assert dashboard_answered, output[-3000:]
+    assert process.returncode == 0, output[-3000:]
+    assert f"Dashboard: http://127.0.0.1:{dashboard}" in output
+    assert all(_port_closed(port) for port in (engine, proxy, detector, dashboard))
