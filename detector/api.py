@@ -1,0 +1,68 @@
+"""The detector's HTTP API (FastAPI): active alerts, episodes, signal history, health, metrics.
+
+JSON shapes are the contract of docs/architecture.md (the dashboard codes against them).
+Times are Unix seconds.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, HTTPException, Query, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from detector.service import SIGNAL_NAMES, Detector
+from detector.signals import SIGNALS_BY_NAME
+
+MAX_EPISODES = 1000
+
+
+def create_app(detector: Detector) -> FastAPI:
+    app = FastAPI(title="retrywatch detector", version="1")
+
+    @app.get("/alerts")
+    def alerts() -> dict[str, object]:
+        return {"alerts": detector.firing_alerts()}
+
+    @app.get("/episodes")
+    def episodes(
+        since: float | None = None,
+        until: float | None = None,
+        alertname: str | None = Query(default=None, max_length=128),
+        engine: str | None = Query(default=None, max_length=256),
+        limit: int = Query(default=MAX_EPISODES, ge=1, le=MAX_EPISODES),
+    ) -> dict[str, object]:
+        found = detector.store.episodes(
+            since=since, until=until, alertname=alertname, engine=engine, limit=limit
+        )
+        return {"episodes": [ep.as_dict() for ep in found]}
+
+    @app.get("/signals")
+    def signals(
+        name: str | None = Query(default=None, max_length=64),
+        since: float | None = None,
+        engine: str | None = Query(default=None, max_length=256),
+    ) -> dict[str, object]:
+        if name is None:
+            engines = sorted({e.engine or e.instance for e in detector.history.engines()})
+            return {"signals": list(SIGNAL_NAMES), "engines": engines}
+        if name not in SIGNALS_BY_NAME:
+            raise HTTPException(status_code=404, detail=f"unknown signal {name!r}; GET /signals lists them")
+        series = detector.history.series(name, since=since, engine=engine)
+        return {
+            "name": name,
+            "unit": SIGNALS_BY_NAME[name].unit,
+            "series": [{"labels": labels.as_dict(), "points": points} for labels, points in series],
+        }
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, object]:
+        st = detector.status
+        return {
+            "status": "ok" if st.up else "degraded",
+            "source": {"up": st.up, "last_scrape_at": st.last_scrape_at},
+        }
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(detector.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

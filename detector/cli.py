@@ -1,0 +1,162 @@
+"""``retrywatch detect``: run the detector on a proxy, a Prometheus, or a replayed run.
+
+Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
+(e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import click
+
+from detector.store import DEFAULT_URL
+
+
+def _env(name: str) -> str:
+    return f"RETRYWATCH_{name}"
+
+
+@click.command("detect")
+@click.option(
+    "--exporter",
+    "exporters",
+    multiple=True,
+    envvar=_env("EXPORTER"),
+    help="A proxy's /metrics URL to scrape (repeatable).",
+)
+@click.option("--prometheus", envvar=_env("PROMETHEUS"), help="Prometheus (or compatible) base URL.")
+@click.option(
+    "--replay",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar=_env("REPLAY"),
+    help="A reproduce run's metrics.jsonl to replay (then served).",
+)
+@click.option(
+    "--replay-speed",
+    type=float,
+    default=0.0,
+    show_default=True,
+    envvar=_env("REPLAY_SPEED"),
+    help="0: replay at once; S > 0: S run-seconds per wall second.",
+)
+@click.option("--db", default=DEFAULT_URL, show_default=True, envvar=_env("DB"), help="SQLAlchemy URL.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    envvar=_env("INTERVAL"),
+    help="Seconds between evaluations.",
+)
+@click.option(
+    "--webhook", "webhooks", multiple=True, envvar=_env("WEBHOOK"), help="Webhook URL (repeatable)."
+)
+@click.option("--alertmanager", envvar=_env("ALERTMANAGER"), help="Alertmanager base URL (API v2).")
+@click.option(
+    "--capacity",
+    type=click.FloatRange(min=0.0, min_open=True),
+    envvar=_env("CAPACITY"),
+    help="Ĉ in calls/s (default: the proxy's gauge, else estimated online).",
+)
+@click.option(
+    "--deadline",
+    type=click.FloatRange(min=0.0, min_open=True),
+    envvar=_env("DEADLINE"),
+    help="Client deadline in s (default: the proxy's gauge).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("HOST"))
+@click.option("--port", type=click.IntRange(0, 65535), default=8200, show_default=True, envvar=_env("PORT"))
+@click.option("--log-level", default="info", show_default=True, envvar=_env("LOG_LEVEL"))
+def detect(
+    exporters: tuple[str, ...],
+    prometheus: str | None,
+    replay: Path | None,
+    replay_speed: float,
+    db: str,
+    interval: float,
+    webhooks: tuple[str, ...],
+    alertmanager: str | None,
+    capacity: float | None,
+    deadline: float | None,
+    host: str,
+    port: int,
+    log_level: str,
+) -> None:
+    """Run the detector: signals, alerts, episodes, notifications, and its HTTP API."""
+    import uvicorn
+
+    from detector.api import create_app
+    from detector.notify import AlertmanagerNotifier, Notifier, WebhookNotifier
+    from detector.service import Detector
+    from detector.signals import SignalConfig
+    from detector.sources import Source
+    from detector.sources.replay import ReplaySource
+    from detector.store import EpisodeStore
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    chosen = [bool(exporters), bool(prometheus), replay is not None]
+    if sum(chosen) != 1:
+        raise click.UsageError("give exactly one of --exporter URL, --prometheus URL or --replay FILE")
+    if replay_speed < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--replay-speed")
+    try:
+        source: Source
+        replay_source: ReplaySource | None = None
+        if exporters:
+            from detector.sources.scrape import ScrapeSource
+
+            source = ScrapeSource(list(exporters))
+        elif prometheus:
+            from detector.sources.prometheus import PrometheusSource
+
+            source = PrometheusSource(prometheus, step_s=interval)
+        else:
+            assert replay is not None
+            probe = ReplaySource(replay)
+            # Shift the run so that it ends now (at once) or starts now (paced): API times stay Unix.
+            offset = time.time() - (probe.end if replay_speed == 0 else probe.start)
+            replay_source = ReplaySource(replay, offset=offset)
+            source = replay_source
+        notifiers: list[Notifier] = [WebhookNotifier(u, name=f"webhook{i}") for i, u in enumerate(webhooks)]
+        if alertmanager:
+            notifiers.append(AlertmanagerNotifier(alertmanager))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    store = EpisodeStore(db)
+    detector = Detector(
+        source, store, notifiers=notifiers, config=SignalConfig(capacity=capacity, deadline=deadline)
+    )
+    if replay_source is not None:
+        _run_replay(detector, replay_source, interval, replay_speed)
+    else:
+        detector.start(interval)
+    app = create_app(detector)
+    click.echo(f"retrywatch detector on http://{host}:{port} ({source.name}, db {db})")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    finally:
+        detector.stop()
+        store.close()
+
+
+def _run_replay(detector, source, interval: float, speed: float) -> None:  # type: ignore[no-untyped-def]
+    """Replay at once (speed 0) or paced on the scheduler (speed S run-seconds per wall second)."""
+    import threading
+
+    detector.dispatcher.start()
+    if speed == 0:
+        for t in sorted({s.t for s in source.snapshots}):
+            detector.tick(t)
+        return
+    start_wall = time.time()
+    start_run = source.start
+
+    def pace() -> None:
+        while not source.exhausted:
+            detector.tick(start_run + (time.time() - start_wall) * speed)
+            time.sleep(interval / speed if speed > 1 else interval)
+
+    threading.Thread(target=pace, name="retrywatch-replay", daemon=True).start()

@@ -1,0 +1,166 @@
+"""Alert evaluation with ``for`` and hysteresis: Prometheus' alerting state machine in Python.
+
+``Evaluator.evaluate(now, frames)`` applies every rule of ``detector/thresholds.py`` to each
+engine's :class:`~detector.signals.SignalFrame` and returns the transitions (firing, resolved)
+that happened at ``now``. It performs no I/O and reads no clock: the caller passes ``now``
+(wall time for live sources, the run's time for a replay).
+
+NOTE: the state machine is Prometheus 2.42's (rules/alerting.go): a condition that holds makes
+an alert pending with ``active_at = now``; it fires at the first evaluation where
+``now - active_at >= for``; once firing, a false condition starts ``keep_firing_since`` and the
+alert resolves at the first evaluation where ``now - keep_firing_since >= keep_firing_for``
+(a true condition clears it); a pending alert whose condition is false is dropped. A missing
+signal makes a condition false, as an absent series does in PromQL; the NoData rule reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from detector.signals import EngineLabels, SignalFrame
+from detector.thresholds import ALERTS, AlertRule, holds
+
+State = Literal["pending", "firing"]
+TransitionKind = Literal["firing", "resolved"]
+
+
+@dataclass
+class AlertState:
+    """One active (pending or firing) alert for one engine."""
+
+    rule: AlertRule
+    labels: EngineLabels
+    state: State
+    active_at: float
+    value: float | None
+    fired_at: float | None = None
+    keep_firing_since: float | None = None
+    missing: tuple[str, ...] = ()
+
+    @property
+    def alertname(self) -> str:
+        return self.rule.name
+
+    @property
+    def description(self) -> str:
+        return render_description(self.rule, self.labels, self.value, self.missing)
+
+    def as_dict(self) -> dict[str, object]:
+        """The shape of ``GET /alerts`` (docs/architecture.md)."""
+        return {
+            "alertname": self.rule.name,
+            "severity": self.rule.severity,
+            "labels": self.labels.as_dict(),
+            "state": self.state,
+            "started_at": self.fired_at if self.fired_at is not None else self.active_at,
+            "value": self.value,
+            "summary": self.rule.summary,
+            "description": self.description,
+        }
+
+
+@dataclass(frozen=True)
+class Transition:
+    """An alert started firing or resolved at ``at``."""
+
+    kind: TransitionKind
+    alertname: str
+    severity: str
+    labels: EngineLabels
+    at: float
+    started_at: float
+    value: float | None
+    summary: str
+    description: str
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+
+def render_description(
+    rule: AlertRule, labels: EngineLabels, value: float | None, missing: Sequence[str] = ()
+) -> str:
+    try:
+        return rule.description.format(
+            value=value if value is not None else float("nan"),
+            missing=", ".join(missing) or "nothing",
+            **labels.as_dict(),
+        )
+    except (ValueError, TypeError):
+        return rule.description
+
+
+class Evaluator:
+    """Holds the active alerts between evaluations; feed it frames in time order."""
+
+    def __init__(self, rules: Iterable[AlertRule] = ALERTS) -> None:
+        self.rules: tuple[AlertRule, ...] = tuple(rules)
+        self._active: dict[tuple[str, EngineLabels], AlertState] = {}
+        self.last_eval: float | None = None
+
+    def active(self) -> list[AlertState]:
+        return list(self._active.values())
+
+    def firing(self) -> list[AlertState]:
+        return [a for a in self._active.values() if a.state == "firing"]
+
+    def restore_firing(
+        self, rule_name: str, labels: EngineLabels, fired_at: float, value: float | None
+    ) -> None:
+        """Re-arm an alert that was firing before a restart (episodes are in the store), so that
+        it resolves through the usual hysteresis instead of firing a second time."""
+        rule = next(r for r in self.rules if r.name == rule_name)
+        self._active[(rule_name, labels)] = AlertState(
+            rule=rule, labels=labels, state="firing", active_at=fired_at, value=value, fired_at=fired_at
+        )
+
+    def evaluate(self, now: float, frames: Sequence[SignalFrame]) -> list[Transition]:
+        if self.last_eval is not None and now < self.last_eval:
+            raise ValueError(f"evaluation time went backwards: {now} < {self.last_eval}")
+        self.last_eval = now
+        out: list[Transition] = []
+        for rule in self.rules:
+            seen: set[EngineLabels] = set()
+            for frame in frames:
+                if not holds(rule.condition, frame.values):
+                    continue
+                seen.add(frame.labels)
+                key = (rule.name, frame.labels)
+                value = frame.values.get(rule.value_signal)
+                alert = self._active.get(key)
+                if alert is None:
+                    alert = AlertState(rule, frame.labels, "pending", active_at=now, value=value)
+                    self._active[key] = alert
+                alert.value = value
+                alert.missing = frame.missing
+                alert.keep_firing_since = None
+                if alert.state == "pending" and now - alert.active_at >= rule.for_s:
+                    alert.state = "firing"
+                    alert.fired_at = now
+                    out.append(self._transition("firing", alert, now))
+            for key, alert in list(self._active.items()):
+                if key[0] != rule.name or alert.labels in seen:
+                    continue
+                if alert.state == "pending":
+                    del self._active[key]
+                    continue
+                if alert.keep_firing_since is None:
+                    alert.keep_firing_since = now
+                if now - alert.keep_firing_since >= rule.keep_firing_for_s:
+                    del self._active[key]
+                    out.append(self._transition("resolved", alert, now))
+        return out
+
+    @staticmethod
+    def _transition(kind: TransitionKind, alert: AlertState, now: float) -> Transition:
+        return Transition(
+            kind=kind,
+            alertname=alert.rule.name,
+            severity=alert.rule.severity,
+            labels=alert.labels,
+            at=now,
+            started_at=alert.fired_at if alert.fired_at is not None else now,
+            value=alert.value,
+            summary=alert.rule.summary,
+            description=alert.description,
+        )

@@ -1,0 +1,253 @@
+"""Notifiers (webhook, Alertmanager API v2) and the dispatcher that delivers each once.
+
+The store queues one row per (episode, notifier, firing|resolved) in the transaction that
+opens or resolves the episode; the :class:`Dispatcher` delivers them from a bounded queue on a
+worker thread, with a timeout per request and retries with exponential backoff, and marks each
+row sent. A restart picks up what was not sent (``Dispatcher.requeue_unsent``); nothing sent
+is sent again.
+
+Alertmanager resolves an alert by itself ``resolve_timeout`` after the last time it heard of
+it, so :meth:`AlertmanagerNotifier.refresh` re-posts the firing alerts (Prometheus does the
+same); Alertmanager deduplicates them, receivers are notified once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Protocol
+
+import httpx
+
+from detector.episodes import AlertEpisode
+from detector.store import EpisodeStore
+from detector.thresholds import ALERTS_BY_NAME, RUNBOOK_URL_PATTERN
+
+log = logging.getLogger("retrywatch.detector.notify")
+
+
+class NotifyError(RuntimeError):
+    """A notifier could not deliver (network error, timeout, or a non-2xx answer)."""
+
+
+class Notifier(Protocol):
+    name: str
+
+    def send(self, episode: AlertEpisode, kind: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def _runbook(alertname: str) -> str:
+    rule = ALERTS_BY_NAME.get(alertname)
+    return rule.runbook_url if rule else RUNBOOK_URL_PATTERN.format(anchor=alertname.lower())
+
+
+class WebhookNotifier:
+    """POSTs one JSON document per firing or resolution."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0, name: str = "webhook") -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"webhook URL must be http(s)://..., got {url!r}")
+        self.url = url
+        self.name = name
+        self._client = httpx.Client(timeout=timeout_s)
+
+    @staticmethod
+    def payload(episode: AlertEpisode, kind: str) -> dict[str, object]:
+        return {
+            "version": 1,
+            "status": kind,
+            "alert": {**episode.as_dict(), "runbook_url": _runbook(episode.alertname)},
+        }
+
+    def send(self, episode: AlertEpisode, kind: str) -> None:
+        try:
+            resp = self._client.post(self.url, json=self.payload(episode, kind))
+        except httpx.HTTPError as exc:
+            raise NotifyError(f"webhook {self.url}: {exc!r}") from exc
+        if resp.status_code >= 300:
+            raise NotifyError(f"webhook {self.url}: HTTP {resp.status_code}")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class AlertmanagerNotifier:
+    """Posts alerts to Alertmanager's API v2 (``POST /api/v2/alerts``)."""
+
+    def __init__(
+        self, url: str, *, timeout_s: float = 5.0, generator_url: str = "", name: str = "alertmanager"
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"Alertmanager URL must be http(s)://..., got {url!r}")
+        self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.name = name
+        self.generator_url = generator_url
+        self._client = httpx.Client(timeout=timeout_s)
+
+    def alert(self, episode: AlertEpisode, kind: str) -> dict[str, object]:
+        labels = {"alertname": episode.alertname, "severity": episode.severity, "source": "retrywatch"}
+        labels.update({k: v for k, v in episode.labels.as_dict().items() if v})
+        doc: dict[str, object] = {
+            "labels": labels,
+            "annotations": {
+                "summary": episode.summary,
+                "description": episode.description,
+                "runbook_url": _runbook(episode.alertname),
+            },
+            "startsAt": _iso(episode.started_at),
+        }
+        if kind == "resolved" and episode.resolved_at is not None:
+            doc["endsAt"] = _iso(max(episode.resolved_at, episode.started_at))
+        if self.generator_url:
+            doc["generatorURL"] = self.generator_url
+        return doc
+
+    def _post(self, alerts: list[dict[str, object]]) -> None:
+        try:
+            resp = self._client.post(self.url, json=alerts)
+        except httpx.HTTPError as exc:
+            raise NotifyError(f"Alertmanager {self.url}: {exc!r}") from exc
+        if resp.status_code >= 300:
+            raise NotifyError(f"Alertmanager {self.url}: HTTP {resp.status_code} {resp.text[:200]}")
+
+    def send(self, episode: AlertEpisode, kind: str) -> None:
+        self._post([self.alert(episode, kind)])
+
+    def refresh(self, firing: Sequence[AlertEpisode]) -> None:
+        """Re-post the alerts still firing so Alertmanager does not time them out."""
+        if firing:
+            self._post([self.alert(ep, "firing") for ep in firing])
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class Dispatcher:
+    """Delivers queued notifications on one worker thread; bounded queue, retries, backoff."""
+
+    def __init__(
+        self,
+        store: EpisodeStore,
+        notifiers: Sequence[Notifier],
+        *,
+        max_queue: int = 1000,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        on_result: Callable[[str, str], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store = store
+        self.notifiers = {n.name: n for n in notifiers}
+        if len(self.notifiers) != len(notifiers):
+            raise ValueError("notifier names must be unique")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.on_result = on_result
+        self._sleep = sleep
+        self._queue: queue.Queue[tuple[AlertEpisode, str, str] | None] = queue.Queue(maxsize=max_queue)
+        self._inflight: set[tuple[int, str, str]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.notifiers)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="retrywatch-notify", daemon=True)
+            self._thread.start()
+
+    def submit(self, episode: AlertEpisode, notifier: str, kind: str) -> bool:
+        """Queue one delivery; False when the queue is full (it stays unsent in the store and is
+        picked up again by :meth:`requeue_unsent`)."""
+        key = (episode.id or 0, notifier, kind)
+        with self._lock:
+            if key in self._inflight:
+                return True
+            try:
+                self._queue.put_nowait((episode, notifier, kind))
+            except queue.Full:
+                self.dropped += 1
+                return False
+            self._inflight.add(key)
+        return True
+
+    def requeue_unsent(self) -> int:
+        """Queue every delivery the store holds as unsent (after a restart, or a full queue)."""
+        n = 0
+        for episode, notifier, kind in self.store.unsent():
+            if notifier in self.notifiers and self.submit(episode, notifier, kind):
+                n += 1
+        return n
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._inflight
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.idle():
+                return True
+            time.sleep(0.02)
+        return self.idle()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+        for n in self.notifiers.values():
+            n.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self._queue.get()
+            if item is None:
+                return
+            episode, notifier, kind = item
+            try:
+                self._deliver(episode, notifier, kind)
+            finally:
+                with self._lock:
+                    self._inflight.discard((episode.id or 0, notifier, kind))
+
+    def _deliver(self, episode: AlertEpisode, notifier: str, kind: str) -> None:
+        target = self.notifiers[notifier]
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                target.send(episode, kind)
+            except NotifyError as exc:
+                log.warning("notify %s %s %s failed (attempt %d): %s", notifier, kind, episode.alertname,
+                            attempt + 1, exc)  # fmt: skip
+                self.store.mark_failed(episode.id or 0, notifier, kind, str(exc))
+                if self.on_result:
+                    self.on_result(notifier, "error")
+                if attempt == self.retries or self._stop.is_set():
+                    return  # stays unsent; requeue_unsent retries it later
+                self._sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+                continue
+            self.store.mark_sent(episode.id or 0, notifier, kind)
+            if self.on_result:
+                self.on_result(notifier, "sent")
+            return

@@ -1,0 +1,256 @@
+"""The running detector: source -> signals -> rules -> episodes (SQL) -> notifications.
+
+:class:`Detector.tick` is one evaluation (the scheduler calls it every interval; tests call it
+directly with their own ``now``). It keeps a bounded in-memory history of every engine's
+signals for the API and the dashboard, and its own Prometheus metrics in a private registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from apscheduler.schedulers.background import BackgroundScheduler
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from detector.evaluator import Evaluator, Transition
+from detector.notify import AlertmanagerNotifier, Dispatcher, Notifier
+from detector.signals import SIGNALS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
+from detector.sources import Source
+from detector.store import EpisodeStore
+from detector.thresholds import ALERTS, AlertRule
+
+log = logging.getLogger("retrywatch.detector")
+
+SIGNAL_NAMES: tuple[str, ...] = tuple(s.name for s in SIGNALS)
+_SIGNAL_INDEX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
+
+
+class SignalHistory:
+    """A ring buffer of signal values per engine: ``points`` evaluations, ``max_engines`` engines
+    (e.g. 4320 points = 6 h at 5 s; about 1.3 MB per engine)."""
+
+    def __init__(self, points: int = 4320, max_engines: int = 64) -> None:
+        if points < 2:
+            raise ValueError("signal history needs at least 2 points")
+        self.points = points
+        self.max_engines = max_engines
+        self._data: dict[EngineLabels, np.ndarray] = {}
+        self._times: dict[EngineLabels, np.ndarray] = {}
+        self._next: dict[EngineLabels, int] = {}
+        self._count: dict[EngineLabels, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, frame: SignalFrame) -> None:
+        with self._lock:
+            key = frame.labels
+            if key not in self._data:
+                if len(self._data) >= self.max_engines:
+                    return
+                self._data[key] = np.full((self.points, len(SIGNAL_NAMES)), np.nan)
+                self._times[key] = np.full(self.points, np.nan)
+                self._next[key] = 0
+                self._count[key] = 0
+            i = self._next[key]
+            row = self._data[key][i]
+            for name, value in frame.values.items():
+                j = _SIGNAL_INDEX.get(name)
+                if j is not None:
+                    row[j] = np.nan if value is None else value
+            self._times[key][i] = frame.t
+            self._next[key] = (i + 1) % self.points
+            self._count[key] = min(self._count[key] + 1, self.points)
+
+    def engines(self) -> list[EngineLabels]:
+        with self._lock:
+            return list(self._data)
+
+    def series(
+        self, name: str, since: float | None = None, engine: str | None = None
+    ) -> list[tuple[EngineLabels, list[tuple[float, float | None]]]]:
+        j = _SIGNAL_INDEX[name]
+        out = []
+        with self._lock:
+            for key, data in self._data.items():
+                if engine and key.engine != engine and key.instance != engine:
+                    continue
+                n, nxt = self._count[key], self._next[key]
+                order = np.arange(nxt - n, nxt) % self.points
+                times = self._times[key][order]
+                values = data[order, j]
+                mask = np.ones(n, dtype=bool) if since is None else times >= since
+                pts = [
+                    (float(t), None if np.isnan(v) else float(v))
+                    for t, v in zip(times[mask], values[mask], strict=True)
+                ]
+                out.append((key, pts))
+        return out
+
+
+@dataclass
+class SourceStatus:
+    up: bool = False
+    last_scrape_at: float | None = None
+    last_error: str | None = None
+
+
+class DetectorMetrics:
+    """The detector's own metrics (``GET /metrics``), in a private registry."""
+
+    def __init__(self, rules: Sequence[AlertRule]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.evaluations = Counter("retrywatch_detector_evaluations_total", "Evaluations run.", registry=r)
+        self.source_errors = Counter(
+            "retrywatch_detector_source_errors_total", "Fetches from the source that failed.", registry=r
+        )
+        self.source_up = Gauge(
+            "retrywatch_detector_source_up", "1 when the last fetch succeeded.", registry=r
+        )
+        self.engines = Gauge("retrywatch_detector_engines", "Engines followed.", registry=r)
+        self.eval_seconds = Gauge(
+            "retrywatch_detector_evaluation_duration_seconds", "Duration of the last evaluation.", registry=r
+        )
+        self.firing = Gauge(
+            "retrywatch_detector_alerts_firing", "Alerts firing, by alert.", ["alertname"], registry=r
+        )
+        for rule in rules:
+            self.firing.labels(alertname=rule.name).set(0)
+        self.transitions = Counter(
+            "retrywatch_detector_transitions_total", "Alerts fired or resolved.", ["kind"], registry=r
+        )
+        for kind in ("firing", "resolved"):
+            self.transitions.labels(kind=kind)
+        self.notifications = Counter(
+            "retrywatch_detector_notifications_total",
+            "Notification deliveries by notifier and result.",
+            ["notifier", "result"],
+            registry=r,
+        )
+
+
+class Detector:
+    def __init__(
+        self,
+        source: Source,
+        store: EpisodeStore,
+        *,
+        notifiers: Sequence[Notifier] = (),
+        config: SignalConfig | None = None,
+        rules: Sequence[AlertRule] = ALERTS,
+        clock: Callable[[], float] = time.time,
+        history_points: int = 4320,
+        alertmanager_refresh_s: float = 60.0,
+    ) -> None:
+        self.source = source
+        self.store = store
+        self.rules = tuple(rules)
+        self.clock = clock
+        self.signals = SignalEngine(config)
+        self.evaluator = Evaluator(self.rules)
+        self.history = SignalHistory(history_points)
+        self.metrics = DetectorMetrics(self.rules)
+        self.status = SourceStatus()
+        self.dispatcher = Dispatcher(
+            store,
+            notifiers,
+            on_result=lambda n, res: self.metrics.notifications.labels(notifier=n, result=res).inc(),
+        )
+        self._alertmanagers = [n for n in notifiers if isinstance(n, AlertmanagerNotifier)]
+        self._am_refresh_s = alertmanager_refresh_s
+        self._am_last_refresh = 0.0
+        self._lock = threading.Lock()
+        self._scheduler: BackgroundScheduler | None = None
+        self._restore()
+
+    def _restore(self) -> None:
+        """Re-arm alerts that were firing when the detector stopped, and queue unsent notifications."""
+        for ep in self.store.firing():
+            if any(r.name == ep.alertname for r in self.rules):
+                self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
+
+    def tick(self, now: float | None = None) -> list[Transition]:
+        """One evaluation: fetch, compute, evaluate, record, notify."""
+        with self._lock:
+            start = time.perf_counter()
+            now = self.clock() if now is None else now
+            result = self.source.fetch(now)
+            for snap in result.snapshots:
+                self.signals.add(snap)
+            for instance in result.down:
+                self.signals.mark_down(instance)
+            if result.error:
+                self.metrics.source_errors.inc()
+                self.status.last_error = result.error
+                log.warning("source: %s", result.error)
+            self.status.up = not result.down and result.error is None
+            if result.snapshots:
+                self.status.last_scrape_at = max(s.t for s in result.snapshots)
+            frames = self.signals.compute(now)
+            for frame in frames:
+                self.history.add(frame)
+            transitions = self.evaluator.evaluate(now, frames)
+            notifier_names = self.dispatcher.names
+            for tr in transitions:
+                episode = self.store.record(tr, notifier_names)
+                self.metrics.transitions.labels(kind=tr.kind).inc()
+                if episode is not None:
+                    for notifier in notifier_names:
+                        self.dispatcher.submit(episode, notifier, tr.kind)
+            self._refresh_alertmanagers(now)
+            self.metrics.evaluations.inc()
+            self.metrics.source_up.set(1.0 if self.status.up else 0.0)
+            self.metrics.engines.set(len(frames))
+            counts = {r.name: 0 for r in self.rules}
+            for alert in self.evaluator.firing():
+                counts[alert.alertname] += 1
+            for rule_name, n in counts.items():
+                self.metrics.firing.labels(alertname=rule_name).set(n)
+            self.metrics.eval_seconds.set(time.perf_counter() - start)
+            return transitions
+
+    def _refresh_alertmanagers(self, now: float) -> None:
+        if not self._alertmanagers or now - self._am_last_refresh < self._am_refresh_s:
+            return
+        self._am_last_refresh = now
+        firing = [ep for ep in self.store.firing() if ep.id is not None]
+        for am in self._alertmanagers:
+            try:
+                am.refresh(firing)
+            except Exception as exc:  # a refresh failure must not stop evaluation
+                log.warning("alertmanager refresh failed: %s", exc)
+
+    def firing_alerts(self) -> list[dict[str, object]]:
+        return [a.as_dict() for a in self.evaluator.firing()]
+
+    def start(self, interval_s: float = 5.0) -> None:
+        """Run :meth:`tick` every ``interval_s`` on APScheduler's background scheduler."""
+        if interval_s <= 0:
+            raise ValueError(f"interval must be positive seconds, got {interval_s}")
+        self.dispatcher.start()
+        self.dispatcher.requeue_unsent()
+        self._safe_tick()
+        sched = BackgroundScheduler(timezone="UTC")
+        sched.add_job(self._safe_tick, "interval", seconds=interval_s, max_instances=1, coalesce=True)
+        sched.add_job(self.dispatcher.requeue_unsent, "interval", seconds=max(30.0, interval_s * 6),
+                      max_instances=1, coalesce=True)  # fmt: skip
+        sched.start()
+        self._scheduler = sched
+
+    def _safe_tick(self) -> None:
+        try:
+            self.tick()
+        except Exception:  # keep the schedule alive; the error is logged and counted
+            log.exception("evaluation failed")
+            self.metrics.source_errors.inc()
+
+    def stop(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=True)
+            self._scheduler = None
+        self.dispatcher.close()
+        self.source.close()

@@ -1,0 +1,645 @@
+"""Signals: what the detector derives from raw counters, per engine, over sliding windows.
+
+Owns the signal names and units, their PromQL recording rules (rendered into
+``rules/retrywatch.rules.yml`` by ``rules/generate.py``), and their Python computation from a
+sequence of :class:`retrywatch.timeseries.Snapshot` s.
+
+Engines are grouped by the ``instance`` label, which every source adds (the scraped URL, the
+Prometheus target, or the replayed run's slug): the proxy's series carry no engine label, so
+``engine`` and ``model`` come from vLLM's ``engine`` / ``model_name`` labels within the same
+instance (one engine per proxy instance).
+
+NOTE: rates follow Prometheus' ``rate()`` over a range that includes both ends ([now-W, now]):
+the increase between the first and last sample in the window (counter resets handled) divided
+by the time between them; gauges take the latest sample within the lookback; ``deriv`` is the
+least-squares slope. With samples on the evaluation grid the two evaluators agree exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from detector.thresholds import WINDOWS, Windows
+from retrywatch import metricnames as mn
+from retrywatch.timeseries import Snapshot
+
+PROMETHEUS_JOB = "retrywatch"
+ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
+MAX_INSTANCES = 256
+
+# --- raw quantities: sums of samples per instance ---------------------------------------
+
+# key -> (metric name, required label or None)
+RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
+    "attempts_first": (mn.ATTEMPTS, ("kind", "first")),
+    "attempts_retry": (mn.ATTEMPTS, ("kind", "retry")),
+    "attached": (mn.ATTEMPTS_ATTACHED, None),
+    "shed": (mn.ATTEMPTS_SHED, None),
+    "created": (mn.EXECUTIONS_CREATED, None),
+    "dispatched": (mn.EXECUTIONS_DISPATCHED, None),
+    **{f"finished_{fate}": (mn.EXECUTIONS_FINISHED, ("fate", fate)) for fate in mn.FATES},
+    "delivered_within": (mn.CALLS_DELIVERED, ("within_deadline", "true")),
+    "delivered_late": (mn.CALLS_DELIVERED, ("within_deadline", "false")),
+    "waiting": (mn.VLLM_NUM_WAITING, None),
+    "running": (mn.VLLM_NUM_RUNNING, None),
+    "queued": (mn.EXECUTIONS_QUEUED, None),
+    "capacity_gauge": (mn.CAPACITY, None),
+    "deadline_gauge": (mn.CLIENT_DEADLINE, None),
+    "prompt_tokens": (mn.VLLM_PROMPT_TOKENS, None),
+    "prefix_queries": (mn.VLLM_PREFIX_CACHE_QUERIES, None),
+    "upstream_up": (mn.UPSTREAM_UP, None),
+}
+RAW_KEYS: tuple[str, ...] = tuple(RAW)
+_RAW_INDEX = {key: i for i, key in enumerate(RAW_KEYS)}
+_BY_NAME: dict[str, list[tuple[int, tuple[str, str] | None]]] = {}
+for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
+    _BY_NAME.setdefault(_name, []).append((_i, _flt))
+
+_COUNTER_IDX: tuple[int, ...] = tuple(i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith("_total"))
+
+# Series without which no verdict is possible (NoData fires when one is missing).
+NEEDED_RAW: tuple[str, ...] = ("attempts_first", "created", "waiting")
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    name: str
+    unit: str
+    help: str
+    record: str  # the recording rule's name
+    promql: str  # its expression
+
+
+def _j(expr: str) -> str:
+    """Attach engine/model labels (from vLLM's series) to a ``by (instance)`` expression."""
+    return f"({expr}) * on (instance) group_left (engine, model) {ENGINE_INFO_RECORD}"
+
+
+def _rate(metric: str, window: str, selector: str = "") -> str:
+    return _j(f"sum by (instance) (rate({metric}{selector}[{window}]))")
+
+
+def _gauge(metric: str, agg: str = "sum", flt: str = "") -> str:
+    return _j(f"{agg} by (instance) ({metric}{flt})")
+
+
+_W = f"{int(WINDOWS.rate_s)}s"
+_GW = f"{int(WINDOWS.prompt_gap_s)}s"
+
+
+def _r(name: str) -> str:
+    return f"instance:retrywatch_{name}"
+
+
+def _data_missing_promql() -> str:
+    # 1 where the target is down, or scraped without the retrywatch or vLLM series; 0 elsewhere.
+    # Only ``instance`` labels here: without vLLM's series there are no engine/model labels.
+    up = f'up{{job="{PROMETHEUS_JOB}"}}'
+    one = f"(count by (instance) ({up}) * 0 + 1)"
+    return (
+        f"(max by (instance) ({up}) == 0) + 1"
+        f" or ({one} unless on (instance) count by (instance) ({mn.EXECUTIONS_CREATED}))"
+        f" or ({one} unless on (instance) count by (instance) ({mn.VLLM_NUM_WAITING}))"
+        f" or max by (instance) ({up}) * 0"
+    )
+
+
+SIGNALS: tuple[SignalSpec, ...] = (
+    SignalSpec(
+        "attempt_rate_first",
+        "1/s",
+        "First attempts per second.",
+        _r("attempts_first:rate1m"),
+        _rate(mn.ATTEMPTS, _W, '{kind="first"}'),
+    ),
+    SignalSpec(
+        "attempt_rate_retry",
+        "1/s",
+        "Retries per second.",
+        _r("attempts_retry:rate1m"),
+        _rate(mn.ATTEMPTS, _W, '{kind="retry"}'),
+    ),
+    SignalSpec("attempt_rate", "1/s", "Attempts per second.", _r("attempts:rate1m"), _rate(mn.ATTEMPTS, _W)),
+    SignalSpec(
+        "execution_creation_rate",
+        "1/s",
+        "Executions the proxy creates per second.",
+        _r("executions_created:rate1m"),
+        _rate(mn.EXECUTIONS_CREATED, _W),
+    ),
+    *(
+        SignalSpec(
+            f"completion_rate_{fate}",
+            "1/s",
+            f"Executions finished with fate {fate} per second.",
+            _r(f"executions_{fate}:rate1m"),
+            _rate(mn.EXECUTIONS_FINISHED, _W, f'{{fate="{fate}"}}'),
+        )
+        for fate in mn.FATES
+    ),
+    SignalSpec(
+        "shed_rate",
+        "1/s",
+        "Attempts shed per second.",
+        _r("attempts_shed:rate1m"),
+        _rate(mn.ATTEMPTS_SHED, _W),
+    ),
+    SignalSpec(
+        "attached_rate",
+        "1/s",
+        "Attempts attached to a live execution per second.",
+        _r("attempts_attached:rate1m"),
+        _rate(mn.ATTEMPTS_ATTACHED, _W),
+    ),
+    SignalSpec(
+        "delivered_rate_within_deadline",
+        "1/s",
+        "Calls delivered within the deadline per second.",
+        _r("calls_delivered_within_deadline:rate1m"),
+        _rate(mn.CALLS_DELIVERED, _W, '{within_deadline="true"}'),
+    ),
+    SignalSpec(
+        "delivered_rate_late",
+        "1/s",
+        "Calls delivered after the deadline per second.",
+        _r("calls_delivered_late:rate1m"),
+        _rate(mn.CALLS_DELIVERED, _W, '{within_deadline="false"}'),
+    ),
+    SignalSpec(
+        "prompt_tokens_counted_rate",
+        "tokens/s",
+        "vllm:prompt_tokens_total per second (5 min).",
+        _r("prompt_tokens_counted:rate5m"),
+        _rate(mn.VLLM_PROMPT_TOKENS, _GW),
+    ),
+    SignalSpec(
+        "prompt_tokens_admitted_rate",
+        "tokens/s",
+        "Prompt tokens admitted per second (5 min).",
+        _r("prompt_tokens_admitted:rate5m"),
+        _rate(mn.VLLM_PREFIX_CACHE_QUERIES, _GW),
+    ),
+    SignalSpec(
+        "vllm_waiting",
+        "executions",
+        "vLLM's waiting queue.",
+        _r("vllm_waiting:sum"),
+        _gauge(mn.VLLM_NUM_WAITING),
+    ),
+    SignalSpec(
+        "vllm_running",
+        "executions",
+        "vLLM's running batch.",
+        _r("vllm_running:sum"),
+        _gauge(mn.VLLM_NUM_RUNNING),
+    ),
+    SignalSpec(
+        "proxy_queued",
+        "executions",
+        "Executions waiting in the proxy's own queue.",
+        _r("executions_queued:sum"),
+        _gauge(mn.EXECUTIONS_QUEUED),
+    ),
+    SignalSpec(
+        "capacity",
+        "calls/s",
+        "Ĉ: configured, exported by the proxy, or estimated online.",
+        _r("capacity:calls_per_second"),
+        _j(f"max by (instance) ({mn.CAPACITY} > 0) or {_r('capacity_estimate:avg1h')}"),
+    ),
+    SignalSpec(
+        "deadline",
+        "s",
+        "The clients' deadline on an attempt.",
+        _r("client_deadline:seconds"),
+        _gauge(mn.CLIENT_DEADLINE, "max", " > 0"),
+    ),
+    SignalSpec(
+        "prompt_token_gap",
+        "ratio",
+        "Share of admitted prompt tokens vLLM's counter misses (5 min).",
+        _r("prompt_token_gap:ratio5m"),
+        f"1 - {_r('prompt_tokens_counted:rate5m')} / ({_r('prompt_tokens_admitted:rate5m')} > 0)",
+    ),
+    SignalSpec(
+        "executions_per_first_attempt",
+        "ratio",
+        "Executions created per first attempt.",
+        _r("executions_per_first_attempt:ratio1m"),
+        f"{_r('executions_created:rate1m')} / ({_r('attempts_first:rate1m')} > 0)",
+    ),
+    SignalSpec(
+        "creation_capacity_ratio",
+        "ratio",
+        "Execution creation rate over Ĉ.",
+        _r("creation_capacity:ratio1m"),
+        f"{_r('executions_created:rate1m')} / {_r('capacity:calls_per_second')}",
+    ),
+    SignalSpec(
+        "completion_capacity_ratio",
+        "ratio",
+        "Executions the engine completed (delivered or orphaned) over Ĉ.",
+        _r("completion_capacity:ratio1m"),
+        f"({_r('executions_completed:rate1m')} + {_r('executions_orphaned:rate1m')})"
+        f" / {_r('capacity:calls_per_second')}",
+    ),
+    SignalSpec(
+        "waiting_littles_law_ratio",
+        "ratio",
+        "vLLM waiting over attempt rate × deadline.",
+        _r("waiting_littles_law:ratio1m"),
+        f"{_r('vllm_waiting:sum')} / (({_r('attempts:rate1m')} * {_r('client_deadline:seconds')}) > 0)",
+    ),
+    SignalSpec(
+        "backlog_seconds",
+        "s",
+        "Executions in the engine (waiting + running) and the proxy queue, in seconds at Ĉ: by Little's"
+        " law, how long a new execution takes to complete.",
+        _r("backlog:seconds"),
+        f"({_r('vllm_waiting:sum')} + {_r('vllm_running:sum')} + {_r('executions_queued:sum')})"
+        f" / {_r('capacity:calls_per_second')}",
+    ),
+    SignalSpec(
+        "backlog_deadline_ratio",
+        "ratio",
+        "The backlog in deadlines.",
+        _r("backlog_deadline:ratio"),
+        f"{_r('backlog:seconds')} / {_r('client_deadline:seconds')}",
+    ),
+    SignalSpec(
+        "goodput_ratio",
+        "ratio",
+        "Calls delivered within the deadline per first attempt.",
+        _r("goodput:ratio1m"),
+        f"{_r('calls_delivered_within_deadline:rate1m')} / ({_r('attempts_first:rate1m')} > 0)",
+    ),
+    SignalSpec(
+        "orphaned_fraction",
+        "ratio",
+        "Share of the engine's completions that were orphaned.",
+        _r("orphaned:ratio1m"),
+        f"{_r('executions_orphaned:rate1m')} / "
+        f"(({_r('executions_completed:rate1m')} + {_r('executions_orphaned:rate1m')}) > 0)",
+    ),
+    SignalSpec(
+        "queue_growth_rate",
+        "executions/s",
+        "Least-squares slope of engine waiting + proxy queue.",
+        _r("queue_growth:deriv1m"),
+        f"deriv({_r('queue_executions:sum')}[{_W}])",
+    ),
+    SignalSpec(
+        "data_missing",
+        "bool",
+        "1 when the source is down or a needed series is missing.",
+        _r("data_missing:bool"),
+        _data_missing_promql(),
+    ),
+)
+
+SIGNALS_BY_NAME: dict[str, SignalSpec] = {s.name: s for s in SIGNALS}
+RECORD_NAMES: dict[str, str] = {s.name: s.record for s in SIGNALS}
+
+# Helper recording rules some signals read (record, expression), in evaluation order.
+HELPER_RECORDS: tuple[tuple[str, str], ...] = (
+    (
+        ENGINE_INFO_RECORD,
+        f'max by (instance, engine, model) (label_replace({mn.VLLM_NUM_WAITING} * 0 + 1, "model", "$1", '
+        '"model_name", "(.*)"))',
+    ),
+    (
+        _r("saturated_completion:rate5m"),
+        # Ĉ estimate: the engine's completion rate over 5 minutes in which its queue never emptied.
+        f'sum by (instance) (rate({mn.EXECUTIONS_FINISHED}{{fate=~"completed|orphaned"}}[{_GW}]))'
+        f" and on (instance) (min by (instance) (min_over_time({mn.VLLM_NUM_WAITING}[{_GW}])) > 0)",
+    ),
+    (_r("capacity_estimate:avg1h"), f"avg_over_time({_r('saturated_completion:rate5m')}[1h])"),
+    (
+        _r("queue_executions:sum"),
+        _j(
+            f"sum by (instance) ({mn.VLLM_NUM_WAITING})"
+            f" + on (instance) sum by (instance) ({mn.EXECUTIONS_QUEUED})"
+        ),
+    ),
+)
+
+
+def recording_rules() -> list[tuple[str, str]]:
+    """Every recording rule, in an order where each reads only rules defined before it."""
+    return [*HELPER_RECORDS, *((s.record, s.promql) for s in SIGNALS)]
+
+
+# --- Python computation ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineLabels:
+    engine: str
+    model: str
+    instance: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"engine": self.engine, "model": self.model, "instance": self.instance}
+
+
+@dataclass
+class SignalFrame:
+    """One engine's signals at time ``t``; None marks a signal that cannot be computed."""
+
+    t: float
+    labels: EngineLabels
+    values: dict[str, float | None]
+    missing: tuple[str, ...] = ()
+
+
+@dataclass
+class SignalConfig:
+    """Operator overrides: configured Ĉ and deadline win over exported and estimated values."""
+
+    capacity: float | None = None
+    deadline: float | None = None
+    windows: Windows = WINDOWS
+
+
+@dataclass
+class _EngineHistory:
+    times: list[float] = field(default_factory=list)
+    rows: list[list[float]] = field(default_factory=list)
+    engine: str = ""
+    model: str = ""
+    source_up: bool = True
+    capacity_samples: list[tuple[float, float]] = field(default_factory=list)
+    # counters are stored reset-adjusted (monotonic), so a rate is one subtraction
+    last_raw: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
+    last_adj: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
+
+
+class TooManyInstances(ValueError):
+    """More distinct instances than the detector keeps (a label-cardinality bound)."""
+
+
+def split_snapshot(snapshot: Snapshot, default_instance: str = "") -> dict[str, tuple[list[float], str, str]]:
+    """Reduce a snapshot to raw quantities per instance: {instance: (row, engine, model)}."""
+    out: dict[str, tuple[list[float], str, str]] = {}
+    for name, labels, value in snapshot.samples:
+        targets = _BY_NAME.get(name)
+        if targets is None:
+            continue
+        instance = labels.get("instance", default_instance)
+        entry = out.get(instance)
+        if entry is None:
+            entry = ([math.nan] * len(RAW_KEYS), "", "")
+            out[instance] = entry
+        row = entry[0]
+        if name.startswith("vllm:") and not entry[1] and ("engine" in labels or "model_name" in labels):
+            out[instance] = entry = (row, labels.get("engine", ""), labels.get("model_name", ""))
+        if math.isnan(value):
+            continue
+        for idx, flt in targets:
+            if flt is not None and labels.get(flt[0]) != flt[1]:
+                continue
+            row[idx] = value if math.isnan(row[idx]) else row[idx] + value
+    return out
+
+
+class SignalEngine:
+    """Keeps a bounded raw history per instance and computes :class:`SignalFrame` s.
+
+    ``retention_s`` bounds the raw history (enough for the longest window); ``max_instances``
+    bounds the number of engines followed.
+    """
+
+    def __init__(
+        self,
+        config: SignalConfig | None = None,
+        *,
+        retention_s: float | None = None,
+        max_instances: int = MAX_INSTANCES,
+    ) -> None:
+        self.config = config or SignalConfig()
+        w = self.config.windows
+        self.retention_s = retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s) + 30.0
+        self.max_instances = max_instances
+        self._engines: dict[str, _EngineHistory] = {}
+
+    @property
+    def instances(self) -> list[str]:
+        return list(self._engines)
+
+    def add(self, snapshot: Snapshot, default_instance: str = "") -> None:
+        """Record one scrape (samples grouped by their ``instance`` label)."""
+        for instance, (row, engine, model) in split_snapshot(snapshot, default_instance).items():
+            hist = self._engines.get(instance)
+            if hist is None:
+                if len(self._engines) >= self.max_instances:
+                    raise TooManyInstances(
+                        f"more than {self.max_instances} instances;"
+                        " raise max_instances or scrape fewer targets"
+                    )
+                hist = self._engines[instance] = _EngineHistory()
+            if engine or model:
+                hist.engine, hist.model = engine, model
+            if hist.times and snapshot.t <= hist.times[-1]:
+                continue  # a repeated or late scrape: the first one at a time stands
+            for idx in _COUNTER_IDX:
+                raw = row[idx]
+                if math.isnan(raw):
+                    continue
+                prev = hist.last_raw[idx]
+                # a counter that went down was reset: it restarted from zero (like rate())
+                adj = raw if math.isnan(prev) else hist.last_adj[idx] + (raw - prev if raw >= prev else raw)
+                hist.last_raw[idx], hist.last_adj[idx] = raw, adj
+                row[idx] = adj
+            hist.times.append(snapshot.t)
+            hist.rows.append(row)
+            hist.source_up = True
+            self._trim(hist, snapshot.t)
+
+    def mark_down(self, instance: str) -> None:
+        """The source could not reach ``instance``: its signals report missing data."""
+        hist = self._engines.get(instance)
+        if hist is None:
+            if len(self._engines) >= self.max_instances:
+                return
+            hist = self._engines[instance] = _EngineHistory()
+        hist.source_up = False
+
+    def _trim(self, hist: _EngineHistory, now: float) -> None:
+        cut = bisect.bisect_left(hist.times, now - self.retention_s)
+        if cut > 64:  # trim in chunks: amortised O(1)
+            del hist.times[:cut]
+            del hist.rows[:cut]
+        horizon = now - self.config.windows.capacity_estimate_s
+        if hist.capacity_samples and hist.capacity_samples[0][0] < horizon - 600:
+            hist.capacity_samples = [s for s in hist.capacity_samples if s[0] >= horizon]
+
+    def compute(self, now: float) -> list[SignalFrame]:
+        """Every followed engine's signals at ``now``."""
+        return [self._compute_one(inst, hist, now) for inst, hist in self._engines.items()]
+
+    # -- internals --
+
+    def _window(self, hist: _EngineHistory, now: float, width: float) -> tuple[int, int]:
+        lo = bisect.bisect_left(hist.times, now - width - 1e-9)
+        hi = bisect.bisect_right(hist.times, now + 1e-9)
+        return lo, hi
+
+    def _rate(self, hist: _EngineHistory, key: str, now: float, width: float) -> float | None:
+        idx = _RAW_INDEX[key]
+        lo, hi = self._window(hist, now, width)
+        rows, times = hist.rows, hist.times
+        first = lo
+        while first < hi and math.isnan(rows[first][idx]):
+            first += 1
+        last = hi - 1
+        while last > first and math.isnan(rows[last][idx]):
+            last -= 1
+        if last <= first or times[last] <= times[first]:
+            return None
+        return (rows[last][idx] - rows[first][idx]) / (times[last] - times[first])
+
+    def _gauge(self, hist: _EngineHistory, key: str, now: float) -> float | None:
+        # The latest scrape only: a series absent from it is stale, as Prometheus marks it.
+        last = self._last_row(hist, now)
+        if last is None or math.isnan(last[_RAW_INDEX[key]]):
+            return None
+        return last[_RAW_INDEX[key]]
+
+    def _deriv(self, hist: _EngineHistory, keys: tuple[str, ...], now: float, width: float) -> float | None:
+        idxs = [_RAW_INDEX[k] for k in keys]
+        lo, hi = self._window(hist, now, width)
+        xs: list[float] = []
+        ys: list[float] = []
+        for i in range(lo, hi):
+            row = hist.rows[i]
+            if math.isnan(row[idxs[0]]):
+                continue
+            xs.append(hist.times[i])
+            ys.append(sum(0.0 if math.isnan(row[j]) else row[j] for j in idxs))
+        if len(xs) < 2:
+            return None
+        mx = sum(xs) / len(xs)
+        my = sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx == 0:
+            return None
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+    def _min_gauge(self, hist: _EngineHistory, key: str, now: float, width: float) -> float | None:
+        idx = _RAW_INDEX[key]
+        lo, hi = self._window(hist, now, width)
+        vals = [hist.rows[i][idx] for i in range(lo, hi) if not math.isnan(hist.rows[i][idx])]
+        return min(vals) if vals else None
+
+    def _capacity(self, hist: _EngineHistory, now: float) -> float | None:
+        w = self.config.windows
+        # The online estimate is updated on every computation, whichever Ĉ is in use.
+        min_wait = self._min_gauge(hist, "waiting", now, w.prompt_gap_s)
+        if min_wait is not None and min_wait > 0:
+            c = self._rate(hist, "finished_completed", now, w.prompt_gap_s)
+            o = self._rate(hist, "finished_orphaned", now, w.prompt_gap_s)
+            fresh = not hist.capacity_samples or hist.capacity_samples[-1][0] < now
+            if (c is not None or o is not None) and fresh:
+                hist.capacity_samples.append((now, (c or 0.0) + (o or 0.0)))
+        if self.config.capacity is not None:
+            return self.config.capacity
+        gauge = self._gauge(hist, "capacity_gauge", now)
+        if gauge is not None and gauge > 0:
+            return gauge
+        recent = [v for t, v in hist.capacity_samples if now - w.capacity_estimate_s <= t <= now]
+        if recent:
+            est = sum(recent) / len(recent)
+            return est if est > 0 else None
+        return None
+
+    def _compute_one(self, instance: str, hist: _EngineHistory, now: float) -> SignalFrame:
+        w = self.config.windows
+        v: dict[str, float | None] = {}
+
+        def rate(key: str, width: float = w.rate_s) -> float | None:
+            return self._rate(hist, key, now, width)
+
+        v["attempt_rate_first"] = first = rate("attempts_first")
+        v["attempt_rate_retry"] = retry = rate("attempts_retry")
+        v["attempt_rate"] = attempts = _add(first, retry)
+        v["execution_creation_rate"] = created = rate("created")
+        for fate in mn.FATES:
+            v[f"completion_rate_{fate}"] = rate(f"finished_{fate}")
+        v["shed_rate"] = rate("shed")
+        v["attached_rate"] = rate("attached")
+        v["delivered_rate_within_deadline"] = within = rate("delivered_within")
+        v["delivered_rate_late"] = rate("delivered_late")
+        v["prompt_tokens_counted_rate"] = counted = rate("prompt_tokens", w.prompt_gap_s)
+        v["prompt_tokens_admitted_rate"] = admitted = rate("prefix_queries", w.prompt_gap_s)
+        v["vllm_waiting"] = waiting = self._gauge(hist, "waiting", now)
+        v["vllm_running"] = self._gauge(hist, "running", now)
+        queued_gauge = self._gauge(hist, "queued", now)
+        v["proxy_queued"] = queued_gauge
+        v["capacity"] = capacity = self._capacity(hist, now)
+        if self.config.deadline is not None:
+            deadline: float | None = self.config.deadline
+        else:
+            g = self._gauge(hist, "deadline_gauge", now)
+            deadline = g if g is not None and g > 0 else None
+        v["deadline"] = deadline
+        v["prompt_token_gap"] = (
+            1.0 - (counted or 0.0) / admitted if admitted is not None and admitted > 0 else None
+        )
+        v["executions_per_first_attempt"] = _div(created, first)
+        v["creation_capacity_ratio"] = _div(created, capacity)
+        completed = v["completion_rate_completed"]
+        orphaned = v["completion_rate_orphaned"]
+        engine_done = _add(completed, orphaned)
+        v["completion_capacity_ratio"] = _div(engine_done, capacity)
+        little = attempts * deadline if attempts is not None and deadline is not None else None
+        v["waiting_littles_law_ratio"] = _div(waiting, little)
+        # NOTE: running executions count: at Ĉ a new execution completes only after everything
+        # in the engine ahead of and beside it (Little's law), which is what its deadline measures.
+        queue = _add(_add(waiting, v["vllm_running"]), queued_gauge) if waiting is not None else None
+        v["backlog_seconds"] = backlog = _div(queue, capacity)
+        v["backlog_deadline_ratio"] = _div(backlog, deadline)
+        v["goodput_ratio"] = _div(within, first)
+        v["orphaned_fraction"] = _div(orphaned, engine_done)
+        v["queue_growth_rate"] = self._deriv(hist, ("waiting", "queued"), now, w.rate_s)
+
+        missing: list[str] = []
+        if not hist.source_up:
+            missing.append("source")
+        last = self._last_row(hist, now)
+        for key in NEEDED_RAW:
+            if last is None or math.isnan(last[_RAW_INDEX[key]]):
+                missing.append(RAW[key][0])
+        if capacity is None:
+            missing.append("capacity")
+        if deadline is None:
+            missing.append("deadline")
+        if not hist.source_up or waiting is None:
+            # NOTE: like Prometheus, where a down target's series go stale at once and every
+            # signal is joined on vLLM's engine labels: no signal, only the NoData verdict.
+            v = dict.fromkeys(v)
+        v["data_missing"] = 1.0 if missing else 0.0
+        labels = EngineLabels(engine=hist.engine, model=hist.model, instance=instance)
+        return SignalFrame(t=now, labels=labels, values=v, missing=tuple(missing))
+
+    def _last_row(self, hist: _EngineHistory, now: float) -> list[float] | None:
+        lo, hi = self._window(hist, now, self.config.windows.gauge_lookback_s)
+        return hist.rows[hi - 1] if hi > lo else None
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    if a is None and b is None:
+        return None
+    return (a or 0.0) + (b or 0.0)
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def signal_values(frames: Iterable[SignalFrame]) -> Mapping[EngineLabels, Mapping[str, float | None]]:
+    return {f.labels: f.values for f in frames}

@@ -1,0 +1,110 @@
+"""Signals through the Prometheus HTTP API (Prometheus, Thanos, Mimir, VictoriaMetrics).
+
+Uses ``prometheus-api-client``. The first fetch backfills the windows with one range query
+(so verdicts are available at once); later fetches take one instant query per evaluation.
+Only the raw series the signals need are asked for (plus ``up``, to see a target that is down).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from datetime import UTC, datetime
+
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from requests.exceptions import RequestException
+from urllib3.util.retry import Retry
+
+from detector.signals import PROMETHEUS_JOB, RAW
+from detector.sources import FetchResult
+from retrywatch.timeseries import Sample, Snapshot
+
+MAX_SERIES = 20_000
+
+
+def _selector(job: str | None) -> str:
+    names = sorted({name for name, _ in RAW.values()} | {"up"})
+    pattern = "|".join(re.escape(n) for n in names)
+    job_part = f',job="{job}"' if job else ""
+    return f'{{__name__=~"{pattern}"{job_part}}}'
+
+
+class PrometheusSource:
+    name = "prometheus"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job: str | None = PROMETHEUS_JOB,
+        backfill_s: float = 600.0,
+        step_s: float = 5.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"Prometheus URL must be http(s)://..., got {url!r}")
+        self.url = url
+        self.backfill_s = backfill_s
+        self.step_s = step_s
+        self.query = _selector(job)
+        self._client = PrometheusConnect(
+            url=url,
+            disable_ssl=True,
+            timeout=int(max(1, timeout_s)),
+            retry=Retry(total=1, backoff_factor=0.1),
+        )
+        self._backfilled = False
+        self.known: set[str] = set()
+
+    def _samples(self, metric: dict[str, str], value: float) -> tuple[str, dict[str, str], float]:
+        labels = {k: v for k, v in metric.items() if k != "__name__"}
+        return (metric.get("__name__", ""), labels, value)
+
+    def fetch(self, now: float) -> FetchResult:
+        try:
+            if not self._backfilled:
+                snapshots = self._range(now - self.backfill_s, now)
+                self._backfilled = True
+            else:
+                snapshots = [self._instant(now)]
+        except (PrometheusApiClientException, RequestException, ValueError, KeyError) as exc:
+            return FetchResult(down=sorted(self.known) or [self.url], error=f"{self.url}: {exc}")
+        down: set[str] = set()
+        for snap in snapshots:
+            keep: list[Sample] = []
+            for name, labels, value in snap.samples:
+                inst = labels.get("instance", "")
+                if name == "up":
+                    if value == 0:
+                        down.add(inst)
+                    elif snap is snapshots[-1]:
+                        down.discard(inst)
+                    continue
+                self.known.add(inst)
+                keep.append((name, labels, value))
+            snap.samples = keep
+        return FetchResult(snapshots=[s for s in snapshots if s.samples], down=sorted(down))
+
+    def _instant(self, now: float) -> Snapshot:
+        data = self._client.custom_query(query=self.query, params={"time": f"{now:.3f}"})
+        if len(data) > MAX_SERIES:
+            raise ValueError(f"{len(data)} series match; at most {MAX_SERIES}")
+        return Snapshot(t=now, samples=[self._samples(d["metric"], float(d["value"][1])) for d in data])
+
+    def _range(self, start: float, end: float) -> list[Snapshot]:
+        data = self._client.custom_query_range(
+            query=self.query,
+            start_time=datetime.fromtimestamp(start, tz=UTC),
+            end_time=datetime.fromtimestamp(end, tz=UTC),
+            step=f"{self.step_s:g}s",
+        )
+        if len(data) > MAX_SERIES:
+            raise ValueError(f"{len(data)} series match; at most {MAX_SERIES}")
+        by_t: dict[float, list[Sample]] = defaultdict(list)
+        for d in data:
+            for t, v in d["values"]:
+                by_t[float(t)].append(self._samples(d["metric"], float(v)))
+        return [Snapshot(t=t, samples=by_t[t]) for t in sorted(by_t)]
+
+    def close(self) -> None:
+        return None

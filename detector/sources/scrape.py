@@ -1,0 +1,66 @@
+"""Direct scrape of retrywatch proxies' ``/metrics`` (which carry vLLM's series too).
+
+The embedded default: no Prometheus needed. Each target's samples get ``instance`` = its URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import httpx
+
+from detector.sources import FetchResult
+from retrywatch.timeseries import Snapshot, parse_exposition
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_TARGETS = 64
+
+
+class ScrapeSource:
+    name = "exporter"
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        timeout_s: float = 3.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("give at least one exporter URL to scrape")
+        if len(urls) > MAX_TARGETS:
+            raise ValueError(f"at most {MAX_TARGETS} exporter URLs")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"exporter URL must be http(s)://.../metrics, got {url!r}")
+        self.urls = list(urls)
+        self._client = httpx.Client(timeout=timeout_s, transport=transport)
+
+    def _scrape(self, url: str) -> str:
+        with self._client.stream("GET", url, headers={"Accept": "text/plain;version=0.0.4"}) as resp:
+            if resp.status_code != 200:
+                raise httpx.HTTPStatusError(f"HTTP {resp.status_code}", request=resp.request, response=resp)
+            chunks: list[bytes] = []
+            size = 0
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise ValueError(f"{url}: /metrics larger than {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def fetch(self, now: float) -> FetchResult:
+        result = FetchResult()
+        for url in self.urls:
+            try:
+                samples = parse_exposition(self._scrape(url))
+            except (httpx.HTTPError, ValueError) as exc:
+                result.down.append(url)
+                result.error = f"{url}: {exc}"
+                continue
+            labelled = [(n, {**lb, "instance": url}, v) for n, lb, v in samples]
+            result.snapshots.append(Snapshot(t=now, samples=labelled))
+        return result
+
+    def close(self) -> None:
+        self._client.close()

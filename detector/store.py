@@ -1,0 +1,320 @@
+"""Episodes and their notification state in SQL (SQLAlchemy 2.x): SQLite by default, any URL.
+
+An episode is written when its alert fires and updated when it resolves, each in its own
+committed transaction, so a fired episode survives a restart and a ``kill -9``. Each notifier's
+delivery of its firing and of its resolution is a row beside it (written in the same
+transaction, marked sent on success), so a restarted detector neither loses nor repeats one.
+
+The schema is versioned: table ``schema_version`` holds one row; :func:`migrate` brings any
+older schema to :data:`SCHEMA_VERSION` step by step and refuses a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Connection,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    and_,
+    create_engine,
+    event,
+    inspect,
+    select,
+    update,
+)
+from sqlalchemy.sql.elements import ColumnElement
+
+from detector.episodes import AlertEpisode
+from detector.evaluator import Transition
+from detector.signals import EngineLabels
+
+SCHEMA_VERSION = 1
+DEFAULT_URL = "sqlite:///retrywatch-detector.db"
+
+metadata = MetaData()
+
+schema_version = Table("schema_version", metadata, Column("version", Integer, nullable=False))
+
+episodes = Table(
+    "episodes",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("alertname", String(128), nullable=False, index=True),
+    Column("severity", String(16), nullable=False),
+    Column("engine", String(256), nullable=False, default=""),
+    Column("model", String(256), nullable=False, default=""),
+    Column("instance", String(512), nullable=False, default=""),
+    Column("started_at", Float, nullable=False, index=True),
+    Column("resolved_at", Float, nullable=True),
+    Column("summary", Text, nullable=False),
+    Column("description", Text, nullable=False),
+    Column("value", Float, nullable=True),
+    Column("extra", Text, nullable=False, default="{}"),
+)
+
+# One row per (episode, notifier, firing|resolved), written in the transaction that opens or
+# resolves the episode; ``sent`` turns true once that notifier accepted it.
+notifications = Table(
+    "notifications",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("episode_id", Integer, ForeignKey("episodes.id"), nullable=False, index=True),
+    Column("notifier", String(64), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("sent", Boolean, nullable=False, default=False, index=True),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("last_error", Text, nullable=True),
+    UniqueConstraint("episode_id", "notifier", "kind"),
+)
+
+
+class SchemaError(RuntimeError):
+    """The database holds a schema this version cannot use."""
+
+
+def _create_v1(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[episodes, notifications])
+
+
+# version reached -> step from the previous version (a new column or index goes here as 2, 3, ...)
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+
+
+def current_version(conn: Connection) -> int:
+    if not inspect(conn).has_table("schema_version"):
+        return 0
+    row = conn.execute(select(schema_version.c.version)).first()
+    return int(row[0]) if row else 0
+
+
+def migrate(engine: Engine) -> int:
+    """Bring the database to :data:`SCHEMA_VERSION`; returns the version found before."""
+    with engine.begin() as conn:
+        found = current_version(conn)
+        if found > SCHEMA_VERSION:
+            raise SchemaError(
+                f"database schema version {found} is newer than this detector's {SCHEMA_VERSION};"
+                " upgrade retrywatch"
+            )
+        if found == SCHEMA_VERSION:
+            return found
+        metadata.create_all(conn, tables=[schema_version])
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            MIGRATIONS[version](conn)
+        conn.execute(schema_version.delete())
+        conn.execute(schema_version.insert().values(version=SCHEMA_VERSION))
+    return found
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite files get WAL and full fsync so a commit survives ``kill -9``."""
+    if url.startswith("sqlite") and ":memory:" not in url and url != "sqlite://":
+        path = url.split("///", 1)[-1]
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, future=True, pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.close()
+
+    return engine
+
+
+def _row_to_episode(row) -> AlertEpisode:  # type: ignore[no-untyped-def]
+    return AlertEpisode(
+        id=row.id,
+        alertname=row.alertname,
+        severity=row.severity,
+        labels=EngineLabels(engine=row.engine, model=row.model, instance=row.instance),
+        started_at=row.started_at,
+        resolved_at=row.resolved_at,
+        summary=row.summary,
+        description=row.description,
+        value=row.value,
+    )
+
+
+class EpisodeStore:
+    """Episodes in a SQL database; every write is its own committed transaction."""
+
+    def __init__(self, url: str = DEFAULT_URL) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        migrate(self.engine)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def record(self, transition: Transition, notifiers: Sequence[str] = ()) -> AlertEpisode | None:
+        """Open an episode on ``firing``, close the open one on ``resolved`` (queueing a
+        notification for each of ``notifiers`` in the same transaction); returns it."""
+        if transition.kind == "firing":
+            return self.open_episode(transition, notifiers)
+        return self.resolve_episode(
+            transition.alertname, transition.labels, transition.at, transition.value, notifiers
+        )
+
+    def open_episode(self, tr: Transition, notifiers: Sequence[str] = ()) -> AlertEpisode:
+        with self._lock, self.engine.begin() as conn:
+            existing = conn.execute(
+                select(episodes).where(self._key(tr.alertname, tr.labels), episodes.c.resolved_at.is_(None))
+            ).first()
+            if existing is not None:  # already open (a restart re-armed it): keep the first record
+                return _row_to_episode(existing)
+            result = conn.execute(
+                episodes.insert().values(
+                    alertname=tr.alertname,
+                    severity=tr.severity,
+                    engine=tr.labels.engine,
+                    model=tr.labels.model,
+                    instance=tr.labels.instance,
+                    started_at=tr.started_at,
+                    resolved_at=None,
+                    summary=tr.summary,
+                    description=tr.description,
+                    value=_finite(tr.value),
+                    extra=json.dumps(tr.extra, default=str),
+                )
+            )
+            if not result.inserted_primary_key:
+                raise RuntimeError("the database returned no id for the new episode")
+            new_id = int(result.inserted_primary_key[0])
+            self._queue(conn, new_id, "firing", notifiers)
+            row = conn.execute(select(episodes).where(episodes.c.id == new_id)).one()
+            return _row_to_episode(row)
+
+    @staticmethod
+    def _queue(conn: Connection, episode_id: int, kind: str, notifiers: Sequence[str]) -> None:
+        for name in notifiers:
+            conn.execute(notifications.insert().values(episode_id=episode_id, notifier=name, kind=kind))
+
+    def resolve_episode(
+        self,
+        alertname: str,
+        labels: EngineLabels,
+        at: float,
+        value: float | None,
+        notifiers: Sequence[str] = (),
+    ) -> AlertEpisode | None:
+        with self._lock, self.engine.begin() as conn:
+            row = conn.execute(
+                select(episodes)
+                .where(self._key(alertname, labels), episodes.c.resolved_at.is_(None))
+                .order_by(episodes.c.id.desc())
+            ).first()
+            if row is None:
+                return None
+            conn.execute(
+                update(episodes)
+                .where(episodes.c.id == row.id)
+                .values(resolved_at=at, value=_finite(value) if value is not None else row.value)
+            )
+            self._queue(conn, row.id, "resolved", notifiers)
+            row = conn.execute(select(episodes).where(episodes.c.id == row.id)).one()
+            return _row_to_episode(row)
+
+    def update_value(self, episode_id: int, value: float | None) -> None:
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(update(episodes).where(episodes.c.id == episode_id).values(value=_finite(value)))
+
+    def mark_sent(self, episode_id: int, notifier: str, kind: str) -> None:
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(
+                update(notifications)
+                .where(
+                    notifications.c.episode_id == episode_id,
+                    notifications.c.notifier == notifier,
+                    notifications.c.kind == kind,
+                )
+                .values(sent=True)
+            )
+
+    def mark_failed(self, episode_id: int, notifier: str, kind: str, error: str) -> None:
+        with self._lock, self.engine.begin() as conn:
+            conn.execute(
+                update(notifications)
+                .where(
+                    notifications.c.episode_id == episode_id,
+                    notifications.c.notifier == notifier,
+                    notifications.c.kind == kind,
+                )
+                .values(attempts=notifications.c.attempts + 1, last_error=error[:500])
+            )
+
+    def firing(self) -> list[AlertEpisode]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(episodes).where(episodes.c.resolved_at.is_(None)).order_by(episodes.c.id)
+            ).all()
+        return [_row_to_episode(r) for r in rows]
+
+    def unsent(self, limit: int = 1000) -> list[tuple[AlertEpisode, str, str]]:
+        """(episode, notifier, kind) not delivered yet, oldest first, firing before resolved."""
+        query = (
+            select(episodes, notifications.c.notifier, notifications.c.kind)
+            .join(notifications, notifications.c.episode_id == episodes.c.id)
+            .where(notifications.c.sent.is_(False))
+            .order_by(notifications.c.id)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [(_row_to_episode(r), r.notifier, r.kind) for r in conn.execute(query)]
+
+    def episodes(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        alertname: str | None = None,
+        engine: str | None = None,
+        limit: int = 1000,
+    ) -> list[AlertEpisode]:
+        """Episodes overlapping [since, until], newest first (at most ``limit``)."""
+        conds: list[ColumnElement[bool]] = []
+        if since is not None:
+            conds.append((episodes.c.resolved_at.is_(None)) | (episodes.c.resolved_at >= since))
+        if until is not None:
+            conds.append(episodes.c.started_at <= until)
+        if alertname:
+            conds.append(episodes.c.alertname == alertname)
+        if engine:
+            conds.append(episodes.c.engine == engine)
+        query = select(episodes).order_by(episodes.c.started_at.desc(), episodes.c.id.desc()).limit(limit)
+        if conds:
+            query = query.where(and_(*conds))
+        with self.engine.connect() as conn:
+            return [_row_to_episode(r) for r in conn.execute(query)]
+
+    @staticmethod
+    def _key(alertname: str, labels: EngineLabels):  # type: ignore[no-untyped-def]
+        return and_(
+            episodes.c.alertname == alertname,
+            episodes.c.engine == labels.engine,
+            episodes.c.model == labels.model,
+            episodes.c.instance == labels.instance,
+        )
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return None
+    return float(value)

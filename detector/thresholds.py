@@ -1,0 +1,348 @@
+"""The one definition of every alert: its condition, thresholds, ``for`` and hysteresis.
+
+Both evaluators read this module: the Python evaluator (``detector/evaluator.py``) applies
+each rule's :class:`Condition` tree to the signals of ``detector/signals.py``, and
+``rules/generate.py`` renders the same tree into PromQL over the recording rules that
+``detector/signals.py`` defines (:func:`alert_expr`). A threshold changed here changes both.
+
+Hysteresis is Prometheus' own: an alert fires once its condition has held for ``for_s`` and,
+once firing, resolves only after the condition has been false for ``keep_firing_for_s``
+(``keep_firing_for``, accepted by Prometheus 2.42's rule files). The evaluator mirrors
+Prometheus' state machine exactly, so both fire and resolve on the same evaluation.
+
+NOTE on the mechanism (PROTOCOL §8), which sets each condition:
+- the retry loop needs executions created at or above Ĉ (retries add executions); with
+  cancellation on, every execution waits out its deadline, so the engine's waiting queue sits
+  near attempt rate × deadline (Little's law) while completions collapse; with cancellation off,
+  executions of timed-out attempts run on orphaned: completions continue at about Ĉ but are
+  mostly orphaned and the queue grows.
+- the tipping condition is the backlog measured against the deadline: queued work (engine
+  waiting + proxy queue) that needs more than one deadline at Ĉ makes every new attempt time
+  out. A pulse's timeouts (and so its retries) come one deadline after the backlog crosses it,
+  after the pulse has ended, so the early warning cannot wait for retries to arrive: it fires
+  while attempts arrive at a backlog beyond the deadline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Op = Literal[">", ">=", "<", "<="]
+Severity = Literal["critical", "warning", "info"]
+
+RUNBOOK_URL_PATTERN = "docs/runbook.md#{anchor}"
+
+
+@dataclass(frozen=True)
+class Cmp:
+    """``signal OP threshold``; false when the signal is unknown (None or NaN)."""
+
+    signal: str
+    op: Op
+    threshold: float
+
+
+@dataclass(frozen=True)
+class All:
+    """Every term holds (PromQL ``and``; the value is the first term's)."""
+
+    terms: tuple[Condition, ...]
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """At least one term holds (PromQL ``or``)."""
+
+    terms: tuple[Condition, ...]
+
+
+Condition = Cmp | All | AnyOf
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    """One alert. ``description`` is a Python format string over ``value``, ``instance``,
+    ``engine``, ``model`` (and ``missing`` for NoData); :func:`promql_template` turns it into
+    Prometheus' template language."""
+
+    name: str
+    severity: Severity
+    summary: str
+    description: str
+    condition: Condition
+    for_s: float
+    keep_firing_for_s: float
+    value_signal: str
+    unit: str = ""
+
+    @property
+    def runbook_url(self) -> str:
+        return RUNBOOK_URL_PATTERN.format(anchor=self.name.lower())
+
+    def signals(self) -> list[str]:
+        """Every signal the condition reads, in order, without repeats."""
+        out: list[str] = []
+        for leaf in leaves(self.condition):
+            if leaf.signal not in out:
+                out.append(leaf.signal)
+        return out
+
+
+def leaves(cond: Condition) -> list[Cmp]:
+    if isinstance(cond, Cmp):
+        return [cond]
+    out: list[Cmp] = []
+    for term in cond.terms:
+        out.extend(leaves(term))
+    return out
+
+
+def _compare(value: float, op: Op, threshold: float) -> bool:
+    if op == ">":
+        return value > threshold
+    if op == ">=":
+        return value >= threshold
+    if op == "<":
+        return value < threshold
+    return value <= threshold
+
+
+def holds(cond: Condition, values: Mapping[str, float | None]) -> bool:
+    """Evaluate a condition over one engine's signal values (unknown -> false, like PromQL)."""
+    if isinstance(cond, Cmp):
+        value = values.get(cond.signal)
+        if value is None or math.isnan(value):
+            return False
+        return _compare(value, cond.op, cond.threshold)
+    if isinstance(cond, All):
+        return all(holds(term, values) for term in cond.terms)
+    return any(holds(term, values) for term in cond.terms)
+
+
+def _fmt(x: float) -> str:
+    return repr(float(x)) if not float(x).is_integer() else str(int(x))
+
+
+def condition_promql(cond: Condition, record_names: Mapping[str, str]) -> str:
+    """Render a condition over recorded signal series (``record_names``: signal -> series)."""
+    if isinstance(cond, Cmp):
+        return f"{record_names[cond.signal]} {cond.op} {_fmt(cond.threshold)}"
+    joiner = " and " if isinstance(cond, All) else " or "
+    return joiner.join(f"({condition_promql(term, record_names)})" for term in cond.terms)
+
+
+# --- the alerts ---------------------------------------------------------------------------
+
+RETRY_LOOP = AlertRule(
+    name="VLLMMetastableRetryLoop",
+    severity="critical",
+    summary=(
+        "The engine is stuck in the metastable retry loop: retries keep it saturated while goodput"
+        " has collapsed."
+    ),
+    description=(
+        "Instance {instance} (engine {engine}, model {model}) creates executions at {value:.2f} x capacity "
+        "while almost no call is delivered within the deadline: retries of calls that already timed out "
+        "keep the engine saturated. It will not recover by itself; shed or attach retries."
+    ),
+    # Goodput's collapse is carried by each signature (completions fallen below 0.6 Ĉ while the
+    # queue holds half a deadline's worth of attempts, or orphans among the completions) rather
+    # than by a delivered-calls rate: deliveries lag the first timeouts by most of a window, too
+    # late for a 120-s lead. Thresholds tuned on simulated training seeds (see the report).
+    condition=All(
+        (
+            # Executions created at or above Ĉ: the loop's fuel (attempts alone do not separate).
+            Cmp("creation_capacity_ratio", ">=", 1.0),
+            # Work in the engine beyond one deadline at Ĉ: every new attempt times out, so its
+            # retry comes back (an engine queue cap of Ĉ x deadline bounds this below 1).
+            Cmp("backlog_deadline_ratio", ">=", 1.0),
+            AnyOf(
+                (
+                    # Cancellation on: Little's law with every execution waiting out its deadline,
+                    # and the engine completes (almost) nothing.
+                    All(
+                        (
+                            Cmp("waiting_littles_law_ratio", ">=", 0.5),
+                            Cmp("completion_capacity_ratio", "<", 0.6),
+                        )
+                    ),
+                    # Cancellation off: completions are mostly orphaned and the queue grows.
+                    All(
+                        (
+                            # over the 60-s window: 30% means most completions since the
+                            # first timeouts were orphaned
+                            Cmp("orphaned_fraction", ">=", 0.3),
+                            Cmp("queue_growth_rate", ">", 0.0),
+                        )
+                    ),
+                )
+            ),
+        )
+    ),
+    for_s=5.0,
+    keep_firing_for_s=120.0,
+    value_signal="creation_capacity_ratio",
+    unit="ratio",
+)
+
+BACKLOG_BEYOND_DEADLINE = AlertRule(
+    name="VLLMBacklogBeyondDeadline",
+    severity="warning",
+    summary="Work queued in the engine and the proxy needs longer than the client deadline at capacity.",
+    description=(
+        "Instance {instance} (engine {engine}, model {model}) holds {value:.2f} deadlines of queued work at "
+        "capacity while attempts keep arriving: every new attempt will time out, and with retries on the "
+        "engine tips into the retry loop."
+    ),
+    condition=All(
+        (
+            Cmp("backlog_deadline_ratio", ">=", 1.0),
+            Cmp("attempt_rate", ">", 0.0),
+        )
+    ),
+    for_s=10.0,
+    keep_firing_for_s=60.0,
+    value_signal="backlog_deadline_ratio",
+    unit="ratio",
+)
+
+EXECUTIONS_ABOVE_CAPACITY = AlertRule(
+    name="VLLMExecutionsAboveCapacity",
+    severity="warning",
+    summary="The proxy creates executions faster than the engine completes them at saturation.",
+    description=(
+        "Instance {instance} (engine {engine}, model {model}) has created executions at {value:.2f} x "
+        "capacity for minutes: the queue grows; every run that recovered created executions below capacity."
+    ),
+    condition=Cmp("creation_capacity_ratio", ">=", 1.0),
+    # Longer than a pulse (107 s, plus the 60-s window): a transient surge is the backlog
+    # alert's business; creation above Ĉ that lasts is the loop's fuel.
+    for_s=180.0,
+    keep_firing_for_s=60.0,
+    value_signal="creation_capacity_ratio",
+    unit="ratio",
+)
+
+RETRY_AMPLIFICATION = AlertRule(
+    name="VLLMRetryAmplification",
+    severity="warning",
+    summary="Each call now costs the engine two or more executions.",
+    description=(
+        "Instance {instance} (engine {engine}, model {model}) creates {value:.2f} executions per first "
+        "attempt: retries multiply the engine's work. Attach retries to live executions or budget them."
+    ),
+    condition=All(
+        (
+            Cmp("executions_per_first_attempt", ">=", 2.0),
+            Cmp("attempt_rate_first", ">", 0.0),
+        )
+    ),
+    for_s=60.0,
+    keep_firing_for_s=60.0,
+    value_signal="executions_per_first_attempt",
+    unit="ratio",
+)
+
+ORPHANED_EXECUTIONS = AlertRule(
+    name="VLLMOrphanedExecutions",
+    severity="warning",
+    summary="Many executions complete with nobody waiting for them.",
+    description=(
+        "On instance {instance} (engine {engine}, model {model}) {value:.0%} of completed executions were "
+        "orphaned: the engine spends its capacity on answers no client receives."
+    ),
+    condition=All(
+        (
+            Cmp("orphaned_fraction", ">=", 0.25),
+            Cmp("completion_rate_orphaned", ">", 0.0),
+        )
+    ),
+    for_s=60.0,
+    keep_firing_for_s=60.0,
+    value_signal="orphaned_fraction",
+    unit="ratio",
+)
+
+PROMPT_TOKENS_UNCOUNTED = AlertRule(
+    name="VLLMPromptTokensUncounted",
+    severity="warning",
+    summary="vLLM's prompt-token counter misses a large share of the prompt work the engine admitted.",
+    description=(
+        "On instance {instance} (engine {engine}, model {model}) vllm:prompt_tokens_total counted "
+        "{value:.0%} fewer prompt tokens than were admitted over 5 minutes: executions aborted before their "
+        "first token are invisible to it; autoscalers reading it underestimate the load."
+    ),
+    condition=All(
+        (
+            Cmp("prompt_token_gap", ">=", 0.2),
+            Cmp("prompt_tokens_admitted_rate", ">", 0.0),
+        )
+    ),
+    for_s=60.0,
+    keep_firing_for_s=60.0,
+    value_signal="prompt_token_gap",
+    unit="ratio",
+)
+
+NO_DATA = AlertRule(
+    name="VLLMRetrywatchNoData",
+    severity="warning",
+    summary="The detector has no data for this engine: its verdicts cannot be trusted.",
+    description=(
+        "The detector cannot evaluate instance {instance} (engine {engine}, model {model}): "
+        "missing {missing}. No alert here means nothing while this fires."
+    ),
+    # The data presence of an engine is a signal of its own: 1 when every needed series is
+    # present and the source answered, 0 otherwise (see detector/signals.py).
+    condition=Cmp("data_missing", ">", 0.0),
+    for_s=15.0,
+    keep_firing_for_s=0.0,
+    value_signal="data_missing",
+    unit="",
+)
+
+ALERTS: tuple[AlertRule, ...] = (
+    RETRY_LOOP,
+    BACKLOG_BEYOND_DEADLINE,
+    EXECUTIONS_ABOVE_CAPACITY,
+    RETRY_AMPLIFICATION,
+    ORPHANED_EXECUTIONS,
+    PROMPT_TOKENS_UNCOUNTED,
+    NO_DATA,
+)
+
+ALERTS_BY_NAME: dict[str, AlertRule] = {rule.name: rule for rule in ALERTS}
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The windows signals are computed over (seconds); PromQL ranges use the same values."""
+
+    rate_s: float = 60.0
+    prompt_gap_s: float = 300.0
+    capacity_estimate_s: float = 3600.0
+    gauge_lookback_s: float = 300.0  # like Prometheus' lookback delta
+
+
+WINDOWS = Windows()
+
+
+def promql_template(text: str) -> str:
+    """Turn a rule's Python ``description`` into Prometheus' template language."""
+    out = text
+    for key in ("instance", "engine", "model"):
+        out = out.replace("{" + key + "}", "{{ $labels." + key + " }}")
+    out = out.replace("{value:.2f}", '{{ $value | printf "%.2f" }}')
+    out = out.replace("{value:.0%}", "{{ $value | humanizePercentage }}")
+    out = out.replace("{missing}", "a needed series or the scrape target")
+    return out
+
+
+def alert_expr(rule: AlertRule) -> str:
+    """The PromQL expression of an alert, over the recording rules of ``detector/signals.py``."""
+    from detector.signals import RECORD_NAMES
+
+    return condition_promql(rule.condition, RECORD_NAMES)

@@ -1,0 +1,219 @@
+"""Real servers for the detector's tests: an HTTP server that serves counters or records
+webhooks, Prometheus, Alertmanager and PostgreSQL, each on a free loopback port, each stopped
+by its PID. A tool that is missing fails the test (CI installs them), it is never skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def need(binary: str) -> str:
+    path = shutil.which(binary) or (binary if os.path.exists(binary) else None)
+    if path is None:
+        pytest.fail(f"{binary} not found: install it (see docs / .ci/run)")
+    return path
+
+
+class TestServer:
+    """A threaded HTTP server on 127.0.0.1: serves ``body`` (or ``body_fn()``) on GET, records
+    POSTs, and answers the next ``fail_next`` POSTs with HTTP 500."""
+
+    __test__ = False
+
+    def __init__(self) -> None:
+        self.body = ""
+        self.body_fn: Callable[[], str] | None = None
+        self.status = 200
+        self.posts: list[object] = []
+        self.fail_next = 0
+        self.delay_s = 0.0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                data = (outer.body_fn() if outer.body_fn else outer.body).encode()
+                self.send_response(outer.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length", "0"))
+                raw = self.rfile.read(n)
+                if outer.delay_s:
+                    time.sleep(outer.delay_s)
+                if outer.fail_next > 0:
+                    outer.fail_next -= 1
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                outer.posts.append(json.loads(raw))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.httpd.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def http_server() -> Iterator[TestServer]:
+    server = TestServer()
+    yield server
+    server.close()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[str]:
+    binary = need("prometheus-alertmanager")
+    port = free_port()
+    cfg = tmp_path / "am.yml"
+    cfg.write_text("route:\n  receiver: blackhole\nreceivers:\n  - name: blackhole\n")
+    proc = subprocess.Popen(
+        ["timeout", "120", binary, f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+         f"--storage.path={tmp_path / 'am'}", f"--config.file={cfg}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, 20, "Alertmanager")
+        yield url
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str], str]]:
+    """Start a real Prometheus scraping ``target`` (host:port) every second as job retrywatch."""
+    binary = need("prometheus")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(target: str) -> str:
+        port = free_port()
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: retrywatch\n    static_configs:\n"
+            f"      - targets: ['{target}']\n"
+        )
+        proc = subprocess.Popen(
+            ["timeout", "120", binary, f"--web.listen-address=127.0.0.1:{port}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--config.file={cfg}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, 20, "Prometheus")
+        return url
+
+    yield start
+    for proc in procs:
+        _stop(proc)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A real PostgreSQL 15 server in a temp dir, run as the ``postgres`` user when we are root."""
+    bindir = Path("/usr/lib/postgresql/15/bin")
+    initdb = need(str(bindir / "initdb") if (bindir / "initdb").exists() else "initdb")
+    postgres = need(str(bindir / "postgres") if (bindir / "postgres").exists() else "postgres")
+    # PostgreSQL refuses to run as root: as root, run it as the ``postgres`` user in a directory
+    # that user owns (pytest's own temp dirs are private to root).
+    base = Path(tempfile.mkdtemp(prefix="retrywatch-pg-"))
+    data, sock = base / "data", base / "sock"
+    sock.mkdir()
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        for path in (base, sock):
+            shutil.chown(path, "postgres")
+            path.chmod(0o700)
+        prefix = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*prefix, initdb, "-D", str(data), "-U", "rw", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    port = free_port()
+    proc = subprocess.Popen(
+        ["timeout", "120", *prefix, postgres, "-D", str(data), "-c", "listen_addresses=127.0.0.1",
+         "-p", str(port), "-k", str(sock), "-c", "fsync=off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    def ready() -> bool:
+        import psycopg
+
+        with psycopg.connect(f"host=127.0.0.1 port={port} user=rw dbname=postgres", connect_timeout=1):
+            return True
+
+    try:
+        wait_until(lambda: _pg_ready(ready), 30, "PostgreSQL")
+        yield f"postgresql+psycopg://rw@127.0.0.1:{port}/postgres"
+    finally:
+        _stop(proc)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _pg_ready(check: Callable[[], bool]) -> bool:
+    import psycopg
+
+    try:
+        return check()
+    except psycopg.OperationalError:
+        return False
+
+
+def exposition(snapshot_samples: list[tuple[str, dict[str, str], float]]) -> str:
+    """Plain-text exposition of samples, as the proxy serves them."""
+    from retrywatch.timeseries import format_sample
+
+    return "\n".join(format_sample(n, lb, v) for n, lb, v in snapshot_samples) + "\n"

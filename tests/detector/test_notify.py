@@ -1,0 +1,150 @@
+"""Notifiers against real servers: a webhook receiver and a real Alertmanager; each firing and
+each resolution delivered once, retried with backoff, and not lost or repeated by a restart."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from detector.evaluator import Transition
+from detector.notify import AlertmanagerNotifier, Dispatcher, NotifyError, WebhookNotifier
+from detector.signals import EngineLabels
+from detector.store import EpisodeStore
+from tests.detector.conftest import TestServer, wait_until
+
+LABELS = EngineLabels("0", "qwen", "proxy-a")
+
+
+def _tr(kind: str, at: float) -> Transition:
+    return Transition(kind=kind, alertname="VLLMMetastableRetryLoop", severity="critical", labels=LABELS,  # type: ignore[arg-type]
+                      at=at, started_at=1000.0, value=2.0, summary="loop", description="desc")  # fmt: skip
+
+
+def test_webhook_retries_with_backoff_and_delivers_each_transition_once(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    sleeps: list[float] = []
+    hook = WebhookNotifier(http_server.url + "/hook", timeout_s=2.0, name="webhook0")
+    disp = Dispatcher(
+        store, [hook], retries=3, backoff_s=0.05, sleep=lambda s: (sleeps.append(s), time.sleep(s))[1]
+    )
+    disp.start()
+    http_server.fail_next = 2
+    ep = store.record(_tr("firing", 1000.0), disp.names)
+    assert ep is not None
+    disp.submit(ep, "webhook0", "firing")
+    disp.submit(ep, "webhook0", "firing")  # a duplicate submission is ignored while in flight
+    assert disp.wait_idle(10)
+    assert sleeps == [0.05, 0.1]  # two failures, exponential backoff
+    assert [p["status"] for p in http_server.posts] == ["firing"]  # type: ignore[index]
+    body = http_server.posts[0]
+    assert body["alert"]["alertname"] == "VLLMMetastableRetryLoop"  # type: ignore[index]
+    assert body["alert"]["runbook_url"] == "docs/runbook.md#vllmmetastableretryloop"  # type: ignore[index]
+    assert store.unsent() == []
+    assert disp.requeue_unsent() == 0  # nothing left to send: nothing is sent twice
+    done = store.record(_tr("resolved", 1300.0), disp.names)
+    assert done is not None
+    disp.submit(done, "webhook0", "resolved")
+    assert disp.wait_idle(10)
+    assert [p["status"] for p in http_server.posts] == ["firing", "resolved"]  # type: ignore[index]
+    disp.close()
+    store.close()
+
+
+def test_undelivered_notifications_survive_a_restart_and_are_sent_once(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    store = EpisodeStore(url)
+    http_server.fail_next = 100
+    disp = Dispatcher(store, [WebhookNotifier(http_server.url, name="webhook0")], retries=1, backoff_s=0.01)
+    disp.start()
+    ep = store.record(_tr("firing", 1000.0), disp.names)
+    disp.submit(ep, "webhook0", "firing")  # type: ignore[arg-type]
+    assert disp.wait_idle(10)
+    disp.close()
+    store.close()
+    assert http_server.posts == []
+    # the receiver is back; a new detector process picks up what was not sent
+    http_server.fail_next = 0
+    store2 = EpisodeStore(url)
+    disp2 = Dispatcher(store2, [WebhookNotifier(http_server.url, name="webhook0")])
+    disp2.start()
+    assert disp2.requeue_unsent() == 1
+    assert disp2.wait_idle(10)
+    assert disp2.requeue_unsent() == 0
+    assert [p["status"] for p in http_server.posts] == ["firing"]  # type: ignore[index]
+    disp2.close()
+    store2.close()
+
+
+def test_webhook_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="http"):
+        WebhookNotifier("ftp://x")
+    hook = WebhookNotifier("http://127.0.0.1:9/none", timeout_s=0.5)
+    from detector.episodes import AlertEpisode
+
+    ep = AlertEpisode("A", "warning", LABELS, 1.0, None, "s", "d", None, id=1)
+    with pytest.raises(NotifyError, match="webhook"):
+        hook.send(ep, "firing")
+    hook.close()
+
+
+def test_bounded_queue_drops_and_keeps_the_row_unsent(tmp_path: Path) -> None:
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    disp = Dispatcher(store, [WebhookNotifier("http://127.0.0.1:9/x", name="webhook0")], max_queue=1)
+    eps = [store.record(_tr("firing", 1000.0 + i), disp.names) for i in range(1)]
+    other = Transition(
+        kind="firing", alertname="VLLMBacklogBeyondDeadline", severity="warning", labels=LABELS,
+        at=1.0, started_at=1.0, value=1.0, summary="s", description="d",
+    )  # fmt: skip
+    eps.append(store.record(other, disp.names))
+    assert disp.submit(eps[0], "webhook0", "firing")  # type: ignore[arg-type]
+    assert not disp.submit(eps[1], "webhook0", "firing")  # type: ignore[arg-type]
+    assert disp.dropped == 1 and len(store.unsent()) == 2
+    disp.close()
+    store.close()
+
+
+def test_alertmanager_receives_firing_then_resolved(tmp_path: Path, alertmanager: str) -> None:
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    am = AlertmanagerNotifier(alertmanager)
+    disp = Dispatcher(store, [am])
+    disp.start()
+    now = time.time()
+    ep = store.record(_tr("firing", now), disp.names)
+    assert ep is not None
+    ep.started_at = now
+    disp.submit(ep, "alertmanager", "firing")
+    assert disp.wait_idle(10) and store.unsent() == []
+
+    def active() -> list[dict[str, object]]:
+        resp = httpx.get(
+            f"{alertmanager}/api/v2/alerts", params={"filter": "alertname=VLLMMetastableRetryLoop"}
+        )
+        resp.raise_for_status()
+        return [a for a in resp.json() if a["status"]["state"] == "active"]
+
+    wait_until(lambda: len(active()) == 1, 10, "the alert in Alertmanager")
+    alert = active()[0]
+    assert alert["labels"] == {  # type: ignore[comparison-overlap]
+        "alertname": "VLLMMetastableRetryLoop", "severity": "critical", "source": "retrywatch",
+        "engine": "0", "model": "qwen", "instance": "proxy-a",
+    }  # fmt: skip
+    assert alert["annotations"]["runbook_url"] == "docs/runbook.md#vllmmetastableretryloop"  # type: ignore[index]
+    am.refresh([ep])  # a refresh is accepted and does not create a second alert
+    assert len(active()) == 1
+    resolved = Transition(
+        kind="resolved", alertname=ep.alertname, severity="critical", labels=LABELS,
+        at=time.time(), started_at=now, value=1.0, summary="s", description="d",
+    )  # fmt: skip
+    done = store.record(resolved, disp.names)
+    disp.submit(done, "alertmanager", "resolved")  # type: ignore[arg-type]
+    assert disp.wait_idle(10) and store.unsent() == []
+    wait_until(lambda: active() == [], 10, "the alert to resolve in Alertmanager")
+    disp.close()
+    store.close()

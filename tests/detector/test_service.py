@@ -1,0 +1,162 @@
+"""The running detector and its API: a replayed collapse through ticks, episodes in SQL,
+notifications once across a restart, and the JSON shapes of docs/architecture.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from detector.api import create_app
+from detector.notify import WebhookNotifier
+from detector.service import Detector, SignalHistory
+from detector.signals import EngineLabels, SignalFrame
+from detector.sources.replay import ReplaySource
+from detector.store import EpisodeStore
+from retrywatch.timeseries import write_series
+from tests.detector.conftest import TestServer
+from tests.detector.minisim import MiniSim
+
+T0 = 1_800_000_000.0  # the replayed run is shifted to Unix time
+
+
+def _series(tmp_path: Path) -> Path:
+    path = tmp_path / "metrics.jsonl"
+    write_series(path, MiniSim(seed=3, cancellation=False).run())
+    return path
+
+
+def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    series = _series(tmp_path)
+    db = f"sqlite:///{tmp_path / 'd.db'}"
+    source = ReplaySource(series, instance="proxy-a", offset=T0)
+    times = [s.t for s in source.snapshots]
+    store = EpisodeStore(db)
+    det = Detector(source, store, notifiers=[WebhookNotifier(http_server.url, name="webhook0")])
+    det.dispatcher.start()
+    fired_at = None
+    for t in times:
+        det.tick(t)
+        if fired_at is None and any(a["alertname"] == "VLLMMetastableRetryLoop" for a in det.firing_alerts()):
+            fired_at = t
+            break
+    assert fired_at is not None
+    assert det.dispatcher.wait_idle(10)
+    loop_posts = [p for p in http_server.posts if p["alert"]["alertname"] == "VLLMMetastableRetryLoop"]  # type: ignore[index]
+    assert [p["status"] for p in loop_posts] == ["firing"]  # type: ignore[index]
+
+    # the API while it fires
+    client = TestClient(create_app(det))
+    alerts = client.get("/alerts").json()["alerts"]
+    loop = next(a for a in alerts if a["alertname"] == "VLLMMetastableRetryLoop")
+    assert set(loop) == {
+        "alertname",
+        "severity",
+        "labels",
+        "state",
+        "started_at",
+        "value",
+        "summary",
+        "description",
+    }
+    assert loop["labels"] == {"engine": "0", "model": "mini-model", "instance": "proxy-a"}
+    assert loop["state"] == "firing" and loop["started_at"] == fired_at
+    eps = client.get("/episodes", params={"since": T0}).json()["episodes"]
+    assert {e["alertname"] for e in eps} >= {"VLLMMetastableRetryLoop", "VLLMBacklogBeyondDeadline"}
+    assert all(e["resolved_at"] is None or e["resolved_at"] >= e["started_at"] for e in eps)
+    assert client.get("/episodes", params={"alertname": "Nope"}).json() == {"episodes": []}
+    listing = client.get("/signals").json()
+    assert "creation_capacity_ratio" in listing["signals"] and listing["engines"] == ["0"]
+    sig = client.get("/signals", params={"name": "creation_capacity_ratio", "since": fired_at - 30}).json()
+    assert sig["name"] == "creation_capacity_ratio" and sig["unit"] == "ratio"
+    (series_doc,) = sig["series"]
+    assert [p[0] for p in series_doc["points"]] == [t for t in times if fired_at - 30 <= t <= fired_at]
+    assert series_doc["points"][-1][1] >= 1.0
+    assert client.get("/signals", params={"name": "bogus"}).status_code == 404
+    assert client.get("/healthz").json() == {
+        "status": "ok",
+        "source": {"up": True, "last_scrape_at": fired_at},
+    }
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert 'retrywatch_detector_alerts_firing{alertname="VLLMMetastableRetryLoop"} 1.0' in metrics.text
+
+    # a crash (no clean stop) and a restart on the same database: no second "firing"
+    store2 = EpisodeStore(db)
+    source2 = ReplaySource(series, instance="proxy-a", offset=T0)
+    source2.fetch(fired_at)  # the new process starts where the old one stopped
+    det2 = Detector(source2, store2, notifiers=[WebhookNotifier(http_server.url, name="webhook0")])
+    det2.signals = det.signals  # same raw history (a real restart re-reads its windows from the source)
+    det2.dispatcher.start()
+    det2.dispatcher.requeue_unsent()
+    for t in times:
+        if t > fired_at:
+            det2.tick(t)
+    assert det2.dispatcher.wait_idle(10)
+    loop_posts = [p for p in http_server.posts if p["alert"]["alertname"] == "VLLMMetastableRetryLoop"]  # type: ignore[index]
+    assert [p["status"] for p in loop_posts] == ["firing", "resolved"]  # type: ignore[index]
+    loop_eps = store2.episodes(alertname="VLLMMetastableRetryLoop")
+    assert len(loop_eps) == 1 and loop_eps[0].resolved_at is not None
+    det.dispatcher.close()
+    det2.dispatcher.close()
+    store.close()
+    store2.close()
+
+
+def test_a_source_that_is_down_never_reports_healthy(tmp_path: Path) -> None:
+    class Down:
+        name = "exporter"
+
+        def fetch(self, now: float):  # type: ignore[no-untyped-def]
+            from detector.sources import FetchResult
+
+            return FetchResult(down=["http://proxy/metrics"], error="connection refused")
+
+        def close(self) -> None:
+            return None
+
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(Down(), store)
+    for i in range(5):
+        det.tick(T0 + 5 * i)
+    alerts = det.firing_alerts()
+    assert [a["alertname"] for a in alerts] == ["VLLMRetrywatchNoData"]
+    assert "source" in str(alerts[0]["description"])
+    client = TestClient(create_app(det))
+    assert client.get("/healthz").json()["status"] == "degraded"
+    store.close()
+
+
+def test_signal_history_is_a_bounded_ring() -> None:
+    hist = SignalHistory(points=10, max_engines=1)
+    labels = EngineLabels("0", "m", "a")
+    for i in range(25):
+        hist.add(SignalFrame(float(i), labels, {"capacity": float(i), "vllm_waiting": None}))
+    hist.add(SignalFrame(0.0, EngineLabels("1", "m", "b"), {"capacity": 1.0}))  # over the engine bound
+    ((key, pts),) = hist.series("capacity")
+    assert key == labels and [p[0] for p in pts] == [float(i) for i in range(15, 25)]
+    assert hist.series("vllm_waiting", since=20.0)[0][1] == [(float(i), None) for i in range(20, 25)]
+
+
+def test_scheduler_runs_evaluations_on_the_interval(tmp_path: Path, http_server: TestServer) -> None:
+    from detector.sources.scrape import ScrapeSource
+    from tests.detector.conftest import exposition, wait_until
+    from tests.detector.factories import snapshot
+
+    http_server.body = exposition(snapshot(0.0, first=1.0).samples)
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(ScrapeSource([http_server.url + "/metrics"]), store)
+    det.start(interval_s=0.2)
+    try:
+
+        def evaluations() -> float:
+            return det.metrics.registry.get_sample_value("retrywatch_detector_evaluations_total") or 0.0
+
+        wait_until(lambda: evaluations() >= 4, 15, "four scheduled evaluations")
+    finally:
+        det.stop()
+    assert det.status.up and det.status.last_scrape_at is not None
+    assert det.signals.instances == [http_server.url + "/metrics"]
+    store.close()

@@ -1,0 +1,125 @@
+"""Signals from raw counters: rates like Prometheus' rate(), gauges, derived ratios, NoData."""
+
+from __future__ import annotations
+
+import pytest
+
+from detector.signals import SignalConfig, SignalEngine, TooManyInstances
+from tests.detector.factories import snapshot, steady
+
+
+def _frame(engine: SignalEngine, now: float):  # type: ignore[no-untyped-def]
+    frames = engine.compute(now)
+    assert len(frames) == 1
+    return frames[0]
+
+
+def test_rates_gauges_and_ratios_from_steady_counters() -> None:
+    eng = SignalEngine()
+    for snap in steady(
+        120, first=1.0, retry=3.0, completed=0.5, orphaned=1.5, within=0.5, waiting=480, queued=20,
+        capacity=2.0, deadline=120.0, queries=1000.0, prompt=600.0,
+    ):  # fmt: skip
+        eng.add(snap, "proxy-a")
+    f = _frame(eng, 120.0)
+    v = f.values
+    assert f.labels.as_dict() == {"engine": "0", "model": "m", "instance": "proxy-a"}
+    assert v["attempt_rate_first"] == pytest.approx(1.0)
+    assert v["attempt_rate"] == pytest.approx(4.0)
+    assert v["execution_creation_rate"] == pytest.approx(4.0)
+    assert v["executions_per_first_attempt"] == pytest.approx(4.0)
+    assert v["creation_capacity_ratio"] == pytest.approx(2.0)
+    assert v["completion_capacity_ratio"] == pytest.approx(1.0)
+    assert v["orphaned_fraction"] == pytest.approx(0.75)
+    assert v["goodput_ratio"] == pytest.approx(0.5)
+    assert v["backlog_seconds"] == pytest.approx(250.0)
+    assert v["backlog_deadline_ratio"] == pytest.approx(250.0 / 120.0)
+    assert v["waiting_littles_law_ratio"] == pytest.approx(480 / (4.0 * 120))
+    assert v["prompt_token_gap"] == pytest.approx(0.4)
+    assert v["queue_growth_rate"] == pytest.approx(0.0)
+    assert v["data_missing"] == 0.0 and f.missing == ()
+
+
+def test_rate_window_counter_reset_and_queue_growth() -> None:
+    eng = SignalEngine()
+    # 2/s for 100 s, then the proxy restarts (counter back to 0) and counts 2/s again
+    for t in range(0, 101, 5):
+        eng.add(snapshot(float(t), first=2.0 * t, waiting=float(t)), "x")
+    for t in range(105, 161, 5):
+        eng.add(snapshot(float(t), first=2.0 * (t - 105), waiting=float(t)), "x")
+    v = _frame(eng, 160.0).values
+    assert v["attempt_rate_first"] == pytest.approx(2.0 * 55 / 60, rel=1e-6)  # one 5-s step lost to the reset
+    assert v["queue_growth_rate"] == pytest.approx(1.0)
+    # Only the window [now-60, now] counts: the rate 5 s after a jump sees it whole.
+    eng2 = SignalEngine()
+    for t in range(0, 61, 5):
+        eng2.add(snapshot(float(t), first=0.0 if t < 60 else 60.0), "x")
+    assert _frame(eng2, 60.0).values["attempt_rate_first"] == pytest.approx(1.0)
+
+
+def test_configured_capacity_and_deadline_win_over_the_proxy_gauges() -> None:
+    eng = SignalEngine(SignalConfig(capacity=4.0, deadline=60.0))
+    for snap in steady(60, first=2.0, waiting=240.0, capacity=2.0, deadline=120.0):
+        eng.add(snap, "x")
+    v = _frame(eng, 60.0).values
+    assert v["capacity"] == 4.0 and v["deadline"] == 60.0
+    assert v["backlog_deadline_ratio"] == pytest.approx(1.0)
+
+
+def test_capacity_estimated_online_while_the_queue_is_non_empty() -> None:
+    eng = SignalEngine()
+    for t in range(0, 601, 5):
+        eng.add(snapshot(float(t), first=3.0 * t, completed=2.5 * t, waiting=10.0 + t, capacity=None), "x")
+        frame = _frame(eng, float(t))
+    assert frame.values["capacity"] == pytest.approx(2.5)
+    assert "capacity" not in frame.missing
+    # an idle engine (empty queue) gives no estimate: no verdict rather than a wrong one
+    idle = SignalEngine()
+    for snap in steady(600, first=1.0, completed=1.0, waiting=0.0, capacity=None):
+        idle.add(snap, "x")
+    f = _frame(idle, 600.0)
+    assert f.values["capacity"] is None and "capacity" in f.missing and f.values["data_missing"] == 1.0
+
+
+def test_missing_series_and_source_down_are_reported_not_taken_as_healthy() -> None:
+    eng = SignalEngine()
+    for snap in steady(60, first=1.0):
+        snap.samples = [s for s in snap.samples if s[0] != "vllm:num_requests_waiting"]
+        eng.add(snap, "x")
+    f = _frame(eng, 60.0)
+    assert f.values["data_missing"] == 1.0 and "vllm:num_requests_waiting" in f.missing
+    eng.mark_down("x")
+    assert "source" in _frame(eng, 65.0).missing
+    # data older than the lookback counts as missing too
+    assert _frame(eng, 60.0 + 400.0).values["data_missing"] == 1.0
+
+
+def test_engines_are_grouped_by_instance_and_bounded() -> None:
+    eng = SignalEngine(max_instances=2)
+    eng.add(snapshot(0.0, instance="a", model="m1"))
+    eng.add(snapshot(0.0, instance="b", model="m2"))
+    assert sorted(f.labels.model for f in eng.compute(0.0)) == ["m1", "m2"]
+    with pytest.raises(TooManyInstances):
+        eng.add(snapshot(5.0, instance="c"))
+
+
+def test_history_is_trimmed_to_the_retention() -> None:
+    eng = SignalEngine(retention_s=100.0)
+    for snap in steady(3000, first=1.0):
+        eng.add(snap, "x")
+    hist = eng._engines["x"]
+    assert len(hist.times) <= 100 / 5 + 66
+
+
+def test_a_series_absent_from_the_latest_scrape_is_stale_like_in_prometheus() -> None:
+    eng = SignalEngine()
+    for snap in steady(60, first=1.0, waiting=10.0, queued=4.0):
+        eng.add(snap, "x")
+    eng.add(snapshot(65.0, first=65.0, waiting=10.0, omit=("retrywatch_executions_queued",)), "x")
+    assert _frame(eng, 65.0).values["proxy_queued"] is None
+    # vLLM's series vanish: no signal is computed at all (every one is joined on vLLM's labels
+    # in PromQL), only the NoData verdict
+    eng.add(snapshot(70.0, first=70.0, omit=("vllm:num_requests_waiting",)), "x")
+    frame = _frame(eng, 70.0)
+    assert frame.values["data_missing"] == 1.0
+    assert all(v is None for k, v in frame.values.items() if k != "data_missing")

@@ -1,0 +1,81 @@
+"""Sources: direct scrape of a real HTTP /metrics, and a real Prometheus scraping it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from detector.signals import SignalEngine
+from detector.sources.prometheus import PrometheusSource
+from detector.sources.scrape import ScrapeSource
+from tests.detector.conftest import TestServer, exposition, wait_until
+from tests.detector.factories import snapshot
+
+
+def test_scrape_source_labels_the_instance_and_reports_a_down_target(http_server: TestServer) -> None:
+    http_server.body = exposition(snapshot(0.0, first=10.0, waiting=7.0, model="qwen").samples)
+    url = http_server.url + "/metrics"
+    source = ScrapeSource([url, "http://127.0.0.1:9/metrics"], timeout_s=1.0)
+    result = source.fetch(1000.0)
+    assert result.down == ["http://127.0.0.1:9/metrics"] and result.error
+    (snap,) = result.snapshots
+    assert snap.t == 1000.0
+    assert snap.value("vllm:num_requests_waiting", instance=url) == 7.0
+    assert snap.value("retrywatch_attempts_total", kind="first") == 10.0
+    engine = SignalEngine()
+    engine.add(snap)
+    for instance in result.down:
+        engine.mark_down(instance)
+    frames = {f.labels.instance: f for f in engine.compute(1000.0)}
+    assert frames[url].labels.model == "qwen" and frames[url].values["data_missing"] == 0.0
+    assert "source" in frames["http://127.0.0.1:9/metrics"].missing
+    http_server.status = 503
+    assert source.fetch(1005.0).down == [url, "http://127.0.0.1:9/metrics"]
+    source.close()
+    with pytest.raises(ValueError, match="http"):
+        ScrapeSource(["127.0.0.1:8000"])
+
+
+@pytest.mark.promtool  # needs Debian's prometheus package (promtool's package)
+def test_prometheus_source_reads_windows_through_the_http_api(
+    http_server: TestServer, prometheus_factory: Callable[[str], str]
+) -> None:
+    t0 = time.time()
+
+    def body() -> str:
+        el = time.time() - t0
+        return exposition(snapshot(el, first=2.0 * el, retry=6.0 * el, waiting=50.0, model="qwen").samples)
+
+    http_server.body_fn = body
+    prom = prometheus_factory(f"127.0.0.1:{http_server.port}")
+    source = PrometheusSource(prom, backfill_s=60.0, step_s=1.0)
+
+    def enough_points() -> bool:
+        res = PrometheusSource(prom, backfill_s=60.0, step_s=1.0).fetch(time.time())
+        return len(res.snapshots) >= 5
+
+    wait_until(enough_points, 30, "five scrapes in Prometheus")
+    engine = SignalEngine()
+    now = time.time()
+    result = source.fetch(now)  # the first fetch backfills with a range query
+    assert result.down == [] and result.error is None and len(result.snapshots) >= 5
+    for snap in result.snapshots:
+        engine.add(snap)
+    (frame,) = engine.compute(now)
+    assert frame.labels.instance == f"127.0.0.1:{http_server.port}" and frame.labels.model == "qwen"
+    assert frame.values["attempt_rate_first"] == pytest.approx(2.0, rel=0.15)
+    assert frame.values["executions_per_first_attempt"] == pytest.approx(4.0, rel=0.15)
+    assert frame.values["vllm_waiting"] == 50.0 and frame.values["data_missing"] == 0.0
+    # later fetches are instant queries
+    time.sleep(1.1)
+    later = source.fetch(time.time())
+    assert len(later.snapshots) == 1
+    # the target goes down: Prometheus' up == 0 marks the instance down
+    http_server.status = 500
+    wait_until(lambda: bool(source.fetch(time.time()).down), 15, "Prometheus to see the target down")
+    # Prometheus itself unreachable: every known instance is down, with the error
+    gone = PrometheusSource("http://127.0.0.1:9", timeout_s=1.0)
+    res = gone.fetch(time.time())
+    assert res.down == ["http://127.0.0.1:9"] and res.error

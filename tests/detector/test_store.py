@@ -1,0 +1,86 @@
+"""Episodes in SQL: open/resolve, queries, notification rows, versioned schema; SQLite and a
+real PostgreSQL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from detector.evaluator import Transition
+from detector.signals import EngineLabels
+from detector.store import SCHEMA_VERSION, EpisodeStore, SchemaError, current_version, migrate
+
+LABELS = EngineLabels("0", "qwen", "http://proxy:8000/metrics")
+
+
+def _tr(
+    kind: str, at: float, name: str = "VLLMMetastableRetryLoop", labels: EngineLabels = LABELS
+) -> Transition:
+    started = at if kind == "firing" else 100.0
+    return Transition(
+        kind=kind, alertname=name, severity="critical", labels=labels, at=at,  # type: ignore[arg-type]
+        started_at=started, value=2.5, summary="s", description="d",
+    )  # fmt: skip
+
+
+def _exercise(store: EpisodeStore) -> None:
+    ep = store.record(_tr("firing", 100.0), ["webhook0", "alertmanager"])
+    assert ep is not None and ep.id is not None and ep.resolved_at is None
+    # a second "firing" for the same open episode (a restart re-armed it) does not duplicate it
+    assert store.record(_tr("firing", 105.0), ["webhook0"]).id == ep.id  # type: ignore[union-attr]
+    other = EngineLabels("0", "llama", "b")
+    store.record(_tr("firing", 150.0, "VLLMBacklogBeyondDeadline", other), [])
+    assert [e.alertname for e in store.firing()] == ["VLLMMetastableRetryLoop", "VLLMBacklogBeyondDeadline"]
+    unsent = store.unsent()
+    assert [(e.id, n, k) for e, n, k in unsent] == [
+        (ep.id, "webhook0", "firing"),
+        (ep.id, "alertmanager", "firing"),
+    ]
+    store.mark_sent(ep.id, "webhook0", "firing")
+    store.mark_failed(ep.id, "alertmanager", "firing", "HTTP 500")
+    assert [(n, k) for _, n, k in store.unsent()] == [("alertmanager", "firing")]
+    done = store.record(_tr("resolved", 300.0), ["webhook0", "alertmanager"])
+    assert done is not None and done.resolved_at == 300.0 and done.started_at == 100.0
+    assert store.record(_tr("resolved", 310.0), ["webhook0"]) is None  # nothing open any more
+    assert [(n, k) for _, n, k in store.unsent()] == [
+        ("alertmanager", "firing"), ("webhook0", "resolved"), ("alertmanager", "resolved")]  # fmt: skip
+    # queries: since / until / alertname / engine
+    assert len(store.episodes()) == 2
+    assert [e.alertname for e in store.episodes(since=301.0)] == ["VLLMBacklogBeyondDeadline"]
+    assert [e.alertname for e in store.episodes(until=120.0)] == ["VLLMMetastableRetryLoop"]
+    assert len(store.episodes(alertname="VLLMBacklogBeyondDeadline")) == 1
+    assert len(store.episodes(engine="0")) == 2 and store.episodes(engine="9") == []
+    d = store.episodes(alertname="VLLMMetastableRetryLoop")[0].as_dict()
+    assert d["labels"] == LABELS.as_dict() and d["resolved_at"] == 300.0 and d["value"] == 2.5
+
+
+def test_sqlite_episodes_and_notifications(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'sub' / 'd.db'}"
+    store = EpisodeStore(url)
+    _exercise(store)
+    store.close()
+    again = EpisodeStore(url)  # reopening keeps everything and does not migrate twice
+    assert len(again.episodes()) == 2
+    again.close()
+
+
+def test_schema_is_versioned_and_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    with store.engine.connect() as conn:
+        assert current_version(conn) == SCHEMA_VERSION
+    assert migrate(store.engine) == SCHEMA_VERSION
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE schema_version SET version = :v"), {"v": SCHEMA_VERSION + 1})
+    with pytest.raises(SchemaError, match="newer"):
+        migrate(store.engine)
+    store.close()
+
+
+@pytest.mark.postgres
+def test_postgresql_episodes_and_notifications(postgres_url: str) -> None:
+    store = EpisodeStore(postgres_url)
+    assert store.engine.dialect.name == "postgresql"
+    _exercise(store)
+    store.close()
