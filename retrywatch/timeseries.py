@@ -128,14 +128,14 @@ def to_openmetrics(
             by_series.setdefault(key, []).append((start_unix_s + snap.t, value))
     lines: list[str] = []
     families: dict[str, list[tuple[tuple[tuple[str, str], ...], list[tuple[float, float]]]]] = {}
-    for (name, labels), points in by_series.items():
-        families.setdefault(name, []).append((labels, points))
+    for (name, series_labels), points in by_series.items():
+        families.setdefault(name, []).append((series_labels, points))
     for name in sorted(families):
         lines.append(f"# TYPE {name} gauge")
-        for labels, points in families[name]:
+        for series_labels, points in families[name]:
             for ts, value in points:
                 if math.isnan(value):
                     continue
-                lines.append(f"{format_sample(name, dict(labels), value)} {ts:.3f}")
+                lines.append(f"{format_sample(name, dict(series_labels), value)} {ts:.3f}")
     lines.append("# EOF")
     return "\n".join(lines) + "\n"

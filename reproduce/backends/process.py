@@ -1,0 +1,184 @@
+"""A server process the harness starts itself: bounded by ``timeout``, awaited on HTTP, stopped by PID.
+
+Every process runs under coreutils ``timeout`` (nothing outlives its bound, even if the harness
+dies; on Linux ``timeout`` is also sent SIGTERM when the harness dies) in its own process group;
+``stop`` signals that group by the PID we started (SIGTERM, then SIGKILL after a grace period),
+which reaches vLLM's engine-core child as well. Output goes to a log file whose tail is quoted
+when the process fails to become ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import httpx
+
+__all__ = ["ManagedProcess", "ProcessStartError", "free_port", "log_tail"]
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class ProcessStartError(RuntimeError):
+    """A server did not become ready; the message carries the tail of its log."""
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux).
+
+    ``timeout`` then passes the signal on to the server, so a harness killed outright (no
+    chance to run ``stop``) does not leave an engine running until its bound.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: Path, max_chars: int = 3_000) -> str:
+    """The last ``max_chars`` characters of a log file ('' if it does not exist)."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_chars))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+class ManagedProcess:
+    """One child server: ``start()``, ``wait_ready(url)``, ``stop()``; also a context manager."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        bound_s: float,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        name: str = "server",
+    ) -> None:
+        if bound_s <= 0:
+            raise ValueError(f"bound_s must be > 0 seconds, got {bound_s}")
+        if not argv:
+            raise ValueError("argv must not be empty")
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.bound_s = bound_s
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.name = name
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the ``timeout`` wrapper, which leads the process group; None before start."""
+        return None if self._proc is None else self._proc.pid
+
+    def command(self) -> list[str]:
+        """The full argv run, ``timeout`` wrapper included."""
+        # --kill-after: SIGKILL the group if it ignores SIGTERM at the bound.
+        return ["timeout", "--kill-after=10", f"{self.bound_s:.0f}", *self.argv]
+
+    def start(self) -> ManagedProcess:
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name} already started (pid {self._proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+            preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
+        )
+        return self
+
+    def poll(self) -> int | None:
+        """Exit code if the process has ended, else None."""
+        return None if self._proc is None else self._proc.poll()
+
+    def wait_ready(self, url: str, *, timeout_s: float, poll_s: float = 0.5) -> float:
+        """Poll ``GET url`` until it answers 200; return the seconds waited.
+
+        Raises ``ProcessStartError`` (with the log tail) if the process exits or the wait
+        exceeds ``timeout_s``.
+        """
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} not started")
+        start = time.monotonic()
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise ProcessStartError(
+                        f"{self.name} exited with code {code} before {url} was ready; "
+                        f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                    )
+                try:
+                    if client.get(url).status_code == 200:
+                        return time.monotonic() - start
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() - start > timeout_s:
+                    self.stop()
+                    raise ProcessStartError(
+                        f"{self.name} not ready at {url} within {timeout_s:.0f} s; "
+                        f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                    )
+                time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM the process group we started, SIGKILL it after ``grace_s``; return the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            if proc.poll() is None:
+                self._signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    self._signal_group(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+            # Children that outlived their leader (an engine core) still carry our group id.
+            self._signal_group(proc.pid, signal.SIGKILL)
+            return proc.returncode
+        finally:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+    def __enter__(self) -> ManagedProcess:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,182 @@
+"""One attempt over a real socket: a streaming completion with a deadline on the whole attempt.
+
+The request carries the call's id header (the same for every attempt of a call) and a token-ID
+prompt. The attempt is classified the way the client model needs (``reproduce.client``):
+
+* ``delivered``: the stream reached ``[DONE]`` after a choice with a ``finish_reason`` (or, for
+  a non-streaming request, the JSON body carries the choices);
+* ``disconnected``: the deadline struck first; the connection is closed at once, which is what
+  lets the proxy (or vLLM) see the client leave;
+* ``shed``: HTTP 429, with its Retry-After (the proxy's retry budget);
+* ``refused``: HTTP 503, or a streaming HTTP 200 whose first event is an error with code 503
+  (vLLM's ``--max-num-queued-reqs`` refusal of a streaming request);
+* ``failed``: anything else (another status, an error event, a broken stream).
+
+Prompt and completion text are never logged or kept: only counts and times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from reproduce.client import AttemptOutcome
+
+__all__ = ["AttemptResult", "completion_body", "parse_retry_after", "run_attempt"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptResult:
+    """How one attempt ended (times on the monotonic clock)."""
+
+    outcome: AttemptOutcome
+    first_byte_at: float | None
+    ended_at: float
+    status: int | None = None
+    retry_after_s: float | None = None
+    tokens: int = 0  # streamed chunks with output (one token each, unless the server batches)
+    error: str | None = None  # a short reason for ``failed``; never prompt text
+
+
+def completion_body(model: str, token_ids: list[int], max_tokens: int) -> bytes:
+    """The JSON body of a streaming completion that generates exactly ``max_tokens`` tokens."""
+    body = {
+        "model": model,
+        "prompt": token_ids,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0.0,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (delta form; an HTTP date is not used by the proxy)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def _error_code(event: dict[str, object]) -> int | None:
+    error = event.get("error")
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, int | str):
+        try:
+            return int(code)
+        except ValueError:
+            pass
+    return -1
+
+
+async def _read_json_answer(response: httpx.Response, clock: Callable[[], float]) -> AttemptResult:
+    """A non-streaming answer: one JSON body with the whole completion, or an error."""
+    raw = await response.aread()
+    first_byte_at = clock()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return AttemptResult(
+            AttemptOutcome.FAILED, first_byte_at, clock(), response.status_code, error="bad body"
+        )
+    if isinstance(body, dict):
+        code = _error_code(body)
+        if code is not None:
+            outcome = AttemptOutcome.REFUSED if code == 503 else AttemptOutcome.FAILED
+            return AttemptResult(outcome, None, clock(), response.status_code, error=f"error body {code}")
+        choices = body.get("choices")
+        if isinstance(choices, list) and choices:
+            usage = body.get("usage")
+            tokens = int(usage.get("completion_tokens", 0)) if isinstance(usage, dict) else 0
+            return AttemptResult(
+                AttemptOutcome.DELIVERED, first_byte_at, clock(), response.status_code, None, tokens
+            )
+    return AttemptResult(
+        AttemptOutcome.FAILED, first_byte_at, clock(), response.status_code, error="no choices"
+    )
+
+
+async def run_attempt(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    *,
+    call_id: str,
+    deadline_at: float,
+    call_id_header: str = "x-call-id",
+    on_first_byte: Callable[[float], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> AttemptResult:
+    """Send one attempt to ``url`` and follow it until it ends or ``deadline_at`` (``clock`` time)."""
+    headers = {"content-type": "application/json", call_id_header: call_id}
+    first_byte_at: float | None = None
+    tokens = 0
+    status: int | None = None
+    try:
+        async with asyncio.timeout(max(0.0, deadline_at - clock())):
+            async with client.stream("POST", url, content=body, headers=headers) as response:
+                status = response.status_code
+                if status == 429:
+                    retry_after = parse_retry_after(response.headers.get("retry-after"))
+                    return AttemptResult(AttemptOutcome.SHED, None, clock(), status, retry_after)
+                if status == 503:
+                    return AttemptResult(AttemptOutcome.REFUSED, None, clock(), status)
+                if status != 200:
+                    return AttemptResult(AttemptOutcome.FAILED, None, clock(), status, error=f"HTTP {status}")
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    return await _read_json_answer(response, clock)
+                finished = False
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        if finished:
+                            return AttemptResult(
+                                AttemptOutcome.DELIVERED, first_byte_at, clock(), status, None, tokens
+                            )
+                        break
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        return AttemptResult(
+                            AttemptOutcome.FAILED, first_byte_at, clock(), status, error="bad event"
+                        )
+                    if not isinstance(event, dict):
+                        continue
+                    code = _error_code(event)
+                    if code is not None:
+                        outcome = AttemptOutcome.REFUSED if code == 503 else AttemptOutcome.FAILED
+                        return AttemptResult(
+                            outcome, first_byte_at, clock(), status, error=f"error event {code}"
+                        )
+                    choices = event.get("choices")
+                    if isinstance(choices, list) and choices:
+                        if first_byte_at is None:
+                            first_byte_at = clock()
+                            if on_first_byte is not None:
+                                on_first_byte(first_byte_at)
+                        tokens += 1
+                        if any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+                            finished = True
+                return AttemptResult(
+                    AttemptOutcome.FAILED, first_byte_at, clock(), status, None, tokens, "stream ended early"
+                )
+    except TimeoutError:
+        # Leaving the ``stream`` block above closed the connection: the far side sees us leave.
+        return AttemptResult(AttemptOutcome.DISCONNECTED, first_byte_at, clock(), status, None, tokens)
+    except httpx.HTTPError as exc:
+        return AttemptResult(
+            AttemptOutcome.FAILED, first_byte_at, clock(), status, None, tokens, type(exc).__name__
+        )

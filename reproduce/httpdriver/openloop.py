@@ -1,0 +1,150 @@
+"""The open-loop client over real sockets: every planned call of a trace, on time, with retries.
+
+Each call runs as its own task: it sleeps until its planned arrival (open loop: it never waits
+for other calls' answers), then sends attempts as the client model (``reproduce.client``)
+says: every attempt with the same call-id header and the identical body, each given up at its
+own deadline by closing its connection. One ``httpx.AsyncClient`` without keep-alive gives
+every attempt its own connection, so a give-up is a real disconnect the proxy sees.
+
+Times in the records are seconds from the run's start (``t0`` on the monotonic clock), the
+same clock as the metrics series, so ``reproduce.outcomes`` judges an HTTP run exactly as it
+judges a simulated one. The run ends when no call is outstanding, or at the horizon after the
+last planned arrival, whichever is first; calls still open then are closed as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
+from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
+from reproduce.workload import PlannedCall, prompt_token_ids
+
+__all__ = ["OpenLoopClient", "OpenLoopStats"]
+
+
+@dataclass
+class OpenLoopStats:
+    """Live counts of the client (for progress lines and tests)."""
+
+    attempts_sent: int = 0
+    attempts_open: int = 0
+    calls_done: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    late_starts: int = 0  # attempts sent more than 0.1 s after they were due (client overload)
+
+
+class OpenLoopClient:
+    """Replays a trace against ``base_url`` (a proxy or an engine) with the client model's rules."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str,
+        vocab_size: int,
+        config: ClientConfig,
+        *,
+        seed: int = 0,
+        token_seed: int = 0,
+        call_id_header: str = "x-call-id",
+        connect_timeout_s: float = 10.0,
+        max_connections: int = 4_096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.config = config
+        self.model = ClientModel(config, random.Random(seed))
+        self.token_seed = token_seed
+        self.call_id_header = call_id_header
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections
+        self.clock = clock
+        self.stats = OpenLoopStats()
+        self.calls: list[CallRecord] = []
+
+    def _body(self, call: PlannedCall) -> bytes:
+        ids = prompt_token_ids(call, self.vocab_size, self.token_seed)
+        return completion_body(self.model_name, ids, call.response_len)
+
+    async def _call(
+        self, client: httpx.AsyncClient, planned: PlannedCall, record: CallRecord, t0: float
+    ) -> None:
+        await asyncio.sleep(max(0.0, t0 + planned.arrival_s - self.clock()))
+        body = self._body(planned)
+        due = planned.arrival_s
+        while True:
+            now = self.clock() - t0
+            if now - due > 0.1:
+                self.stats.late_starts += 1
+            attempt = self.model.send(record, now)
+            self.stats.attempts_sent += 1
+            self.stats.attempts_open += 1
+            try:
+                result: AttemptResult = await run_attempt(
+                    client,
+                    self.url,
+                    body,
+                    call_id=planned.call_id,
+                    deadline_at=t0 + attempt.deadline_at,
+                    call_id_header=self.call_id_header,
+                    on_first_byte=lambda at: self.model.first_byte(record, at - t0),
+                    clock=self.clock,
+                )
+            finally:
+                self.stats.attempts_open -= 1
+            self.stats.outcomes[result.outcome.value] = self.stats.outcomes.get(result.outcome.value, 0) + 1
+            ended = result.ended_at - t0
+            if result.outcome is AttemptOutcome.DELIVERED:
+                self.model.delivered(record, ended)
+                self.stats.calls_done += 1
+                return
+            next_at = self.model.failed(record, ended, result.outcome, result.retry_after_s)
+            if next_at is None:
+                self.stats.calls_done += 1
+                return
+            due = next_at
+            await asyncio.sleep(max(0.0, t0 + next_at - self.clock()))
+
+    async def run(self, trace: Sequence[PlannedCall], t0: float | None = None) -> list[CallRecord]:
+        """Run every call of ``trace``; return their records (in trace order)."""
+        t0 = self.clock() if t0 is None else t0
+        self.calls = [
+            self.model.new_call(
+                c.call_id, c.arrival_s, prompt_len=c.prompt_len, response_len=c.response_len, phase=c.phase
+            )
+            for c in trace
+        ]
+        last_arrival = max((c.arrival_s for c in trace), default=0.0)
+        end_at = t0 + last_arrival + self.config.horizon_s
+        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=0)
+        timeout = httpx.Timeout(None, connect=self.connect_timeout_s)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            tasks = [
+                asyncio.create_task(self._call(client, planned, record, t0))
+                for planned, record in zip(trace, self.calls, strict=True)
+            ]
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, end_at - self.clock()))
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+                if errors:
+                    raise errors[0]  # a bug in the driver, not an attempt's outcome
+        # A call cut off at the horizon: its open attempt ends now, as a give-up.
+        ended = self.clock() - t0
+        for record in self.calls:
+            if record.attempts and record.attempts[-1].open:
+                attempt = record.attempts[-1]
+                attempt.ended_at = ended
+                attempt.outcome = AttemptOutcome.DISCONNECTED
+            record.done = True
+        return self.calls

@@ -1,0 +1,120 @@
+"""The protocol an HTTP run follows: the study's (PROTOCOL §3–4) or a scaled copy for a CPU engine.
+
+At time scale K every duration of the protocol is divided by K (phases, deadline, backoff,
+horizon, recovery windows, the proxy's deferral and budget window). On a GPU and on the
+emulated engine (which itself runs K times faster than wall time) prompts and responses keep
+the study's lengths. On a real vLLM on CPU the engine cannot run faster, so ``cpu_scaled``
+also divides the token lengths by K: at K = 10, prompts of ~1,200 tokens sharing a 200-token
+prefix, responses with a median of 30 tokens, and a 12-s deadline. What decides whether a
+pulse tips the engine (its backlog, (m - 1) x Ĉ x pulse length, against one deadline) is the
+same multiple of the deadline at every K, whatever Ĉ the engine has.
+
+Ĉ here is always in calls per run-second (wall seconds on a real engine); a workload spec
+takes Ĉ at the study's scale, so ``workload`` divides it by K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from reproduce.client import ClientConfig
+from reproduce.outcomes import Timeline
+from reproduce.workload import WorkloadSpec
+
+__all__ = ["STUDY_CAPACITY", "HttpProtocol", "cpu_scaled", "scaled_queue_cap", "study"]
+
+#: Ĉ of the calibration behind the study's engine cap Q = 338 = ⌈120 s x 2.81⌉ (PROTOCOL §4).
+STUDY_CAPACITY = 2.81
+_STUDY_DEADLINE_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpProtocol:
+    """Workload, client and timeline of an HTTP run. Durations are at the study's scale."""
+
+    time_scale: float = 1.0
+    prompt_mean: float = 12_000.0
+    prompt_std: float = 1_200.0
+    shared_prefix_len: int = 2_000
+    mixed_prompt_len: int = 3_000
+    response_median: float = 300.0
+    max_context: int = 32_768
+    base_s: float = 120.0
+    pulse_s: float = 107.0
+    hold_s: float = 720.0
+    scrape_interval_s: float = 5.0  # the simulator's cadence, at the study's scale
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "prompt_mean", "response_median", "base_s", "pulse_s", "hold_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"HttpProtocol.{name} must be positive, got {value!r}")
+
+    def timeline(self) -> Timeline:
+        return Timeline.scaled(self.time_scale, base_s=self.base_s, pulse_s=self.pulse_s, hold_s=self.hold_s)
+
+    def client(self, retries: int) -> ClientConfig:
+        return ClientConfig(retries=retries).scaled(self.time_scale)
+
+    def workload(
+        self, capacity: float, *, seed: int, pulse_multiple: float = 2.7, mixed_prompts: bool = False
+    ) -> WorkloadSpec:
+        """The trace spec at Ĉ = ``capacity`` calls per run-second."""
+        return WorkloadSpec(
+            capacity=capacity / self.time_scale,
+            seed=seed,
+            phases=((self.base_s, 0.6), (self.pulse_s, pulse_multiple), (self.hold_s, 0.6)),
+            prompt_mean=self.prompt_mean,
+            prompt_std=self.prompt_std,
+            shared_prefix_len=self.shared_prefix_len,
+            mixed_prompts=mixed_prompts,
+            mixed_prompt_len=self.mixed_prompt_len,
+            response_median=self.response_median,
+            max_context=self.max_context,
+            time_scale=self.time_scale,
+        )
+
+    @property
+    def scrape_every_s(self) -> float:
+        """Seconds between scrapes of the proxy, in run time (never under half a second)."""
+        return max(0.5, self.scrape_interval_s / self.time_scale)
+
+    @property
+    def window_s(self) -> float:
+        """The proxy's sliding window for its derived gauges (60 s at the study's scale)."""
+        return 60.0 / self.time_scale
+
+    def with_hold(self, hold_s: float) -> HttpProtocol:
+        """The same protocol with a shorter or longer hold (study-scale seconds)."""
+        return replace(self, hold_s=hold_s)
+
+
+def study(time_scale: float = 1.0) -> HttpProtocol:
+    """The study's protocol at time scale K, token lengths unchanged (GPU, emulated engine)."""
+    return HttpProtocol(time_scale=time_scale)
+
+
+def cpu_scaled(time_scale: float = 10.0, *, max_context: int = 8_192) -> HttpProtocol:
+    """The study's protocol with durations and token lengths divided by K (a real vLLM on CPU)."""
+    k = float(time_scale)
+    return HttpProtocol(
+        time_scale=k,
+        prompt_mean=12_000.0 / k,
+        prompt_std=1_200.0 / k,
+        shared_prefix_len=round(2_000 / k),
+        mixed_prompt_len=round(3_000 / k),
+        response_median=300.0 / k,
+        max_context=max_context,
+    )
+
+
+def scaled_queue_cap(q_study: int, capacity: float, deadline_s: float) -> int:
+    """The engine cap that holds the same share of a deadline's work as ``q_study`` did.
+
+    The study's Q = 338 held one deadline of backlog at its Ĉ (120 s x 2.81 calls/s); Q = 100
+    held 100/338 of it. On an engine with Ĉ = ``capacity`` calls per run-second and deadline
+    ``deadline_s`` run-seconds, the same share is ``q_study / 338 x deadline x Ĉ``.
+    """
+    full = math.ceil(_STUDY_DEADLINE_S * STUDY_CAPACITY)
+    return max(1, math.ceil(q_study / full * deadline_s * capacity))

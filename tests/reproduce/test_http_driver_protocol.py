@@ -1,0 +1,61 @@
+"""The protocol of HTTP runs: the study's, and its scaled copy for a real vLLM on CPU."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from reproduce.httpdriver.backend import HttpBackend, HttpBackendError
+from reproduce.httpdriver.protocol import cpu_scaled, study
+from reproduce.workload import generate_trace
+
+
+def test_cpu_scaled_protocol_divides_durations_and_token_lengths() -> None:
+    proto = cpu_scaled(10)
+    timeline = proto.timeline()
+    assert (timeline.base_s, timeline.pulse_s, timeline.hold_s) == pytest.approx((12.0, 10.7, 72.0))
+    assert timeline.deadline_s == pytest.approx(12.0)
+    client = proto.client(retries=3)
+    assert (client.deadline_s, client.backoff_min_s, client.backoff_max_s) == pytest.approx(
+        (12.0, 0.025, 0.3)
+    )
+    assert client.retries == 3
+    assert (proto.prompt_mean, proto.shared_prefix_len, proto.response_median) == (1_200.0, 200, 30.0)
+    assert proto.scrape_every_s == pytest.approx(0.5)
+    assert proto.window_s == pytest.approx(6.0)
+
+
+def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> None:
+    capacity = 4.0  # calls per wall second
+    proto = cpu_scaled(10).with_hold(7_200.0)  # a long hold for a tight rate estimate
+    trace = generate_trace(proto.workload(capacity, seed=3))
+    timeline = proto.timeline()
+    hold = [c for c in trace if c.phase == "hold"]
+    assert len(hold) / timeline.hold_s == pytest.approx(0.6 * capacity, rel=0.05)
+    pulse = [c for c in trace if c.phase == "pulse"]
+    assert all(timeline.pulse_start <= c.arrival_s < timeline.pulse_end for c in pulse)
+    assert statistics.mean(c.prompt_len for c in trace) == pytest.approx(1_200, rel=0.02)
+    assert {c.shared_prefix_len for c in trace} == {200}
+    assert statistics.median(c.response_len for c in trace) == pytest.approx(30, rel=0.1)
+
+
+def test_study_protocol_keeps_the_study_lengths_at_any_time_scale() -> None:
+    proto = study(20)
+    assert (proto.prompt_mean, proto.shared_prefix_len, proto.response_median) == (12_000.0, 2_000, 300.0)
+    assert proto.timeline().deadline_s == pytest.approx(6.0)
+
+
+def test_backend_options_are_checked_up_front() -> None:
+    with pytest.raises(HttpBackendError, match="capacity"):
+        HttpBackend("emulated")
+    with pytest.raises(HttpBackendError, match="python=VENV"):
+        HttpBackend("vllm", capacity=1.0)
+    with pytest.raises(HttpBackendError, match="engine_url"):
+        HttpBackend("external", capacity=1.0)
+    with pytest.raises(HttpBackendError, match="no option colour"):
+        HttpBackend("emulated", capacity=1.0, colour="blue")
+    with pytest.raises(HttpBackendError, match="capacity must be > 0"):
+        HttpBackend("emulated", capacity=-1)
+    with pytest.raises(HttpBackendError, match="sizes"):
+        HttpBackend("emulated", capacity=1.0, sizes="huge")

@@ -1,0 +1,87 @@
+"""Whole HTTP runs: the open-loop client over real sockets, through the real ``retrywatch proxy``
+(a subprocess with the condition's flags), to the emulated engine (``retrywatch emulate``), with
+the proxy's ``/metrics`` scraped into ``metrics.jsonl`` and the entry built for summary.json.
+
+Runs are short: time scale 20 with token lengths scaled too (``sizes=scaled``) and a short hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reproduce.conditions import expand
+from reproduce.registry import RunJob, get_backend
+from reproduce.summary import read_summary, write_summary
+from retrywatch import metricnames as mn
+from retrywatch.timeseries import read_series
+
+pytestmark = pytest.mark.slow
+
+K = 20.0
+
+
+def _run(tmp_path: Path, block: str, condition: str, **options: Any) -> dict[str, Any]:
+    (spec,) = expand(block, models="qwen2.5-7b-h100", runs=1, conditions=[condition])
+    backend = get_backend("emulated", sizes="scaled", **options)
+    backend.prepare([spec], K)
+    try:
+        return backend.run(RunJob(spec, tmp_path, time_scale=K))
+    finally:
+        backend.close()
+
+
+def _calls(tmp_path: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
+    folder = tmp_path / Path(entry["series"]).parent
+    return [json.loads(line) for line in (folder / "attempts.jsonl").read_text().splitlines()]
+
+
+def test_low_load_run_delivers_every_call_and_writes_the_series(tmp_path: Path) -> None:
+    entry = _run(tmp_path, "diagnostic", "retries-on-cancel-off", capacity=2.0, hold_s=240.0)
+    offered = entry["calls"]["offered"]
+    assert offered > 10
+    assert entry["calls"]["delivered"] == offered
+    assert entry["calls"]["attempts"] == offered  # nothing timed out, nothing retried
+    assert entry["executions"]["created"] == offered
+    assert entry["executions"]["completed"] + entry["executions"]["orphaned"] == offered
+    assert entry["backend"] == "emulated" and entry["time_scale"] == K
+    assert entry["deadline_s"] == pytest.approx(120.0 / K)
+    assert entry["client"]["attempt_outcomes"] == {"delivered": offered}
+    # The detector ran live against the proxy and saw no retry loop at low load.
+    assert entry["live_alerts"] is not None
+    assert "VLLMMetastableRetryLoop" not in {a["alertname"] for a in entry["live_alerts"]}
+
+    snapshots = list(read_series(tmp_path / entry["series"]))
+    assert len(snapshots) >= 5
+    assert [s.t for s in snapshots] == sorted(s.t for s in snapshots)
+    last = snapshots[-1]
+    assert last.value(mn.ATTEMPTS, kind="first") == offered
+    assert last.value(mn.VLLM_PROMPT_TOKENS) is not None  # vLLM's names pass through the proxy
+    assert last.value(mn.CAPACITY) == pytest.approx(2.0)
+
+    calls = _calls(tmp_path, entry)
+    assert len(calls) == offered
+    assert all(c["delivered_at"] is not None for c in calls)
+    # Every planned arrival was kept (open loop): first attempts go out on time.
+    assert all(abs(c["attempts"][0]["sent_at"] - c["planned_at"]) < 1.0 for c in calls)
+
+    write_summary(tmp_path, [entry])
+    assert read_summary(tmp_path)["runs"][0]["slug"] == entry["slug"]
+
+
+def test_refused_attempts_are_retried_with_the_same_call_id(tmp_path: Path) -> None:
+    # Engine cap Q = 1 on the emulator: overlapping calls are refused (503) and retried; the proxy
+    # can only count a retry as one if it carries its call's id.
+    entry = _run(tmp_path, "engine-cap", "engine-cap-100", capacity=10.0, hold_s=120.0, queue_cap=1)
+    assert entry["engine"]["max_num_queued_reqs"] == 1
+    calls = _calls(tmp_path, entry)
+    client_retries = sum(len(c["attempts"]) - 1 for c in calls)
+    refused = sum(a["outcome"] == "refused" for c in calls for a in c["attempts"])
+    assert refused > 0 and client_retries > 0
+    last = list(read_series(tmp_path / entry["series"]))[-1]
+    assert last.value(mn.ATTEMPTS, kind="retry") == client_retries
+    assert last.value(mn.ATTEMPTS, kind="first") == len(calls)
+    assert entry["executions"]["refused_by_engine"] == refused
