@@ -366,6 +366,14 @@ class Policy:
         )
         return self._estimator.wait_s(ahead, prompt_tokens)
 
+    def stop_attaching(self, execution_id: int) -> None:
+        """New attempts no longer attach to this live execution (e.g. its replay buffer is full);
+        a retry of its call then creates a new execution."""
+        execution = self._executions.get(execution_id)
+        key = execution.key if execution is not None else None
+        if key is not None and self._live_by_key.get(key) == execution_id:
+            del self._live_by_key[key]
+
     def set_deadline(self, deadline_s: float | None) -> None:
         """Update the clients' deadline (e.g. when inferred from disconnects)."""
         if deadline_s is not None and not (0 < deadline_s < math.inf):

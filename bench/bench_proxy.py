@@ -1,0 +1,289 @@
+"""Benchmark of the proxy against the test upstream: prints figures, asserts nothing.
+
+Run: ``python bench/bench_proxy.py`` (about a minute). It starts the test upstream
+(``exporter.testing.upstream``) and ``retrywatch proxy`` as processes on free loopback ports and
+measures, side by side in one run (rounds alternate between the two paths):
+
+* time to first token with 100 concurrent streams (clients staggered, each streaming 50 tokens
+  in 0.5 s, three times) sent directly to the upstream and through the proxy: p50 and p99 of
+  each, and the difference (the proxy's added TTFT);
+* relay throughput (chunks/s) with 100 concurrent streams at full speed, and the proxy's CPU
+  time per chunk relayed (from /proc);
+* one execution fanned out to 10 subscribers (same call id): their time to first token and
+  that the upstream saw one request;
+* the proxy's resident memory holding 1,000 live executions with 400-token replay buffers.
+
+The client is a minimal HTTP/1.1 client on asyncio streams, so its own overhead stays small and
+is the same on both paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class StreamResult:
+    ttft_s: float
+    total_s: float
+    chunks: int
+    ok: bool
+
+
+async def stream_once(
+    port: int, body: bytes, headers: dict[str, str], hold: asyncio.Event | None = None
+) -> StreamResult:
+    """POST a streaming completion, time the first body bytes, count SSE events to the end."""
+    head = [
+        "POST /v1/completions HTTP/1.1",
+        f"host: 127.0.0.1:{port}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    request = ("\r\n".join(head) + "\r\n\r\n").encode() + body
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        status_line = await reader.readline()
+        ok = b" 200 " in status_line
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        ttft = None
+        events = 0
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            events += data.count(b"data: ")
+            if hold is not None:
+                await hold.wait()
+        total = time.perf_counter() - t0
+        return StreamResult(ttft if ttft is not None else total, total, events, ok)
+    finally:
+        writer.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def completion(max_tokens: int) -> bytes:
+    return json.dumps(
+        {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "stream": True}
+    ).encode()
+
+
+async def _client(
+    port: int, body: bytes, headers: dict[str, str], start_s: float, n: int
+) -> list[StreamResult]:
+    await asyncio.sleep(start_s)
+    return [await stream_once(port, body, headers) for _ in range(n)]
+
+
+async def ttft_rounds(
+    up: int,
+    px: int,
+    rounds: int,
+    concurrency: int,
+    per_client: int = 3,
+    px_pid: int | None = None,
+    tokens: int = 50,
+) -> tuple[dict[str, list[float]], float]:
+    """Each round runs ``concurrency`` clients (staggered over one stream's length, so about that
+    many streams are in flight) doing ``per_client`` streams each, on one path then the other."""
+    body = completion(tokens)
+    headers = {"x-test-token-interval": "0.01"}
+    stream_s = tokens * 0.01
+    out: dict[str, list[float]] = {"direct": [], "proxy": []}
+    proxy_cpu = 0.0
+    for r in range(rounds):
+        order = [("direct", up), ("proxy", px)] if r % 2 == 0 else [("proxy", px), ("direct", up)]
+        for name, port in order:
+            starts = [stream_s * i / concurrency for i in range(concurrency)]
+            cpu0 = cpu_seconds(px_pid) if px_pid is not None and name == "proxy" else 0.0
+            per = await asyncio.gather(*(_client(port, body, headers, s, per_client) for s in starts))
+            if px_pid is not None and name == "proxy":
+                proxy_cpu += cpu_seconds(px_pid) - cpu0
+            results = [x for xs in per for x in xs]
+            assert all(x.ok and x.chunks == tokens + 1 for x in results), "a stream failed"
+            out[name].extend(x.ttft_s for x in results)
+    return out, proxy_cpu
+
+
+async def throughput(port: int, concurrency: int, tokens: int) -> tuple[float, int]:
+    body = completion(tokens)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(stream_once(port, body, {}) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    chunks = sum(x.chunks for x in results)
+    return chunks / wall, chunks
+
+
+async def fan_out(px: int, up_url: str, subscribers: int) -> tuple[list[StreamResult], int]:
+    body = completion(100)
+    call = f"fanout-{time.time_ns()}"
+    headers = {"x-call-id": call, "x-test-ttft": "0.2", "x-test-token-interval": "0.005"}
+    results = list(await asyncio.gather(*(stream_once(px, body, headers) for _ in range(subscribers))))
+    async with httpx.AsyncClient() as client:
+        seen = (await client.get(f"{up_url}/test/requests", params={"call_id": call})).json()["requests"]
+    return results, len(seen)
+
+
+async def memory(px: int, up_url: str, pid: int, executions: int) -> tuple[float, float]:
+    base = rss_mb(pid)
+    body = completion(401)
+    tag = f"mem-{time.time_ns()}"
+    headers = {"x-test-stall-after": "400", "x-test-stall": "60", "x-test-tag": tag}
+    hold = asyncio.Event()
+    tasks = [asyncio.create_task(stream_once(px, body, headers, hold)) for _ in range(executions)]
+    async with httpx.AsyncClient() as client:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = (await client.get(f"{up_url}/test/requests", params={"tag": tag}, timeout=30)).json()[
+                "requests"
+            ]
+            if len(rows) >= executions and all(r["tokens_sent"] >= 400 for r in rows):
+                break
+            await asyncio.sleep(0.5)
+    await asyncio.sleep(1.0)  # let the proxy read what the upstream wrote
+    held = rss_mb(pid)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return base, held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=500, help="tokens per stream in the throughput phase")
+    parser.add_argument("--executions", type=int, default=1000, help="live executions in the memory phase")
+    args = parser.parse_args()
+
+    up_port, px_port = free_port(), free_port()
+    up = subprocess.Popen([sys.executable, "-m", "exporter.testing.upstream", "--port", str(up_port)])
+    px = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "retrywatch",
+            "proxy",
+            "--upstream",
+            f"http://127.0.0.1:{up_port}",
+            "--port",
+            str(px_port),
+            "--cancellation",
+            "on",
+        ]
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{up_port}/health")
+        wait_http(f"http://127.0.0.1:{px_port}/metrics")
+        asyncio.run(ttft_rounds(up_port, px_port, 1, 10, 1, tokens=2))  # warm up both paths
+
+        seq, _ = asyncio.run(ttft_rounds(up_port, px_port, 10, 1, 20, tokens=2))
+        added = pct(seq["proxy"], 0.5) - pct(seq["direct"], 0.5)
+        print(
+            f"TTFT of one stream at a time, {len(seq['proxy'])} per path: direct p50"
+            f" {pct(seq['direct'], 0.5) * 1e3:.2f} ms, proxy p50 {pct(seq['proxy'], 0.5) * 1e3:.2f} ms,"
+            f" added {added * 1e3:.2f} ms"
+        )
+        ttft, paced_cpu = asyncio.run(ttft_rounds(up_port, px_port, args.rounds, args.concurrency, 3, px.pid))
+        d50, d99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
+        p50, p99 = pct(ttft["proxy"], 0.5), pct(ttft["proxy"], 0.99)
+        print(f"TTFT at {args.concurrency} concurrent streams, {len(ttft['proxy'])} streams per path:")
+        print(f"  direct  p50 {d50 * 1e3:7.2f} ms   p99 {d99 * 1e3:7.2f} ms")
+        print(f"  proxy   p50 {p50 * 1e3:7.2f} ms   p99 {p99 * 1e3:7.2f} ms")
+        print(
+            f"  added   p50 {(p50 - d50) * 1e3:7.2f} ms   p99 {(p99 - d99) * 1e3:7.2f} ms"
+            "   (targets 0.5 / 2 ms)"
+        )
+        paced_chunks = len(ttft["proxy"]) * 51
+        print(f"  proxy CPU per paced chunk (one event per read) {paced_cpu / paced_chunks * 1e6:.1f} us,")
+        print(f"  per stream (request + 51 chunks) {paced_cpu / len(ttft['proxy']) * 1e3:.2f} ms")
+
+        direct_rate, _ = asyncio.run(throughput(up_port, args.concurrency, args.tokens))
+        cpu0 = cpu_seconds(px.pid)
+        proxy_rate, chunks = asyncio.run(throughput(px_port, args.concurrency, args.tokens))
+        cpu = cpu_seconds(px.pid) - cpu0
+        print(f"relay throughput, {args.concurrency} streams x {args.tokens} tokens at full speed:")
+        print(f"  direct {direct_rate:9.0f} chunks/s   proxy {proxy_rate:9.0f} chunks/s")
+        print(f"  proxy CPU per chunk at full speed (events coalesce in reads) {cpu / chunks * 1e6:.1f} us")
+
+        fan, upstream_requests = asyncio.run(fan_out(px_port, f"http://127.0.0.1:{up_port}", 10))
+        ttfts = [x.ttft_s for x in fan]
+        print(f"fan-out, 1 execution to {len(fan)} subscribers (upstream TTFT 200 ms):")
+        print(
+            f"  all complete: {all(x.ok and x.chunks == 101 for x in fan)};"
+            f" upstream requests: {upstream_requests};"
+            f" TTFT min {min(ttfts) * 1e3:.1f} ms, max {max(ttfts) * 1e3:.1f} ms,"
+            f" spread {statistics.pstdev(ttfts) * 1e3:.2f} ms"
+        )
+
+        base, held = asyncio.run(memory(px_port, f"http://127.0.0.1:{up_port}", px.pid, args.executions))
+        print(
+            f"memory: proxy RSS {base:.1f} MB before, {held:.1f} MB holding {args.executions} live executions"
+            f" with 400-token replay buffers (target <= 100 MB)"
+        )
+    finally:
+        for proc in (px, up):
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The proxy's ``/metrics``: the policy's counters and gauges, histograms, derived gauges over a
+sliding window, and the upstream engine's own families passed through unchanged.
+
+The counters are read fresh from ``Policy.counters`` on every scrape by a custom collector, with
+every label value of ``retrywatch.metricnames`` present from the start. The response is the
+plain text format (``generate_latest`` + ``CONTENT_TYPE_LATEST``) so vLLM's colons survive a
+Prometheus scrape.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from exporter.policy import AttemptKind, Fate, Policy, ShedReason
+from retrywatch import metricnames as mn
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0)
+
+_VLLM_SCANNED = (mn.VLLM_NUM_WAITING, mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES)
+
+
+def _base(name: str) -> str:
+    return name.removesuffix("_total")
+
+
+def scan_vllm(text: str, names: tuple[str, ...] = _VLLM_SCANNED) -> dict[str, float]:
+    """Sum the samples of a few families (over all label sets) from an exposition text."""
+    totals: dict[str, float] = {}
+    wanted = set(names)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        head = line.split(" ", 1)[0]
+        name = head.split("{", 1)[0]
+        if name not in wanted:
+            continue
+        rest = line[line.rindex("}") + 1 :] if "{" in head else line[len(name) :]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    t: float
+    attempts: float
+    created: float
+    prompt_tokens: float | None
+    prefix_queries: float | None
+    waiting: float | None
+
+
+class SlidingWindow:
+    """A bounded ring of samples; rates are taken between the oldest sample in the window and
+    the newest."""
+
+    def __init__(self, window_s: float, max_samples: int = 4096) -> None:
+        self.window_s = window_s
+        self.samples: deque[WindowSample] = deque(maxlen=max_samples)
+
+    def add(self, sample: WindowSample) -> None:
+        self.samples.append(sample)
+        horizon = sample.t - self.window_s
+        # Keep one sample at or before the horizon so the window is covered in full.
+        while len(self.samples) > 2 and self.samples[1].t <= horizon:
+            self.samples.popleft()
+
+    def _ends(self) -> tuple[WindowSample, WindowSample] | None:
+        if len(self.samples) < 2 or self.samples[-1].t <= self.samples[0].t:
+            return None
+        return self.samples[0], self.samples[-1]
+
+    def rate(self, field: str) -> float:
+        ends = self._ends()
+        if ends is None:
+            return math.nan
+        a, b = ends
+        va, vb = getattr(a, field), getattr(b, field)
+        if va is None or vb is None:
+            return math.nan
+        return float(vb - va) / (b.t - a.t)
+
+    def prompt_token_gap(self) -> float:
+        ends = self._ends()
+        if ends is None:
+            return math.nan
+        a, b = ends
+        if None in (a.prompt_tokens, b.prompt_tokens, a.prefix_queries, b.prefix_queries):
+            return math.nan
+        admitted = b.prefix_queries - a.prefix_queries  # type: ignore[operator]
+        if admitted <= 0:
+            return math.nan
+        return 1.0 - (b.prompt_tokens - a.prompt_tokens) / admitted  # type: ignore[operator]
+
+    def latest_waiting(self) -> float | None:
+        return self.samples[-1].waiting if self.samples else None
+
+
+class DeadlineEstimator:
+    """Infers the clients' deadline from attempt durations that ended in a client disconnect:
+    the 0.9 quantile of the most recent ones (clients that give up at their deadline make the
+    upper part of that distribution)."""
+
+    QUANTILE = 0.9
+    MIN_SAMPLES = 5
+
+    def __init__(self, max_samples: int = 256) -> None:
+        self.durations: deque[float] = deque(maxlen=max_samples)
+
+    def observe(self, duration_s: float) -> None:
+        if duration_s > 0 and math.isfinite(duration_s):
+            self.durations.append(duration_s)
+
+    def estimate(self) -> float | None:
+        if len(self.durations) < self.MIN_SAMPLES:
+            return None
+        cuts = statistics.quantiles(self.durations, n=10, method="inclusive")
+        return max(cuts[int(self.QUANTILE * 10) - 1], 1e-3)
+
+
+class PolicyCollector(Collector):
+    """Yields the retrywatch families fresh from the policy and the window on every scrape."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        window: SlidingWindow,
+        capacity: float | None,
+        upstream_up: Callable[[], bool],
+    ) -> None:
+        self.policy = policy
+        self.window = window
+        self.capacity = capacity
+        self.upstream_up = upstream_up
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.policy.counters
+        attempts = CounterMetricFamily(_base(mn.ATTEMPTS), "Attempts received, by kind.", labels=["kind"])
+        for kind in AttemptKind:
+            attempts.add_metric([kind.value], c.attempts[kind])
+        yield attempts
+        yield CounterMetricFamily(
+            _base(mn.ATTEMPTS_ATTACHED), "Attempts attached to a live execution.", value=c.attached
+        )
+        shed = CounterMetricFamily(
+            _base(mn.ATTEMPTS_SHED), "Attempts shed before the engine.", labels=["reason"]
+        )
+        for reason in ShedReason:
+            shed.add_metric([reason.value], c.shed[reason])
+        yield shed
+        yield CounterMetricFamily(_base(mn.EXECUTIONS_CREATED), "Executions created.", value=c.created)
+        yield CounterMetricFamily(
+            _base(mn.EXECUTIONS_DISPATCHED), "Executions sent to the engine.", value=c.dispatched
+        )
+        finished = CounterMetricFamily(
+            _base(mn.EXECUTIONS_FINISHED), "Executions finished, by fate.", labels=["fate"]
+        )
+        for fate in Fate:
+            finished.add_metric([fate.value], c.finished[fate])
+        yield finished
+        delivered = CounterMetricFamily(
+            _base(mn.CALLS_DELIVERED), "Calls delivered in full, by deadline.", labels=["within_deadline"]
+        )
+        for label in mn.DELIVERY_LABELS:
+            delivered.add_metric([label], c.delivered[label == "true"])
+        yield delivered
+
+        g = self.policy.gauges()
+        yield GaugeMetricFamily(mn.EXECUTIONS_LIVE, "Executions in the engine.", value=g.executions_live)
+        yield GaugeMetricFamily(
+            mn.EXECUTIONS_QUEUED, "Executions in the proxy queue.", value=g.executions_queued
+        )
+        yield GaugeMetricFamily(mn.SUBSCRIBERS, "Attempts waiting for an execution.", value=g.subscribers)
+        capacity = self.capacity if self.capacity is not None else math.nan
+        yield GaugeMetricFamily(mn.CAPACITY, "Engine capacity Ĉ in calls/s (--capacity).", value=capacity)
+        deadline = self.policy.deadline_s if self.policy.deadline_s is not None else math.nan
+        yield GaugeMetricFamily(mn.CLIENT_DEADLINE, "The clients' deadline on an attempt.", value=deadline)
+        yield GaugeMetricFamily(
+            mn.UPSTREAM_UP,
+            "1 if the upstream answered its last probe.",
+            value=1.0 if self.upstream_up() else 0.0,
+        )
+
+        w = self.window
+        creation = w.rate("created")
+        attempt_rate = w.rate("attempts")
+        yield GaugeMetricFamily(
+            mn.EXECUTION_CREATION_RATE, "Executions created per second over the window.", value=creation
+        )
+        yield GaugeMetricFamily(mn.ATTEMPT_RATE, "Attempts per second over the window.", value=attempt_rate)
+        ratio = creation / capacity if self.capacity else math.nan
+        yield GaugeMetricFamily(mn.CREATION_CAPACITY_RATIO, "Execution creation rate over Ĉ.", value=ratio)
+        waiting = w.latest_waiting()
+        denominator = attempt_rate * deadline
+        littles = waiting / denominator if waiting is not None and denominator > 0 else math.nan
+        yield GaugeMetricFamily(
+            mn.WAITING_LITTLES_LAW_RATIO, "vLLM waiting / (attempt rate × deadline).", value=littles
+        )
+        yield GaugeMetricFamily(
+            mn.PROMPT_TOKEN_GAP_RATIO,
+            "1 − Δ prompt tokens / Δ prefix cache queries over the window.",
+            value=w.prompt_token_gap(),
+        )
+
+
+class ProxyMetrics:
+    """Everything ``/metrics`` serves, on a registry of its own."""
+
+    def __init__(self, policy: Policy, window_s: float, capacity: float | None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.window = SlidingWindow(window_s)
+        self.upstream_up = False
+        self.upstream_text = ""  # last fetched upstream exposition
+        self.upstream_fetched_at = -math.inf
+        self.collector = PolicyCollector(policy, self.window, capacity, lambda: self.upstream_up)
+        self.registry.register(self.collector)
+        self.ttft = Histogram(
+            _base(mn.TIME_TO_FIRST_TOKEN),
+            "Seconds from an execution's creation to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.attempt_duration = Histogram(
+            _base(mn.ATTEMPT_DURATION),
+            "Seconds from an attempt's arrival to its end, by outcome.",
+            labelnames=["outcome"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self._duration_children = {o: self.attempt_duration.labels(outcome=o) for o in mn.ATTEMPT_OUTCOMES}
+        self.policy = policy
+        self.deadlines = DeadlineEstimator()
+
+    def observe_attempt(self, outcome: str, duration_s: float) -> None:
+        self._duration_children[outcome].observe(duration_s)
+        if outcome == "disconnected":
+            self.deadlines.observe(duration_s)
+
+    def sample(self, now: float) -> None:
+        """Take one window sample (on a 1-s timer and at scrape time)."""
+        c = self.policy.counters
+        vllm = scan_vllm(self.upstream_text) if self.upstream_up else {}
+        self.window.add(
+            WindowSample(
+                t=now,
+                attempts=float(sum(c.attempts.values())),
+                created=float(c.created),
+                prompt_tokens=vllm.get(mn.VLLM_PROMPT_TOKENS),
+                prefix_queries=vllm.get(mn.VLLM_PREFIX_CACHE_QUERIES),
+                waiting=vllm.get(mn.VLLM_NUM_WAITING),
+            )
+        )
+
+    def exposition(self, passthrough: bool) -> bytes:
+        ours = generate_latest(self.registry)
+        if not passthrough or not self.upstream_up or not self.upstream_text:
+            return ours
+        text = self.upstream_text if self.upstream_text.endswith("\n") else self.upstream_text + "\n"
+        return ours + text.encode()

@@ -1,0 +1,610 @@
+"""The execution-aware proxy: a Starlette ASGI app that drives the policy core in wall time.
+
+Each generation attempt is validated, keyed (``exporter.callkey``) and decided by
+``exporter.policy.Policy``; this module carries out the policy's effects: it opens one upstream
+request per execution (``exporter.upstream``), fans the bytes out to the execution's subscribers
+(``exporter.relay``), notices client disconnects at once (a task per subscriber waits for
+``http.disconnect``), closes the upstream connection to cancel, and arms deferred-cancellation
+timers with ``loop.call_later``. The policy's clock is ``time.monotonic``.
+Every other route is passed through to the upstream unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from exporter.admin import executions_listing
+from exporter.callkey import CallIdError, call_key, find_call_id, retry_hint
+from exporter.metrics import ProxyMetrics
+from exporter.policy import (
+    Attempt,
+    Cancel,
+    Created,
+    Dispatch,
+    Drop,
+    Effect,
+    Policy,
+    Shed,
+    ShedReason,
+    StartTimer,
+)
+from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
+from exporter.settings import ProxySettings
+from exporter.upstream import (
+    DROP_RESPONSE_HEADERS,
+    StreamedResponse,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamPool,
+    forwardable_headers,
+)
+from exporter.validation import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    RequestError,
+    error_body,
+    error_type,
+    parse_body,
+    validate,
+)
+
+log = logging.getLogger("retrywatch.proxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+FIRST_EVENT_LIMIT = 64 * 1024  # bytes read before the first SSE event must be complete
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
+SAMPLE_INTERVAL_S = 1.0
+UPSTREAM_METRICS_MAX_AGE_S = 1.0
+_JSON = b"application/json"
+
+
+def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _error_event(obj: bytes) -> dict[str, Any] | None:
+    """The error object if an SSE event is ``data: {"error": ...}`` (vLLM's in-stream error)."""
+    event = obj.strip()
+    if not event.startswith(b"data:"):
+        return None
+    payload = event[5:].strip()
+    if not payload.startswith(b"{") or b"error" not in payload[:64]:
+        return None
+    try:
+        parsed = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    error = parsed.get("error")
+    if isinstance(error, dict):
+        return error
+    if parsed.get("object") == "error":
+        return parsed
+    return None
+
+
+def _error_code(error: dict[str, Any]) -> int | None:
+    code = error.get("code")
+    if isinstance(code, int):
+        return code
+    if isinstance(code, str) and code.isdigit():
+        return int(code)
+    return None
+
+
+def _upstream_message(raw: bytes, default: str) -> str:
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return default
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])[:500]
+    return default
+
+
+class Proxy:
+    """One proxy: its policy, its executions in flight and its ASGI app (``Proxy.app``)."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.policy = Policy(settings.policy_config())
+        if settings.deadline_auto:
+            self.policy.set_deadline(None)  # until inferred (see ProxySettings.policy_config)
+        self.metrics = ProxyMetrics(self.policy, settings.window_s, settings.capacity)
+        self.upstream = UpstreamClient(settings.upstream_base, settings.upstream_connect_timeout_s)
+        self.pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s)
+        self.relays: dict[int, Relay] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._metrics_lock = asyncio.Lock()
+        self._sampler: asyncio.Task[None] | None = None
+        routes = [
+            Route(COMPLETIONS, self.generate, methods=["POST"]),
+            Route(CHAT_COMPLETIONS, self.generate, methods=["POST"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/retrywatch/executions", self.admin_executions, methods=["GET"]),
+            Route(
+                "/{path:path}",
+                self.passthrough,
+                methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"],
+            ),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._sampler = asyncio.create_task(self._sample_forever())
+        try:
+            yield
+        finally:
+            self._sampler.cancel()
+            for task in list(self._tasks.values()):
+                task.cancel()
+            for handle in self._timers.values():
+                handle.cancel()
+            await asyncio.gather(*self._tasks.values(), self._sampler, return_exceptions=True)
+            await self.upstream.aclose()
+            self.pool.close()
+
+    @staticmethod
+    def now() -> float:
+        # time.monotonic, not loop.time(): uvloop's loop clock has millisecond resolution.
+        return time.monotonic()
+
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                await self._refresh_upstream_metrics()
+                self._sample()
+            except Exception:  # a sampler bug must not take the proxy down
+                log.exception("metrics sampler failed")
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+    def _sample(self) -> None:
+        self.metrics.sample(self.now())
+        if self.settings.deadline_auto:
+            estimate = self.metrics.deadlines.estimate()
+            if estimate is not None:
+                self.policy.set_deadline(estimate)
+
+    async def _refresh_upstream_metrics(self) -> None:
+        async with self._metrics_lock:
+            if self.now() - self.metrics.upstream_fetched_at < UPSTREAM_METRICS_MAX_AGE_S:
+                return
+            path = "/metrics" if self.settings.metrics_passthrough else "/health"
+            try:
+                text = await self.upstream.get_text(path, self.settings.upstream_metrics_timeout_s)
+            except (httpx.HTTPError, UnicodeDecodeError):
+                self.metrics.upstream_up, self.metrics.upstream_text = False, ""
+            else:
+                self.metrics.upstream_up = True
+                self.metrics.upstream_text = text if self.settings.metrics_passthrough else ""
+            self.metrics.upstream_fetched_at = self.now()
+
+    # --- generation routes ----------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def generate(self, request: Request) -> Response:
+        started = self.now()
+        route: str = request.scope["path"]
+        try:
+            raw = await self._read_body(request)
+            body = parse_body(raw)
+            prompt_tokens = validate(route, body, self.settings.vocab_size)
+            call_id = find_call_id(request.headers, self.settings.call_id_header)
+        except RequestError as exc:
+            return _json_response(exc.status, exc.body())
+        except ClientDisconnect:  # gone before the body arrived: nothing was decided
+            return Response(status_code=400)
+        except CallIdError as exc:
+            return _json_response(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
+        key = call_key(call_id, route, body, self.settings.key_without_id)
+        stream = bool(body.get("stream", False))
+        attempt = Attempt(key=key, retry_hint=retry_hint(request.headers), prompt_tokens=prompt_tokens)
+        result = self.policy.on_attempt(started, attempt)
+        decision = result.decision
+        if isinstance(decision, Shed):
+            self.metrics.observe_attempt("shed", self.now() - started)
+            return self._shed_response(decision)
+        if isinstance(decision, Created):
+            upstream_request = UpstreamRequest(route, raw, forwardable_headers(request.scope["headers"]))
+            relay = Relay(
+                decision.execution_id,
+                upstream_request,
+                stream,
+                started,
+                self.settings.replay_limit_bytes,
+                on_overflow=self.policy.stop_attaching,
+            )
+            self.relays[decision.execution_id] = relay
+        else:
+            relay = self.relays[decision.execution_id]
+        subscription = relay.subscribe(decision.subscriber_id)
+        self.apply(result.effects)
+        return SubscriberResponse(self, relay, subscription, started)
+
+    def _shed_response(self, shed: Shed) -> Response:
+        if shed.reason is ShedReason.RETRY_BUDGET:
+            wait = shed.retry_after_s if shed.retry_after_s is not None else 1.0
+            retry_after = str(max(1, math.ceil(wait)))
+            message = "retry budget exhausted: retries exceed their share of first attempts; retry later"
+            return _json_response(
+                429, error_body(message, error_type(429), shed.reason.value), {"retry-after": retry_after}
+            )
+        if shed.reason is ShedReason.DEADLINE:
+            message = "the proxy estimates this attempt would miss the clients' deadline"
+        else:
+            message = "the proxy's queue is full"
+        return _json_response(503, error_body(message, error_type(503), shed.reason.value))
+
+    # --- effects ----------------------------------------------------------------------------
+
+    def apply(self, effects: list[Effect]) -> None:
+        """Carry out what the policy decided."""
+        for effect in effects:
+            eid = effect.execution_id
+            if isinstance(effect, Dispatch):
+                relay = self.relays.get(eid)
+                if relay is not None:
+                    self._tasks[eid] = asyncio.create_task(self._run_execution(relay))
+            elif isinstance(effect, Cancel):
+                self._clear_timer(eid)
+                relay = self.relays.pop(eid, None)
+                if relay is not None:
+                    relay.finish(Outcome.CANCELLED)
+                task = self._tasks.get(eid)
+                if task is not None:
+                    task.cancel()  # closes the upstream response: the engine aborts it
+            elif isinstance(effect, Drop):
+                relay = self.relays.pop(eid, None)
+                if relay is not None:
+                    relay.finish(Outcome.DROPPED)
+            elif isinstance(effect, StartTimer):
+                self._clear_timer(eid)
+                loop = asyncio.get_running_loop()
+                delay = max(0.0, effect.at - self.now())
+                self._timers[eid] = loop.call_later(delay, self._on_timer, eid)
+
+    def _clear_timer(self, execution_id: int) -> None:
+        handle = self._timers.pop(execution_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _on_timer(self, execution_id: int) -> None:
+        self._timers.pop(execution_id, None)
+        now = self.now()
+        execution = self.policy.execution(execution_id)
+        if execution is not None and execution.cancel_at is not None and now < execution.cancel_at:
+            # The loop's timer clock is coarser than time.monotonic: it fired a hair early.
+            loop = asyncio.get_running_loop()
+            delay = execution.cancel_at - now + 0.001
+            self._timers[execution_id] = loop.call_later(delay, self._on_timer, execution_id)
+            return
+        self.apply(self.policy.on_timer(now, execution_id))
+
+    # --- one execution's upstream request -----------------------------------------------------
+
+    async def _run_execution(self, relay: Relay) -> None:
+        eid = relay.execution_id
+        request = relay.request
+        relay.request = None  # the body is no longer held once sent
+        response: StreamedResponse | None = None
+        try:
+            if request is None:
+                return
+            headers = [*request.headers, ("accept-encoding", "identity")]
+            try:
+                response = await self.pool.open("POST", request.path, request.body, headers)
+            except UpstreamError as exc:
+                self.metrics.upstream_up = False
+                self._end_with_error(
+                    relay,
+                    Outcome.FAILED,
+                    502,
+                    f"upstream unreachable ({type(exc).__name__})",
+                    "upstream_unreachable",
+                )
+                return
+            self.metrics.upstream_up = True
+            relay.status = response.status_code
+            if response.status_code != 200:
+                raw = await self._read_limited(response)
+                if response.status_code == 503:
+                    message = _upstream_message(raw, "the engine refused the request (queue full)")
+                    self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
+                else:
+                    status = response.status_code if 400 <= response.status_code < 500 else 502
+                    message = _upstream_message(raw, f"the upstream answered HTTP {response.status_code}")
+                    self._end_with_error(relay, Outcome.FAILED, status, message, "upstream_error")
+                return
+            content_type = response.headers.get("content-type")
+            if content_type:
+                relay.content_type = content_type.encode("latin-1")
+            if relay.stream:
+                await self._pump_stream(relay, response)
+            else:
+                await self._pump_body(relay, response)
+        except asyncio.CancelledError:
+            raise  # cancelled by the policy: closing the response below aborts the engine's work
+        except (UpstreamError, OSError) as exc:
+            message = f"upstream failed mid-response ({type(exc).__name__})"
+            self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_broken")
+        except Exception:  # a bug here must fail this execution, not leave it hanging
+            log.exception("execution %d failed in the proxy", eid)
+            self._end_with_error(relay, Outcome.FAILED, 502, "the proxy failed relaying it", "proxy_error")
+        finally:
+            if response is not None:
+                await response.aclose()
+            self._tasks.pop(eid, None)
+
+    async def _read_limited(self, response: StreamedResponse) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for data in response.aiter_raw():
+            parts.append(data)
+            size += len(data)
+            if size >= ERROR_BODY_LIMIT:
+                break
+        return b"".join(parts)[:ERROR_BODY_LIMIT]
+
+    async def _pump_stream(self, relay: Relay, response: StreamedResponse) -> None:
+        """Relay raw SSE bytes; only the first event is inspected (vLLM's in-stream refusal).
+        After it, chunks go from the upstream's protocol callback straight into the relay."""
+        pending = b""
+        while b"\n\n" not in pending and len(pending) < FIRST_EVENT_LIMIT:
+            data = await response.read_chunk()
+            if data is None:
+                break
+            pending += data
+        if pending:
+            cut = pending.find(b"\n\n")
+            if self._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
+                return
+            self._first_token(relay)
+            relay.append(pending)
+        await response.forward(relay.append)
+        self._complete(relay)
+
+    async def _pump_body(self, relay: Relay, response: StreamedResponse) -> None:
+        first = True
+        async for data in response.aiter_raw():
+            if first:
+                self._first_token(relay)
+                first = False
+            relay.append(data)
+        self._complete(relay)
+
+    def _first_event_is_error(self, relay: Relay, event: bytes) -> bool:
+        error = _error_event(event)
+        if error is None:
+            return False
+        code = _error_code(error)
+        message = str(error.get("message") or "the engine reported an error")[:500]
+        if code == 503:
+            self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
+        else:
+            self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_error")
+        return True
+
+    def _first_token(self, relay: Relay) -> None:
+        now = self.now()
+        self.policy.on_first_token(now, relay.execution_id)
+        self.metrics.ttft.observe(now - relay.created_at)
+
+    def _complete(self, relay: Relay) -> None:
+        effects = self.policy.on_completed(self.now(), relay.execution_id)
+        self._clear_timer(relay.execution_id)
+        self.relays.pop(relay.execution_id, None)
+        relay.finish(Outcome.COMPLETED)
+        self.apply(effects)
+
+    def _end_with_error(self, relay: Relay, outcome: Outcome, status: int, message: str, code: str) -> None:
+        eid = relay.execution_id
+        if outcome is Outcome.REFUSED:
+            effects = self.policy.on_refused(self.now(), eid)
+        else:
+            effects = self.policy.on_failed(self.now(), eid)
+        self._clear_timer(eid)
+        self.relays.pop(eid, None)
+        relay.finish(outcome, (status, error_body(message, error_type(status), code)))
+        self.apply(effects)
+
+    # --- a subscriber leaving or finishing ----------------------------------------------------
+
+    def subscriber_left(self, subscription: Subscription, started: float) -> None:
+        now = self.now()
+        self.metrics.observe_attempt("disconnected", now - started)
+        self.apply(self.policy.on_subscriber_left(now, subscription.subscriber_id))
+
+    def subscriber_delivered(self, subscription: Subscription, started: float) -> None:
+        now = self.now()
+        self.metrics.observe_attempt("delivered", now - started)
+        self.policy.on_subscriber_delivered(now, subscription.subscriber_id)
+
+    # --- other routes -----------------------------------------------------------------------
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        await self._refresh_upstream_metrics()
+        self._sample()
+        body = self.metrics.exposition(self.settings.metrics_passthrough)
+        return Response(body, headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def admin_executions(self, request: Request) -> Response:
+        token = self.settings.admin_token
+        if token is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                body = error_body("a valid bearer token is required", "authentication_error", "unauthorized")
+                return _json_response(401, body, {"www-authenticate": "Bearer"})
+        try:
+            limit = int(request.query_params.get("limit", "1000"))
+        except ValueError:
+            limit = -1
+        if not 1 <= limit <= 10_000:
+            return _json_response(
+                400,
+                error_body(
+                    "'limit' must be an integer in [1, 10000]", "invalid_request_error", "invalid_limit"
+                ),
+            )
+        listing = executions_listing(self.policy, self.relays, self.now(), limit)
+        return _json_response(200, json.dumps(listing).encode())
+
+    async def passthrough(self, request: Request) -> Response:
+        try:
+            body = await self._read_body(request)
+        except RequestError as exc:
+            return _json_response(exc.status, exc.body())
+        headers = [*forwardable_headers(request.scope["headers"]), ("accept-encoding", "identity")]
+        try:
+            response = await self.upstream.open(
+                request.method, request.url.path, body, headers, request.scope.get("query_string", b"")
+            )
+        except httpx.HTTPError as exc:
+            self.metrics.upstream_up = False
+            message = f"upstream unreachable ({type(exc).__name__})"
+            return _json_response(502, error_body(message, error_type(502), "upstream_unreachable"))
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
+        return StreamingResponse(
+            response.aiter_raw(),
+            status_code=response.status_code,
+            headers=out_headers,
+            background=BackgroundTask(response.aclose),
+        )
+
+
+class SubscriberResponse(Response):
+    """Streams one subscriber's view of an execution: replay, live bytes, then the end."""
+
+    def __init__(self, proxy: Proxy, relay: Relay, subscription: Subscription, started: float) -> None:
+        self.proxy = proxy
+        self.relay = relay
+        self.subscription = subscription
+        self.started = started
+        self.background = None
+        self._accounted = False  # the attempt's end was reported to the policy and the metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay, sub = self.relay, self.subscription
+        watcher = asyncio.create_task(self._watch_disconnect(receive))
+        headers_sent = False
+        self._accounted = False
+        try:
+            while not sub.left:
+                if relay.stream:
+                    data = relay.read(sub)
+                    if data:
+                        if not headers_sent:
+                            await send(self._start(200, relay.content_type))
+                            headers_sent = True
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                        continue
+                if relay.outcome is not None:
+                    break
+                await relay.wait(sub)
+            await self._finish(send, headers_sent)
+        finally:
+            watcher.cancel()
+            relay.unsubscribe(sub.subscriber_id)
+            if not self._accounted:  # e.g. the server's send raised: the client is gone
+                self.proxy.subscriber_left(sub, self.started)
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.subscription.left = True
+                self.subscription.wake()
+                return
+
+    @staticmethod
+    def _start(status: int, content_type: bytes, length: int | None = None) -> Message:
+        headers = [(b"content-type", content_type), (b"cache-control", b"no-cache")]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        return {"type": "http.response.start", "status": status, "headers": headers}
+
+    async def _finish(self, send: Send, headers_sent: bool) -> None:
+        relay, sub, proxy = self.relay, self.subscription, self.proxy
+        if sub.left:
+            self._accounted = True
+            proxy.subscriber_left(sub, self.started)
+            return
+        outcome = relay.outcome
+        if outcome is Outcome.COMPLETED:
+            if relay.stream:
+                if not headers_sent:
+                    await send(self._start(200, relay.content_type))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                body = relay.read(sub)
+                await send(self._start(relay.status, relay.content_type, len(body)))
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            self._accounted = True
+            if sub.left:  # the client went away while the last bytes were written
+                proxy.subscriber_left(sub, self.started)
+            else:
+                proxy.subscriber_delivered(sub, self.started)
+            return
+        status, body = relay.error or (
+            503,
+            error_body("the execution ended before it was answered", error_type(503), "execution_ended"),
+        )
+        self._accounted = True
+        if outcome is Outcome.REFUSED:
+            proxy.metrics.observe_attempt("refused", proxy.now() - self.started)
+        else:
+            proxy.metrics.observe_attempt("failed", proxy.now() - self.started)
+            if outcome in (Outcome.CANCELLED, Outcome.DROPPED):
+                # Not expected (the policy cancels or drops only executions nobody waits for);
+                # make sure the policy forgets this subscriber all the same.
+                proxy.apply(proxy.policy.on_subscriber_left(proxy.now(), sub.subscriber_id))
+        if headers_sent:  # mid-stream: an SSE error event, then the end of the stream
+            event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+        else:
+            await send(self._start(status, _JSON, len(body)))
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def create_app(settings: ProxySettings) -> Starlette:
+    """The proxy's ASGI app (``Proxy(settings).app``)."""
+    return Proxy(settings).app

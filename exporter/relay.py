@@ -1,0 +1,188 @@
+"""One execution's upstream output, fanned out to its subscribers with a bounded replay buffer.
+
+The upstream reader appends raw bytes (SSE events, or a JSON body) exactly as received; every
+subscriber reads from its own byte offset, so an attached retry first receives everything so
+far (the replay), then the live bytes. Per chunk the work is O(subscribers): wake the waiters.
+
+NOTE: the replay buffer is stored in zlib-compressed blocks of ``BLOCK_BYTES`` plus an
+uncompressed tail. Subscribers that keep up only ever read the tail; compressed blocks are
+read by attached retries and lagging subscribers. SSE chunks of one completion repeat the same
+JSON skeleton, so blocks compress about tenfold and a thousand live executions holding
+400-token replays fit in a few megabytes. Once the stored bytes pass ``limit_bytes`` the
+execution stops taking new subscribers (``on_overflow``) and blocks every current subscriber has
+read are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+BLOCK_BYTES = 16 * 1024
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"  # the upstream ended normally: deliver what is buffered
+    REFUSED = "refused"  # the engine refused it (503 either form)
+    FAILED = "failed"  # upstream down, erroring, or broken mid-stream
+    CANCELLED = "cancelled"  # closed by the proxy (no subscriber left)
+    DROPPED = "dropped"  # dropped from the proxy queue before dispatch
+
+
+@dataclass
+class UpstreamRequest:
+    """What the upstream request of an execution is made of (kept until dispatch)."""
+
+    path: str
+    body: bytes
+    headers: list[tuple[str, str]]
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One subscriber's read position and wake-up future."""
+
+    subscriber_id: int
+    offset: int = 0
+    left: bool = False  # the client disconnected
+    waiter: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class Relay:
+    """The fan-out of one execution."""
+
+    def __init__(
+        self,
+        execution_id: int,
+        request: UpstreamRequest | None,
+        stream: bool,
+        created_at: float,
+        limit_bytes: int,
+        on_overflow: Callable[[int], None] | None = None,
+    ) -> None:
+        self.execution_id = execution_id
+        self.request = request
+        self.stream = stream
+        self.created_at = created_at
+        self.limit_bytes = limit_bytes
+        self._on_overflow = on_overflow
+        self.content_type = b"text/event-stream; charset=utf-8" if stream else b"application/json"
+        self.status = 200
+        self.chunks = 0  # chunks received from the upstream
+        self.end = 0  # raw bytes received
+        self.outcome: Outcome | None = None
+        self.error: tuple[int, bytes] | None = None  # (status, OpenAI-style body) for REFUSED/FAILED
+        self.attachable = True
+        self.subscriptions: dict[int, Subscription] = {}
+        self._blocks: list[bytes | None] = []  # compressed; None once released
+        self._block_starts: list[int] = []
+        self._stored = 0  # bytes held: compressed blocks + tail
+        self._tail = bytearray()
+        self._tail_start = 0
+
+    # --- the upstream side ------------------------------------------------------------
+
+    def append(self, data: bytes) -> None:
+        if not data:
+            return
+        self._tail += data
+        self.end += len(data)
+        self._stored += len(data)
+        self.chunks += 1
+        if len(self._tail) >= BLOCK_BYTES:
+            self._seal_tail()
+        for sub in self.subscriptions.values():
+            sub.wake()
+
+    def finish(self, outcome: Outcome, error: tuple[int, bytes] | None = None) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.error = error
+        self.request = None
+        for sub in self.subscriptions.values():
+            sub.wake()
+
+    def _seal_tail(self) -> None:
+        raw = bytes(self._tail)
+        block = zlib.compress(raw, 1)
+        self._blocks.append(block)
+        self._block_starts.append(self._tail_start)
+        self._stored += len(block) - len(raw)
+        self._tail_start += len(raw)
+        self._tail = bytearray()
+        if self._stored > self.limit_bytes:
+            if self.attachable:
+                self.attachable = False
+                if self._on_overflow is not None:
+                    self._on_overflow(self.execution_id)
+            self._release_read_blocks()
+
+    def _release_read_blocks(self) -> None:
+        low = min((s.offset for s in self.subscriptions.values()), default=self.end)
+        for i, block in enumerate(self._blocks):
+            if block is None:
+                continue
+            block_end = self._block_starts[i + 1] if i + 1 < len(self._block_starts) else self._tail_start
+            if block_end > low:
+                break
+            self._stored -= len(block)
+            self._blocks[i] = None
+
+    # --- the subscriber side ----------------------------------------------------------
+
+    def subscribe(self, subscriber_id: int) -> Subscription:
+        sub = Subscription(subscriber_id)
+        self.subscriptions[subscriber_id] = sub
+        return sub
+
+    def unsubscribe(self, subscriber_id: int) -> None:
+        self.subscriptions.pop(subscriber_id, None)
+
+    def read(self, sub: Subscription) -> bytes:
+        """Everything from the subscriber's offset to the end; advances the offset."""
+        offset = sub.offset
+        if offset >= self.end:
+            return b""
+        sub.offset = self.end
+        if offset >= self._tail_start:
+            return bytes(self._tail[offset - self._tail_start :])
+        return self._read_blocks(offset)
+
+    def _read_blocks(self, offset: int) -> bytes:
+        i = bisect.bisect_right(self._block_starts, offset) - 1
+        parts: list[bytes] = []
+        first_start = self._block_starts[i]
+        for block in self._blocks[i:]:
+            if block is None:
+                raise RuntimeError("replay block released while a subscriber still needed it")
+            parts.append(zlib.decompress(block))
+        parts.append(bytes(self._tail))
+        return b"".join(parts)[offset - first_start :]
+
+    async def wait(self, sub: Subscription) -> None:
+        """Until there is something new for ``sub``, the execution ends, or the client leaves."""
+        if sub.left or self.outcome is not None or (self.stream and sub.offset < self.end):
+            return
+        loop = asyncio.get_running_loop()
+        sub.waiter = loop.create_future()
+        try:
+            await sub.waiter
+        finally:
+            sub.waiter = None
+
+    def stored_bytes(self) -> int:
+        return self._stored
+
+    def describe(self) -> dict[str, Any]:
+        return {"chunks": self.chunks, "bytes": self.end, "stored_bytes": self._stored}

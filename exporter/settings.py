@@ -1,0 +1,118 @@
+"""The proxy's configuration: one dataclass holding every flag of ``retrywatch proxy``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
+from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
+
+
+class SettingsError(ValueError):
+    """A proxy setting is unusable; the message names the flag and what it accepts."""
+
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+AUTO_DEADLINE_PLACEHOLDER_S = 1e9
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    upstream: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    # policy
+    cancellation: Cancellation = Cancellation.DEFERRED
+    cancel_after_s: float = 10.0
+    coalesce: bool = True
+    call_id_header: str = DEFAULT_CALL_ID_HEADER
+    key_without_id: KeyWithoutId = KeyWithoutId.BODY
+    retry_budget: float | None = None
+    budget_window_s: float = 60.0
+    budget_order: BudgetOrder = BudgetOrder.LOOKUP_FIRST
+    max_outstanding: int | None = None
+    max_queued: int = 10_000
+    queue_order: QueueOrder = QueueOrder.FIFO
+    lifo_threshold: int = 50
+    deadline_check: bool = False
+    deadline_s: float | None = None  # fixed client deadline
+    deadline_auto: bool = False  # infer the deadline from attempts that ended in a disconnect
+    max_live_executions: int = 20_000
+    # the proxy itself
+    capacity: float | None = None  # Ĉ in calls/s
+    vocab_size: int | None = None
+    admin_token: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    replay_limit_bytes: int = 4 * 1024 * 1024  # stored (compressed) replay per execution
+    window_s: float = 60.0  # sliding window of the derived gauges
+    metrics_passthrough: bool = True
+    upstream_metrics_timeout_s: float = 0.5
+    upstream_connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        # Accept the flags' string values as well as the enums (frozen: set through object).
+        for name, enum in (
+            ("cancellation", Cancellation),
+            ("budget_order", BudgetOrder),
+            ("queue_order", QueueOrder),
+            ("key_without_id", KeyWithoutId),
+        ):
+            try:
+                object.__setattr__(self, name, enum(getattr(self, name)))
+            except ValueError:
+                allowed = ", ".join(e.value for e in enum)
+                raise SettingsError(f"--{name.replace('_', '-')} must be one of {allowed}") from None
+        parts = urlsplit(self.upstream)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise SettingsError(
+                f"--upstream must be an http(s) URL like http://127.0.0.1:8000, not {self.upstream!r}"
+            )
+        if not (0 <= self.port < 65536):
+            raise SettingsError("--port must be in [0, 65535]")
+        if self.capacity is not None and not (0 < self.capacity < math.inf):
+            raise SettingsError("--capacity must be a positive number of calls per second")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise SettingsError("--vocab-size must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise SettingsError("--max-body-bytes must be >= 1024")
+        if self.replay_limit_bytes < 1024:
+            raise SettingsError("--replay-limit-bytes must be >= 1024")
+        if self.window_s <= 0:
+            raise SettingsError("--window must be > 0 seconds")
+        if self.deadline_auto and self.deadline_s is not None:
+            raise SettingsError("--deadline is either a number of seconds or 'auto', not both")
+        if self.deadline_check and self.deadline_s is None and not self.deadline_auto:
+            raise SettingsError("--deadline-check needs --deadline S or --deadline auto")
+        if not self.call_id_header.strip():
+            raise SettingsError("--call-id-header must be a header name")
+        self.policy_config()  # the policy validates its own knobs
+
+    @property
+    def upstream_base(self) -> str:
+        return self.upstream.rstrip("/")
+
+    def policy_config(self) -> PolicyConfig:
+        # NOTE: the policy's config needs a deadline whenever the check is on. With --deadline
+        # auto there is none yet: the config gets a placeholder and the proxy clears it at once
+        # (``Policy.set_deadline(None)``) until a deadline has been inferred; the check skips
+        # attempts while no deadline is known.
+        deadline = self.deadline_s
+        if self.deadline_auto and self.deadline_check:
+            deadline = AUTO_DEADLINE_PLACEHOLDER_S
+        return PolicyConfig(
+            coalesce=self.coalesce,
+            cancellation=self.cancellation,
+            cancel_after_s=self.cancel_after_s,
+            retry_budget=self.retry_budget,
+            budget_window_s=self.budget_window_s,
+            budget_order=self.budget_order,
+            max_outstanding=self.max_outstanding,
+            max_queued=self.max_queued,
+            queue_order=self.queue_order,
+            lifo_threshold=self.lifo_threshold,
+            deadline_check=self.deadline_check,
+            deadline_s=deadline,
+            max_live_executions=self.max_live_executions,
+        )

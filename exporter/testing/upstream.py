@@ -1,0 +1,461 @@
+"""An OpenAI-compatible streaming test upstream, run as a real process on loopback.
+
+It stands in for vLLM where the proxy is tested or benchmarked, and can be told per request
+(headers) or for every request (``POST /test/config``) how to behave:
+
+* ``x-test-ttft``: seconds to the first token; ``x-test-token-interval``: seconds between tokens;
+  the number of tokens is the request's ``max_tokens`` (default 16).
+* ``x-test-mode``: ``normal``; ``refuse-http`` (HTTP 503, vLLM's queue cap); ``refuse-stream``
+  (HTTP 200 whose stream carries ``data: {"error": {..., "code": 503}}`` then ``data: [DONE]``);
+  ``crash`` (the connection breaks after ``x-test-crash-after`` tokens); ``error-500``.
+* ``x-test-stall-after`` / ``x-test-stall``: pause that many seconds after that many tokens.
+* ``x-test-hold: NAME``: wait before the first token until ``POST /test/release?name=NAME``.
+
+It records every generation request (call id, when it arrived, its first token, its end, and
+whether and when the client closed the connection early) and serves the records on
+``GET /test/requests?call_id=...`` so tests can assert what reached the engine and what was
+aborted. It also serves ``/metrics`` (a few ``vllm:`` families with vLLM's counting rules),
+``/v1/models``, ``/health`` and ``/version``. Prompt text is never stored: only its length.
+
+Run: ``python -m exporter.testing.upstream --port 8000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MODES = ("normal", "refuse-http", "refuse-stream", "crash", "error-500")
+MAX_RECORDS = 20_000
+MAX_HOLDS = 10_000
+MODEL = "test-model"
+
+
+class UpstreamCrash(Exception):
+    """Raised inside the app to break the connection mid-stream (the server closes it)."""
+
+
+@dataclass
+class Behaviour:
+    ttft: float = 0.0
+    token_interval: float = 0.0
+    mode: str = "normal"
+    crash_after: int | None = None
+    stall_after: int | None = None  # pause for ``stall_s`` once this many tokens were sent
+    stall_s: float = 0.0
+
+
+@dataclass
+class RequestRecord:
+    request_id: int
+    path: str
+    call_id: str | None
+    tag: str | None
+    stream: bool
+    prompt_tokens: int
+    max_tokens: int
+    mode: str
+    received_at: float
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    tokens_sent: int = 0
+    completed: bool = False
+    aborted: bool = False  # the client closed the connection before the end
+    aborted_at: float | None = None
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    prefix_cache_queries: int = 0
+    generation_tokens: int = 0
+    success: dict[str, int] = field(default_factory=lambda: {"length": 0, "stop": 0, "abort": 0})
+    waiting: int = 0
+    running: int = 0
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], list):
+            return sum(len(p) for p in prompt)
+        if prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        return sum(len(str(p).encode()) // 4 for p in prompt)
+    if isinstance(prompt, str):
+        return len(prompt.encode()) // 4
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(len(str(m.get("content", "")).encode()) // 4 for m in messages if isinstance(m, dict))
+    return 0
+
+
+class TestUpstream:
+    """The ASGI app. One instance per process."""
+
+    def __init__(self, default: Behaviour | None = None) -> None:
+        self.default = default or Behaviour()
+        self.records: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
+        self.counters = Counters()
+        self._ids = itertools.count(1)
+        self._holds: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            await self._generate(scope, receive, send)
+        elif method == "GET" and path == "/metrics":
+            await _respond(
+                send, 200, metrics_text(self.counters).encode(), b"text/plain; version=0.0.4; charset=utf-8"
+            )
+        elif method == "GET" and path == "/v1/models":
+            models = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]}
+            await _respond_json(send, 200, models)
+        elif method == "GET" and path == "/health":
+            await _respond(send, 200, b"", b"text/plain")
+        elif method == "GET" and path == "/version":
+            await _respond_json(send, 200, {"version": "test-upstream"})
+        elif method == "GET" and path == "/test/requests":
+            query = parse_qs(scope.get("query_string", b"").decode())
+            call_id = query.get("call_id", [None])[0]
+            tag = query.get("tag", [None])[0]
+            rows = [
+                asdict(r)
+                for r in self.records
+                if (call_id is None or r.call_id == call_id) and (tag is None or r.tag == tag)
+            ]
+            await _respond_json(send, 200, {"requests": rows})
+        elif method == "POST" and path == "/test/config":
+            body = json.loads(await _read_body(receive) or b"{}")
+            self.default = Behaviour(
+                ttft=float(body.get("ttft", 0.0)),
+                token_interval=float(body.get("token_interval", 0.0)),
+                mode=str(body.get("mode", "normal")),
+                crash_after=body.get("crash_after"),
+            )
+            await _respond_json(send, 200, asdict(self.default))
+        elif method == "POST" and path == "/test/release":
+            query = parse_qs(scope.get("query_string", b"").decode())
+            name = query.get("name", [""])[0]
+            self._hold(name).set()
+            await _respond_json(send, 200, {"released": name})
+        elif method == "POST" and path == "/test/reset":
+            self.records.clear()
+            await _respond_json(send, 200, {})
+        else:
+            await _respond_json(send, 404, {"error": {"message": "not found", "code": 404}})
+
+    def _hold(self, name: str) -> asyncio.Event:
+        event = self._holds.get(name)
+        if event is None:
+            if len(self._holds) >= MAX_HOLDS:
+                self._holds.pop(next(iter(self._holds)))
+            event = self._holds[name] = asyncio.Event()
+        return event
+
+    def _behaviour(self, headers: dict[bytes, bytes]) -> Behaviour:
+        b = self.default
+        crash = headers.get(b"x-test-crash-after")
+        stall_after = headers.get(b"x-test-stall-after")
+        return Behaviour(
+            ttft=float(headers.get(b"x-test-ttft", b"") or b.ttft),
+            token_interval=float(headers.get(b"x-test-token-interval", b"") or b.token_interval),
+            mode=(headers.get(b"x-test-mode", b"") or b.mode.encode()).decode(),
+            crash_after=int(crash) if crash else b.crash_after,
+            stall_after=int(stall_after) if stall_after else b.stall_after,
+            stall_s=float(headers.get(b"x-test-stall", b"") or b.stall_s),
+        )
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        behaviour = self._behaviour(headers)
+        try:
+            body = json.loads(await _read_body(receive))
+        except ValueError:
+            await _respond_json(send, 400, {"error": {"message": "bad json", "code": 400}})
+            return
+        chat = scope["path"].endswith("/chat/completions")
+        stream = bool(body.get("stream", False))
+        max_tokens = int(body.get("max_tokens") or 16)
+        call_id = headers.get(b"x-call-id")
+        tag = headers.get(b"x-test-tag")
+        record = RequestRecord(
+            request_id=next(self._ids),
+            path=scope["path"],
+            call_id=call_id.decode() if call_id else None,
+            tag=tag.decode() if tag else None,
+            stream=stream,
+            prompt_tokens=_prompt_tokens(body),
+            max_tokens=max_tokens,
+            mode=behaviour.mode,
+            received_at=time.time(),
+        )
+        self.records.append(record)
+        if behaviour.mode == "refuse-http":
+            record.ended_at = time.time()
+            error = {"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}}
+            await _respond_json(send, 503, error)
+            return
+        if behaviour.mode == "error-500":
+            record.ended_at = time.time()
+            await _respond_json(send, 500, {"error": {"message": "engine error", "code": 500}})
+            return
+        disconnected = asyncio.Event()
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    disconnected.set()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        self.counters.prefix_cache_queries += record.prompt_tokens
+        self.counters.waiting += 1
+        state = {"waiting": True, "running": False}
+        hold = headers.get(b"x-test-hold")
+        try:
+            if hold:
+                released = asyncio.create_task(self._hold(hold.decode()).wait())
+                left = asyncio.create_task(disconnected.wait())
+                await asyncio.wait({released, left}, return_when=asyncio.FIRST_COMPLETED)
+                released.cancel()
+                left.cancel()
+                if disconnected.is_set():
+                    record.aborted, record.aborted_at = True, time.time()
+                    return
+            await self._run(record, behaviour, chat, stream, send, disconnected, state)
+        finally:
+            watcher.cancel()
+            if state["waiting"]:
+                self.counters.waiting -= 1
+            if state["running"]:
+                self.counters.running -= 1
+            record.ended_at = time.time()
+
+    async def _run(
+        self,
+        record: RequestRecord,
+        behaviour: Behaviour,
+        chat: bool,
+        stream: bool,
+        send: Send,
+        disconnected: asyncio.Event,
+        state: dict[str, bool],
+    ) -> None:
+        created = int(time.time())
+        rid = f"cmpl-{record.request_id}"
+
+        async def pause(seconds: float) -> bool:
+            """Sleep; True if the client left meanwhile."""
+            if disconnected.is_set():
+                return True
+            if seconds <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(disconnected.wait(), seconds)
+            return disconnected.is_set()
+
+        def aborted() -> None:
+            record.aborted = True
+            record.aborted_at = time.time()
+
+        if await pause(behaviour.ttft):
+            aborted()
+            return
+        if stream:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+                }
+            )
+            if behaviour.mode == "refuse-stream":
+                error = {"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}}
+                await _send_body(send, f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(), more=False)
+                return
+        elif behaviour.mode in ("refuse-stream",):
+            error = {"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}}
+            await _respond_json(send, 503, error)
+            return
+        state["waiting"], state["running"] = False, True
+        self.counters.waiting -= 1
+        self.counters.running += 1
+        texts: list[str] = []
+        for i in range(record.max_tokens):
+            if i > 0 and await pause(behaviour.token_interval):
+                aborted()
+                return
+            if i > 0 and i == behaviour.stall_after and await pause(behaviour.stall_s):
+                aborted()
+                return
+            if disconnected.is_set():
+                aborted()
+                return
+            if behaviour.mode == "crash" and i >= (behaviour.crash_after or record.max_tokens // 2):
+                raise UpstreamCrash("test upstream crashes mid-stream as asked")
+            if i == 0:
+                record.first_token_at = time.time()
+                self.counters.prompt_tokens += record.prompt_tokens
+            text = f" t{i}"
+            texts.append(text)
+            record.tokens_sent += 1
+            self.counters.generation_tokens += 1
+            last = i == record.max_tokens - 1
+            if stream:
+                await _send_body(send, _sse_chunk(rid, created, chat, text, i, last), more=True)
+        record.completed = True
+        self.counters.success["length"] += 1
+        if stream:
+            await _send_body(send, b"data: [DONE]\n\n", more=False)
+        else:
+            await _respond_json(send, 200, _full_body(rid, created, chat, "".join(texts), record))
+
+
+def _sse_chunk(rid: str, created: int, chat: bool, text: str, i: int, last: bool) -> bytes:
+    finish = "length" if last else None
+    if chat:
+        delta: dict[str, Any] = {"content": text}
+        if i == 0:
+            delta["role"] = "assistant"
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": MODEL}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        obj = {"id": rid, "object": "text_completion", "created": created, "model": MODEL}
+    obj["choices"] = [choice]
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _full_body(rid: str, created: int, chat: bool, text: str, record: RequestRecord) -> dict[str, Any]:
+    usage = {
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.tokens_sent,
+        "total_tokens": record.prompt_tokens + record.tokens_sent,
+    }
+    if chat:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": "length", "logprobs": None}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": MODEL,
+            "choices": [choice],
+            "usage": usage,
+        }
+    choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": MODEL,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _send_body(send: Send, body: bytes, more: bool) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more})
+
+
+async def _respond(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await _send_body(send, body, more=False)
+
+
+async def _respond_json(send: Send, status: int, obj: Any) -> None:
+    await _respond(send, status, json.dumps(obj).encode(), b"application/json")
+
+
+def metrics_text(counters: Counters) -> str:
+    """The ``vllm:`` families this upstream exports, in the Prometheus text format."""
+    label = f'model_name="{MODEL}"'
+    lines = [
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{label}}} {counters.waiting}",
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{label}}} {counters.running}",
+        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
+        "# TYPE vllm:prompt_tokens_total counter",
+        f"vllm:prompt_tokens_total{{{label}}} {counters.prompt_tokens}",
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        f"vllm:prefix_cache_queries_total{{{label}}} {counters.prefix_cache_queries}",
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+        "# TYPE vllm:generation_tokens_total counter",
+        f"vllm:generation_tokens_total{{{label}}} {counters.generation_tokens}",
+        "# HELP vllm:request_success_total Count of successfully processed requests.",
+        "# TYPE vllm:request_success_total counter",
+    ]
+    for reason, n in counters.success.items():
+        lines.append(f'vllm:request_success_total{{finished_reason="{reason}",{label}}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="OpenAI-compatible streaming test upstream.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--ttft", type=float, default=0.0)
+    parser.add_argument("--token-interval", type=float, default=0.0)
+    parser.add_argument("--mode", choices=MODES, default="normal")
+    args = parser.parse_args(argv)
+    app = TestUpstream(Behaviour(ttft=args.ttft, token_interval=args.token_interval, mode=args.mode))
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=30,
+        backlog=4096,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Request checks for the generation routes, and the OpenAI-style error bodies the proxy sends.
+
+A request that fails a check gets a 400 (or 413 for a body over the limit) and never reaches
+the policy or the engine. With ``--vocab-size N``, token-ID prompts holding an ID outside
+``[0, N)`` are refused here: a vLLM started with ``--skip-tokenizer-init`` dies on them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+GENERATION_ROUTES = (COMPLETIONS, CHAT_COMPLETIONS)
+
+
+class RequestError(Exception):
+    """A request the proxy refuses, with its HTTP status and OpenAI-style error fields."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(
+            self.message, _ERROR_TYPES.get(self.status, "invalid_request_error"), self.code, self.param
+        )
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(message: str, type_: str, code: str | int, param: str | None = None) -> bytes:
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "api_error")
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> RequestError:
+    return RequestError(400, message, code, param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+# Optional fields with the JSON types they must have when present.
+_COMMON_TYPES: dict[str, tuple[str, Any]] = {
+    "stream": ("a boolean", lambda v: isinstance(v, bool)),
+    "max_tokens": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "max_completion_tokens": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "n": ("a positive integer", lambda v: _is_int(v) and v >= 1),
+    "temperature": ("a number", _is_number),
+    "top_p": ("a number", _is_number),
+    "seed": ("an integer", _is_int),
+    "ignore_eos": ("a boolean", lambda v: isinstance(v, bool)),
+    "stop": (
+        "a string or a list of strings",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+    ),
+    "stream_options": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def validate(route: str, body: dict[str, Any], vocab_size: int | None = None) -> int:
+    """Check a generation request; return its prompt length in tokens (estimated for text).
+
+    Token-ID prompts count their IDs; text prompts and chat messages are estimated at one token
+    per four bytes (only the length is used, never the text).
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a non-empty string", "model")
+    for name, (what, ok) in _COMMON_TYPES.items():
+        if name in body and body[name] is not None and not ok(body[name]):
+            raise _bad(f"'{name}' must be {what}", name)
+    if route == CHAT_COMPLETIONS:
+        return _validate_messages(body.get("messages"))
+    return _validate_prompt(body.get("prompt", _MISSING), vocab_size)
+
+
+_MISSING = object()
+
+
+def _validate_prompt(prompt: Any, vocab_size: int | None) -> int:
+    if prompt is _MISSING or prompt is None:
+        raise _bad("'prompt' is required", "prompt")
+    if isinstance(prompt, str):
+        return len(prompt.encode()) // 4
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _bad("'prompt' must not be empty", "prompt")
+        if all(type(t) is int for t in prompt):  # type(), not isinstance: JSON true is no token
+            _check_ids(prompt, vocab_size)
+            return len(prompt)
+        if all(isinstance(p, str) for p in prompt):
+            return sum(len(p.encode()) // 4 for p in prompt)
+        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+            for p in prompt:
+                _check_ids(p, vocab_size)
+            return sum(len(p) for p in prompt)
+    raise _bad(
+        "'prompt' must be a string, a list of strings, a list of token IDs or a list of lists of token IDs",
+        "prompt",
+    )
+
+
+def _check_ids(ids: list[int], vocab_size: int | None) -> None:
+    if vocab_size is None:
+        return
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise _bad(
+            f"token ID {bad} is outside the vocabulary [0, {vocab_size})", "prompt", "token_id_out_of_range"
+        )
+
+
+def _validate_messages(messages: Any) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' is required and must be a non-empty list", "messages")
+    n = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content.encode()) // 4
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    raise _bad(f"messages[{i}].content parts must be objects", "messages")
+                text = part.get("text")
+                if isinstance(text, str):
+                    n += len(text.encode()) // 4
+        elif content is not None:
+            raise _bad(f"messages[{i}].content must be a string, a list of parts or null", "messages")
+    return n

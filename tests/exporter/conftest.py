@@ -1,0 +1,73 @@
+"""Fixtures for the proxy's tests: a real test upstream process on loopback, and proxies served by
+uvicorn on free loopback ports in a thread of the test process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from exporter.proxy import Proxy
+from exporter.settings import ProxySettings
+from tests.exporter.support import RunningProxy, Upstream, free_port, stop_process, wait_http
+
+
+@pytest.fixture(scope="session")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "exporter.testing.upstream", "--port", str(port)]
+    log = tmp_path_factory.mktemp("upstream") / "upstream.log"  # its crashes log tracebacks
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/health", proc=proc)
+        yield Upstream(url)
+    finally:
+        stop_process(proc)
+
+
+class _ThreadServer(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # a server in a thread leaves signals alone
+        pass
+
+
+@pytest.fixture
+def start_proxy(upstream: Upstream) -> Iterator[Callable[..., RunningProxy]]:
+    """Start a proxy (in a thread, served by uvicorn on a free port) with the given settings."""
+    servers: list[tuple[_ThreadServer, threading.Thread]] = []
+
+    def start(upstream_url: str | None = None, **kwargs: Any) -> RunningProxy:
+        port = free_port()
+        settings = ProxySettings(upstream=upstream_url or upstream.url, port=port, **kwargs)
+        proxy = Proxy(settings)
+        config = uvicorn.Config(
+            proxy.app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            loop="asyncio",
+        )
+        server = _ThreadServer(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("proxy did not start")
+            time.sleep(0.01)
+        servers.append((server, thread))
+        return RunningProxy(f"http://127.0.0.1:{port}", proxy)
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)

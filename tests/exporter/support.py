@@ -1,0 +1,103 @@
+"""Helpers for the proxy's end-to-end tests: ports, processes, scrapes and the counter balance."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.proxy import Proxy
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout_s: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+@dataclass
+class Upstream:
+    url: str
+
+    def release(self, name: str) -> None:
+        """Let the requests sent with ``x-test-hold: name`` go on to their first token."""
+        httpx.post(f"{self.url}/test/release", params={"name": name}, timeout=5).raise_for_status()
+
+    def requests(self, call_id: str | None = None, tag: str | None = None) -> list[dict[str, Any]]:
+        params = {k: v for k, v in (("call_id", call_id), ("tag", tag)) if v is not None}
+        return list(httpx.get(f"{self.url}/test/requests", params=params, timeout=5).json()["requests"])
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    proxy: Proxy
+
+    def metrics(self) -> Samples:
+        """Samples of ``/metrics`` keyed by (name, sorted labels)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        out: Samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+
+def balance(m: Samples) -> None:
+    """Assert the counter balance of issue 2 §4 on one scrape."""
+
+    def v(name: str, **labels: str) -> float:
+        return m[(name, tuple(sorted(labels.items())))]
+
+    attempts = v("retrywatch_attempts_total", kind="first") + v("retrywatch_attempts_total", kind="retry")
+    shed = sum(
+        v("retrywatch_attempts_shed_total", reason=r) for r in ("retry_budget", "proxy_queue", "deadline")
+    )
+    created = v("retrywatch_executions_created_total")
+    assert attempts == v("retrywatch_attempts_attached_total") + shed + created
+    fate = {
+        f: v("retrywatch_executions_finished_total", fate=f)
+        for f in ("completed", "orphaned", "cancelled", "dropped", "refused", "failed")
+    }
+    dispatched = v("retrywatch_executions_dispatched_total")
+    assert created == dispatched + fate["dropped"] + v("retrywatch_executions_queued")
+    live = v("retrywatch_executions_live")
+    assert (
+        dispatched
+        == fate["completed"] + fate["orphaned"] + fate["cancelled"] + fate["failed"] + fate["refused"] + live
+    )
+
+
+def env_without_retrywatch() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("RETRYWATCH_")}

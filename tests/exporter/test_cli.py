@@ -1,0 +1,86 @@
+"""``retrywatch proxy`` as a subprocess, configured by flags and ``RETRYWATCH_*`` variables."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+from click.testing import CliRunner
+
+from exporter.cli import proxy
+from tests.exporter.support import Upstream, env_without_retrywatch, free_port, stop_process, wait_http
+
+
+def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upstream) -> None:
+    port = free_port()
+    env = env_without_retrywatch() | {
+        "RETRYWATCH_UPSTREAM": upstream.url,
+        "RETRYWATCH_PORT": str(port),
+        "RETRYWATCH_CAPACITY": "2.78",
+        "RETRYWATCH_DEADLINE": "120",
+        "RETRYWATCH_NO_SUCH_OPTION": "ignored",
+    }
+    cmd = [sys.executable, "-m", "retrywatch", "proxy", "--cancellation", "off"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/metrics", proc=proc)
+        body = {"model": "test-model", "prompt": [1, 2], "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t0 t1"
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        assert "retrywatch_capacity_calls_per_second 2.78" in text
+        assert "retrywatch_client_deadline_seconds 120.0" in text
+        assert "retrywatch_executions_created_total 1.0" in text
+        # SIGTERM with a stream open: the proxy exits within its grace period and the
+        # upstream request is closed (the engine would abort it).
+        call = uuid.uuid4().hex
+        headers = {"x-call-id": call, "x-test-ttft": "60"}
+        t = threading.Thread(target=_post_quietly, args=(f"{url}/v1/completions", body, headers))
+        t.start()
+        wait_for_request(upstream, call)
+        began = time.monotonic()
+        proc.terminate()
+        proc.wait(timeout=30)
+        assert time.monotonic() - began < 20
+        t.join()
+        wait_for_request(upstream, call, aborted=True)
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+
+
+def _post_quietly(url: str, body: dict[str, object], headers: dict[str, str]) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url, json=body, headers=headers, timeout=60)
+
+
+def wait_for_request(upstream: Upstream, call: str, aborted: bool = False) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = upstream.requests(call_id=call)
+        if rows and (not aborted or rows[0]["aborted"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the upstream never saw the request{' aborted' if aborted else ''}")
+
+
+def test_bad_settings_are_usage_errors() -> None:
+    runner = CliRunner()
+    result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--deadline-check"])
+    assert result.exit_code == 2 and "--deadline" in result.output
+    result = runner.invoke(proxy, ["--upstream", "not a url"])
+    assert result.exit_code == 2 and "--upstream" in result.output
+    result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--deadline", "soon"])
+    assert result.exit_code == 2
+    result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--cancellation", "maybe"])
+    assert result.exit_code == 2
+    result = runner.invoke(
+        proxy, [], env={"RETRYWATCH_UPSTREAM": "http://127.0.0.1:1", "RETRYWATCH_PORT": "x"}
+    )
+    assert result.exit_code == 2  # the port variable is not a number

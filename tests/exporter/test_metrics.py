@@ -1,0 +1,84 @@
+"""The metrics module: the collector on a fresh registry, the window, the vLLM scan, the deadline."""
+
+from __future__ import annotations
+
+import math
+
+from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample, scan_vllm
+from exporter.policy import Attempt, Policy, PolicyConfig
+
+VLLM_TEXT = """# HELP vllm:num_requests_waiting x
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="a b"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+vllm:prompt_tokens_total{model_name="m"} 1000 1700000000000
+vllm:prompt_tokens_created{model_name="m"} 17.0
+vllm:prefix_cache_queries_total 4000
+"""
+
+
+def test_scan_sums_label_sets_and_ignores_other_families() -> None:
+    got = scan_vllm(VLLM_TEXT)
+    assert got == {
+        "vllm:num_requests_waiting": 7.0,
+        "vllm:prompt_tokens_total": 1000.0,
+        "vllm:prefix_cache_queries_total": 4000.0,
+    }
+
+
+def _sample(
+    t: float, created: float, prompt: float | None = None, queries: float | None = None
+) -> WindowSample:
+    return WindowSample(
+        t=t, attempts=2 * created, created=created, prompt_tokens=prompt, prefix_queries=queries, waiting=5.0
+    )
+
+
+def test_window_rates_and_the_prompt_token_gap() -> None:
+    w = SlidingWindow(window_s=10.0)
+    assert math.isnan(w.rate("created"))
+    w.add(_sample(0.0, 0, 0, 0))
+    w.add(_sample(5.0, 10, 100, 400))
+    assert w.rate("created") == 2.0 and w.rate("attempts") == 4.0
+    assert w.prompt_token_gap() == 0.75
+    w.add(_sample(20.0, 10, 100, 400))  # nothing admitted within the last window
+    assert w.rate("created") == 0.0
+    assert math.isnan(w.prompt_token_gap())
+    assert len(w.samples) == 2
+
+
+def test_deadline_estimate_needs_samples_and_takes_a_high_quantile() -> None:
+    d = DeadlineEstimator()
+    for x in (1.0, 2.0, 120.0, 119.0):
+        d.observe(x)
+    assert d.estimate() is None
+    for _ in range(20):
+        d.observe(120.0)
+    estimate = d.estimate()
+    assert estimate is not None and 119.0 <= estimate <= 120.0
+
+
+def test_collector_reads_the_policy_fresh_with_every_label_up_front() -> None:
+    policy = Policy(PolicyConfig(deadline_s=30.0))
+    metrics = ProxyMetrics(policy, window_s=60.0, capacity=2.0)
+    reg = metrics.registry
+    assert reg.get_sample_value("retrywatch_executions_finished_total", {"fate": "dropped"}) == 0
+    assert reg.get_sample_value("retrywatch_attempts_shed_total", {"reason": "deadline"}) == 0
+    policy.on_attempt(0.0, Attempt(key="k"))
+    policy.on_attempt(1.0, Attempt(key="k"))
+    assert reg.get_sample_value("retrywatch_attempts_total", {"kind": "first"}) == 1
+    assert reg.get_sample_value("retrywatch_attempts_total", {"kind": "retry"}) == 1
+    assert reg.get_sample_value("retrywatch_attempts_attached_total") == 1
+    assert reg.get_sample_value("retrywatch_executions_live") == 1
+    assert reg.get_sample_value("retrywatch_client_deadline_seconds") == 30.0
+    assert reg.get_sample_value("retrywatch_upstream_up") == 0
+    metrics.sample(0.0)
+    metrics.sample(2.0)
+    assert reg.get_sample_value("retrywatch_execution_creation_rate") == 0.0
+    metrics.observe_attempt("disconnected", 3.0)
+    assert reg.get_sample_value("retrywatch_attempt_duration_seconds_count", {"outcome": "disconnected"}) == 1
+    assert reg.get_sample_value("retrywatch_attempt_duration_seconds_count", {"outcome": "shed"}) == 0
+    text = metrics.exposition(passthrough=True).decode()
+    assert "vllm:" not in text  # upstream not up: nothing passed through
+    metrics.upstream_up, metrics.upstream_text = True, VLLM_TEXT
+    assert metrics.exposition(passthrough=True).decode().endswith(VLLM_TEXT)
