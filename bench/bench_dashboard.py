@@ -1,0 +1,169 @@
+"""Benchmark: time from page load to all live graphs drawn, with 6 h of 5-s history for 8 engines.
+
+Serves 8 engines x 6 h x 5 s of signal history (24 signals each) from a detector-API-shaped
+server in its own process, starts ``retrywatch dashboard`` as a real process, and loads the live
+page with the 6-h range in headless Chromium at 1280x720, timing navigation start -> the 4 graphs
+drawn with their data, then an engine switch -> graphs redrawn. Before each timing the history
+moves on by one 5-s scrape, so the dashboard cannot answer from memory. Target: <= 2 s for the
+page load.
+
+    .venv/bin/python bench/bench_dashboard.py [--repeat 5] [--engines 8] [--hours 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from dashboard.app import Context, DashboardConfig
+from dashboard.pages import live
+from dashboard.staticapi import StaticDetectorAPI, synthetic_history
+
+CHROMIUM = os.environ.get("RETRYWATCH_CHROMIUM", "/usr/bin/chromium")
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+GRAPHS_DRAWN = """(engine) => {
+    const ids = ['graph-attempts', 'graph-fates', 'graph-queue', 'graph-prompt'];
+    const chip = document.querySelector('#engine-states');
+    return ids.every(id => {
+        const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+        if (!gd || !gd._fullData || !gd.querySelector('.main-svg')) return false;
+        return gd._fullData.some(t => t.x && t.x.length >= 600);
+    }) && chip && chip.innerText.includes(engine)
+      && document.querySelector('#graph-attempts .js-plotly-plot').layout.uirevision.startsWith(engine + ':');
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up within {timeout_s} s")
+
+
+def serve_history(n_engines: int, hours: float, ready: mp.Queue, commands: mp.Queue) -> None:
+    """Serve ``n_engines`` x ``hours`` of 5-s history until terminated (a child process)."""
+    now = time.time()
+    api = StaticDetectorAPI().start()
+    for i in range(n_engines):
+        collapse = now - 1800 if i % 3 == 0 else None
+        api.set_signals(
+            f"engine-{i}", synthetic_history(end=now, duration_s=hours * 3600, collapse_from=collapse, seed=i)
+        )
+    ready.put(api.url)
+    while True:
+        # Each command is a new "scrape": the history moves on, so no fetch is remembered.
+        api.advance(float(commands.get()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--hours", type=float, default=6.0)
+    args = parser.parse_args()
+
+    from playwright.sync_api import sync_playwright
+
+    # The history server runs in its own process, like the detector does.
+    ready: mp.Queue = mp.Queue()
+    commands: mp.Queue = mp.Queue()
+    server = mp.Process(target=serve_history, args=(args.engines, args.hours, ready, commands), daemon=True)
+    server.start()
+    api_url = ready.get(timeout=120)
+    engines = [f"engine-{i}" for i in range(args.engines)]
+    points = int(args.hours * 3600 / 5) + 1
+    port = free_port()
+    cmd = [sys.executable, "-m", "retrywatch", "dashboard", "--detector", api_url, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_http(base + "/")
+        cold: list[float] = []
+        warm: list[float] = []
+        switches: list[float] = []
+        first, other = engines[0], engines[1 % len(engines)]
+        url = f"{base}/?engine={first}&range={int(args.hours * 3600)}"
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            for r in range(args.repeat + 1):  # round 0 warms the server and is not counted
+                context = browser.new_context(viewport={"width": 1280, "height": 720})
+                times = []
+                for visit in range(2):  # a first visit (empty cache), then a returning one
+                    commands.put(5.0)
+                    time.sleep(0.2)
+                    page = context.new_page()
+                    t0 = time.perf_counter()
+                    page.goto(url)
+                    page.wait_for_function(GRAPHS_DRAWN, arg=first, timeout=60_000, polling="raf")
+                    times.append(time.perf_counter() - t0)
+                    if visit == 0:
+                        page.close()  # its refresh timer would compete with the next visit
+                commands.put(5.0)
+                time.sleep(0.2)
+                page.click("#live-engine")
+                t1 = time.perf_counter()
+                page.get_by_role("option", name=other, exact=True).click()
+                page.wait_for_function(GRAPHS_DRAWN, arg=other, timeout=60_000, polling="raf")
+                if r > 0:
+                    cold.append(times[0])
+                    warm.append(times[1])
+                    switches.append(time.perf_counter() - t1)
+                context.close()
+            browser.close()
+        # The server-side share of a refresh: the live callback run in this process.
+        ctx = Context(DashboardConfig(detector_url=api_url))
+        server_side = []
+        for _ in range(args.repeat):
+            commands.put(5.0)
+            time.sleep(0.2)
+            t0 = time.perf_counter()
+            live.update(ctx, first, int(args.hours * 3600))
+            server_side.append(time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        server.terminate()
+        server.join(timeout=10)
+    print(
+        f"history: {args.engines} engines x {args.hours:g} h at 5 s ({points} points per signal, 24 signals)"
+    )
+    for label, values in (
+        ("page load -> 4 graphs drawn, first visit", cold),
+        ("page load -> 4 graphs drawn, returning (cached scripts)", warm),
+        ("engine switch -> 4 graphs redrawn", switches),
+        ("  of which the live callback (fetch 18+3 signals, build 4 figures)", server_side),
+    ):
+        print(f"{label}: median {statistics.median(values):.2f} s, max {max(values):.2f} s (n={len(values)})")
+    print("target: page load <= 2 s")
+    print(f"machine: {os.cpu_count()} CPUs, 1-min load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

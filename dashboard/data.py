@@ -1,0 +1,319 @@
+"""Data access for the dashboard: the detector API client (the one place that knows its JSON
+shapes, see docs/architecture.md) and an optional Prometheus source for the same signals.
+
+Everything the pages show comes through ``DetectorClient`` (alerts, episodes, health) and a
+``SignalSource`` (the detector's ``/signals`` or Prometheus). A shape change is one edit here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+FETCH_WORKERS = 3  # more threads only contend for the GIL on both sides
+MAX_ENGINES = 64  # engines listed in the selector; the detector bounds its own label sets too
+# Signals that are levels or ratios: several series of one engine are averaged, not summed.
+NON_ADDITIVE = frozenset(
+    {
+        "capacity",
+        "deadline",
+        "prompt_token_gap",
+        "executions_per_first_attempt",
+        "creation_capacity_ratio",
+        "waiting_littles_law_ratio",
+        "backlog_seconds",
+        "goodput_ratio",
+    }
+)
+
+
+class DetectorError(RuntimeError):
+    """The detector could not be reached or answered with an unexpected shape."""
+
+
+class DetectorUnavailable(DetectorError):
+    """The detector did not answer (connection refused, timeout, HTTP error)."""
+
+
+class ShapeError(DetectorError):
+    """The detector answered JSON that does not match docs/architecture.md."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    """An alert the detector currently reports as firing."""
+
+    alertname: str
+    severity: str
+    labels: dict[str, str]
+    state: str
+    started_at: float
+    value: float | None
+    summary: str
+    description: str
+
+    @property
+    def engine(self) -> str:
+        return self.labels.get("engine", "")
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One alert episode from the detector's history; ``resolved_at`` None while firing."""
+
+    id: str
+    alertname: str
+    severity: str
+    labels: dict[str, str]
+    started_at: float
+    resolved_at: float | None
+    summary: str
+    description: str
+
+    @property
+    def engine(self) -> str:
+        return self.labels.get("engine", "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "alertname": self.alertname,
+            "severity": self.severity,
+            "labels": dict(self.labels),
+            "started_at": self.started_at,
+            "resolved_at": self.resolved_at,
+            "summary": self.summary,
+            "description": self.description,
+        }
+
+
+@dataclass(frozen=True)
+class SignalIndex:
+    """The signal names the source offers and the engines it has seen."""
+
+    names: list[str]
+    engines: list[str]
+
+
+@dataclass(frozen=True)
+class SignalSeries:
+    """One labelled series of a signal: ``points`` is an (n, 2) array of (Unix t, value)."""
+
+    labels: dict[str, str]
+    points: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Health:
+    status: str
+    source_up: bool
+    last_scrape_at: float | None
+
+
+class SignalSource(Protocol):
+    """Where time series of the detector's signals come from."""
+
+    def signal_index(self) -> SignalIndex: ...
+
+    def signal(
+        self, name: str, *, since: float | None = None, engine: str | None = None
+    ) -> list[SignalSeries]: ...
+
+
+# --- parsing ----------------------------------------------------------------------------
+
+
+def _field(obj: Mapping[str, Any], key: str, where: str) -> Any:
+    if not isinstance(obj, Mapping) or key not in obj:
+        raise ShapeError(f"detector {where}: missing field {key!r}")
+    return obj[key]
+
+
+def _float(value: Any, key: str, where: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"detector {where}: field {key!r} is not a number ({value!r})") from exc
+
+
+def _opt_float(value: Any, key: str, where: str) -> float | None:
+    return None if value is None else _float(value, key, where)
+
+
+def _labels(obj: Mapping[str, Any], where: str) -> dict[str, str]:
+    labels = obj.get("labels") or {}
+    if not isinstance(labels, Mapping):
+        raise ShapeError(f"detector {where}: labels must be an object")
+    return {str(k): str(v) for k, v in labels.items()}
+
+
+def parse_alerts(payload: Any) -> list[Alert]:
+    where = "/alerts"
+    alerts = []
+    for item in _field(payload, "alerts", where):
+        alerts.append(
+            Alert(
+                alertname=str(_field(item, "alertname", where)),
+                severity=str(item.get("severity") or "warning"),
+                labels=_labels(item, where),
+                state=str(item.get("state") or "firing"),
+                started_at=_float(_field(item, "started_at", where), "started_at", where),
+                value=_opt_float(item.get("value"), "value", where),
+                summary=str(item.get("summary") or ""),
+                description=str(item.get("description") or ""),
+            )
+        )
+    return alerts
+
+
+def parse_episodes(payload: Any) -> list[Episode]:
+    where = "/episodes"
+    episodes = []
+    for item in _field(payload, "episodes", where):
+        episodes.append(
+            Episode(
+                id=str(item.get("id", "")),
+                alertname=str(_field(item, "alertname", where)),
+                severity=str(item.get("severity") or "warning"),
+                labels=_labels(item, where),
+                started_at=_float(_field(item, "started_at", where), "started_at", where),
+                resolved_at=_opt_float(item.get("resolved_at"), "resolved_at", where),
+                summary=str(item.get("summary") or ""),
+                description=str(item.get("description") or ""),
+            )
+        )
+    return episodes
+
+
+def parse_points(points: Any, where: str) -> np.ndarray:
+    if not isinstance(points, Sequence) or isinstance(points, str):
+        raise ShapeError(f"detector {where}: points must be a list of [t, v]")
+    if not points:
+        return np.empty((0, 2))
+    try:
+        arr = np.array(points, dtype=float)  # null values become NaN
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"detector {where}: points must be [t, v] number pairs ({exc})") from exc
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ShapeError(f"detector {where}: points must be [t, v] number pairs, got shape {arr.shape}")
+    return arr
+
+
+def parse_signal(payload: Any, name: str) -> list[SignalSeries]:
+    where = f"/signals?name={name}"
+    series = []
+    for item in _field(payload, "series", where):
+        series.append(
+            SignalSeries(
+                labels=_labels(item, where), points=parse_points(_field(item, "points", where), where)
+            )
+        )
+    return series
+
+
+def parse_signal_index(payload: Any) -> SignalIndex:
+    where = "/signals"
+    names = [str(n) for n in _field(payload, "signals", where)]
+    engines = sorted({str(e) for e in _field(payload, "engines", where)})[:MAX_ENGINES]
+    return SignalIndex(names=names, engines=engines)
+
+
+def parse_health(payload: Any) -> Health:
+    where = "/healthz"
+    source = payload.get("source") or {} if isinstance(payload, Mapping) else {}
+    return Health(
+        status=str(_field(payload, "status", where)),
+        source_up=bool(source.get("up", False)),
+        last_scrape_at=_opt_float(source.get("last_scrape_at"), "last_scrape_at", where),
+    )
+
+
+# --- the client -------------------------------------------------------------------------
+
+
+class DetectorClient:
+    """A small synchronous client of the detector API (one pooled HTTP connection set)."""
+
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 5.0, transport: httpx.BaseTransport | None = None
+    ):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"detector URL must start with http:// or https://, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
+        clean = {k: v for k, v in (params or {}).items() if v is not None and v != ""}
+        try:
+            response = self._http.get(path, params=clean)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise DetectorUnavailable(f"detector at {self.base_url} did not answer {path}: {exc}") from exc
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ShapeError(f"detector {path}: answer is not JSON") from exc
+
+    def alerts(self) -> list[Alert]:
+        return parse_alerts(self._get("/alerts"))
+
+    def episodes(
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        alertname: str | None = None,
+        engine: str | None = None,
+    ) -> list[Episode]:
+        params = {"since": since, "until": until, "alertname": alertname, "engine": engine}
+        return parse_episodes(self._get("/episodes", params))
+
+    def signal_index(self) -> SignalIndex:
+        return parse_signal_index(self._get("/signals"))
+
+    def signal(
+        self, name: str, *, since: float | None = None, engine: str | None = None
+    ) -> list[SignalSeries]:
+        return parse_signal(self._get("/signals", {"name": name, "since": since, "engine": engine}), name)
+
+    def health(self) -> Health:
+        return parse_health(self._get("/healthz"))
+
+
+def engine_of(labels: Mapping[str, str]) -> str:
+    """The engine a series belongs to: its ``engine`` label, else ``instance``."""
+    return labels.get("engine") or labels.get("instance") or ""
+
+
+def signals_for_engine(
+    source: SignalSource, names: Sequence[str], *, engine: str | None, since: float | None
+) -> dict[str, np.ndarray]:
+    """Fetch ``names`` for one engine; a signal with several series for the engine (e.g.
+    several proxies of one engine) is summed over them, or averaged for levels and ratios."""
+    # Fetched concurrently: each signal is one request, and the detector answers them in parallel.
+    with ThreadPoolExecutor(max_workers=FETCH_WORKERS) as pool:
+        fetched = list(pool.map(lambda n: source.signal(n, since=since, engine=engine), names))
+    out: dict[str, np.ndarray] = {}
+    for name, all_series in zip(names, fetched, strict=True):
+        series = [s for s in all_series if not engine or engine_of(s.labels) == engine]
+        if not series:
+            continue
+        if len(series) == 1:
+            out[name] = series[0].points
+            continue
+        base = series[0].points.copy()
+        for other in series[1:]:
+            if other.points.shape[0] and base.shape[0]:
+                base[:, 1] += np.interp(base[:, 0], other.points[:, 0], other.points[:, 1])
+        if name in NON_ADDITIVE:
+            base[:, 1] /= len(series)
+        out[name] = base
+    return out

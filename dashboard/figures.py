@@ -1,0 +1,704 @@
+"""Pure Plotly figure builders: the dashboard's panels and the reproduce report's figures.
+
+Every function here takes plain data (summary dicts, signal points, alert spans) and returns a
+``go.Figure``; none does I/O, so each is unit-tested without a browser and ``retrywatch reproduce
+report`` can import the experiment figures (``delivery_by_cohort_figure``,
+``creation_rate_vs_recovery_figure``) without Dash.
+
+Colours come from the Okabe-Ito palette (colour-blind safe); every axis names its unit; sizes
+are chosen to stay readable at 1280x720.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+# --- palette (Okabe & Ito, 2008) -------------------------------------------------------
+BLACK = "#000000"
+ORANGE = "#E69F00"
+SKY_BLUE = "#56B4E9"
+BLUISH_GREEN = "#009E73"
+YELLOW = "#F0E442"
+BLUE = "#0072B2"
+VERMILLION = "#D55E00"
+REDDISH_PURPLE = "#CC79A7"
+GREY = "#999999"
+PALETTE: tuple[str, ...] = (BLUE, ORANGE, BLUISH_GREEN, VERMILLION, SKY_BLUE, REDDISH_PURPLE, YELLOW, BLACK)
+
+SEVERITY_COLOURS: dict[str, str] = {"critical": VERMILLION, "warning": ORANGE, "info": SKY_BLUE}
+COHORTS: tuple[str, ...] = ("pulse", "hold", "primary")
+MAX_POINTS = 600  # per trace: a panel is ~500 px wide at 1280x720; more points only slow it down
+MAX_SHADES = 60  # alert spans drawn per panel (the newest ones)
+
+XKind = Literal["date", "seconds"]
+Points = Sequence[Sequence[float]] | np.ndarray
+
+
+class SummaryError(ValueError):
+    """A reproduce summary run lacks a field a figure needs, or holds an impossible value."""
+
+
+@dataclass(frozen=True)
+class Shade:
+    """An alert span to shade on time-series panels; ``end`` None while it still fires."""
+
+    start: float
+    end: float | None
+    alertname: str
+    severity: str = "warning"
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def as_array(points: Points | None) -> np.ndarray:
+    """``points`` as an (n, 2) float array of (t, value), sorted by t, non-finite t dropped."""
+    if points is None:
+        return np.empty((0, 2))
+    arr = np.asarray(points, dtype=float)
+    if arr.size == 0:
+        return np.empty((0, 2))
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"signal points must be pairs of (t, value), got shape {arr.shape}")
+    arr = arr[np.isfinite(arr[:, 0])]
+    if arr.shape[0] > 1 and np.any(np.diff(arr[:, 0]) < 0):
+        arr = arr[np.argsort(arr[:, 0], kind="stable")]
+    return arr
+
+
+def downsample(points: Points | None, max_points: int = MAX_POINTS) -> np.ndarray:
+    """Average ``points`` into at most ``max_points`` equal-count bins (NaNs ignored).
+
+    A 6-h history at 5 s has 4,320 points per signal; a 1280-px panel shows ~1,000.
+    """
+    arr = as_array(points)
+    n = arr.shape[0]
+    if n <= max_points:
+        return arr
+    starts = np.linspace(0, n, max_points + 1).astype(int)[:-1]
+    finite = np.isfinite(arr[:, 1])
+    sums = np.add.reduceat(np.where(finite, arr[:, 1], 0.0), starts)
+    counts = np.add.reduceat(finite.astype(float), starts)
+    ends = np.append(starts[1:], n) - 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(counts > 0, sums / np.where(counts > 0, counts, 1.0), math.nan)
+    return np.column_stack([arr[ends, 0], means])
+
+
+def latest(points: Points | None) -> float | None:
+    """The newest finite value of a signal, or None when it has none."""
+    arr = as_array(points)
+    finite = arr[np.isfinite(arr[:, 1])] if arr.size else arr
+    if finite.shape[0] == 0:
+        return None
+    return float(finite[-1, 1])
+
+
+def product(a: Points | None, b: Points | None) -> np.ndarray:
+    """Pointwise ``a * b`` on ``a``'s timestamps (``b`` interpolated); empty if either is."""
+    arr_a, arr_b = as_array(a), as_array(b)
+    if arr_a.shape[0] == 0 or arr_b.shape[0] == 0:
+        return np.empty((0, 2))
+    b_on_a = np.interp(arr_a[:, 0], arr_b[:, 0], arr_b[:, 1])
+    return np.column_stack([arr_a[:, 0], arr_a[:, 1] * b_on_a])
+
+
+def _x(arr: np.ndarray, x_kind: XKind) -> np.ndarray:
+    # Plotly date axes take milliseconds since the epoch; no datetime objects needed.
+    return arr[:, 0] * 1000.0 if x_kind == "date" else arr[:, 0]
+
+
+def _time_layout(
+    fig: go.Figure,
+    title: str,
+    y_title: str,
+    x_kind: XKind,
+    uirevision: str | None,
+    x_range: tuple[float, float] | None = None,
+) -> None:
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "font": {"size": 15}},
+        height=310,
+        margin={"l": 60, "r": 10, "t": 40, "b": 44},
+        legend={"orientation": "v", "y": 1.0, "yanchor": "top", "x": 1.01, "font": {"size": 11}},
+        hovermode="x unified",
+        template="plotly_white",
+        font={"size": 12},
+        uirevision=uirevision,
+    )
+    if x_kind == "date":
+        fig.update_xaxes(type="date", title_text="time (UTC)")
+    else:
+        fig.update_xaxes(title_text="time since run start (s)")
+    fig.update_yaxes(title_text=y_title, rangemode="tozero")
+    if x_range is not None:
+        # Every panel shows exactly the chosen window, so panels line up with each other.
+        scale = 1000.0 if x_kind == "date" else 1.0
+        fig.update_xaxes(range=[x_range[0] * scale, x_range[1] * scale])
+
+
+def merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) spans as disjoint spans, in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _add_shades(fig: go.Figure, shades: Iterable[Shade], now: float | None, x_kind: XKind) -> None:
+    # Overlapping episodes of one severity are drawn as their union, so the shade's depth never
+    # depends on how many alerts fire at once; critical is drawn over warning over info.
+    spans = sorted(shades, key=lambda s: s.start)[-MAX_SHADES:]
+    scale = 1000.0 if x_kind == "date" else 1.0
+    by_severity: dict[str, list[tuple[float, float]]] = {}
+    for shade in spans:
+        end = shade.end if shade.end is not None else now
+        if end is not None:
+            by_severity.setdefault(shade.severity, []).append((shade.start, max(end, shade.start)))
+    draw_order = ("info", "warning", "critical")  # later ones are drawn on top
+    for severity in sorted(by_severity, key=lambda s: draw_order.index(s) if s in draw_order else -1):
+        for start, end in merge_spans(by_severity[severity]):
+            fig.add_vrect(
+                x0=start * scale,
+                x1=end * scale,
+                fillcolor=SEVERITY_COLOURS.get(severity, GREY),
+                opacity=0.16 if severity == "critical" else 0.12,
+                line_width=0,
+                layer="below",
+            )
+    if spans:
+        # One legend entry per severity shown, so the shading explains itself.
+        for severity in sorted({s.severity for s in spans}):
+            fig.add_trace(
+                go.Scatter(
+                    x=[None],
+                    y=[None],
+                    mode="markers",
+                    marker={"symbol": "square", "size": 12, "color": SEVERITY_COLOURS.get(severity, GREY)},
+                    name=f"{severity} alert",
+                    hoverinfo="skip",
+                )
+            )
+
+
+def _line(
+    fig: go.Figure,
+    points: Points | None,
+    name: str,
+    colour: str,
+    x_kind: XKind,
+    *,
+    dash: str | None = None,
+    width: float = 2.0,
+    stack: str | None = None,
+    hover_unit: str = "",
+) -> None:
+    arr = downsample(points)
+    trace: dict[str, Any] = {
+        "x": _x(arr, x_kind),
+        "y": arr[:, 1],
+        "name": name,
+        "mode": "lines",
+        "line": {"color": colour, "width": width, "dash": dash},
+        "hovertemplate": f"%{{y:.3~g}} {hover_unit}<extra>{name}</extra>",
+    }
+    if stack is not None:
+        trace.update(stackgroup=stack, fillcolor=colour, line={"color": colour, "width": 0.5})
+    fig.add_trace(go.Scatter(**trace))
+
+
+def _no_data_note(fig: go.Figure, signals: Mapping[str, Points | None], needed: Sequence[str]) -> None:
+    if all(as_array(signals.get(n)).shape[0] == 0 for n in needed):
+        fig.add_annotation(
+            text="no data for this engine and time range",
+            xref="paper",
+            yref="paper",
+            x=0.5,
+            y=0.5,
+            showarrow=False,
+            font={"size": 14, "color": GREY},
+        )
+
+
+# --- live panels (signal names of detector/signals.py) ----------------------------------
+
+
+def attempts_figure(
+    signals: Mapping[str, Points | None],
+    shades: Iterable[Shade] = (),
+    *,
+    now: float | None = None,
+    x_kind: XKind = "date",
+    uirevision: str | None = None,
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """Attempts by kind (stacked) and executions created, against the capacity Ĉ line."""
+    fig = go.Figure()
+    _line(
+        fig, signals.get("attempt_rate_first"), "first attempts", SKY_BLUE, x_kind, stack="a", hover_unit="/s"
+    )
+    _line(fig, signals.get("attempt_rate_retry"), "retries", ORANGE, x_kind, stack="a", hover_unit="/s")
+    _line(
+        fig,
+        signals.get("execution_creation_rate"),
+        "executions created",
+        BLUE,
+        x_kind,
+        width=3,
+        hover_unit="/s",
+    )
+    _line(fig, signals.get("capacity"), "capacity Ĉ", BLACK, x_kind, dash="dash", hover_unit="calls/s")
+    _add_shades(fig, shades, now, x_kind)
+    _time_layout(
+        fig, "Attempts and executions created vs capacity Ĉ", "rate (per s)", x_kind, uirevision, x_range
+    )
+    _no_data_note(fig, signals, ("attempt_rate_first", "attempt_rate_retry", "execution_creation_rate"))
+    return fig
+
+
+FATE_TRACES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("delivered", ("completion_rate_completed",), BLUISH_GREEN),
+    ("orphaned", ("completion_rate_orphaned",), VERMILLION),
+    ("cancelled", ("completion_rate_cancelled",), REDDISH_PURPLE),
+    ("shed", ("shed_rate",), YELLOW),
+    ("attached", ("attached_rate",), SKY_BLUE),
+    (
+        "dropped / refused / failed",
+        ("completion_rate_dropped", "completion_rate_refused", "completion_rate_failed"),
+        GREY,
+    ),
+)
+
+
+def _sum_signals(signals: Mapping[str, Points | None], names: Sequence[str]) -> np.ndarray:
+    arrays = [a for a in (as_array(signals.get(n)) for n in names) if a.shape[0]]
+    if not arrays:
+        return np.empty((0, 2))
+    base = arrays[0].copy()
+    for other in arrays[1:]:
+        base[:, 1] = base[:, 1] + np.interp(base[:, 0], other[:, 0], other[:, 1])
+    return base
+
+
+def fates_figure(
+    signals: Mapping[str, Points | None],
+    shades: Iterable[Shade] = (),
+    *,
+    now: float | None = None,
+    x_kind: XKind = "date",
+    uirevision: str | None = None,
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """What became of the work, stacked: executions delivered, orphaned, cancelled, and
+    attempts shed or attached (all per second)."""
+    fig = go.Figure()
+    for name, signal_names, colour in FATE_TRACES:
+        _line(fig, _sum_signals(signals, signal_names), name, colour, x_kind, stack="f", hover_unit="/s")
+    _add_shades(fig, shades, now, x_kind)
+    _time_layout(
+        fig, "Execution fates (stacked)", "executions or attempts per s", x_kind, uirevision, x_range
+    )
+    _no_data_note(fig, signals, [n for _, names, _ in FATE_TRACES for n in names])
+    return fig
+
+
+def queue_figure(
+    signals: Mapping[str, Points | None],
+    shades: Iterable[Shade] = (),
+    *,
+    now: float | None = None,
+    x_kind: XKind = "date",
+    uirevision: str | None = None,
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """vLLM's waiting queue plus the proxy queue (stacked) against attempt rate × deadline,
+    the level the engine's queue sits at when every execution waits out its deadline."""
+    fig = go.Figure()
+    _line(fig, signals.get("vllm_waiting"), "vLLM waiting", BLUE, x_kind, stack="q", hover_unit="executions")
+    _line(
+        fig, signals.get("proxy_queued"), "proxy queue", SKY_BLUE, x_kind, stack="q", hover_unit="executions"
+    )
+    littles = product(signals.get("attempt_rate"), signals.get("deadline"))
+    _line(fig, littles, "attempt rate × deadline", VERMILLION, x_kind, dash="dash", hover_unit="executions")
+    _add_shades(fig, shades, now, x_kind)
+    _time_layout(
+        fig, "Queued executions vs attempt rate × deadline", "executions", x_kind, uirevision, x_range
+    )
+    _no_data_note(fig, signals, ("vllm_waiting", "proxy_queued"))
+    return fig
+
+
+def prompt_tokens_figure(
+    signals: Mapping[str, Points | None],
+    shades: Iterable[Shade] = (),
+    *,
+    now: float | None = None,
+    x_kind: XKind = "date",
+    uirevision: str | None = None,
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """Prompt tokens vLLM's counter shows against prompt tokens it admitted."""
+    fig = go.Figure()
+    _line(fig, signals.get("prompt_tokens_admitted_rate"), "admitted", ORANGE, x_kind, hover_unit="tokens/s")
+    _line(fig, signals.get("prompt_tokens_counted_rate"), "counted", BLUE, x_kind, hover_unit="tokens/s")
+    _add_shades(fig, shades, now, x_kind)
+    _time_layout(fig, "Prompt tokens: counted vs admitted", "tokens per s", x_kind, uirevision, x_range)
+    _no_data_note(fig, signals, ("prompt_tokens_admitted_rate", "prompt_tokens_counted_rate"))
+    return fig
+
+
+LIVE_PANELS = (attempts_figure, fates_figure, queue_figure, prompt_tokens_figure)
+
+# Every signal the live panels draw, fetched over the whole time range at each refresh.
+LIVE_SIGNALS: tuple[str, ...] = (
+    "attempt_rate_first",
+    "attempt_rate_retry",
+    "attempt_rate",
+    "execution_creation_rate",
+    "capacity",
+    "deadline",
+    "vllm_waiting",
+    "proxy_queued",
+    "completion_rate_completed",
+    "completion_rate_orphaned",
+    "completion_rate_cancelled",
+    "completion_rate_dropped",
+    "completion_rate_refused",
+    "completion_rate_failed",
+    "shed_rate",
+    "attached_rate",
+    "prompt_tokens_counted_rate",
+    "prompt_tokens_admitted_rate",
+)
+# Ratios only the tiles read (their newest value): fetched over the last minute only.
+TILE_SIGNALS: tuple[str, ...] = ("prompt_token_gap", "creation_capacity_ratio", "waiting_littles_law_ratio")
+TILE_LOOKBACK_S = 60.0
+
+
+# --- history ----------------------------------------------------------------------------
+
+
+def episodes_timeline_figure(
+    episodes: Sequence[Mapping[str, Any]], *, now: float, uirevision: str | None = None
+) -> go.Figure:
+    """Alert episodes as horizontal bars, one row per (alert, engine), coloured by severity.
+
+    ``episodes`` are detector API episodes (``alertname``, ``severity``, ``labels``,
+    ``started_at``, ``resolved_at``; times in Unix seconds).
+    """
+    fig = go.Figure()
+    rows: list[str] = []
+    by_severity: dict[str, dict[str, list[Any]]] = {}
+    for ep in sorted(episodes, key=lambda e: float(e["started_at"])):
+        engine = (ep.get("labels") or {}).get("engine", "")
+        row = f"{ep['alertname']} · {engine}" if engine else str(ep["alertname"])
+        if row not in rows:
+            rows.append(row)
+        start = float(ep["started_at"])
+        end = float(ep["resolved_at"]) if ep.get("resolved_at") is not None else now
+        bucket = by_severity.setdefault(
+            str(ep.get("severity", "warning")), {"x": [], "base": [], "y": [], "t": []}
+        )
+        bucket["base"].append(start * 1000.0)
+        bucket["x"].append(max(end - start, 1.0) * 1000.0)
+        bucket["y"].append(row)
+        state = "firing" if ep.get("resolved_at") is None else f"{(end - start) / 60:.1f} min"
+        bucket["t"].append(state)
+    for severity, bucket in sorted(by_severity.items()):
+        fig.add_trace(
+            go.Bar(
+                x=bucket["x"],
+                base=bucket["base"],
+                y=bucket["y"],
+                orientation="h",
+                name=severity,
+                marker={"color": SEVERITY_COLOURS.get(severity, GREY)},
+                customdata=bucket["t"],
+                hovertemplate="%{y}<br>%{base|%Y-%m-%d %H:%M:%S} UTC, %{customdata}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        title={"text": "Alert episodes", "x": 0.01, "font": {"size": 15}},
+        height=max(220, 40 + 28 * len(rows) + 90),
+        margin={"l": 16, "r": 16, "t": 56, "b": 44},
+        template="plotly_white",
+        barmode="overlay",
+        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom"},
+        uirevision=uirevision,
+        font={"size": 12},
+    )
+    fig.update_xaxes(type="date", title_text="time (UTC)")
+    fig.update_yaxes(
+        title_text="alert · engine", automargin=True, categoryorder="array", categoryarray=rows[::-1]
+    )
+    if not rows:
+        fig.add_annotation(
+            text="no alert episodes match", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False
+        )
+    return fig
+
+
+# --- experiments (pure functions of reproduce summary dicts) ---------------------------
+
+
+def _require(run: Mapping[str, Any], key: str) -> Any:
+    if key not in run:
+        ident = run.get("series") or run.get("condition") or "?"
+        raise SummaryError(f"summary run {ident!r} has no {key!r} field")
+    return run[key]
+
+
+def _group_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A label per run: its condition, prefixed by block and model only where those vary."""
+    blocks = {str(r.get("block", "")) for r in runs}
+    models = {str(r.get("model", "")) for r in runs}
+    labels = []
+    for run in runs:
+        parts = []
+        if len(blocks) > 1:
+            parts.append(str(run.get("block", "")))
+        if len(models) > 1:
+            parts.append(str(run.get("model", "")))
+        condition = str(_require(run, "condition"))
+        variant = str(run.get("variant") or "")
+        if variant and variant not in condition:  # e.g. the trigger sweep's pulse multiple
+            condition = f"{condition} ({variant})"
+        parts.append(condition)
+        labels.append(" · ".join(parts))
+    return labels
+
+
+def _ordered_unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def cohort_shares(run: Mapping[str, Any], cohort: str) -> tuple[float, float, float] | None:
+    """(within the deadline, late, undelivered) shares in [0, 1] of a run's cohort, or None
+    when the cohort offered no calls (shares null).
+
+    ``delivery[cohort]`` holds ``within_deadline`` and ``by_horizon`` as shares of the
+    cohort's calls (``by_horizon`` includes the calls delivered within the deadline); when the
+    cohort also carries ``calls`` (or ``offered``) and the values exceed 1 they are read as counts.
+    """
+    delivery = _require(run, "delivery")
+    if cohort not in delivery:
+        raise SummaryError(f"summary run {run.get('series', '?')!r} has no delivery for cohort {cohort!r}")
+    entry = delivery[cohort]
+    if entry.get("within_deadline") is None and entry.get("by_horizon") is None:
+        return None
+    try:
+        within = float(entry["within_deadline"])
+        horizon = float(entry["by_horizon"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SummaryError(
+            f"delivery[{cohort!r}] needs numeric within_deadline and by_horizon: {exc}"
+        ) from exc
+    calls = entry.get("calls") or entry.get("offered")
+    if (within > 1.0 or horizon > 1.0) and calls:
+        within, horizon = within / float(calls), horizon / float(calls)
+    if not (0.0 <= within <= horizon + 1e-9 and horizon <= 1.0 + 1e-9):
+        raise SummaryError(
+            f"delivery[{cohort!r}] shares must satisfy 0 <= within_deadline <= by_horizon <= 1, "
+            f"got {within} and {horizon}"
+        )
+    return within, max(horizon - within, 0.0), max(1.0 - horizon, 0.0)
+
+
+def _empty_figure(text: str, title: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False)
+    fig.update_layout(title={"text": title, "x": 0.01}, template="plotly_white", height=300)
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def delivery_by_cohort_figure(runs: list[dict]) -> go.Figure:
+    """Delivery by cohort per condition: share of calls delivered within the deadline, late
+    (within the horizon) and undelivered, averaged over each condition's runs; one panel per
+    cohort (pulse, hold, primary)."""
+    title = "Delivery by cohort per condition (mean over runs)"
+    if not runs:
+        return _empty_figure("no runs", title)
+    labels = _group_labels(runs)
+    groups = _ordered_unique(labels)
+    cohorts = [c for c in COHORTS if any(c in _require(r, "delivery") for r in runs)]
+    fig = make_subplots(
+        rows=1,
+        cols=len(cohorts),
+        shared_yaxes=True,
+        subplot_titles=[f"{c} cohort" for c in cohorts],
+        horizontal_spacing=0.04,
+    )
+    parts = (("within the deadline", BLUISH_GREEN), ("late", ORANGE), ("undelivered", VERMILLION))
+    for col, cohort in enumerate(cohorts, start=1):
+        sums = {g: np.zeros(3) for g in groups}
+        counts = dict.fromkeys(groups, 0)
+        for run, label in zip(runs, labels, strict=True):
+            shares = cohort_shares(run, cohort) if cohort in run["delivery"] else None
+            if shares is not None:
+                sums[label] += np.array(shares)
+                counts[label] += 1
+        for i, (part, colour) in enumerate(parts):
+            ys = [g for g in groups if counts[g]]
+            xs = [100.0 * sums[g][i] / counts[g] for g in ys]
+            ns = [counts[g] for g in ys]
+            fig.add_trace(
+                go.Bar(
+                    x=xs,
+                    y=ys,
+                    orientation="h",
+                    name=part,
+                    legendgroup=part,
+                    showlegend=col == 1,
+                    marker={"color": colour},
+                    customdata=ns,
+                    hovertemplate=(
+                        f"%{{y}}<br>{part}: %{{x:.1f}}% (%{{customdata}} runs)<extra>{cohort}</extra>"
+                    ),
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(title_text="calls (% of cohort)", range=[0, 100], row=1, col=col)
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "font": {"size": 15}},
+        barmode="stack",
+        template="plotly_white",
+        height=max(300, 130 + 26 * len(groups)),
+        margin={"l": 16, "r": 16, "t": 80, "b": 48},
+        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 0.0},
+        font={"size": 12},
+    )
+    return fig
+
+
+def creation_rate_vs_recovery_figure(runs: list[dict]) -> go.Figure:
+    """Each run's attempt rate and execution-creation rate (multiples of Ĉ, from
+    ``rates_x_capacity``) per condition, marked recovered or not; a line at 1 Ĉ.
+
+    Attempts alone do not separate recovered from collapsed runs; executions created do.
+    """
+    title = "Rates over the primary window vs recovery"
+    if not runs:
+        return _empty_figure("no runs", title)
+    labels = _group_labels(runs)
+    groups = _ordered_unique(labels)
+    panels = [
+        ("attempts", "attempts", "attempt rate (× Ĉ)"),
+        ("executions_created", "executions created", "execution creation rate (× Ĉ)"),
+    ]
+    for run in runs:
+        _require(run, "recovered")
+        rates = _require(run, "rates_x_capacity")
+        if "executions_created" not in rates:
+            raise SummaryError(
+                f"rates_x_capacity of run {run.get('series', '?')!r} has no executions_created"
+            )
+    if not any("attempts" in r["rates_x_capacity"] for r in runs):
+        panels = panels[1:]
+    fig = make_subplots(
+        rows=1,
+        cols=len(panels),
+        shared_yaxes=True,
+        subplot_titles=[p[1] for p in panels],
+        horizontal_spacing=0.04,
+    )
+    xmax = 1.2
+    for col, (key, _, x_title) in enumerate(panels, start=1):
+        for recovered, name, colour, symbol in (
+            (True, "recovered", BLUE, "circle"),
+            (False, "not recovered", VERMILLION, "x"),
+        ):
+            xs, ys, hover = [], [], []
+            for run, label in zip(runs, labels, strict=True):
+                value = run["rates_x_capacity"].get(key)
+                if bool(run["recovered"]) is not recovered or value is None:
+                    continue
+                xs.append(float(value))
+                ys.append(label)
+                rt = run.get("recovery_time_s")
+                rt_text = f"recovered after {float(rt):.0f} s" if recovered and rt is not None else name
+                hover.append(f"run {run.get('run', '?')}: {rt_text}")
+            xmax = max([xmax, *xs])
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="markers",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=col == 1,
+                    marker={
+                        "color": colour,
+                        "symbol": symbol,
+                        "size": 11,
+                        "line": {"width": 1.5, "color": colour},
+                    },
+                    customdata=hover,
+                    hovertemplate="%{y}<br>%{x:.2f} × Ĉ<br>%{customdata}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        fig.add_vline(x=1.0, line={"color": BLACK, "dash": "dash", "width": 1.5}, row=1, col=col)
+        fig.update_xaxes(title_text=x_title, row=1, col=col)
+    fig.update_xaxes(range=[0, xmax * 1.08])
+    fig.update_yaxes(autorange="reversed", automargin=True, categoryorder="array", categoryarray=groups)
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "font": {"size": 15}},
+        template="plotly_white",
+        height=max(300, 130 + 26 * len(groups)),
+        margin={"l": 16, "r": 16, "t": 80, "b": 48},
+        legend={"orientation": "h", "y": 1.08, "yanchor": "bottom", "x": 0.0},
+        font={"size": 12},
+    )
+    return fig
+
+
+def run_shades(
+    alerts: Iterable[Mapping[str, Any]], severities: Mapping[str, str] | None = None
+) -> list[Shade]:
+    """Shades from validation.json alerts (``alertname``, ``fired_at_s``, ``resolved_at_s``)."""
+    severities = severities or {}
+    shades = []
+    for alert in alerts:
+        name = str(alert["alertname"])
+        resolved = alert.get("resolved_at_s")
+        shades.append(
+            Shade(
+                start=float(alert["fired_at_s"]),
+                end=None if resolved is None else float(resolved),
+                alertname=name,
+                severity=str(alert.get("severity") or severities.get(name) or _default_severity(name)),
+            )
+        )
+    return shades
+
+
+def _default_severity(alertname: str) -> str:
+    if alertname == "VLLMMetastableRetryLoop":
+        return "critical"
+    if alertname == "VLLMRetrywatchNoData":
+        return "info"
+    return "warning"
+
+
+def pulse_marks(fig: go.Figure, pulse: Mapping[str, Any] | None) -> go.Figure:
+    """Mark the pulse window with dotted lines on a run's time-series panel (seconds axis)."""
+    if pulse:
+        for key in ("start_s", "end_s"):
+            if pulse.get(key) is not None:
+                fig.add_vline(x=float(pulse[key]), line={"color": GREY, "dash": "dot", "width": 1.5})
+    return fig

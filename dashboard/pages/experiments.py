@@ -1,0 +1,140 @@
+"""Experiments page: a reproduce output (``--runs DIR``): delivery by cohort per condition,
+execution-creation rate against recovery, and any run's time series with the detector's alerts
+(from ``validation.json``) shaded over it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import dash
+import plotly.graph_objects as go
+from dash import Input, Output, dcc, html
+
+from dashboard import figures, style
+from dashboard.figures import (
+    creation_rate_vs_recovery_figure,
+    delivery_by_cohort_figure,
+    pulse_marks,
+    run_shades,
+)
+from dashboard.pages import Page
+from dashboard.runs import RunsDirError, run_key, run_label, run_signals
+from detector.thresholds import ALERTS
+
+if TYPE_CHECKING:
+    from dashboard.app import Context
+
+SEVERITIES: dict[str, str] = {rule.name: rule.severity for rule in ALERTS}
+RUN_GRAPH_IDS: tuple[str, ...] = (
+    "graph-run-attempts",
+    "graph-run-fates",
+    "graph-run-queue",
+    "graph-run-prompt",
+)
+
+
+def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]:
+    """The four time-series panels of one run (seconds from its start) and a one-line summary."""
+    runs_dir = ctx.runs()
+    if runs_dir is None or not run_id:
+        return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], "no run selected"
+    try:
+        run = runs_dir.run(run_id)
+    except KeyError as exc:
+        return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], str(exc)
+    try:
+        signals = run_signals(runs_dir, run)
+    except (RunsDirError, ValueError) as exc:
+        return [
+            figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS
+        ], f"cannot read run: {exc}"
+    try:
+        alerts, origin = runs_dir.run_alerts(run)
+    except (RunsDirError, ValueError) as exc:
+        alerts, origin = [], f"no alerts ({exc})"
+    shades = run_shades(alerts, SEVERITIES)
+    end = max((float(p[-1, 0]) for p in signals.values() if p.shape[0]), default=None)
+    figs = [
+        pulse_marks(
+            build(
+                signals,
+                shades,
+                now=end,
+                x_kind="seconds",
+                uirevision=run_id,
+                x_range=None if end is None else (0.0, end),
+            ),
+            run.get("pulse"),
+        )
+        for build in figures.LIVE_PANELS
+    ]
+    recovered = run.get("recovered")
+    rt = run.get("recovery_time_s")
+    state = (
+        f"recovered {float(rt):.0f} s after the pulse" if recovered and rt is not None else "not recovered"
+    )
+    if recovered and rt is None:
+        state = "recovered"
+    fired = ", ".join(f"{a['alertname']} at {float(a['fired_at_s']):.0f} s" for a in alerts) or "no alerts"
+    return figs, f"{run_label(run)}: {state}; detector ({origin}): {fired}"
+
+
+def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
+    """The experiments page; ``?run=`` preselects a run by its slug."""
+    query = query or {}
+    if ctx.config.runs_dir is None:
+        return html.Div(
+            "Start the dashboard with --runs DIR (a `retrywatch reproduce run` output) to see experiments.",
+            style=style.NOTE,
+            id="experiments-note",
+        )
+    try:
+        runs_dir = ctx.runs()
+        if runs_dir is None:
+            raise RunsDirError("no runs directory configured")
+        delivery = delivery_by_cohort_figure(runs_dir.runs)
+        creation = creation_rate_vs_recovery_figure(runs_dir.runs)
+    except (RunsDirError, ValueError) as exc:
+        return html.Div(f"Cannot open {ctx.config.runs_dir}: {exc}", style=style.NOTE, id="experiments-note")
+    options = [{"label": run_label(r), "value": run_key(r)} for r in runs_dir.runs]
+    return html.Div(
+        [
+            html.Div(f"{len(runs_dir.runs)} runs from {runs_dir.root.name}", style=style.STATUS),
+            dcc.Graph(id="graph-delivery", figure=delivery, config={"displaylogo": False}),
+            dcc.Graph(id="graph-creation", figure=creation, config={"displaylogo": False}),
+            html.Div(
+                [
+                    html.Span("Run", style=style.LABEL),
+                    dcc.Dropdown(
+                        id="experiments-run",
+                        options=options,
+                        value=query["run"]
+                        if query.get("run") in {o["value"] for o in options}
+                        else (options[0]["value"] if options else None),
+                        clearable=False,
+                        style={**style.DROPDOWN, "width": "640px"},
+                    ),
+                ],
+                style=style.CONTROLS,
+            ),
+            html.Div(id="experiments-run-summary", style=style.STATUS),
+            html.Div(
+                [dcc.Graph(id=gid, config={"displaylogo": False}) for gid in RUN_GRAPH_IDS],
+                style=style.GRID,
+            ),
+        ]
+    )
+
+
+def register(app: dash.Dash, ctx: Context) -> None:
+    @app.callback(
+        *[Output(gid, "figure") for gid in RUN_GRAPH_IDS],
+        Output("experiments-run-summary", "children"),
+        Input("experiments-run", "value"),
+    )
+    def _run(run_id: str | None) -> tuple[Any, ...]:
+        figs, summary = run_figures(ctx, run_id)
+        return (*figs, summary)
+
+
+PAGE = Page(key="experiments", path="/experiments", name="Experiments", layout=layout, register=register)

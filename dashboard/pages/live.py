@@ -1,0 +1,308 @@
+"""Live page: per engine, the alert state (a banner while anything fires), four tiles and four
+panels (attempts vs Ĉ, execution fates, queues vs attempt rate × deadline, prompt tokens), with
+alert episodes shaded, refreshed on a timer, over a chosen time range.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dash
+import numpy as np
+import plotly.graph_objects as go
+from dash import Input, Output, State, dcc, html
+
+from dashboard import figures, style
+from dashboard.data import Alert, DetectorError, Episode, signals_for_engine
+from dashboard.figures import Shade
+from dashboard.pages import Page
+from dashboard.tiles import Tile, tiles
+
+if TYPE_CHECKING:
+    from dashboard.app import Context
+
+RANGES: tuple[tuple[str, int], ...] = (("15 min", 900), ("1 h", 3600), ("6 h", 21600))
+DEFAULT_RANGE_S = 3600
+GRAPH_IDS: tuple[str, ...] = ("graph-attempts", "graph-fates", "graph-queue", "graph-prompt")
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+@dataclass
+class LiveView:
+    """Everything the live page shows for one engine at one refresh (pure data)."""
+
+    engine: str | None
+    now: float
+    range_s: float = 3600.0
+    alerts: list[Alert] = field(default_factory=list)
+    error: str | None = None
+    source_up: bool = True
+    signals: dict[str, np.ndarray] = field(default_factory=dict)
+    episodes: list[Episode] = field(default_factory=list)
+
+    @property
+    def engine_alerts(self) -> list[Alert]:
+        return [a for a in self.alerts if not self.engine or a.engine in ("", self.engine)]
+
+    def shades(self) -> list[Shade]:
+        return [Shade(e.started_at, e.resolved_at, e.alertname, e.severity) for e in self.episodes]
+
+    def tiles(self) -> list[Tile]:
+        return tiles(self.signals, {a.alertname for a in self.engine_alerts})
+
+    def figures(self) -> list[go.Figure]:
+        rev = f"{self.engine}:{self.range_s:g}"  # a new engine or range resets any zoom
+        return [
+            build(
+                self.signals,
+                self.shades(),
+                now=self.now,
+                uirevision=rev,
+                x_range=(self.now - self.range_s, self.now),
+            )
+            for build in figures.LIVE_PANELS
+        ]
+
+
+def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | None = None) -> LiveView:
+    """Fetch what the live page needs for ``engine`` over the last ``range_s`` seconds."""
+    try:
+        health = ctx.detector.health()
+        ref_now = now if now is not None else (health.last_scrape_at or time.time())
+        view = LiveView(
+            engine=engine, now=ref_now, range_s=range_s, source_up=health.source_up and health.status == "ok"
+        )
+        view.alerts = ctx.detector.alerts()
+        since = ref_now - range_s
+        view.episodes = ctx.detector.episodes(since=since, engine=engine or None)
+
+        def fetch() -> dict[str, np.ndarray]:
+            out = signals_for_engine(ctx.signals, figures.LIVE_SIGNALS, engine=engine, since=since)
+            tile_since = ref_now - figures.TILE_LOOKBACK_S
+            out.update(signals_for_engine(ctx.signals, figures.TILE_SIGNALS, engine=engine, since=tile_since))
+            return out
+
+        if now is None and health.last_scrape_at is not None and ctx.signals is ctx.detector:
+            # The detector's history changes only with a scrape: several tabs on the same engine
+            # and range share one fetch per scrape.
+            view.signals = dict(ctx.memo(("live", engine, range_s, health.last_scrape_at), fetch))
+        else:
+            view.signals = fetch()
+        if now is None:
+            # The source moved on while we fetched: "now" is the newest thing we were shown.
+            newest = [float(p[-1, 0]) for p in view.signals.values() if p.shape[0]]
+            newest += [a.started_at for a in view.alerts] + [e.started_at for e in view.episodes]
+            view.now = max([ref_now, *newest])
+    except DetectorError as exc:
+        return LiveView(
+            engine=engine, now=now or time.time(), range_s=range_s, error=str(exc), source_up=False
+        )
+    return view
+
+
+# --- rendering --------------------------------------------------------------------------
+
+
+def _fmt_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def render_banner(view: LiveView) -> tuple[list[Any], dict[str, str]]:
+    """The banner: every firing alert (any engine), worst first; "no data" when the detector or
+    its source is down; hidden when nothing fires."""
+    if view.error is not None:
+        return [html.B("NO DATA "), f"detector unreachable: {view.error}"], style.banner("nodata")
+    items: list[Any] = []
+    if not view.source_up:
+        items.append(html.Div([html.B("NO DATA "), "the detector's metrics source is down"]))
+    alerts = sorted(view.alerts, key=lambda a: (SEVERITY_ORDER.get(a.severity, 9), a.started_at))
+    if alerts:
+        # The worst alert in full; the others on one line, so the panels stay in view.
+        worst = alerts[0]
+        where = f" on {worst.engine}" if worst.engine else ""
+        items.append(
+            html.Div(
+                [
+                    html.B(f"{worst.severity.upper()} {worst.alertname}"),
+                    f"{where} since {_fmt_time(worst.started_at)}: {worst.summary}",
+                ],
+                className="banner-alert",
+            )
+        )
+    if len(alerts) > 1:
+        others = ", ".join(
+            f"{a.alertname} ({a.severity}{', ' + a.engine if a.engine else ''})" for a in alerts[1:]
+        )
+        items.append(html.Div([html.B("Also firing: "), others], className="banner-others"))
+    if not items:
+        return [], style.BANNER_HIDDEN
+    return items, style.banner(alerts[0].severity if alerts else "nodata")
+
+
+def render_engine_states(view: LiveView, engines: Sequence[str]) -> list[Any]:
+    """One chip per engine: its worst firing alert and severity, or "ok"."""
+    chips: list[Any] = [html.Span("Engines: ", style=style.LABEL)]
+    for engine in engines:
+        firing = sorted(
+            (a for a in view.alerts if a.engine == engine), key=lambda a: SEVERITY_ORDER.get(a.severity, 9)
+        )
+        if firing:
+            text = f"{engine}: {firing[0].alertname} ({firing[0].severity})"
+            if len(firing) > 1:
+                text += f" +{len(firing) - 1}"
+            chips.append(html.Span(text, style=style.chip(firing[0].severity)))
+        else:
+            chips.append(html.Span(f"{engine}: ok", style=style.chip(None)))
+    return chips
+
+
+def render_tiles(view: LiveView) -> list[Any]:
+    out = []
+    for t in view.tiles():
+        suffix = f" · {', '.join(t.firing)}" if t.firing else ""
+        out.append(
+            html.Div(
+                [
+                    html.Div(t.label, style=style.TILE_LABEL),
+                    html.Div(t.text, style=style.TILE_VALUE, className="tile-value"),
+                    html.Div(t.explanation + suffix, style=style.TILE_HELP),
+                ],
+                style=style.tile(t.status),
+                id=f"tile-{t.key}",
+            )
+        )
+    return out
+
+
+def render_status(view: LiveView) -> str:
+    if view.error is not None:
+        return "detector unreachable"
+    return f"data up to {_fmt_time(view.now)} · refreshed {time.strftime('%H:%M:%S', time.gmtime())} UTC"
+
+
+def update(ctx: Context, engine: str | None, range_s: int | None) -> tuple[Any, ...]:
+    """The live page's refresh callback: banner, engine chips, tiles, four figures, status."""
+    view = live_view(ctx, engine, int(range_s or DEFAULT_RANGE_S))
+    try:
+        engines = ctx.signals.signal_index().engines if view.error is None else []
+    except DetectorError:
+        engines = []
+    banner_children, banner_style = render_banner(view)
+    return (
+        banner_children,
+        banner_style,
+        render_engine_states(view, engines),
+        render_tiles(view),
+        *view.figures(),
+        render_status(view),
+    )
+
+
+def engine_options(ctx: Context, current: str | None) -> tuple[list[dict[str, str]], str | None]:
+    """The engine selector's options and value (kept when the engine is still known)."""
+    try:
+        engines = ctx.signals.signal_index().engines
+    except DetectorError:
+        return [], current
+    options = [{"label": e, "value": e} for e in engines]
+    value = current if current in engines else (engines[0] if engines else None)
+    return options, value
+
+
+def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
+    """The live page; ``?engine=`` and ``?range=`` (seconds, one of RANGES) preselect."""
+    query = query or {}
+    options, value = engine_options(ctx, query.get("engine"))
+    range_value = int(query["range"]) if query.get("range", "").isdigit() else DEFAULT_RANGE_S
+    if range_value not in {s for _, s in RANGES}:
+        range_value = DEFAULT_RANGE_S
+    # The first view is rendered with the layout (one round trip to the first paint); the
+    # refresh callback then only runs on the timer or a new selection.
+    banner_children, banner_style, chips, tile_divs, *figs, status = update(ctx, value, range_value)
+    return html.Div(
+        [
+            html.Div(
+                [
+                    html.Div(
+                        [
+                            html.Span("Engine", style=style.LABEL),
+                            dcc.Dropdown(
+                                id="live-engine",
+                                options=options,
+                                value=value,
+                                clearable=False,
+                                style=style.DROPDOWN,
+                            ),
+                        ],
+                        style={"display": "flex", "alignItems": "center"},
+                    ),
+                    html.Div(
+                        [
+                            html.Span("Time range", style=style.LABEL),
+                            dcc.RadioItems(
+                                id="live-range",
+                                options=[{"label": label, "value": s} for label, s in RANGES],
+                                value=range_value,
+                                inline=True,
+                                inputStyle={"marginRight": "3px", "marginLeft": "8px"},
+                            ),
+                        ],
+                        style={"display": "flex", "alignItems": "center"},
+                    ),
+                    html.Span(status, id="live-status", style=style.STATUS),
+                ],
+                style=style.CONTROLS,
+            ),
+            html.Div(banner_children, id="alert-banner", style=banner_style),
+            html.Div(chips, id="engine-states"),
+            html.Div(tile_divs, id="tiles", style=style.TILES),
+            html.Div(
+                [
+                    dcc.Graph(id=gid, figure=fig, config={"displaylogo": False})
+                    for gid, fig in zip(GRAPH_IDS, figs, strict=True)
+                ],
+                style=style.GRID,
+            ),
+            dcc.Interval(id="live-refresh", interval=int(ctx.config.refresh_s * 1000)),
+        ]
+    )
+
+
+def register(app: dash.Dash, ctx: Context) -> None:
+    outputs = [
+        Output("alert-banner", "children"),
+        Output("alert-banner", "style"),
+        Output("engine-states", "children"),
+        Output("tiles", "children"),
+        *[Output(gid, "figure") for gid in GRAPH_IDS],
+        Output("live-status", "children"),
+    ]
+
+    @app.callback(
+        outputs,
+        Input("live-refresh", "n_intervals"),
+        Input("live-engine", "value"),
+        Input("live-range", "value"),
+        prevent_initial_call=True,
+    )
+    def _refresh(_n: int | None, engine: str | None, range_s: int | None) -> tuple[Any, ...]:
+        return update(ctx, engine, range_s)
+
+    @app.callback(
+        Output("live-engine", "options"),
+        Output("live-engine", "value"),
+        Input("live-refresh", "n_intervals"),
+        State("live-engine", "value"),
+        prevent_initial_call=True,
+    )
+    def _engines(_n: int | None, current: str | None) -> tuple[Any, ...]:
+        options, value = engine_options(ctx, current)
+        if value == current:
+            return options, dash.no_update
+        return options, value
+
+
+PAGE = Page(key="live", path="/", name="Live", layout=layout, register=register)

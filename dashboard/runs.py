@@ -1,0 +1,217 @@
+"""Reproduce outputs for the Experiments page: ``DIR/summary.json``, ``DIR/validation.json``
+and each run's metrics series (``retrywatch/timeseries.py``), turned into the same signal
+names the detector serves so the live panels' figure builders draw a run too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from retrywatch import metricnames as mn
+from retrywatch.timeseries import Snapshot, read_series
+
+RATE_WINDOW_S = 30.0
+MAX_RUNS = 5000
+
+
+class RunsDirError(ValueError):
+    """A reproduce output directory is missing a file or holds JSON of the wrong shape."""
+
+
+@dataclass
+class RunsDir:
+    """A loaded reproduce output: the summary's runs and each run's detector alerts."""
+
+    root: Path
+    runs: list[dict[str, Any]]
+    # run key -> validation.json's alerts for it; a run without an entry is replayed on demand
+    alerts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    _replayed: dict[str, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+
+    def run_alerts(self, run: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
+        """The detector's alerts over a run and where they come from: ``validation.json``, or
+        the detector's replay of the run's series (computed once, then kept)."""
+        key = run_key(run)
+        if key in self.alerts:
+            return self.alerts[key], "validation.json"
+        if key not in self._replayed:
+            from detector.replay import replay_run  # lazy: only for runs not yet validated
+
+            capacity, deadline = run.get("capacity"), run.get("deadline_s")
+            episodes = replay_run(
+                self.series_path(run),
+                None if capacity is None else float(capacity),
+                None if deadline is None else float(deadline),
+            )
+            self._replayed[key] = [
+                {
+                    "alertname": ep.alertname,
+                    "severity": ep.severity,
+                    "fired_at_s": ep.started_at,
+                    "resolved_at_s": ep.resolved_at,
+                }
+                for ep in episodes
+            ]
+        return self._replayed[key], "the detector's replay"
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        for run in self.runs:
+            if run_key(run) == run_id:
+                return run
+        raise KeyError(f"no run {run_id!r} in {self.root}")
+
+    def series_path(self, run: Mapping[str, Any]) -> Path:
+        rel = run.get("series")
+        if not rel:
+            raise RunsDirError(f"run {run_key(run)!r} names no metrics series")
+        path = (self.root / str(rel)).resolve()
+        if self.root.resolve() not in path.parents:
+            raise RunsDirError(f"series path {rel!r} leaves the runs directory")
+        return path
+
+
+def run_key(run: Mapping[str, Any]) -> str:
+    """A run's identifier: the slug ``block__condition__model__r<run>`` of docs/architecture.md."""
+    series = run.get("series")
+    if series:
+        return Path(str(series)).parent.name or str(series)
+    return (
+        f"{run.get('block', '')}__{run.get('condition', '')}__{run.get('model', '')}__r{run.get('run', '')}"
+    )
+
+
+def run_identity(run: Mapping[str, Any]) -> tuple[str, ...]:
+    """(block, condition, model, run): how validation.json names the runs of summary.json."""
+    return tuple(str(run.get(k, "")) for k in ("block", "condition", "model", "run"))
+
+
+def run_label(run: Mapping[str, Any]) -> str:
+    state = "recovered" if run.get("recovered") else "not recovered"
+    parts = [str(run.get(k, "")) for k in ("block", "condition", "model")]
+    return f"{' · '.join(parts)} · run {run.get('run', '')} ({state})"
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise RunsDirError(f"{path} does not exist: is this a `retrywatch reproduce run` output?") from exc
+    except json.JSONDecodeError as exc:
+        raise RunsDirError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def load_runs(root: Path | str) -> RunsDir:
+    """Read ``summary.json`` (required) and ``validation.json`` (optional) under ``root``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise RunsDirError(f"runs directory {root} does not exist")
+    summary = _load_json(root / "summary.json")
+    if not isinstance(summary, Mapping) or not isinstance(summary.get("runs"), list):
+        raise RunsDirError(f"{root / 'summary.json'} must hold {{'runs': [...]}}")
+    runs = [r for r in summary["runs"] if isinstance(r, dict)][:MAX_RUNS]
+    alerts: dict[str, list[dict[str, Any]]] = {}
+    validation_path = root / "validation.json"
+    if validation_path.exists():
+        validation = _load_json(validation_path)
+        if not isinstance(validation, Mapping) or not isinstance(validation.get("runs"), list):
+            raise RunsDirError(f"{validation_path} must hold {{'runs': [...]}}")
+        by_identity: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for entry in validation["runs"]:
+            if isinstance(entry, Mapping):
+                found = [dict(a) for a in entry.get("alerts") or [] if isinstance(a, Mapping)]
+                by_identity[run_identity(entry)] = found
+        for run in runs:
+            if run_identity(run) in by_identity:
+                alerts[run_key(run)] = by_identity[run_identity(run)]
+    return RunsDir(root=root, runs=runs, alerts=alerts)
+
+
+# --- signals of a run from its metrics series --------------------------------------------
+
+
+def _counter_rate(t: np.ndarray, values: np.ndarray, window_s: float) -> np.ndarray:
+    """Per-second increase over the last ``window_s`` at each snapshot (NaN where too early
+    or where the counter reset)."""
+    starts = np.searchsorted(t, t - window_s - 1e-9, side="left")
+    dt = t - t[starts]
+    dv = values - values[starts]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = np.where((dt > 0) & (dv >= 0), dv / np.where(dt > 0, dt, 1.0), math.nan)
+    return rate
+
+
+def _column(snaps: Sequence[Snapshot], name: str, **labels: str) -> np.ndarray:
+    return np.array([math.nan if (v := s.value(name, **labels)) is None else v for s in snaps], dtype=float)
+
+
+def series_signals(
+    snapshots: Sequence[Snapshot],
+    *,
+    capacity: float | None = None,
+    deadline_s: float | None = None,
+    window_s: float = RATE_WINDOW_S,
+) -> dict[str, np.ndarray]:
+    """The live panels' signals (names of detector/signals.py) from a run's snapshots,
+    with ``t`` in seconds from the run's start. Rates are over ``window_s``."""
+    if not snapshots:
+        return {}
+    t = np.array([s.t for s in snapshots], dtype=float)
+
+    def rate(name: str, **labels: str) -> np.ndarray:
+        return _counter_rate(t, _column(snapshots, name, **labels), window_s)
+
+    def pts(values: np.ndarray) -> np.ndarray:
+        return np.column_stack([t, values])
+
+    out: dict[str, np.ndarray] = {}
+    first, retry = rate(mn.ATTEMPTS, kind="first"), rate(mn.ATTEMPTS, kind="retry")
+    out["attempt_rate_first"] = pts(first)
+    out["attempt_rate_retry"] = pts(retry)
+    out["attempt_rate"] = pts(first + np.nan_to_num(retry))
+    out["execution_creation_rate"] = pts(rate(mn.EXECUTIONS_CREATED))
+    cap = _column(snapshots, mn.CAPACITY)
+    if capacity is not None:
+        cap = np.where(np.isfinite(cap), cap, capacity)
+    out["capacity"] = pts(cap)
+    dl = _column(snapshots, mn.CLIENT_DEADLINE)
+    if deadline_s is not None:
+        dl = np.where(np.isfinite(dl), dl, deadline_s)
+    out["deadline"] = pts(dl)
+    out["vllm_waiting"] = pts(_column(snapshots, mn.VLLM_NUM_WAITING))
+    out["proxy_queued"] = pts(_column(snapshots, mn.EXECUTIONS_QUEUED))
+    for fate in mn.FATES:
+        out[f"completion_rate_{fate}"] = pts(rate(mn.EXECUTIONS_FINISHED, fate=fate))
+    out["shed_rate"] = pts(rate(mn.ATTEMPTS_SHED))
+    out["attached_rate"] = pts(rate(mn.ATTEMPTS_ATTACHED))
+    out["delivered_rate_within_deadline"] = pts(rate(mn.CALLS_DELIVERED, within_deadline="true"))
+    out["delivered_rate_late"] = pts(rate(mn.CALLS_DELIVERED, within_deadline="false"))
+    counted, admitted = rate(mn.VLLM_PROMPT_TOKENS), rate(mn.VLLM_PREFIX_CACHE_QUERIES)
+    out["prompt_tokens_counted_rate"] = pts(counted)
+    out["prompt_tokens_admitted_rate"] = pts(admitted)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["prompt_token_gap"] = pts(np.where(admitted > 0, 1.0 - counted / admitted, math.nan))
+    # Drop signals the series does not carry at all, so panels say "no data" honestly.
+    return {k: v for k, v in out.items() if np.isfinite(v[:, 1]).any()}
+
+
+def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Read a run's metrics series and compute its signals."""
+    path = runs_dir.series_path(run)
+    try:
+        snapshots = list(read_series(path))
+    except FileNotFoundError as exc:
+        raise RunsDirError(f"metrics series {path} of run {run_key(run)!r} does not exist") from exc
+    capacity = run.get("capacity")
+    deadline = run.get("deadline_s")
+    return series_signals(
+        snapshots,
+        capacity=None if capacity is None else float(capacity),
+        deadline_s=None if deadline is None else float(deadline),
+    )

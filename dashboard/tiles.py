@@ -1,0 +1,116 @@
+"""The live page's at-a-glance tiles: four ratios that say whether an engine serves clients
+or retries, each coloured by the detector's verdict (the alerts that read it), never by a
+threshold of the dashboard's own: thresholds have one definition, in detector/thresholds.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from dashboard.figures import Points, latest
+
+Status = Literal["ok", "alert", "nodata"]
+
+
+@dataclass(frozen=True)
+class TileSpec:
+    key: str
+    label: str
+    explanation: str
+    percent: bool
+    alerts: tuple[str, ...]
+
+
+TILE_SPECS: tuple[TileSpec, ...] = (
+    TileSpec(
+        "creation_capacity_ratio",
+        "executions created / Ĉ",
+        "at or above 1 the engine is offered more work than it can complete",
+        False,
+        ("VLLMExecutionsAboveCapacity", "VLLMMetastableRetryLoop"),
+    ),
+    TileSpec(
+        "waiting_littles_law_ratio",
+        "waiting / (attempt rate × deadline)",
+        "near 1 every execution waits out its client's deadline",
+        False,
+        ("VLLMBacklogBeyondDeadline", "VLLMMetastableRetryLoop"),
+    ),
+    TileSpec(
+        "prompt_token_gap",
+        "prompt-token gap",
+        "admitted prompt tokens vLLM's own counter never shows",
+        True,
+        ("VLLMPromptTokensUncounted",),
+    ),
+    TileSpec(
+        "delivered_share",
+        "completions delivered",
+        "share of completed executions that still had a client waiting",
+        True,
+        ("VLLMOrphanedExecutions", "VLLMMetastableRetryLoop"),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Tile:
+    key: str
+    label: str
+    explanation: str
+    value: float | None
+    text: str
+    status: Status
+    firing: tuple[str, ...]
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0 or math.isnan(num) or math.isnan(den):
+        return None
+    return num / den
+
+
+def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
+    """The newest value of a tile's ratio: the detector's signal, else computed from its parts."""
+    if key != "delivered_share":
+        direct = latest(signals.get(key))
+        if direct is not None:
+            return direct
+    if key == "creation_capacity_ratio":
+        return _ratio(latest(signals.get("execution_creation_rate")), latest(signals.get("capacity")))
+    if key == "waiting_littles_law_ratio":
+        waiting = latest(signals.get("vllm_waiting"))
+        queued = latest(signals.get("proxy_queued")) or 0.0
+        rate, deadline = latest(signals.get("attempt_rate")), latest(signals.get("deadline"))
+        level = None if rate is None or deadline is None else rate * deadline
+        return _ratio(None if waiting is None else waiting + queued, level)
+    if key == "prompt_token_gap":
+        ratio = _ratio(
+            latest(signals.get("prompt_tokens_counted_rate")),
+            latest(signals.get("prompt_tokens_admitted_rate")),
+        )
+        return None if ratio is None else 1.0 - ratio
+    if key == "delivered_share":
+        completed = latest(signals.get("completion_rate_completed"))
+        orphaned = latest(signals.get("completion_rate_orphaned")) or 0.0
+        return _ratio(completed, None if completed is None else completed + orphaned)
+    raise KeyError(f"unknown tile {key!r}")
+
+
+def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[str]) -> list[Tile]:
+    """The four tiles for one engine, given its signals and the names of its firing alerts."""
+    out = []
+    for spec in TILE_SPECS:
+        value = tile_value(spec.key, signals)
+        firing = tuple(a for a in spec.alerts if a in firing_alertnames)
+        status: Status
+        if value is None:
+            text, status = "no data", "nodata"
+        else:
+            text = f"{100 * value:.0f}%" if spec.percent else f"{value:.2f}"
+            status = "alert" if firing else "ok"
+        out.append(Tile(spec.key, spec.label, spec.explanation, value, text, status, firing))
+    return out

@@ -1,0 +1,334 @@
+"""Fixtures for the dashboard tests: a detector-API-shaped server, a reproduce output
+directory written in the real formats, and the app served by a real HTTP server thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from werkzeug.serving import make_server
+
+from dashboard.app import DashboardConfig, create_app
+from dashboard.staticapi import StaticDetectorAPI, synthetic_history
+from retrywatch import metricnames as mn
+from retrywatch.timeseries import Snapshot, write_series
+
+NOW = 1_790_000_000.0  # a fixed "now" (Unix s) so tests do not depend on the wall clock
+
+
+def loop_alert(engine: str = "engine-0", started_at: float = NOW - 1100.0) -> dict[str, Any]:
+    return {
+        "alertname": "VLLMMetastableRetryLoop",
+        "severity": "critical",
+        "labels": {"engine": engine, "model": "qwen", "instance": f"http://{engine}"},
+        "state": "firing",
+        "started_at": started_at,
+        "value": 2.3,
+        "summary": "The engine is serving retries, not clients.",
+        "description": "Executions created at 2.3 Ĉ while 5% of completions are delivered.",
+    }
+
+
+def episode(
+    alertname: str, engine: str, start: float, end: float | None, severity: str = "warning", ident: int = 1
+) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "alertname": alertname,
+        "severity": severity,
+        "labels": {"engine": engine, "model": "qwen", "instance": f"http://{engine}"},
+        "started_at": start,
+        "resolved_at": end,
+        "summary": f"{alertname} summary",
+        "description": "",
+    }
+
+
+@pytest.fixture
+def api() -> Iterator[StaticDetectorAPI]:
+    """Two engines, one past a collapse with the loop alert firing; 1 h of 5-s history."""
+    server = StaticDetectorAPI().start()
+    server.set_signals(
+        "engine-0", synthetic_history(end=NOW, duration_s=3600, collapse_from=NOW - 1200, seed=1)
+    )
+    server.set_signals("engine-1", synthetic_history(end=NOW, duration_s=3600, seed=2))
+    server.set_alerts([loop_alert()])
+    server.set_episodes(
+        [
+            episode("VLLMBacklogBeyondDeadline", "engine-0", NOW - 1180, NOW - 1000, ident=1),
+            episode("VLLMMetastableRetryLoop", "engine-0", NOW - 1100, None, severity="critical", ident=2),
+            episode("VLLMOrphanedExecutions", "engine-1", NOW - 30000, NOW - 29000, ident=3),
+        ]
+    )
+    yield server
+    server.stop()
+
+
+# --- a reproduce output directory ---------------------------------------------------------
+
+
+def write_run_series(path: Path, *, collapse: bool, capacity: float = 2.8) -> None:
+    """A run's metrics.jsonl with the proxy's and vLLM's real names: 0.6 Ĉ of first attempts;
+    when ``collapse``, retries from the pulse on and completions orphaned."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    snaps = []
+    first = retry = created = completed = orphaned = delivered = counted = admitted = 0.0
+    waiting = 0.0
+    for i in range(0, 121):
+        t = 5.0 * i
+        pulse = 120.0 <= t < 227.0
+        rate_first = (2.7 if pulse else 0.6) * capacity
+        rate_retry = 1.8 * capacity if collapse and t >= 200.0 else 0.0
+        first += 5 * rate_first
+        retry += 5 * rate_retry
+        created += 5 * (rate_first + rate_retry)
+        if collapse and t >= 200.0:
+            orphaned += 5 * capacity
+            waiting += 5 * (rate_first + rate_retry - capacity)
+        else:
+            completed += 5 * min(rate_first, capacity)
+            delivered += 5 * min(rate_first, capacity)
+            waiting = max(0.0, waiting + 5 * (rate_first - capacity))
+        admitted += 5 * capacity * 12000
+        counted += 5 * capacity * 12000 * (0.6 if collapse and t >= 200.0 else 1.0)
+        samples = [
+            (mn.ATTEMPTS, {"kind": "first"}, first),
+            (mn.ATTEMPTS, {"kind": "retry"}, retry),
+            (mn.ATTEMPTS_ATTACHED, {}, 0.0),
+            (mn.ATTEMPTS_SHED, {"reason": "retry_budget"}, 0.0),
+            (mn.EXECUTIONS_CREATED, {}, created),
+            (mn.EXECUTIONS_FINISHED, {"fate": "completed"}, completed),
+            (mn.EXECUTIONS_FINISHED, {"fate": "orphaned"}, orphaned),
+            (mn.EXECUTIONS_FINISHED, {"fate": "cancelled"}, 0.0),
+            (mn.CALLS_DELIVERED, {"within_deadline": "true"}, delivered),
+            (mn.CALLS_DELIVERED, {"within_deadline": "false"}, 0.0),
+            (mn.EXECUTIONS_QUEUED, {}, 0.0),
+            (mn.CAPACITY, {}, capacity),
+            (mn.CLIENT_DEADLINE, {}, 120.0),
+            (mn.VLLM_NUM_WAITING, {"engine": "0", "model_name": "qwen"}, waiting),
+            (mn.VLLM_NUM_RUNNING, {"engine": "0", "model_name": "qwen"}, 40.0),
+            (mn.VLLM_PROMPT_TOKENS, {"engine": "0", "model_name": "qwen"}, counted),
+            (mn.VLLM_PREFIX_CACHE_QUERIES, {"engine": "0", "model_name": "qwen"}, admitted),
+        ]
+        snaps.append(Snapshot(t=t, samples=[(n, dict(lb), v) for n, lb, v in samples]))
+    write_series(path, snaps)
+
+
+def summary_run(condition: str, run: int, *, recovered: bool) -> dict[str, Any]:
+    slug = f"diagnostic__{condition}__qwen2.5-7b__r{run}"
+    return {
+        "block": "diagnostic",
+        "condition": condition,
+        "model": "qwen2.5-7b",
+        "run": run,
+        "seed": 100 + run,
+        "capacity": 2.8,
+        "recovered": recovered,
+        "recovery_time_s": 120.0 if recovered else None,
+        "delivery": {
+            "pulse": {"within_deadline": 0.5, "by_horizon": 0.95 if recovered else 0.6},
+            "hold": {"within_deadline": 0.97 if recovered else 0.02, "by_horizon": 1.0 if recovered else 0.1},
+            "primary": {
+                "within_deadline": 0.99 if recovered else 0.01,
+                "by_horizon": 1.0 if recovered else 0.05,
+            },
+        },
+        "rates_x_capacity": {
+            "attempts": 0.6 if recovered else 2.4,
+            "executions_created": 0.6 if recovered else 2.3,
+        },
+        "series": f"runs/{slug}/metrics.jsonl",
+        "duration_s": 600.0,
+        "time_scale": 1.0,
+        "pulse": {"start_s": 120.0, "end_s": 227.0},
+        "deadline_s": 120.0,
+    }
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "out"
+    runs = [
+        summary_run("retries-off", 1, recovered=True),
+        summary_run("retries-on", 1, recovered=False),
+    ]
+    for run in runs:
+        write_run_series(root / run["series"], collapse=not run["recovered"])
+    (root / "summary.json").write_text(json.dumps({"runs": runs}))
+    validation = {
+        "runs": [
+            {
+                **{k: runs[1][k] for k in ("block", "condition", "model", "run", "series")},
+                "alerts": [
+                    {"alertname": "VLLMBacklogBeyondDeadline", "fired_at_s": 180.0, "resolved_at_s": None},
+                    {"alertname": "VLLMMetastableRetryLoop", "fired_at_s": 260.0, "resolved_at_s": None},
+                ],
+            },
+            {**{k: runs[0][k] for k in ("block", "condition", "model", "run", "series")}, "alerts": []},
+        ]
+    }
+    (root / "validation.json").write_text(json.dumps(validation))
+    return root
+
+
+# --- the app on a real HTTP server thread --------------------------------------------------
+
+
+class ServedApp:
+    def __init__(self, config: DashboardConfig) -> None:
+        self.app = create_app(config)
+        self._server = make_server("127.0.0.1", 0, self.app.server, threaded=True)
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> ServedApp:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def write_episode_series(path: Path, *, capacity: float = 2.8, end_s: float = 480.0) -> None:
+    """A run that tips into the retry loop and recovers, in the proxy's and vLLM's real names:
+    0.6 Ĉ of first attempts; from 100 s to 200 s retries at 1.8 Ĉ with completions orphaned and
+    the queue growing; then retries stop, load falls to 0.3 Ĉ, the queue drains and completions
+    reach clients again.
+    Prompt tokens are all counted (the 5-min gap alert would outlast a short replay)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    totals = dict.fromkeys(("first", "retry", "created", "completed", "orphaned", "delivered", "tokens"), 0.0)
+    waiting = 0.0
+    snaps = []
+    for i in range(int(end_s / 5) + 1):
+        t = 5.0 * i
+        loop = 100.0 <= t < 200.0
+        rate_first = (0.3 if t >= 200.0 else 0.6) * capacity
+        rate_retry = 1.8 * capacity if loop else 0.0
+        totals["first"] += 5 * rate_first
+        totals["retry"] += 5 * rate_retry
+        totals["created"] += 5 * (rate_first + rate_retry)
+        if loop:
+            totals["orphaned"] += 5 * capacity
+            waiting += 5 * (rate_first + rate_retry - capacity)
+        else:
+            drained = min(waiting, 5 * (capacity - rate_first))
+            waiting -= drained
+            totals["completed"] += 5 * rate_first + drained
+            totals["delivered"] += 5 * rate_first
+        totals["tokens"] += 5 * capacity * 12000
+        vllm = {"engine": "0", "model_name": "qwen"}
+        samples = [
+            (mn.ATTEMPTS, {"kind": "first"}, totals["first"]),
+            (mn.ATTEMPTS, {"kind": "retry"}, totals["retry"]),
+            (mn.ATTEMPTS_ATTACHED, {}, 0.0),
+            (mn.ATTEMPTS_SHED, {"reason": "retry_budget"}, 0.0),
+            (mn.EXECUTIONS_CREATED, {}, totals["created"]),
+            (mn.EXECUTIONS_DISPATCHED, {}, totals["created"]),
+            (mn.EXECUTIONS_FINISHED, {"fate": "completed"}, totals["completed"]),
+            (mn.EXECUTIONS_FINISHED, {"fate": "orphaned"}, totals["orphaned"]),
+            (mn.EXECUTIONS_FINISHED, {"fate": "cancelled"}, 0.0),
+            (mn.CALLS_DELIVERED, {"within_deadline": "true"}, totals["delivered"]),
+            (mn.CALLS_DELIVERED, {"within_deadline": "false"}, 0.0),
+            (mn.EXECUTIONS_QUEUED, {}, 0.0),
+            (mn.EXECUTIONS_LIVE, {}, waiting + 40.0),
+            (mn.CAPACITY, {}, capacity),
+            (mn.CLIENT_DEADLINE, {}, 120.0),
+            (mn.UPSTREAM_UP, {}, 1.0),
+            (mn.VLLM_NUM_WAITING, vllm, waiting),
+            (mn.VLLM_NUM_RUNNING, vllm, 40.0),
+            (mn.VLLM_PROMPT_TOKENS, vllm, totals["tokens"]),
+            (mn.VLLM_PREFIX_CACHE_QUERIES, vllm, totals["tokens"]),
+        ]
+        snaps.append(Snapshot(t=t, samples=[(n, dict(lb), v) for n, lb, v in samples]))
+    write_series(path, snaps)
+
+
+# --- a real headless Chromium (Debian's chromium, driven by Playwright) -------------------
+
+CHROMIUM = os.environ.get("RETRYWATCH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
+DRAW_TIMEOUT_MS = 30_000
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} not found: install Debian's chromium and chromium-driver (see .ci/run)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield b
+        b.close()
+
+
+class Page:
+    """A browser tab at 1280x720 that records console errors and uncaught exceptions."""
+
+    def __init__(self, browser: Any) -> None:
+        self.page = browser.new_page(viewport={"width": 1280, "height": 720})
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def wait_graphs(self, n: int) -> None:
+        self.page.wait_for_function(
+            "n => document.querySelectorAll('.js-plotly-plot .main-svg').length >= 2 * n"
+            " && [...document.querySelectorAll('.js-plotly-plot')].every(g => g._fullData !== undefined)",
+            arg=n,
+            timeout=DRAW_TIMEOUT_MS,
+        )
+
+    def trace_max(self, graph_id: str, name: str) -> float:
+        return float(
+            self.page.evaluate(
+                """([id, name]) => {
+                    const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+                    // _fullData holds the decoded arrays (data keeps the base64 typed-array spec)
+                    const tr = gd._fullData.find(t => t.name === name);
+                    const ys = Array.from(tr.y || []).filter(v => v !== null && !Number.isNaN(v));
+                    return ys.length ? Math.max(...ys) : -1;
+                }""",
+                [graph_id, name],
+            )
+        )
+
+    def select(self, dropdown_id: str, option_text: str) -> None:
+        self.page.click(f"#{dropdown_id}")
+        self.page.get_by_role("option", name=option_text, exact=True).click()
+
+    def screenshot(self, name: str) -> Path:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        path = SCREENSHOTS / name
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+    def close(self) -> None:
+        self.page.close()

@@ -1,0 +1,164 @@
+"""Page callbacks called directly (no browser) against a real HTTP server in the detector's
+API shapes and a reproduce output written in the real formats."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from dashboard import figures
+from dashboard.app import Context, DashboardConfig, create_app
+from dashboard.figures import MAX_POINTS
+from dashboard.pages import experiments, history, live
+from dashboard.staticapi import StaticDetectorAPI
+
+from .conftest import NOW, loop_alert
+
+
+def context(api: StaticDetectorAPI, runs_dir: Path | None = None) -> Context:
+    app = create_app(DashboardConfig(detector_url=api.url, runs_dir=runs_dir))
+    ctx = app.server.config["RETRYWATCH_CONTEXT"]
+    assert isinstance(ctx, Context)
+    return ctx
+
+
+def test_live_update_for_a_collapsed_engine(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    banner, banner_style, chips, tiles, *figs, status = live.update(ctx, "engine-0", 3600)
+    assert banner_style["display"] == "block"
+    assert "VLLMMetastableRetryLoop" in str(banner) and "CRITICAL" in str(banner)
+    assert "engine-0: VLLMMetastableRetryLoop (critical)" in str(chips) and "engine-1: ok" in str(chips)
+    assert len(figs) == 4
+    attempts = figs[0]
+    created = next(t for t in attempts.data if t.name == "executions created")
+    assert len(created.x) == MAX_POINTS  # 1 h at 5 s is 721 points: averaged down to MAX_POINTS
+    # the open critical episode and the resolved warning are shaded on every panel
+    for fig in figs:
+        assert len([s for s in fig.layout.shapes if s.type == "rect"]) == 2
+    assert "data up to" in status
+    tile_text = str(tiles)
+    assert "executions created / Ĉ" in tile_text
+
+
+def test_live_update_switches_engine_and_range(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    _, _, _, _, *figs0, _ = live.update(ctx, "engine-0", 900)
+    _, _, _, _, *figs1, _ = live.update(ctx, "engine-1", 900)
+    y0 = max(next(t for t in figs0[0].data if t.name == "executions created").y)
+    y1 = max(next(t for t in figs1[0].data if t.name == "executions created").y)
+    assert y0 > 2.8 > y1  # engine-0 creates above Ĉ, engine-1 below
+    assert len(next(t for t in figs1[0].data if t.name == "executions created").x) == 181
+    assert not [s for s in figs1[0].layout.shapes if s.type == "rect"]  # engine-1 has no episode in 15 min
+
+
+def test_banner_follows_the_alert_state(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    api.set_alerts([])
+    _, banner_style, *_ = live.update(ctx, "engine-1", 900)
+    assert banner_style == {"display": "none"}
+    api.set_alerts([loop_alert("engine-1")])
+    banner, banner_style, *_ = live.update(ctx, "engine-0", 900)
+    assert banner_style["display"] == "block" and "on engine-1" in str(banner)  # any engine firing
+
+
+def test_source_down_is_no_data_never_healthy(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    api.set_alerts([])
+    api.set_source_up(False)
+    banner, banner_style, *_ = live.update(ctx, "engine-1", 900)
+    assert banner_style["display"] == "block" and "NO DATA" in str(banner)
+
+
+def test_unreachable_detector_shows_no_data() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(DashboardConfig(detector_url=f"http://127.0.0.1:{port}", timeout_s=0.5))
+    ctx = app.server.config["RETRYWATCH_CONTEXT"]
+    banner, _, _, _, *figs, status = live.update(ctx, None, 3600)
+    assert "NO DATA" in str(banner) and "unreachable" in str(banner)
+    assert status == "detector unreachable"
+    assert figs[0].layout.annotations[0].text == "no data for this engine and time range"
+    assert live.engine_options(ctx, "e") == ([], "e")
+
+
+def test_engine_options_keep_a_known_selection(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    assert live.engine_options(ctx, "engine-1") == (
+        [{"label": "engine-0", "value": "engine-0"}, {"label": "engine-1", "value": "engine-1"}],
+        "engine-1",
+    )
+    assert live.engine_options(ctx, "gone")[1] == "engine-0"
+
+
+def test_history_filters_by_alert_engine_and_time(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    fig, table, count, alert_opts, engine_opts = history.update(ctx, history.ALL, history.ALL, 0)
+    assert count == "3 episodes"
+    assert {o["value"] for o in alert_opts} >= {"VLLMMetastableRetryLoop", "VLLMOrphanedExecutions"}
+    assert {o["value"] for o in engine_opts} == {history.ALL, "engine-0", "engine-1"}
+    _, _, count, _, _ = history.update(ctx, history.ALL, history.ALL, 3600)
+    assert count == "2 episodes"  # the engine-1 episode ended 8 h ago
+    fig, table, count, _, _ = history.update(ctx, "VLLMMetastableRetryLoop", "engine-0", 0)
+    assert count == "1 episodes"
+    assert "firing" in str(table)
+    assert {y for t in fig.data for y in t.y} == {"VLLMMetastableRetryLoop · engine-0"}
+    _, _, count, _, _ = history.update(ctx, history.ALL, "engine-1", 0)
+    assert count == "1 episodes"
+
+
+def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: Path) -> None:
+    ctx = context(api, runs_dir)
+    page = experiments.layout(ctx)
+    text = str(page)
+    assert "graph-delivery" in text and "graph-creation" in text
+    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    assert "not recovered" in summary and "VLLMMetastableRetryLoop at 260 s" in summary
+    for fig in figs:
+        assert fig.layout.xaxis.title.text == "time since run start (s)"
+        rects = [s for s in fig.layout.shapes if s.type == "rect"]
+        assert [r.x0 for r in rects] == [180.0, 260.0] and rects[0].x1 == 600.0
+        pulse = [s.x0 for s in fig.layout.shapes if s.type == "line"]
+        assert pulse == [120.0, 227.0]
+    assert "detector (validation.json)" in summary
+    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-off__qwen2.5-7b__r1")
+    assert "recovered 120 s after the pulse" in summary and "no alerts" in summary
+    _, summary = experiments.run_figures(ctx, "nope")
+    assert "no run 'nope'" in summary
+
+
+def test_experiments_without_runs_dir_says_how(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    assert "--runs DIR" in str(experiments.layout(ctx))
+
+
+def test_refresh_interval_is_bounded() -> None:
+    with pytest.raises(ValueError, match="at least 1 s"):
+        DashboardConfig(detector_url="http://x", refresh_s=0.1)
+
+
+def test_reference_now_is_the_last_scrape(api: StaticDetectorAPI) -> None:
+    assert context(api).now() == NOW
+
+
+def test_experiments_replays_runs_missing_from_validation(api: StaticDetectorAPI, runs_dir: Path) -> None:
+    (runs_dir / "validation.json").unlink()
+    ctx = context(api, runs_dir)
+    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    assert "detector (the detector's replay)" in summary
+    assert "VLLMMetastableRetryLoop" in summary  # the real detector fires on the collapsed run
+    rects = [s for s in figs[0].layout.shapes if s.type == "rect"]
+    assert rects and any(r.fillcolor == figures.VERMILLION for r in rects)
+
+
+def test_tabs_on_one_engine_share_a_fetch_per_scrape(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    live.live_view(ctx, "engine-0", 900)
+    fetched = api.requests["/signals"]
+    again = live.live_view(ctx, "engine-0", 900)
+    assert api.requests["/signals"] == fetched  # same scrape: remembered
+    assert again.signals["execution_creation_rate"].shape[0] == 181
+    live.live_view(ctx, "engine-1", 900)
+    assert api.requests["/signals"] > fetched  # another engine: fetched

@@ -1,0 +1,172 @@
+"""The Prometheus signal source against a REAL Prometheus (Debian's ``prometheus``) that scrapes
+a real HTTP server serving the proxy's counters and runs ``rules/retrywatch.rules.yml``."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dashboard.app import DashboardConfig, create_app
+from dashboard.pages import live
+from dashboard.prometheus import PrometheusSignals
+from dashboard.staticapi import StaticDetectorAPI
+from retrywatch import metricnames as mn
+from retrywatch.timeseries import format_sample
+
+pytestmark = pytest.mark.promtool
+
+RULES = Path(__file__).resolve().parents[2] / "rules" / "retrywatch.rules.yml"
+CREATION_RATE = 3.0  # executions/s the fake proxy's counter grows by
+CAPACITY = 2.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # Prometheus closing a scrape connection at shutdown is not an error here
+
+
+class CounterServer:
+    """Serves a proxy's /metrics (plain text) whose counters grow at fixed rates."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = server.exposition().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = QuietServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def exposition(self) -> str:
+        dt = time.time() - self.t0
+        vllm = {"engine": "0", "model_name": "qwen"}
+        samples = [
+            (mn.ATTEMPTS, {"kind": "first"}, 1.0 * dt),
+            (mn.ATTEMPTS, {"kind": "retry"}, 2.0 * dt),
+            (mn.EXECUTIONS_CREATED, {}, CREATION_RATE * dt),
+            (mn.EXECUTIONS_FINISHED, {"fate": "completed"}, 0.5 * dt),
+            (mn.EXECUTIONS_FINISHED, {"fate": "orphaned"}, 1.5 * dt),
+            (mn.EXECUTIONS_QUEUED, {}, 0.0),
+            (mn.CAPACITY, {}, CAPACITY),
+            (mn.CLIENT_DEADLINE, {}, 120.0),
+            (mn.VLLM_NUM_WAITING, vllm, 50.0),
+            (mn.VLLM_NUM_RUNNING, vllm, 20.0),
+        ]
+        lines = []
+        for name in dict.fromkeys(n for n, _, _ in samples):
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines.append(f"# TYPE {name.removesuffix('_total') if kind == 'counter' else name} {kind}")
+            lines.extend(format_sample(n, lb, v) for n, lb, v in samples if n == name)
+        return "\n".join(lines) + "\n"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus not found: install Debian's prometheus package (see .ci/run)")
+    target = CounterServer()
+    port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{RULES}']\n"
+        "scrape_configs:\n"
+        "  - job_name: retrywatch\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{target.port}']}}]\n"
+    )
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("Prometheus did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        target.stop()
+
+
+def test_prometheus_signals_feed_the_live_page(prometheus: str) -> None:
+    source = PrometheusSignals(prometheus)
+    deadline = time.monotonic() + 40
+    series: list[Any] = []
+    while time.monotonic() < deadline:
+        series = source.signal("execution_creation_rate", since=time.time() - 120)
+        if series and np.isfinite(series[0].points[-1, 1]):
+            break
+        time.sleep(0.5)
+    assert series, "the recording rules produced no execution_creation_rate"
+    assert series[0].labels["engine"] == "0" and series[0].labels["model"] == "qwen"
+    # rate() over 1 m is extrapolated from the few seconds scraped so far: compare rates with
+    # each other (same window, same samples) rather than with their final values.
+    first = source.signal("attempt_rate_first", since=time.time() - 120, engine="0")[0].points
+    retry = source.signal("attempt_rate_retry", since=time.time() - 120, engine="0")[0].points
+    assert retry[-1, 1] / first[-1, 1] == pytest.approx(2.0, rel=0.05)
+    assert source.signal("vllm_waiting", engine="0")[0].points[-1, 1] == pytest.approx(50.0)
+    assert source.signal_index().engines == ["0"]
+    assert source.signal("capacity", engine="0")[0].points[-1, 1] == pytest.approx(CAPACITY)
+
+    # The live page reads its panels from Prometheus (alerts and episodes from the detector API).
+    with StaticDetectorAPI() as api:
+        app = create_app(DashboardConfig(detector_url=api.url, prometheus_url=prometheus))
+        ctx = app.server.config["RETRYWATCH_CONTEXT"]
+        view = live.live_view(ctx, "0", 900, now=time.time())
+        assert view.error is None
+        created, first_rate = view.signals["execution_creation_rate"], view.signals["attempt_rate_first"]
+        assert created[-1, 1] / first_rate[-1, 1] == pytest.approx(CREATION_RATE, rel=0.05)
+        assert view.signals["capacity"][-1, 1] == pytest.approx(CAPACITY)
+        figs = view.figures()
+        trace = next(t for t in figs[0].data if t.name == "executions created")
+        assert len(trace.x) >= 1

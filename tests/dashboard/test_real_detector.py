@@ -1,0 +1,136 @@
+"""End to end in a real headless Chromium: ``retrywatch dashboard`` and ``retrywatch detect
+--replay`` as real processes. The detector replays (paced) a run that tips into the retry loop
+and recovers; the live page shows the banner while its alerts fire and none once they resolve,
+over the detector's real signal history; the history page lists the real episodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import Page, write_episode_series
+
+pytestmark = pytest.mark.browser
+
+REPLAY_SPEED = 20.0  # run-seconds per wall second: the loop fires ~6 s in, resolves ~18 s in
+PROCESS_START_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = PROCESS_START_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "retrywatch", *args], stdout=fh, stderr=subprocess.STDOUT
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield {"started": started, "tmp": tmp_path}
+    for proc in reversed(started):
+        _stop(proc)
+
+
+def test_live_page_against_the_real_detector(browser: Any, processes: dict[str, Any]) -> None:
+    tmp: Path = processes["tmp"]
+    series = tmp / "runs" / "episode" / "metrics.jsonl"
+    write_episode_series(series)
+    detector_port, dashboard_port = _free_port(), _free_port()
+    detector_url = f"http://127.0.0.1:{detector_port}"
+    # Both start at once (each takes seconds to import); the replay is paced from its start.
+    detector = _start(
+        [
+            "detect",
+            "--replay",
+            str(series),
+            "--replay-speed",
+            str(REPLAY_SPEED),
+            "--db",
+            f"sqlite:///{tmp / 'episodes.db'}",
+            "--port",
+            str(detector_port),
+        ],
+        tmp / "detector.log",
+    )
+    processes["started"].append(detector)
+    dashboard = _start(
+        ["dashboard", "--detector", detector_url, "--port", str(dashboard_port), "--refresh", "1"],
+        tmp / "dashboard.log",
+    )
+    processes["started"].append(dashboard)
+    base = f"http://127.0.0.1:{dashboard_port}"
+    _wait_http(base + "/", dashboard)
+    _wait_http(detector_url + "/healthz", detector)
+
+    tab = Page(browser)
+    tab.page.goto(base + "/?range=900")
+    tab.wait_graphs(4)
+    banner = tab.page.locator("#alert-banner")
+    tab.page.wait_for_function(
+        "() => document.querySelector('#alert-banner').innerText.includes('VLLMMetastableRetryLoop')",
+        timeout=60_000,
+    )
+    assert "CRITICAL" in banner.inner_text()
+    with urllib.request.urlopen(detector_url + "/signals", timeout=5) as r:
+        engines = json.load(r)["engines"]
+    assert tab.page.locator("#live-engine").inner_text().strip() == engines[0]  # selected by default
+    tab.screenshot("live-real-detector.png")
+    banner.wait_for(state="hidden", timeout=60_000)  # every alert resolved after the recovery
+    tab.wait_graphs(4)
+    assert tab.trace_max("graph-attempts", "executions created") > 2.8  # the loop, in the history
+    shaded = tab.page.evaluate(
+        "() => document.querySelector('#graph-attempts .js-plotly-plot').layout.shapes.length"
+    )
+    assert shaded >= 1
+    tab.screenshot("live-real-detector-resolved.png")
+
+    tab.page.goto(base + "/history")
+    tab.wait_graphs(1)
+    tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length >= 2")
+    rows = tab.page.locator("#episodes-table").inner_text()
+    assert "VLLMMetastableRetryLoop" in rows and "critical" in rows
+    assert "firing" not in rows
+    assert tab.errors == [], tab.errors
+    tab.close()
+    if os.environ.get("RETRYWATCH_KEEP_LOGS"):
+        print((tmp / "dashboard.log").read_text(), (tmp / "detector.log").read_text())

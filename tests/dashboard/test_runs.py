@@ -1,0 +1,63 @@
+"""Reproduce outputs: loading a runs directory and computing a run's signals from its series."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dashboard.runs import RunsDirError, load_runs, run_key, run_signals, series_signals
+from retrywatch.timeseries import Snapshot
+
+
+def test_load_runs_reads_summary_and_validation(runs_dir: Path) -> None:
+    loaded = load_runs(runs_dir)
+    keys = [run_key(r) for r in loaded.runs]
+    assert keys == ["diagnostic__retries-off__qwen2.5-7b__r1", "diagnostic__retries-on__qwen2.5-7b__r1"]
+    assert [a["alertname"] for a in loaded.alerts[keys[1]]] == [
+        "VLLMBacklogBeyondDeadline",
+        "VLLMMetastableRetryLoop",
+    ]
+    assert loaded.alerts[keys[0]] == []
+
+
+def test_run_signals_follow_the_counters(runs_dir: Path) -> None:
+    loaded = load_runs(runs_dir)
+    collapsed = run_signals(loaded, loaded.run("diagnostic__retries-on__qwen2.5-7b__r1"))
+    t = collapsed["execution_creation_rate"][:, 0]
+    created = collapsed["execution_creation_rate"][:, 1]
+    late = t >= 300.0
+    # first attempts at 0.6 Ĉ plus retries at 1.8 Ĉ: 2.4 Ĉ = 6.72 executions/s
+    assert np.allclose(created[late], 6.72)
+    assert np.allclose(collapsed["capacity"][:, 1], 2.8)
+    assert np.allclose(collapsed["completion_rate_orphaned"][late, 1], 2.8)
+    assert np.allclose(collapsed["prompt_token_gap"][late, 1], 0.4)
+    assert np.isnan(created[0])  # no rate before two snapshots exist
+    healthy = run_signals(loaded, loaded.run("diagnostic__retries-off__qwen2.5-7b__r1"))
+    assert np.nanmax(healthy["attempt_rate_retry"][:, 1]) == 0.0
+    assert "completion_rate_failed" not in healthy  # not in the series: no invented zeros
+
+
+def test_counter_reset_gives_nan_not_a_negative_rate() -> None:
+    snaps = [
+        Snapshot(t=5.0 * i, samples=[("retrywatch_executions_created_total", {}, v)])
+        for i, v in enumerate([0, 10, 20, 2, 12])
+    ]
+    rate = series_signals(snaps, window_s=5.0)["execution_creation_rate"][:, 1]
+    assert rate[1] == 2.0 and np.isnan(rate[3]) and rate[4] == 2.0
+
+
+def test_bad_runs_dirs_get_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(RunsDirError, match="does not exist"):
+        load_runs(tmp_path / "nope")
+    with pytest.raises(RunsDirError, match=r"summary\.json does not exist"):
+        load_runs(tmp_path)
+    (tmp_path / "summary.json").write_text("{")
+    with pytest.raises(RunsDirError, match="not valid JSON"):
+        load_runs(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"runs": [{"series": "../../etc/x"}]}))
+    loaded = load_runs(tmp_path)
+    with pytest.raises(RunsDirError, match="leaves the runs directory"):
+        loaded.series_path(loaded.runs[0])

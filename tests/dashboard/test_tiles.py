@@ -1,0 +1,50 @@
+"""Tiles: the four ratios, computed from parts when the detector lacks the ratio, coloured by
+the detector's firing alerts only."""
+
+from __future__ import annotations
+
+import pytest
+
+from dashboard.tiles import tile_value, tiles
+
+
+def pts(v: float) -> list[list[float]]:
+    return [[0.0, v / 2], [5.0, v]]
+
+
+def test_tiles_prefer_the_detector_ratio_and_follow_alerts() -> None:
+    signals = {"creation_capacity_ratio": pts(1.4), "execution_creation_rate": pts(1.0), "capacity": pts(2.0)}
+    by_key = {t.key: t for t in tiles(signals, {"VLLMExecutionsAboveCapacity"})}
+    assert by_key["creation_capacity_ratio"].text == "1.40"
+    assert by_key["creation_capacity_ratio"].status == "alert"
+    assert by_key["creation_capacity_ratio"].firing == ("VLLMExecutionsAboveCapacity",)
+    assert by_key["prompt_token_gap"].status == "nodata"
+    calm = {t.key: t for t in tiles(signals, set())}
+    assert calm["creation_capacity_ratio"].status == "ok"
+
+
+def test_tiles_compute_from_parts() -> None:
+    signals = {
+        "execution_creation_rate": pts(3.0),
+        "capacity": pts(2.0),
+        "vllm_waiting": pts(200.0),
+        "proxy_queued": pts(40.0),
+        "attempt_rate": pts(2.0),
+        "deadline": pts(120.0),
+        "prompt_tokens_counted_rate": pts(6000.0),
+        "prompt_tokens_admitted_rate": pts(10000.0),
+        "completion_rate_completed": pts(0.5),
+        "completion_rate_orphaned": pts(1.5),
+    }
+    assert tile_value("creation_capacity_ratio", signals) == pytest.approx(1.5)
+    assert tile_value("waiting_littles_law_ratio", signals) == pytest.approx(1.0)
+    assert tile_value("prompt_token_gap", signals) == pytest.approx(0.4)
+    assert tile_value("delivered_share", signals) == pytest.approx(0.25)
+    texts = {t.key: t.text for t in tiles(signals, set())}
+    assert texts["prompt_token_gap"] == "40%" and texts["delivered_share"] == "25%"
+
+
+def test_no_completions_is_no_data_not_zero() -> None:
+    signals = {"completion_rate_completed": pts(0.0), "completion_rate_orphaned": pts(0.0)}
+    assert tile_value("delivered_share", signals) is None
+    assert tile_value("creation_capacity_ratio", {"execution_creation_rate": pts(1.0)}) is None
