@@ -303,7 +303,9 @@ def signals_for_engine(
         fetched = list(pool.map(lambda n: source.signal(n, since=since, engine=engine), names))
     out: dict[str, np.ndarray] = {}
     for name, all_series in zip(names, fetched, strict=True):
-        series = [s for s in all_series if not engine or engine_of(s.labels) == engine]
+        series = [
+            s for s in all_series if not engine or engine in (engine_of(s.labels), s.labels.get("instance"))
+        ]
         if not series:
             continue
         if len(series) == 1:

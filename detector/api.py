@@ -1,7 +1,10 @@
 """The detector's HTTP API (FastAPI): active alerts, episodes, signal history, health, metrics.
 
 JSON shapes are the contract of docs/architecture.md (the dashboard codes against them).
-Times are Unix seconds.
+Times are Unix seconds. Engines are keyed by their ``instance`` label (the scraped URL, the
+Prometheus target, the replayed run's slug): ``GET /signals`` lists instances, and the
+``engine=`` parameter of ``/signals`` and ``/episodes`` selects one by it; ``engine`` and
+``model`` stay labels.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def create_app(detector: Detector) -> FastAPI:
         engine: str | None = Query(default=None, max_length=256),
     ) -> dict[str, object]:
         if name is None:
-            engines = sorted({e.engine or e.instance for e in detector.history.engines()})
+            # Engines are keyed by instance: vLLM's engine label is "0" on every vLLM.
+            engines = sorted({e.instance for e in detector.history.engines()})
             return {"signals": list(SIGNAL_NAMES), "engines": engines}
         if name not in SIGNALS_BY_NAME:
             raise HTTPException(status_code=404, detail=f"unknown signal {name!r}; GET /signals lists them")

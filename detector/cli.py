@@ -1,7 +1,7 @@
 """``retrywatch detect``: run the detector on a proxy, a Prometheus, or a replayed run.
 
 Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
-(e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``).
+(e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``, ``RETRYWATCH_TIME_SCALE``).
 """
 
 from __future__ import annotations
@@ -46,10 +46,17 @@ def _env(name: str) -> str:
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.1),
-    default=5.0,
-    show_default=True,
     envvar=_env("INTERVAL"),
-    help="Seconds between evaluations.",
+    help="Seconds between evaluations [default: 5 / --time-scale, at least 0.1].",
+)
+@click.option(
+    "--time-scale",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=1.0,
+    show_default=True,
+    envvar=_env("TIME_SCALE"),
+    help="K of a scaled run (reproduce --time-scale K): every signal window and alert duration is "
+    "divided by K. 1: real time.",
 )
 @click.option(
     "--webhook", "webhooks", multiple=True, envvar=_env("WEBHOOK"), help="Webhook URL (repeatable)."
@@ -76,7 +83,8 @@ def detect(
     replay: Path | None,
     replay_speed: float,
     db: str,
-    interval: float,
+    interval: float | None,
+    time_scale: float,
     webhooks: tuple[str, ...],
     alertmanager: str | None,
     capacity: float | None,
@@ -102,6 +110,8 @@ def detect(
         raise click.UsageError("give exactly one of --exporter URL, --prometheus URL or --replay FILE")
     if replay_speed < 0:
         raise click.BadParameter("must be >= 0", param_hint="--replay-speed")
+    if interval is None:
+        interval = max(0.1, 5.0 / time_scale)
     try:
         source: Source
         replay_source: ReplaySource | None = None
@@ -126,9 +136,8 @@ def detect(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     store = EpisodeStore(db)
-    detector = Detector(
-        source, store, notifiers=notifiers, config=SignalConfig(capacity=capacity, deadline=deadline)
-    )
+    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
+    detector = Detector(source, store, notifiers=notifiers, config=config)
     if replay_source is not None:
         _run_replay(detector, replay_source, interval, replay_speed)
     else:

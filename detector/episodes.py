@@ -48,11 +48,11 @@ class EpisodeLog:
 
     def __init__(self) -> None:
         self.episodes: list[AlertEpisode] = []
-        self._open: dict[tuple[str, EngineLabels], AlertEpisode] = {}
+        self._open: dict[tuple[str, str], AlertEpisode] = {}  # (alertname, instance) -> episode
 
     def apply(self, transitions: Iterable[Transition]) -> None:
         for tr in transitions:
-            key = (tr.alertname, tr.labels)
+            key = (tr.alertname, tr.labels.instance)
             if tr.kind == "firing":
                 ep = AlertEpisode(
                     alertname=tr.alertname,

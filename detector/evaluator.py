@@ -11,6 +11,10 @@ an alert pending with ``active_at = now``; it fires at the first evaluation wher
 alert resolves at the first evaluation where ``now - keep_firing_since >= keep_firing_for``
 (a true condition clears it); a pending alert whose condition is false is dropped. A missing
 signal makes a condition false, as an absent series does in PromQL; the NoData rule reports it.
+
+Engines are keyed by their ``instance`` label (vLLM's ``engine`` label is "0" on every vLLM, so
+it cannot tell engines apart); an alert keeps the labels it had when it fired, so its resolve
+matches its episode. ``time_scale`` K divides every rule's ``for`` and ``keep_firing_for``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from detector.signals import EngineLabels, SignalFrame
-from detector.thresholds import ALERTS, AlertRule, holds
+from detector.thresholds import ALERTS, AlertRule, holds, scale_rules
 
 State = Literal["pending", "firing"]
 TransitionKind = Literal["firing", "resolved"]
@@ -91,11 +95,16 @@ def render_description(
 
 
 class Evaluator:
-    """Holds the active alerts between evaluations; feed it frames in time order."""
+    """Holds the active alerts between evaluations; feed it frames in time order.
 
-    def __init__(self, rules: Iterable[AlertRule] = ALERTS) -> None:
-        self.rules: tuple[AlertRule, ...] = tuple(rules)
-        self._active: dict[tuple[str, EngineLabels], AlertState] = {}
+    ``rules`` are given at real time; ``time_scale`` (K) divides their durations (K = 1: as given).
+    """
+
+    def __init__(self, rules: Iterable[AlertRule] = ALERTS, *, time_scale: float = 1.0) -> None:
+        self.time_scale = time_scale
+        self.rules: tuple[AlertRule, ...] = scale_rules(rules, time_scale)
+        # (alertname, instance) -> state
+        self._active: dict[tuple[str, str], AlertState] = {}
         self.last_eval: float | None = None
 
     def active(self) -> list[AlertState]:
@@ -110,7 +119,7 @@ class Evaluator:
         """Re-arm an alert that was firing before a restart (episodes are in the store), so that
         it resolves through the usual hysteresis instead of firing a second time."""
         rule = next(r for r in self.rules if r.name == rule_name)
-        self._active[(rule_name, labels)] = AlertState(
+        self._active[(rule_name, labels.instance)] = AlertState(
             rule=rule, labels=labels, state="firing", active_at=fired_at, value=value, fired_at=fired_at
         )
 
@@ -120,17 +129,20 @@ class Evaluator:
         self.last_eval = now
         out: list[Transition] = []
         for rule in self.rules:
-            seen: set[EngineLabels] = set()
+            seen: set[str] = set()
             for frame in frames:
                 if not holds(rule.condition, frame.values):
                     continue
-                seen.add(frame.labels)
-                key = (rule.name, frame.labels)
+                instance = frame.labels.instance
+                seen.add(instance)
+                key = (rule.name, instance)
                 value = frame.values.get(rule.value_signal)
                 alert = self._active.get(key)
                 if alert is None:
                     alert = AlertState(rule, frame.labels, "pending", active_at=now, value=value)
                     self._active[key] = alert
+                elif alert.state == "pending":
+                    alert.labels = frame.labels  # engine/model may appear after the first scrape
                 alert.value = value
                 alert.missing = frame.missing
                 alert.keep_firing_since = None
@@ -139,7 +151,7 @@ class Evaluator:
                     alert.fired_at = now
                     out.append(self._transition("firing", alert, now))
             for key, alert in list(self._active.items()):
-                if key[0] != rule.name or alert.labels in seen:
+                if key[0] != rule.name or key[1] in seen:
                     continue
                 if alert.state == "pending":
                     del self._active[key]

@@ -24,12 +24,15 @@ def replay_run(
     interval: float | None = None,
     rules: tuple[AlertRule, ...] = ALERTS,
     instance: str | None = None,
+    time_scale: float = 1.0,
 ) -> list[AlertEpisode]:
     """Replay one run's ``metrics.jsonl`` and return every alert episode, in firing order.
 
     ``capacity`` (Ĉ, calls/s) and ``deadline`` (s) override the series' own gauges; pass None
     to use the exported (or estimated) values. ``interval``: evaluate every ``interval`` seconds
-    of run time instead of at each snapshot. Episodes still firing at the end have
+    of run time instead of at each snapshot. ``time_scale`` (K): the run was scaled by K
+    (``reproduce --time-scale K``), so every signal window and every alert's ``for`` and
+    hysteresis are divided by K (K = 1: real time). Episodes still firing at the end have
     ``resolved_at = None``.
     """
     if capacity is not None and not capacity > 0:
@@ -38,9 +41,10 @@ def replay_run(
         raise ValueError(f"deadline must be positive seconds, got {deadline!r}")
     if interval is not None and not interval > 0:
         raise ValueError(f"interval must be positive seconds, got {interval!r}")
+    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
     snapshots = load_snapshots(Path(series_path), instance)
-    signals = SignalEngine(SignalConfig(capacity=capacity, deadline=deadline))
-    evaluator = Evaluator(rules)
+    signals = SignalEngine(config)
+    evaluator = Evaluator(rules, time_scale=config.time_scale)
     log = EpisodeLog()
     if not snapshots:
         return []

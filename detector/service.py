@@ -32,22 +32,24 @@ _SIGNAL_INDEX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 
 class SignalHistory:
     """A ring buffer of signal values per engine: ``points`` evaluations, ``max_engines`` engines
-    (e.g. 4320 points = 6 h at 5 s; about 1.3 MB per engine)."""
+    (e.g. 4320 points = 6 h at 5 s; about 1.3 MB per engine). Engines are keyed by ``instance``
+    (vLLM's ``engine`` label is "0" on every vLLM); each keeps its latest labels."""
 
     def __init__(self, points: int = 4320, max_engines: int = 64) -> None:
         if points < 2:
             raise ValueError("signal history needs at least 2 points")
         self.points = points
         self.max_engines = max_engines
-        self._data: dict[EngineLabels, np.ndarray] = {}
-        self._times: dict[EngineLabels, np.ndarray] = {}
-        self._next: dict[EngineLabels, int] = {}
-        self._count: dict[EngineLabels, int] = {}
+        self._labels: dict[str, EngineLabels] = {}
+        self._data: dict[str, np.ndarray] = {}
+        self._times: dict[str, np.ndarray] = {}
+        self._next: dict[str, int] = {}
+        self._count: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def add(self, frame: SignalFrame) -> None:
         with self._lock:
-            key = frame.labels
+            key = frame.labels.instance
             if key not in self._data:
                 if len(self._data) >= self.max_engines:
                     return
@@ -55,6 +57,7 @@ class SignalHistory:
                 self._times[key] = np.full(self.points, np.nan)
                 self._next[key] = 0
                 self._count[key] = 0
+            self._labels[key] = frame.labels
             i = self._next[key]
             row = self._data[key][i]
             for name, value in frame.values.items():
@@ -66,17 +69,19 @@ class SignalHistory:
             self._count[key] = min(self._count[key] + 1, self.points)
 
     def engines(self) -> list[EngineLabels]:
+        """Every engine's latest labels (one per instance)."""
         with self._lock:
-            return list(self._data)
+            return list(self._labels.values())
 
     def series(
         self, name: str, since: float | None = None, engine: str | None = None
     ) -> list[tuple[EngineLabels, list[tuple[float, float | None]]]]:
+        """``name``'s points per engine; ``engine`` selects one engine by its key (``instance``)."""
         j = _SIGNAL_INDEX[name]
         out = []
         with self._lock:
             for key, data in self._data.items():
-                if engine and key.engine != engine and key.instance != engine:
+                if engine and key != engine:
                     continue
                 n, nxt = self._count[key], self._next[key]
                 order = np.arange(nxt - n, nxt) % self.points
@@ -87,7 +92,7 @@ class SignalHistory:
                     (float(t), None if np.isnan(v) else float(v))
                     for t, v in zip(times[mask], values[mask], strict=True)
                 ]
-                out.append((key, pts))
+                out.append((self._labels[key], pts))
         return out
 
 
@@ -151,7 +156,7 @@ class Detector:
         self.rules = tuple(rules)
         self.clock = clock
         self.signals = SignalEngine(config)
-        self.evaluator = Evaluator(self.rules)
+        self.evaluator = Evaluator(self.rules, time_scale=self.signals.config.time_scale)
         self.history = SignalHistory(history_points)
         self.metrics = DetectorMetrics(self.rules)
         self.status = SourceStatus()

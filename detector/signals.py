@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from detector.thresholds import WINDOWS, Windows
+from detector.thresholds import WINDOWS, Windows, check_time_scale
 from retrywatch import metricnames as mn
 from retrywatch.timeseries import Snapshot
 
@@ -357,11 +357,23 @@ class SignalFrame:
 
 @dataclass
 class SignalConfig:
-    """Operator overrides: configured Ĉ and deadline win over exported and estimated values."""
+    """Operator overrides: configured Ĉ and deadline win over exported and estimated values.
+
+    ``time_scale`` (K): the source runs K times faster than real time (a scaled reproduce run),
+    so every window is divided by K (and every alert duration: see the evaluator)."""
 
     capacity: float | None = None
     deadline: float | None = None
     windows: Windows = WINDOWS
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.time_scale = check_time_scale(self.time_scale)
+
+    @property
+    def scaled_windows(self) -> Windows:
+        """The windows in use: ``windows`` divided by ``time_scale``."""
+        return self.windows.scaled(self.time_scale)
 
 
 @dataclass
@@ -420,7 +432,7 @@ class SignalEngine:
         max_instances: int = MAX_INSTANCES,
     ) -> None:
         self.config = config or SignalConfig()
-        w = self.config.windows
+        self.windows = w = self.config.scaled_windows
         self.retention_s = retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s) + 30.0
         self.max_instances = max_instances
         self._engines: dict[str, _EngineHistory] = {}
@@ -472,7 +484,7 @@ class SignalEngine:
         if cut > 64:  # trim in chunks: amortised O(1)
             del hist.times[:cut]
             del hist.rows[:cut]
-        horizon = now - self.config.windows.capacity_estimate_s
+        horizon = now - self.windows.capacity_estimate_s
         if hist.capacity_samples and hist.capacity_samples[0][0] < horizon - 600:
             hist.capacity_samples = [s for s in hist.capacity_samples if s[0] >= horizon]
 
@@ -535,7 +547,7 @@ class SignalEngine:
         return min(vals) if vals else None
 
     def _capacity(self, hist: _EngineHistory, now: float) -> float | None:
-        w = self.config.windows
+        w = self.windows
         # The online estimate is updated on every computation, whichever Ĉ is in use.
         min_wait = self._min_gauge(hist, "waiting", now, w.prompt_gap_s)
         if min_wait is not None and min_wait > 0:
@@ -556,7 +568,7 @@ class SignalEngine:
         return None
 
     def _compute_one(self, instance: str, hist: _EngineHistory, now: float) -> SignalFrame:
-        w = self.config.windows
+        w = self.windows
         v: dict[str, float | None] = {}
 
         def rate(key: str, width: float = w.rate_s) -> float | None:
@@ -625,7 +637,7 @@ class SignalEngine:
         return SignalFrame(t=now, labels=labels, values=v, missing=tuple(missing))
 
     def _last_row(self, hist: _EngineHistory, now: float) -> list[float] | None:
-        lo, hi = self._window(hist, now, self.config.windows.gauge_lookback_s)
+        lo, hi = self._window(hist, now, self.windows.gauge_lookback_s)
         return hist.rows[hi - 1] if hi > lo else None
 
 

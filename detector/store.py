@@ -296,8 +296,8 @@ class EpisodeStore:
             conds.append(episodes.c.started_at <= until)
         if alertname:
             conds.append(episodes.c.alertname == alertname)
-        if engine:
-            conds.append(episodes.c.engine == engine)
+        if engine:  # engines are keyed by instance (vLLM's engine label is "0" on every vLLM)
+            conds.append(episodes.c.instance == engine)
         query = select(episodes).order_by(episodes.c.started_at.desc(), episodes.c.id.desc()).limit(limit)
         if conds:
             query = query.where(and_(*conds))
@@ -306,12 +306,7 @@ class EpisodeStore:
 
     @staticmethod
     def _key(alertname: str, labels: EngineLabels):  # type: ignore[no-untyped-def]
-        return and_(
-            episodes.c.alertname == alertname,
-            episodes.c.engine == labels.engine,
-            episodes.c.model == labels.model,
-            episodes.c.instance == labels.instance,
-        )
+        return and_(episodes.c.alertname == alertname, episodes.c.instance == labels.instance)
 
 
 def _finite(value: float | None) -> float | None:

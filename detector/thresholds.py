@@ -5,6 +5,11 @@ each rule's :class:`Condition` tree to the signals of ``detector/signals.py``, a
 ``rules/generate.py`` renders the same tree into PromQL over the recording rules that
 ``detector/signals.py`` defines (:func:`alert_expr`). A threshold changed here changes both.
 
+Time scale: a scaled run (``reproduce --time-scale K``) divides every duration by K, so the
+detector divides every ``for``/``keep_firing_for`` duration (:meth:`AlertRule.scaled`) and
+every signal window (:meth:`Windows.scaled`) by the same K; thresholds are ratios (or zero)
+and stay. The Prometheus rules are rendered at K = 1 (real time).
+
 Hysteresis is Prometheus' own: an alert fires once its condition has held for ``for_s`` and,
 once firing, resolves only after the condition has been false for ``keep_firing_for_s``
 (``keep_firing_for``, accepted by Prometheus 2.42's rule files). The evaluator mirrors
@@ -26,8 +31,8 @@ NOTE on the mechanism (PROTOCOL §8), which sets each condition:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Op = Literal[">", ">=", "<", "<="]
@@ -81,6 +86,14 @@ class AlertRule:
     @property
     def runbook_url(self) -> str:
         return RUNBOOK_URL_PATTERN.format(anchor=self.name.lower())
+
+    def scaled(self, time_scale: float) -> AlertRule:
+        """The rule for a run whose durations are all divided by ``time_scale`` (K): ``for`` and
+        ``keep_firing_for`` divided by K; thresholds (ratios, or zero) unchanged. K = 1: itself."""
+        k = check_time_scale(time_scale)
+        if k == 1.0:
+            return self
+        return replace(self, for_s=self.for_s / k, keep_firing_for_s=self.keep_firing_for_s / k)
 
     def signals(self) -> list[str]:
         """Every signal the condition reads, in order, without repeats."""
@@ -326,8 +339,33 @@ class Windows:
     capacity_estimate_s: float = 3600.0
     gauge_lookback_s: float = 300.0  # like Prometheus' lookback delta
 
+    def scaled(self, time_scale: float) -> Windows:
+        """Every window divided by ``time_scale`` (K); K = 1: itself."""
+        k = check_time_scale(time_scale)
+        if k == 1.0:
+            return self
+        return Windows(
+            rate_s=self.rate_s / k,
+            prompt_gap_s=self.prompt_gap_s / k,
+            capacity_estimate_s=self.capacity_estimate_s / k,
+            gauge_lookback_s=self.gauge_lookback_s / k,
+        )
+
 
 WINDOWS = Windows()
+
+
+def check_time_scale(time_scale: float) -> float:
+    """Validate a time scale K (a scaled run divides every duration by K): finite and > 0."""
+    k = float(time_scale)
+    if not (math.isfinite(k) and k > 0):
+        raise ValueError(f"time scale must be a finite number > 0, got {time_scale!r}")
+    return k
+
+
+def scale_rules(rules: Iterable[AlertRule], time_scale: float) -> tuple[AlertRule, ...]:
+    """Every rule's durations divided by ``time_scale`` (see :meth:`AlertRule.scaled`)."""
+    return tuple(rule.scaled(time_scale) for rule in rules)
 
 
 def promql_template(text: str) -> str:

@@ -45,7 +45,8 @@ class LiveView:
 
     @property
     def engine_alerts(self) -> list[Alert]:
-        return [a for a in self.alerts if not self.engine or a.engine in ("", self.engine)]
+        key = self.engine  # the detector keys engines by instance; vLLM's engine label is "0" everywhere
+        return [a for a in self.alerts if not key or a.engine in ("", key) or a.labels.get("instance") == key]
 
     def shades(self) -> list[Shade]:
         return [Shade(e.started_at, e.resolved_at, e.alertname, e.severity) for e in self.episodes]
@@ -147,7 +148,8 @@ def render_engine_states(view: LiveView, engines: Sequence[str]) -> list[Any]:
     chips: list[Any] = [html.Span("Engines: ", style=style.LABEL)]
     for engine in engines:
         firing = sorted(
-            (a for a in view.alerts if a.engine == engine), key=lambda a: SEVERITY_ORDER.get(a.severity, 9)
+            (a for a in view.alerts if engine in (a.engine, a.labels.get("instance"))),
+            key=lambda a: SEVERITY_ORDER.get(a.severity, 9),
         )
         if firing:
             text = f"{engine}: {firing[0].alertname} ({firing[0].severity})"

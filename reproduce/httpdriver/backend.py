@@ -253,6 +253,7 @@ class HttpBackend(Backend):
                         capacity=capacity,
                         deadline_s=timeline.deadline_s,
                         interval_s=max(1.0, protocol.scrape_every_s),
+                        time_scale=protocol.time_scale,
                     )
                     stack.enter_context(detector)
                 t0_unix = time.time()

@@ -30,6 +30,7 @@ class DetectorProcess:
         capacity: float | None = None,
         deadline_s: float | None = None,
         interval_s: float = 1.0,
+        time_scale: float = 1.0,
         host: str = "127.0.0.1",
         bound_s: float = 3_600.0,
         startup_timeout_s: float = 60.0,
@@ -39,6 +40,7 @@ class DetectorProcess:
         self.capacity = capacity
         self.deadline_s = deadline_s
         self.interval_s = interval_s
+        self.time_scale = time_scale  # a scaled run's K: the detector divides its windows by it
         self.host = host
         self.bound_s = bound_s
         self.startup_timeout_s = startup_timeout_s
@@ -69,6 +71,8 @@ class DetectorProcess:
             argv += ["--capacity", f"{self.capacity:g}"]
         if self.deadline_s is not None:
             argv += ["--deadline", f"{self.deadline_s:g}"]
+        if self.time_scale != 1.0:
+            argv += ["--time-scale", repr(float(self.time_scale))]
         return argv
 
     def start(self) -> str:

@@ -68,7 +68,7 @@ def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
     assert all(e["resolved_at"] is None or e["resolved_at"] >= e["started_at"] for e in eps)
     assert client.get("/episodes", params={"alertname": "Nope"}).json() == {"episodes": []}
     listing = client.get("/signals").json()
-    assert "creation_capacity_ratio" in listing["signals"] and listing["engines"] == ["0"]
+    assert "creation_capacity_ratio" in listing["signals"] and listing["engines"] == ["proxy-a"]
     sig = client.get("/signals", params={"name": "creation_capacity_ratio", "since": fired_at - 30}).json()
     assert sig["name"] == "creation_capacity_ratio" and sig["unit"] == "ratio"
     (series_doc,) = sig["series"]

@@ -51,7 +51,10 @@ def _exercise(store: EpisodeStore) -> None:
     assert [e.alertname for e in store.episodes(since=301.0)] == ["VLLMBacklogBeyondDeadline"]
     assert [e.alertname for e in store.episodes(until=120.0)] == ["VLLMMetastableRetryLoop"]
     assert len(store.episodes(alertname="VLLMBacklogBeyondDeadline")) == 1
-    assert len(store.episodes(engine="0")) == 2 and store.episodes(engine="9") == []
+    # engines are keyed by instance: both carry vLLM's engine label "0", which selects neither
+    assert [e.alertname for e in store.episodes(engine="b")] == ["VLLMBacklogBeyondDeadline"]
+    assert [e.alertname for e in store.episodes(engine=LABELS.instance)] == ["VLLMMetastableRetryLoop"]
+    assert store.episodes(engine="0") == [] and store.episodes(engine="9") == []
     d = store.episodes(alertname="VLLMMetastableRetryLoop")[0].as_dict()
     assert d["labels"] == LABELS.as_dict() and d["resolved_at"] == 300.0 and d["value"] == 2.5
 

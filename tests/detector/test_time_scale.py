@@ -1,0 +1,195 @@
+"""Time scale K: a scaled run divides every duration by K, and so must the detector (signal
+windows, ``for`` and hysteresis). K = 1 is bit-identical to real time; a run simulated at K = 10
+and replayed at K = 10 gives the alerts the same run gives at the study's scale."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from detector.cli import detect
+from detector.evaluator import Evaluator
+from detector.replay import replay_run
+from detector.signals import EngineLabels, SignalConfig, SignalEngine, SignalFrame
+from detector.thresholds import ALERTS, NO_DATA, WINDOWS, scale_rules
+from reproduce.conditions import block
+from reproduce.engine.config import EngineConfig, StepTimeModel
+from reproduce.httpdriver.detectorproc import DetectorProcess
+from reproduce.sim import SimSpec, simulate
+from retrywatch.timeseries import read_series, write_series
+from tests.detector.conftest import free_port, wait_until
+
+# A small simulated engine (Ĉ ≈ 9.77 calls/s at the study's scale), the diagnostic block's pulse.
+ENGINE = EngineConfig(
+    num_gpu_blocks=4_000,
+    step_time=StepTimeModel(0.002, 1e-4, 0.0, 0.0),
+    model_name="test",
+    max_model_len=4096,
+)
+WORKLOAD: dict[str, Any] = {
+    "prompt_mean": 1200,
+    "prompt_std": 0,
+    "shared_prefix_len": 200,
+    "response_median": 20,
+    "response_sigma": 0,
+}
+CAPACITY = 9.77
+CONDITIONS = ("retries-on-cancel-off", "retries-off-cancel-off")
+
+# Today's episodes (before time scale existed) of the study-scale run of retries-on-cancel-off,
+# seed 1: (alertname, started_at, resolved_at, value).
+EXPECTED_K1 = [
+    ("VLLMBacklogBeyondDeadline", 200.0, 1435.0, 8.9798703514159),
+    ("VLLMMetastableRetryLoop", 330.0, 1330.0, 1.0218355510064825),
+    ("VLLMRetryAmplification", 385.0, 1070.0, 92.00000000000001),
+    ("VLLMOrphanedExecutions", 385.0, None, 1.0),
+    ("VLLMExecutionsAboveCapacity", 500.0, 1270.0, 1.0218355510064825),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[float, str], Path]:
+    """``metrics.jsonl`` of each condition simulated at K = 1 and K = 10 (seed 1)."""
+    base = tmp_path_factory.mktemp("runs")
+    out: dict[tuple[float, str], Path] = {}
+    for k in (1.0, 10.0):
+        for key in CONDITIONS:
+            cond = block("diagnostic").condition(key)
+            spec = SimSpec(model="test", condition=cond, seed=1, capacity=CAPACITY, time_scale=k,
+                           engine_config=ENGINE, workload=WORKLOAD)  # fmt: skip
+            path = base / f"diagnostic__{key}__k{k:g}__r1" / "metrics.jsonl"
+            path.parent.mkdir()
+            write_series(path, simulate(spec).snapshots)
+            out[(k, key)] = path
+    return out
+
+
+def _summary(episodes) -> list[tuple[str, float, float | None, float | None]]:  # type: ignore[no-untyped-def]
+    return [(e.alertname, e.started_at, e.resolved_at, e.value) for e in episodes]
+
+
+def test_time_scale_1_is_bit_identical_to_real_time(runs: dict[tuple[float, str], Path]) -> None:
+    path = runs[(1.0, "retries-on-cancel-off")]
+    default = replay_run(path)
+    assert _summary(default) == EXPECTED_K1
+    assert {e.labels for e in default} == {EngineLabels("", "test", path.parent.name)}
+    explicit = replay_run(path, time_scale=1.0)
+    assert [e.as_dict() for e in explicit] == [e.as_dict() for e in default]
+    gridded = replay_run(path, interval=5.0, time_scale=1)
+    assert _summary(gridded) == EXPECTED_K1
+    # K = 1 leaves every duration as it is (the same objects)
+    assert WINDOWS.scaled(1.0) is WINDOWS and scale_rules(ALERTS, 1.0) == ALERTS
+    assert all(a is b for a, b in zip(scale_rules(ALERTS, 1), ALERTS, strict=True))
+
+
+@pytest.mark.parametrize("key", CONDITIONS)
+def test_a_scaled_run_replayed_at_its_scale_alerts_like_the_study_scale_run(
+    runs: dict[tuple[float, str], Path], key: str
+) -> None:
+    study = {e.alertname: e for e in replay_run(runs[(1.0, key)])}
+    scaled = {e.alertname: e for e in replay_run(runs[(10.0, key)], time_scale=10.0)}
+    assert set(scaled) == set(study)
+    for name, ep in scaled.items():
+        # at the study's scale (x K), within a few evaluations of the study-scale run
+        assert ep.started_at * 10 == pytest.approx(study[name].started_at, abs=40.0), name
+        assert (ep.resolved_at is None) == (study[name].resolved_at is None), name
+    assert ("VLLMMetastableRetryLoop" in scaled) == (key == "retries-on-cancel-off")
+
+
+def test_durations_scale_and_thresholds_stay() -> None:
+    for rule, scaled in zip(ALERTS, scale_rules(ALERTS, 10.0), strict=True):
+        assert scaled.name == rule.name and scaled.condition == rule.condition
+        assert scaled.for_s == rule.for_s / 10 and scaled.keep_firing_for_s == rule.keep_firing_for_s / 10
+    w = WINDOWS.scaled(4.0)
+    assert (w.rate_s, w.prompt_gap_s, w.capacity_estimate_s, w.gauge_lookback_s) == (15.0, 75.0, 900.0, 75.0)
+    assert SignalEngine(SignalConfig(time_scale=4.0)).windows == w
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="time scale"):
+            SignalConfig(time_scale=bad)
+        with pytest.raises(ValueError, match="time scale"):
+            Evaluator(time_scale=bad)
+
+
+def test_the_evaluator_divides_for_and_keep_firing_for() -> None:
+    labels = EngineLabels("0", "m", "a")
+
+    def transitions(k: float, missing_until: float, end: float) -> list[tuple[str, float]]:
+        ev = Evaluator([NO_DATA], time_scale=k)
+        out = []
+        t = 0.0
+        while t <= end:
+            frame = SignalFrame(t, labels, {"data_missing": 1.0 if t < missing_until else 0.0})
+            out += [(tr.kind, tr.at) for tr in ev.evaluate(t, [frame])]
+            t = round(t + 0.5, 6)
+        return out
+
+    assert transitions(10.0, 3.0, 5.0) == [("firing", 1.5), ("resolved", 3.0)]  # for 15 s / 10
+    assert transitions(1.0, 3.0, 5.0) == []  # at real time 3 s of missing data is not enough
+
+
+def test_replay_run_rejects_a_bad_time_scale(runs: dict[tuple[float, str], Path]) -> None:
+    with pytest.raises(ValueError, match="time scale"):
+        replay_run(runs[(10.0, CONDITIONS[0])], time_scale=0)
+
+
+def test_cli_time_scale_option_and_the_http_runs_detector_process(tmp_path: Path) -> None:
+    res = CliRunner().invoke(detect, ["--exporter", "http://a/metrics", "--time-scale", "0"])
+    assert res.exit_code == 2 and "--time-scale" in res.output
+    # reproduce's HTTP driver starts the live detector with the run's K, which the CLI accepts
+    proc = DetectorProcess("http://127.0.0.1:9/metrics", workdir=tmp_path, time_scale=10.0)
+    argv = proc.command(8200)
+    assert argv[argv.index("--time-scale") + 1] == "10.0"
+    ctx = detect.make_context("detect", argv[argv.index("detect") + 1 :])
+    assert ctx.params["time_scale"] == 10.0 and ctx.params["interval"] == 1.0
+    plain = DetectorProcess("http://127.0.0.1:9/metrics", workdir=tmp_path).command(8200)
+    assert "--time-scale" not in plain
+
+
+@pytest.mark.slow
+def test_detect_replays_a_scaled_run_with_the_env_var(
+    tmp_path: Path, runs: dict[tuple[float, str], Path]
+) -> None:
+    series = runs[(10.0, "retries-off-cancel-off")]
+    expected = replay_run(series, time_scale=10.0)
+    port = free_port()
+    env = {**os.environ, "RETRYWATCH_TIME_SCALE": "10", "RETRYWATCH_DB": f"sqlite:///{tmp_path / 'd.db'}"}
+    proc = subprocess.Popen(
+        ["timeout", "120", sys.executable, "-m", "retrywatch", "detect", "--replay", str(series),
+         "--port", str(port), "--log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr.log").open("wb"),
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{base}/healthz", timeout=2).status_code == 200, 60, "the detector")
+        served = httpx.get(f"{base}/episodes", params={"since": 0}, timeout=5).json()["episodes"]
+        waiting = httpx.get(f"{base}/signals", params={"name": "vllm_waiting"}, timeout=5).json()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    # the replay is shifted to end now: undo the shift with the last evaluation's time
+    (series_doc,) = waiting["series"]
+    last_t = max(snap.t for snap in read_series(series))
+    offset = series_doc["points"][-1][0] - last_t
+    got = sorted(
+        (
+            e["alertname"],
+            e["started_at"] - offset,
+            None if e["resolved_at"] is None else e["resolved_at"] - offset,
+        )
+        for e in served
+    )
+    want = sorted((e.alertname, e.started_at, e.resolved_at) for e in expected)
+    assert [g[0] for g in got] == [w[0] for w in want] and "VLLMMetastableRetryLoop" not in [
+        g[0] for g in got
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert g[1] == pytest.approx(w[1], abs=1e-3)
+        assert (g[2] is None and w[2] is None) or g[2] == pytest.approx(w[2], abs=1e-3)
