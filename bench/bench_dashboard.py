@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 from dashboard.app import Context, DashboardConfig
@@ -67,14 +68,23 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up within {timeout_s} s")
 
 
+def instance_url(i: int) -> str:
+    """Engine ``i``'s instance: the URL the detector scrapes its proxy at."""
+    return f"http://10.0.0.{i + 1}:8100/metrics"
+
+
 def serve_history(n_engines: int, hours: float, ready: mp.Queue, commands: mp.Queue) -> None:
     """Serve ``n_engines`` x ``hours`` of 5-s history until terminated (a child process)."""
     now = time.time()
     api = StaticDetectorAPI().start()
     for i in range(n_engines):
         collapse = now - 1800 if i % 3 == 0 else None
+        # A real fleet: engines keyed by instance, vLLM's engine label "0" on every one.
         api.set_signals(
-            f"engine-{i}", synthetic_history(end=now, duration_s=hours * 3600, collapse_from=collapse, seed=i)
+            instance_url(i),
+            synthetic_history(end=now, duration_s=hours * 3600, collapse_from=collapse, seed=i),
+            engine="0",
+            model="qwen",
         )
     ready.put(api.url)
     while True:
@@ -97,7 +107,7 @@ def main() -> None:
     server = mp.Process(target=serve_history, args=(args.engines, args.hours, ready, commands), daemon=True)
     server.start()
     api_url = ready.get(timeout=120)
-    engines = [f"engine-{i}" for i in range(args.engines)]
+    engines = [instance_url(i) for i in range(args.engines)]
     points = int(args.hours * 3600 / 5) + 1
     port = free_port()
     cmd = [sys.executable, "-m", "retrywatch", "dashboard", "--detector", api_url, "--port", str(port)]
@@ -109,7 +119,7 @@ def main() -> None:
         warm: list[float] = []
         switches: list[float] = []
         first, other = engines[0], engines[1 % len(engines)]
-        url = f"{base}/?engine={first}&range={int(args.hours * 3600)}"
+        url = f"{base}/?{urllib.parse.urlencode({'engine': first, 'range': int(args.hours * 3600)})}"
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
             for r in range(args.repeat + 1):  # round 0 warms the server and is not counted

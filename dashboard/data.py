@@ -59,7 +59,13 @@ class Alert:
 
     @property
     def engine(self) -> str:
-        return self.labels.get("engine", "")
+        """The engine's key: its ``instance`` (vLLM's ``engine`` label is "0" on every vLLM)."""
+        return engine_of(self.labels)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine for people: its instance, and its model when known."""
+        return engine_name(self.labels)
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,13 @@ class Episode:
 
     @property
     def engine(self) -> str:
-        return self.labels.get("engine", "")
+        """The engine's key: its ``instance`` (vLLM's ``engine`` label is "0" on every vLLM)."""
+        return engine_of(self.labels)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine for people: its instance, and its model when known."""
+        return engine_name(self.labels)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -289,8 +301,16 @@ class DetectorClient:
 
 
 def engine_of(labels: Mapping[str, str]) -> str:
-    """The engine a series belongs to: its ``engine`` label, else ``instance``."""
-    return labels.get("engine") or labels.get("instance") or ""
+    """The engine a series, alert or episode belongs to: its ``instance`` (the scraped proxy URL,
+    the Prometheus target or the replayed run), as the detector keys engines; vLLM's ``engine``
+    label is "0" on every vLLM, so it only stands in when there is no instance."""
+    return labels.get("instance") or labels.get("engine") or ""
+
+
+def engine_name(labels: Mapping[str, str]) -> str:
+    """An engine as an operator reads it: ``instance (model)``, or the instance alone."""
+    key, model = engine_of(labels), labels.get("model", "")
+    return f"{key} ({model})" if key and model else key
 
 
 def signals_for_engine(
@@ -303,9 +323,7 @@ def signals_for_engine(
         fetched = list(pool.map(lambda n: source.signal(n, since=since, engine=engine), names))
     out: dict[str, np.ndarray] = {}
     for name, all_series in zip(names, fetched, strict=True):
-        series = [
-            s for s in all_series if not engine or engine in (engine_of(s.labels), s.labels.get("instance"))
-        ]
+        series = [s for s in all_series if not engine or engine_of(s.labels) == engine]
         if not series:
             continue
         if len(series) == 1:

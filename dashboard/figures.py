@@ -400,7 +400,9 @@ def episodes_timeline_figure(
     rows: list[str] = []
     by_severity: dict[str, dict[str, list[Any]]] = {}
     for ep in sorted(episodes, key=lambda e: float(e["started_at"])):
-        engine = (ep.get("labels") or {}).get("engine", "")
+        labels = ep.get("labels") or {}
+        # One row per engine: keyed by instance, as the detector does (vLLM's engine label is "0").
+        engine = labels.get("instance") or labels.get("engine", "")
         row = f"{ep['alertname']} · {engine}" if engine else str(ep["alertname"])
         if row not in rows:
             rows.append(row)

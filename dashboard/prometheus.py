@@ -1,9 +1,11 @@
 """Signals straight from Prometheus (``retrywatch dashboard --prometheus URL``).
 
 In a fleet, Prometheus runs ``rules/retrywatch.rules.yml``, whose recording rules compute every
-detector signal per instance with engine/model labels. This source range-queries those recorded
-series (names from ``detector/signals.py``: one definition) with ``prometheus-api-client``;
-alerts, episodes and health still come from the detector.
+detector signal per instance with engine/model labels. Engines are keyed by ``instance`` (the
+scraped proxy), as the detector keys them: vLLM's ``engine`` label is "0" on every vLLM. This
+source range-queries those recorded series (names from ``detector/signals.py``: one
+definition) with ``prometheus-api-client``; alerts, episodes and health still come from the
+detector.
 """
 
 from __future__ import annotations
@@ -65,9 +67,8 @@ class PrometheusSignals:
         query = spec.record
         if engine:
             if not _LABEL_VALUE.match(engine):
-                raise ValueError(f"bad engine label value {engine!r}")
-            # The engine label, or the instance for engines without one (as the detector does).
-            query = f'{spec.record}{{engine="{engine}"}} or {spec.record}{{engine="", instance="{engine}"}}'
+                raise ValueError(f"bad engine (instance label value) {engine!r}")
+            query = f'{spec.record}{{instance="{engine}"}}'  # the detector's engine key
         result = self._call(
             query,
             self._client.custom_query_range,
@@ -90,4 +91,4 @@ class PrometheusSignals:
 
 
 def _engine(metric: dict[str, str]) -> str:
-    return str(metric.get("engine") or metric.get("instance") or "")
+    return str(metric.get("instance") or "")

@@ -3,7 +3,9 @@
 It evaluates nothing: it serves the alerts, episodes and signal history it is given, so the
 dashboard can be benchmarked at a chosen scale (``bench/bench_dashboard.py``: 6 h of 5-s history
 for 8 engines) and its browser tests can switch an alert on and off at a moment they choose.
-The real detector (``retrywatch detect``) serves the same shapes. Binds 127.0.0.1 only.
+The real detector (``retrywatch detect``) serves the same shapes and keys engines the same way:
+by ``instance`` (``/signals`` lists instances, ``engine=`` selects by instance), with vLLM's
+``engine`` label ("0" on every vLLM) and the model kept as labels. Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class StaticDetectorAPI:
         self._lock = threading.Lock()
         self._alerts: list[dict[str, Any]] = []
         self._episodes: list[dict[str, Any]] = []
-        # engine -> signal name -> (n, 2) array of (Unix t, value)
+        # instance -> signal name -> (n, 2) array of (Unix t, value)
         self._signals: dict[str, dict[str, np.ndarray]] = {}
+        self._labels: dict[str, dict[str, str]] = {}  # instance -> {engine, model, instance}
         self._up = True
         self.requests: dict[str, int] = {}  # path -> requests answered (for tests)
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
@@ -48,9 +51,21 @@ class StaticDetectorAPI:
         return f"http://{host!s}:{port}"
 
     # --- state ------------------------------------------------------------------------
-    def set_signals(self, engine: str, signals: Mapping[str, Sequence[Sequence[float]] | np.ndarray]) -> None:
+    def set_signals(
+        self,
+        instance: str,
+        signals: Mapping[str, Sequence[Sequence[float]] | np.ndarray],
+        *,
+        engine: str = "0",
+        model: str = "",
+    ) -> None:
+        """One engine's history, keyed by ``instance``; ``engine`` is vLLM's label ("0" on every
+        vLLM, as in a real fleet)."""
         with self._lock:
-            self._signals[engine] = {k: np.asarray(v, dtype=float).reshape(-1, 2) for k, v in signals.items()}
+            self._signals[instance] = {
+                k: np.asarray(v, dtype=float).reshape(-1, 2) for k, v in signals.items()
+            }
+            self._labels[instance] = {"engine": engine, "model": model, "instance": instance}
 
     def set_alerts(self, alerts: Sequence[Mapping[str, Any]]) -> None:
         with self._lock:
@@ -111,7 +126,7 @@ class StaticDetectorAPI:
                 continue
             if query.get("alertname") and ep["alertname"] != query["alertname"]:
                 continue
-            if query.get("engine") and (ep.get("labels") or {}).get("engine") != query["engine"]:
+            if query.get("engine") and (ep.get("labels") or {}).get("instance") != query["engine"]:
                 continue
             out.append(ep)
         return out
@@ -123,8 +138,8 @@ class StaticDetectorAPI:
             return 200, {"signals": names, "engines": sorted(self._signals)}
         since = float(query["since"]) if query.get("since") else None
         series = []
-        for engine, sig in sorted(self._signals.items()):
-            if query.get("engine") and engine != query["engine"]:
+        for instance, sig in sorted(self._signals.items()):
+            if query.get("engine") and instance != query["engine"]:
                 continue
             arr = sig.get(name)
             if arr is None:
@@ -132,7 +147,7 @@ class StaticDetectorAPI:
             if since is not None:
                 arr = arr[arr[:, 0] >= since]
             points = [[t, None if np.isnan(v) else v] for t, v in arr.tolist()]
-            series.append({"labels": {"engine": engine, "model": "", "instance": engine}, "points": points})
+            series.append({"labels": dict(self._labels[instance]), "points": points})
         return 200, {"name": name, "unit": SIGNAL_UNITS.get(name, "1/s"), "series": series}
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

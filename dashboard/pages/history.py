@@ -1,5 +1,6 @@
 """History page: the detector's alert episodes as a timeline and a table, filterable by alert,
-engine and time range."""
+engine and time range. Engines are listed and filtered by ``instance``, the detector's key (vLLM's
+``engine`` label is "0" on every vLLM)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def history_view(
         )
     except DetectorError as exc:
         return [], ref_now, str(exc)
+    if engine not in (None, ALL):
+        episodes = [e for e in episodes if e.engine == engine]  # by instance, whatever the source
     episodes.sort(key=lambda e: e.started_at, reverse=True)
     return episodes, ref_now, None
 
@@ -57,7 +60,7 @@ def episodes_table(episodes: Sequence[Episode]) -> html.Table:
     head = html.Tr(
         [
             html.Th(h, style=style.TH)
-            for h in ("alert", "severity", "engine", "started (UTC)", "resolved (UTC)", "summary")
+            for h in ("alert", "severity", "engine (model)", "started (UTC)", "resolved (UTC)", "summary")
         ]
     )
     rows = [
@@ -65,7 +68,7 @@ def episodes_table(episodes: Sequence[Episode]) -> html.Table:
             [
                 html.Td(e.alertname, style=style.TD),
                 html.Td(e.severity, style=style.TD),
-                html.Td(e.engine, style=style.TD),
+                html.Td(e.engine_name, style=style.TD),
                 html.Td(_fmt(e.started_at), style=style.TD),
                 html.Td(_fmt(e.resolved_at), style=style.TD),
                 html.Td(e.summary, style=style.TD),
@@ -93,18 +96,19 @@ def update(
 def filter_options(ctx: Context) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Alert and engine choices: every alert and engine seen in the history and signals."""
     alerts: set[str] = set()
-    engines: set[str] = set()
+    engines: dict[str, str] = {}  # instance (the detector's engine key) -> "instance (model)"
     try:
         for e in ctx.detector.episodes():
             alerts.add(e.alertname)
             if e.engine:
-                engines.add(e.engine)
-        engines.update(ctx.signals.signal_index().engines)
+                engines[e.engine] = e.engine_name
+        for key in ctx.signals.signal_index().engines:
+            engines.setdefault(key, key)
     except DetectorError:
         pass
     alert_opts = [{"label": "all alerts", "value": ALL}] + [{"label": a, "value": a} for a in sorted(alerts)]
     engine_opts = [{"label": "all engines", "value": ALL}] + [
-        {"label": e, "value": e} for e in sorted(engines)
+        {"label": engines[k], "value": k} for k in sorted(engines)
     ]
     return alert_opts, engine_opts
 

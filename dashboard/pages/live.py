@@ -45,8 +45,8 @@ class LiveView:
 
     @property
     def engine_alerts(self) -> list[Alert]:
-        key = self.engine  # the detector keys engines by instance; vLLM's engine label is "0" everywhere
-        return [a for a in self.alerts if not key or a.engine in ("", key) or a.labels.get("instance") == key]
+        # Alert.engine is the instance: the detector's key (vLLM's engine label is "0" everywhere).
+        return [a for a in self.alerts if not self.engine or a.engine in ("", self.engine)]
 
     def shades(self) -> list[Shade]:
         return [Shade(e.started_at, e.resolved_at, e.alertname, e.severity) for e in self.episodes]
@@ -123,7 +123,7 @@ def render_banner(view: LiveView) -> tuple[list[Any], dict[str, str]]:
     if alerts:
         # The worst alert in full; the others on one line, so the panels stay in view.
         worst = alerts[0]
-        where = f" on {worst.engine}" if worst.engine else ""
+        where = f" on {worst.engine_name}" if worst.engine else ""
         items.append(
             html.Div(
                 [
@@ -135,7 +135,7 @@ def render_banner(view: LiveView) -> tuple[list[Any], dict[str, str]]:
         )
     if len(alerts) > 1:
         others = ", ".join(
-            f"{a.alertname} ({a.severity}{', ' + a.engine if a.engine else ''})" for a in alerts[1:]
+            f"{a.alertname} ({a.severity}{', ' + a.engine_name if a.engine else ''})" for a in alerts[1:]
         )
         items.append(html.Div([html.B("Also firing: "), others], className="banner-others"))
     if not items:
@@ -148,7 +148,7 @@ def render_engine_states(view: LiveView, engines: Sequence[str]) -> list[Any]:
     chips: list[Any] = [html.Span("Engines: ", style=style.LABEL)]
     for engine in engines:
         firing = sorted(
-            (a for a in view.alerts if engine in (a.engine, a.labels.get("instance"))),
+            (a for a in view.alerts if a.engine == engine),
             key=lambda a: SEVERITY_ORDER.get(a.severity, 9),
         )
         if firing:

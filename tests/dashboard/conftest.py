@@ -21,12 +21,22 @@ from retrywatch.timeseries import Snapshot, write_series
 
 NOW = 1_790_000_000.0  # a fixed "now" (Unix s) so tests do not depend on the wall clock
 
+# A fleet as the detector sees it: engines keyed by instance (the scraped proxy URL); vLLM's
+# ``engine`` label is "0" on every vLLM, so it tells engines apart no more than in production.
+ENGINE_A = "http://10.0.0.1:8100/metrics"  # past a collapse: the retry loop fires
+ENGINE_B = "http://10.0.0.2:8100/metrics"  # healthy, but its prompt-token gap alert fires
+MODELS = {ENGINE_A: "qwen", ENGINE_B: "llama"}
 
-def loop_alert(engine: str = "engine-0", started_at: float = NOW - 1100.0) -> dict[str, Any]:
+
+def labels_of(instance: str) -> dict[str, str]:
+    return {"engine": "0", "model": MODELS.get(instance, "qwen"), "instance": instance}
+
+
+def loop_alert(instance: str = ENGINE_A, started_at: float = NOW - 1100.0) -> dict[str, Any]:
     return {
         "alertname": "VLLMMetastableRetryLoop",
         "severity": "critical",
-        "labels": {"engine": engine, "model": "qwen", "instance": f"http://{engine}"},
+        "labels": labels_of(instance),
         "state": "firing",
         "started_at": started_at,
         "value": 2.3,
@@ -35,14 +45,27 @@ def loop_alert(engine: str = "engine-0", started_at: float = NOW - 1100.0) -> di
     }
 
 
+def gap_alert(instance: str = ENGINE_B, started_at: float = NOW - 600.0) -> dict[str, Any]:
+    return {
+        "alertname": "VLLMPromptTokensUncounted",
+        "severity": "warning",
+        "labels": labels_of(instance),
+        "state": "firing",
+        "started_at": started_at,
+        "value": 0.3,
+        "summary": "Admitted prompt tokens vLLM never counts.",
+        "description": "30% of admitted prompt tokens are missing from vLLM's counter.",
+    }
+
+
 def episode(
-    alertname: str, engine: str, start: float, end: float | None, severity: str = "warning", ident: int = 1
+    alertname: str, instance: str, start: float, end: float | None, severity: str = "warning", ident: int = 1
 ) -> dict[str, Any]:
     return {
         "id": ident,
         "alertname": alertname,
         "severity": severity,
-        "labels": {"engine": engine, "model": "qwen", "instance": f"http://{engine}"},
+        "labels": labels_of(instance),
         "started_at": start,
         "resolved_at": end,
         "summary": f"{alertname} summary",
@@ -52,18 +75,26 @@ def episode(
 
 @pytest.fixture
 def api() -> Iterator[StaticDetectorAPI]:
-    """Two engines, one past a collapse with the loop alert firing; 1 h of 5-s history."""
+    """A fleet of two engines (engine label "0" on both, distinct instances and models), 1 h of
+    5-s history each: engine A past a collapse with the loop alert firing, engine B healthy with a
+    prompt-token gap warning firing."""
     server = StaticDetectorAPI().start()
     server.set_signals(
-        "engine-0", synthetic_history(end=NOW, duration_s=3600, collapse_from=NOW - 1200, seed=1)
+        ENGINE_A,
+        synthetic_history(end=NOW, duration_s=3600, collapse_from=NOW - 1200, seed=1),
+        engine="0",
+        model=MODELS[ENGINE_A],
     )
-    server.set_signals("engine-1", synthetic_history(end=NOW, duration_s=3600, seed=2))
-    server.set_alerts([loop_alert()])
+    server.set_signals(
+        ENGINE_B, synthetic_history(end=NOW, duration_s=3600, seed=2), engine="0", model=MODELS[ENGINE_B]
+    )
+    server.set_alerts([loop_alert(), gap_alert()])
     server.set_episodes(
         [
-            episode("VLLMBacklogBeyondDeadline", "engine-0", NOW - 1180, NOW - 1000, ident=1),
-            episode("VLLMMetastableRetryLoop", "engine-0", NOW - 1100, None, severity="critical", ident=2),
-            episode("VLLMOrphanedExecutions", "engine-1", NOW - 30000, NOW - 29000, ident=3),
+            episode("VLLMBacklogBeyondDeadline", ENGINE_A, NOW - 1180, NOW - 1000, ident=1),
+            episode("VLLMMetastableRetryLoop", ENGINE_A, NOW - 1100, None, severity="critical", ident=2),
+            episode("VLLMOrphanedExecutions", ENGINE_B, NOW - 30000, NOW - 29000, ident=3),
+            episode("VLLMPromptTokensUncounted", ENGINE_B, NOW - 600, None, ident=4),
         ]
     )
     yield server

@@ -12,12 +12,21 @@ import pytest
 from dashboard.app import DashboardConfig
 from dashboard.staticapi import StaticDetectorAPI
 
-from .conftest import DRAW_TIMEOUT_MS, Page, ServedApp, loop_alert
+from .conftest import DRAW_TIMEOUT_MS, ENGINE_A, ENGINE_B, Page, ServedApp, loop_alert
 
 pytestmark = pytest.mark.browser
 
 
+CREATED_MAX = """() => {
+    const gd = document.querySelector('#graph-attempts .js-plotly-plot');
+    const tr = gd && gd._fullData && gd._fullData.find(t => t.name === 'executions created');
+    return tr ? Math.max(...Array.from(tr.y).filter(v => v !== null)) : -1;
+}"""
+
+
 def test_live_page_engine_selection_and_banner(browser: Any, api: StaticDetectorAPI) -> None:
+    """A fleet of two engines whose vLLM engine label is "0" on both: selecting the second engine
+    shows its own series, tiles, chips and episodes; the banner names engines by instance."""
     with ServedApp(DashboardConfig(detector_url=api.url, refresh_s=1.0)) as served:
         tab = Page(browser)
         tab.page.goto(served.url + "/?range=900")  # 15 min: 181 points a signal
@@ -25,25 +34,45 @@ def test_live_page_engine_selection_and_banner(browser: Any, api: StaticDetector
         banner = tab.page.locator("#alert-banner")
         banner.wait_for(state="visible", timeout=DRAW_TIMEOUT_MS)
         assert "VLLMMetastableRetryLoop" in banner.inner_text()
+        assert f"on {ENGINE_A} (qwen)" in banner.inner_text()
+        assert tab.page.locator("#live-engine").inner_text().strip() == ENGINE_A  # the first engine
         assert tab.trace_max("graph-attempts", "executions created") > 2.8
-        tab.screenshot("live-engine-0.png")
+        tiles = tab.page.locator("#tiles")
+        assert "VLLMMetastableRetryLoop" in tiles.inner_text()
+        assert "VLLMPromptTokensUncounted" not in tiles.inner_text()
+        chips = tab.page.locator("#engine-states").inner_text()
+        assert (
+            f"{ENGINE_A}: VLLMMetastableRetryLoop" in chips
+            and f"{ENGINE_B}: VLLMPromptTokensUncounted" in chips
+        )
+        tab.screenshot("live-engine-a.png")
 
-        tab.select("live-engine", "engine-1")
+        tab.select("live-engine", ENGINE_B)
         tab.page.wait_for_function(
-            """() => {
-                const gd = document.querySelector('#graph-attempts .js-plotly-plot');
-                const tr = gd && gd._fullData && gd._fullData.find(t => t.name === 'executions created');
-                return tr && Math.max(...Array.from(tr.y).filter(v => v !== null)) < 2.8;
-            }""",
+            f"() => ({CREATED_MAX})() >= 0 && ({CREATED_MAX})() < 2.8", timeout=DRAW_TIMEOUT_MS
+        )
+        # its own alert on its tiles, its own open episode shaded (not engine A's two)
+        tab.page.wait_for_function(
+            "() => document.querySelector('#tiles').innerText.includes('VLLMPromptTokensUncounted')",
             timeout=DRAW_TIMEOUT_MS,
         )
-        # the alert resolves: the banner goes at the next refresh; it fires again: it comes back
+        assert "VLLMMetastableRetryLoop" not in tiles.inner_text()
+        shapes = tab.page.evaluate(
+            "() => document.querySelector('#graph-attempts .js-plotly-plot').layout.shapes"
+            ".filter(s => s.type === 'rect').length"
+        )
+        assert shapes == 1
+        # the alerts resolve: the banner goes at the next refresh; one fires again: it comes back
         api.set_alerts([])
         banner.wait_for(state="hidden", timeout=DRAW_TIMEOUT_MS)
-        api.set_alerts([loop_alert("engine-1")])
+        api.set_alerts([loop_alert(ENGINE_B)])
         banner.wait_for(state="visible", timeout=DRAW_TIMEOUT_MS)
-        assert "on engine-1" in banner.inner_text()
-        tab.screenshot("live-engine-1.png")
+        assert f"on {ENGINE_B} (llama)" in banner.inner_text()
+        tab.page.wait_for_function(
+            "() => document.querySelector('#tiles').innerText.includes('VLLMMetastableRetryLoop')",
+            timeout=DRAW_TIMEOUT_MS,
+        )
+        tab.screenshot("live-engine-b.png")
         assert tab.errors == []
         tab.close()
 
@@ -55,10 +84,14 @@ def test_history_page_filters(browser: Any, api: StaticDetectorAPI) -> None:
         tab.wait_graphs(1)
         tab.page.locator("#history-range").get_by_text("all", exact=True).click()  # the whole history
         rows = tab.page.locator("#episodes-table .episode-row")
-        tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 3")
+        tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 4")
+        tab.select("history-engine", f"{ENGINE_A} (qwen)")  # listed by instance, not by engine "0"
+        tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 2")
+        assert ENGINE_B not in tab.page.locator("#episodes-table").inner_text()
+        tab.select("history-engine", f"{ENGINE_B} (llama)")
         tab.select("history-alert", "VLLMOrphanedExecutions")
         tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 1")
-        assert "engine-1" in rows.first.inner_text()
+        assert f"{ENGINE_B} (llama)" in rows.first.inner_text()
         tab.screenshot("history.png")
         assert tab.errors == []
         tab.close()

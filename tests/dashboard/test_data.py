@@ -12,30 +12,40 @@ from dashboard.data import (
     DetectorClient,
     DetectorUnavailable,
     ShapeError,
+    SignalSeries,
+    engine_name,
+    engine_of,
     signals_for_engine,
 )
 from dashboard.staticapi import StaticDetectorAPI
 
-from .conftest import NOW
+from .conftest import ENGINE_A, ENGINE_B, NOW
 
 
 def test_client_reads_every_endpoint(api: StaticDetectorAPI) -> None:
     client = DetectorClient(api.url)
     try:
         alerts = client.alerts()
-        assert [(a.alertname, a.severity, a.engine) for a in alerts] == [
-            ("VLLMMetastableRetryLoop", "critical", "engine-0")
+        assert [(a.alertname, a.severity, a.engine, a.engine_name) for a in alerts] == [
+            ("VLLMMetastableRetryLoop", "critical", ENGINE_A, f"{ENGINE_A} (qwen)"),
+            ("VLLMPromptTokensUncounted", "warning", ENGINE_B, f"{ENGINE_B} (llama)"),
         ]
         index = client.signal_index()
-        assert index.engines == ["engine-0", "engine-1"]
+        assert index.engines == [ENGINE_A, ENGINE_B]
         assert "execution_creation_rate" in index.names
-        series = client.signal("execution_creation_rate", since=NOW - 600, engine="engine-0")
-        assert len(series) == 1 and series[0].labels["engine"] == "engine-0"
+        series = client.signal("execution_creation_rate", since=NOW - 600, engine=ENGINE_A)
+        assert len(series) == 1 and series[0].labels == {"engine": "0", "model": "qwen", "instance": ENGINE_A}
         assert series[0].points.shape == (121, 2)
         assert series[0].points[0, 0] >= NOW - 600
         open_eps = [e for e in client.episodes(since=NOW - 3600) if e.resolved_at is None]
-        assert [e.alertname for e in open_eps] == ["VLLMMetastableRetryLoop"]
-        assert [e.alertname for e in client.episodes(engine="engine-1")] == ["VLLMOrphanedExecutions"]
+        assert [(e.alertname, e.engine) for e in open_eps] == [
+            ("VLLMMetastableRetryLoop", ENGINE_A),
+            ("VLLMPromptTokensUncounted", ENGINE_B),
+        ]
+        assert [e.alertname for e in client.episodes(engine=ENGINE_B)] == [
+            "VLLMOrphanedExecutions",
+            "VLLMPromptTokensUncounted",
+        ]
         health = client.health()
         assert health.status == "ok" and health.source_up and health.last_scrape_at == NOW
     finally:
@@ -66,6 +76,38 @@ def test_signals_for_engine_sums_rates_and_averages_levels() -> None:
         client.close()
     finally:
         server.stop()
+
+
+def test_engines_are_keyed_by_instance_not_vllms_engine_label() -> None:
+    assert engine_of({"engine": "0", "model": "qwen", "instance": ENGINE_A}) == ENGINE_A
+    assert engine_of({"engine": "0"}) == "0"  # no instance: the engine label stands in
+    assert engine_name({"engine": "0", "model": "qwen", "instance": ENGINE_A}) == f"{ENGINE_A} (qwen)"
+    assert engine_name({"engine": "0", "instance": ENGINE_B}) == ENGINE_B
+    assert engine_name({}) == ""
+
+
+def test_signals_for_engine_keeps_only_the_selected_instance(api: StaticDetectorAPI) -> None:
+    """A source that answers every engine's series (engine label "0" on all of them): the
+    selected engine's signals are its own, never summed with the fleet's."""
+    client = DetectorClient(api.url)
+
+    class WholeFleet:
+        def signal_index(self):  # type: ignore[no-untyped-def]
+            return client.signal_index()
+
+        def signal(self, name, *, since=None, engine=None) -> list[SignalSeries]:  # type: ignore[no-untyped-def]
+            return client.signal(name, since=since)  # ignores ``engine``
+
+    try:
+        both = client.signal("execution_creation_rate", since=NOW - 600)
+        assert [s.labels["engine"] for s in both] == ["0", "0"]
+        own = {s.labels["instance"]: s.points for s in both}
+        for key in (ENGINE_A, ENGINE_B):
+            got = signals_for_engine(WholeFleet(), ["execution_creation_rate"], engine=key, since=NOW - 600)
+            np.testing.assert_array_equal(got["execution_creation_rate"], own[key])
+        assert signals_for_engine(WholeFleet(), ["execution_creation_rate"], engine="0", since=None) == {}
+    finally:
+        client.close()
 
 
 def _free_port() -> int:

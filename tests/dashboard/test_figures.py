@@ -208,28 +208,28 @@ def test_episodes_timeline_one_row_per_alert_and_engine() -> None:
         {
             "alertname": "A",
             "severity": "critical",
-            "labels": {"engine": "e1"},
+            "labels": {"engine": "0", "instance": "e1"},
             "started_at": 100.0,
             "resolved_at": 400.0,
         },
         {
             "alertname": "A",
             "severity": "critical",
-            "labels": {"engine": "e2"},
+            "labels": {"engine": "0", "instance": "e2"},
             "started_at": 200.0,
             "resolved_at": None,
         },
         {
             "alertname": "B",
             "severity": "warning",
-            "labels": {"engine": "e1"},
+            "labels": {"engine": "0", "instance": "e1"},
             "started_at": 150.0,
             "resolved_at": 160.0,
         },
     ]
     fig = episodes_timeline_figure(eps, now=1000.0)
     rows = {y for t in fig.data for y in t.y}
-    assert rows == {"A · e1", "A · e2", "B · e1"}
+    assert rows == {"A · e1", "A · e2", "B · e1"}  # by instance: every vLLM's engine label is "0"
     critical = next(t for t in fig.data if t.name == "critical")
     assert list(critical.x) == [300_000.0, 800_000.0]  # the open one runs to `now`
     assert episodes_timeline_figure([], now=0.0).layout.annotations[0].text == "no alert episodes match"

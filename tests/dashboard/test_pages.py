@@ -14,7 +14,7 @@ from dashboard.figures import MAX_POINTS
 from dashboard.pages import experiments, history, live
 from dashboard.staticapi import StaticDetectorAPI
 
-from .conftest import NOW, loop_alert
+from .conftest import ENGINE_A, ENGINE_B, NOW, loop_alert
 
 
 def context(api: StaticDetectorAPI, runs_dir: Path | None = None) -> Context:
@@ -24,50 +24,62 @@ def context(api: StaticDetectorAPI, runs_dir: Path | None = None) -> Context:
     return ctx
 
 
+def rects(fig: object) -> list[object]:
+    return [s for s in fig.layout.shapes if s.type == "rect"]  # type: ignore[attr-defined]
+
+
 def test_live_update_for_a_collapsed_engine(api: StaticDetectorAPI) -> None:
     ctx = context(api)
-    banner, banner_style, chips, tiles, *figs, status = live.update(ctx, "engine-0", 3600)
+    banner, banner_style, chips, tiles, *figs, status = live.update(ctx, ENGINE_A, 3600)
     assert banner_style["display"] == "block"
-    assert "VLLMMetastableRetryLoop" in str(banner) and "CRITICAL" in str(banner)
-    assert "engine-0: VLLMMetastableRetryLoop (critical)" in str(chips) and "engine-1: ok" in str(chips)
+    text = str(banner)
+    assert "VLLMMetastableRetryLoop" in text and "CRITICAL" in text
+    # the engine is named by its instance and model, never by vLLM's engine label ("0" everywhere)
+    assert f" on {ENGINE_A} (qwen) since" in text and " on 0 " not in text
+    assert f"VLLMPromptTokensUncounted (warning, {ENGINE_B} (llama))" in text
+    assert f"{ENGINE_A}: VLLMMetastableRetryLoop (critical)" in str(chips)
+    assert f"{ENGINE_B}: VLLMPromptTokensUncounted (warning)" in str(chips)
     assert len(figs) == 4
     attempts = figs[0]
     created = next(t for t in attempts.data if t.name == "executions created")
     assert len(created.x) == MAX_POINTS  # 1 h at 5 s is 721 points: averaged down to MAX_POINTS
-    # the open critical episode and the resolved warning are shaded on every panel
+    # its open critical episode and resolved warning are shaded on every panel, not engine B's
     for fig in figs:
-        assert len([s for s in fig.layout.shapes if s.type == "rect"]) == 2
+        assert len(rects(fig)) == 2
     assert "data up to" in status
     tile_text = str(tiles)
     assert "executions created / Ĉ" in tile_text
+    assert "VLLMMetastableRetryLoop" in tile_text and "VLLMPromptTokensUncounted" not in tile_text
 
 
 def test_live_update_switches_engine_and_range(api: StaticDetectorAPI) -> None:
     ctx = context(api)
-    _, _, _, _, *figs0, _ = live.update(ctx, "engine-0", 900)
-    _, _, _, _, *figs1, _ = live.update(ctx, "engine-1", 900)
+    _, _, _, _, *figs0, _ = live.update(ctx, ENGINE_A, 900)
+    _, _, _, tiles1, *figs1, _ = live.update(ctx, ENGINE_B, 900)
     y0 = max(next(t for t in figs0[0].data if t.name == "executions created").y)
     y1 = max(next(t for t in figs1[0].data if t.name == "executions created").y)
-    assert y0 > 2.8 > y1  # engine-0 creates above Ĉ, engine-1 below
+    assert y0 > 2.8 > y1  # engine A creates above Ĉ, engine B below: each its own series
     assert len(next(t for t in figs1[0].data if t.name == "executions created").x) == 181
-    assert not [s for s in figs1[0].layout.shapes if s.type == "rect"]  # engine-1 has no episode in 15 min
+    # engine B: only its own open gap episode in the last 15 min, only its own alert on the tiles
+    assert [r.x0 for r in rects(figs1[0])] == [pytest.approx((NOW - 600) * 1000.0)]
+    assert "VLLMPromptTokensUncounted" in str(tiles1) and "VLLMMetastableRetryLoop" not in str(tiles1)
 
 
 def test_banner_follows_the_alert_state(api: StaticDetectorAPI) -> None:
     ctx = context(api)
     api.set_alerts([])
-    _, banner_style, *_ = live.update(ctx, "engine-1", 900)
+    _, banner_style, *_ = live.update(ctx, ENGINE_B, 900)
     assert banner_style == {"display": "none"}
-    api.set_alerts([loop_alert("engine-1")])
-    banner, banner_style, *_ = live.update(ctx, "engine-0", 900)
-    assert banner_style["display"] == "block" and "on engine-1" in str(banner)  # any engine firing
+    api.set_alerts([loop_alert(ENGINE_B)])
+    banner, banner_style, *_ = live.update(ctx, ENGINE_A, 900)
+    assert banner_style["display"] == "block" and f"on {ENGINE_B} (llama)" in str(banner)  # any engine
 
 
 def test_source_down_is_no_data_never_healthy(api: StaticDetectorAPI) -> None:
     ctx = context(api)
     api.set_alerts([])
     api.set_source_up(False)
-    banner, banner_style, *_ = live.update(ctx, "engine-1", 900)
+    banner, banner_style, *_ = live.update(ctx, ENGINE_B, 900)
     assert banner_style["display"] == "block" and "NO DATA" in str(banner)
 
 
@@ -86,27 +98,42 @@ def test_unreachable_detector_shows_no_data() -> None:
 
 def test_engine_options_keep_a_known_selection(api: StaticDetectorAPI) -> None:
     ctx = context(api)
-    assert live.engine_options(ctx, "engine-1") == (
-        [{"label": "engine-0", "value": "engine-0"}, {"label": "engine-1", "value": "engine-1"}],
-        "engine-1",
+    assert live.engine_options(ctx, ENGINE_B) == (
+        [{"label": ENGINE_A, "value": ENGINE_A}, {"label": ENGINE_B, "value": ENGINE_B}],
+        ENGINE_B,
     )
-    assert live.engine_options(ctx, "gone")[1] == "engine-0"
+    assert live.engine_options(ctx, "gone")[1] == ENGINE_A
+    assert live.engine_options(ctx, "0")[1] == ENGINE_A  # vLLM's engine label selects nothing
 
 
 def test_history_filters_by_alert_engine_and_time(api: StaticDetectorAPI) -> None:
     ctx = context(api)
     fig, table, count, alert_opts, engine_opts = history.update(ctx, history.ALL, history.ALL, 0)
-    assert count == "3 episodes"
+    assert count == "4 episodes"
     assert {o["value"] for o in alert_opts} >= {"VLLMMetastableRetryLoop", "VLLMOrphanedExecutions"}
-    assert {o["value"] for o in engine_opts} == {history.ALL, "engine-0", "engine-1"}
+    # engines listed by instance (with their model), not by vLLM's engine label "0"
+    assert engine_opts == [
+        {"label": "all engines", "value": history.ALL},
+        {"label": f"{ENGINE_A} (qwen)", "value": ENGINE_A},
+        {"label": f"{ENGINE_B} (llama)", "value": ENGINE_B},
+    ]
+    assert f"{ENGINE_B} (llama)" in str(table)
     _, _, count, _, _ = history.update(ctx, history.ALL, history.ALL, 3600)
-    assert count == "2 episodes"  # the engine-1 episode ended 8 h ago
-    fig, table, count, _, _ = history.update(ctx, "VLLMMetastableRetryLoop", "engine-0", 0)
+    assert count == "3 episodes"  # engine B's orphaned-executions episode ended 8 h ago
+    fig, table, count, _, _ = history.update(ctx, "VLLMMetastableRetryLoop", ENGINE_A, 0)
     assert count == "1 episodes"
     assert "firing" in str(table)
-    assert {y for t in fig.data for y in t.y} == {"VLLMMetastableRetryLoop · engine-0"}
-    _, _, count, _, _ = history.update(ctx, history.ALL, "engine-1", 0)
-    assert count == "1 episodes"
+    assert {y for t in fig.data for y in t.y} == {f"VLLMMetastableRetryLoop · {ENGINE_A}"}
+    _, table, count, _, _ = history.update(ctx, history.ALL, ENGINE_B, 0)
+    assert count == "2 episodes" and ENGINE_A not in str(table)
+    fig, _, count, _, _ = history.update(ctx, history.ALL, ENGINE_A, 0)
+    assert count == "2 episodes"
+    assert {y for t in fig.data for y in t.y} == {
+        f"VLLMBacklogBeyondDeadline · {ENGINE_A}",
+        f"VLLMMetastableRetryLoop · {ENGINE_A}",
+    }
+    _, _, count, _, _ = history.update(ctx, history.ALL, "0", 0)
+    assert count == "0 episodes"  # "0" is every vLLM's engine label, not an engine
 
 
 def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: Path) -> None:
@@ -155,10 +182,10 @@ def test_experiments_replays_runs_missing_from_validation(api: StaticDetectorAPI
 
 def test_tabs_on_one_engine_share_a_fetch_per_scrape(api: StaticDetectorAPI) -> None:
     ctx = context(api)
-    live.live_view(ctx, "engine-0", 900)
+    live.live_view(ctx, ENGINE_A, 900)
     fetched = api.requests["/signals"]
-    again = live.live_view(ctx, "engine-0", 900)
+    again = live.live_view(ctx, ENGINE_A, 900)
     assert api.requests["/signals"] == fetched  # same scrape: remembered
     assert again.signals["execution_creation_rate"].shape[0] == 181
-    live.live_view(ctx, "engine-1", 900)
+    live.live_view(ctx, ENGINE_B, 900)
     assert api.requests["/signals"] > fetched  # another engine: fetched

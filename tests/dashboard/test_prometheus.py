@@ -27,7 +27,6 @@ from retrywatch.timeseries import format_sample
 pytestmark = pytest.mark.promtool
 
 RULES = Path(__file__).resolve().parents[2] / "rules" / "retrywatch.rules.yml"
-CREATION_RATE = 3.0  # executions/s the fake proxy's counter grows by
 CAPACITY = 2.0
 
 
@@ -45,9 +44,12 @@ class QuietServer(ThreadingHTTPServer):
 
 
 class CounterServer:
-    """Serves a proxy's /metrics (plain text) whose counters grow at fixed rates."""
+    """Serves a proxy's /metrics (plain text) whose counters grow at fixed rates: first attempts
+    at 1/s, retries at 2/s, executions at ``creation_rate``; vLLM's series carry ``engine="0"``,
+    as every vLLM's do."""
 
-    def __init__(self) -> None:
+    def __init__(self, creation_rate: float, waiting: float, model: str) -> None:
+        self.creation_rate, self.waiting, self.model = creation_rate, waiting, model
         self.t0 = time.time()
         server = self
 
@@ -69,17 +71,17 @@ class CounterServer:
 
     def exposition(self) -> str:
         dt = time.time() - self.t0
-        vllm = {"engine": "0", "model_name": "qwen"}
+        vllm = {"engine": "0", "model_name": self.model}
         samples = [
             (mn.ATTEMPTS, {"kind": "first"}, 1.0 * dt),
             (mn.ATTEMPTS, {"kind": "retry"}, 2.0 * dt),
-            (mn.EXECUTIONS_CREATED, {}, CREATION_RATE * dt),
+            (mn.EXECUTIONS_CREATED, {}, self.creation_rate * dt),
             (mn.EXECUTIONS_FINISHED, {"fate": "completed"}, 0.5 * dt),
             (mn.EXECUTIONS_FINISHED, {"fate": "orphaned"}, 1.5 * dt),
             (mn.EXECUTIONS_QUEUED, {}, 0.0),
             (mn.CAPACITY, {}, CAPACITY),
             (mn.CLIENT_DEADLINE, {}, 120.0),
-            (mn.VLLM_NUM_WAITING, vllm, 50.0),
+            (mn.VLLM_NUM_WAITING, vllm, self.waiting),
             (mn.VLLM_NUM_RUNNING, vllm, 20.0),
         ]
         lines = []
@@ -94,12 +96,24 @@ class CounterServer:
         self.httpd.server_close()
 
 
+# A fleet of two proxies, each before its own vLLM: (creation rate /s, vLLM waiting, model).
+FLEET = ((3.0, 50.0, "qwen"), (1.0, 10.0, "llama"))
+
+
 @pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[str]:
+def fleet() -> Iterator[list[CounterServer]]:
+    servers = [CounterServer(rate, waiting, model) for rate, waiting, model in FLEET]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, fleet: list[CounterServer]) -> Iterator[str]:
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus not found: install Debian's prometheus package (see .ci/run)")
-    target = CounterServer()
+    targets = ", ".join(f"'127.0.0.1:{t.port}'" for t in fleet)
     port = _free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -107,7 +121,7 @@ def prometheus(tmp_path: Path) -> Iterator[str]:
         f"rule_files: ['{RULES}']\n"
         "scrape_configs:\n"
         "  - job_name: retrywatch\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{target.port}']}}]\n"
+        f"    static_configs: [{{targets: [{targets}]}}]\n"
     )
     proc = subprocess.Popen(
         [
@@ -135,38 +149,49 @@ def prometheus(tmp_path: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-        target.stop()
 
 
-def test_prometheus_signals_feed_the_live_page(prometheus: str) -> None:
+def test_prometheus_signals_feed_the_live_page(prometheus: str, fleet: list[CounterServer]) -> None:
+    """Two engines whose vLLM ``engine`` label is "0" on both stay two engines, keyed by instance."""
     source = PrometheusSignals(prometheus)
+    instances = [f"127.0.0.1:{t.port}" for t in fleet]
     deadline = time.monotonic() + 40
     series: list[Any] = []
     while time.monotonic() < deadline:
         series = source.signal("execution_creation_rate", since=time.time() - 120)
-        if series and np.isfinite(series[0].points[-1, 1]):
+        if len(series) == len(fleet) and all(np.isfinite(s.points[-1, 1]) for s in series):
             break
         time.sleep(0.5)
-    assert series, "the recording rules produced no execution_creation_rate"
-    assert series[0].labels["engine"] == "0" and series[0].labels["model"] == "qwen"
-    # rate() over 1 m is extrapolated from the few seconds scraped so far: compare rates with
-    # each other (same window, same samples) rather than with their final values.
-    first = source.signal("attempt_rate_first", since=time.time() - 120, engine="0")[0].points
-    retry = source.signal("attempt_rate_retry", since=time.time() - 120, engine="0")[0].points
-    assert retry[-1, 1] / first[-1, 1] == pytest.approx(2.0, rel=0.05)
-    assert source.signal("vllm_waiting", engine="0")[0].points[-1, 1] == pytest.approx(50.0)
-    assert source.signal_index().engines == ["0"]
-    assert source.signal("capacity", engine="0")[0].points[-1, 1] == pytest.approx(CAPACITY)
+    assert len(series) == len(fleet), "the recording rules produced no execution_creation_rate per engine"
+    assert sorted(s.labels["instance"] for s in series) == sorted(instances)
+    assert {s.labels["engine"] for s in series} == {"0"}  # vLLM's label tells engines apart nowhere
+    assert source.signal_index().engines == sorted(instances)
+    for target, instance in zip(fleet, instances, strict=True):
+        own = source.signal("execution_creation_rate", since=time.time() - 120, engine=instance)
+        assert [(s.labels["instance"], s.labels["model"]) for s in own] == [(instance, target.model)]
+        # rate() over 1 m is extrapolated from the few seconds scraped so far: compare rates with
+        # each other (same window, same samples) rather than with their final values.
+        first = source.signal("attempt_rate_first", since=time.time() - 120, engine=instance)[0].points
+        retry = source.signal("attempt_rate_retry", since=time.time() - 120, engine=instance)[0].points
+        assert retry[-1, 1] / first[-1, 1] == pytest.approx(2.0, rel=0.05)
+        assert source.signal("vllm_waiting", engine=instance)[0].points[-1, 1] == pytest.approx(
+            target.waiting
+        )
+        assert source.signal("capacity", engine=instance)[0].points[-1, 1] == pytest.approx(CAPACITY)
+    assert source.signal("vllm_waiting", engine="0") == []  # vLLM's engine label selects nothing
 
-    # The live page reads its panels from Prometheus (alerts and episodes from the detector API).
+    # The live page reads each engine's panels from Prometheus (alerts, episodes: the detector API).
     with StaticDetectorAPI() as api:
         app = create_app(DashboardConfig(detector_url=api.url, prometheus_url=prometheus))
         ctx = app.server.config["RETRYWATCH_CONTEXT"]
-        view = live.live_view(ctx, "0", 900, now=time.time())
-        assert view.error is None
-        created, first_rate = view.signals["execution_creation_rate"], view.signals["attempt_rate_first"]
-        assert created[-1, 1] / first_rate[-1, 1] == pytest.approx(CREATION_RATE, rel=0.05)
-        assert view.signals["capacity"][-1, 1] == pytest.approx(CAPACITY)
-        figs = view.figures()
-        trace = next(t for t in figs[0].data if t.name == "executions created")
-        assert len(trace.x) >= 1
+        for target, instance in zip(fleet, instances, strict=True):
+            view = live.live_view(ctx, instance, 900, now=time.time())
+            assert view.error is None
+            created, first_rate = view.signals["execution_creation_rate"], view.signals["attempt_rate_first"]
+            # its own rate, not the fleet's sum (4/2 = 2 for both when engines merge)
+            assert created[-1, 1] / first_rate[-1, 1] == pytest.approx(target.creation_rate, rel=0.05)
+            assert view.signals["vllm_waiting"][-1, 1] == pytest.approx(target.waiting)
+            assert view.signals["capacity"][-1, 1] == pytest.approx(CAPACITY)
+            figs = view.figures()
+            trace = next(t for t in figs[0].data if t.name == "executions created")
+            assert len(trace.x) >= 1

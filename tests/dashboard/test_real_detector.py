@@ -113,7 +113,9 @@ def test_live_page_against_the_real_detector(browser: Any, processes: dict[str, 
     assert "CRITICAL" in banner.inner_text()
     with urllib.request.urlopen(detector_url + "/signals", timeout=5) as r:
         engines = json.load(r)["engines"]
+    assert engines == ["episode"]  # the replayed run's slug is its instance, the detector's key
     assert tab.page.locator("#live-engine").inner_text().strip() == engines[0]  # selected by default
+    assert "on episode (qwen) since" in banner.inner_text()  # by instance and model, never "on 0"
     tab.screenshot("live-real-detector.png")
     banner.wait_for(state="hidden", timeout=60_000)  # every alert resolved after the recovery
     tab.wait_graphs(4)
