@@ -2,11 +2,12 @@
 
 Run: ``python bench/bench_proxy.py`` (about a minute). It starts the test upstream
 (``exporter.testing.upstream``) and ``retrywatch proxy`` as processes on free loopback ports and
-measures, side by side in one run (rounds alternate between the two paths):
+measures, side by side in one run:
 
 * time to first token with 100 concurrent streams (clients staggered, each streaming 50 tokens
-  in 0.5 s, three times) sent directly to the upstream and through the proxy: p50 and p99 of
-  each, and the difference (the proxy's added TTFT);
+  in 0.5 s, four times, alternating between the direct and the proxied path, so both paths
+  are measured interleaved, at the same concurrency and machine load): p50 and p99 of each,
+  and the difference (the proxy's added TTFT); every stream has its own call id;
 * relay throughput (chunks/s) with 100 concurrent streams at full speed, and the proxy's CPU
   time per chunk relayed (from /proc);
 * one execution fanned out to 10 subscribers (same call id): their time to first token and
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -124,10 +126,15 @@ def completion(max_tokens: int) -> bytes:
 
 
 async def _client(
-    port: int, body: bytes, headers: dict[str, str], start_s: float, n: int
-) -> list[StreamResult]:
+    paths: list[tuple[str, int]], body: bytes, headers: dict[str, str], start_s: float, n: int, first: int
+) -> list[tuple[str, StreamResult]]:
+    """``n`` streams one after the other, alternating between the paths (direct, proxy)."""
     await asyncio.sleep(start_s)
-    return [await stream_once(port, body, headers) for _ in range(n)]
+    out: list[tuple[str, StreamResult]] = []
+    for k in range(n):
+        name, port = paths[(first + k) % len(paths)]
+        out.append((name, await stream_once(port, body, {**headers, "x-call-id": uuid.uuid4().hex})))
+    return out
 
 
 async def ttft_rounds(
@@ -135,35 +142,42 @@ async def ttft_rounds(
     px: int,
     rounds: int,
     concurrency: int,
-    per_client: int = 3,
+    per_client: int = 4,
     px_pid: int | None = None,
     tokens: int = 50,
 ) -> tuple[dict[str, list[float]], float]:
     """Each round runs ``concurrency`` clients (staggered over one stream's length, so about that
-    many streams are in flight) doing ``per_client`` streams each, on one path then the other."""
+    many streams are in flight) doing ``per_client`` streams each. Every client alternates
+    between the direct and the proxied path (half the clients start with each), so both paths
+    are measured at the same time, at the same concurrency, on the same machine load. Every
+    stream has its own call id, as real calls do (identical bodies would otherwise coalesce)."""
     body = completion(tokens)
     headers = {"x-test-token-interval": "0.01"}
     stream_s = tokens * 0.01
+    paths = [("direct", up), ("proxy", px)]
     out: dict[str, list[float]] = {"direct": [], "proxy": []}
     proxy_cpu = 0.0
     for r in range(rounds):
-        order = [("direct", up), ("proxy", px)] if r % 2 == 0 else [("proxy", px), ("direct", up)]
-        for name, port in order:
-            starts = [stream_s * i / concurrency for i in range(concurrency)]
-            cpu0 = cpu_seconds(px_pid) if px_pid is not None and name == "proxy" else 0.0
-            per = await asyncio.gather(*(_client(port, body, headers, s, per_client) for s in starts))
-            if px_pid is not None and name == "proxy":
-                proxy_cpu += cpu_seconds(px_pid) - cpu0
-            results = [x for xs in per for x in xs]
-            assert all(x.ok and x.chunks == tokens + 1 for x in results), "a stream failed"
-            out[name].extend(x.ttft_s for x in results)
+        starts = [stream_s * i / concurrency for i in range(concurrency)]
+        cpu0 = cpu_seconds(px_pid) if px_pid is not None else 0.0
+        per = await asyncio.gather(
+            *(_client(paths, body, headers, s, per_client, (i + r) % 2) for i, s in enumerate(starts))
+        )
+        if px_pid is not None:
+            proxy_cpu += cpu_seconds(px_pid) - cpu0
+        results = [x for xs in per for x in xs]
+        assert all(x.ok and x.chunks == tokens + 1 for _, x in results), "a stream failed"
+        for name, x in results:
+            out[name].append(x.ttft_s)
     return out, proxy_cpu
 
 
 async def throughput(port: int, concurrency: int, tokens: int) -> tuple[float, int]:
     body = completion(tokens)
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(stream_once(port, body, {}) for _ in range(concurrency)))
+    results = await asyncio.gather(
+        *(stream_once(port, body, {"x-call-id": uuid.uuid4().hex}) for _ in range(concurrency))
+    )
     wall = time.perf_counter() - t0
     chunks = sum(x.chunks for x in results)
     return chunks / wall, chunks
@@ -230,19 +244,22 @@ def main() -> None:
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health")
         wait_http(f"http://127.0.0.1:{px_port}/metrics")
-        asyncio.run(ttft_rounds(up_port, px_port, 1, 10, 1, tokens=2))  # warm up both paths
+        asyncio.run(ttft_rounds(up_port, px_port, 1, 10, 2, tokens=2))  # warm up both paths
 
-        seq, _ = asyncio.run(ttft_rounds(up_port, px_port, 10, 1, 20, tokens=2))
+        seq, _ = asyncio.run(ttft_rounds(up_port, px_port, 10, 1, 40, tokens=2))
         added = pct(seq["proxy"], 0.5) - pct(seq["direct"], 0.5)
         print(
             f"TTFT of one stream at a time, {len(seq['proxy'])} per path: direct p50"
             f" {pct(seq['direct'], 0.5) * 1e3:.2f} ms, proxy p50 {pct(seq['proxy'], 0.5) * 1e3:.2f} ms,"
             f" added {added * 1e3:.2f} ms"
         )
-        ttft, paced_cpu = asyncio.run(ttft_rounds(up_port, px_port, args.rounds, args.concurrency, 3, px.pid))
+        ttft, paced_cpu = asyncio.run(ttft_rounds(up_port, px_port, args.rounds, args.concurrency, 4, px.pid))
         d50, d99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
         p50, p99 = pct(ttft["proxy"], 0.5), pct(ttft["proxy"], 0.99)
-        print(f"TTFT at {args.concurrency} concurrent streams, {len(ttft['proxy'])} streams per path:")
+        print(
+            f"TTFT at {args.concurrency} concurrent streams (paths interleaved),"
+            f" {len(ttft['proxy'])} streams per path:"
+        )
         print(f"  direct  p50 {d50 * 1e3:7.2f} ms   p99 {d99 * 1e3:7.2f} ms")
         print(f"  proxy   p50 {p50 * 1e3:7.2f} ms   p99 {p99 * 1e3:7.2f} ms")
         print(

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
+import orjson
+
 DEFAULT_CALL_ID_HEADER = "x-call-id"
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
 # The official OpenAI SDKs send this on their own automatic retries (0 on the first attempt).
@@ -37,8 +39,15 @@ class CallIdError(ValueError):
 
 
 def canonical_body(body: Mapping[str, Any]) -> bytes:
-    """The request body in one canonical byte form: sorted keys, no insignificant whitespace."""
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """The request body in one canonical byte form: sorted keys, no insignificant whitespace.
+
+    orjson does it about ten times faster than json on big prompts (it is on every attempt's
+    path); json covers what orjson refuses (integers beyond 64 bits).
+    """
+    try:
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def body_digest(body: Mapping[str, Any]) -> str:

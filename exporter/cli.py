@@ -154,6 +154,18 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
     show_default=True,
     help="Serve the upstream's /metrics families on the proxy's /metrics.",
 )
+@_opt(
+    "metrics-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    help="Longest a scrape of /metrics waits for the upstream's /metrics, seconds.",
+)
+@_opt(
+    "metrics-max-staleness",
+    type=click.FloatRange(min=0, min_open=True),
+    default=15.0,
+    help="Serve the last good upstream /metrics this long while a refresh is slow or failing.",
+)
 @_opt("log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning")
 def proxy(**options: Any) -> None:
     """Run the execution-aware proxy in front of a vLLM engine."""
@@ -191,6 +203,8 @@ def proxy(**options: Any) -> None:
             replay_limit_bytes=options["replay_limit_bytes"],
             window_s=options["window"],
             metrics_passthrough=options["metrics_passthrough"],
+            upstream_metrics_timeout_s=options["metrics_timeout"],
+            upstream_metrics_max_staleness_s=options["metrics_max_staleness"],
         )
     except (SettingsError, PolicyConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -203,6 +217,7 @@ def proxy(**options: Any) -> None:
         log_level=log_level,
         access_log=False,
         lifespan="on",
+        proxy_headers=False,  # the proxy never uses the client's address: no per-request rewrite
         timeout_keep_alive=75,
         timeout_graceful_shutdown=5,  # on SIGTERM, open streams get 5 s, then are cut
         backlog=4096,

@@ -1,5 +1,6 @@
 """The proxy's ``/metrics``: the policy's counters and gauges, histograms, derived gauges over a
-sliding window, and the upstream engine's own families passed through unchanged.
+sliding window, and the upstream engine's own families passed through unchanged (the last good
+fetch, served until it is older than a staleness bound).
 
 The counters are read fresh from ``Policy.counters`` on every scrape by a custom collector, with
 every label value of ``retrywatch.metricnames`` present from the start. The response is the
@@ -93,12 +94,12 @@ class SlidingWindow:
         return float(vb - va) / (b.t - a.t)
 
     def prompt_token_gap(self) -> float:
-        ends = self._ends()
-        if ends is None:
+        # Between the oldest and the newest samples that carry the upstream's counters (samples
+        # taken while the passthrough had nothing, e.g. at start-up, are skipped).
+        known = [s for s in self.samples if s.prompt_tokens is not None and s.prefix_queries is not None]
+        if len(known) < 2 or known[-1].t <= known[0].t:
             return math.nan
-        a, b = ends
-        if None in (a.prompt_tokens, b.prompt_tokens, a.prefix_queries, b.prefix_queries):
-            return math.nan
+        a, b = known[0], known[-1]
         admitted = b.prefix_queries - a.prefix_queries  # type: ignore[operator]
         if admitted <= 0:
             return math.nan
@@ -218,12 +219,16 @@ class PolicyCollector(Collector):
 class ProxyMetrics:
     """Everything ``/metrics`` serves, on a registry of its own."""
 
-    def __init__(self, policy: Policy, window_s: float, capacity: float | None) -> None:
+    def __init__(
+        self, policy: Policy, window_s: float, capacity: float | None, max_staleness_s: float = 15.0
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.window = SlidingWindow(window_s)
         self.upstream_up = False
-        self.upstream_text = ""  # last fetched upstream exposition
-        self.upstream_fetched_at = -math.inf
+        self.max_staleness_s = max_staleness_s
+        self.upstream_text = ""  # last good upstream exposition
+        self.upstream_good_at = -math.inf  # when it was fetched
+        self.upstream_fetched_at = -math.inf  # when the last fetch ended, good or not
         self.collector = PolicyCollector(policy, self.window, capacity, lambda: self.upstream_up)
         self.registry.register(self.collector)
         self.ttft = Histogram(
@@ -248,10 +253,29 @@ class ProxyMetrics:
         if outcome == "disconnected":
             self.deadlines.observe(duration_s)
 
+    def upstream_fetched(self, now: float, text: str) -> None:
+        """The upstream answered its probe (``text``: its exposition, "" if not passed through)."""
+        self.upstream_up = True
+        self.upstream_text = text
+        self.upstream_good_at = self.upstream_fetched_at = now
+
+    def upstream_failed(self, now: float) -> None:
+        """The probe failed; the last good text is kept until it is ``max_staleness_s`` old."""
+        self.upstream_up = False
+        self.upstream_fetched_at = now
+
+    def passthrough_text(self, now: float) -> str:
+        """The last good upstream exposition, or "" once it is older than the staleness bound
+        (so a dead or hung upstream shows as missing ``vllm:`` families, not as frozen values)."""
+        if now - self.upstream_good_at > self.max_staleness_s:
+            return ""
+        return self.upstream_text
+
     def sample(self, now: float) -> None:
         """Take one window sample (on a 1-s timer and at scrape time)."""
         c = self.policy.counters
-        vllm = scan_vllm(self.upstream_text) if self.upstream_up else {}
+        text = self.passthrough_text(now)
+        vllm = scan_vllm(text) if text else {}
         self.window.add(
             WindowSample(
                 t=now,
@@ -263,9 +287,9 @@ class ProxyMetrics:
             )
         )
 
-    def exposition(self, passthrough: bool) -> bytes:
+    def exposition(self, passthrough: bool, now: float) -> bytes:
         ours = generate_latest(self.registry)
-        if not passthrough or not self.upstream_up or not self.upstream_text:
+        text = self.passthrough_text(now) if passthrough else ""
+        if not text:
             return ours
-        text = self.upstream_text if self.upstream_text.endswith("\n") else self.upstream_text + "\n"
-        return ours + text.encode()
+        return ours + (text if text.endswith("\n") else text + "\n").encode()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -57,6 +58,7 @@ from exporter.upstream import (
 from exporter.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    GENERATION_ROUTES,
     RequestError,
     error_body,
     error_type,
@@ -76,6 +78,7 @@ ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
 SAMPLE_INTERVAL_S = 1.0
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
+DONE_EVENT = b"data: [DONE]\n\n"  # the end of an OpenAI-style stream
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -133,13 +136,15 @@ class Proxy:
         self.policy = Policy(settings.policy_config())
         if settings.deadline_auto:
             self.policy.set_deadline(None)  # until inferred (see ProxySettings.policy_config)
-        self.metrics = ProxyMetrics(self.policy, settings.window_s, settings.capacity)
+        self.metrics = ProxyMetrics(
+            self.policy, settings.window_s, settings.capacity, settings.upstream_metrics_max_staleness_s
+        )
         self.upstream = UpstreamClient(settings.upstream_base, settings.upstream_connect_timeout_s)
         self.pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s)
         self.relays: dict[int, Relay] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        self._metrics_lock = asyncio.Lock()
+        self._refresh: asyncio.Task[None] | None = None  # the one upstream /metrics fetch in flight
         self._sampler: asyncio.Task[None] | None = None
         routes = [
             Route(COMPLETIONS, self.generate, methods=["POST"]),
@@ -152,17 +157,40 @@ class Proxy:
                 methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"],
             ),
         ]
-        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        self.starlette = Starlette(routes=routes, lifespan=self._lifespan)
+        self.app = self  # an ASGI 3 app (servers recognise it by its async __call__)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The proxy's ASGI app. Generation requests (the hot path) skip Starlette's middleware
+        and router, whose wrappers would otherwise run on every chunk sent; the rest (other
+        routes, lifespan) go through Starlette."""
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_ROUTES:
+            try:
+                response = await self.generate_asgi(scope, receive)
+            except Exception:  # a bug here must answer 500, like Starlette's error middleware
+                log.exception("generation request failed in the proxy")
+                message = "the proxy failed handling the request"
+                response = _json_response(500, error_body(message, error_type(500), "proxy_error"))
+            await response(scope, receive, send)
+            return
+        await self.starlette(scope, receive, send)
 
     # --- lifecycle ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # NOTE: a full garbage collection walks every object the process holds; tens of
+        # thousands come from imports and start-up alone, and walking them stalled every stream
+        # for tens of milliseconds (the TTFT p99). Frozen, they are never walked again.
+        gc.collect()
+        gc.freeze()
         self._sampler = asyncio.create_task(self._sample_forever())
         try:
             yield
         finally:
             self._sampler.cancel()
+            if self._refresh is not None:
+                self._refresh.cancel()
             for task in list(self._tasks.values()):
                 task.cancel()
             for handle in self._timers.values():
@@ -179,7 +207,9 @@ class Proxy:
     async def _sample_forever(self) -> None:
         while True:
             try:
-                await self._refresh_upstream_metrics()
+                refresh = self._refresh_upstream_metrics()
+                if refresh is not None:  # bounded: a slow upstream leaves the last good text
+                    await asyncio.wait({refresh}, timeout=self.settings.upstream_metrics_timeout_s)
                 self._sample()
             except Exception:  # a sampler bug must not take the proxy down
                 log.exception("metrics sampler failed")
@@ -192,19 +222,29 @@ class Proxy:
             if estimate is not None:
                 self.policy.set_deadline(estimate)
 
-    async def _refresh_upstream_metrics(self) -> None:
-        async with self._metrics_lock:
-            if self.now() - self.metrics.upstream_fetched_at < UPSTREAM_METRICS_MAX_AGE_S:
-                return
-            path = "/metrics" if self.settings.metrics_passthrough else "/health"
-            try:
-                text = await self.upstream.get_text(path, self.settings.upstream_metrics_timeout_s)
-            except (httpx.HTTPError, UnicodeDecodeError):
-                self.metrics.upstream_up, self.metrics.upstream_text = False, ""
-            else:
-                self.metrics.upstream_up = True
-                self.metrics.upstream_text = text if self.settings.metrics_passthrough else ""
-            self.metrics.upstream_fetched_at = self.now()
+    def _refresh_upstream_metrics(self) -> asyncio.Task[None] | None:
+        """Start a fetch of the upstream's /metrics unless the last one is under a second old or
+        one is already in flight (never more than one); returns the fetch in flight, if any."""
+        task = self._refresh
+        if task is not None and not task.done():
+            return task
+        if self.now() - self.metrics.upstream_fetched_at < UPSTREAM_METRICS_MAX_AGE_S:
+            return None
+        self._refresh = asyncio.create_task(self._fetch_upstream_metrics())
+        return self._refresh
+
+    async def _fetch_upstream_metrics(self) -> None:
+        # The fetch itself may take up to the staleness bound (a saturated vLLM answers /metrics
+        # slowly); scrapes of the proxy wait for it only up to --metrics-timeout meanwhile.
+        path = "/metrics" if self.settings.metrics_passthrough else "/health"
+        settings = self.settings
+        timeout = max(settings.upstream_metrics_timeout_s, settings.upstream_metrics_max_staleness_s)
+        try:
+            text = await self.upstream.get_text(path, timeout)
+        except (httpx.HTTPError, UnicodeDecodeError):
+            self.metrics.upstream_failed(self.now())
+        else:
+            self.metrics.upstream_fetched(self.now(), text if self.settings.metrics_passthrough else "")
 
     # --- generation routes ----------------------------------------------------------------
 
@@ -222,14 +262,46 @@ class Proxy:
             parts.append(chunk)
         return b"".join(parts)
 
+    async def _receive_body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        """The request body straight from the ASGI messages (the hot path's ``_read_body``)."""
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(
+                        413, f"request body is over the limit of {limit} bytes", "body_too_large"
+                    )
+                parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
     async def generate(self, request: Request) -> Response:
+        """The Starlette endpoint of the generation routes (the ASGI entry point calls
+        ``generate_asgi`` directly)."""
+        return await self.generate_asgi(request.scope, request.receive)
+
+    async def generate_asgi(self, scope: Scope, receive: Receive) -> Response:
         started = self.now()
-        route: str = request.scope["path"]
+        route: str = scope["path"]
+        # Header names arrive lower-cased from the server; the first of repeated ones wins.
+        headers: dict[str, str] = {}
+        for name, value in reversed(scope["headers"]):
+            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
         try:
-            raw = await self._read_body(request)
+            raw = await self._receive_body(headers, receive)
             body = parse_body(raw)
             prompt_tokens = validate(route, body, self.settings.vocab_size)
-            call_id = find_call_id(request.headers, self.settings.call_id_header)
+            call_id = find_call_id(headers, self.settings.call_id_header)
         except RequestError as exc:
             return _json_response(exc.status, exc.body())
         except ClientDisconnect:  # gone before the body arrived: nothing was decided
@@ -238,14 +310,14 @@ class Proxy:
             return _json_response(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
         key = call_key(call_id, route, body, self.settings.key_without_id)
         stream = bool(body.get("stream", False))
-        attempt = Attempt(key=key, retry_hint=retry_hint(request.headers), prompt_tokens=prompt_tokens)
+        attempt = Attempt(key=key, retry_hint=retry_hint(headers), prompt_tokens=prompt_tokens)
         result = self.policy.on_attempt(started, attempt)
         decision = result.decision
         if isinstance(decision, Shed):
             self.metrics.observe_attempt("shed", self.now() - started)
             return self._shed_response(decision)
         if isinstance(decision, Created):
-            upstream_request = UpstreamRequest(route, raw, forwardable_headers(request.scope["headers"]))
+            upstream_request = UpstreamRequest(route, raw, forwardable_headers(scope["headers"]))
             relay = Relay(
                 decision.execution_id,
                 upstream_request,
@@ -394,14 +466,38 @@ class Proxy:
             if data is None:
                 break
             pending += data
+        sink = self._stream_sink(relay)
         if pending:
             cut = pending.find(b"\n\n")
             if self._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
                 return
             self._first_token(relay)
-            relay.append(pending)
-        await response.forward(relay.append)
-        self._complete(relay)
+            sink(pending)
+        await response.forward(sink)
+        self._complete(relay)  # no-op if ``data: [DONE]`` completed it already
+
+    def _stream_sink(self, relay: Relay) -> Callable[[bytes], None]:
+        """The per-chunk path of a stream: append to the relay; at ``data: [DONE]`` complete the
+        execution at once.
+
+        NOTE: the upstream ends its response (the chunked terminator) in a later write than
+        ``[DONE]``, and most clients (the OpenAI SDK among them) close the connection as soon as
+        ``[DONE]`` arrives. Completing only at the end of the upstream response let such a client
+        be counted as gone first, and its execution as orphaned. The policy therefore hears of
+        the completion in the same callback that appends ``[DONE]``, before any subscriber can
+        read it."""
+        append = relay.append
+        n = len(DONE_EVENT)
+        last = b""  # the stream's last bytes, enough to see a [DONE] split across chunks
+
+        def sink(data: bytes) -> None:
+            nonlocal last
+            append(data)
+            last = data if len(data) >= n else (last + data)[-n:]
+            if last.endswith(DONE_EVENT) and relay.outcome is None:
+                self._complete(relay)
+
+        return sink
 
     async def _pump_body(self, relay: Relay, response: StreamedResponse) -> None:
         first = True
@@ -462,9 +558,11 @@ class Proxy:
     # --- other routes -----------------------------------------------------------------------
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        await self._refresh_upstream_metrics()
+        refresh = self._refresh_upstream_metrics()
+        if refresh is not None:  # wait a bounded time; past it, serve the last good text
+            await asyncio.wait({refresh}, timeout=self.settings.upstream_metrics_timeout_s)
         self._sample()
-        body = self.metrics.exposition(self.settings.metrics_passthrough)
+        body = self.metrics.exposition(self.settings.metrics_passthrough, self.now())
         return Response(body, headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def admin_executions(self, request: Request) -> Response:
@@ -564,25 +662,31 @@ class SubscriberResponse(Response):
 
     async def _finish(self, send: Send, headers_sent: bool) -> None:
         relay, sub, proxy = self.relay, self.subscription, self.proxy
-        if sub.left:
+        outcome = relay.outcome
+        # A streaming client that closes at ``[DONE]`` (before the end of the HTTP response) was
+        # sent the whole completion: it counts as delivered, not as gone.
+        sent_all = outcome is Outcome.COMPLETED and relay.stream and headers_sent and sub.offset >= relay.end
+        if sub.left and not sent_all:
             self._accounted = True
             proxy.subscriber_left(sub, self.started)
             return
-        outcome = relay.outcome
         if outcome is Outcome.COMPLETED:
             if relay.stream:
+                self._accounted = True
+                proxy.subscriber_delivered(sub, self.started)
                 if not headers_sent:
                     await send(self._start(200, relay.content_type))
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if not sub.left:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
                 body = relay.read(sub)
                 await send(self._start(relay.status, relay.content_type, len(body)))
                 await send({"type": "http.response.body", "body": body, "more_body": False})
-            self._accounted = True
-            if sub.left:  # the client went away while the last bytes were written
-                proxy.subscriber_left(sub, self.started)
-            else:
-                proxy.subscriber_delivered(sub, self.started)
+                self._accounted = True
+                if sub.left:  # the client went away while the body was written
+                    proxy.subscriber_left(sub, self.started)
+                else:
+                    proxy.subscriber_delivered(sub, self.started)
             return
         status, body = relay.error or (
             503,
@@ -605,6 +709,6 @@ class SubscriberResponse(Response):
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def create_app(settings: ProxySettings) -> Starlette:
-    """The proxy's ASGI app (``Proxy(settings).app``)."""
+def create_app(settings: ProxySettings) -> Proxy:
+    """The proxy's ASGI app (``Proxy(settings).app``, the proxy itself)."""
     return Proxy(settings).app

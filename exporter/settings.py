@@ -48,7 +48,8 @@ class ProxySettings:
     replay_limit_bytes: int = 4 * 1024 * 1024  # stored (compressed) replay per execution
     window_s: float = 60.0  # sliding window of the derived gauges
     metrics_passthrough: bool = True
-    upstream_metrics_timeout_s: float = 0.5
+    upstream_metrics_timeout_s: float = 2.0  # longest a scrape of the proxy waits for the upstream's
+    upstream_metrics_max_staleness_s: float = 15.0  # last good upstream scrape served this long
     upstream_connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -81,6 +82,10 @@ class ProxySettings:
             raise SettingsError("--replay-limit-bytes must be >= 1024")
         if self.window_s <= 0:
             raise SettingsError("--window must be > 0 seconds")
+        if not (0 < self.upstream_metrics_timeout_s < math.inf):
+            raise SettingsError("--metrics-timeout must be a positive number of seconds")
+        if not (0 < self.upstream_metrics_max_staleness_s < math.inf):
+            raise SettingsError("--metrics-max-staleness must be a positive number of seconds")
         if self.deadline_auto and self.deadline_s is not None:
             raise SettingsError("--deadline is either a number of seconds or 'auto', not both")
         if self.deadline_check and self.deadline_s is None and not self.deadline_auto:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 GENERATION_ROUTES = (COMPLETIONS, CHAT_COMPLETIONS)
@@ -83,7 +85,7 @@ _COMMON_TYPES: dict[str, tuple[str, Any]] = {
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400."""
     try:
-        body = json.loads(raw)
+        body = orjson.loads(raw)  # several times faster than json on big prompts
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -119,12 +121,12 @@ def _validate_prompt(prompt: Any, vocab_size: int | None) -> int:
     if isinstance(prompt, list):
         if not prompt:
             raise _bad("'prompt' must not be empty", "prompt")
-        if all(type(t) is int for t in prompt):  # type(), not isinstance: JSON true is no token
+        if _all_ints(prompt):
             _check_ids(prompt, vocab_size)
             return len(prompt)
         if all(isinstance(p, str) for p in prompt):
             return sum(len(p.encode()) // 4 for p in prompt)
-        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and _all_ints(p) for p in prompt):
             for p in prompt:
                 _check_ids(p, vocab_size)
             return sum(len(p) for p in prompt)
@@ -132,6 +134,14 @@ def _validate_prompt(prompt: Any, vocab_size: int | None) -> int:
         "'prompt' must be a string, a list of strings, a list of token IDs or a list of lists of token IDs",
         "prompt",
     )
+
+
+def _all_ints(items: list[Any]) -> bool:
+    # type(), not isinstance: JSON true is no token. One pass in C, not a generator.
+    return set(map(type, items)) == _INT_ONLY
+
+
+_INT_ONLY = {int}
 
 
 def _check_ids(ids: list[int], vocab_size: int | None) -> None:

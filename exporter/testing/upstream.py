@@ -10,6 +10,10 @@ It stands in for vLLM where the proxy is tested or benchmarked, and can be told 
   ``crash`` (the connection breaks after ``x-test-crash-after`` tokens); ``error-500``.
 * ``x-test-stall-after`` / ``x-test-stall``: pause that many seconds after that many tokens.
 * ``x-test-hold: NAME``: wait before the first token until ``POST /test/release?name=NAME``.
+* ``x-test-done-gap``: seconds between writing ``data: [DONE]`` and ending the response (a real
+  vLLM ends its stream in a separate write after ``[DONE]``; clients often close at ``[DONE]``).
+* ``POST /test/metrics-delay?seconds=S``: answer ``GET /metrics`` S seconds late (a saturated
+  vLLM answers its scrapes slowly); ``GET /test/metrics-scrapes`` counts the scrapes begun.
 
 It records every generation request (call id, when it arrived, its first token, its end, and
 whether and when the client closed the connection early) and serves the records on
@@ -57,6 +61,7 @@ class Behaviour:
     crash_after: int | None = None
     stall_after: int | None = None  # pause for ``stall_s`` once this many tokens were sent
     stall_s: float = 0.0
+    done_gap: float = 0.0  # seconds between ``data: [DONE]`` and the end of the response
 
 
 @dataclass
@@ -113,6 +118,8 @@ class TestUpstream:
         self.counters = Counters()
         self._ids = itertools.count(1)
         self._holds: dict[str, asyncio.Event] = {}
+        self.metrics_delay = 0.0
+        self.metrics_scrapes = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -130,6 +137,9 @@ class TestUpstream:
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             await self._generate(scope, receive, send)
         elif method == "GET" and path == "/metrics":
+            self.metrics_scrapes += 1
+            if self.metrics_delay > 0:
+                await asyncio.sleep(self.metrics_delay)
             await _respond(
                 send, 200, metrics_text(self.counters).encode(), b"text/plain; version=0.0.4; charset=utf-8"
             )
@@ -159,6 +169,12 @@ class TestUpstream:
                 crash_after=body.get("crash_after"),
             )
             await _respond_json(send, 200, asdict(self.default))
+        elif method == "POST" and path == "/test/metrics-delay":
+            query = parse_qs(scope.get("query_string", b"").decode())
+            self.metrics_delay = max(0.0, float(query.get("seconds", ["0"])[0]))
+            await _respond_json(send, 200, {"metrics_delay": self.metrics_delay})
+        elif method == "GET" and path == "/test/metrics-scrapes":
+            await _respond_json(send, 200, {"scrapes": self.metrics_scrapes})
         elif method == "POST" and path == "/test/release":
             query = parse_qs(scope.get("query_string", b"").decode())
             name = query.get("name", [""])[0]
@@ -189,6 +205,7 @@ class TestUpstream:
             crash_after=int(crash) if crash else b.crash_after,
             stall_after=int(stall_after) if stall_after else b.stall_after,
             stall_s=float(headers.get(b"x-test-stall", b"") or b.stall_s),
+            done_gap=float(headers.get(b"x-test-done-gap", b"") or b.done_gap),
         )
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -332,7 +349,11 @@ class TestUpstream:
                 await _send_body(send, _sse_chunk(rid, created, chat, text, i, last), more=True)
         record.completed = True
         self.counters.success["length"] += 1
-        if stream:
+        if stream and behaviour.done_gap > 0:
+            await _send_body(send, b"data: [DONE]\n\n", more=True)
+            await asyncio.sleep(behaviour.done_gap)
+            await _send_body(send, b"", more=False)
+        elif stream:
             await _send_body(send, b"data: [DONE]\n\n", more=False)
         else:
             await _respond_json(send, 200, _full_body(rid, created, chat, "".join(texts), record))

@@ -54,6 +54,14 @@ class Upstream:
         """Let the requests sent with ``x-test-hold: name`` go on to their first token."""
         httpx.post(f"{self.url}/test/release", params={"name": name}, timeout=5).raise_for_status()
 
+    def set_metrics_delay(self, seconds: float) -> None:
+        """Make the upstream answer ``GET /metrics`` that many seconds late."""
+        r = httpx.post(f"{self.url}/test/metrics-delay", params={"seconds": seconds}, timeout=5)
+        r.raise_for_status()
+
+    def metrics_scrapes(self) -> int:
+        return int(httpx.get(f"{self.url}/test/metrics-scrapes", timeout=5).json()["scrapes"])
+
     def requests(self, call_id: str | None = None, tag: str | None = None) -> list[dict[str, Any]]:
         params = {k: v for k, v in (("call_id", call_id), ("tag", tag)) if v is not None}
         return list(httpx.get(f"{self.url}/test/requests", params=params, timeout=5).json()["requests"])

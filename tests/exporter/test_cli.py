@@ -84,3 +84,14 @@ def test_bad_settings_are_usage_errors() -> None:
         proxy, [], env={"RETRYWATCH_UPSTREAM": "http://127.0.0.1:1", "RETRYWATCH_PORT": "x"}
     )
     assert result.exit_code == 2  # the port variable is not a number
+
+
+def test_the_metrics_passthrough_bounds_are_options_and_variables() -> None:
+    runner = CliRunner()
+    result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--metrics-timeout", "0"])
+    assert result.exit_code == 2 and "--metrics-timeout" in result.output
+    env = {"RETRYWATCH_UPSTREAM": "http://127.0.0.1:1", "RETRYWATCH_METRICS_MAX_STALENESS": "-1"}
+    result = runner.invoke(proxy, [], env=env)
+    assert result.exit_code == 2 and "--metrics-max-staleness" in result.output
+    help_text = runner.invoke(proxy, ["--help"]).output
+    assert "RETRYWATCH_METRICS_TIMEOUT" in help_text and "RETRYWATCH_METRICS_MAX_STALENESS" in help_text

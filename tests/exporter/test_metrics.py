@@ -78,7 +78,33 @@ def test_collector_reads_the_policy_fresh_with_every_label_up_front() -> None:
     metrics.observe_attempt("disconnected", 3.0)
     assert reg.get_sample_value("retrywatch_attempt_duration_seconds_count", {"outcome": "disconnected"}) == 1
     assert reg.get_sample_value("retrywatch_attempt_duration_seconds_count", {"outcome": "shed"}) == 0
-    text = metrics.exposition(passthrough=True).decode()
-    assert "vllm:" not in text  # upstream not up: nothing passed through
-    metrics.upstream_up, metrics.upstream_text = True, VLLM_TEXT
-    assert metrics.exposition(passthrough=True).decode().endswith(VLLM_TEXT)
+    text = metrics.exposition(passthrough=True, now=0.0).decode()
+    assert "vllm:" not in text  # upstream never answered: nothing passed through
+    metrics.upstream_fetched(10.0, VLLM_TEXT)
+    assert metrics.exposition(passthrough=True, now=10.0).decode().endswith(VLLM_TEXT)
+    assert "vllm:" not in metrics.exposition(passthrough=False, now=10.0).decode()
+
+
+def test_the_last_good_upstream_text_is_served_until_it_is_too_stale() -> None:
+    metrics = ProxyMetrics(Policy(), window_s=60.0, capacity=None, max_staleness_s=15.0)
+    metrics.upstream_fetched(100.0, VLLM_TEXT)
+    metrics.upstream_failed(103.0)  # a refresh failed (or timed out): keep serving the last good one
+    assert metrics.registry.get_sample_value("retrywatch_upstream_up") == 0
+    assert metrics.exposition(passthrough=True, now=115.0).decode().endswith(VLLM_TEXT)
+    metrics.sample(115.0)
+    assert metrics.window.latest_waiting() == 7.0
+    assert "vllm:" not in metrics.exposition(passthrough=True, now=115.1).decode()  # too stale: dropped
+    metrics.sample(115.1)
+    assert metrics.window.latest_waiting() is None
+    metrics.upstream_fetched(116.0, VLLM_TEXT)
+    assert metrics.registry.get_sample_value("retrywatch_upstream_up") == 1
+    assert metrics.exposition(passthrough=True, now=116.0).decode().endswith(VLLM_TEXT)
+
+
+def test_the_prompt_token_gap_skips_samples_without_the_upstream_counters() -> None:
+    w = SlidingWindow(window_s=60.0)
+    w.add(_sample(0.0, 0))  # taken before the first upstream scrape arrived
+    w.add(_sample(1.0, 1, 100, 200))
+    assert math.isnan(w.prompt_token_gap())
+    w.add(_sample(2.0, 2, 150, 400))
+    assert w.prompt_token_gap() == 0.75

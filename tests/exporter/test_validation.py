@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from exporter.callkey import call_key, canonical_body
 from exporter.validation import CHAT_COMPLETIONS, COMPLETIONS, RequestError, parse_body, validate
 
 
@@ -50,3 +51,16 @@ def test_parse_body_refuses_non_objects_and_bad_json() -> None:
             parse_body(raw)
         assert info.value.status == 400 and info.value.code == "invalid_json"
     assert parse_body(b'{"a": 1}') == {"a": 1}
+
+
+def test_integers_beyond_64_bits_are_refused_and_never_break_the_call_key() -> None:
+    # The parser (orjson) reads an integer beyond 64 bits as a float, so such a seed is refused
+    # like any non-integer (vLLM refuses seeds outside int64 too).
+    body = parse_body(b'{"model": "m", "prompt": [1, 2], "seed": 123456789012345678901234567890}')
+    with pytest.raises(RequestError) as info:
+        validate(COMPLETIONS, body)
+    assert info.value.status == 400 and info.value.param == "seed"
+    # A body built in Python with one still gets a canonical form (json takes over from orjson).
+    huge = {"model": "m", "prompt": [1], "seed": 2**80}
+    assert canonical_body(huge) == b'{"model":"m","prompt":[1],"seed":1208925819614629174706176}'
+    assert call_key("c", COMPLETIONS, huge) == call_key("c", COMPLETIONS, dict(reversed(huge.items())))
