@@ -1,0 +1,557 @@
+"""Load a run's metrics series into a real Prometheus and evaluate the rules over its past.
+
+Prometheus evaluates rules only in real time, at the wall clock, never over history it was
+handed afterwards. To evaluate ``rules/retrywatch.rules.yml`` over a recorded (or simulated) run
+with Prometheus' own PromQL engine, this module:
+
+1. renders the run as OpenMetrics with timestamps (``retrywatch.timeseries.to_openmetrics``) and
+   turns it into TSDB blocks with ``promtool tsdb create-blocks-from openmetrics``;
+2. starts a real ``prometheus`` on 127.0.0.1 over that data directory;
+3. materialises the recording rules over the run's range with
+   ``promtool tsdb create-blocks-from rules``, one dependency layer at a time (that tool cannot
+   see the output of rules it is backfilling in the same pass), moving each layer's blocks into
+   the data directory and restarting Prometheus so the next layer can read them;
+4. evaluates each alert's expression with ``query_range`` at the rule group's evaluation step and
+   applies the alerting state machine of Prometheus' ``rules/alerting.go`` (pending for ``for``,
+   firing, kept firing for ``keep_firing_for``) in :func:`alert_episodes`.
+
+Step 4 is the only part not done by Prometheus itself: it is the documented, ten-line state
+machine, while every value it consumes comes from the real engine over the real TSDB.
+:func:`evaluate_rules` also places the run's scrapes on the rule group's own evaluation grid
+(Prometheus offsets it by a hash of the group) and emulates staleness markers with a lookback
+under one interval, so that the evaluation at run time ``t`` sees exactly the scrape taken at
+``t``, as the Python detector's replay does (rules/README.md explains the choices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from retrywatch.timeseries import Snapshot, to_openmetrics
+
+# Prometheus' TSDB deletes blocks older than its retention on start; keep loaded runs recent.
+_RETENTION = "30d"
+_READY_TIMEOUT_S = 20.0
+
+
+class BackfillError(RuntimeError):
+    """A Prometheus tool failed; the message carries its output."""
+
+
+def _run(cmd: Sequence[str], *, timeout: float) -> str:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise BackfillError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}: {proc.stderr or proc.stdout}")
+    return proc.stdout
+
+
+def aligned_start(duration_s: float, step_s: float, *, now: float | None = None) -> float:
+    """A Unix start time for a backfilled run: recent (inside retention), in the past by more
+    than the head block's span (so blocks never overlap the live head), aligned to ``step_s``
+    so that query steps land on the run's own snapshot times."""
+    now = time.time() if now is None else now
+    start = now - duration_s - 4 * 3600.0
+    return math.floor(start / step_s) * step_s
+
+
+def write_blocks(
+    snapshots: Iterable[Snapshot],
+    data_dir: Path,
+    *,
+    start_unix_s: float,
+    extra_labels: Mapping[str, str] | None = None,
+    promtool: str = "promtool",
+    timeout: float = 60.0,
+) -> None:
+    """Turn a run's snapshots into TSDB blocks under ``data_dir`` (created if missing)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    text = to_openmetrics(snapshots, start_unix_s=start_unix_s, extra_labels=extra_labels)
+    with tempfile.NamedTemporaryFile("w", suffix=".om", encoding="utf-8", delete=False) as fh:
+        fh.write(text)
+        om_path = Path(fh.name)
+    try:
+        _run(
+            [promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(om_path), str(data_dir)],
+            timeout=timeout,
+        )
+    finally:
+        om_path.unlink(missing_ok=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Prometheus:
+    """A real ``prometheus`` process on 127.0.0.1 over a given data directory.
+
+    Nothing is scraped (the configuration has no targets); rule files, if given, are loaded
+    so that the server validates them, but they only evaluate at the wall clock.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        rule_files: Sequence[Path] = (),
+        lookback_delta_s: float = 30.0,
+        binary: str = "prometheus",
+    ) -> None:
+        self.data_dir = data_dir
+        self.rule_files = list(rule_files)
+        self.lookback_delta_s = lookback_delta_s
+        self.binary = binary
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        self._client = httpx.Client(timeout=30.0)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        config = self.data_dir.parent / f"{self.data_dir.name}.prometheus.yml"
+        cfg: dict[str, Any] = {"global": {"evaluation_interval": "5s"}}
+        if self.rule_files:
+            cfg["rule_files"] = [str(p) for p in self.rule_files]
+        config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+        last_error = ""
+        for _ in range(3):  # a free port can be taken between the probe and the bind
+            self.port = free_port()
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
+            self._proc = subprocess.Popen(
+                [
+                    self.binary,
+                    f"--config.file={config}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    f"--storage.tsdb.path={self.data_dir}",
+                    f"--storage.tsdb.retention.time={_RETENTION}",
+                    f"--query.lookback-delta={int(self.lookback_delta_s)}s",
+                ],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+            )
+            if self._wait_ready():
+                return
+            last_error = self._read_log()
+            self.stop()
+        raise BackfillError(f"prometheus did not become ready: {last_error[-2000:]}")
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                return False
+            with contextlib.suppress(httpx.HTTPError):
+                if self._client.get(f"{self.url}/-/ready").status_code == 200:
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def _read_log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return str(self._log.read().decode("utf-8", "replace"))
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        self._client.close()
+
+    def __enter__(self) -> Prometheus:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _api(self, path: str, params: Mapping[str, str]) -> Any:
+        resp = self._client.get(f"{self.url}/api/v1/{path}", params=dict(params))
+        body = resp.json()
+        if body.get("status") != "success":
+            raise BackfillError(f"{path} {dict(params)}: {body.get('error', resp.text)}")
+        return body["data"]
+
+    def query(self, expr: str, at_unix_s: float) -> list[dict[str, Any]]:
+        data = self._api("query", {"query": expr, "time": f"{at_unix_s:.3f}"})
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}s"}
+        result: list[dict[str, Any]] = self._api("query_range", params)["result"]
+        return result
+
+
+# --- recording rules over history ----------------------------------------------------------
+
+_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def recording_layers(rules: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """Split recording rules into layers: a rule sits one layer above the rules it reads."""
+    records = {str(r["record"]) for r in rules}
+    depth: dict[str, int] = {}
+    by_name = {str(r["record"]): r for r in rules}
+
+    def level(name: str, seen: frozenset[str]) -> int:
+        if name in depth:
+            return depth[name]
+        if name in seen:
+            raise BackfillError(f"recording rule {name} depends on itself")
+        deps = set(_NAME_RE.findall(str(by_name[name]["expr"]))) & records
+        deps.discard(name)
+        d = 1 + max((level(dep, seen | {name}) for dep in deps), default=-1)
+        depth[name] = d
+        return d
+
+    for name in by_name:
+        level(name, frozenset())
+    layers: list[list[Mapping[str, Any]]] = [[] for _ in range(1 + max(depth.values(), default=-1))]
+    for r in rules:
+        layers[depth[str(r["record"])]].append(r)
+    return layers
+
+
+def _backfill(
+    prom: Prometheus,
+    rules: Sequence[Mapping[str, Any]],
+    *,
+    rule_file: Path,
+    group_name: str,
+    start_unix_s: float,
+    end_unix_s: float,
+    step_s: float,
+    out_dir: Path,
+    promtool: str,
+    timeout: float,
+) -> None:
+    group = {"name": group_name, "interval": f"{step_s:g}s", "rules": [dict(r) for r in rules]}
+    rule_file.write_text(yaml.safe_dump({"groups": [group]}, sort_keys=False), encoding="utf-8")
+    _run(
+        [
+            promtool,
+            "tsdb",
+            "create-blocks-from",
+            "rules",
+            "-q",
+            f"--url={prom.url}",
+            f"--start={int(start_unix_s)}",
+            f"--end={math.ceil(end_unix_s)}",
+            f"--eval-interval={step_s:g}s",
+            f"--output-dir={out_dir}",
+            str(rule_file),
+        ],
+        timeout=timeout,
+    )
+
+
+def evaluation_offset(
+    prom: Prometheus,
+    *,
+    rule_file: Path,
+    group_name: str,
+    step_s: float,
+    promtool: str = "promtool",
+    timeout: float = 60.0,
+) -> float:
+    """The offset in [0, step) of the evaluation grid of ``group_name`` in ``rule_file``.
+
+    Prometheus offsets a group's evaluation timestamps by a hash of the group's name and file
+    (``Group.EvalTimestamp``); ``create-blocks-from rules`` does the same. A probe rule is
+    backfilled into a scratch directory and the timestamp of its first sample read back with
+    ``promtool tsdb dump``."""
+    now = time.time() - 3 * 3600.0
+    with tempfile.TemporaryDirectory(prefix="rw-probe-") as tmp:
+        out = Path(tmp) / "blocks"
+        probe = [{"record": "retrywatch_backfill:probe", "expr": "vector(1)"}]
+        _backfill(
+            prom,
+            probe,
+            rule_file=rule_file,
+            group_name=group_name,
+            start_unix_s=now,
+            end_unix_s=now + 4 * step_s,
+            step_s=step_s,
+            out_dir=out,
+            promtool=promtool,
+            timeout=timeout,
+        )
+        (out / "wal").mkdir(parents=True, exist_ok=True)  # `tsdb dump` opens the directory as a DB
+        dump = _run([promtool, "tsdb", "dump", str(out)], timeout=timeout)
+    stamps = [
+        int(line.rsplit(" ", 1)[1]) for line in dump.splitlines() if "retrywatch_backfill:probe" in line
+    ]
+    if not stamps:
+        raise BackfillError(f"the probe rule left no sample: {dump[:500]}")
+    return (min(stamps) / 1000.0) % step_s
+
+
+def backfill_recording_rules(
+    prom: Prometheus,
+    rules: Sequence[Mapping[str, Any]],
+    *,
+    rule_file: Path,
+    group_name: str,
+    start_unix_s: float,
+    end_unix_s: float,
+    step_s: float,
+    promtool: str = "promtool",
+    timeout: float = 60.0,
+) -> None:
+    """Evaluate recording rules over [start, end] with ``promtool tsdb create-blocks-from rules``
+    against ``prom``, layer by layer, moving each layer's blocks into ``prom.data_dir`` and
+    restarting Prometheus so the next layer reads them.
+
+    NOTE: every layer is written to the same ``rule_file`` under the same ``group_name``, so all
+    layers share one evaluation grid (see :func:`evaluation_offset`) and each reads the previous
+    layer's samples at the very timestamp it evaluates, as the rules of one group do live."""
+    for layer in recording_layers(rules):
+        with tempfile.TemporaryDirectory(prefix="rw-layer-") as tmp:
+            out = Path(tmp) / "blocks"
+            _backfill(
+                prom,
+                layer,
+                rule_file=rule_file,
+                group_name=group_name,
+                start_unix_s=start_unix_s,
+                end_unix_s=end_unix_s,
+                step_s=step_s,
+                out_dir=out,
+                promtool=promtool,
+                timeout=timeout,
+            )
+            for block in out.iterdir():
+                if block.is_dir():
+                    shutil.move(str(block), str(prom.data_dir / block.name))
+        prom.restart()
+
+
+# --- the alerting state machine ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One firing episode of an alert for one label set; times in Unix seconds."""
+
+    labels: tuple[tuple[str, str], ...]
+    fired_at: float
+    resolved_at: float | None
+
+
+def alert_episodes(
+    active: Mapping[tuple[tuple[str, str], ...], Sequence[float]],
+    eval_times: Sequence[float],
+    *,
+    for_s: float,
+    keep_firing_for_s: float = 0.0,
+) -> list[Episode]:
+    """Prometheus' alerting state machine (rules/alerting.go) over evaluation timestamps.
+
+    ``active[labels]`` lists the evaluation times at which the alert expression returned a
+    sample for ``labels``. An alert becomes pending at the first such time ``t0`` and fires at
+    the first evaluation ``t`` with ``t - t0 >= for``; pending alerts vanish the first time the
+    expression is empty. A firing alert resolves at the first evaluation at which the expression
+    has been empty for at least ``keep_firing_for``, measured from the first empty evaluation
+    (``KeepFiringSince`` in alerting.go); with ``keep_firing_for`` 0, at the first empty one.
+    """
+    episodes: list[Episode] = []
+    for labels, times in active.items():
+        hits = set(times)
+        pending_since: float | None = None
+        fired_at: float | None = None
+        empty_since: float | None = None
+        for t in eval_times:
+            if t in hits:
+                empty_since = None
+                if pending_since is None and fired_at is None:
+                    pending_since = t
+                if fired_at is None and pending_since is not None and t - pending_since >= for_s:
+                    fired_at = t
+                    pending_since = None
+                continue
+            if fired_at is None:
+                pending_since = None
+                continue
+            if empty_since is None:
+                empty_since = t
+            if t - empty_since >= keep_firing_for_s:
+                episodes.append(Episode(labels, fired_at, t))
+                fired_at = None
+                empty_since = None
+        if fired_at is not None:
+            episodes.append(Episode(labels, fired_at, None))
+    return sorted(episodes, key=lambda e: (e.fired_at, e.labels))
+
+
+def active_times(result: Iterable[Mapping[str, Any]]) -> dict[tuple[tuple[str, str], ...], list[float]]:
+    """Map a ``query_range`` matrix to {label set (without __name__): [timestamps with a sample]}."""
+    out: dict[tuple[tuple[str, str], ...], list[float]] = {}
+    for series in result:
+        labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k != "__name__"))
+        out.setdefault(labels, []).extend(float(ts) for ts, _ in series["values"])
+    return out
+
+
+@dataclass(frozen=True)
+class RunEpisode:
+    """An alert episode of Prometheus' verdict, in seconds from the run's start."""
+
+    alertname: str
+    labels: tuple[tuple[str, str], ...]
+    fired_at_s: float
+    resolved_at_s: float | None
+
+
+_DURATION_RE = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
+
+
+def parse_duration(text: str) -> float:
+    """A Prometheus duration (``1m30s``, ``500ms``) in seconds."""
+    parts = _DURATION_RE.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a Prometheus duration: {text!r}")
+    return sum(int(n) * _UNIT_S[u] for n, u in parts)
+
+
+def _split_rules(doc: Mapping[str, Any]) -> tuple[str, float, list[dict[str, Any]], list[dict[str, Any]]]:
+    groups = doc.get("groups") or []
+    if len(groups) != 1:
+        raise BackfillError(
+            "expected exactly one rule group (its rules are evaluated in order at one timestamp)"
+        )
+    group = groups[0]
+    interval = parse_duration(str(group.get("interval", "1m")))
+    rules = list(group["rules"])
+    return (
+        str(group["name"]),
+        interval,
+        [r for r in rules if "record" in r],
+        [r for r in rules if "alert" in r],
+    )
+
+
+def evaluate_rules(
+    runs: Mapping[str, Sequence[Snapshot]],
+    rules_doc: Mapping[str, Any],
+    *,
+    job: str = "retrywatch",
+    lookback_delta_s: float | None = None,
+    promtool: str = "promtool",
+    prometheus: str = "prometheus",
+) -> dict[str, list[RunEpisode]]:
+    """Prometheus' verdict on runs: ``{instance: alert episodes}`` of ``rules_doc`` (a parsed rule
+    file with one group) over each run's snapshots, in seconds from the run's start.
+
+    Every run is loaded as its own ``instance`` into one TSDB, all starting at the same moment
+    (the rules aggregate ``by (instance)``, so runs do not mix), and evaluated in one pass. The
+    runs are placed on the rule group's own evaluation grid (start aligned to its interval, plus
+    the group's evaluation offset), so Prometheus evaluates at exactly the snapshots' times: the
+    evaluation at run time ``t`` sees the scrape taken at ``t``, as the Python detector's replay
+    does. Each scrape also records ``up{job, instance} = 1``.
+
+    NOTE: a live Prometheus writes a staleness marker for every series a scrape no longer
+    returns, so the series vanishes at once; backfilled blocks carry no such markers. The lookback
+    delta defaults to just under one interval, which on this grid has the same effect: a series
+    missing from the scrape at ``t`` is absent from the evaluation at ``t``.
+    """
+    runs = {instance: snaps for instance, snaps in runs.items() if snaps}
+    if not runs:
+        return {}
+    group_name, step_s, records, alerts = _split_rules(rules_doc)
+    if lookback_delta_s is None:
+        lookback_delta_s = max(1.0, step_s - 1.0)
+    duration = max(snaps[-1].t for snaps in runs.values())
+    with tempfile.TemporaryDirectory(prefix="rw-prom-") as tmp:
+        rule_file = Path(tmp) / "retrywatch.rules.yml"
+        data = Path(tmp) / "data"
+        data.mkdir()
+        with Prometheus(data, lookback_delta_s=lookback_delta_s, binary=prometheus) as prom:
+            offset = evaluation_offset(
+                prom, rule_file=rule_file, group_name=group_name, step_s=step_s, promtool=promtool
+            )
+            start = aligned_start(duration, step_s) + offset
+            prom.stop()
+            # One OpenMetrics file for every run: each sample carries its run's instance label.
+            scraped = [
+                Snapshot(
+                    s.t, [(n, {**lb, "instance": instance}, v) for n, lb, v in [*s.samples, ("up", {}, 1.0)]]
+                )
+                for instance, snaps in runs.items()
+                for s in snaps
+            ]
+            write_blocks(scraped, data, start_unix_s=start, extra_labels={"job": job}, promtool=promtool)
+            prom.start()
+            backfill_recording_rules(
+                prom,
+                records,
+                rule_file=rule_file,
+                group_name=group_name,
+                start_unix_s=start,
+                end_unix_s=start + duration,
+                step_s=step_s,
+                promtool=promtool,
+            )
+            eval_times = [round(start + i * step_s, 3) for i in range(round(duration / step_s) + 1)]
+            out: dict[str, list[RunEpisode]] = {instance: [] for instance in runs}
+            for alert in alerts:
+                result = prom.query_range(str(alert["expr"]), eval_times[0], eval_times[-1], step_s)
+                by_instance: dict[str, dict[tuple[tuple[str, str], ...], list[float]]] = {}
+                for labels, ts in active_times(result).items():
+                    instance = dict(labels).get("instance", "")
+                    if instance not in out:
+                        raise BackfillError(f"{alert['alert']} is active for unknown instance {instance!r}")
+                    by_instance.setdefault(instance, {})[labels] = [round(t, 3) for t in ts]
+                for instance, active in by_instance.items():
+                    # Each run is judged over its own length, like its replay.
+                    run_end = start + runs[instance][-1].t + 1e-6
+                    episodes = alert_episodes(
+                        active,
+                        [t for t in eval_times if t <= run_end],
+                        for_s=parse_duration(str(alert.get("for", "0s"))),
+                        keep_firing_for_s=parse_duration(str(alert.get("keep_firing_for", "0s"))),
+                    )
+                    for ep in episodes:
+                        resolved = None if ep.resolved_at is None else round(ep.resolved_at - start, 3)
+                        out[instance].append(
+                            RunEpisode(
+                                str(alert["alert"]), ep.labels, round(ep.fired_at - start, 3), resolved
+                            )
+                        )
+    return {k: sorted(v, key=lambda e: (e.fired_at_s, e.alertname)) for k, v in out.items()}

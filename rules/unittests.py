@@ -1,0 +1,427 @@
+"""promtool unit tests for every alert, rendered into ``rules/tests/*.yml``.
+
+Each alert gets a scenario: raw series as a scrape of one proxy (retrywatch_* and vLLM's
+passthrough, with ``job`` and ``instance``) in which the alert's condition starts to hold at a
+known evaluation ``onset`` and stops at a known evaluation ``clear``, both worked out by hand
+from the raw series (rates over 60 s or 5 min of counters whose slope changes, or a gauge that
+flips). The tests check the four edges of the alert's windows:
+
+- ``onset + for - 5s``: still pending, no firing alert;
+- ``onset + for``: firing, with its labels and rendered annotations;
+- ``clear + keep_firing_for - 5s``: still firing (hysteresis);
+- ``clear + keep_firing_for``: resolved.
+
+``for`` and ``keep_firing_for`` come from ``detector/thresholds.py``; the onsets do not: they
+follow from the series below and the thresholds' values, so a change of threshold that moves an
+onset makes these tests fail until the scenario is revisited. ``python -m rules.generate``
+writes them; tests/rules/test_generate.py checks the committed files are current.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from retrywatch.timeseries import Snapshot
+
+TESTS_DIR = Path(__file__).resolve().parent / "tests"
+STEP_S = 5
+END_S = 1000
+CHANGE_S = 300  # the scenario's trigger
+REVERT_S = 600  # the trigger's end
+
+INSTANCE = "10.0.0.7:8100"
+JOB = "retrywatch"
+ENGINE = "0"
+MODEL = "qwen2.5-7b-instruct"
+
+# A series' value at time t (seconds); counters are given by their slope per second.
+Curve = Callable[[float], float]
+
+
+def gauge(before: float, during: float | None = None) -> Curve:
+    """``before``, then ``during`` on [CHANGE_S, REVERT_S), then ``before`` again."""
+    if during is None:
+        return lambda t: before
+    return lambda t: during if CHANGE_S <= t < REVERT_S else before
+
+
+def counter(slope: float, slope_during: float | None = None) -> Curve:
+    """A counter from 0 growing at ``slope``/s, at ``slope_during``/s on [CHANGE_S, REVERT_S)."""
+    during = slope if slope_during is None else slope_during
+
+    def value(t: float) -> float:
+        head = min(t, CHANGE_S)
+        mid = max(0.0, min(t, REVERT_S) - CHANGE_S)
+        tail = max(0.0, t - REVERT_S)
+        return slope * head + during * mid + slope * tail
+
+    return value
+
+
+def baseline() -> dict[str, Curve]:
+    """A healthy engine at 1 call/s with Ĉ = 2 calls/s and a 120-s deadline."""
+    return {
+        'up{job="retrywatch"}': gauge(1),
+        'retrywatch_attempts_total{kind="first"}': counter(1),
+        'retrywatch_attempts_total{kind="retry"}': counter(0),
+        "retrywatch_executions_created_total": counter(1),
+        'retrywatch_executions_finished_total{fate="completed"}': counter(1),
+        'retrywatch_executions_finished_total{fate="orphaned"}': counter(0),
+        'retrywatch_executions_finished_total{fate="cancelled"}': counter(0),
+        'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1),
+        'retrywatch_calls_delivered_total{within_deadline="false"}': counter(0),
+        "retrywatch_executions_queued": gauge(0),
+        "retrywatch_capacity_calls_per_second": gauge(2),
+        "retrywatch_client_deadline_seconds": gauge(120),
+        "vllm:num_requests_waiting": gauge(2),
+        "vllm:num_requests_running": gauge(20),
+        "vllm:prompt_tokens_total": counter(12000),
+        "vllm:prefix_cache_queries_total": counter(12000),
+    }
+
+
+@dataclass(frozen=True)
+class Case:
+    """One promtool test: series overrides, and the hand-worked edges of the condition."""
+
+    name: str
+    series: Mapping[str, Curve]
+    onset_s: int  # first evaluation at which the condition holds
+    clear_s: int  # first evaluation at which it no longer holds
+    value_at_fire: float  # the alert's value at onset + for
+    value_at_last: float  # its value at the last evaluation before clear_s
+    engine_labels: bool = True  # NoData has only `instance`
+
+
+@dataclass(frozen=True)
+class AlertScenarios:
+    alertname: str
+    cases: tuple[Case, ...] = field(default_factory=tuple)
+
+
+# --- the scenarios, worked by hand --------------------------------------------------------
+# NOTE: Prometheus 2.42's rate() over [t-W, t] with samples every 5 s on the window's edges is
+# exactly (v(t) - v(t-W)) / W, so a counter whose slope goes from a to b at T has, at T + x
+# (0 <= x <= W), rate (a (W - x) + b x) / W.
+
+SCENARIOS: tuple[AlertScenarios, ...] = (
+    AlertScenarios(
+        "VLLMMetastableRetryLoop",
+        (
+            # Cancellation on: executions at 3/s, nothing delivered or completed, the waiting
+            # queue at 400 >= 0.5 x 3/s x 120 s (with the 20 running, 1.75 deadlines at Ĉ = 2).
+            # Ĉ drops from 10 to 2 at 300 s (creation/Ĉ from 0.3 to 1.5) and returns at 600 s:
+            # a gauge, so onset 300 and clear 600 exactly.
+            Case(
+                "cancellation on: waiting at attempt rate x deadline, completions collapsed",
+                {
+                    'retrywatch_attempts_total{kind="retry"}': counter(2),
+                    "retrywatch_executions_created_total": counter(3),
+                    'retrywatch_executions_finished_total{fate="completed"}': counter(0),
+                    'retrywatch_executions_finished_total{fate="cancelled"}': counter(3),
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(0),
+                    "vllm:num_requests_waiting": gauge(400),
+                    "retrywatch_capacity_calls_per_second": gauge(10, 2),
+                },
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.5,
+                value_at_last=1.5,
+            ),
+            # Cancellation off: completions continue (2.2/s, 2 of them orphaned), goodput 0.2,
+            # the queue (over 300 executions, beyond one deadline at Ĉ = 2) grows by 0.2 per
+            # second. The same Ĉ flip.
+            Case(
+                "cancellation off: completions orphaned, queue growing",
+                {
+                    'retrywatch_attempts_total{kind="retry"}': counter(2),
+                    "retrywatch_executions_created_total": counter(3),
+                    'retrywatch_executions_finished_total{fate="completed"}': counter(0.2),
+                    'retrywatch_executions_finished_total{fate="orphaned"}': counter(2),
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(0.2),
+                    "vllm:num_requests_waiting": lambda t: 250 + 0.2 * t,
+                    "retrywatch_capacity_calls_per_second": gauge(10, 2),
+                },
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.5,
+                value_at_last=1.5,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMBacklogBeyondDeadline",
+        (
+            # The waiting queue jumps from 2 to 280 executions at 300 s: with the 20 running,
+            # 300 executions / 2 per s = 150 s of work, 1.25 deadlines, while first attempts keep
+            # arriving.
+            Case(
+                "the pulse queues 1.25 deadlines of work",
+                {"vllm:num_requests_waiting": gauge(2, 280)},
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.25,
+                value_at_last=1.25,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMExecutionsAboveCapacity",
+        (
+            # Executions at 3/s; Ĉ from 10 to 2 at 300 s: creation/Ĉ 0.3 -> 1.5.
+            Case(
+                "executions created at 1.5 x capacity",
+                {
+                    "retrywatch_executions_created_total": counter(3),
+                    "retrywatch_capacity_calls_per_second": gauge(10, 2),
+                },
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.5,
+                value_at_last=1.5,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMRetryAmplification",
+        (
+            # First attempts at 1/s throughout; executions from 1/s to 3.5/s at 300 s. Over 60 s,
+            # executions per first attempt at 300 + x is 1 + 2.5 x / 60 >= 2 from x = 24: onset
+            # 325. After 600 it is (3.5 (60 - y) + y) / 60 < 2 from y = 36: clear 640, and the last
+            # value before it (y = 35) is 122.5 / 60.
+            Case(
+                "3.5 executions per first attempt",
+                {"retrywatch_executions_created_total": counter(1, 3.5)},
+                onset_s=325,
+                clear_s=640,
+                value_at_fire=3.5,
+                value_at_last=122.5 / 60,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMOrphanedExecutions",
+        (
+            # Completions with a subscriber at 2/s; orphaned completions from 0 to 2.4/s at 300 s.
+            # At 300 + x the orphaned rate is a = 2.4 x / 60 and the share a / (2 + a) >= 0.25 once
+            # a >= 2/3, x >= 16.7: onset 320. After 600, a = 2.4 (60 - y) / 60 >= 2/3 up to y = 43.3:
+            # clear 645, last value (y = 40) 0.8 / 2.8.
+            Case(
+                "2.4 of 4.4 completions per second orphaned",
+                {
+                    'retrywatch_executions_finished_total{fate="completed"}': counter(2),
+                    'retrywatch_executions_finished_total{fate="orphaned"}': counter(0, 2.4),
+                },
+                onset_s=320,
+                clear_s=645,
+                value_at_fire=2.4 / 4.4,
+                value_at_last=0.8 / 2.8,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMPromptTokensUncounted",
+        (
+            # Admitted prompt tokens at 12,000/s; counted ones drop to 5,400/s at 300 s (prompts
+            # aborted before their first token). Over 5 min the gap at 300 + x is 6600 x / (300 *
+            # 12000) >= 0.2 from x = 109.1: onset 410; after 600 it is 6600 (300 - y) / 3.6e6 < 0.2
+            # from y = 190.9: clear 795, last value (y = 190) 6600 * 110 / 3.6e6.
+            Case(
+                "prompt tokens counted fall 55% short of admitted",
+                {"vllm:prompt_tokens_total": counter(12000, 5400)},
+                onset_s=410,
+                clear_s=795,
+                value_at_fire=6600 * 170 / 3.6e6,
+                value_at_last=6600 * 110 / 3.6e6,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMRetrywatchNoData",
+        (
+            # The scrape of the proxy fails from 300 s to 600 s (up == 0).
+            Case(
+                "the target is down",
+                {'up{job="retrywatch"}': gauge(1, 0)},
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.0,
+                value_at_last=1.0,
+                engine_labels=False,
+            ),
+        ),
+    ),
+)
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def _with_target_labels(selector: str) -> str:
+    name, _, rest = selector.partition("{")
+    labels = rest.rstrip("}")
+    extra = [f'instance="{INSTANCE}"']
+    if 'job="' not in labels:
+        extra.append(f'job="{JOB}"')
+    if name.startswith("vllm:"):
+        extra += [f'engine="{ENGINE}"', f'model_name="{MODEL}"']
+    inner = ",".join([p for p in (labels,) if p] + extra)
+    return f"{name}{{{inner}}}"
+
+
+def _parse_selector(selector: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = selector.partition("{")
+    labels: dict[str, str] = {}
+    for part in filter(None, rest.rstrip("}").split(",")):
+        key, _, value = part.partition("=")
+        labels[key] = value.strip('"')
+    return name, labels
+
+
+def case_snapshots(case: Case, *, step_s: int = STEP_S, end_s: int = END_S) -> list[Snapshot]:
+    """The scenario as the scrapes of the proxy's ``/metrics`` (what a reproduce run's series
+    holds): every series but ``up``, which is the scraper's own, with vLLM's engine labels."""
+    curves = {sel: c for sel, c in {**baseline(), **case.series}.items() if not sel.startswith("up{")}
+    out: list[Snapshot] = []
+    for t in range(0, end_s + 1, step_s):
+        samples: list[tuple[str, dict[str, str], float]] = []
+        for selector, curve in curves.items():
+            name, labels = _parse_selector(selector)
+            if name.startswith("vllm:"):
+                labels = {**labels, "engine": ENGINE, "model_name": MODEL}
+            samples.append((name, labels, float(curve(float(t)))))
+        out.append(Snapshot(float(t), samples))
+    return out
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(round(x, 6))
+
+
+def encode(values: list[float]) -> str:
+    """promtool's expanding notation: runs of equal steps become ``a+bxn`` (n + 1 values)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        if i + 1 < len(values):
+            step = round(values[i + 1] - values[i], 9)
+            while j + 1 < len(values) and abs(round(values[j + 1] - values[j], 9) - step) < 1e-9:
+                j += 1
+        if j == i:
+            parts.append(_num(values[i]))
+        else:
+            step = round(values[i + 1] - values[i], 9)
+            sign = "+" if step >= 0 else "-"
+            parts.append(f"{_num(values[i])}{sign}{_num(abs(step))}x{j - i}")
+        i = j + 1
+    return " ".join(parts)
+
+
+def _go_percent(x: float) -> str:
+    # Prometheus' humanizePercentage: fmt.Sprintf("%.4g%%", v*100)
+    return f"{x * 100:.4g}%"
+
+
+def _annotations(alertname: str, value: float, engine_labels: bool) -> dict[str, str]:
+    from detector.thresholds import ALERTS_BY_NAME
+
+    rule = ALERTS_BY_NAME[alertname]
+    text = rule.description
+    text = text.replace("{value:.2f}", f"{value:.2f}").replace("{value:.0%}", _go_percent(value))
+    text = text.replace("{missing}", "a needed series or the scrape target")
+    text = text.replace("{instance}", INSTANCE)
+    text = text.replace("{engine}", ENGINE if engine_labels else "")
+    text = text.replace("{model}", MODEL if engine_labels else "")
+    return {"summary": rule.summary, "description": text, "runbook_url": rule.runbook_url}
+
+
+def _labels(alertname: str, engine_labels: bool) -> dict[str, str]:
+    from detector.thresholds import ALERTS_BY_NAME
+
+    labels = {"severity": ALERTS_BY_NAME[alertname].severity, "instance": INSTANCE}
+    if engine_labels:
+        labels.update({"engine": ENGINE, "model": MODEL})
+    return labels
+
+
+def _duration(seconds: int) -> str:
+    return f"{seconds}s"
+
+
+def unit_test_document(scenarios: AlertScenarios) -> dict[str, Any]:
+    from detector.thresholds import ALERTS_BY_NAME
+
+    rule = ALERTS_BY_NAME[scenarios.alertname]
+    for_s, keep_s = int(rule.for_s), int(rule.keep_firing_for_s)
+    tests: list[dict[str, Any]] = []
+    times = [float(t) for t in range(0, END_S + 1, STEP_S)]
+    for case in scenarios.cases:
+        curves = {**baseline(), **case.series}
+        input_series = [
+            {"series": _with_target_labels(sel), "values": encode([curve(t) for t in times])}
+            for sel, curve in curves.items()
+        ]
+        fire = case.onset_s + for_s
+        resolve = case.clear_s + keep_s
+        if not case.onset_s + for_s < case.clear_s:
+            raise ValueError(f"{scenarios.alertname}: {case.name}: the trigger ends before the alert fires")
+        labels = _labels(scenarios.alertname, case.engine_labels)
+
+        def firing(value: float, labels: dict[str, str] = labels, case: Case = case) -> list[dict[str, Any]]:
+            return [
+                {
+                    "exp_labels": labels,
+                    "exp_annotations": _annotations(scenarios.alertname, value, case.engine_labels),
+                }
+            ]
+
+        alert_tests = [
+            {"eval_time": _duration(fire - STEP_S), "alertname": scenarios.alertname, "exp_alerts": []},
+            {
+                "eval_time": _duration(fire),
+                "alertname": scenarios.alertname,
+                "exp_alerts": firing(case.value_at_fire),
+            },
+            {
+                "eval_time": _duration(resolve - STEP_S),
+                "alertname": scenarios.alertname,
+                "exp_alerts": firing(case.value_at_last),
+            },
+            {"eval_time": _duration(resolve), "alertname": scenarios.alertname, "exp_alerts": []},
+        ]
+        tests.append(
+            {
+                "name": case.name,
+                "interval": _duration(STEP_S),
+                "input_series": input_series,
+                "alert_rule_test": alert_tests,
+            }
+        )
+    return {
+        "rule_files": ["../retrywatch.rules.yml"],
+        "evaluation_interval": _duration(STEP_S),
+        "tests": tests,
+    }
+
+
+HEADER = (
+    "# promtool unit tests for {alertname}: just before and just after its `for` and\n"
+    "# `keep_firing_for` windows. GENERATED by `python -m rules.generate` from rules/unittests.py\n"
+    "# (scenarios worked by hand) and detector/thresholds.py. Run: promtool test rules {path}\n"
+)
+
+
+def unit_test_files() -> dict[Path, str]:
+    """{path: text} of every promtool test file."""
+    out: dict[Path, str] = {}
+    for scenarios in SCENARIOS:
+        path = TESTS_DIR / f"{scenarios.alertname.lower()}.test.yml"
+        body = yaml.safe_dump(unit_test_document(scenarios), sort_keys=False, width=1000, allow_unicode=True)
+        out[path] = HEADER.format(alertname=scenarios.alertname, path=f"rules/tests/{path.name}") + body
+    return out

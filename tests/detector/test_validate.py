@@ -1,0 +1,249 @@
+"""``retrywatch reproduce validate DIR``: scoring of the alerts against run outcomes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from detector.thresholds import ALERTS_BY_NAME
+from detector.validate import (
+    BACKLOG,
+    RETRY_LOOP,
+    Firing,
+    RunInfo,
+    RunResult,
+    ValidationError,
+    build_report,
+    load_runs,
+    render_markdown,
+    validate,
+    validate_dir,
+)
+from retrywatch.timeseries import write_series
+from rules import unittests
+
+
+def _info(
+    run: int, *, recovered: bool, recovery_time_s: float | None = None, controlled: bool = False
+) -> RunInfo:
+    return RunInfo(
+        block="paper",
+        condition="no-control",
+        model="qwen2.5-7b-h100",
+        run=run,
+        recovered=recovered,
+        recovery_time_s=recovery_time_s,
+        pulse_start_s=120.0,
+        pulse_end_s=227.0,
+        duration_s=1800.0,
+        deadline_s=120.0,
+        capacity=2.78,
+        time_scale=1.0,
+        series=Path("unused"),
+        shed_or_attached=controlled,
+        hold_creation_x_capacity=0.85,
+    )
+
+
+def _results() -> list[RunResult]:
+    return [
+        # collapsed: warned during the pulse, loop 60 s after its end
+        RunResult(_info(1, recovered=False), [Firing(BACKLOG, 200.0, None), Firing(RETRY_LOOP, 287.0, None)]),
+        # collapsed: loop 200 s after the pulse (late), no early warning
+        RunResult(_info(2, recovered=False), [Firing(RETRY_LOOP, 427.0, None)]),
+        # collapsed: never detected
+        RunResult(_info(3, recovered=False), []),
+        # recovered 180 s after the pulse (at 407 s): loop fired during the drain, resolved at 467
+        RunResult(
+            _info(4, recovered=True, recovery_time_s=180.0),
+            [Firing(BACKLOG, 210.0, 300.0), Firing(RETRY_LOOP, 250.0, 467.0, value=1.3)],
+        ),
+        # recovered, but the loop alert fires before the pulse and after recovery: false positive
+        RunResult(
+            _info(5, recovered=True, recovery_time_s=120.0, controlled=True),
+            [Firing(RETRY_LOOP, 60.0, 80.0), Firing(RETRY_LOOP, 900.0, 950.0)],
+        ),
+        # recovered quietly
+        RunResult(_info(6, recovered=True, recovery_time_s=100.0), []),
+    ]
+
+
+def test_scores_recall_false_positives_lead_and_resolve_times() -> None:
+    report = build_report(_results(), [RETRY_LOOP, BACKLOG])
+    loop = report["alerts"][RETRY_LOOP]
+    assert loop["recall"] == pytest.approx(2 / 3, abs=1e-4)
+    assert (loop["runs_not_recovered"], loop["runs_recovered"]) == (3, 3)
+    assert loop["false_positive_runs"] == 1
+    assert loop["lead_time_s"] == {"median": 130.0, "max": 200.0}  # 60 and 200 s after the pulse
+    assert loop["resolve_after_recovery_s"] == {"median": 60.0, "max": 60.0}  # 467 - 407
+    backlog = report["alerts"][BACKLOG]
+    assert backlog["recall"] == pytest.approx(1 / 3, abs=1e-4)
+    assert backlog["lead_time_s"] == {"median": -27.0, "max": -27.0}  # before the pulse's end
+    assert backlog["false_positive_runs"] == 0
+
+
+def test_targets_name_the_runs_that_break_them() -> None:
+    targets = build_report(_results(), [RETRY_LOOP, BACKLOG])["targets"]
+    loop = targets[RETRY_LOOP]
+    slug = "paper__no-control__qwen2.5-7b-h100__r{}"
+    assert [r["run"] for r in loop["missed_runs"]] == [slug.format(3)]
+    assert [(r["run"], r["lead_time_s"]) for r in loop["late_runs"]] == [(slug.format(2), 200.0)]
+    assert [r["run"] for r in loop["fired_before_pulse"]] == [slug.format(5)]
+    assert [r["run"] for r in loop["fired_after_recovery"]] == [slug.format(5)]
+    assert [r["run"] for r in loop["fired_in_shed_or_attached_runs"]] == [slug.format(5)]
+    between = loop["fired_between_pulse_and_recovery"]
+    assert [(b["run"], b["fired_at_s"], b["recovery_at_s"]) for b in between] == [
+        (slug.format(4), 250.0, 407.0)
+    ]
+    assert between[0]["why"] == (
+        "executions created at 1.30 Ĉ when it fired; 0.85 Ĉ over the hold (347–947 s): below Ĉ, so the "
+        "backlog drained; condition no-control: retries neither shed nor attached"
+    )
+    assert loop["met"] is False
+    backlog = targets[BACKLOG]
+    assert [r["run"] for r in backlog["missed_before_pulse_end"]] == [slug.format(2), slug.format(3)]
+    assert backlog["fired_in_recovering_runs_count"] == 1
+    assert backlog["met"] is False
+
+
+def test_no_runs_of_a_kind_gives_nulls_not_errors() -> None:
+    report = build_report([RunResult(_info(6, recovered=True, recovery_time_s=100.0), [])], [RETRY_LOOP])
+    loop = report["alerts"][RETRY_LOOP]
+    assert loop["recall"] is None
+    assert loop["lead_time_s"] == {"median": None, "max": None}
+    assert "| VLLMMetastableRetryLoop | – | 0 | 0 | 1 |" in render_markdown(report)
+
+
+# --- end to end on a hand-made reproduce output, through the real detector replay ----------
+
+
+def _write_dir(out: Path) -> None:
+    collapsed = unittests.SCENARIOS[0].cases[0]  # retry-loop signature from 300 s to 600 s
+    healthy = unittests.Case("healthy", {}, onset_s=300, clear_s=600, value_at_fire=0, value_at_last=0)
+    runs = []
+    for i, (case, recovered) in enumerate([(collapsed, False), (healthy, True)], start=1):
+        slug = f"paper__no-control__qwen2.5-7b-h100__r{i}"
+        write_series(_mkdir(out / "runs" / slug) / "metrics.jsonl", unittests.case_snapshots(case))
+        runs.append(
+            {
+                "block": "paper",
+                "condition": "no-control",
+                "model": "qwen2.5-7b-h100",
+                "run": i,
+                "seed": 100 + i,
+                "capacity": 2.0,
+                "pulse_multiple": 2.7,
+                "recovered": recovered,
+                "recovery_time_s": 60.0 if recovered else None,
+                "retries": {"total": 10, "refused": 0, "attached": 0},
+                "series": f"runs/{slug}/metrics.jsonl",
+                "pulse": {"start_s": 250.0, "end_s": 320.0},
+                "deadline_s": 120.0,
+                "duration_s": 1000.0,
+                "time_scale": 1.0,
+            }
+        )
+    (out / "summary.json").write_text(json.dumps({"runs": runs}), encoding="utf-8")
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+def test_validate_dir_replays_every_run_and_writes_json_and_markdown(tmp_path: Path) -> None:
+    _write_dir(tmp_path)
+    report = validate_dir(tmp_path)
+    saved = json.loads((tmp_path / "validation.json").read_text(encoding="utf-8"))
+    assert saved == json.loads(json.dumps(report))
+    assert set(saved["alerts"]) == set(ALERTS_BY_NAME)
+    for figures in saved["alerts"].values():
+        assert set(figures) == {
+            "recall", "runs_not_recovered", "false_positive_runs", "runs_recovered",
+            "lead_time_s", "resolve_after_recovery_s",
+        }  # fmt: skip
+    fire_at = 300.0 + ALERTS_BY_NAME[RETRY_LOOP].for_s  # the scenario's onset plus `for`
+    loop = saved["alerts"][RETRY_LOOP]
+    assert loop["recall"] == 1.0
+    assert loop["lead_time_s"]["median"] == fire_at - 320.0
+    assert loop["false_positive_runs"] == 0
+    first, second = saved["runs"]
+    assert {k: first[k] for k in ("block", "condition", "model", "run", "recovered")} == {
+        "block": "paper", "condition": "no-control", "model": "qwen2.5-7b-h100", "run": 1, "recovered": False,
+    }  # fmt: skip
+    fired = {a["alertname"]: a for a in first["alerts"]}
+    assert fired[RETRY_LOOP]["fired_at_s"] == fire_at
+    assert set(fired[RETRY_LOOP]) == {"alertname", "fired_at_s", "resolved_at_s"}
+    assert second["alerts"] == []
+    md = (tmp_path / "validation.md").read_text(encoding="utf-8")
+    assert md.startswith("# Alert validation")
+    assert f"| {RETRY_LOOP} | 1 | 1 | 0 | 1 |" in md
+
+
+def test_cli_writes_the_files_and_reports_bad_input(tmp_path: Path) -> None:
+    _write_dir(tmp_path)
+    result = CliRunner().invoke(validate, [str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "validation.json").is_file() and (tmp_path / "validation.md").is_file()
+    empty = _mkdir(tmp_path / "empty")
+    result = CliRunner().invoke(validate, [str(empty)])
+    assert result.exit_code != 0
+    assert "summary.json: not found" in result.output
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda run: run.pop("pulse"), "missing field 'pulse'"),
+        (lambda run: run.update(recovered="yes"), "'recovered' must be true or false"),
+        (lambda run: run.update(series="runs/nope/metrics.jsonl"), "not found"),
+        (lambda run: run.update(recovery_time_s=None, recovered=True), "needs 'recovery_time_s'"),
+        (lambda run: run["pulse"].update(end_s="late"), "expected a finite number"),
+    ],
+)
+def test_bad_summary_gets_a_clear_error(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    _write_dir(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
+    mutate(summary["runs"][0])
+    (tmp_path / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    with pytest.raises(ValidationError, match=message):
+        load_runs(tmp_path)
+
+
+def test_block_filter(tmp_path: Path) -> None:
+    _write_dir(tmp_path)
+    with pytest.raises(ValidationError, match="no run of block 'engine-cap'"):
+        validate_dir(tmp_path, block="engine-cap")
+    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
+    summary["runs"][1]["block"] = "diagnostic"
+    (tmp_path / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    assert [r["run"] for r in validate_dir(tmp_path, block="diagnostic")["runs"]] == [2]
+    assert len(validate_dir(tmp_path, block="paper")["runs"]) == 2  # paper is every block
+
+
+def test_summary_capacity_stands_in_when_the_series_exports_none(tmp_path: Path) -> None:
+    """Without Ĉ in the series, the summary's capacity is used: with Ĉ = 2 and executions at 3/s
+    the retry-loop condition holds from the first evaluation, not from the series' own 300 s."""
+    _write_dir(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
+    series = tmp_path / summary["runs"][0]["series"]
+    snaps = [
+        type(s)(s.t, [x for x in s.samples if x[0] != "retrywatch_capacity_calls_per_second"])
+        for s in unittests.case_snapshots(unittests.SCENARIOS[0].cases[0])
+    ]
+    write_series(series, snaps)
+    report = validate_dir(tmp_path)
+    loop = [a for a in report["runs"][0]["alerts"] if a["alertname"] == RETRY_LOOP]
+    assert loop and loop[0]["fired_at_s"] < 300.0
+
+
+def test_reachable_as_retrywatch_reproduce_validate(tmp_path: Path) -> None:
+    from retrywatch.cli import main
+
+    _write_dir(tmp_path)
+    result = CliRunner().invoke(main, ["reproduce", "validate", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "| VLLMMetastableRetryLoop | 1 |" in result.output
