@@ -308,8 +308,11 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 DRAW_TIMEOUT_MS = 30_000
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    # NOTE: module scope, not session: Playwright's sync API keeps an asyncio loop marked as
+    # running in the main thread while it is open, which breaks every later test that calls
+    # asyncio.run() in the same session.
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} not found: install Debian's chromium and chromium-driver (see .ci/run)")
     from playwright.sync_api import sync_playwright
