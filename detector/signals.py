@@ -254,6 +254,15 @@ SIGNALS: tuple[SignalSpec, ...] = (
         f"{_r('vllm_waiting:sum')} / (({_r('attempts:rate1m')} * {_r('client_deadline:seconds')}) > 0)",
     ),
     SignalSpec(
+        "queue_littles_law_ratio",
+        "ratio",
+        "Executions waiting (vLLM waiting + the proxy's queue) over execution creation rate × deadline:"
+        " 1 when every execution waits out its client's deadline (Little's law).",
+        _r("queue_littles_law:ratio1m"),
+        f"{_r('queue_executions:sum')}"
+        f" / (({_r('executions_created:rate1m')} * {_r('client_deadline:seconds')}) > 0)",
+    ),
+    SignalSpec(
         "backlog_seconds",
         "s",
         "Executions in the engine (waiting + running) and the proxy queue, in seconds at Ĉ: by Little's"
@@ -283,6 +292,14 @@ SIGNALS: tuple[SignalSpec, ...] = (
         _r("orphaned:ratio1m"),
         f"{_r('executions_orphaned:rate1m')} / "
         f"(({_r('executions_completed:rate1m')} + {_r('executions_orphaned:rate1m')}) > 0)",
+    ),
+    SignalSpec(
+        "cancelled_fraction",
+        "ratio",
+        "Share of the executions the engine finished or aborted that were cancelled.",
+        _r("cancelled:ratio1m"),
+        f"{_r('executions_cancelled:rate1m')} / (({_r('executions_completed:rate1m')}"
+        f" + {_r('executions_orphaned:rate1m')} + {_r('executions_cancelled:rate1m')}) > 0)",
     ),
     SignalSpec(
         "queue_growth_rate",
@@ -608,6 +625,11 @@ class SignalEngine:
         v["completion_capacity_ratio"] = _div(engine_done, capacity)
         little = attempts * deadline if attempts is not None and deadline is not None else None
         v["waiting_littles_law_ratio"] = _div(waiting, little)
+        # NOTE: shed and attached attempts wait in no queue; every created execution waits in the
+        # proxy's queue or the engine's until it runs or its deadline passes.
+        waiting_all = _add(waiting, queued_gauge) if waiting is not None else None
+        per_deadline = created * deadline if created is not None and deadline is not None else None
+        v["queue_littles_law_ratio"] = _div(waiting_all, per_deadline)
         # NOTE: running executions count: at Ĉ a new execution completes only after everything
         # in the engine ahead of and beside it (Little's law), which is what its deadline measures.
         queue = _add(_add(waiting, v["vllm_running"]), queued_gauge) if waiting is not None else None
@@ -615,6 +637,8 @@ class SignalEngine:
         v["backlog_deadline_ratio"] = _div(backlog, deadline)
         v["goodput_ratio"] = _div(within, first)
         v["orphaned_fraction"] = _div(orphaned, engine_done)
+        cancelled = v["completion_rate_cancelled"]
+        v["cancelled_fraction"] = _div(cancelled, _add(engine_done, cancelled))
         v["queue_growth_rate"] = self._deriv(hist, ("waiting", "queued"), now, w.rate_s)
 
         missing: list[str] = []

@@ -74,6 +74,7 @@ class RunInfo:
     series: Path
     shed_or_attached: bool
     hold_creation_x_capacity: float | None = None  # executions created over 347–947 s, in Ĉ
+    variant: str = ""  # e.g. the trigger sweep's "pulse-2"
 
     @property
     def recovery_at_s(self) -> float | None:
@@ -84,7 +85,8 @@ class RunInfo:
 
     @property
     def slug(self) -> str:
-        return f"{self.block}__{self.condition}__{self.model}__r{self.run}"
+        condition = f"{self.condition}-{self.variant}" if self.variant else self.condition
+        return f"{self.block}__{condition}__{self.model}__r{self.run}"
 
 
 @dataclass
@@ -130,14 +132,33 @@ def explain_transient_loop(info: RunInfo, firing: Firing) -> str:
         parts.append(f"executions created at {firing.value:.2f} Ĉ when it fired")
     if info.hold_creation_x_capacity is not None:
         below = info.hold_creation_x_capacity < 1.0
-        parts.append(
-            f"{info.hold_creation_x_capacity:.2f} Ĉ over the hold (347–947 s)"
-            + (": below Ĉ, so the backlog drained" if below else ": at or above Ĉ")
-        )
+        verdict = ": at or above Ĉ"
+        if below:
+            verdict = ": below Ĉ, so the backlog drained" if info.recovered else ": below Ĉ"
+        parts.append(f"{info.hold_creation_x_capacity:.2f} Ĉ over the hold (347–947 s){verdict}")
     if info.shed_or_attached:
         parts.append(f"retries shed or attached ({info.condition})")
     else:
         parts.append(f"condition {info.condition}: retries neither shed nor attached")
+    return "; ".join(parts)
+
+
+def explain_miss(info: RunInfo) -> str:
+    """Why the retry-loop alert stayed silent (or came late) in a run that did not recover: the
+    loop needs executions created at or above Ĉ; below it the backlog drains, however slowly,
+    or sits at the deadline's edge (an engine queue cap of Ĉ x deadline holds it there)."""
+    parts = []
+    if info.hold_creation_x_capacity is not None:
+        below = info.hold_creation_x_capacity < 1.0
+        parts.append(
+            f"executions created at {info.hold_creation_x_capacity:.2f} Ĉ over the hold (347–947 s)"
+            + (": below Ĉ, so not the loop's fuel" if below else ": at or above Ĉ")
+        )
+    parts.append(
+        f"retries shed or attached ({info.condition})"
+        if info.shed_or_attached
+        else f"condition {info.condition}: retries neither shed nor attached"
+    )
     return "; ".join(parts)
 
 
@@ -187,6 +208,7 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 series=series,
                 shed_or_attached=_shed_or_attached(run),
                 hold_creation_x_capacity=_hold_creation(run),
+                variant=str(run.get("variant") or ""),
             )
         )
     return infos
@@ -273,9 +295,10 @@ def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
         first_loop = _first_after(loop, info.pulse_start_s)
         if not info.recovered:
             if first_loop is None:
-                loop_missed.append(_run_ref(r))
+                loop_missed.append(_run_ref(r, why=explain_miss(info)))
             elif first_loop.fired_at_s - info.pulse_end_s > lead_target:
-                loop_late.append(_run_ref(r, lead_time_s=round(first_loop.fired_at_s - info.pulse_end_s, 3)))
+                lead = round(first_loop.fired_at_s - info.pulse_end_s, 3)
+                loop_late.append(_run_ref(r, lead_time_s=lead, why=explain_miss(info)))
             if not any(info.pulse_start_s <= f.fired_at_s <= info.pulse_end_s for f in backlog):
                 backlog_missed.append(_run_ref(r))
         before = [f for f in loop if f.fired_at_s < info.pulse_start_s]
@@ -301,7 +324,12 @@ def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
                 backlog_recovering.append(_run_ref(r, fired_at_s=backlog[0].fired_at_s))
         if info.shed_or_attached and loop:
             loop_controlled.append(
-                _run_ref(r, fired_at_s=loop[0].fired_at_s, why=explain_transient_loop(info, loop[0]))
+                _run_ref(
+                    r,
+                    fired_at_s=loop[0].fired_at_s,
+                    recovered=info.recovered,
+                    why=explain_transient_loop(info, loop[0]),
+                )
             )
     collapsed = sum(1 for r in results if not r.info.recovered)
     recovering = sum(1 for r in results if r.info.recovered)
@@ -337,6 +365,7 @@ def build_report(results: Sequence[RunResult], alertnames: Sequence[str]) -> dic
             {
                 "block": r.info.block,
                 "condition": r.info.condition,
+                "variant": r.info.variant,
                 "model": r.info.model,
                 "run": r.info.run,
                 "recovered": r.info.recovered,
@@ -393,8 +422,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ("fired in a run whose retries were shed or attached", loop["fired_in_shed_or_attached_runs"]),
     ]
     for label, runs in checks:
-        lines.append(f"- {label}: {len(runs)}" + (f" ({', '.join(r['run'] for r in runs)})" if runs else ""))
-        lines.extend(f"  - {r['run']}: {r['why']}" for r in runs if r.get("why"))
+        lines.append(f"- {label}: {len(runs)}")
+        for r in runs:
+            extra = []
+            if "lead_time_s" in r:
+                extra.append(f"+{_fmt(r['lead_time_s'])} s")
+            if "recovered" in r:
+                extra.append("recovered" if r["recovered"] else "did not recover")
+            if r.get("why"):
+                extra.append(r["why"])
+            lines.append(f"  - {r['run']}" + (f": {'; '.join(extra)}" if extra else ""))
     between = loop["fired_between_pulse_and_recovery"]
     lines += ["", f"Recovering runs in which it fired between the pulse and the recovery: {len(between)}", ""]
     if between:
@@ -422,9 +459,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         alerts = "; ".join(
             f"{a['alertname']} {_fmt(a['fired_at_s'])}–{_fmt(a['resolved_at_s'])}" for a in r["alerts"]
         )
+        condition = f"{r['condition']}-{r['variant']}" if r.get("variant") else r["condition"]
         lines.append(
-            f"| {r['block']} | {r['condition']} | {r['model']} | {r['run']} | {r['recovered']} "
-            f"| {alerts or '–'} |"
+            f"| {r['block']} | {condition} | {r['model']} | {r['run']} | {r['recovered']} | {alerts or '–'} |"
         )
     return "\n".join(lines) + "\n"
 

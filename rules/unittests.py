@@ -113,7 +113,7 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
     AlertScenarios(
         "VLLMMetastableRetryLoop",
         (
-            # Cancellation on: executions at 3/s, nothing delivered or completed, the waiting
+            # Cancellation on: executions at 3/s, all cancelled, nothing delivered, the waiting
             # queue at 400 >= 0.5 x 3/s x 120 s (with the 20 running, 1.75 deadlines at Ĉ = 2).
             # Ĉ drops from 10 to 2 at 300 s (creation/Ĉ from 0.3 to 1.5) and returns at 600 s:
             # a gauge, so onset 300 and clear 600 exactly.
@@ -126,6 +126,26 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
                     'retrywatch_executions_finished_total{fate="cancelled"}': counter(3),
                     'retrywatch_calls_delivered_total{within_deadline="true"}': counter(0),
                     "vllm:num_requests_waiting": gauge(400),
+                    "retrywatch_capacity_calls_per_second": gauge(10, 2),
+                },
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.5,
+                value_at_last=1.5,
+            ),
+            # Cancellation on behind a proxy cap (FIFO): the engine holds 80 waiting, the proxy's
+            # queue 300 more; (80 + 300) / (3/s x 120 s) = 1.06 executions per deadline's worth,
+            # and the engine cancels all it finishes. The same Ĉ flip.
+            Case(
+                "cancellation on behind a proxy cap: the queue held in the proxy",
+                {
+                    'retrywatch_attempts_total{kind="retry"}': counter(2),
+                    "retrywatch_executions_created_total": counter(3),
+                    'retrywatch_executions_finished_total{fate="completed"}': counter(0),
+                    'retrywatch_executions_finished_total{fate="cancelled"}': counter(3),
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(0),
+                    "vllm:num_requests_waiting": gauge(80),
+                    "retrywatch_executions_queued": gauge(300),
                     "retrywatch_capacity_calls_per_second": gauge(10, 2),
                 },
                 onset_s=300,

@@ -75,13 +75,14 @@ def test_replay_on_an_interval_and_bad_inputs(tmp_path: Path) -> None:
         replay_run(bad)
 
 
-@pytest.mark.parametrize(("waiting", "loop_expected"), [(200.0, False), (300.0, True)])
-def test_no_loop_while_the_engine_holds_less_than_a_deadline_of_work(
+@pytest.mark.parametrize(("waiting", "loop_expected"), [(180.0, False), (300.0, True)])
+def test_no_loop_while_the_engine_holds_well_under_a_deadline_of_work(
     tmp_path: Path, waiting: float, loop_expected: bool
 ) -> None:
-    # Cancellation-on signature (waiting >= half of attempts x deadline, completions at a quarter
-    # of Ĉ, executions created at 1.5 Ĉ) but, at 200 waiting, only 100 s of work at Ĉ = 2: new
-    # attempts complete within their 120-s deadline (an engine queue cap does this), no loop.
+    # Cancellation-on signature (waiting >= half of executions x deadline, 5 in 6 of the engine's
+    # executions cancelled, executions created at 1.5 Ĉ) but, at 180 waiting, only 90 s of work
+    # at Ĉ = 2 (0.75 deadlines): new attempts complete within their 120-s deadline (an engine
+    # queue cap can do this), no loop. At 300 waiting (1.25 deadlines) it is the loop.
     series = steady(600, first=1.0, retry=2.0, completed=0.5, cancelled=2.5, waiting=waiting)
     path = tmp_path / "metrics.jsonl"
     write_series(path, series)

@@ -35,6 +35,8 @@ def test_rates_gauges_and_ratios_from_steady_counters() -> None:
     assert v["backlog_seconds"] == pytest.approx(250.0)
     assert v["backlog_deadline_ratio"] == pytest.approx(250.0 / 120.0)
     assert v["waiting_littles_law_ratio"] == pytest.approx(480 / (4.0 * 120))
+    assert v["queue_littles_law_ratio"] == pytest.approx((480 + 20) / (4.0 * 120))
+    assert v["cancelled_fraction"] == pytest.approx(0.0)
     assert v["prompt_token_gap"] == pytest.approx(0.4)
     assert v["queue_growth_rate"] == pytest.approx(0.0)
     assert v["data_missing"] == 0.0 and f.missing == ()
@@ -123,3 +125,18 @@ def test_a_series_absent_from_the_latest_scrape_is_stale_like_in_prometheus() ->
     frame = _frame(eng, 70.0)
     assert frame.values["data_missing"] == 1.0
     assert all(v is None for k, v in frame.values.items() if k != "data_missing")
+
+
+def test_queue_littles_law_counts_the_proxy_queue_and_only_created_executions() -> None:
+    """Behind a proxy cap the deadline's worth of executions waits in the proxy, not the engine;
+    attempts shed or attached wait nowhere, so Little's law runs over executions created."""
+    eng = SignalEngine()
+    for snap in steady(
+        120, first=1.0, retry=5.0, created=4.0, cancelled=3.0, completed=1.0, waiting=80,
+        queued=400, capacity=2.0, deadline=120.0,
+    ):  # fmt: skip
+        eng.add(snap, "proxy-a")
+    v = _frame(eng, 120.0).values
+    assert v["waiting_littles_law_ratio"] == pytest.approx(80 / (6.0 * 120))
+    assert v["queue_littles_law_ratio"] == pytest.approx(480 / (4.0 * 120))
+    assert v["cancelled_fraction"] == pytest.approx(0.75)
