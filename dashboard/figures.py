@@ -321,18 +321,20 @@ def queue_figure(
     uirevision: str | None = None,
     x_range: tuple[float, float] | None = None,
 ) -> go.Figure:
-    """vLLM's waiting queue plus the proxy queue (stacked) against attempt rate × deadline,
-    the level the engine's queue sits at when every execution waits out its deadline."""
+    """vLLM's waiting queue plus the proxy queue (stacked) against executions created × deadline,
+    the level the queues sit at when every execution waits out its deadline (Little's law; the
+    retry-loop alert's cancellation-on signature)."""
     fig = go.Figure()
     _line(fig, signals.get("vllm_waiting"), "vLLM waiting", BLUE, x_kind, stack="q", hover_unit="executions")
     _line(
         fig, signals.get("proxy_queued"), "proxy queue", SKY_BLUE, x_kind, stack="q", hover_unit="executions"
     )
-    littles = product(signals.get("attempt_rate"), signals.get("deadline"))
-    _line(fig, littles, "attempt rate × deadline", VERMILLION, x_kind, dash="dash", hover_unit="executions")
+    littles = product(signals.get("execution_creation_rate"), signals.get("deadline"))
+    name = "executions created × deadline"
+    _line(fig, littles, name, VERMILLION, x_kind, dash="dash", hover_unit="executions")
     _add_shades(fig, shades, now, x_kind)
     _time_layout(
-        fig, "Queued executions vs attempt rate × deadline", "executions", x_kind, uirevision, x_range
+        fig, "Queued executions vs executions created × deadline", "executions", x_kind, uirevision, x_range
     )
     _no_data_note(fig, signals, ("vllm_waiting", "proxy_queued"))
     return fig

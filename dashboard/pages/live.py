@@ -1,6 +1,6 @@
 """Live page: per engine, the alert state (a banner while anything fires), four tiles and four
-panels (attempts vs Ĉ, execution fates, queues vs attempt rate × deadline, prompt tokens), with
-alert episodes shaded, refreshed on a timer, over a chosen time range.
+panels (attempts vs Ĉ, execution fates, queues vs executions created × deadline, prompt
+tokens), with alert episodes shaded, refreshed on a timer, over a chosen time range.
 """
 
 from __future__ import annotations

@@ -159,9 +159,9 @@ def test_live_panels_have_units_date_axis_and_palette_colours(builder) -> None:
     assert rects[0].fillcolor == figures.VERMILLION
 
 
-def test_queue_panel_draws_attempt_rate_times_deadline() -> None:
+def test_queue_panel_draws_executions_created_times_deadline() -> None:
     fig = queue_figure(SIGNALS)
-    line = next(t for t in fig.data if t.name == "attempt rate × deadline")
+    line = next(t for t in fig.data if t.name == "executions created × deadline")
     assert list(line.y) == [120.0, 360.0, 480.0]
     waiting = next(t for t in fig.data if t.name == "vLLM waiting")
     assert waiting.stackgroup == "q"
