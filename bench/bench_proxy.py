@@ -15,7 +15,9 @@ measures, side by side in one run:
 * the proxy's resident memory holding 1,000 live executions with 400-token replay buffers.
 
 The client is a minimal HTTP/1.1 client on asyncio streams, so its own overhead stays small and
-is the same on both paths.
+is the same on both paths. Each figure is printed with the machine's load average (1 min) at
+its start and end and the number of cores: on a shared machine, figures taken under load are
+not comparable with figures taken on an idle one, and only the side-by-side differences are.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def load() -> str:
+    """The 1-minute load average now, as printed beside each figure."""
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
 
 
 def rss_mb(pid: int) -> float:
@@ -246,18 +254,22 @@ def main() -> None:
         wait_http(f"http://127.0.0.1:{px_port}/metrics")
         asyncio.run(ttft_rounds(up_port, px_port, 1, 10, 2, tokens=2))  # warm up both paths
 
+        print(f"machine: {os.cpu_count()} cores; load average (1 min) {load()} at the start")
+        before = load()
         seq, _ = asyncio.run(ttft_rounds(up_port, px_port, 10, 1, 40, tokens=2))
         added = pct(seq["proxy"], 0.5) - pct(seq["direct"], 0.5)
         print(
-            f"TTFT of one stream at a time, {len(seq['proxy'])} per path: direct p50"
+            f"TTFT of one stream at a time (load {before} -> {load()}), {len(seq['proxy'])} per path:"
+            " direct p50"
             f" {pct(seq['direct'], 0.5) * 1e3:.2f} ms, proxy p50 {pct(seq['proxy'], 0.5) * 1e3:.2f} ms,"
             f" added {added * 1e3:.2f} ms"
         )
+        before = load()
         ttft, paced_cpu = asyncio.run(ttft_rounds(up_port, px_port, args.rounds, args.concurrency, 4, px.pid))
         d50, d99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
         p50, p99 = pct(ttft["proxy"], 0.5), pct(ttft["proxy"], 0.99)
         print(
-            f"TTFT at {args.concurrency} concurrent streams (paths interleaved),"
+            f"TTFT at {args.concurrency} concurrent streams (paths interleaved; load {before} -> {load()}),"
             f" {len(ttft['proxy'])} streams per path:"
         )
         print(f"  direct  p50 {d50 * 1e3:7.2f} ms   p99 {d99 * 1e3:7.2f} ms")
@@ -270,17 +282,25 @@ def main() -> None:
         print(f"  proxy CPU per paced chunk (one event per read) {paced_cpu / paced_chunks * 1e6:.1f} us,")
         print(f"  per stream (request + 51 chunks) {paced_cpu / len(ttft['proxy']) * 1e3:.2f} ms")
 
+        before = load()
         direct_rate, _ = asyncio.run(throughput(up_port, args.concurrency, args.tokens))
         cpu0 = cpu_seconds(px.pid)
         proxy_rate, chunks = asyncio.run(throughput(px_port, args.concurrency, args.tokens))
         cpu = cpu_seconds(px.pid) - cpu0
-        print(f"relay throughput, {args.concurrency} streams x {args.tokens} tokens at full speed:")
+        print(
+            f"relay throughput, {args.concurrency} streams x {args.tokens} tokens at full speed"
+            f" (load {before} -> {load()}):"
+        )
         print(f"  direct {direct_rate:9.0f} chunks/s   proxy {proxy_rate:9.0f} chunks/s")
         print(f"  proxy CPU per chunk at full speed (events coalesce in reads) {cpu / chunks * 1e6:.1f} us")
 
+        before = load()
         fan, upstream_requests = asyncio.run(fan_out(px_port, f"http://127.0.0.1:{up_port}", 10))
         ttfts = [x.ttft_s for x in fan]
-        print(f"fan-out, 1 execution to {len(fan)} subscribers (upstream TTFT 200 ms):")
+        print(
+            f"fan-out, 1 execution to {len(fan)} subscribers"
+            f" (upstream TTFT 200 ms; load {before} -> {load()}):"
+        )
         print(
             f"  all complete: {all(x.ok and x.chunks == 101 for x in fan)};"
             f" upstream requests: {upstream_requests};"
@@ -288,10 +308,11 @@ def main() -> None:
             f" spread {statistics.pstdev(ttfts) * 1e3:.2f} ms"
         )
 
+        before = load()
         base, held = asyncio.run(memory(px_port, f"http://127.0.0.1:{up_port}", px.pid, args.executions))
         print(
             f"memory: proxy RSS {base:.1f} MB before, {held:.1f} MB holding {args.executions} live executions"
-            f" with 400-token replay buffers (target <= 100 MB)"
+            f" with 400-token replay buffers (target <= 100 MB; load {before} -> {load()})"
         )
     finally:
         for proc in (px, up):
