@@ -27,8 +27,8 @@ __all__ = [
     "write_tokenizer",
 ]
 
-#: The shipped configurations: ``tiny`` (fast tests), ``heavy`` (realistic CPU prefill) and the
-#: study's three GPU models.
+#: The shipped configurations: ``tiny`` (fast tests), ``small`` (the real-vLLM pulse runs: Ĉ of a
+#: few calls/s on a 2-core CPU), ``heavy`` (realistic CPU prefill) and the study's three GPU models.
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -41,7 +41,7 @@ from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
 from reproduce.httpdriver.calibration import wait_engine_idle
 from reproduce.httpdriver.detectorproc import DetectorProcess
-from reproduce.httpdriver.openloop import OpenLoopClient
+from reproduce.httpdriver.openloop import OpenLoopClient, send_lag
 from reproduce.httpdriver.protocol import HttpProtocol, cpu_scaled, scaled_queue_cap, study
 from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.httpdriver.scrape import MetricsScraper
@@ -95,7 +95,9 @@ async def drive_run(
     ) as scraper:
         calls = await client.run(trace, t0)
     duration = time.monotonic() - t0
+    timeline = protocol.timeline()
     stats = {
+        "pulse_send": send_lag(calls, timeline.pulse_start, timeline.pulse_end),
         "attempts_sent": client.stats.attempts_sent,
         "attempt_outcomes": dict(client.stats.outcomes),
         "late_starts": client.stats.late_starts,

@@ -26,7 +26,7 @@ from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientMod
 from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
 from reproduce.workload import PlannedCall, prompt_token_ids
 
-__all__ = ["OpenLoopClient", "OpenLoopStats"]
+__all__ = ["OpenLoopClient", "OpenLoopStats", "send_lag"]
 
 
 @dataclass
@@ -38,6 +38,29 @@ class OpenLoopStats:
     calls_done: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     late_starts: int = 0  # attempts sent more than 0.1 s after they were due (client overload)
+
+
+def send_lag(calls: Sequence[CallRecord], start_s: float, end_s: float) -> dict[str, float | int | None]:
+    """How far the client fell behind its plan for the calls planned in ``[start_s, end_s)``.
+
+    ``planned_rate`` counts those calls over the window, ``sent_rate`` those whose first attempt
+    really left within it; ``lag_p99_s`` / ``lag_max_s`` are the delays of first attempts past
+    their planned arrival. A client that keeps up sends at the planned rate with lags of
+    milliseconds; one starved of CPU sends the pulse late and flattens it.
+    """
+    if end_s <= start_s:
+        raise ValueError(f"need start_s < end_s, got {start_s!r} and {end_s!r}")
+    window = [c for c in calls if start_s <= c.planned_at < end_s]
+    lags = sorted(c.first_sent_at - c.planned_at for c in window if c.attempts)
+    sent = sum(1 for c in window if c.attempts and c.first_sent_at < end_s)
+    length = end_s - start_s
+    return {
+        "calls": len(window),
+        "planned_rate": len(window) / length,
+        "sent_rate": sent / length,
+        "lag_p99_s": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
+        "lag_max_s": lags[-1] if lags else None,
+    }
 
 
 class OpenLoopClient:

@@ -59,3 +59,24 @@ def test_backend_options_are_checked_up_front() -> None:
         HttpBackend("emulated", capacity=-1)
     with pytest.raises(HttpBackendError, match="sizes"):
         HttpBackend("emulated", capacity=1.0, sizes="huge")
+
+
+def test_with_pulse_changes_only_the_pulse_and_names_it() -> None:
+    from reproduce.conditions import expand
+    from reproduce.httpdriver.protocol import CI_PULSE_MULTIPLE, with_pulse
+
+    (run,) = expand("diagnostic", models="small", runs=1, conditions=["retries-on-cancel-off"])
+    ci = with_pulse(run, CI_PULSE_MULTIPLE)
+    assert ci.condition.pulse_multiple == CI_PULSE_MULTIPLE != run.condition.pulse_multiple
+    assert ci.condition.slug == run.condition.slug  # outcomes and alerts still key on the condition
+    assert ci.slug == f"diagnostic__retries-on-cancel-off-pulse-{CI_PULSE_MULTIPLE:g}__small__r0"
+    assert (ci.condition.retries, ci.condition.cancellation, ci.seed) == (
+        run.condition.retries,
+        run.condition.cancellation,
+        run.seed,
+    )
+    trace = generate_trace(cpu_scaled(10).workload(4.0, seed=1, pulse_multiple=ci.condition.pulse_multiple))
+    pulse = [c for c in trace if c.phase == "pulse"]
+    assert len(pulse) / cpu_scaled(10).timeline().pulse_s == pytest.approx(CI_PULSE_MULTIPLE * 4.0, rel=0.2)
+    with pytest.raises(ValueError, match="positive"):
+        with_pulse(run, 0.0)

@@ -46,11 +46,13 @@ def _rejections(url: str) -> float:
 async def _burst(
     url: str, model: str, n: int, *, stream: bool, prompt_len: int = 1_000
 ) -> list[AttemptResult]:
-    """``n`` attempts at once, each long enough (300 output tokens) to still run when the last arrives."""
+    """``n`` attempts at once, each long enough (1,500 output tokens, seconds of decode) to still
+    run when the last arrives, even when the client shares a busy machine (300 tokens were not:
+    on a loaded 2-core machine the first two finished before the last ones were sent)."""
 
     async def one(i: int, client: httpx.AsyncClient) -> AttemptResult:
         ids = [(7 * i + k) % 31_000 + 3 for k in range(prompt_len)]
-        body = completion_body(model, ids, 300)
+        body = completion_body(model, ids, 1_500)
         if not stream:
             body = body.replace(b'"stream":true', b'"stream":false')
         return await run_attempt(

