@@ -632,7 +632,7 @@ class SignalEngine:
         v["queue_littles_law_ratio"] = _div(waiting_all, per_deadline)
         # NOTE: running executions count: at Ĉ a new execution completes only after everything
         # in the engine ahead of and beside it (Little's law), which is what its deadline measures.
-        queue = _add(_add(waiting, v["vllm_running"]), queued_gauge) if waiting is not None else None
+        queue = _add(waiting_all, v["vllm_running"])
         v["backlog_seconds"] = backlog = _div(queue, capacity)
         v["backlog_deadline_ratio"] = _div(backlog, deadline)
         v["goodput_ratio"] = _div(within, first)

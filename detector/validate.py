@@ -124,42 +124,37 @@ def _hold_creation(run: Mapping[str, Any]) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
+def _hold_and_control(info: RunInfo, below: str, prefix: str = "") -> list[str]:
+    """The figures both explanations give: execution creation over the hold against Ĉ (``below``
+    says what creation under Ĉ means), and whether the run's controls shed or attached retries."""
+    parts = []
+    x = info.hold_creation_x_capacity
+    if x is not None:
+        parts.append(f"{prefix}{x:.2f} Ĉ over the hold (347–947 s){below if x < 1.0 else ': at or above Ĉ'}")
+    if info.shed_or_attached:
+        parts.append(f"retries shed or attached ({info.condition})")
+    else:
+        parts.append(f"condition {info.condition}: retries neither shed nor attached")
+    return parts
+
+
 def explain_transient_loop(info: RunInfo, firing: Firing) -> str:
     """Why a run that recovered showed the retry-loop signature between its pulse and recovery:
     the figures that separate a loop that drains from one that holds (PROTOCOL §8)."""
     parts = []
     if firing.value is not None:
         parts.append(f"executions created at {firing.value:.2f} Ĉ when it fired")
-    if info.hold_creation_x_capacity is not None:
-        below = info.hold_creation_x_capacity < 1.0
-        verdict = ": at or above Ĉ"
-        if below:
-            verdict = ": below Ĉ, so the backlog drained" if info.recovered else ": below Ĉ"
-        parts.append(f"{info.hold_creation_x_capacity:.2f} Ĉ over the hold (347–947 s){verdict}")
-    if info.shed_or_attached:
-        parts.append(f"retries shed or attached ({info.condition})")
-    else:
-        parts.append(f"condition {info.condition}: retries neither shed nor attached")
-    return "; ".join(parts)
+    below = ": below Ĉ, so the backlog drained" if info.recovered else ": below Ĉ"
+    return "; ".join(parts + _hold_and_control(info, below))
 
 
 def explain_miss(info: RunInfo) -> str:
     """Why the retry-loop alert stayed silent (or came late) in a run that did not recover: the
     loop needs executions created at or above Ĉ; below it the backlog drains, however slowly,
     or sits at the deadline's edge (an engine queue cap of Ĉ x deadline holds it there)."""
-    parts = []
-    if info.hold_creation_x_capacity is not None:
-        below = info.hold_creation_x_capacity < 1.0
-        parts.append(
-            f"executions created at {info.hold_creation_x_capacity:.2f} Ĉ over the hold (347–947 s)"
-            + (": below Ĉ, so not the loop's fuel" if below else ": at or above Ĉ")
-        )
-    parts.append(
-        f"retries shed or attached ({info.condition})"
-        if info.shed_or_attached
-        else f"condition {info.condition}: retries neither shed nor attached"
+    return "; ".join(
+        _hold_and_control(info, ": below Ĉ, so not the loop's fuel", prefix="executions created at ")
     )
-    return "; ".join(parts)
 
 
 def load_runs(out_dir: Path) -> list[RunInfo]:
