@@ -33,6 +33,7 @@ __all__ = [
     "StageObservation",
     "StageRunner",
     "StageSummary",
+    "TimedStageObservation",
     "calibrate",
     "queue_growth_rate",
     "sim_latency",
@@ -52,6 +53,13 @@ class StageObservation:
     duration_s: float
     waiting_samples: Sequence[tuple[float, float]]
     completed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TimedStageObservation(StageObservation):
+    """A stage observation that also says when each call completed (seconds from the stage's start)."""
+
+    completion_times: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,20 +179,26 @@ def sim_stage_runner(
     workload: WorkloadSpec | None = None,
     seed: int = 0,
     sample_every_s: float = 1.0,
+    include_running: bool = False,
     **preset_options: object,
 ) -> StageRunner:
     """A stage runner on the engine model: open-loop Poisson arrivals, no retries.
 
     Every stage runs on a fresh engine with its own trace (seed and stage index). ``workload``
     supplies the prompt and response parameters (the protocol's by default); its capacity and
-    phases are replaced by the stage's rate and length.
+    phases are replaced by the stage's rate and length. The samples count the waiting queue, or
+    waiting plus running executions with ``include_running`` (what a real engine's backlog
+    reads); each stage also reports when every call completed.
     """
     config = preset(engine, **preset_options) if isinstance(engine, str) else engine  # type: ignore[arg-type]
     base = workload or WorkloadSpec(capacity=1.0)
     if sample_every_s <= 0:
         raise CalibrationError("sample_every_s must be > 0")
 
-    def run_stage(rate: float, duration_s: float, index: int) -> StageObservation:
+    def backlog(model: EngineModel) -> float:
+        return float(model.num_waiting + model.num_running if include_running else model.num_waiting)
+
+    def run_stage(rate: float, duration_s: float, index: int) -> TimedStageObservation:
         spec = dataclasses.replace(
             base,
             capacity=rate,
@@ -196,12 +210,11 @@ def sim_stage_runner(
         trace = generate_trace(spec)
         env = Environment()
         model = EngineModel(config)
-        completed = 0
+        completions: list[float] = []
 
         def on_event(event: EngineEvent) -> None:
-            nonlocal completed
             if event.kind == EventKind.FINISHED:
-                completed += 1
+                completions.append(env.now)
 
         proc = EngineProcess(env, model, on_event)
         for call in trace:
@@ -213,10 +226,14 @@ def sim_stage_runner(
         samples: list[tuple[float, float]] = []
         n_samples = int(duration_s / sample_every_s) + 1
         for k in range(n_samples):
-            env.schedule(k * sample_every_s, lambda: samples.append((env.now, float(model.num_waiting))))
+            env.schedule(k * sample_every_s, lambda: samples.append((env.now, backlog(model))))
         env.run(until=duration_s)
-        return StageObservation(
-            arrivals=len(trace), duration_s=duration_s, waiting_samples=samples, completed=completed
+        return TimedStageObservation(
+            arrivals=len(trace),
+            duration_s=duration_s,
+            waiting_samples=samples,
+            completed=len(completions),
+            completion_times=tuple(completions),
         )
 
     return run_stage

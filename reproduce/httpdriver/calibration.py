@@ -37,7 +37,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import httpx
 
@@ -47,6 +46,7 @@ from reproduce.calibrate import (
     StageObservation,
     StageRunner,
     StageSummary,
+    TimedStageObservation,
     queue_growth_rate,
 )
 from reproduce.client import AttemptOutcome
@@ -66,13 +66,6 @@ __all__ = [
     "settled_samples",
     "wait_engine_idle",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class TimedStageObservation(StageObservation):
-    """A stage observation that also says when each call completed (seconds from the stage's start)."""
-
-    completion_times: tuple[float, ...] = ()
 
 
 async def engine_backlog(client: httpx.AsyncClient, engine_url: str) -> float | None:

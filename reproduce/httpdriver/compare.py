@@ -23,7 +23,6 @@ Nothing here is tuned to an outcome: the fit uses the probes only.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -32,19 +31,17 @@ from typing import Any
 
 import httpx
 
+from reproduce import calibrate
 from reproduce.backends.models import ModelInfo
 from reproduce.calibrate import CalibrationResult, StageRunner
 from reproduce.conditions import RunSpec
-from reproduce.engine import EngineConfig, EngineEvent, EngineModel, EngineRequest, EventKind
+from reproduce.engine import EngineConfig
 from reproduce.engine.config import GIB, StepTimeModel
-from reproduce.engine.process import EngineProcess
 from reproduce.httpdriver.attempt import completion_body, run_attempt
-from reproduce.httpdriver.calibration import TimedStageObservation, calibrate_settled
+from reproduce.httpdriver.calibration import calibrate_settled
 from reproduce.httpdriver.protocol import HttpProtocol
 from reproduce.sim.world import SimSpec, simulate
-from reproduce.simenv import Environment
 from reproduce.summary import run_entry
-from reproduce.workload import generate_trace, prompt_segments
 
 __all__ = [
     "COLUMNS",
@@ -178,35 +175,9 @@ def probe_step_times(
 def sim_stage_runner(config: EngineConfig, protocol: HttpProtocol, *, seed: int = 0) -> StageRunner:
     """A calibration stage on the engine model with the protocol's calls, sampling what the HTTP
     stage runner samples: executions waiting plus running, once a second."""
-
-    def run_stage(rate: float, duration_s: float, index: int) -> TimedStageObservation:
-        spec = dataclasses.replace(
-            protocol.workload(rate, seed=seed * 1_000 + index),
-            phases=((duration_s * protocol.time_scale, 1.0),),
-            phase_names=("stage",),
-        )
-        trace = generate_trace(spec)
-        env = Environment()
-        model = EngineModel(config)
-        completions: list[float] = []
-
-        def on_event(event: EngineEvent) -> None:
-            if event.kind == EventKind.FINISHED:
-                completions.append(env.now)
-
-        proc = EngineProcess(env, model, on_event)
-        for call in trace:
-            request = EngineRequest(call.call_id, prompt_segments(call), call.response_len)
-            env.schedule(call.arrival_s, proc.submit, request)
-        samples: list[tuple[float, float]] = []
-        for k in range(int(duration_s) + 1):
-            env.schedule(
-                float(k), lambda: samples.append((env.now, float(model.num_waiting + model.num_running)))
-            )
-        env.run(until=duration_s)
-        return TimedStageObservation(len(trace), duration_s, samples, len(completions), tuple(completions))
-
-    return run_stage
+    return calibrate.sim_stage_runner(
+        config, workload=protocol.workload(1.0, seed=seed), seed=seed, include_running=True
+    )
 
 
 def sim_calibration(
