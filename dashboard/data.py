@@ -44,8 +44,24 @@ class ShapeError(DetectorError):
     """The detector answered JSON that does not match docs/architecture.md."""
 
 
+class _EngineLabels:
+    """The engine an alert or episode is about, read from its ``labels``."""
+
+    labels: dict[str, str]
+
+    @property
+    def engine(self) -> str:
+        """The engine's key: its ``instance`` (vLLM's ``engine`` label is "0" on every vLLM)."""
+        return engine_of(self.labels)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine for people: its instance, and its model when known."""
+        return engine_name(self.labels)
+
+
 @dataclass(frozen=True)
-class Alert:
+class Alert(_EngineLabels):
     """An alert the detector currently reports as firing."""
 
     alertname: str
@@ -57,19 +73,9 @@ class Alert:
     summary: str
     description: str
 
-    @property
-    def engine(self) -> str:
-        """The engine's key: its ``instance`` (vLLM's ``engine`` label is "0" on every vLLM)."""
-        return engine_of(self.labels)
-
-    @property
-    def engine_name(self) -> str:
-        """The engine for people: its instance, and its model when known."""
-        return engine_name(self.labels)
-
 
 @dataclass(frozen=True)
-class Episode:
+class Episode(_EngineLabels):
     """One alert episode from the detector's history; ``resolved_at`` None while firing."""
 
     id: str
@@ -80,16 +86,6 @@ class Episode:
     resolved_at: float | None
     summary: str
     description: str
-
-    @property
-    def engine(self) -> str:
-        """The engine's key: its ``instance`` (vLLM's ``engine`` label is "0" on every vLLM)."""
-        return engine_of(self.labels)
-
-    @property
-    def engine_name(self) -> str:
-        """The engine for people: its instance, and its model when known."""
-        return engine_name(self.labels)
 
     def as_dict(self) -> dict[str, Any]:
         return {

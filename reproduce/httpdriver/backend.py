@@ -15,8 +15,9 @@ Backend options (``--backend-option KEY=VALUE``):
   to this engine's Ĉ and deadline), ``sizes``;
 * ``vllm``: ``python`` (a venv or python with vLLM), ``model`` (a shipped configuration, a
   model directory, or with ``gpu`` a model name; default: the run's ``--model``), ``gpu``,
-  ``dummy_weights`` (default true), ``sizes`` (``scaled``: token lengths divided by the time
-  scale, the default on CPU; ``study``: the study's lengths, the default on GPU);
+  ``dummy_weights`` (default true), ``nice`` (the engine's niceness, 0-19: 10 on CPU so the
+  harness is never starved by it, 0 on GPU), ``sizes`` (``scaled``: token lengths divided by
+  the time scale, the default on CPU; ``study``: the study's lengths, the default on GPU);
 * ``emulated``: ``preset`` (default: the run's ``--model``); the emulator runs at the time scale;
 * ``external``: ``engine_url``, ``model_name``, ``vocab_size``.
 """
@@ -101,6 +102,7 @@ async def drive_run(
         "attempts_sent": client.stats.attempts_sent,
         "attempt_outcomes": dict(client.stats.outcomes),
         "late_starts": client.stats.late_starts,
+        "loop_lag": client.stats.loop_lag(),
         "scrape_failures": scraper.failures,
     }
     return calls, scraper.snapshots, duration, stats
@@ -137,6 +139,7 @@ class HttpBackend(Backend):
                 "startup_timeout_s",
                 "kv_cache_gib",
                 "bound_s",
+                "nice",
             },
             "emulated": {"preset", "startup_timeout_s", "bound_s"},
             "external": {"engine_url", "model_name", "vocab_size", "model", "idle_timeout_s"},
@@ -157,6 +160,14 @@ class HttpBackend(Backend):
                 "give Ĉ with --backend-option capacity=CALLS_PER_S (measure it with "
                 "`retrywatch reproduce calibrate-http`)"
             )
+        if "nice" in options:
+            try:
+                nice = int(str(options["nice"]))
+            except ValueError:
+                nice = -1
+            if not 0 <= nice <= 19:
+                raise HttpBackendError(f"nice must be a whole number in 0..19, got {options['nice']!r}")
+            options["nice"] = nice
         if kind == "external" and "engine_url" not in options:
             raise HttpBackendError("backend 'external' needs --backend-option engine_url=URL")
 
@@ -186,6 +197,7 @@ class HttpBackend(Backend):
                 bound_s=bound,
                 kv_cache_gib=int(o.get("kv_cache_gib", 1)),
                 log_path=folder / "vllm.log",
+                niceness=None if o.get("nice") is None else int(o["nice"]),
             )
         if self.kind == "emulated":
             return EmulatedBackend(

@@ -33,6 +33,12 @@ __all__ = ["calibrate_http_command"]
 @click.option("--python", "python", default=".vllm-venv", show_default=True, help="vLLM's venv or python.")
 @click.option("--model", default="heavy", show_default=True, help="Configuration, model dir, or preset.")
 @click.option("--gpu", is_flag=True, help="Start vLLM with the study's GPU flags.")
+@click.option(
+    "--nice",
+    type=click.IntRange(0, 19),
+    default=None,
+    help="Niceness of the vLLM started here [10 on a CPU, so the harness is never starved; 0 on GPU].",
+)
 @click.option("--engine-url", default=None, help="With --backend external: the engine's base URL.")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True)
 @click.option(
@@ -58,6 +64,7 @@ def calibrate_http_command(
     python: str,
     model: str,
     gpu: bool,
+    nice: int | None,
     engine_url: str | None,
     time_scale: float,
     sizes: str | None,
@@ -75,7 +82,7 @@ def calibrate_http_command(
     engine: EngineBackend
     try:
         if backend == "vllm":
-            engine = VllmBackend(python, model, workdir, gpu=gpu)
+            engine = VllmBackend(python, model, workdir, gpu=gpu, niceness=nice)
         elif backend == "emulated":
             engine = EmulatedBackend(workdir, preset=model, time_scale=time_scale)
         else:

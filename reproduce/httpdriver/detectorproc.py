@@ -8,19 +8,21 @@ returned in seconds from the run's start, beside (not instead of) the replay tha
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from reproduce.backends.process import ManagedProcess, ProcessStartError, free_port
+from reproduce.httpdriver.childserver import ChildServer, retrywatch_argv
 
 __all__ = ["DetectorProcess"]
 
 
-class DetectorProcess:
+class DetectorProcess(ChildServer):
     """The detector as a child process: ``start()``, ``episodes(t0_unix)``, ``stop()``."""
+
+    name = "detector"
+    ready_path = "/healthz"
 
     def __init__(
         self,
@@ -35,24 +37,16 @@ class DetectorProcess:
         bound_s: float = 3_600.0,
         startup_timeout_s: float = 60.0,
     ) -> None:
+        super().__init__(workdir=workdir, host=host, bound_s=bound_s, startup_timeout_s=startup_timeout_s)
         self.exporter_url = exporter_url
-        self.workdir = workdir
         self.capacity = capacity
         self.deadline_s = deadline_s
         self.interval_s = interval_s
         self.time_scale = time_scale  # a scaled run's K: the detector divides its windows by it
-        self.host = host
-        self.bound_s = bound_s
-        self.startup_timeout_s = startup_timeout_s
-        self.url: str | None = None
-        self._process: ManagedProcess | None = None
 
     def command(self, port: int) -> list[str]:
         db = self.workdir / "detector.db"
-        argv = [
-            sys.executable,
-            "-c",
-            "from retrywatch.cli import main; main()",
+        argv = retrywatch_argv(
             "detect",
             "--exporter",
             self.exporter_url,
@@ -66,7 +60,7 @@ class DetectorProcess:
             str(port),
             "--log-level",
             "warning",
-        ]
+        )
         if self.capacity is not None:
             argv += ["--capacity", f"{self.capacity:g}"]
         if self.deadline_s is not None:
@@ -74,21 +68,6 @@ class DetectorProcess:
         if self.time_scale != 1.0:
             argv += ["--time-scale", repr(float(self.time_scale))]
         return argv
-
-    def start(self) -> str:
-        port = free_port(self.host)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self._process = ManagedProcess(
-            self.command(port), log_path=self.workdir / "detector.log", bound_s=self.bound_s, name="detector"
-        ).start()
-        url = f"http://{self.host}:{port}"
-        try:
-            self._process.wait_ready(f"{url}/healthz", timeout_s=self.startup_timeout_s, poll_s=0.2)
-        except ProcessStartError:
-            self.stop()
-            raise
-        self.url = url
-        return url
 
     def episodes(self, t0_unix: float) -> list[dict[str, Any]]:
         """Every episode so far, times in seconds from ``t0_unix`` (the run's start)."""
@@ -107,11 +86,6 @@ class DetectorProcess:
                 }
             )
         return sorted(out, key=lambda e: (e["fired_at_s"], e["alertname"]))
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.stop()
-            self._process = None
 
     def __enter__(self) -> DetectorProcess:
         self.start()

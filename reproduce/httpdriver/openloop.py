@@ -15,10 +15,13 @@ last planned arrival, whichever is first; calls still open then are closed as fa
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -26,7 +29,12 @@ from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientMod
 from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
 from reproduce.workload import PlannedCall, prompt_token_ids
 
-__all__ = ["OpenLoopClient", "OpenLoopStats", "send_lag"]
+__all__ = ["OpenLoopClient", "OpenLoopStats", "fell_behind", "send_lag"]
+
+
+#: How often the client's heartbeat checks its own event loop for lateness (seconds).
+HEARTBEAT_S = 0.05
+_HEARTBEAT_SAMPLES = 1 << 16
 
 
 @dataclass
@@ -38,6 +46,16 @@ class OpenLoopStats:
     calls_done: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     late_starts: int = 0  # attempts sent more than 0.1 s after they were due (client overload)
+    #: How late the heartbeat woke, one sample per beat (the most recent 65,536): a loop starved
+    #: of CPU wakes late, and then also reads answers late and may judge them past their deadline.
+    loop_lags: deque[float] = field(default_factory=lambda: deque(maxlen=_HEARTBEAT_SAMPLES))
+
+    def loop_lag(self) -> dict[str, float | None]:
+        """The heartbeat's lateness: p99 and max seconds (None before the first beat)."""
+        lags = sorted(self.loop_lags)
+        if not lags:
+            return {"p99_s": None, "max_s": None}
+        return {"p99_s": lags[min(len(lags) - 1, int(0.99 * len(lags)))], "max_s": lags[-1]}
 
 
 def send_lag(calls: Sequence[CallRecord], start_s: float, end_s: float) -> dict[str, float | int | None]:
@@ -61,6 +79,29 @@ def send_lag(calls: Sequence[CallRecord], start_s: float, end_s: float) -> dict[
         "lag_p99_s": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
         "lag_max_s": lags[-1] if lags else None,
     }
+
+
+def fell_behind(
+    client_stats: Mapping[str, Any], *, max_send_lag_s: float = 0.5, max_loop_lag_s: float = 0.5
+) -> str | None:
+    """Why a run's client could not keep to its plan, or None when it kept up.
+
+    ``client_stats`` is a run entry's ``client`` (``pulse_send`` from ``send_lag`` over the
+    pulse, ``loop_lag`` from ``OpenLoopStats.loop_lag``). A client that sent the pulse late
+    flattened it, and one whose event loop woke late read answers late and judged some that
+    arrived in time as given up: such a run measures the machine's load, not the engine's, and
+    its outcome should not be judged.
+    """
+    reasons = []
+    send = client_stats.get("pulse_send") or {}
+    send_p99 = send.get("lag_p99_s")
+    if send_p99 is not None and send_p99 > max_send_lag_s:
+        reasons.append(f"pulse sent late (p99 {send_p99:.2f} s > {max_send_lag_s:g} s)")
+    loop = client_stats.get("loop_lag") or {}
+    loop_p99 = loop.get("p99_s")
+    if loop_p99 is not None and loop_p99 > max_loop_lag_s:
+        reasons.append(f"event loop woke late (p99 {loop_p99:.2f} s > {max_loop_lag_s:g} s)")
+    return "; ".join(reasons) or None
 
 
 class OpenLoopClient:
@@ -136,6 +177,13 @@ class OpenLoopClient:
             due = next_at
             await asyncio.sleep(max(0.0, t0 + next_at - self.clock()))
 
+    async def _heartbeat(self) -> None:
+        """Sleep ``HEARTBEAT_S`` at a time and record how late each wake-up came."""
+        while True:
+            due = self.clock() + HEARTBEAT_S
+            await asyncio.sleep(HEARTBEAT_S)
+            self.stats.loop_lags.append(max(0.0, self.clock() - due))
+
     async def run(self, trace: Sequence[PlannedCall], t0: float | None = None) -> list[CallRecord]:
         """Run every call of ``trace``; return their records (in trace order)."""
         t0 = self.clock() if t0 is None else t0
@@ -147,6 +195,29 @@ class OpenLoopClient:
         ]
         last_arrival = max((c.arrival_s for c in trace), default=0.0)
         end_at = t0 + last_arrival + self.config.horizon_s
+        # NOTE: a full garbage collection walks every object the process holds (in a test, what
+        # earlier runs left: hundreds of thousands of series samples) and stalled this loop for
+        # up to 0.85 s in a run. Frozen, what exists before the run is never walked during it.
+        gc.collect()
+        gc.freeze()
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            await self._run_calls(trace, t0, end_at)
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            gc.unfreeze()
+        # A call cut off at the horizon: its open attempt ends now, as a give-up.
+        ended = self.clock() - t0
+        for record in self.calls:
+            if record.attempts and record.attempts[-1].open:
+                attempt = record.attempts[-1]
+                attempt.ended_at = ended
+                attempt.outcome = AttemptOutcome.DISCONNECTED
+            record.done = True
+        return self.calls
+
+    async def _run_calls(self, trace: Sequence[PlannedCall], t0: float, end_at: float) -> None:
         limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=0)
         timeout = httpx.Timeout(None, connect=self.connect_timeout_s)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -162,12 +233,3 @@ class OpenLoopClient:
                 errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
                 if errors:
                     raise errors[0]  # a bug in the driver, not an attempt's outcome
-        # A call cut off at the horizon: its open attempt ends now, as a give-up.
-        ended = self.clock() - t0
-        for record in self.calls:
-            if record.attempts and record.attempts[-1].open:
-                attempt = record.attempts[-1]
-                attempt.ended_at = ended
-                attempt.outcome = AttemptOutcome.DISCONNECTED
-            record.done = True
-        return self.calls

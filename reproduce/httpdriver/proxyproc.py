@@ -7,11 +7,10 @@ gauges, the clients' deadline, and the engine's vocabulary size for its token-ID
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from exporter.policy import PolicyConfig
-from reproduce.backends.process import ManagedProcess, ProcessStartError, free_port
+from reproduce.httpdriver.childserver import ChildServer, retrywatch_argv
 
 __all__ = ["ProxyProcess", "proxy_args"]
 
@@ -67,8 +66,11 @@ def proxy_args(
     return args
 
 
-class ProxyProcess:
+class ProxyProcess(ChildServer):
     """The proxy as a child process of this Python: ``start()`` returns its base URL."""
+
+    name = "proxy"
+    ready_path = "/metrics"
 
     def __init__(
         self,
@@ -83,17 +85,12 @@ class ProxyProcess:
         bound_s: float = 3_600.0,
         startup_timeout_s: float = 60.0,
     ) -> None:
+        super().__init__(workdir=workdir, host=host, bound_s=bound_s, startup_timeout_s=startup_timeout_s)
         self.policy = policy
         self.upstream = upstream
-        self.workdir = workdir
         self.capacity = capacity
         self.vocab_size = vocab_size
         self.window_s = window_s
-        self.host = host
-        self.bound_s = bound_s
-        self.startup_timeout_s = startup_timeout_s
-        self.url: str | None = None
-        self._process: ManagedProcess | None = None
 
     def command(self, port: int) -> list[str]:
         args = proxy_args(
@@ -105,26 +102,7 @@ class ProxyProcess:
             vocab_size=self.vocab_size,
             window_s=self.window_s,
         )
-        return [sys.executable, "-c", "from retrywatch.cli import main; main()", "proxy", *args]
-
-    def start(self) -> str:
-        port = free_port(self.host)
-        self._process = ManagedProcess(
-            self.command(port), log_path=self.workdir / "proxy.log", bound_s=self.bound_s, name="proxy"
-        ).start()
-        url = f"http://{self.host}:{port}"
-        try:
-            self._process.wait_ready(f"{url}/metrics", timeout_s=self.startup_timeout_s, poll_s=0.2)
-        except ProcessStartError:
-            self.stop()
-            raise
-        self.url = url
-        return url
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.stop()
-            self._process = None
+        return retrywatch_argv("proxy", *args)
 
     def __enter__(self) -> str:
         return self.start()

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from reproduce.backends.commands import EngineFlagsError, cpu_flags, gpu_env, study_gpu_flags, vllm_command
-from reproduce.backends.engines import VllmBackend
+from reproduce.backends.engines import CPU_ENGINE_NICENESS, VllmBackend
 from reproduce.backends.models import ModelConfigError, list_models, model_info, prepare_model_dir
 from reproduce.conditions import block, expand
-from reproduce.httpdriver.backend import HttpBackend
+from reproduce.httpdriver.backend import HttpBackend, HttpBackendError
 from reproduce.httpdriver.protocol import STUDY_CAPACITY, scaled_queue_cap, study
 
 GPU_MODELS = {
@@ -172,3 +172,16 @@ def test_prepare_model_dir_writes_a_tokenizer_and_never_touches_the_shipped_tree
     assert tokenizer["model"]["type"] == "WordLevel"
     assert len(tokenizer["model"]["vocab"]) == info.vocab_size == 32_000
     assert not (model_info("tiny").path / "tokenizer.json").exists()
+
+
+def test_a_cpu_engine_runs_niced_and_a_gpu_engine_does_not(tmp_path: Path) -> None:
+    assert VllmBackend(sys.executable, "tiny", tmp_path).niceness == CPU_ENGINE_NICENESS > 0
+    assert VllmBackend(sys.executable, "qwen2.5-7b-instruct", tmp_path, gpu=True).niceness == 0
+    run = expand("diagnostic", models="small", runs=1)[0]
+    backend = HttpBackend("vllm", python=sys.executable, capacity=5.0, nice="3")
+    engine = backend.engine_for(run, tmp_path, None)
+    assert isinstance(engine, VllmBackend) and engine.niceness == 3
+    assert engine.describe()["niceness"] == 3
+    for bad in ("-1", "20", "low"):
+        with pytest.raises(HttpBackendError, match="nice"):
+            HttpBackend("vllm", python=sys.executable, capacity=5.0, nice=bad)

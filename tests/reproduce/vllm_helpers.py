@@ -47,7 +47,7 @@ def running_vllm(
         workdir,
         max_num_queued_reqs=max_num_queued_reqs,
         startup_timeout_s=420,
-        bound_s=1_500,
+        bound_s=2_700,
     )
     with backend as endpoint:
         yield endpoint
