@@ -26,6 +26,7 @@ NON_ADDITIVE = frozenset(
         "executions_per_first_attempt",
         "creation_capacity_ratio",
         "waiting_littles_law_ratio",
+        "queue_littles_law_ratio",
         "backlog_seconds",
         "goodput_ratio",
     }

@@ -383,7 +383,7 @@ LIVE_SIGNALS: tuple[str, ...] = (
     "prompt_tokens_admitted_rate",
 )
 # Ratios only the tiles read (their newest value): fetched over the last minute only.
-TILE_SIGNALS: tuple[str, ...] = ("prompt_token_gap", "creation_capacity_ratio", "waiting_littles_law_ratio")
+TILE_SIGNALS: tuple[str, ...] = ("prompt_token_gap", "creation_capacity_ratio", "queue_littles_law_ratio")
 TILE_LOOKBACK_S = 60.0
 
 

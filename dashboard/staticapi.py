@@ -251,4 +251,5 @@ def synthetic_history(
         "prompt_token_gap": pts(1.0 - counted / admitted),
         "creation_capacity_ratio": pts(created / capacity),
         "waiting_littles_law_ratio": pts(np.maximum(waiting, 0.0) / (attempts * deadline_s)),
+        "queue_littles_law_ratio": pts(np.maximum(waiting, 0.0) / (created * deadline_s)),
     }

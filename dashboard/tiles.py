@@ -33,9 +33,9 @@ TILE_SPECS: tuple[TileSpec, ...] = (
         ("VLLMExecutionsAboveCapacity", "VLLMMetastableRetryLoop"),
     ),
     TileSpec(
-        "waiting_littles_law_ratio",
-        "waiting / (attempt rate × deadline)",
-        "near 1 every execution waits out its client's deadline",
+        "queue_littles_law_ratio",
+        "queued / (executions created × deadline)",
+        "near 1 every execution waits out its client's deadline (vLLM waiting + proxy queue)",
         False,
         ("VLLMBacklogBeyondDeadline", "VLLMMetastableRetryLoop"),
     ),
@@ -81,10 +81,10 @@ def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
             return direct
     if key == "creation_capacity_ratio":
         return _ratio(latest(signals.get("execution_creation_rate")), latest(signals.get("capacity")))
-    if key == "waiting_littles_law_ratio":
+    if key == "queue_littles_law_ratio":
         waiting = latest(signals.get("vllm_waiting"))
         queued = latest(signals.get("proxy_queued")) or 0.0
-        rate, deadline = latest(signals.get("attempt_rate")), latest(signals.get("deadline"))
+        rate, deadline = latest(signals.get("execution_creation_rate")), latest(signals.get("deadline"))
         level = None if rate is None or deadline is None else rate * deadline
         return _ratio(None if waiting is None else waiting + queued, level)
     if key == "prompt_token_gap":

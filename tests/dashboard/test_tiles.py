@@ -37,7 +37,8 @@ def test_tiles_compute_from_parts() -> None:
         "completion_rate_orphaned": pts(1.5),
     }
     assert tile_value("creation_capacity_ratio", signals) == pytest.approx(1.5)
-    assert tile_value("waiting_littles_law_ratio", signals) == pytest.approx(1.0)
+    # (200 waiting + 40 queued) / (3 created/s x 120 s); attempts do not wait where shed or attached
+    assert tile_value("queue_littles_law_ratio", signals) == pytest.approx(240 / 360)
     assert tile_value("prompt_token_gap", signals) == pytest.approx(0.4)
     assert tile_value("delivered_share", signals) == pytest.approx(0.25)
     texts = {t.key: t.text for t in tiles(signals, set())}

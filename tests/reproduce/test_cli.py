@@ -37,6 +37,21 @@ def test_run_then_report(tmp_path: Path) -> None:
     assert (tmp_path / "report.md").is_file() and (tmp_path / "report.html").is_file()
 
 
+def test_pulse_multiple_overrides_every_runs_pulse(tmp_path: Path) -> None:
+    args = [
+        "reproduce", "run", "--backend", "sim", "--model", "qwen2.5-7b-h100", "--block", "diagnostic",
+        "--condition", "retries-off-cancel-off", "--runs", "1", "--out", str(tmp_path), "--time-scale", "10",
+        "--pulse-multiple", "4.5", "--no-progress", *small_options(),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert (entry["condition"], entry["variant"]) == ("retries-off-cancel-off", "pulse-4.5")
+    assert entry["pulse_multiple"] == 4.5
+    result = CliRunner().invoke(main, [*args[: -len(small_options()) - 3], "--pulse-multiple", "0"])
+    assert result.exit_code != 0 and "--pulse-multiple" in result.output
+
+
 def test_lazy_subcommands_are_wired() -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["reproduce", "--help"])
