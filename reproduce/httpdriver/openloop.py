@@ -82,17 +82,24 @@ def send_lag(calls: Sequence[CallRecord], start_s: float, end_s: float) -> dict[
 
 
 def fell_behind(
-    client_stats: Mapping[str, Any], *, max_send_lag_s: float = 0.5, max_loop_lag_s: float = 0.5
+    client_stats: Mapping[str, Any],
+    *,
+    max_send_lag_s: float = 0.5,
+    max_loop_lag_s: float = 0.5,
+    max_late_share: float = 0.1,
 ) -> str | None:
     """Why a run's client could not keep to its plan, or None when it kept up.
 
     ``client_stats`` is a run entry's ``client`` (``pulse_send`` from ``send_lag`` over the
-    pulse, ``loop_lag`` from ``OpenLoopStats.loop_lag``). A client that sent the pulse late
-    flattened it, and one whose event loop woke late read answers late and judged some that
-    arrived in time as given up: such a run measures the machine's load, not the engine's, and
-    its outcome should not be judged.
+    pulse, ``loop_lag`` from ``OpenLoopStats.loop_lag``, ``late_starts`` of ``attempts_sent``).
+    A client that sent the pulse late flattened it, and one whose event loop woke late sent
+    retries late, read answers late and judged some that arrived in time as given up: such a
+    run measures the machine's load, not the engine's, and its outcome should not be judged.
     """
     reasons = []
+    sent, late = client_stats.get("attempts_sent") or 0, client_stats.get("late_starts") or 0
+    if sent and late / sent > max_late_share:
+        reasons.append(f"{late} of {sent} attempts started over 0.1 s late (> {max_late_share:.0%})")
     send = client_stats.get("pulse_send") or {}
     send_p99 = send.get("lag_p99_s")
     if send_p99 is not None and send_p99 > max_send_lag_s:

@@ -114,4 +114,7 @@ def test_a_run_whose_client_fell_behind_is_named_so() -> None:
     late_loop = {"pulse_send": send_lag(on_time, 10.0, 20.0), "loop_lag": starved.loop_lag()}
     reason = fell_behind(late_loop) or ""
     assert "event loop woke late" in reason and "pulse" not in reason
+    late_retries = {**kept_up, "attempts_sent": 2501, "late_starts": 833}  # a CI run's recipe run
+    assert "833 of 2501 attempts started over 0.1 s late" in (fell_behind(late_retries) or "")
+    assert fell_behind({**kept_up, "attempts_sent": 1163, "late_starts": 37}) is None
     assert fell_behind({}) is None  # an entry without client statistics (the simulator's)
