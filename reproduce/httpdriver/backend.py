@@ -197,7 +197,7 @@ class HttpBackend(Backend):
                 bound_s=bound,
                 kv_cache_gib=int(o.get("kv_cache_gib", 1)),
                 log_path=folder / "vllm.log",
-                niceness=None if o.get("nice") is None else int(o["nice"]),
+                niceness=o.get("nice"),  # validated in __init__
             )
         if self.kind == "emulated":
             return EmulatedBackend(
