@@ -1,13 +1,15 @@
 """Benchmark of the proxy against the test upstream: prints figures, asserts nothing.
 
-Run: ``python bench/bench_proxy.py`` (about a minute). It starts the test upstream
-(``exporter.testing.upstream``) and ``retrywatch proxy`` as processes on free loopback ports and
-measures, side by side in one run:
+Run: ``python bench/bench_proxy.py`` (about two minutes). It starts the test upstream
+(``exporter.testing.upstream``), ``retrywatch proxy`` and the floor forwarder
+(``bench/asgi_floor.py``: an ASGI app under uvicorn that only forwards) as processes on free
+loopback ports and measures, side by side in one run:
 
 * time to first token with 100 concurrent streams (clients staggered, each streaming 50 tokens
-  in 0.5 s, four times, alternating between the direct and the proxied path, so both paths
-  are measured interleaved, at the same concurrency and machine load): p50 and p99 of each,
-  and the difference (the proxy's added TTFT); every stream has its own call id;
+  in 0.5 s, six times, cycling through the direct path, the proxy and the floor, so the three
+  are measured interleaved, at the same concurrency and machine load): p50 and p99 of each, and
+  the differences from the direct path (the proxy's added TTFT, and the floor's: what any ASGI
+  proxy under uvicorn adds here); every stream has its own call id;
 * relay throughput (chunks/s) with 100 concurrent streams at full speed, and the proxy's CPU
   time per chunk relayed (from /proc);
 * one execution fanned out to 10 subscribers (same call id): their time to first token and
@@ -136,7 +138,7 @@ def completion(max_tokens: int) -> bytes:
 async def _client(
     paths: list[tuple[str, int]], body: bytes, headers: dict[str, str], start_s: float, n: int, first: int
 ) -> list[tuple[str, StreamResult]]:
-    """``n`` streams one after the other, alternating between the paths (direct, proxy)."""
+    """``n`` streams one after the other, cycling through the paths from ``paths[first]``."""
     await asyncio.sleep(start_s)
     out: list[tuple[str, StreamResult]] = []
     for k in range(n):
@@ -146,35 +148,35 @@ async def _client(
 
 
 async def ttft_rounds(
-    up: int,
-    px: int,
+    paths: list[tuple[str, int]],
     rounds: int,
     concurrency: int,
-    per_client: int = 4,
+    per_client: int,
     px_pid: int | None = None,
     tokens: int = 50,
 ) -> tuple[dict[str, list[float]], float]:
     """Each round runs ``concurrency`` clients (staggered over one stream's length, so about that
-    many streams are in flight) doing ``per_client`` streams each. Every client alternates
-    between the direct and the proxied path (half the clients start with each), so both paths
-    are measured at the same time, at the same concurrency, on the same machine load. Every
-    stream has its own call id, as real calls do (identical bodies would otherwise coalesce)."""
+    many streams are in flight) doing ``per_client`` streams each. Every client cycles through
+    the paths (the clients' starting paths rotate), so all paths are measured at the same time,
+    at the same concurrency, on the same machine load. Every stream has its own call id, as
+    real calls do (identical bodies would otherwise coalesce)."""
     body = completion(tokens)
     headers = {"x-test-token-interval": "0.01"}
     stream_s = tokens * 0.01
-    paths = [("direct", up), ("proxy", px)]
-    out: dict[str, list[float]] = {"direct": [], "proxy": []}
+    out: dict[str, list[float]] = {name: [] for name, _ in paths}
     proxy_cpu = 0.0
     for r in range(rounds):
         starts = [stream_s * i / concurrency for i in range(concurrency)]
         cpu0 = cpu_seconds(px_pid) if px_pid is not None else 0.0
-        per = await asyncio.gather(
-            *(_client(paths, body, headers, s, per_client, (i + r) % 2) for i, s in enumerate(starts))
+        clients = (
+            _client(paths, body, headers, s, per_client, (i + r) % len(paths)) for i, s in enumerate(starts)
         )
+        per = await asyncio.gather(*clients)
         if px_pid is not None:
             proxy_cpu += cpu_seconds(px_pid) - cpu0
         results = [x for xs in per for x in xs]
-        assert all(x.ok and x.chunks == tokens + 1 for _, x in results), "a stream failed"
+        failed = sorted({name for name, x in results if not (x.ok and x.chunks == tokens + 1)})
+        assert not failed, f"a stream failed on {failed}"
         for name, x in results:
             out[name].append(x.ttft_s)
     return out, proxy_cpu
@@ -233,8 +235,18 @@ def main() -> None:
     parser.add_argument("--executions", type=int, default=1000, help="live executions in the memory phase")
     args = parser.parse_args()
 
-    up_port, px_port = free_port(), free_port()
+    up_port, px_port, floor_port = free_port(), free_port(), free_port()
     up = subprocess.Popen([sys.executable, "-m", "exporter.testing.upstream", "--port", str(up_port)])
+    floor = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "asgi_floor.py"),
+            "--upstream",
+            f"http://127.0.0.1:{up_port}",
+            "--port",
+            str(floor_port),
+        ]
+    )
     px = subprocess.Popen(
         [
             sys.executable,
@@ -252,32 +264,37 @@ def main() -> None:
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health")
         wait_http(f"http://127.0.0.1:{px_port}/metrics")
-        asyncio.run(ttft_rounds(up_port, px_port, 1, 10, 2, tokens=2))  # warm up both paths
+        wait_http(f"http://127.0.0.1:{floor_port}/")
+        paths = [("direct", up_port), ("proxy", px_port), ("floor", floor_port)]
+        asyncio.run(ttft_rounds(paths, 1, 10, 3, tokens=2))  # warm up every path
 
         print(f"machine: {os.cpu_count()} cores; load average (1 min) {load()} at the start")
         before = load()
-        seq, _ = asyncio.run(ttft_rounds(up_port, px_port, 10, 1, 40, tokens=2))
-        added = pct(seq["proxy"], 0.5) - pct(seq["direct"], 0.5)
+        seq, _ = asyncio.run(ttft_rounds(paths, 10, 1, 42, tokens=2))
+        d50, p50, f50 = (pct(seq[name], 0.5) for name in ("direct", "proxy", "floor"))
         print(
             f"TTFT of one stream at a time (load {before} -> {load()}), {len(seq['proxy'])} per path:"
-            " direct p50"
-            f" {pct(seq['direct'], 0.5) * 1e3:.2f} ms, proxy p50 {pct(seq['proxy'], 0.5) * 1e3:.2f} ms,"
-            f" added {added * 1e3:.2f} ms"
+            f" direct p50 {d50 * 1e3:.2f} ms; proxy p50 {p50 * 1e3:.2f} ms, added {(p50 - d50) * 1e3:.2f} ms;"
+            f" floor p50 {f50 * 1e3:.2f} ms, added {(f50 - d50) * 1e3:.2f} ms"
         )
         before = load()
-        ttft, paced_cpu = asyncio.run(ttft_rounds(up_port, px_port, args.rounds, args.concurrency, 4, px.pid))
+        ttft, paced_cpu = asyncio.run(ttft_rounds(paths, args.rounds, args.concurrency, 6, px.pid))
         d50, d99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
         p50, p99 = pct(ttft["proxy"], 0.5), pct(ttft["proxy"], 0.99)
+        f50, f99 = pct(ttft["floor"], 0.5), pct(ttft["floor"], 0.99)
         print(
             f"TTFT at {args.concurrency} concurrent streams (paths interleaved; load {before} -> {load()}),"
             f" {len(ttft['proxy'])} streams per path:"
         )
         print(f"  direct  p50 {d50 * 1e3:7.2f} ms   p99 {d99 * 1e3:7.2f} ms")
         print(f"  proxy   p50 {p50 * 1e3:7.2f} ms   p99 {p99 * 1e3:7.2f} ms")
+        print(f"  floor   p50 {f50 * 1e3:7.2f} ms   p99 {f99 * 1e3:7.2f} ms   (forwarding only)")
         print(
-            f"  added   p50 {(p50 - d50) * 1e3:7.2f} ms   p99 {(p99 - d99) * 1e3:7.2f} ms"
+            f"  added by the proxy   p50 {(p50 - d50) * 1e3:5.2f} ms   p99 {(p99 - d99) * 1e3:5.2f} ms"
             "   (targets 0.5 / 2 ms)"
         )
+        print(f"  added by the floor   p50 {(f50 - d50) * 1e3:5.2f} ms   p99 {(f99 - d99) * 1e3:5.2f} ms")
+        print(f"  the proxy's own work p50 {(p50 - f50) * 1e3:5.2f} ms   (proxy - floor)")
         paced_chunks = len(ttft["proxy"]) * 51
         print(f"  proxy CPU per paced chunk (one event per read) {paced_cpu / paced_chunks * 1e6:.1f} us,")
         print(f"  per stream (request + 51 chunks) {paced_cpu / len(ttft['proxy']) * 1e3:.2f} ms")
@@ -315,7 +332,7 @@ def main() -> None:
             f" with 400-token replay buffers (target <= 100 MB; load {before} -> {load()})"
         )
     finally:
-        for proc in (px, up):
+        for proc in (px, floor, up):
             proc.terminate()
             try:
                 proc.wait(timeout=10)
