@@ -20,6 +20,13 @@ batch fills, and the throughput it shows is that of a partly filled batch:
 
 * saturation is judged on the stage after its first ``warmup_fraction`` (a third): a stage
   starts from an idle engine, and the backlog's climb to its steady level is not queue growth;
+* the growth must also exceed what the arrivals' own randomness makes of a backlog over the
+  settled part (``arrival_noise_floor``: one standard deviation of a Poisson count, per second).
+  A 30-s stage settles over 20 s, where the protocol's 0.1 calls/s is two calls: in a CI run a
+  stage at 2.83 calls/s that the engine kept up with (backlog 0 -> 3) read as saturated, the
+  confirming stage ran at only 6.26 calls/s, its batch never filled, and Ĉ came out 3.40 where
+  other calibrations gave 4.1-6.1. Over the study's 300-s stages the floor is about 0.1 calls/s,
+  the protocol's own threshold;
 * after the first saturated stage, ``confirm_stages`` more run at ``confirm_factor`` times its
   rate, enough to fill the batch within the warm-up;
 * Ĉ is, by the protocol's own definition (the call rate the engine completes when saturated),
@@ -58,6 +65,7 @@ from retrywatch.timeseries import Snapshot, parse_exposition
 
 __all__ = [
     "TimedStageObservation",
+    "arrival_noise_floor",
     "calibrate_http",
     "calibrate_settled",
     "engine_backlog",
@@ -249,6 +257,15 @@ def settled_capacity(stages: Sequence[StageSummary]) -> tuple[float, int]:
     return best.completion_rate, best.index
 
 
+def arrival_noise_floor(arrival_rate: float, settled_s: float) -> float:
+    """The backlog growth, in calls/s, that Poisson arrivals at ``arrival_rate`` reach by chance
+    over ``settled_s`` seconds: one standard deviation of their count, ``sqrt(rate x s)``, per
+    second (0.38 calls/s at 2.83 calls/s over 20 s; 0.13 at 3.4 calls/s over 200 s)."""
+    if settled_s <= 0:
+        raise CalibrationError(f"settled_s must be > 0, got {settled_s!r}")
+    return math.sqrt(max(arrival_rate, 0.0) / settled_s)
+
+
 def _settled_summary(
     obs: StageObservation, rate: float, index: int, warmup_fraction: float, growth_threshold: float
 ) -> StageSummary:
@@ -257,19 +274,21 @@ def _settled_summary(
     if obs.duration_s <= 0:
         raise CalibrationError(f"stage {index}: the runner reported a duration of {obs.duration_s}")
     growth = queue_growth_rate(settled_samples(obs.waiting_samples, obs.duration_s, warmup_fraction))
+    start = obs.duration_s * warmup_fraction
     if isinstance(obs, TimedStageObservation):
-        start = obs.duration_s * warmup_fraction
         done = sum(1 for t in obs.completion_times if start <= t <= obs.duration_s)
         completion_rate = done / (obs.duration_s - start)
     else:
         completion_rate = obs.completed / obs.duration_s
+    arrival_rate = obs.arrivals / obs.duration_s
+    floor = max(growth_threshold, arrival_noise_floor(arrival_rate, obs.duration_s - start))
     return StageSummary(
         index=index,
         planned_rate=rate,
-        arrival_rate=obs.arrivals / obs.duration_s,
+        arrival_rate=arrival_rate,
         growth_rate=growth,
         completion_rate=completion_rate,
-        saturated=growth >= growth_threshold,
+        saturated=growth >= floor,
     )
 
 
@@ -289,11 +308,11 @@ def calibrate_settled(
     """PROTOCOL §5 on any stage runner (rates per run-second), with the module NOTE's changes.
 
     Stages grow by ``factor`` from ``start_rate`` until one saturates (its backlog grows by at
-    least ``growth_threshold`` calls/s over its settled part); a first stage that saturates
-    already says nothing about Ĉ, so calibration restarts ``factor``² lower (at most three
-    times). Then ``confirm_stages`` more stages run, the first at ``confirm_factor`` times the
-    saturated stage's rate, the next ``factor`` higher each; Ĉ is the largest settled completion
-    rate among the saturated stages.
+    least ``growth_threshold`` calls/s, and more than ``arrival_noise_floor``, over its settled
+    part); a first stage that saturates already says nothing about Ĉ, so calibration restarts
+    ``factor``² lower (at most three times). Then ``confirm_stages`` more stages run, the first
+    at ``confirm_factor`` times the saturated stage's rate, the next ``factor`` higher each; Ĉ
+    is the largest settled completion rate among the saturated stages.
     """
     if not (start_rate > 0 and math.isfinite(start_rate)):
         raise CalibrationError(f"start_rate must be a positive call rate, got {start_rate!r}")
@@ -336,7 +355,8 @@ def calibrate_settled(
     capacity, best = settled_capacity(stages)
     method = (
         f"{stage_s:g}-s stages x{factor:g} from {start_rate:g} calls/s until the backlog (waiting + running) "
-        f"grows by >= {growth_threshold:g} calls/s after the first {warmup_fraction:.0%} of the stage; "
+        f"grows by >= {growth_threshold:g} calls/s, and by more than the arrivals' noise, after the first "
+        f"{warmup_fraction:.0%} of the stage; "
         f"{confirm_stages} more stage(s) from x{confirm_factor:g} that rate; Ĉ = the largest completion "
         "rate after the warm-up among the saturated stages"
     )
