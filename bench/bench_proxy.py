@@ -1,6 +1,6 @@
 """Benchmark of the proxy against the test upstream: prints figures, asserts nothing.
 
-Run: ``python bench/bench_proxy.py`` (about two minutes). It starts the test upstream
+Run: ``python bench/bench_proxy.py`` (about two and a half minutes). It starts the test upstream
 (``exporter.testing.upstream``), ``retrywatch proxy`` and the floor forwarder
 (``bench/asgi_floor.py``: an ASGI app under uvicorn that only forwards) as processes on free
 loopback ports and measures, side by side in one run:
