@@ -1,11 +1,13 @@
-"""Call keys: how the proxy recognises every attempt of one call.
+"""Call keys: how the proxy recognises every attempt of one call, and what the client says of it.
 
-A call key is a hash of the call identifier (a header such as ``X-Call-Id`` or
-``Idempotency-Key``) together with the route and the full generation parameters (the canonical
-request body), so a retry with identical parameters finds its call's live execution while a
-request that reuses the id with other parameters does not. Without a call id the key is either
-the hash of the body alone (``body``) or absent (``none``: never coalesce). Keys are hashes:
-prompt text never leaves this module.
+A call key is a hash of the caller's credentials, the call identifier (a header such as
+``X-Call-Id`` or ``Idempotency-Key``), the route and the full generation parameters (the
+canonical request body): a retry with identical parameters finds its call's live execution, a
+request that reuses the id with other parameters does not, and no caller ever finds another
+caller's execution. Without a call id the key is either the hash of the credentials and the body
+(``body``: it says only that two attempts look alike; the policy attaches such an attempt only
+when it is evidently a retry) or absent (``none``: never coalesce). Keys are hashes: prompt text
+and credentials never leave this module.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ DEFAULT_CALL_ID_HEADER = "x-call-id"
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
 # The official OpenAI SDKs send this on their own automatic retries (0 on the first attempt).
 SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
+# Where a caller's credentials travel: Authorization, else an API-key header (Azure OpenAI's
+# ``api-key``, ``x-api-key``). The first one present scopes the caller's keys.
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
 
 # A call id is an opaque client token; anything longer is refused rather than hashed.
 MAX_CALL_ID_LENGTH = 256
@@ -75,15 +80,34 @@ def find_call_id(headers: Mapping[str, str], call_id_header: str = DEFAULT_CALL_
     return None
 
 
-def retry_hint(headers: Mapping[str, str]) -> bool:
-    """True when the client says this attempt is a retry (the OpenAI SDK's retry counter > 0)."""
+def sdk_says_retry(headers: Mapping[str, str]) -> bool | None:
+    """The client's own word from the SDK retry counter: True when it counts this attempt as a
+    retry (> 0), False when it counts it a first attempt (0), None when it says nothing usable."""
     value = headers.get(SDK_RETRY_COUNT_HEADER)
     if value is None:
-        return False
+        return None
     try:
-        return int(value.strip()) > 0
+        count = int(value.strip())
     except ValueError:
-        return False
+        return None
+    return count > 0 if count >= 0 else None
+
+
+def caller_scope(headers: Mapping[str, str]) -> str | None:
+    """A hash of the caller's credentials (the first of ``CREDENTIAL_HEADERS`` present), or None
+    for a caller without any. Keys are scoped by it, so callers never share an execution; the
+    credentials themselves go nowhere but into this hash.
+
+    ``headers`` must be case-insensitive or lower-cased (Starlette's are).
+    """
+    for name in CREDENTIAL_HEADERS:
+        value = headers.get(name)
+        if value:
+            h = hashlib.sha256(name.encode())
+            h.update(b"\0")
+            h.update(value.encode("utf-8", "surrogatepass"))
+            return h.hexdigest()[:32]
+    return None
 
 
 def call_key(
@@ -91,11 +115,19 @@ def call_key(
     route: str,
     body: Mapping[str, Any],
     without_id: KeyWithoutId = KeyWithoutId.BODY,
+    caller: str | None = None,
 ) -> str | None:
-    """The key under which attempts of one call coalesce; None means "never coalesce"."""
+    """The key under which attempts of one call coalesce; None means "never coalesce".
+
+    ``caller`` is ``caller_scope`` of the attempt's headers (None: a caller without credentials).
+    """
     if call_id is None and without_id is KeyWithoutId.NONE:
         return None
     h = hashlib.sha256()
+    h.update(b"caller:")
+    if caller is not None:
+        h.update(caller.encode())
+    h.update(b"\0")
     h.update(b"id:" if call_id is not None else b"body:")
     if call_id is not None:
         h.update(call_id.encode())

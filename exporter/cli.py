@@ -69,7 +69,11 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
     "key-without-id",
     type=click.Choice([k.value for k in KeyWithoutId]),
     default=KeyWithoutId.BODY.value,
-    help="Key of an attempt without a call id: the body's hash, or none (never coalesce).",
+    help=(
+        "Key of an attempt without a call id: the hash of the caller's credentials and the body "
+        "(only an evident retry attaches: the SDK retry counter says so, or an identical attempt "
+        "left unanswered), or none (never coalesce)."
+    ),
 )
 @_opt(
     "retry-budget",

@@ -20,6 +20,32 @@ Counters stay balanced at every moment:
 
 (``refused`` is the engine's refusal of a dispatched execution; ``dispatched - refused`` is what
 the engine accepted.)
+
+NOTE: first attempt or retry, and whether an attempt may attach (``Policy._classify``). A first
+attempt is never a retry and never attaches; only a retry attaches, so the retry counters, the
+retry budget and the signals built on them see real retries only.
+
+* With a call id (``Attempt.identified``): the call id is the client's explicit statement that
+  two attempts belong to one call. An attempt whose key was seen within ``retry_memory_s`` (or
+  has a live execution) is a retry, whatever the SDK retry counter says: an application's own
+  retry loop around an SDK sends the same call id with the counter at 0 every time, because the
+  counter only knows the SDK's own loop. An attempt whose key was not seen is a first attempt,
+  unless the client says it is a retry (its first attempt went elsewhere or was forgotten).
+* Without a call id (the key is a hash of the body): identical bodies say nothing about being
+  one call (five samples of one prompt at temperature 1 look alike). Such an attempt is a retry
+  only when it is evident: the client says so (SDK retry counter > 0), or it says nothing and an
+  attempt with the same key has left (disconnected before its answer, was shed, refused or
+  failed) and that departure has not yet been used by another retry. Each departure licenses
+  one retry (at most ``MAX_DEPARTURES_PER_KEY`` pending per key, forgotten after
+  ``retry_memory_s``). A counter at 0 is a first attempt. Such a retry attaches only to an
+  execution nobody waits for (its predecessor left it): one that still has a subscriber serves
+  another attempt that may be a distinct call with the same body. So without a call id an
+  execution never serves two waiting clients at once, and a concurrent identical first attempt
+  always gets an execution of its own.
+
+Several live executions can share a key (concurrent identical first attempts without a call id);
+every per-key structure is bounded (live executions by ``max_live_executions``, remembered keys
+by ``max_remembered_calls`` and ``retry_memory_s``).
 """
 
 from __future__ import annotations
@@ -29,6 +55,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+# Departures of attempts without a call id remembered per key, each licensing one retry: enough
+# for a burst of identical calls that all time out together; beyond it the oldest are forgotten.
+MAX_DEPARTURES_PER_KEY = 32
 
 
 class PolicyConfigError(ValueError):
@@ -129,10 +162,17 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One incoming attempt, reduced to what the policy needs (never the prompt itself)."""
+    """One incoming attempt, reduced to what the policy needs (never the prompt itself).
+
+    ``identified``: the key comes from a call id the client gave; otherwise it is a hash of the
+    body, which only says that two attempts look alike. ``client_says_retry`` is the client's own
+    word (the SDK retry counter): None when it says nothing, True when it counts this attempt as
+    a retry (counter > 0), False when it counts it a first attempt (counter 0).
+    """
 
     key: str | None  # call key (``exporter.callkey.call_key``); None = never coalesce
-    retry_hint: bool = False  # the client says it is a retry (e.g. x-stainless-retry-count > 0)
+    identified: bool
+    client_says_retry: bool | None = None
     prompt_tokens: int = 0  # known or estimated prompt length, for the first-token wait estimate
 
 
@@ -239,6 +279,7 @@ class Subscriber:
     kind: AttemptKind
     started_at: float
     call_started_at: float  # when the call's first attempt was seen
+    departure_key: str | None = None  # key without a call id: its leaving licenses one retry
 
 
 @dataclass
@@ -259,6 +300,43 @@ class PolicyGauges:
     executions_live: int  # dispatched and not finished (in the engine)
     executions_queued: int  # waiting in the proxy queue
     subscribers: int
+
+
+class KeyMemory(Generic[T]):
+    """Per-key values forgotten ``memory_s`` after they were set, at most ``max_keys`` of them
+    (the oldest go first). Times must not go backwards."""
+
+    def __init__(self, memory_s: float, max_keys: int) -> None:
+        self.memory_s = memory_s
+        self.max_keys = max_keys
+        self._entries: OrderedDict[str, tuple[float, T]] = OrderedDict()
+
+    def get(self, now: float, key: str) -> T | None:
+        entry = self._entries.get(key)
+        if entry is None or now - entry[0] > self.memory_s:
+            return None
+        return entry[1]
+
+    def set(self, now: float, key: str, value: T) -> None:
+        """Remember ``value`` from ``now`` on."""
+        self._entries[key] = (now, value)
+        self._entries.move_to_end(key)
+        horizon = now - self.memory_s
+        entries = self._entries
+        while entries:
+            oldest_key = next(iter(entries))
+            if len(entries) > self.max_keys or entries[oldest_key][0] < horizon:
+                entries.popitem(last=False)
+            else:
+                break
+
+    def replace(self, key: str, value: T) -> None:
+        """Change the value of a remembered key without changing when it is forgotten."""
+        at, _ = self._entries[key]
+        self._entries[key] = (at, value)
+
+    def discard(self, key: str) -> None:
+        self._entries.pop(key, None)
 
 
 class RetryBudget:
@@ -330,10 +408,14 @@ class Policy:
         )
         self._estimator = FirstTokenWaitEstimator(self.config.prefill_tokens_per_s)
         self._executions: dict[int, Execution] = {}  # live ones only
-        self._live_by_key: dict[str, int] = {}
+        self._live_by_key: dict[str, list[int]] = {}  # attachable live executions, oldest first
         self._queue: deque[int] = deque()
         self._subscribers: dict[int, Subscriber] = {}
-        self._calls_seen: OrderedDict[str, float] = OrderedDict()  # key -> first seen
+        memory_s, max_keys = self.config.retry_memory_s, self.config.max_remembered_calls
+        # keys with a call id -> when the call's first attempt was seen
+        self._calls_seen: KeyMemory[float] = KeyMemory(memory_s, max_keys)
+        # keys without a call id -> the call start of each departure not yet used by a retry
+        self._departures: KeyMemory[tuple[float, ...]] = KeyMemory(memory_s, max_keys)
         self._in_engine = 0  # dispatched and not finished
         self._awaiting_first_token_tokens = 0  # prompt tokens dispatched without a first token yet
         self._awaiting_first_token = 0
@@ -370,9 +452,8 @@ class Policy:
         """New attempts no longer attach to this live execution (e.g. its replay buffer is full);
         a retry of its call then creates a new execution."""
         execution = self._executions.get(execution_id)
-        key = execution.key if execution is not None else None
-        if key is not None and self._live_by_key.get(key) == execution_id:
-            del self._live_by_key[key]
+        if execution is not None:
+            self._unlist(execution)
 
     def set_deadline(self, deadline_s: float | None) -> None:
         """Update the clients' deadline (e.g. when inferred from disconnects)."""
@@ -383,30 +464,39 @@ class Policy:
     # --- attempts ---------------------------------------------------------------------
 
     def _classify(self, now: float, attempt: Attempt) -> tuple[AttemptKind, float]:
-        """First attempt or retry, and when the call's first attempt was seen."""
-        call_started_at = now
-        seen = False
-        if attempt.key is not None:
-            first_seen = self._calls_seen.get(attempt.key)
-            if first_seen is not None and now - first_seen <= self.config.retry_memory_s:
-                seen = True
-                call_started_at = first_seen
-            else:
-                self._calls_seen[attempt.key] = now
-                self._calls_seen.move_to_end(attempt.key)
-                self._forget_old_calls(now)
-        kind = AttemptKind.RETRY if (seen or attempt.retry_hint) else AttemptKind.FIRST
-        return kind, call_started_at
+        """First attempt or retry, and when the call's first attempt was seen (see the NOTE at
+        the top of this module)."""
+        key, says = attempt.key, attempt.client_says_retry
+        if key is not None and attempt.identified:
+            first_seen = self._calls_seen.get(now, key)
+            if first_seen is not None:
+                return AttemptKind.RETRY, first_seen
+            self._calls_seen.set(now, key, now)
+            if key in self._live_by_key:  # seen longer ago than remembered: still the same call
+                return AttemptKind.RETRY, now
+        elif key is not None and says is not False:
+            call_started_at = self._use_departure(now, key)
+            if call_started_at is not None:
+                return AttemptKind.RETRY, call_started_at
+        return (AttemptKind.RETRY if says else AttemptKind.FIRST), now
 
-    def _forget_old_calls(self, now: float) -> None:
-        seen = self._calls_seen
-        horizon = now - self.config.retry_memory_s
-        while seen:
-            oldest_key = next(iter(seen))
-            if len(seen) > self.config.max_remembered_calls or seen[oldest_key] < horizon:
-                seen.popitem(last=False)
-            else:
-                break
+    def _use_departure(self, now: float, key: str) -> float | None:
+        """Use up the oldest departure under ``key`` not yet used by a retry; its call's start."""
+        starts = self._departures.get(now, key)
+        if not starts:
+            return None
+        if len(starts) == 1:
+            self._departures.discard(key)
+        else:
+            self._departures.replace(key, starts[1:])
+        return starts[0]
+
+    def _depart(self, now: float, key: str | None, call_started_at: float) -> None:
+        """An attempt without a call id left before its answer: it licenses one retry."""
+        if key is None:
+            return
+        starts = self._departures.get(now, key) or ()
+        self._departures.set(now, key, (*starts, call_started_at)[-MAX_DEPARTURES_PER_KEY:])
 
     def on_attempt(self, now: float, attempt: Attempt) -> AttemptResult:
         """Decide an attempt: attach to its call's live execution, shed it, or create one."""
@@ -415,25 +505,24 @@ class Policy:
         if kind is AttemptKind.FIRST and self._budget is not None:
             self._budget.record_first(now)
 
+        departure_key = None if attempt.identified else attempt.key
         budget_first = self.config.budget_order is BudgetOrder.BUDGET_FIRST
         if budget_first and kind is AttemptKind.RETRY and not self._budget_admits(now):
-            return self._shed(
-                kind, ShedReason.RETRY_BUDGET, self.estimated_first_token_wait_s(attempt.prompt_tokens)
-            )
+            wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
+            return self._shed(now, kind, ShedReason.RETRY_BUDGET, wait, departure_key, call_started_at)
 
-        live = self._live_for(attempt.key)
+        live = self._attach_target(attempt, kind)
         if live is not None:
-            return AttemptResult(self._attach(now, kind, live, call_started_at), [])
+            return AttemptResult(self._attach(now, kind, live, call_started_at, departure_key), [])
 
         if not budget_first and kind is AttemptKind.RETRY and not self._budget_admits(now):
-            return self._shed(
-                kind, ShedReason.RETRY_BUDGET, self.estimated_first_token_wait_s(attempt.prompt_tokens)
-            )
+            wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
+            return self._shed(now, kind, ShedReason.RETRY_BUDGET, wait, departure_key, call_started_at)
 
         if self.config.deadline_check and self.deadline_s is not None:
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
             if wait >= self.deadline_s:
-                return self._shed(kind, ShedReason.DEADLINE, wait)
+                return self._shed(now, kind, ShedReason.DEADLINE, wait, departure_key, call_started_at)
 
         must_queue = (
             self.config.max_outstanding is not None and self._in_engine >= self.config.max_outstanding
@@ -442,9 +531,8 @@ class Policy:
         if held >= self.config.max_live_executions or (
             must_queue and len(self._queue) >= self.config.max_queued
         ):
-            return self._shed(
-                kind, ShedReason.PROXY_QUEUE, self.estimated_first_token_wait_s(attempt.prompt_tokens)
-            )
+            wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
+            return self._shed(now, kind, ShedReason.PROXY_QUEUE, wait, departure_key, call_started_at)
 
         execution = Execution(
             execution_id=self._next_execution_id,
@@ -455,9 +543,9 @@ class Policy:
         self._next_execution_id += 1
         self._executions[execution.execution_id] = execution
         if execution.key is not None:
-            self._live_by_key[execution.key] = execution.execution_id
+            self._live_by_key.setdefault(execution.key, []).append(execution.execution_id)
         self.counters.created += 1
-        subscriber = self._subscribe(now, kind, execution, call_started_at)
+        subscriber = self._subscribe(now, kind, execution, call_started_at, departure_key)
         effects: list[Effect] = []
         if must_queue:
             self._queue.append(execution.execution_id)
@@ -469,28 +557,57 @@ class Policy:
     def _budget_admits(self, now: float) -> bool:
         return self._budget is None or self._budget.try_spend(now)
 
-    def _shed(self, kind: AttemptKind, reason: ShedReason, retry_after_s: float | None) -> AttemptResult:
+    def _shed(
+        self,
+        now: float,
+        kind: AttemptKind,
+        reason: ShedReason,
+        retry_after_s: float | None,
+        departure_key: str | None,
+        call_started_at: float,
+    ) -> AttemptResult:
         self.counters.shed[reason] += 1
+        self._depart(now, departure_key, call_started_at)
         return AttemptResult(Shed(kind, reason, retry_after_s), [])
 
-    def _live_for(self, key: str | None) -> Execution | None:
-        if key is None or not self.config.coalesce:
+    def _attach_target(self, attempt: Attempt, kind: AttemptKind) -> Execution | None:
+        """The live execution a retry attaches to: one nobody waits for first; one that still
+        has subscribers only under a call id. None for a first attempt (see the NOTE above)."""
+        if kind is AttemptKind.FIRST or attempt.key is None or not self.config.coalesce:
             return None
-        execution_id = self._live_by_key.get(key)
-        return None if execution_id is None else self._executions.get(execution_id)
+        watched: Execution | None = None
+        for execution_id in self._live_by_key.get(attempt.key, ()):
+            execution = self._executions[execution_id]
+            if not execution.subscribers:
+                return execution
+            if watched is None:
+                watched = execution
+        return watched if attempt.identified else None
 
     def _attach(
-        self, now: float, kind: AttemptKind, execution: Execution, call_started_at: float
+        self,
+        now: float,
+        kind: AttemptKind,
+        execution: Execution,
+        call_started_at: float,
+        departure_key: str | None,
     ) -> Attached:
         self.counters.attached += 1
         execution.cancel_at = None  # a retry arrived in time: the deferred cancellation is off
-        subscriber = self._subscribe(now, kind, execution, call_started_at)
+        subscriber = self._subscribe(now, kind, execution, call_started_at, departure_key)
         return Attached(kind, subscriber.subscriber_id, execution.execution_id)
 
     def _subscribe(
-        self, now: float, kind: AttemptKind, execution: Execution, call_started_at: float
+        self,
+        now: float,
+        kind: AttemptKind,
+        execution: Execution,
+        call_started_at: float,
+        departure_key: str | None,
     ) -> Subscriber:
-        subscriber = Subscriber(self._next_subscriber_id, execution.execution_id, kind, now, call_started_at)
+        subscriber = Subscriber(
+            self._next_subscriber_id, execution.execution_id, kind, now, call_started_at, departure_key
+        )
         self._next_subscriber_id += 1
         self._subscribers[subscriber.subscriber_id] = subscriber
         execution.subscribers.add(subscriber.subscriber_id)
@@ -528,6 +645,7 @@ class Policy:
         subscriber = self._subscribers.pop(subscriber_id, None)
         if subscriber is None:
             return []
+        self._depart(now, subscriber.departure_key, subscriber.call_started_at)
         execution = self._executions.get(subscriber.execution_id)
         if execution is None:
             return []
@@ -610,7 +728,9 @@ class Policy:
         if execution is None or execution.state is ExecutionState.QUEUED:
             return []
         for subscriber_id in execution.subscribers:
-            self._subscribers.pop(subscriber_id, None)
+            subscriber = self._subscribers.pop(subscriber_id, None)
+            if subscriber is not None:  # answered with an error: it licenses one retry
+                self._depart(now, subscriber.departure_key, subscriber.call_started_at)
         self._finish(now, execution, fate)
         return self._fill_slots(now)
 
@@ -629,5 +749,13 @@ class Policy:
         execution.cancel_at = None
         self.counters.finished[fate] += 1
         del self._executions[execution.execution_id]
-        if execution.key is not None and self._live_by_key.get(execution.key) == execution.execution_id:
-            del self._live_by_key[execution.key]
+        self._unlist(execution)
+
+    def _unlist(self, execution: Execution) -> None:
+        """No new subscriber finds this execution under its key any more."""
+        key = execution.key
+        ids = self._live_by_key.get(key) if key is not None else None
+        if key is not None and ids is not None and execution.execution_id in ids:
+            ids.remove(execution.execution_id)
+            if not ids:
+                del self._live_by_key[key]

@@ -31,7 +31,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from exporter.admin import executions_listing
-from exporter.callkey import CallIdError, call_key, find_call_id, retry_hint
+from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
 from exporter.metrics import ProxyMetrics
 from exporter.policy import (
     Attempt,
@@ -308,9 +308,14 @@ class Proxy:
             return Response(status_code=400)
         except CallIdError as exc:
             return _json_response(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
-        key = call_key(call_id, route, body, self.settings.key_without_id)
+        key = call_key(call_id, route, body, self.settings.key_without_id, caller_scope(headers))
         stream = bool(body.get("stream", False))
-        attempt = Attempt(key=key, retry_hint=retry_hint(headers), prompt_tokens=prompt_tokens)
+        attempt = Attempt(
+            key,
+            identified=call_id is not None,
+            client_says_retry=sdk_says_retry(headers),
+            prompt_tokens=prompt_tokens,
+        )
         result = self.policy.on_attempt(started, attempt)
         decision = result.decision
         if isinstance(decision, Shed):

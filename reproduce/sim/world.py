@@ -165,7 +165,8 @@ class _World:
     def _send(self, call: _Call) -> None:
         now = self.env.now
         attempt = self.client.send(call.record, now)
-        result = self.policy.on_attempt(now, Attempt(call.plan.call_id, prompt_tokens=call.plan.prompt_len))
+        sent = Attempt(call.plan.call_id, identified=True, prompt_tokens=call.plan.prompt_len)
+        result = self.policy.on_attempt(now, sent)
         decision = result.decision
         if isinstance(decision, Shed):
             if decision.reason is ShedReason.RETRY_BUDGET:

@@ -1,4 +1,5 @@
-"""Call keys: same call and parameters coalesce; anything else does not; ids are validated."""
+"""Call keys: same caller, call and parameters coalesce; anything else does not; ids are validated;
+the client's own word on retries is read as a tri-state."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from exporter.callkey import (
     CallIdError,
     KeyWithoutId,
     call_key,
+    caller_scope,
     find_call_id,
-    retry_hint,
+    sdk_says_retry,
 )
 
 BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True}
@@ -59,7 +61,38 @@ def test_unusable_call_id_is_refused(bad: str) -> None:
         find_call_id({"x-call-id": bad})
 
 
-@pytest.mark.parametrize(("value", "expected"), [("0", False), ("1", True), ("3", True), ("x", False)])
-def test_sdk_retry_count_header(value: str, expected: bool) -> None:
-    assert retry_hint({"x-stainless-retry-count": value}) is expected
-    assert retry_hint({}) is False
+@pytest.mark.parametrize(
+    ("value", "expected"), [("0", False), (" 0 ", False), ("1", True), ("3", True), ("x", None), ("-1", None)]
+)
+def test_sdk_retry_count_header_is_the_clients_word(value: str, expected: bool | None) -> None:
+    assert sdk_says_retry({"x-stainless-retry-count": value}) is expected
+    assert sdk_says_retry({}) is None
+
+
+ALICE = {"authorization": "Bearer sk-alice-secret"}
+BOB = {"authorization": "Bearer sk-bob-secret"}
+
+
+@pytest.mark.parametrize("call_id", ["c1", None])
+def test_keys_are_scoped_by_the_callers_credentials(call_id: str | None) -> None:
+    def key(headers: dict[str, str]) -> str | None:
+        return call_key(call_id, "/v1/completions", BODY, KeyWithoutId.BODY, caller_scope(headers))
+
+    assert key(ALICE) == key(dict(ALICE))
+    assert len({key(ALICE), key(BOB), key({})}) == 3
+
+
+def test_the_api_key_headers_scope_a_caller_without_authorization() -> None:
+    assert caller_scope({}) is None
+    assert caller_scope({"api-key": "k1"}) is not None
+    assert caller_scope({"api-key": "k1"}) != caller_scope({"api-key": "k2"})
+    assert caller_scope({"x-api-key": "k1"}) not in (None, caller_scope({"x-api-key": "k2"}))
+    # Authorization wins over an API-key header.
+    assert caller_scope({**ALICE, "api-key": "k1"}) == caller_scope(ALICE)
+
+
+def test_credentials_appear_nowhere_but_inside_the_hash() -> None:
+    scope = caller_scope(ALICE)
+    assert scope is not None and len(scope) == 32 and "alice" not in scope and "sk-" not in scope
+    key = call_key("c1", "/v1/completions", BODY, caller=scope)
+    assert key is not None and "alice" not in key

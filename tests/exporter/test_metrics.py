@@ -64,8 +64,8 @@ def test_collector_reads_the_policy_fresh_with_every_label_up_front() -> None:
     reg = metrics.registry
     assert reg.get_sample_value("retrywatch_executions_finished_total", {"fate": "dropped"}) == 0
     assert reg.get_sample_value("retrywatch_attempts_shed_total", {"reason": "deadline"}) == 0
-    policy.on_attempt(0.0, Attempt(key="k"))
-    policy.on_attempt(1.0, Attempt(key="k"))
+    policy.on_attempt(0.0, Attempt(key="k", identified=True))
+    policy.on_attempt(1.0, Attempt(key="k", identified=True))
     assert reg.get_sample_value("retrywatch_attempts_total", {"kind": "first"}) == 1
     assert reg.get_sample_value("retrywatch_attempts_total", {"kind": "retry"}) == 1
     assert reg.get_sample_value("retrywatch_attempts_attached_total") == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.policy import (
+    MAX_DEPARTURES_PER_KEY,
     Attached,
     Attempt,
     AttemptKind,
@@ -30,8 +31,15 @@ def create_policy(**overrides: object) -> Policy:
     return Policy(PolicyConfig(**overrides))  # type: ignore[arg-type]
 
 
-def attempt(key: str | None = "call-1", *, retry_hint: bool = False, prompt_tokens: int = 1000) -> Attempt:
-    return Attempt(key=key, retry_hint=retry_hint, prompt_tokens=prompt_tokens)
+def attempt(
+    key: str | None = "call-1",
+    *,
+    identified: bool = True,
+    says: bool | None = None,
+    prompt_tokens: int = 1000,
+) -> Attempt:
+    """An attempt keyed by a call id (``identified``) or by its body, with the client's word."""
+    return Attempt(key, identified=identified, client_says_retry=says, prompt_tokens=prompt_tokens)
 
 
 def test_first_attempt_creates_and_dispatches() -> None:
@@ -78,7 +86,7 @@ def test_no_coalescing_creates_one_execution_per_attempt() -> None:
 def test_key_none_never_coalesces_but_honours_the_client_retry_hint() -> None:
     policy = create_policy()
     policy.on_attempt(0.0, attempt(None))
-    retry = policy.on_attempt(1.0, attempt(None, retry_hint=True))
+    retry = policy.on_attempt(1.0, attempt(None, says=True))
     assert isinstance(retry.decision, Created)
     assert retry.decision.kind is AttemptKind.RETRY
 
@@ -312,3 +320,156 @@ def test_first_token_wait_estimate_learns_the_prefill_rate() -> None:
 def test_bad_config_is_refused_with_a_clear_error(bad: dict[str, object]) -> None:
     with pytest.raises(PolicyConfigError):
         PolicyConfig(**bad)  # type: ignore[arg-type]
+
+
+# --- first attempt or retry: call ids, the client's word, and keys without a call id ------------
+
+
+def test_with_a_call_id_a_seen_key_is_a_retry_even_when_the_sdk_counter_says_0() -> None:
+    # An application's own retry loop around an SDK with max_retries=0 sends the same call id
+    # with the counter at 0 every time: the call id decides.
+    policy = create_policy()
+    first = policy.on_attempt(0.0, attempt(says=False)).decision
+    retry = policy.on_attempt(5.0, attempt(says=False)).decision
+    assert isinstance(first, Created) and first.kind is AttemptKind.FIRST
+    assert isinstance(retry, Attached) and retry.kind is AttemptKind.RETRY
+    assert retry.execution_id == first.execution_id
+
+
+@pytest.mark.parametrize(
+    ("says", "kind"), [(None, AttemptKind.FIRST), (False, AttemptKind.FIRST), (True, AttemptKind.RETRY)]
+)
+def test_with_a_call_id_an_unseen_key_is_first_unless_the_client_says_retry(
+    says: bool | None, kind: AttemptKind
+) -> None:
+    policy = create_policy()
+    decision = policy.on_attempt(0.0, attempt(says=says)).decision
+    assert isinstance(decision, Created) and decision.kind is kind
+
+
+def test_without_a_call_id_concurrent_identical_first_attempts_each_create_their_own() -> None:
+    # Five samples of one prompt at temperature 1, sent at once without a call id.
+    policy = create_policy(retry_budget=0.1)
+    decisions = [policy.on_attempt(0.0, attempt("body", identified=False)).decision for _ in range(5)]
+    assert all(isinstance(d, Created) and d.kind is AttemptKind.FIRST for d in decisions)
+    assert len({d.execution_id for d in decisions}) == 5  # type: ignore[union-attr]
+    assert policy.counters.attempts == {AttemptKind.FIRST: 5, AttemptKind.RETRY: 0}
+    assert policy.counters.attached == 0 and policy.gauges().executions_live == 5
+
+
+def test_without_a_call_id_a_silent_attempt_after_a_departure_is_a_retry_and_attaches() -> None:
+    policy = create_policy()
+    first = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    assert isinstance(first, Created)
+    policy.on_subscriber_left(120.0, first.subscriber_id)
+    retry = policy.on_attempt(121.0, attempt("body", identified=False)).decision
+    assert isinstance(retry, Attached) and retry.kind is AttemptKind.RETRY
+    assert retry.execution_id == first.execution_id
+    # The departure was used up: the next identical attempt is a concurrent first attempt.
+    other = policy.on_attempt(122.0, attempt("body", identified=False)).decision
+    assert isinstance(other, Created) and other.kind is AttemptKind.FIRST
+    assert other.execution_id != first.execution_id
+
+
+def test_without_a_call_id_a_sdk_counter_at_0_is_a_first_attempt_even_after_a_departure() -> None:
+    policy = create_policy()
+    first = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    assert isinstance(first, Created)
+    policy.on_subscriber_left(120.0, first.subscriber_id)
+    fresh = policy.on_attempt(121.0, attempt("body", identified=False, says=False)).decision
+    assert isinstance(fresh, Created) and fresh.kind is AttemptKind.FIRST
+    # It did not use the departure: a silent attempt after it still finds it.
+    retry = policy.on_attempt(122.0, attempt("body", identified=False)).decision
+    assert isinstance(retry, Attached) and retry.execution_id == first.execution_id
+
+
+def test_without_a_call_id_a_retry_attaches_only_to_an_execution_nobody_waits_for() -> None:
+    policy = create_policy()
+    watched = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    left = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    assert isinstance(watched, Created) and isinstance(left, Created)
+    # The client says retry, but the only execution with this key serves another attempt.
+    alone = policy.on_attempt(1.0, attempt("body", identified=False, says=True)).decision
+    assert isinstance(alone, Created) and alone.kind is AttemptKind.RETRY
+    policy.on_subscriber_left(2.0, left.subscriber_id)
+    retry = policy.on_attempt(3.0, attempt("body", identified=False, says=True)).decision
+    assert isinstance(retry, Attached) and retry.execution_id == left.execution_id
+    assert all(len(e.subscribers) == 1 for e in policy.live_executions())
+
+
+def test_a_call_id_retry_past_stop_attaching_creates_another_execution() -> None:
+    policy = create_policy(cancellation=Cancellation.OFF)
+    first = policy.on_attempt(0.0, attempt()).decision
+    second = policy.on_attempt(1.0, attempt()).decision  # attaches: two subscribers
+    assert isinstance(first, Created) and isinstance(second, Attached)
+    policy.stop_attaching(first.execution_id)  # e.g. its replay buffer overflowed
+    third = policy.on_attempt(2.0, attempt()).decision
+    assert isinstance(third, Created) and third.kind is AttemptKind.RETRY
+    assert policy.execution(first.execution_id) is not None  # still live, just not attachable
+
+
+@pytest.mark.parametrize("how", ["shed", "refused", "failed"])
+def test_without_a_call_id_a_shed_refused_or_failed_attempt_licenses_one_retry(how: str) -> None:
+    policy = create_policy(max_outstanding=1, max_queued=0)
+    first = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    assert isinstance(first, Created)
+    if how == "shed":
+        shed = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+        assert isinstance(shed, Shed) and shed.kind is AttemptKind.FIRST
+        policy.on_completed(1.0, first.execution_id)
+        policy.on_subscriber_delivered(1.0, first.subscriber_id)
+    elif how == "refused":
+        policy.on_refused(1.0, first.execution_id)
+    else:
+        policy.on_failed(1.0, first.execution_id)
+    retry = policy.on_attempt(2.0, attempt("body", identified=False)).decision
+    assert isinstance(retry, Created) and retry.kind is AttemptKind.RETRY
+    assert policy.on_attempt(3.0, attempt("body", identified=False)).decision.kind is AttemptKind.FIRST
+
+
+def test_departures_are_forgotten_after_the_retry_memory_and_bounded_per_key() -> None:
+    policy = create_policy(retry_memory_s=10.0, coalesce=False, cancellation=Cancellation.ON)
+    burst = [policy.on_attempt(0.0, attempt("body", identified=False)).decision for _ in range(40)]
+    for created in burst:  # 40 identical calls at once, all timing out
+        assert isinstance(created, Created) and created.kind is AttemptKind.FIRST
+        policy.on_subscriber_left(1.0, created.subscriber_id)
+    kinds = [policy.on_attempt(2.0, attempt("body", identified=False)).decision.kind for _ in range(40)]
+    assert kinds.count(AttemptKind.RETRY) == MAX_DEPARTURES_PER_KEY
+    gone = policy.on_attempt(3.0, attempt("late", identified=False)).decision
+    assert isinstance(gone, Created)
+    policy.on_subscriber_left(3.0, gone.subscriber_id)
+    assert policy.on_attempt(14.0, attempt("late", identified=False)).decision.kind is AttemptKind.FIRST
+
+
+def test_departure_keys_are_bounded() -> None:
+    policy = create_policy(max_remembered_calls=2, coalesce=False, cancellation=Cancellation.ON)
+    for key in ("a", "b", "c"):
+        created = policy.on_attempt(0.0, attempt(key, identified=False)).decision
+        assert isinstance(created, Created)
+        policy.on_subscriber_left(0.0, created.subscriber_id)
+    assert policy.on_attempt(1.0, attempt("a", identified=False)).decision.kind is AttemptKind.FIRST
+    assert policy.on_attempt(1.0, attempt("c", identified=False)).decision.kind is AttemptKind.RETRY
+
+
+def test_without_a_call_id_delivery_counts_from_the_departed_attempt() -> None:
+    policy = create_policy(deadline_s=120.0, cancellation=Cancellation.OFF)
+    first = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    assert isinstance(first, Created)
+    policy.on_subscriber_left(120.0, first.subscriber_id)
+    retry = policy.on_attempt(121.0, attempt("body", identified=False)).decision
+    assert isinstance(retry, Attached)
+    policy.on_completed(150.0, first.execution_id)
+    policy.on_subscriber_delivered(150.0, retry.subscriber_id)
+    assert policy.counters.delivered == {True: 0, False: 1}
+
+
+def test_the_retry_budget_sees_only_real_retries() -> None:
+    # Identical first attempts without a call id fund the budget; they are never refused by it.
+    policy = create_policy(retry_budget=0.5, cancellation=Cancellation.ON)
+    firsts = [policy.on_attempt(0.0, attempt("body", identified=False)).decision for _ in range(4)]
+    assert all(isinstance(d, Created) for d in firsts)
+    for d in firsts:
+        policy.on_subscriber_left(1.0, d.subscriber_id)  # type: ignore[union-attr]
+    kinds = [policy.on_attempt(2.0, attempt("body", identified=False)).decision for _ in range(4)]
+    assert [type(d) for d in kinds] == [Created, Created, Shed, Shed]
+    assert all(d.kind is AttemptKind.RETRY for d in kinds)

@@ -1,14 +1,21 @@
 """Property tests: the counters balance for arbitrary interleavings of attempts, disconnects,
-first tokens, completions, refusals, failures and timer firings, under every policy setting."""
+first tokens, completions, refusals, failures and timer firings, under every policy setting; and
+attempts are classified as the policy's NOTE says: a first attempt never attaches, an attempt
+without a call id is a retry only when evident, and without a call id an execution never serves
+two waiting clients at once."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from exporter.policy import (
+    Attached,
     Attempt,
+    AttemptKind,
     BudgetOrder,
     Cancel,
     Cancellation,
@@ -41,6 +48,10 @@ configs = st.builds(
     max_live_executions=st.sampled_from([4, 1000]),
 )
 
+# Keys with a call id and keys without one never coincide (``exporter.callkey`` prefixes them).
+IDENTIFIED_KEYS = ("a", "b")
+BODY_KEYS = ("x", "y")
+
 
 class PolicyMachine(RuleBasedStateMachine):
     """Drives the policy the way a proxy would, carrying out every effect it returns."""
@@ -52,6 +63,15 @@ class PolicyMachine(RuleBasedStateMachine):
         self.in_engine: set[int] = set()  # executions the "engine" is working on
         self.timers: list[tuple[float, int]] = []
         self.subscribers: set[int] = set()
+        self.body_key_of: dict[int, str] = {}  # subscriber -> its key without a call id
+        self.departures: Counter[str] = Counter()  # attempts without a call id that left unanswered
+        self.silent_retries: Counter[str] = Counter()  # ... classified retry without the client's word
+
+    def _left(self, subscriber_id: int) -> None:
+        self.subscribers.discard(subscriber_id)
+        key = self.body_key_of.pop(subscriber_id, None)
+        if key is not None:
+            self.departures[key] += 1
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -66,12 +86,34 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert effect.at >= self.now
                 self.timers.append((effect.at, effect.execution_id))
 
-    @rule(dt=st.floats(0.0, 8.0), key=st.sampled_from(["a", "b", "c", "d", None]), hint=st.booleans())
-    def attempt(self, dt: float, key: str | None, hint: bool) -> None:
+    @rule(
+        dt=st.floats(0.0, 8.0),
+        key=st.sampled_from([*IDENTIFIED_KEYS, *BODY_KEYS, None]),
+        says=st.sampled_from([None, False, True]),
+    )
+    def attempt(self, dt: float, key: str | None, says: bool | None) -> None:
         self.now += dt
-        result = self.policy.on_attempt(self.now, Attempt(key=key, retry_hint=hint, prompt_tokens=100))
-        if not isinstance(result.decision, Shed):
-            self.subscribers.add(result.decision.subscriber_id)
+        identified = key in IDENTIFIED_KEYS
+        sent = Attempt(key, identified=identified, client_says_retry=says, prompt_tokens=100)
+        result = self.policy.on_attempt(self.now, sent)
+        decision = result.decision
+        if isinstance(decision, Attached):
+            assert decision.kind is AttemptKind.RETRY, "a first attempt never attaches"
+        if not identified:  # without a call id the client's word, else a departure, decides
+            if says is not None:
+                assert decision.kind is (AttemptKind.RETRY if says else AttemptKind.FIRST)
+            elif key is None:
+                assert decision.kind is AttemptKind.FIRST
+            elif decision.kind is AttemptKind.RETRY:
+                self.silent_retries[key] += 1
+        body_key = key if key in BODY_KEYS else None
+        if isinstance(decision, Shed):
+            if body_key is not None:
+                self.departures[body_key] += 1
+        else:
+            self.subscribers.add(decision.subscriber_id)
+            if body_key is not None:
+                self.body_key_of[decision.subscriber_id] = body_key
         if isinstance(result.decision, Created) and result.decision.queued:
             assert result.effects == []
         self._apply(result.effects)
@@ -81,7 +123,7 @@ class PolicyMachine(RuleBasedStateMachine):
         if not self.subscribers:
             return
         subscriber_id = data.draw(st.sampled_from(sorted(self.subscribers)))
-        self.subscribers.discard(subscriber_id)
+        self._left(subscriber_id)
         self._apply(self.policy.on_subscriber_left(self.now, subscriber_id))
 
     @rule(data=st.data(), event=st.sampled_from(["first_token", "completed", "refused", "failed"]))
@@ -100,11 +142,15 @@ class PolicyMachine(RuleBasedStateMachine):
             self._apply(self.policy.on_completed(self.now, execution_id))
             for subscriber_id in subscribers:
                 self.policy.on_subscriber_delivered(self.now, subscriber_id)
-        elif event == "refused":
+                self.body_key_of.pop(subscriber_id, None)
+            self.subscribers -= subscribers
+            return
+        if event == "refused":
             self._apply(self.policy.on_refused(self.now, execution_id))
         else:
             self._apply(self.policy.on_failed(self.now, execution_id))
-        self.subscribers -= subscribers
+        for subscriber_id in subscribers:  # answered with an error: they leave unanswered
+            self._left(subscriber_id)
 
     @rule(dt=st.floats(0.0, 15.0))
     def timers_fire(self, dt: float) -> None:
@@ -125,6 +171,16 @@ class PolicyMachine(RuleBasedStateMachine):
         assert c.dispatched == sum(f[x] for x in in_engine_fates) + g.executions_live
         assert g.executions_live == len(self.in_engine)
         assert g.subscribers == len(self.subscribers)
+
+    @invariant()
+    def evident_retries_only(self) -> None:
+        # Without a call id, each retry the client did not announce used up a departure.
+        for key, retries in self.silent_retries.items():
+            assert retries <= self.departures[key]
+        # ... and an execution never serves two waiting clients at once.
+        for execution in self.policy.live_executions():
+            if execution.key in BODY_KEYS:
+                assert len(execution.subscribers) <= 1
 
     @invariant()
     def bounds_hold(self) -> None:
