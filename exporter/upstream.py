@@ -136,12 +136,12 @@ class UpstreamBroken(UpstreamError):
     before the end of the response, or answered something that is not HTTP/1.1."""
 
 
-def _readable(sock: object) -> bool:
+def _readable(sock: socket.socket) -> bool:
     """Whether a socket has something to read (data, an end of stream or an error), without
     waiting; a socket that cannot be polled counts as readable (not fit for reuse)."""
     poller = select.poll()
     try:
-        poller.register(cast(socket.socket, sock).fileno(), select.POLLIN)
+        poller.register(sock.fileno(), select.POLLIN)
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
@@ -157,7 +157,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.socket: object | None = None
+        self.socket: socket.socket | None = None  # asyncio's and uvloop's stand-ins have fileno()
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since: float | None = None  # time.monotonic() when it went back to the pool
@@ -199,7 +199,7 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        self.socket = transport.get_extra_info("socket")
+        self.socket = cast("socket.socket | None", transport.get_extra_info("socket"))
 
     def data_received(self, data: bytes) -> None:
         if self.idle_since is not None:  # nothing was asked: a stray response, or garbage

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
 import time
 import uuid
 
@@ -154,9 +155,12 @@ def test_an_idle_connection_the_upstream_closed_is_not_written_on(upstream: Upst
     first, second = uuid.uuid4().hex, uuid.uuid4().hex
 
     async def scenario() -> tuple[object, bytes, object]:
-        pool = UpstreamPool(upstream.url)
+        pool = UpstreamPool(upstream.url, max_idle_s=60)  # not expired: the poll must see it
         _, used = await _complete(pool, first, ("x-test-keep-alive", "0.1"))
-        time.sleep(0.6)  # NOTE: blocks the loop on purpose: the hang-up waits in the kernel
+        # NOTE: blocks the loop on purpose until the hang-up has reached the kernel, unseen by
+        # the connection's protocol (the loop has not run since).
+        sock = pool._idle[0].socket
+        assert sock is not None and select.select([sock], [], [], 10)[0]
         body, conn = await _complete(pool, second)
         pool.close()
         return used, body, conn
@@ -168,12 +172,11 @@ def test_an_idle_connection_the_upstream_closed_is_not_written_on(upstream: Upst
 
 def test_a_connection_idle_past_max_idle_is_closed_not_reused(upstream: Upstream) -> None:
     async def scenario() -> None:
-        pool = UpstreamPool(upstream.url, max_idle_s=0.2)
+        pool = UpstreamPool(upstream.url, max_idle_s=1.0)
         _, used = await _complete(pool, uuid.uuid4().hex)
         stale = pool._idle[0]
-        await asyncio.sleep(0.05)
         assert (await _complete(pool, uuid.uuid4().hex))[1] is used  # young enough: reused
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(1.5)
         assert (await _complete(pool, uuid.uuid4().hex))[1] is not used
         assert stale.transport is not None and stale.transport.is_closing()
         pool.close()
