@@ -53,6 +53,7 @@ from exporter.upstream import (
     UpstreamClient,
     UpstreamError,
     UpstreamPool,
+    UpstreamUnreachable,
     forwardable_headers,
 )
 from exporter.validation import (
@@ -410,16 +411,14 @@ class Proxy:
             headers = [*request.headers, ("accept-encoding", "identity")]
             try:
                 response = await self.pool.open("POST", request.path, request.body, headers)
-            except UpstreamError as exc:
+            except UpstreamUnreachable:
                 self.metrics.upstream_up = False
-                self._end_with_error(
-                    relay,
-                    Outcome.FAILED,
-                    502,
-                    f"upstream unreachable ({type(exc).__name__})",
-                    "upstream_unreachable",
-                )
+                message = "upstream unreachable: no connection to it could be made"
+                self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_unreachable")
                 return
+            # NOTE: an upstream that breaks the connection before the response headers (a
+            # non-streaming response has none until the end) fails the execution below, as one
+            # that breaks it mid-stream does: the request is never sent again.
             self.metrics.upstream_up = True
             relay.status = response.status_code
             if response.status_code != 200:
@@ -442,7 +441,7 @@ class Proxy:
         except asyncio.CancelledError:
             raise  # cancelled by the policy: closing the response below aborts the engine's work
         except (UpstreamError, OSError) as exc:
-            message = f"upstream failed mid-response ({type(exc).__name__})"
+            message = f"upstream broken: {exc}"
             self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_broken")
         except Exception:  # a bug here must fail this execution, not leave it hanging
             log.exception("execution %d failed in the proxy", eid)
@@ -601,10 +600,17 @@ class Proxy:
             response = await self.upstream.open(
                 request.method, request.url.path, body, headers, request.scope.get("query_string", b"")
             )
-        except httpx.HTTPError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.metrics.upstream_up = False
             message = f"upstream unreachable ({type(exc).__name__})"
             return _json_response(502, error_body(message, error_type(502), "upstream_unreachable"))
+        except httpx.HTTPError as exc:
+            message = f"the upstream broke the connection before the response ({type(exc).__name__})"
+            return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
+        if response.status_code < 200:  # httpx skips the other interim responses; 101 is final to it
+            await response.aclose()
+            message = f"the upstream answered an interim HTTP {response.status_code} as its response"
+            return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
         return StreamingResponse(
             response.aiter_raw(),

@@ -5,12 +5,20 @@ httptools (raw body bytes, one write per request, keep-alive reuse); every other
 ``/metrics`` scrape use an httpx AsyncClient. Cancelling an execution closes its upstream
 response before the end, which closes the connection (it is not returned to the pool), so vLLM
 sees the disconnect and aborts the request.
+
+Neither client takes an interim (1xx) response for the final one, reuses a connection whose
+response was not read to its end, or sends a request twice: ``UpstreamUnreachable`` says no
+connection could be made (nothing was sent), ``UpstreamBroken`` that the upstream broke the
+exchange after the request was written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import cast
@@ -35,8 +43,16 @@ _DROP_REQUEST_HEADERS = frozenset(
         "transfer-encoding",
         "upgrade",
         "accept-encoding",
+        # The proxy reads the whole body before forwarding it: nothing is left to wait for, and
+        # the upstream's interim 100 Continue would only be one more response to skip.
+        "expect",
     }
 )
+# Longest a kept-alive upstream connection is reused after its last response: below the
+# upstream's own keep-alive timeout (5 s in uvicorn, which serves vLLM), so the upstream does not
+# close a connection just as a request is written on it. Both clients use it.
+DEFAULT_MAX_IDLE_S = 2.0
+
 # Response headers never relayed to a client.
 DROP_RESPONSE_HEADERS = frozenset(
     {
@@ -65,12 +81,24 @@ def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, s
 class UpstreamClient:
     """An httpx AsyncClient bound to the engine's base URL."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float = 5.0, max_connections: int = 100_000) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 100_000,
+        max_idle_s: float = DEFAULT_MAX_IDLE_S,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         # No read timeout: an execution may wait minutes in the engine's queue; the clients'
         # deadline, not the proxy, decides when to give up.
         timeout = httpx.Timeout(None, connect=connect_timeout_s, pool=None)
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=1_000)
+        # httpx skips interim responses other than 101 (the proxy checks for that one), never
+        # reuses a connection whose response was not read to the end, and polls an idle one
+        # before reusing it; its default keep-alive expiry (5 s) equals uvicorn's own timeout,
+        # so it is kept below it here.
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=1_000, keepalive_expiry=max_idle_s
+        )
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
 
     def url(self, path: str, query: bytes = b"") -> str:
@@ -96,28 +124,56 @@ class UpstreamClient:
 
 
 class UpstreamError(Exception):
-    """The upstream could not be reached, or broke the response off."""
+    """The upstream could not be reached, or broke the exchange off."""
+
+
+class UpstreamUnreachable(UpstreamError):
+    """No connection to the upstream could be made: nothing was sent."""
+
+
+class UpstreamBroken(UpstreamError):
+    """The upstream broke the exchange after the request was written: it closed the connection
+    before the end of the response, or answered something that is not HTTP/1.1."""
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether a socket has something to read (data, an end of stream or an error), without
+    waiting; a socket that cannot be polled counts as readable (not fit for reuse)."""
+    poller = select.poll()
+    try:
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to the upstream, parsing responses with httptools."""
+    """One keep-alive HTTP/1.1 connection to the upstream, parsing responses with httptools.
+
+    Interim (1xx) responses are skipped: only a final response (status >= 200) counts. A
+    connection is reusable only once its final response was read to the end with nothing after
+    it; bytes arriving while it is idle, or an end of its stream, make it unusable for good.
+    """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.socket: socket.socket | None = None  # asyncio's and uvloop's stand-ins have fileno()
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.idle_since: float | None = None  # time.monotonic() when it went back to the pool
         self._reset()
 
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.interim = False  # the message being parsed is an interim (1xx) response
         self.headers_done = False
         self.keep_alive = False
         self.complete = False
-        self.error: Exception | None = None
+        self.extra = False  # bytes came after the final response: never reuse
+        self.error: UpstreamError | None = None
         self.chunks: deque[bytes] = deque()
         self.waiter: asyncio.Future[None] | None = None
-        self.got_bytes = False
         self.sink: Callable[[bytes], None] | None = None
 
     def _wake(self) -> None:
@@ -125,31 +181,63 @@ class _Connection(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
+    def reusable(self) -> bool:
+        """Whether the exchange on it ended cleanly and it may carry another request."""
+        return self.complete and self.keep_alive and not self.extra and self.error is None and not self.closed
+
+    def alive_when_idle(self) -> bool:
+        """Whether an idle connection may carry a request: not closed, and nothing to read.
+
+        NOTE: the event loop reads the socket only between callbacks; an end of stream (the
+        upstream's keep-alive timeout) or stray bytes may sit in the kernel unseen by the
+        protocol. An idle connection that is readable was closed by the peer or carries bytes
+        nobody asked for; either way it must not be written on."""
+        if self.closed or self.transport is None or self.transport.is_closing() or self.socket is None:
+            return False
+        return not _readable(self.socket)
+
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        self.socket = cast("socket.socket | None", transport.get_extra_info("socket"))
 
     def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
+        if self.idle_since is not None:  # nothing was asked: a stray response, or garbage
+            self.close()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.error = UpstreamError(f"malformed upstream response: {exc}")
+            if self.error is None:
+                self.error = UpstreamBroken(f"malformed upstream response: {exc}")
             self.close()
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.complete and self.error is None:
-            self.error = UpstreamError("the upstream closed the connection before the end of the response")
+            self.error = UpstreamBroken("the upstream closed the connection before the end of the response")
         self._wake()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.extra = True  # a second response to one request: the connection is out of step
+        self.headers = []
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            # An interim response (100 Continue, 103 Early Hints): the final one follows. A 101
+            # (switching protocols) was never asked for: the exchange cannot go on.
+            self.interim = True
+            if status == 101 and self.error is None:
+                self.error = UpstreamBroken("the upstream switched protocols (101) unasked")
+            return
+        self.status = status
         # NOTE: read here; llhttp forgets it once the message is complete.
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
@@ -163,6 +251,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 
@@ -225,7 +316,7 @@ class StreamedResponse:
             return
         self._released = True
         conn = self._conn
-        if conn.complete and not conn.closed and conn.keep_alive:
+        if conn.reusable():
             self._pool.release(conn)
         else:
             conn.close()  # closing mid-response: the engine sees the disconnect and aborts
@@ -234,9 +325,27 @@ class StreamedResponse:
 class UpstreamPool:
     """A small HTTP/1.1 client for the generation requests: one write per request, raw body
     bytes out, keep-alive connections reused. Much less work per request and per chunk than a
-    general-purpose client, which matters for the proxy's added latency."""
+    general-purpose client, which matters for the proxy's added latency.
 
-    def __init__(self, base_url: str, connect_timeout_s: float = 5.0, max_idle: int = 1_000) -> None:
+    NOTE: a request is written once, on one connection, and never again. The engine may have
+    worked on it for minutes when a connection breaks, and sending it again would be the very
+    duplicate work the proxy exists to prevent: a connection that breaks after the request was
+    written raises ``UpstreamBroken`` and the client's own retry is the retry. So a dead idle
+    connection must be found before writing on it: one idle longer than ``max_idle_s`` (kept
+    below the upstream's keep-alive timeout, 5 s in uvicorn, which serves vLLM) is closed, and
+    one the upstream closed or wrote on while idle is seen by a zero-timeout poll of its socket
+    (``_Connection.alive_when_idle``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float = 5.0,
+        max_idle: int = 1_000,
+        max_idle_s: float = DEFAULT_MAX_IDLE_S,
+    ) -> None:
+        if not max_idle_s > 0:
+            raise ValueError("max_idle_s must be > 0 seconds")
         parts = urlsplit(base_url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -245,14 +354,35 @@ class UpstreamPool:
         self.prefix = parts.path.rstrip("/").encode("latin-1")
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
-        self._idle: deque[_Connection] = deque()
+        self.max_idle_s = max_idle_s
+        self._idle: deque[_Connection] = deque()  # oldest on the left
 
     def release(self, conn: _Connection) -> None:
+        now = time.monotonic()
+        self._expire(now)
         if len(self._idle) >= self.max_idle:
             conn.close()
             return
         conn._reset()
+        conn.idle_since = now
         self._idle.append(conn)
+
+    def _expire(self, now: float) -> None:
+        """Close the idle connections older than ``max_idle_s`` (the oldest are on the left)."""
+        idle = self._idle
+        while idle and now - cast(float, idle[0].idle_since) > self.max_idle_s:
+            idle.popleft().close()
+
+    def _take_idle(self) -> _Connection | None:
+        """The most recently used idle connection that is fit to carry a request, if any."""
+        self._expire(time.monotonic())
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.alive_when_idle():
+                conn.idle_since = None
+                return conn
+            conn.close()
+        return None
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -262,7 +392,7 @@ class UpstreamPool:
                 self.connect_timeout_s,
             )
         except (OSError, TimeoutError) as exc:
-            raise UpstreamError(f"cannot connect to the upstream: {exc}") from None
+            raise UpstreamUnreachable(f"cannot connect to the upstream: {exc}") from None
         return conn
 
     def _request_bytes(self, method: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> bytes:
@@ -277,39 +407,23 @@ class UpstreamPool:
     async def open(
         self, method: str, path: str, body: bytes, headers: list[tuple[str, str]]
     ) -> StreamedResponse:
-        """Send a request; return once the response headers are in."""
+        """Send a request, once; return when the final response's headers are in. Raises
+        ``UpstreamUnreachable`` if no connection could be made, ``UpstreamBroken`` if the
+        connection broke after the request was written."""
         request = self._request_bytes(method, path, body, headers)
-        while True:
-            reused = False
-            conn: _Connection | None = None
-            while self._idle:
-                candidate = self._idle.pop()
-                if (
-                    not candidate.closed
-                    and candidate.transport is not None
-                    and not candidate.transport.is_closing()
-                ):
-                    conn, reused = candidate, True
-                    break
-            if conn is None:
-                conn = await self._connect()
+        conn = self._take_idle() or await self._connect()
+        try:
             if conn.transport is None:
-                raise UpstreamError("the upstream connection was not set up")
+                raise UpstreamUnreachable("the upstream connection was not set up")
             conn.transport.write(request)
-            try:
-                while not conn.headers_done:
-                    if conn.error is not None:
-                        raise conn.error
-                    await conn.wait()
-            except UpstreamError:
-                conn.close()
-                if reused and not conn.got_bytes:
-                    continue  # a kept-alive connection the upstream had closed meanwhile: once more
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            return StreamedResponse(self, conn)
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait()
+        except BaseException:
+            conn.close()
+            raise
+        return StreamedResponse(self, conn)
 
     def close(self) -> None:
         while self._idle:

@@ -1,25 +1,50 @@
 """An OpenAI-compatible streaming test upstream, run as a real process on loopback.
 
 It stands in for vLLM where the proxy is tested or benchmarked, and can be told per request
-(headers) or for every request (``POST /test/config``) how to behave:
+(headers) or for every request (``POST /test/config``) how to behave. On the generation routes:
 
 * ``x-test-ttft``: seconds to the first token; ``x-test-token-interval``: seconds between tokens;
   the number of tokens is the request's ``max_tokens`` (default 16).
 * ``x-test-mode``: ``normal``; ``refuse-http`` (HTTP 503, vLLM's queue cap); ``refuse-stream``
   (HTTP 200 whose stream carries ``data: {"error": {..., "code": 503}}`` then ``data: [DONE]``);
-  ``crash`` (the connection breaks after ``x-test-crash-after`` tokens); ``error-500``.
-* ``x-test-stall-after`` / ``x-test-stall``: pause that many seconds after that many tokens.
-* ``x-test-hold: NAME``: wait before the first token until ``POST /test/release?name=NAME``.
-* ``x-test-done-gap``: seconds between writing ``data: [DONE]`` and ending the response (a real
+  ``crash`` (the connection closes after ``x-test-crash-after`` tokens: mid-stream when
+  streaming, before any response byte when not, as an engine dying mid-generation);
+  ``close`` (the request is read and recorded, then after ``x-test-ttft`` seconds the
+  connection closes without a byte of answer); ``error-500``.
+* Stalls: ``x-test-ttft`` (before the first token, or before ``close`` hangs up);
+  ``x-test-stall-after`` / ``x-test-stall`` (pause that many seconds after that many tokens);
+  ``x-test-hold: NAME`` (wait before the first token until ``POST /test/release?name=NAME``);
+  ``x-test-done-gap`` (seconds between writing ``data: [DONE]`` and ending the response: a real
   vLLM ends its stream in a separate write after ``[DONE]``; clients often close at ``[DONE]``).
-* ``POST /test/metrics-delay?seconds=S``: answer ``GET /metrics`` S seconds late (a saturated
-  vLLM answers its scrapes slowly); ``GET /test/metrics-scrapes`` counts the scrapes begun.
 
-It records every generation request (call id, when it arrived, its first token, its end, and
-whether and when the client closed the connection early) and serves the records on
-``GET /test/requests?call_id=...`` so tests can assert what reached the engine and what was
-aborted. It also serves ``/metrics`` (a few ``vllm:`` families with vLLM's counting rules),
-``/v1/models``, ``/health`` and ``/version``. Prompt text is never stored: only its length.
+On every route:
+
+* ``x-test-interim: 100,103``: interim (1xx) responses written, in that order, as soon as the
+  request head is read, before the final response (uvicorn, which serves vLLM, writes
+  ``100 Continue`` itself when the app first reads the body of a request that sent
+  ``Expect: 100-continue``; a ``101`` nobody asked for is a broken upstream).
+* ``x-test-mode: close`` on any other route: the request is read, then the connection closes
+  without an answer.
+* ``x-test-keep-alive: S``: from the end of this response on, the connection's keep-alive
+  timeout is S seconds (the server hangs up once it is idle that long; uvicorn's default, which
+  vLLM keeps, is 5 s; this server's own is 30 s).
+
+Interim responses, hanging up and a per-connection keep-alive cannot be expressed in ASGI: the
+server gives the app a small hook for them (``ConnectionHook``, in the scope extension
+``CONNECTION_EXTENSION``). ``main`` serves the app with uvicorn on ``HookedProtocol``, uvicorn's
+own httptools protocol plus that hook, so everything else is what vLLM's server does.
+
+``POST /test/metrics-delay?seconds=S`` makes it answer ``GET /metrics`` S seconds late (a
+saturated vLLM answers its scrapes slowly); ``GET /test/metrics-scrapes`` counts the scrapes
+begun.
+
+It records every generation request (call id, ``x-test-tag``, the ``Expect`` header as received,
+when it arrived, its first token, its end, and whether and when the client closed the connection
+early) and serves the records on ``GET /test/requests?call_id=...`` so tests can assert what
+reached the engine and what was aborted. Each completion's id is ``cmpl-<request_id>`` of its
+record, so a test can tell whose answer a client received. It also serves ``/metrics`` (a few
+``vllm:`` families with vLLM's counting rules), ``/v1/models``, ``/health`` and ``/version``.
+Prompt text is never stored: only its length.
 
 Run: ``python -m exporter.testing.upstream --port 8000``.
 """
@@ -35,22 +60,84 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-MODES = ("normal", "refuse-http", "refuse-stream", "crash", "error-500")
+MODES = ("normal", "refuse-http", "refuse-stream", "crash", "close", "error-500")
 MAX_RECORDS = 20_000
 MAX_HOLDS = 10_000
+MAX_INTERIM = 8  # interim responses one request may ask for
 MODEL = "test-model"
+CONNECTION_EXTENSION = "retrywatch.test.connection"
+_INTERIM_HEADERS = {103: b"link: </style.css>; rel=preload; as=style\r\n"}
 
 
-class UpstreamCrash(Exception):
-    """Raised inside the app to break the connection mid-stream (the server closes it)."""
+class ConnectionHook:
+    """What ASGI cannot express, on the connection of one request: interim responses, hanging
+    up without an answer, and the connection's keep-alive timeout."""
+
+    def __init__(self, protocol: HttpToolsProtocol) -> None:
+        self._protocol = protocol
+
+    def interim(self, status: int) -> None:
+        """Write an interim (1xx) response; the final one follows through ASGI."""
+        try:
+            phrase = HTTPStatus(status).phrase.encode()
+        except ValueError:
+            phrase = b"Informational"
+        head = b"HTTP/1.1 %d %s\r\n%s\r\n" % (status, phrase, _INTERIM_HEADERS.get(status, b""))
+        self._protocol.transport.write(head)
+
+    def hang_up(self) -> None:
+        """Close the connection now, whatever was or was not answered on it."""
+        self._protocol.transport.close()
+
+    def keep_alive(self, seconds: float) -> None:
+        """Close the connection once it has been idle that long after a response (from the end
+        of the current one on)."""
+        self._protocol.timeout_keep_alive = seconds  # type: ignore[assignment]  # call_later takes float
+
+
+class HookedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with a ``ConnectionHook`` in every request's scope."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        extensions: dict[str, Any] = {CONNECTION_EXTENSION: ConnectionHook(self)}
+        self.scope["extensions"] = extensions
+
+
+def _connection(scope: Scope) -> ConnectionHook:
+    hook = scope.get("extensions", {}).get(CONNECTION_EXTENSION)
+    if not isinstance(hook, ConnectionHook):
+        raise RuntimeError("the test upstream needs its own server: python -m exporter.testing.upstream")
+    return hook
+
+
+def _keep_alive(value: bytes | None) -> float | None:
+    """The seconds of ``x-test-keep-alive``, if given; ValueError unless in [0, 3600]."""
+    if value is None:
+        return None
+    seconds = float(value)
+    if not 0 <= seconds <= 3600:
+        raise ValueError("x-test-keep-alive takes seconds in [0, 3600]")
+    return seconds
+
+
+def _interim_codes(value: bytes) -> list[int]:
+    """The codes of ``x-test-interim`` (e.g. ``100,103``); ValueError unless all are 1xx."""
+    codes = [int(part) for part in value.split(b",") if part.strip()]
+    if len(codes) > MAX_INTERIM or not all(100 <= c <= 199 for c in codes):
+        raise ValueError(f"x-test-interim takes up to {MAX_INTERIM} codes in [100, 199]")
+    return codes
 
 
 @dataclass
@@ -70,6 +157,7 @@ class RequestRecord:
     path: str
     call_id: str | None
     tag: str | None
+    expect: str | None  # the Expect header as received (a proxy should not forward it)
     stream: bool
     prompt_tokens: int
     max_tokens: int
@@ -134,8 +222,25 @@ class TestUpstream:
             return
         path: str = scope["path"]
         method: str = scope["method"]
+        headers = dict(scope["headers"])
+        try:
+            interim = _interim_codes(headers.get(b"x-test-interim", b""))
+            keep_alive = _keep_alive(headers.get(b"x-test-keep-alive"))
+        except ValueError as exc:
+            await _respond_json(send, 400, {"error": {"message": str(exc), "code": 400}})
+            return
+        if interim or keep_alive is not None:
+            hook = _connection(scope)
+            for status in interim:
+                hook.interim(status)
+            if keep_alive is not None:
+                hook.keep_alive(keep_alive)
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             await self._generate(scope, receive, send)
+        elif headers.get(b"x-test-mode") == b"close":
+            await _read_body(receive)
+            _connection(scope).hang_up()
+            await receive()  # the server has seen the connection go
         elif method == "GET" and path == "/metrics":
             self.metrics_scrapes += 1
             if self.metrics_delay > 0:
@@ -221,11 +326,13 @@ class TestUpstream:
         max_tokens = int(body.get("max_tokens") or 16)
         call_id = headers.get(b"x-call-id")
         tag = headers.get(b"x-test-tag")
+        expect = headers.get(b"expect")
         record = RequestRecord(
             request_id=next(self._ids),
             path=scope["path"],
             call_id=call_id.decode() if call_id else None,
             tag=tag.decode() if tag else None,
+            expect=expect.decode() if expect else None,
             stream=stream,
             prompt_tokens=_prompt_tokens(body),
             max_tokens=max_tokens,
@@ -266,7 +373,7 @@ class TestUpstream:
                 if disconnected.is_set():
                     record.aborted, record.aborted_at = True, time.time()
                     return
-            await self._run(record, behaviour, chat, stream, send, disconnected, state)
+            await self._run(record, behaviour, chat, stream, send, disconnected, state, _connection(scope))
         finally:
             watcher.cancel()
             if state["waiting"]:
@@ -284,6 +391,7 @@ class TestUpstream:
         send: Send,
         disconnected: asyncio.Event,
         state: dict[str, bool],
+        connection: ConnectionHook,
     ) -> None:
         created = int(time.time())
         rid = f"cmpl-{record.request_id}"
@@ -302,8 +410,15 @@ class TestUpstream:
             record.aborted = True
             record.aborted_at = time.time()
 
+        async def hang_up() -> None:
+            connection.hang_up()
+            await disconnected.wait()  # the server has seen the connection go
+
         if await pause(behaviour.ttft):
             aborted()
+            return
+        if behaviour.mode == "close":
+            await hang_up()
             return
         if stream:
             await send(
@@ -336,7 +451,8 @@ class TestUpstream:
                 aborted()
                 return
             if behaviour.mode == "crash" and i >= (behaviour.crash_after or record.max_tokens // 2):
-                raise UpstreamCrash("test upstream crashes mid-stream as asked")
+                await hang_up()
+                return
             if i == 0:
                 record.first_token_at = time.time()
                 self.counters.prompt_tokens += record.prompt_tokens
@@ -468,6 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     app = TestUpstream(Behaviour(ttft=args.ttft, token_interval=args.token_interval, mode=args.mode))
     uvicorn.run(
         app,
+        http=HookedProtocol,
         host=args.host,
         port=args.port,
         log_level="warning",

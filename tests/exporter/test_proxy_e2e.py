@@ -272,7 +272,8 @@ def test_upstream_down_gives_502_and_counts_failed(start_proxy: StartProxy) -> N
         r = httpx.post(f"{p.url}/v1/completions", json=_body(2, stream=stream), timeout=10)
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "upstream_unreachable"
-    assert httpx.get(f"{p.url}/v1/models", timeout=10).status_code == 502
+    r = httpx.get(f"{p.url}/v1/models", timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
     m = p.metrics()
     balance(m)
     assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 2

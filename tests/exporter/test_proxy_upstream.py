@@ -1,0 +1,279 @@
+"""The proxy's path to the engine end to end: interim responses, ``Expect: 100-continue``, and
+connections the upstream closes, against the test upstream running as a real process.
+
+Every answer is checked against the request it belongs to: the test upstream names each
+completion after the request it recorded (``cmpl-<request_id>``), so an answer delivered to the
+wrong client shows up as an id that is not its own call's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.exporter.support import RunningProxy, Upstream, balance
+
+StartProxy = Callable[..., RunningProxy]
+MIB = 1024 * 1024
+
+
+def _body(max_tokens: int = 3, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "test-model",
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
+
+
+def _answer_id(response: httpx.Response) -> str:
+    """The completion id of a JSON answer or of the first event of a stream."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        first = response.content.split(b"\n\n")[0]
+        assert first.startswith(b"data: {"), response.content[:200]
+        return str(json.loads(first[6:])["id"])
+    return str(response.json()["id"])
+
+
+def _assert_own_answer(upstream: Upstream, call: str, response: httpx.Response) -> None:
+    """The response is the answer to the one request its call sent to the upstream."""
+    assert response.status_code == 200, response.text[:300]
+    records = upstream.requests(call_id=call)
+    assert len(records) == 1
+    assert _answer_id(response) == f"cmpl-{records[0]['request_id']}"
+    if records[0]["stream"]:
+        assert response.content.endswith(b"data: [DONE]\n\n")
+
+
+def _call(p: RunningProxy, call_id: str, stream: bool, got: dict[str, httpx.Response]) -> None:
+    got[call_id] = httpx.post(
+        f"{p.url}/v1/completions", json=_body(3, stream=stream), headers={"x-call-id": call_id}, timeout=10
+    )
+
+
+def _later_calls_get_their_own_answers(p: RunningProxy, upstream: Upstream, rounds: int = 5) -> int:
+    """Rounds of 4 concurrent calls (half streaming), so several pooled connections are
+    reused; each must get its own answer. Returns the number of calls made."""
+    for _ in range(rounds):
+        calls = {uuid.uuid4().hex: stream for stream in (False, True, False, True)}
+        got: dict[str, httpx.Response] = {}
+        threads = [threading.Thread(target=_call, args=(p, c, s, got)) for c, s in calls.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for call_id in calls:
+            _assert_own_answer(upstream, call_id, got[call_id])
+    return 4 * rounds
+
+
+def _finished(p: RunningProxy, fate: str) -> float:
+    return p.metrics()[("retrywatch_executions_finished_total", (("fate", fate),))]
+
+
+# --- Expect: 100-continue -----------------------------------------------------------------------
+
+
+def test_a_large_body_sent_with_expect_gets_its_own_answer_and_so_do_later_calls(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    """curl sends ``Expect: 100-continue`` with any body over 1 MiB. Forwarded, the engine's
+    server answers ``100 Continue`` first; taken as the final answer, that left the real one
+    unread on a pooled connection, and later calls received each other's answers."""
+    p = start_proxy()
+    call = uuid.uuid4().hex
+    big = _body(3, prompt=[7] * 400_000)
+    assert len(json.dumps(big)) > MIB
+    headers = {"x-call-id": call, "expect": "100-continue"}
+    r = httpx.post(f"{p.url}/v1/completions", json=big, headers=headers, timeout=30)
+    _assert_own_answer(upstream, call, r)
+    assert upstream.requests(call_id=call)[0]["expect"] is None  # the proxy does not forward it
+    n = _later_calls_get_their_own_answers(p, upstream)
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1 + n
+
+
+def _post_waiting_for_continue(
+    url: str, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[bytes, bytes]:
+    """POST as curl does a large body: send the head with ``Expect: 100-continue``, wait for the
+    server's interim answer, only then send the body. Returns (the interim answer, the final
+    response), the final read to its Content-Length."""
+    parts = urlsplit(url)
+    head = [f"POST {path} HTTP/1.1", f"host: {parts.netloc}", f"content-length: {len(body)}"]
+    head += ["content-type: application/json", "expect: 100-continue"]
+    head += [f"{k}: {v}" for k, v in headers.items()]
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        received = b""
+        while b"\r\n\r\n" not in received:
+            data = sock.recv(65536)
+            assert data, "the proxy closed the connection instead of answering the Expect"
+            received += data
+        interim, _, received = received.partition(b"\r\n\r\n")
+        sock.sendall(body)
+        while b"\r\n\r\n" not in received:
+            data = sock.recv(65536)
+            assert data
+            received += data
+        final_head, _, content = received.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in final_head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(content) < length:
+            data = sock.recv(65536)
+            assert data
+            content += data
+    return interim, final_head + b"\r\n\r\n" + content
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/no-such-route"])
+def test_a_client_waiting_for_100_continue_gets_it_from_the_proxy_then_its_answer(
+    start_proxy: StartProxy, upstream: Upstream, path: str
+) -> None:
+    p = start_proxy()
+    call = uuid.uuid4().hex
+    body = json.dumps(_body(3, prompt=[7] * 400_000)).encode()
+    interim, final = _post_waiting_for_continue(p.url, path, body, {"x-call-id": call})
+    assert interim.startswith(b"HTTP/1.1 100")
+    if path == "/v1/completions":  # a generation request: the proxy's own route
+        assert final.startswith(b"HTTP/1.1 200")
+        records = upstream.requests(call_id=call)
+        assert len(records) == 1 and records[0]["expect"] is None
+        assert json.loads(final.split(b"\r\n\r\n", 1)[1])["id"] == f"cmpl-{records[0]['request_id']}"
+    else:  # passed through: the upstream's own answer
+        assert final.startswith(b"HTTP/1.1 404")
+
+
+# --- interim responses from the upstream --------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_interim_responses_on_a_generation_route_are_skipped(
+    start_proxy: StartProxy, upstream: Upstream, stream: bool
+) -> None:
+    p = start_proxy()
+    for _ in range(3):  # the connection each used goes back to the pool, and is reused
+        call = uuid.uuid4().hex
+        headers = {"x-call-id": call, "x-test-interim": "100,103", "x-test-ttft": "0.05"}
+        r = httpx.post(f"{p.url}/v1/completions", json=_body(3, stream=stream), headers=headers, timeout=10)
+        _assert_own_answer(upstream, call, r)
+    n = _later_calls_get_their_own_answers(p, upstream, rounds=2)
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 3 + n
+
+
+def test_interim_responses_on_a_passed_through_route_are_skipped(start_proxy: StartProxy) -> None:
+    p = start_proxy()
+    for _ in range(3):
+        r = httpx.get(f"{p.url}/v1/models", headers={"x-test-interim": "100,103"}, timeout=5)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "test-model"
+        r = httpx.get(f"{p.url}/version", timeout=5)
+        assert r.status_code == 200 and r.json() == {"version": "test-upstream"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
+def test_a_101_nobody_asked_for_is_a_broken_upstream(
+    start_proxy: StartProxy, upstream: Upstream, path: str
+) -> None:
+    p = start_proxy()
+    headers = {"x-test-interim": "101"}
+    if path == "/v1/completions":
+        r = httpx.post(f"{p.url}{path}", json=_body(2), headers=headers, timeout=10)
+    else:
+        r = httpx.get(f"{p.url}{path}", headers=headers, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_broken"
+    _later_calls_get_their_own_answers(p, upstream, rounds=1)
+    balance(p.metrics())
+
+
+# --- connections the upstream closes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_closing_after_reading_the_request_fails_the_execution_without_resending(
+    start_proxy: StartProxy, upstream: Upstream, stream: bool
+) -> None:
+    p = start_proxy()
+    warm = uuid.uuid4().hex  # leaves a kept-alive connection in the pool for the next request
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2), headers={"x-call-id": warm}, timeout=10)
+    _assert_own_answer(upstream, warm, r)
+    call = uuid.uuid4().hex
+    headers = {"x-call-id": call, "x-test-mode": "close", "x-test-ttft": "0.3"}
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2, stream=stream), headers=headers, timeout=10)
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert error["code"] == "upstream_broken" and "closed the connection" in error["message"]
+    assert len(upstream.requests(call_id=call)) == 1  # one execution, one request to the engine
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_created_total", ())] == 2
+    assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 1
+    assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
+    assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "failed"),))] == 1
+    assert m[("retrywatch_upstream_up", ())] == 1  # it was reached: broken, not unreachable
+    _later_calls_get_their_own_answers(p, upstream, rounds=1)
+
+
+def test_a_pooled_connection_the_upstream_closed_while_idle_is_not_used(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    p = start_proxy()
+    first = uuid.uuid4().hex
+    headers = {"x-call-id": first, "x-test-keep-alive": "0.2"}  # the upstream hangs up once idle 0.2 s
+    _assert_own_answer(
+        upstream, first, httpx.post(f"{p.url}/v1/completions", json=_body(2), headers=headers, timeout=10)
+    )
+    time.sleep(0.8)
+    for stream in (False, True):
+        call = uuid.uuid4().hex
+        r = httpx.post(
+            f"{p.url}/v1/completions", json=_body(2, stream=stream), headers={"x-call-id": call}, timeout=10
+        )
+        _assert_own_answer(upstream, call, r)  # answered, and sent to the engine once
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 3
+    assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 0
+
+
+def test_an_upstream_dying_mid_generation_without_streaming_is_broken_not_unreachable(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    """A non-streaming answer has no headers until the end: an engine dying mid-generation
+    breaks the connection before any response byte, which is not a failed connect."""
+    p = start_proxy()
+    call = uuid.uuid4().hex
+    headers = {"x-call-id": call, "x-test-mode": "crash", "x-test-crash-after": "2"}
+    headers["x-test-token-interval"] = "0.05"
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(6), headers=headers, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_broken"
+    records = upstream.requests(call_id=call)
+    assert len(records) == 1 and records[0]["tokens_sent"] == 2
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 1
+    _later_calls_get_their_own_answers(p, upstream, rounds=1)
+
+
+def test_a_passed_through_request_the_upstream_hangs_up_on_is_broken_not_unreachable(
+    start_proxy: StartProxy,
+) -> None:
+    p = start_proxy()
+    assert httpx.get(f"{p.url}/health", timeout=5).status_code == 200  # a kept-alive connection
+    r = httpx.get(f"{p.url}/v1/models", headers={"x-test-mode": "close"}, timeout=10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_broken"
+    assert httpx.get(f"{p.url}/v1/models", timeout=5).json()["data"][0]["id"] == "test-model"
