@@ -1,4 +1,4 @@
-"""``retrywatch proxy``: run the execution-aware proxy under uvicorn.
+"""``retrywatch proxy``: run the execution-aware proxy (served by ``exporter.server``).
 
 Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>`` (upper case,
 dashes as underscores), e.g. ``RETRYWATCH_UPSTREAM``, ``RETRYWATCH_CANCEL_AFTER``.
@@ -13,7 +13,19 @@ import click
 
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfigError, QueueOrder
-from exporter.settings import DEFAULT_MAX_BODY_BYTES, ProxySettings, SettingsError
+from exporter.routes import DEFAULT_FORWARDED, DEFAULT_ROUTES
+from exporter.settings import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEAD_BYTES,
+    DEFAULT_MAX_HEADERS,
+    ProxySettings,
+    SettingsError,
+)
 
 FC = TypeVar("FC", bound=Callable[..., Any])
 
@@ -170,12 +182,59 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
     default=15.0,
     help="Serve the last good upstream /metrics this long while a refresh is slow or failing.",
 )
+@_opt(
+    "max-head-bytes",
+    type=click.IntRange(min=1024),
+    default=DEFAULT_MAX_HEAD_BYTES,
+    help="Request line and headers limit (431).",
+)
+@_opt(
+    "max-headers", type=click.IntRange(min=8), default=DEFAULT_MAX_HEADERS, help="Header fields limit (431)."
+)
+@_opt(
+    "head-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_HEAD_TIMEOUT_S,
+    help="Seconds from a request's first byte to the end of its head (408).",
+)
+@_opt(
+    "body-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_BODY_TIMEOUT_S,
+    help="Seconds from the end of a request's head to the end of its body (408).",
+)
+@_opt(
+    "keep-alive-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_KEEP_ALIVE_S,
+    help="Seconds a client connection may stay open without starting a request.",
+)
+@_opt(
+    "max-connections",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_CONNECTIONS,
+    help="Client connections open at once; past it a new one gets 503 and is closed.",
+)
+@_opt(
+    "drain-timeout",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_DRAIN_TIMEOUT_S,
+    help="On SIGTERM, seconds requests in flight get to finish before they end with an error.",
+)
+@_opt(
+    "passthrough",
+    multiple=True,
+    default=(DEFAULT_ROUTES,),
+    help=(
+        "Paths forwarded to the engine (repeat; a /prefix/* pattern, '*' for all, 'none'); "
+        f"'{DEFAULT_ROUTES}' is {' '.join(DEFAULT_FORWARDED)}. Others get 404."
+    ),
+)
 @_opt("log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="warning")
 def proxy(**options: Any) -> None:
     """Run the execution-aware proxy in front of a vLLM engine."""
-    import uvicorn
-
-    from exporter.proxy import create_app
+    from exporter.proxy import Proxy
+    from exporter.server import serve
 
     deadline_s, deadline_auto = _parse_deadline(options.pop("deadline"))
     log_level = options.pop("log_level")
@@ -209,20 +268,16 @@ def proxy(**options: Any) -> None:
             metrics_passthrough=options["metrics_passthrough"],
             upstream_metrics_timeout_s=options["metrics_timeout"],
             upstream_metrics_max_staleness_s=options["metrics_max_staleness"],
+            max_head_bytes=options["max_head_bytes"],
+            max_headers=options["max_headers"],
+            head_timeout_s=options["head_timeout"],
+            body_timeout_s=options["body_timeout"],
+            keep_alive_s=options["keep_alive_timeout"],
+            max_connections=options["max_connections"],
+            drain_timeout_s=options["drain_timeout"],
+            passthrough=options["passthrough"],
         )
     except (SettingsError, PolicyConfigError) as exc:
         raise click.UsageError(str(exc)) from None
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="auto",  # uvloop and httptools when installed (uvicorn[standard])
-        http="auto",
-        log_level=log_level,
-        access_log=False,
-        lifespan="on",
-        proxy_headers=False,  # the proxy never uses the client's address: no per-request rewrite
-        timeout_keep_alive=75,
-        timeout_graceful_shutdown=5,  # on SIGTERM, open streams get 5 s, then are cut
-        backlog=4096,
-    )
+    app = Proxy(settings)
+    serve(app.app, settings, app.end_executions, log_level)

@@ -6,7 +6,10 @@ request per execution (``exporter.upstream``), fans the bytes out to the executi
 (``exporter.relay``), notices client disconnects at once (a task per subscriber waits for
 ``http.disconnect``), closes the upstream connection to cancel, and arms deferred-cancellation
 timers with ``loop.call_later``. The policy's clock is ``time.monotonic``.
-Every other route is passed through to the upstream unchanged.
+Its own routes (``/metrics``, ``/retrywatch/...``) answer 405 to other methods; any other path is
+passed through to the upstream unchanged if ``--passthrough`` allows it (``exporter.routes``),
+else answered 404. When a drained shutdown runs out of time (``exporter.server``),
+``end_executions`` ends every live execution with an error its clients can read.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -61,6 +65,7 @@ from exporter.validation import (
     COMPLETIONS,
     GENERATION_ROUTES,
     RequestError,
+    check_forwarded_path,
     error_body,
     error_type,
     parse_body,
@@ -80,6 +85,7 @@ SAMPLE_INTERVAL_S = 1.0
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
 DONE_EVENT = b"data: [DONE]\n\n"  # the end of an OpenAI-style stream
+_SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -147,24 +153,33 @@ class Proxy:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._refresh: asyncio.Task[None] | None = None  # the one upstream /metrics fetch in flight
         self._sampler: asyncio.Task[None] | None = None
+        self.closing = False  # set when a drained shutdown ran out of time: new requests get 503
+        self.forwarded = settings.forwarded_routes()
+        # The proxy's own routes; another method on them is a 405. A path none of them matches
+        # goes to ``unrouted``: passed through if --passthrough allows it, else a 404.
         routes = [
             Route(COMPLETIONS, self.generate, methods=["POST"]),
             Route(CHAT_COMPLETIONS, self.generate, methods=["POST"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/retrywatch/executions", self.admin_executions, methods=["GET"]),
-            Route(
-                "/{path:path}",
-                self.passthrough,
-                methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"],
-            ),
         ]
-        self.starlette = Starlette(routes=routes, lifespan=self._lifespan)
+        self.starlette = Starlette(
+            routes=routes,
+            lifespan=self._lifespan,
+            exception_handlers={HTTPException: self._http_error},
+        )
+        self.starlette.router.default = self.unrouted
         self.app = self  # an ASGI 3 app (servers recognise it by its async __call__)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The proxy's ASGI app. Generation requests (the hot path) skip Starlette's middleware
         and router, whose wrappers would otherwise run on every chunk sent; the rest (other
         routes, lifespan) go through Starlette."""
+        if scope["type"] == "http" and self.closing:
+            message = "the proxy is shutting down"
+            response = _json_response(503, error_body(message, error_type(503), "proxy_shutting_down"))
+            await response(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_ROUTES:
             try:
                 response = await self.generate_asgi(scope, receive)
@@ -362,7 +377,11 @@ class Proxy:
             if isinstance(effect, Dispatch):
                 relay = self.relays.get(eid)
                 if relay is not None:
-                    self._tasks[eid] = asyncio.create_task(self._run_execution(relay))
+                    if self.closing:  # nothing new reaches the engine once the drain ran out
+                        relay.finish(Outcome.FAILED, _SHUTTING_DOWN)
+                        self.relays.pop(eid, None)
+                    else:
+                        self._tasks[eid] = asyncio.create_task(self._run_execution(relay))
             elif isinstance(effect, Cancel):
                 self._clear_timer(eid)
                 relay = self.relays.pop(eid, None)
@@ -559,7 +578,55 @@ class Proxy:
         self.metrics.observe_attempt("delivered", now - started)
         self.policy.on_subscriber_delivered(now, subscription.subscriber_id)
 
+    # --- a drained shutdown out of time -------------------------------------------------------
+
+    def end_executions(self) -> None:
+        """The drain bound expired (``exporter.server``): refuse new requests, and end every
+        execution with a 503 its subscribers read (a stream gets an SSE error event, then
+        ``[DONE]``; any other attempt a JSON error). Closing its upstream request makes the engine
+        abort it."""
+        self.closing = True
+        now = self.now()
+        for eid, relay in list(self.relays.items()):
+            self.policy.on_failed(now, eid)  # its effects are dropped: nothing new is dispatched
+            relay.finish(Outcome.FAILED, _SHUTTING_DOWN)
+        self.relays.clear()
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        for task in self._tasks.values():
+            task.cancel()
+
     # --- other routes -----------------------------------------------------------------------
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's HTTP errors (405 on the proxy's own routes) as OpenAI-style JSON."""
+        assert isinstance(exc, HTTPException)
+        status = exc.status_code
+        code = "method_not_allowed" if status == 405 else "http_error"
+        message = f"{request.method} is not allowed on {request.url.path}" if status == 405 else exc.detail
+        headers = dict(exc.headers) if exc.headers else None
+        return _json_response(status, error_body(message, error_type(status), code), headers)
+
+    async def unrouted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A path none of the proxy's routes matches: passed through, or a 404 (or a 400 for a
+        path that cannot be forwarded)."""
+        request = Request(scope, receive)
+        path: str = scope["path"]
+        try:
+            check_forwarded_path(path)
+        except RequestError as exc:
+            response = _json_response(exc.status, exc.body())
+        else:
+            if self.forwarded.forwards(path):
+                response = await self.passthrough(request)
+            else:
+                message = (
+                    f"{request.method} {path[:200]} is not a route of the proxy and is not forwarded"
+                    " to the engine (see the proxy's --passthrough)"
+                )
+                response = _json_response(404, error_body(message, error_type(404), "route_not_found"))
+        await response(scope, receive, send)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         refresh = self._refresh_upstream_metrics()

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
+from exporter.routes import DEFAULT_ROUTES, ForwardedRoutes
 
 
 class SettingsError(ValueError):
@@ -16,6 +17,17 @@ class SettingsError(ValueError):
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 AUTO_DEADLINE_PLACEHOLDER_S = 1e9
+# The server's client-side bounds (exporter.server): request heads, slow or idle clients, connections.
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+DEFAULT_MAX_HEADERS = 100  # header fields in one request
+DEFAULT_HEAD_TIMEOUT_S = 10.0  # from a request's first byte to the end of its head
+DEFAULT_BODY_TIMEOUT_S = 30.0  # from the end of the head to the end of the body
+# Idle keep-alive connections: longer than the idle timeout of the usual load balancers (60 s),
+# so that they, not the proxy, close a kept-alive connection (no request races a close).
+DEFAULT_KEEP_ALIVE_S = 75.0
+DEFAULT_MAX_CONNECTIONS = 10_000  # client connections open at once (as many as --max-queued)
+# On SIGTERM, requests in flight get this long to finish; inside Kubernetes' default 30-s grace.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,15 @@ class ProxySettings:
     upstream_metrics_timeout_s: float = 2.0  # longest a scrape of the proxy waits for the upstream's
     upstream_metrics_max_staleness_s: float = 15.0  # last good upstream scrape served this long
     upstream_connect_timeout_s: float = 5.0
+    # the server (exporter.server) and the routes it forwards (exporter.routes)
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
+    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    passthrough: tuple[str, ...] = (DEFAULT_ROUTES,)
 
     def __post_init__(self) -> None:
         # Accept the flags' string values as well as the enums (frozen: set through object).
@@ -92,11 +113,35 @@ class ProxySettings:
             raise SettingsError("--deadline-check needs --deadline S or --deadline auto")
         if not self.call_id_header.strip():
             raise SettingsError("--call-id-header must be a header name")
+        if self.max_head_bytes < 1024:
+            raise SettingsError("--max-head-bytes must be >= 1024")
+        if self.max_headers < 8:
+            raise SettingsError("--max-headers must be >= 8")
+        for flag, seconds in (
+            ("--head-timeout", self.head_timeout_s),
+            ("--body-timeout", self.body_timeout_s),
+            ("--keep-alive-timeout", self.keep_alive_s),
+        ):
+            if not (0 < seconds < math.inf):
+                raise SettingsError(f"{flag} must be a positive number of seconds")
+        if self.max_connections < 1:
+            raise SettingsError("--max-connections must be >= 1")
+        if not (0 <= self.drain_timeout_s < math.inf):
+            raise SettingsError("--drain-timeout must be a number of seconds >= 0")
+        try:
+            object.__setattr__(self, "passthrough", tuple(self.passthrough))
+            self.forwarded_routes()
+        except ValueError as exc:
+            raise SettingsError(f"--passthrough: {exc}") from None
         self.policy_config()  # the policy validates its own knobs
 
     @property
     def upstream_base(self) -> str:
         return self.upstream.rstrip("/")
+
+    def forwarded_routes(self) -> ForwardedRoutes:
+        """The paths passed through to the upstream (``--passthrough``)."""
+        return ForwardedRoutes(self.passthrough)
 
     def policy_config(self) -> PolicyConfig:
         # NOTE: the policy's config needs a deadline whenever the check is on. With --deadline

@@ -1,13 +1,17 @@
-"""Request checks for the generation routes, and the OpenAI-style error bodies the proxy sends.
+"""Request checks, and the OpenAI-style error bodies the proxy sends.
 
-A request that fails a check gets a 400 (or 413 for a body over the limit) and never reaches
-the policy or the engine. With ``--vocab-size N``, token-ID prompts holding an ID outside
-``[0, N)`` are refused here: a vLLM started with ``--skip-tokenizer-init`` dies on them.
+A generation request that fails a check gets a 400 (or 413 for a body over the limit) and never
+reaches the policy or the engine. With ``--vocab-size N``, token-ID prompts holding an ID outside
+``[0, N)`` are refused here: a vLLM started with ``--skip-tokenizer-init`` dies on them. A body
+nested deeper than ``MAX_JSON_DEPTH`` is refused when it is parsed, so nothing downstream (the
+call key's canonical form among them) ever walks one. A path to pass through to the upstream
+is checked too (``check_forwarded_path``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -15,6 +19,11 @@ import orjson
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 GENERATION_ROUTES = (COMPLETIONS, CHAT_COMPLETIONS)
+
+# Arrays and objects nested in a request body, the body itself included. Real requests (JSON
+# schemas of tools and structured outputs among them) stay far below it; orjson refuses to
+# serialise past 254 and Python's json recurses into its limit near 1,000.
+MAX_JSON_DEPTH = 128
 
 
 class RequestError(Exception):
@@ -36,7 +45,10 @@ class RequestError(Exception):
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable_error",
@@ -90,7 +102,42 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise _bad(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", code="invalid_json")
+    # Nesting needs at least as many brackets as levels: counting them (in C) spares almost every
+    # request the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(body, MAX_JSON_DEPTH):
+        raise _bad(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="json_too_deep")
     return body
+
+
+def _too_deep(body: dict[str, Any], limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels (iterative: no recursion)."""
+    level: list[Any] = [body]
+    depth = 1
+    while level:
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            kinds = set(map(type, items))  # in C: a list of token IDs costs no Python loop
+            if list in kinds or dict in kinds:
+                below.extend(v for v in items if type(v) is list or type(v) is dict)
+        level = below
+        depth += 1
+    return False
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_forwarded_path(path: str) -> None:
+    """A path passed through to the upstream holds no control character (the upstream client
+    cannot send one) and no ``.`` or ``..`` segment (resolved on the way, it would reach another
+    route than the one allowed); else a 400."""
+    if _CONTROL.search(path):
+        raise RequestError(400, "the request path holds a control character", "invalid_path")
+    if "/." in path and any(s in (".", "..") for s in path.split("/")):
+        raise RequestError(400, "the request path holds a '.' or '..' segment", "invalid_path")
 
 
 def validate(route: str, body: dict[str, Any], vocab_size: int | None = None) -> int:

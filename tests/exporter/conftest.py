@@ -1,5 +1,6 @@
 """Fixtures for the proxy's tests: a real test upstream process on loopback, and proxies served by
-uvicorn on free loopback ports in a thread of the test process."""
+the proxy's own server (``exporter.server``) on free loopback ports in a thread of the test
+process. Tests of the server itself (``test_server.py``) run ``retrywatch proxy`` processes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from exporter.proxy import Proxy
+from exporter.server import DrainingServer, ServerConfig
 from exporter.settings import ProxySettings
 from tests.exporter.support import RunningProxy, Upstream, free_port, stop_process, wait_http
 
@@ -33,30 +34,18 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
         stop_process(proc)
 
 
-class _ThreadServer(uvicorn.Server):
-    def install_signal_handlers(self) -> None:  # a server in a thread leaves signals alone
-        pass
-
-
 @pytest.fixture
 def start_proxy(upstream: Upstream) -> Iterator[Callable[..., RunningProxy]]:
-    """Start a proxy (in a thread, served by uvicorn on a free port) with the given settings."""
-    servers: list[tuple[_ThreadServer, threading.Thread]] = []
+    """Start a proxy (in a thread, on a free port) with the given settings."""
+    servers: list[tuple[DrainingServer, threading.Thread]] = []
 
     def start(upstream_url: str | None = None, **kwargs: Any) -> RunningProxy:
         port = free_port()
+        kwargs.setdefault("drain_timeout_s", 0.5)  # at teardown, streams left open end at once
         settings = ProxySettings(upstream=upstream_url or upstream.url, port=port, **kwargs)
         proxy = Proxy(settings)
-        config = uvicorn.Config(
-            proxy.app,
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            loop="asyncio",
-        )
-        server = _ThreadServer(config)
+        config = ServerConfig(proxy.app, settings, proxy.end_executions, log_level="warning", loop="asyncio")
+        server = DrainingServer(config)  # in a thread, it leaves signals alone
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.monotonic() + 10

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,3 +112,37 @@ def balance(m: Samples) -> None:
 
 def env_without_retrywatch() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("RETRYWATCH_")}
+
+
+@dataclass
+class ProxyProcess:
+    """A ``retrywatch proxy`` process on a free loopback port."""
+
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def peak_rss_kib(self) -> int:
+        """The process's peak resident memory so far (Linux: ``VmHWM``)."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        raise RuntimeError("no VmHWM in /proc/PID/status")
+
+
+@contextlib.contextmanager
+def proxy_process(upstream_url: str, *args: str, env: dict[str, str] | None = None) -> Iterator[ProxyProcess]:
+    """Run ``retrywatch proxy --upstream URL ARGS...`` until the block ends (then SIGTERM)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", upstream_url, "--port", str(port)]
+    cmd += args
+    full_env = env_without_retrywatch() | (env or {})
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/metrics", proc=proc)
+        yield ProxyProcess(url, port, proc)
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)

@@ -25,7 +25,7 @@ def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upst
         "RETRYWATCH_DEADLINE": "120",
         "RETRYWATCH_NO_SUCH_OPTION": "ignored",
     }
-    cmd = [sys.executable, "-m", "retrywatch", "proxy", "--cancellation", "off"]
+    cmd = [sys.executable, "-m", "retrywatch", "proxy", "--cancellation", "off", "--drain-timeout", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -37,8 +37,8 @@ def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upst
         assert "retrywatch_capacity_calls_per_second 2.78" in text
         assert "retrywatch_client_deadline_seconds 120.0" in text
         assert "retrywatch_executions_created_total 1.0" in text
-        # SIGTERM with a stream open: the proxy exits within its grace period and the
-        # upstream request is closed (the engine would abort it).
+        # SIGTERM with a stream open: the proxy exits (status 0) once its drain bound is over and
+        # the upstream request is closed (the engine would abort it).
         call = uuid.uuid4().hex
         headers = {"x-call-id": call, "x-test-ttft": "60"}
         t = threading.Thread(target=_post_quietly, args=(f"{url}/v1/completions", body, headers))
@@ -46,7 +46,7 @@ def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upst
         wait_for_request(upstream, call)
         began = time.monotonic()
         proc.terminate()
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 0
         assert time.monotonic() - began < 20
         t.join()
         wait_for_request(upstream, call, aborted=True)
@@ -95,3 +95,37 @@ def test_the_metrics_passthrough_bounds_are_options_and_variables() -> None:
     assert result.exit_code == 2 and "--metrics-max-staleness" in result.output
     help_text = runner.invoke(proxy, ["--help"]).output
     assert "RETRYWATCH_METRICS_TIMEOUT" in help_text and "RETRYWATCH_METRICS_MAX_STALENESS" in help_text
+
+
+def test_the_server_bounds_and_routes_are_options_and_variables() -> None:
+    runner = CliRunner()
+    base = ["--upstream", "http://127.0.0.1:1"]
+    for args, flag in [
+        (["--head-timeout", "0"], "--head-timeout"),
+        (["--body-timeout", "-1"], "--body-timeout"),
+        (["--keep-alive-timeout", "0"], "--keep-alive-timeout"),
+        (["--max-head-bytes", "10"], "--max-head-bytes"),
+        (["--max-headers", "2"], "--max-headers"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
+        (["--passthrough", "sleep"], "--passthrough"),
+        (["--passthrough", "/v1/*/x"], "--passthrough"),
+        (["--passthrough", "none", "--passthrough", "/health"], "--passthrough"),
+    ]:
+        result = runner.invoke(proxy, base + args)
+        assert result.exit_code == 2 and flag in result.output, (args, result.output)
+    env = {"RETRYWATCH_UPSTREAM": "http://127.0.0.1:1", "RETRYWATCH_PASSTHROUGH": "default /v1/../x"}
+    result = runner.invoke(proxy, [], env=env)
+    assert result.exit_code == 2 and "--passthrough" in result.output
+    help_text = runner.invoke(proxy, ["--help"]).output
+    for variable in (
+        "RETRYWATCH_MAX_HEAD_BYTES",
+        "RETRYWATCH_MAX_HEADERS",
+        "RETRYWATCH_HEAD_TIMEOUT",
+        "RETRYWATCH_BODY_TIMEOUT",
+        "RETRYWATCH_KEEP_ALIVE_TIMEOUT",
+        "RETRYWATCH_MAX_CONNECTIONS",
+        "RETRYWATCH_DRAIN_TIMEOUT",
+        "RETRYWATCH_PASSTHROUGH",
+    ):
+        assert variable in help_text

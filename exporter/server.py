@@ -1,0 +1,395 @@
+"""The proxy's HTTP server: uvicorn with every client-side bound, and a drained shutdown.
+
+uvicorn's httptools protocol bounds neither the size of a request head nor its number of header
+fields, and times out neither a request head or body that stops arriving nor a connection that
+never sends a request. ``BoundedProtocol``, a subclass of it passed to uvicorn as ``http=``,
+adds per connection:
+
+* head bounds: a head over ``--max-head-bytes`` (request line and header fields, counted as the
+  bytes arrive, so one endless header is never buffered) or with more than ``--max-headers``
+  fields gets 431;
+* a head timeout: a head not complete ``--head-timeout`` after its first byte gets 408;
+* a body timeout: a body not complete ``--body-timeout`` after its head (a slow sender, a body
+  shorter than its Content-Length, a chunked body without its terminator) gets 408, or the
+  connection is closed if the answer has begun;
+* an idle timeout: a connection that starts no request for ``--keep-alive-timeout`` is closed,
+  from its opening as after each answer (uvicorn's own keep-alive timer arms only after one);
+* a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once.
+
+A sweep a few times a second checks the deadlines, so the per-request cost is storing one.
+The errors the server sends itself are OpenAI-style JSON bodies, like the app's, and end the
+connection; after a 4xx the connection lingers a moment reading and discarding, so that a client
+still sending its head reads the answer rather than a reset.
+
+``DrainingServer`` replaces uvicorn's shutdown. On SIGTERM or SIGINT it stops accepting, closes
+idle connections and lets the requests in flight finish for up to ``--drain-timeout``; then it
+calls the app's ``on_drain_expired`` hook (the proxy ends each live execution: a stream with an
+SSE error event, any other answer with a JSON error), gives those last writes a moment, cancels
+what is left (a request not answered yet gets a JSON 503) and returns: the process exits with
+status 0. A second signal cuts the drain short.
+
+NOTE: the subclass relies on uvicorn's httptools protocol (its parser callbacks and request
+cycle); the black-box tests in ``tests/exporter/test_server.py`` pin the behaviour down for any
+other server that replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import http
+import logging
+import math
+import resource
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Generator
+from types import FrameType
+from typing import Any, cast
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from exporter.settings import ProxySettings
+from exporter.validation import error_body, error_type
+
+log = logging.getLogger("retrywatch.server")
+
+LINGER_S = 1.0  # after a 4xx the server sent itself: read and discard this long, then close
+FINAL_WRITE_S = 2.0  # after the drain bound: for the last error events and answers to be written
+SWEEP_MAX_S = 0.5  # the deadline sweep runs at least this often (more often for short timeouts)
+FD_HEADROOM = 64  # descriptors beyond two per client connection (one client, one upstream)
+
+# A connection's phase: what the deadline, if any, bounds.
+IDLE = 0  # waiting for a request to start (--keep-alive-timeout)
+HEAD = 1  # reading a request head (--head-timeout)
+BODY = 2  # reading a request body (--body-timeout)
+BUSY = 3  # the request is in; the app is answering it (no deadline)
+LINGER = 4  # answered with an error: discarding what the client still sends (LINGER_S)
+
+
+def error_response(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP response with an OpenAI-style JSON error body; it closes the connection."""
+    body = error_body(message, error_type(status), code)
+    return b"".join(
+        (
+            b"HTTP/1.1 %d %s\r\n" % (status, http.HTTPStatus(status).phrase.encode()),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        )
+    )
+
+
+class _Refused(Exception):
+    """Raised in a parser callback: the server refuses the request whose head is being parsed."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+async def _send_json_500(ref: weakref.ref[RequestResponseCycle]) -> None:
+    """What a request cycle sends instead of uvicorn's plain-text 500 when the app failed or was
+    cancelled before it began its answer: a JSON error (a 503 when cut by a drained shutdown)."""
+    cycle = ref()
+    if cycle is None:
+        return
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        status, message, code = 503, "the proxy shut down before answering", "proxy_shutting_down"
+    else:
+        status, message, code = 500, "the proxy failed handling the request", "proxy_error"
+    body = error_body(message, error_type(status), code)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+    await cycle.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ServerConfig(uvicorn.Config):
+    """uvicorn's config with the proxy's settings (the protocol reads its bounds there) and the
+    hook called when the drain bound expires."""
+
+    def __init__(
+        self,
+        app: Any,
+        settings: ProxySettings,
+        on_drain_expired: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.settings = settings
+        self.on_drain_expired = on_drain_expired
+        super().__init__(
+            app,
+            host=settings.host,
+            port=settings.port,
+            http=BoundedProtocol,
+            ws="none",  # the proxy serves no WebSocket
+            lifespan="on",
+            access_log=False,
+            proxy_headers=False,  # the proxy never uses the client's address: no per-request rewrite
+            timeout_keep_alive=math.ceil(settings.keep_alive_s),  # the sweep closes them on time
+            backlog=4096,
+            **kwargs,
+        )
+
+
+class BoundedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with head bounds, timeouts and a connection cap."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        settings = cast(ServerConfig, config).settings
+        self.max_head_bytes = settings.max_head_bytes
+        self.max_headers = settings.max_headers
+        self.head_timeout_s = settings.head_timeout_s
+        self.body_timeout_s = settings.body_timeout_s
+        self.keep_alive_s = settings.keep_alive_s
+        self.max_connections = settings.max_connections
+        self.phase = IDLE
+        self.deadline = math.inf  # loop time by which the phase must end
+        self._received = 0  # bytes received since the last head ended (bounds a head in progress)
+
+    # --- connection -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            message = f"the proxy holds its limit of {self.max_connections} connections; retry later"
+            self.transport.write(error_response(503, message, "too_many_connections"))
+            self.transport.close()
+            return
+        self.phase = IDLE
+        self.deadline = self.loop.time() + self.keep_alive_s
+
+    def data_received(self, data: bytes) -> None:
+        if self.phase == LINGER:
+            return
+        if self.phase <= HEAD:
+            self._received += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no upgrade is served (ws="none"): the request goes on as plain HTTP
+        except httptools.HttpParserError as exc:
+            refused = exc.__context__
+            if isinstance(refused, _Refused):
+                self.refuse(refused.status, refused.message, refused.code)
+            else:
+                self.refuse(400, "invalid HTTP request", "invalid_http")
+            return
+        if self.phase <= HEAD and self._received > self.max_head_bytes:
+            self.refuse(431, f"the request head is over {self.max_head_bytes} bytes", "head_too_large")
+
+    def check_deadline(self, now: float) -> None:
+        """Called by the sweep: act on a phase that outlived its deadline."""
+        if now < self.deadline or self.transport.is_closing():
+            return
+        self.deadline = math.inf
+        if self.phase == HEAD:
+            message = f"the request head did not arrive within {self.head_timeout_s:g} s"
+            self.refuse(408, message, "request_timeout", linger=False)
+        elif self.phase == BODY and not self.cycle.response_started:
+            message = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            self.refuse(408, message, "request_timeout", linger=False)
+        else:  # idle, done lingering, or a body still arriving after its answer
+            self.transport.close()
+
+    def refuse(self, status: int, message: str, code: str, linger: bool = True) -> None:
+        """Answer with an error and end the connection (the request's app, if any, sees a
+        disconnect and its writes go nowhere)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or self.phase != BODY:
+                # An answer has begun (it cannot be replaced), or an earlier request is still
+                # being answered (a pipelined head): end the connection without one.
+                self.transport.close()
+                return
+            cycle.disconnected = True  # the app sees a disconnect; its writes go nowhere
+            cycle.message_event.set()
+        self.transport.write(error_response(status, message, code))
+        if linger and self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.flow.resume_reading()
+            self.phase = LINGER
+            self.deadline = self.loop.time() + LINGER_S
+        else:
+            self.transport.close()
+
+    # --- parser callbacks -------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._unset_keepalive_if_required()
+        super().on_message_begin()
+        self.phase = HEAD
+        self.deadline = self.loop.time() + self.head_timeout_s
+
+    def on_headers_complete(self) -> None:
+        # Checked before uvicorn starts the app on the request. The bytes received bound the
+        # head as it arrives (``data_received``); the exact size is summed only when they are
+        # over the bound, since they may include a body that came with the head.
+        if len(self.headers) > self.max_headers:
+            raise _Refused(431, f"the request has over {self.max_headers} header fields", "too_many_headers")
+        if self._received > self.max_head_bytes and self._head_size() > self.max_head_bytes:
+            raise _Refused(431, f"the request head is over {self.max_head_bytes} bytes", "head_too_large")
+        super().on_headers_complete()
+        self.phase = BODY
+        self.deadline = self.loop.time() + self.body_timeout_s
+        self._received = 0
+        cycle = self.cycle
+        if cycle is not None:
+            # NOTE: an instance attribute (swapping the cycle's class cost ~9 us per request) that
+            # refers to its cycle weakly: a strong reference would leave every cycle to the GC.
+            cycle.send_500_response = functools.partial(_send_json_500, weakref.ref(cycle))  # type: ignore[method-assign]
+
+    def _head_size(self) -> int:
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._received = 0
+        if self.cycle.response_complete:  # answered before its body was in (e.g. a 413)
+            self._idle()
+        else:
+            self.phase = BUSY
+            self.deadline = math.inf
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.phase == BUSY and self.cycle.response_complete and not self.transport.is_closing():
+            self._idle()
+
+    def _idle(self) -> None:
+        self.phase = IDLE
+        self.deadline = self.loop.time() + self.keep_alive_s
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the deadline sweep and a drained shutdown (see the module)."""
+
+    config: ServerConfig
+
+    def __init__(self, config: ServerConfig) -> None:
+        super().__init__(config)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        s = self.config.settings
+        interval = max(0.01, min(SWEEP_MAX_S, min(s.head_timeout_s, s.body_timeout_s, s.keep_alive_s) / 10))
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            now = loop.time()
+            for connection in list(self.server_state.connections):
+                if isinstance(connection, BoundedProtocol):
+                    try:
+                        connection.check_deadline(now)
+                    except Exception:  # one connection's bug must not stop the sweep
+                        log.exception("deadline check failed")
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        state = self.server_state
+        for server in self.servers:
+            server.close()  # stop accepting
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(state.connections):
+            connection.shutdown()  # idle ones close now, busy ones after their answer
+        bound = self.config.settings.drain_timeout_s
+        if not await self._wait_idle(bound, drain=True):
+            log.warning("drain: %d requests still in flight; ending them", len(state.tasks))
+            if self.config.on_drain_expired is not None:
+                self.config.on_drain_expired()
+            await self._wait_idle(FINAL_WRITE_S)
+        if state.tasks:
+            for task in list(state.tasks):
+                task.cancel()
+            await self._wait_idle(FINAL_WRITE_S)
+        for connection in list(state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.lifespan.shutdown()
+
+    async def _wait_idle(self, timeout_s: float, drain: bool = False) -> bool:
+        """Wait until no request is in flight and no connection is open (True), at most
+        ``timeout_s``; a drain ends early at a second signal (False)."""
+        state = self.server_state
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while state.tasks or state.connections:
+            if (drain and self.force_exit) or loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # uvicorn re-raises the signal once served, so the process dies of it (status -15); a
+        # drained shutdown is a clean exit instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True  # a second signal: cut the drain short
+        else:
+            self.should_exit = True
+
+
+def make_room_for(max_connections: int) -> None:
+    """Raise the soft limit on open descriptors to fit the connection cap (two descriptors per
+    client connection: its own and an upstream one), as far as the hard limit allows."""
+    need = 2 * max_connections + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < need:
+        log.warning(
+            "open-file limit %d is below the %d that --max-connections %d needs; lower it or raise the limit",
+            target,
+            need,
+            max_connections,
+        )
+
+
+def serve(
+    app: Any, settings: ProxySettings, on_drain_expired: Callable[[], None] | None, log_level: str
+) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module)."""
+    make_room_for(settings.max_connections)
+    config = ServerConfig(app, settings, on_drain_expired, loop="auto", log_level=log_level)
+    DrainingServer(config).run()

@@ -1,0 +1,379 @@
+"""The proxy's server, black-box: real ``retrywatch proxy`` processes spoken to over real sockets.
+
+Bounded request heads, timeouts for slow and idle clients, the connection cap, hostile bodies and
+paths, the route table and the drained shutdown. Nothing here knows which HTTP server the proxy
+runs on, so the same tests hold any server that replaces it to these behaviours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from exporter.validation import MAX_JSON_DEPTH
+from tests.exporter.support import ProxyProcess, Upstream, proxy_process
+
+SHORT = ("--head-timeout", "1", "--body-timeout", "1", "--keep-alive-timeout", "1")
+MAX_HEAD_BYTES = 16384
+MAX_HEADERS = 30
+WAIT_S = 15.0  # how long a test waits for the server to answer or close: far above the bounds
+
+
+@pytest.fixture(scope="module")
+def bounded(upstream: Upstream) -> Iterator[ProxyProcess]:
+    """One proxy with short timeouts and small head bounds, shared by the tests that only talk."""
+    args = (*SHORT, "--max-head-bytes", str(MAX_HEAD_BYTES), "--max-headers", str(MAX_HEADERS))
+    with proxy_process(upstream.url, *args, "--drain-timeout", "0") as p:
+        yield p
+
+
+def exchange(port: int, chunks: Iterable[bytes], pause_s: float = 0.0) -> bytes:
+    """Send ``chunks`` (stopping as soon as the server answers or stops reading), then read
+    until the server closes the connection; what the server sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as s:
+        for chunk in chunks:
+            if select.select([s], [], [], 0)[0]:
+                break  # the server has answered (or closed): a client stops sending
+            try:
+                s.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if pause_s:
+                time.sleep(pause_s)
+        return read_to_close(s)
+
+
+def read_to_close(s: socket.socket) -> bytes:
+    data = b""
+    while True:
+        try:
+            got = s.recv(65536)
+        except ConnectionResetError:
+            return data
+        except TimeoutError:
+            raise AssertionError(f"the server held the connection {WAIT_S:g} s; got {data[:200]!r}") from None
+        if not got:
+            return data
+        data += got
+
+
+def status_and_error(response: bytes) -> tuple[int, dict[str, Any]]:
+    """The status of a raw HTTP response and its OpenAI-style error object."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 "), response[:200]
+    status = int(head.split()[1])
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return status, error
+
+
+def request_head(method: str, path: str, *headers: bytes) -> bytes:
+    return b"%s %s HTTP/1.1\r\nhost: 127.0.0.1\r\n%s" % (method.encode(), path.encode(), b"".join(headers))
+
+
+def completion(**extra: Any) -> bytes:
+    return json.dumps({"model": "test-model", "prompt": [1, 2], "max_tokens": 2, **extra}).encode()
+
+
+def post_head(path: str, length: int, *headers: bytes) -> bytes:
+    return request_head(
+        "POST", path, b"content-type: application/json\r\n", b"content-length: %d\r\n" % length, *headers
+    )
+
+
+def whole_request(method: str, path: str, *headers: bytes) -> bytes:
+    """A complete request (a completion's body if it is a POST) that closes its connection."""
+    if method == "POST":
+        body = completion()
+        return post_head(path, len(body), *headers, b"connection: close\r\n\r\n") + body
+    return request_head(method, path, *headers, b"connection: close\r\n\r\n")
+
+
+# --- request heads ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions"), ("GET", "/v1/models")])
+def test_a_head_over_the_size_bound_gets_431_and_is_never_buffered(
+    bounded: ProxyProcess, method: str, path: str
+) -> None:
+    peak_before = bounded.peak_rss_kib()
+    header = request_head(method, path) + b"x-big: "
+    filler = (b"a" * 65536 for _ in range(512))  # a 32 MiB header, if the server took it all
+    response = exchange(bounded.port, [header, *filler])
+    status, error = status_and_error(response)
+    assert status == 431 and error["code"] == "head_too_large"
+    # The head was refused as it arrived, not after it was held: the peak barely moved.
+    assert bounded.peak_rss_kib() - peak_before < 16 * 1024
+    # A head just under the bound is served.
+    fits = b"x-fits: " + b"a" * (MAX_HEAD_BYTES - 1024) + b"\r\n"
+    assert exchange(bounded.port, [whole_request(method, path, fits)]).startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions"), ("GET", "/v1/models")])
+def test_a_head_over_the_count_bound_gets_431(bounded: ProxyProcess, method: str, path: str) -> None:
+    fixed = 4 if method == "POST" else 2  # host, connection (+ content-type, content-length)
+
+    def head(count: int) -> bytes:
+        return whole_request(method, path, *(b"x-h%d: v\r\n" % i for i in range(count - fixed)))
+
+    assert exchange(bounded.port, [head(MAX_HEADERS)]).startswith(b"HTTP/1.1 200 ")
+    status, error = status_and_error(exchange(bounded.port, [head(MAX_HEADERS + 1)]))
+    assert status == 431 and error["code"] == "too_many_headers"
+    status, _ = status_and_error(exchange(bounded.port, [head(50_000)]))
+    assert status == 431
+    assert httpx.get(f"{bounded.url}/v1/models", timeout=10).status_code == 200  # still serving
+
+
+# --- slow, incomplete and idle clients ---------------------------------------------------------
+
+
+def trickle(start: bytes, seconds: float = 20.0, every_s: float = 0.2) -> Iterator[bytes]:
+    """``start``, then one byte every ``every_s`` for ``seconds`` (a slow client)."""
+    yield start
+    for _ in range(int(seconds / every_s)):
+        yield b"a"
+
+
+def test_a_slow_request_head_gets_408(bounded: ProxyProcess) -> None:
+    chunks = trickle(request_head("GET", "/v1/models") + b"x-slow: ")
+    status, error = status_and_error(exchange(bounded.port, chunks, pause_s=0.2))
+    assert status == 408 and error["code"] == "request_timeout"
+    assert "head" in error["message"]
+
+
+def test_a_slow_request_body_gets_408(bounded: ProxyProcess) -> None:
+    body = completion()
+    chunks = trickle(post_head("/v1/completions", len(body) + 1000, b"\r\n") + body[:1])
+    status, error = status_and_error(exchange(bounded.port, chunks, pause_s=0.2))
+    assert status == 408 and "body" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
+def test_a_body_shorter_than_its_content_length_gets_408(bounded: ProxyProcess, path: str) -> None:
+    body = completion()
+    short = post_head(path, len(body) + 10, b"\r\n") + body
+    status, error = status_and_error(exchange(bounded.port, [short]))
+    assert status == 408 and error["code"] == "request_timeout"
+
+
+def test_a_chunked_body_without_its_terminator_gets_408(bounded: ProxyProcess) -> None:
+    body = completion()
+    head = request_head("POST", "/v1/completions", b"transfer-encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (len(body), body)  # the whole body, but no closing 0-chunk
+    status, _ = status_and_error(exchange(bounded.port, [head + chunk]))
+    assert status == 408
+
+
+def test_idle_connections_are_closed(bounded: ProxyProcess) -> None:
+    # A connection that never sends a request.
+    assert exchange(bounded.port, []) == b""
+    # A kept-alive connection after its answer: it is answered once, then closed.
+    got = exchange(bounded.port, [request_head("GET", "/health", b"\r\n")])
+    assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1
+
+
+def test_connections_past_the_cap_get_503(upstream: Upstream) -> None:
+    with proxy_process(upstream.url, "--max-connections", "3", "--drain-timeout", "0") as p:
+        held = [socket.create_connection(("127.0.0.1", p.port), timeout=WAIT_S) for _ in range(3)]
+        try:
+            time.sleep(0.3)  # the server has taken them
+            status, error = status_and_error(exchange(p.port, []))  # answered before it asks
+            assert status == 503 and error["code"] == "too_many_connections"
+            # A held connection is served; once the held ones close, new ones are accepted again.
+            held[0].sendall(request_head("GET", "/health", b"connection: close\r\n\r\n"))
+            assert read_to_close(held[0]).startswith(b"HTTP/1.1 200 ")
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{p.url}/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+# --- hostile bodies and paths ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["extra", "stream_options"])
+def test_json_nested_too_deep_gets_400_and_the_bound_is_served(bounded: ProxyProcess, field: str) -> None:
+    def nested(levels: int) -> str:  # a value that makes the body ``levels`` objects deep
+        return '{"a":' * (levels - 1) + "1" + "}" * (levels - 1)
+
+    def post(levels: int) -> httpx.Response:
+        body = f'{{"model":"test-model","prompt":[1],"max_tokens":1,"{field}":{nested(levels)}}}'
+        return httpx.post(
+            f"{bounded.url}/v1/completions",
+            content=body,
+            headers={"content-type": "application/json", "x-call-id": uuid.uuid4().hex},
+            timeout=10,
+        )
+
+    for levels in (MAX_JSON_DEPTH + 1, 1000, 5000):
+        r = post(levels)
+        assert r.status_code == 400 and r.json()["error"]["code"] in ("json_too_deep", "invalid_json")
+    assert post(MAX_JSON_DEPTH + 1).json()["error"]["code"] == "json_too_deep"
+    assert post(MAX_JSON_DEPTH).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/models%00", "/v1/models/%01", "/health%7f", "/v1/models/../sleep"])
+def test_unforwardable_paths_get_400(bounded: ProxyProcess, path: str) -> None:
+    status, error = status_and_error(exchange(bounded.port, [request_head("GET", path, b"\r\n")]))
+    assert status == 400 and error["code"] == "invalid_path"
+
+
+# --- the route table ---------------------------------------------------------------------------
+
+ENGINE_CONTROL_ROUTES = [
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/start_profile"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/scale_elastic_ep"),
+    ("POST", "/pause"),
+    ("POST", "/update_weights"),
+    ("GET", "/server_info"),
+]
+
+
+def test_the_route_table(bounded: ProxyProcess, upstream: Upstream) -> None:
+    url = bounded.url
+    # The proxy's own routes answer 405 to other methods, with an Allow header.
+    for method, path in [
+        ("POST", "/metrics"),
+        ("POST", "/retrywatch/executions"),
+        ("DELETE", "/retrywatch/executions"),
+        ("GET", "/v1/completions"),
+        ("PUT", "/v1/chat/completions"),
+    ]:
+        r = httpx.request(method, url + path, timeout=10)
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", (method, path)
+        assert r.headers["allow"]
+    # The engine's control routes are not forwarded; nor are unknown paths, nor the proxy's space.
+    for method, path in [*ENGINE_CONTROL_ROUTES, ("GET", "/no/such/route"), ("GET", "/retrywatch/nope")]:
+        r = httpx.request(method, url + path, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "route_not_found", (method, path)
+    # What an OpenAI client or a health checker needs is forwarded.
+    assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "test-model"
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{url}/version", timeout=10).json() == {"version": "test-upstream"}
+    assert httpx.get(f"{url}/v1/models/test-model", timeout=10).status_code == 404  # the upstream's
+    assert httpx.get(f"{url}/v1/models/test-model", timeout=10).json()["error"]["code"] == 404
+
+
+def test_the_forwarded_routes_are_configurable(upstream: Upstream) -> None:
+    env = {"RETRYWATCH_PASSTHROUGH": "default /test/*"}
+    with proxy_process(upstream.url, "--drain-timeout", "0", env=env) as p:
+        assert httpx.get(f"{p.url}/test/requests", timeout=10).status_code == 200
+        assert httpx.get(f"{p.url}/v1/models", timeout=10).status_code == 200
+        assert httpx.post(f"{p.url}/sleep", timeout=10).json()["error"]["code"] == "route_not_found"
+    with proxy_process(upstream.url, "--passthrough", "none", "--drain-timeout", "0") as p:
+        assert httpx.get(f"{p.url}/v1/models", timeout=10).status_code == 404
+        assert httpx.post(f"{p.url}/v1/completions", content=completion(), timeout=10).status_code == 200
+    with proxy_process(upstream.url, "--passthrough", "*", "--drain-timeout", "0") as p:
+        r = httpx.post(f"{p.url}/sleep", timeout=10)  # forwarded: the upstream's own 404
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        assert httpx.get(f"{p.url}/retrywatch/nope", timeout=10).json()["error"]["code"] == "route_not_found"
+
+
+# --- the drained shutdown ----------------------------------------------------------------------
+
+
+def _stream(url: str, body: dict[str, Any], headers: dict[str, str], out: dict[str, Any], name: str) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            out[name] = (r.status_code, b"".join(r.iter_raw()))
+    except httpx.HTTPError as exc:
+        out[name] = (None, repr(exc).encode())
+
+
+def test_sigterm_drains_then_ends_live_streams_with_an_sse_error_and_exits_0(upstream: Upstream) -> None:
+    with proxy_process(upstream.url, "--drain-timeout", "3") as p:
+        tag = uuid.uuid4().hex
+        stalled = {"x-test-stall-after": "2", "x-test-stall": "60", "x-test-tag": tag}
+        body = {"model": "test-model", "prompt": [1, 2], "max_tokens": 6}
+        calls: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+            "stream-a": ({**body, "stream": True}, stalled),
+            "stream-b": ({**body, "stream": True}, stalled),
+            "plain": ({**body, "stream": False}, {"x-test-ttft": "60", "x-test-tag": tag}),
+            "short": ({**body, "stream": True}, {"x-test-token-interval": "0.2", "x-test-tag": tag}),
+        }
+        out: dict[str, Any] = {}
+        threads = []
+        for name, (b, h) in calls.items():
+            headers = {**h, "x-call-id": f"{tag}-{name}"}
+            threads.append(threading.Thread(target=_stream, args=(p.url, b, headers, out, name)))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + WAIT_S
+        while len(upstream.requests(tag=tag)) < len(calls):  # all four reached the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # the stalled streams have sent their first tokens
+        p.proc.send_signal(signal.SIGTERM)
+        # It stops accepting at once.
+        refused = False
+        while not refused and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", p.port), timeout=1).close()
+                time.sleep(0.05)
+            except ConnectionRefusedError:
+                refused = True
+        assert refused
+        assert p.proc.wait(timeout=30) == 0
+        for t in threads:
+            t.join(timeout=10)
+    # The short stream finished within the drain, untouched.
+    status, raw = out["short"]
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+    # Each stream still live at the bound got its tokens so far, an SSE error event, then [DONE].
+    for name in ("stream-a", "stream-b"):
+        status, raw = out[name]
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert status == 200 and events[-1] == b"data: [DONE]", (name, raw[-300:])
+        error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+        assert error["code"] == "proxy_shutting_down"
+        assert b'"text"' in events[0]  # the tokens streamed before the shutdown
+    # A non-streaming attempt got a JSON error.
+    status, raw = out["plain"]
+    assert status == 503 and json.loads(raw)["error"]["code"] == "proxy_shutting_down"
+    # The engine was told: the cut executions were aborted.
+    rows = {r["call_id"]: r for r in upstream.requests(tag=tag)}
+    assert all(rows[f"{tag}-{n}"]["aborted"] for n in ("stream-a", "stream-b", "plain"))
+
+
+def test_a_second_signal_cuts_the_drain_short(upstream: Upstream) -> None:
+    with proxy_process(upstream.url, "--drain-timeout", "60") as p:
+        out: dict[str, Any] = {}
+        tag = uuid.uuid4().hex
+        headers = {"x-test-ttft": "60", "x-test-tag": tag}
+        body = {"model": "test-model", "prompt": [1], "max_tokens": 2, "stream": True}
+        t = threading.Thread(target=_stream, args=(p.url, body, headers, out, "s"))
+        t.start()
+        deadline = time.monotonic() + WAIT_S
+        while not upstream.requests(tag=tag):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        p.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert p.proc.poll() is None  # draining
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(timeout=WAIT_S) == 0
+        t.join(timeout=10)
+    status, raw = out["s"]  # the client saw its attempt end, with an error
+    assert status == 503 and json.loads(raw)["error"]["code"] == "proxy_shutting_down"
