@@ -27,6 +27,7 @@ import httpx
 from detector.episodes import AlertEpisode
 from detector.store import EpisodeStore
 from detector.thresholds import ALERTS_BY_NAME, RUNBOOK_URL_PATTERN
+from exporter.redact import redact_text, redact_url
 
 log = logging.getLogger("retrywatch.detector.notify")
 
@@ -57,8 +58,9 @@ class WebhookNotifier:
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, name: str = "webhook") -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook URL must be http(s)://..., got {url!r}")
+            raise ValueError(f"webhook URL must be http(s)://..., got {redact_url(url)!r}")
         self.url = url
+        self.display_url = redact_url(url)  # its credentials masked, for messages
         self.name = name
         self._client = httpx.Client(timeout=timeout_s)
 
@@ -74,9 +76,9 @@ class WebhookNotifier:
         try:
             resp = self._client.post(self.url, json=self.payload(episode, kind))
         except httpx.HTTPError as exc:
-            raise NotifyError(f"webhook {self.url}: {exc!r}") from exc
+            raise NotifyError(f"webhook {self.display_url}: {redact_text(repr(exc), [self.url])}") from exc
         if resp.status_code >= 300:
-            raise NotifyError(f"webhook {self.url}: HTTP {resp.status_code}")
+            raise NotifyError(f"webhook {self.display_url}: HTTP {resp.status_code}")
 
     def close(self) -> None:
         self._client.close()
@@ -89,8 +91,9 @@ class AlertmanagerNotifier:
         self, url: str, *, timeout_s: float = 5.0, generator_url: str = "", name: str = "alertmanager"
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"Alertmanager URL must be http(s)://..., got {url!r}")
+            raise ValueError(f"Alertmanager URL must be http(s)://..., got {redact_url(url)!r}")
         self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.display_url = redact_url(self.url)  # its credentials masked, for messages
         self.name = name
         self.generator_url = generator_url
         self._client = httpx.Client(timeout=timeout_s)
@@ -117,9 +120,10 @@ class AlertmanagerNotifier:
         try:
             resp = self._client.post(self.url, json=alerts)
         except httpx.HTTPError as exc:
-            raise NotifyError(f"Alertmanager {self.url}: {exc!r}") from exc
+            reason = redact_text(repr(exc), [self.url])
+            raise NotifyError(f"Alertmanager {self.display_url}: {reason}") from exc
         if resp.status_code >= 300:
-            raise NotifyError(f"Alertmanager {self.url}: HTTP {resp.status_code} {resp.text[:200]}")
+            raise NotifyError(f"Alertmanager {self.display_url}: HTTP {resp.status_code} {resp.text[:200]}")
 
     def send(self, episode: AlertEpisode, kind: str) -> None:
         self._post([self.alert(episode, kind)])
