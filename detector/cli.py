@@ -176,7 +176,7 @@ def _run_replay(detector, source, interval: float, speed: float) -> None:  # typ
     """Replay at once (speed 0) or paced on the scheduler (speed S run-seconds per wall second)."""
     import threading
 
-    detector.dispatcher.start()
+    detector.start(interval, evaluate=False)  # notifications and retries of waiting writes
     if speed == 0:
         for t in sorted({s.t for s in source.snapshots}):
             detector.tick(t)
