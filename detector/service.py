@@ -251,8 +251,8 @@ class Detector:
                     self.dispatcher.submit(episode, notifier, tr.kind)
 
     def write_pending(self) -> int:
-        """Retry the waiting transitions now (the scheduler calls it between evaluations);
-        returns how many still wait."""
+        """Retry the waiting transitions now (a replay's scheduler and :meth:`stop` call it; an
+        evaluation does it by itself); returns how many still wait."""
         with self._lock:
             self._write_pending()
         return len(self.pending)
