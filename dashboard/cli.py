@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from exporter.redact import redact_url
+
 
 @click.command("dashboard")
 @click.option(
@@ -65,5 +67,8 @@ def dashboard(
         app = create_app(config)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    click.echo(f"retrywatch dashboard on http://{host}:{port}/ (detector {detector_url})", err=True)
+    source = f"detector {redact_url(detector_url)}"
+    if prometheus_url:
+        source += f", Prometheus {redact_url(prometheus_url)}"
+    click.echo(f"retrywatch dashboard on http://{host}:{port}/ ({source})", err=True)
     app.run(host=host, port=port, debug=False)

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from exporter.redact import redact_text, redact_url
+
 FETCH_WORKERS = 3  # more threads only contend for the GIL on both sides
 MAX_ENGINES = 64  # engines listed in the selector; the detector bounds its own label sets too
 # Signals that are levels or ratios: several series of one engine are averaged, not summed.
@@ -252,8 +254,10 @@ class DetectorClient:
         self, base_url: str, *, timeout_s: float = 5.0, transport: httpx.BaseTransport | None = None
     ):
         if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"detector URL must start with http:// or https://, got {base_url!r}")
+            shown = redact_url(base_url)
+            raise ValueError(f"detector URL must start with http:// or https://, got {shown!r}")
         self.base_url = base_url.rstrip("/")
+        self.display_url = redact_url(self.base_url)  # its credentials masked: shown on the pages
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -265,7 +269,8 @@ class DetectorClient:
             response = self._http.get(path, params=clean)
             response.raise_for_status()
         except httpx.HTTPError as exc:
-            raise DetectorUnavailable(f"detector at {self.base_url} did not answer {path}: {exc}") from exc
+            reason = f"detector at {self.display_url} did not answer {path}: {exc}"
+            raise DetectorUnavailable(redact_text(reason, [self.base_url])) from exc
         try:
             return response.json()
         except ValueError as exc:

@@ -21,6 +21,7 @@ from urllib3.util.retry import Retry
 
 from dashboard.data import MAX_ENGINES, DetectorUnavailable, ShapeError, SignalIndex, SignalSeries
 from detector.signals import ENGINE_INFO_RECORD, SIGNALS_BY_NAME
+from exporter.redact import redact_text, redact_url
 
 MAX_POINTS_PER_QUERY = 2000  # the step grows with the range so one query stays bounded
 MIN_STEP_S = 5.0
@@ -33,8 +34,9 @@ class PrometheusSignals:
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"Prometheus URL must start with http:// or https://, got {url!r}")
+            raise ValueError(f"Prometheus URL must start with http:// or https://, got {redact_url(url)!r}")
         self.url = url
+        self.display_url = redact_url(url)  # its credentials masked: shown on the pages
         self._client = PrometheusConnect(
             url=url,
             disable_ssl=True,
@@ -46,7 +48,8 @@ class PrometheusSignals:
         try:
             return fn(*args, **kwargs)
         except (RequestException, PrometheusApiClientException) as exc:
-            raise DetectorUnavailable(f"Prometheus at {self.url} did not answer {what}: {exc}") from exc
+            reason = f"Prometheus at {self.display_url} did not answer {what}: {exc}"
+            raise DetectorUnavailable(redact_text(reason, [self.url])) from exc
 
     def signal_index(self) -> SignalIndex:
         result = self._call(ENGINE_INFO_RECORD, self._client.custom_query, ENGINE_INFO_RECORD)

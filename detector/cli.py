@@ -2,6 +2,9 @@
 
 Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
 (e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``, ``RETRYWATCH_TIME_SCALE``).
+
+URLs are printed and logged with their credentials masked (``exporter/redact.py``). A ``--db``
+that cannot be used is a usage error (exit 2) that names the option, like every bad option here.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 import click
 
 from detector.store import DEFAULT_URL
+from exporter.redact import RedactFilter, redact_url
 
 
 def _env(name: str) -> str:
@@ -42,7 +46,13 @@ def _env(name: str) -> str:
     envvar=_env("REPLAY_SPEED"),
     help="0: replay at once; S > 0: S run-seconds per wall second.",
 )
-@click.option("--db", default=DEFAULT_URL, show_default=True, envvar=_env("DB"), help="SQLAlchemy URL.")
+@click.option(
+    "--db",
+    default=DEFAULT_URL,
+    show_default=True,
+    envvar=_env("DB"),
+    help="SQLAlchemy URL (a SQLite file's directory must exist).",
+)
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.1),
@@ -102,9 +112,14 @@ def detect(
     from detector.signals import SignalConfig
     from detector.sources import Source
     from detector.sources.replay import ReplaySource
-    from detector.store import EpisodeStore
+    from detector.store import EpisodeStore, SchemaError, StoreOpenError
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.addFilter(RedactFilter([db, prometheus, alertmanager, *webhooks, *exporters]))
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[handler]
+    )
+    logging.captureWarnings(True)  # a library's warning goes through the same masking handler
     chosen = [bool(exporters), bool(prometheus), replay is not None]
     if sum(chosen) != 1:
         raise click.UsageError("give exactly one of --exporter URL, --prometheus URL or --replay FILE")
@@ -135,7 +150,13 @@ def detect(
             notifiers.append(AlertmanagerNotifier(alertmanager))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    store = EpisodeStore(db)
+    try:
+        store = EpisodeStore(db)
+    except (StoreOpenError, SchemaError) as exc:
+        source.close()
+        for notifier in notifiers:
+            notifier.close()
+        raise click.BadParameter(str(exc), param_hint="--db") from None
     config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
     detector = Detector(source, store, notifiers=notifiers, config=config)
     if replay_source is not None:
@@ -143,7 +164,7 @@ def detect(
     else:
         detector.start(interval)
     app = create_app(detector)
-    click.echo(f"retrywatch detector on http://{host}:{port} ({source.name}, db {db})")
+    click.echo(f"retrywatch detector on http://{host}:{port} ({source.name}, db {redact_url(db)})")
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
     finally:
@@ -155,7 +176,7 @@ def _run_replay(detector, source, interval: float, speed: float) -> None:  # typ
     """Replay at once (speed 0) or paced on the scheduler (speed S run-seconds per wall second)."""
     import threading
 
-    detector.dispatcher.start()
+    detector.start(interval, evaluate=False)  # notifications and retries of waiting writes
     if speed == 0:
         for t in sorted({s.t for s in source.snapshots}):
             detector.tick(t)

@@ -4,7 +4,8 @@ The store queues one row per (episode, notifier, firing|resolved) in the transac
 opens or resolves the episode; the :class:`Dispatcher` delivers them from a bounded queue on a
 worker thread, with a timeout per request and retries with exponential backoff, and marks each
 row sent. A restart picks up what was not sent (``Dispatcher.requeue_unsent``); nothing sent
-is sent again.
+is sent again. A delivery the database refuses to mark sent is remembered and marked on the
+next round, and not sent again meanwhile.
 
 Alertmanager resolves an alert by itself ``resolve_timeout`` after the last time it heard of
 it, so :meth:`AlertmanagerNotifier.refresh` re-posts the firing alerts (Prometheus does the
@@ -25,8 +26,9 @@ from typing import Protocol
 import httpx
 
 from detector.episodes import AlertEpisode
-from detector.store import EpisodeStore
+from detector.store import EpisodeStore, store_error
 from detector.thresholds import ALERTS_BY_NAME, RUNBOOK_URL_PATTERN
+from exporter.redact import redact_text, redact_url
 
 log = logging.getLogger("retrywatch.detector.notify")
 
@@ -57,8 +59,9 @@ class WebhookNotifier:
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, name: str = "webhook") -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook URL must be http(s)://..., got {url!r}")
+            raise ValueError(f"webhook URL must be http(s)://..., got {redact_url(url)!r}")
         self.url = url
+        self.display_url = redact_url(url)  # its credentials masked, for messages
         self.name = name
         self._client = httpx.Client(timeout=timeout_s)
 
@@ -74,9 +77,9 @@ class WebhookNotifier:
         try:
             resp = self._client.post(self.url, json=self.payload(episode, kind))
         except httpx.HTTPError as exc:
-            raise NotifyError(f"webhook {self.url}: {exc!r}") from exc
+            raise NotifyError(f"webhook {self.display_url}: {redact_text(repr(exc), [self.url])}") from exc
         if resp.status_code >= 300:
-            raise NotifyError(f"webhook {self.url}: HTTP {resp.status_code}")
+            raise NotifyError(f"webhook {self.display_url}: HTTP {resp.status_code}")
 
     def close(self) -> None:
         self._client.close()
@@ -89,8 +92,9 @@ class AlertmanagerNotifier:
         self, url: str, *, timeout_s: float = 5.0, generator_url: str = "", name: str = "alertmanager"
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"Alertmanager URL must be http(s)://..., got {url!r}")
+            raise ValueError(f"Alertmanager URL must be http(s)://..., got {redact_url(url)!r}")
         self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.display_url = redact_url(self.url)  # its credentials masked, for messages
         self.name = name
         self.generator_url = generator_url
         self._client = httpx.Client(timeout=timeout_s)
@@ -117,9 +121,10 @@ class AlertmanagerNotifier:
         try:
             resp = self._client.post(self.url, json=alerts)
         except httpx.HTTPError as exc:
-            raise NotifyError(f"Alertmanager {self.url}: {exc!r}") from exc
+            reason = redact_text(repr(exc), [self.url])
+            raise NotifyError(f"Alertmanager {self.display_url}: {reason}") from exc
         if resp.status_code >= 300:
-            raise NotifyError(f"Alertmanager {self.url}: HTTP {resp.status_code} {resp.text[:200]}")
+            raise NotifyError(f"Alertmanager {self.display_url}: HTTP {resp.status_code} {resp.text[:200]}")
 
     def send(self, episode: AlertEpisode, kind: str) -> None:
         self._post([self.alert(episode, kind)])
@@ -159,6 +164,7 @@ class Dispatcher:
         self._sleep = sleep
         self._queue: queue.Queue[tuple[AlertEpisode, str, str] | None] = queue.Queue(maxsize=max_queue)
         self._inflight: set[tuple[int, str, str]] = set()
+        self._unmarked: set[tuple[int, str, str]] = set()  # delivered; the store refused to mark it
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -178,7 +184,7 @@ class Dispatcher:
         picked up again by :meth:`requeue_unsent`)."""
         key = (episode.id or 0, notifier, kind)
         with self._lock:
-            if key in self._inflight:
+            if key in self._inflight or key in self._unmarked:
                 return True
             try:
                 self._queue.put_nowait((episode, notifier, kind))
@@ -189,7 +195,14 @@ class Dispatcher:
         return True
 
     def requeue_unsent(self) -> int:
-        """Queue every delivery the store holds as unsent (after a restart, or a full queue)."""
+        """Queue every delivery the store holds as unsent (after a restart, or a full queue),
+        after marking sent those delivered while the store refused the mark."""
+        with self._lock:
+            unmarked = sorted(self._unmarked)
+        for key in unmarked:
+            self.store.mark_sent(*key)
+            with self._lock:
+                self._unmarked.discard(key)
         n = 0
         for episode, notifier, kind in self.store.unsent():
             if notifier in self.notifiers and self.submit(episode, notifier, kind):
@@ -226,6 +239,8 @@ class Dispatcher:
             episode, notifier, kind = item
             try:
                 self._deliver(episode, notifier, kind)
+            except Exception:  # the worker must outlive any one delivery; it stays unsent
+                log.exception("notify %s %s %s failed", notifier, kind, episode.alertname)
             finally:
                 with self._lock:
                     self._inflight.discard((episode.id or 0, notifier, kind))
@@ -239,7 +254,7 @@ class Dispatcher:
             except NotifyError as exc:
                 log.warning("notify %s %s %s failed (attempt %d): %s", notifier, kind, episode.alertname,
                             attempt + 1, exc)  # fmt: skip
-                self.store.mark_failed(episode.id or 0, notifier, kind, str(exc))
+                self._record_failure(episode.id or 0, notifier, kind, str(exc))
                 if self.on_result:
                     self.on_result(notifier, "error")
                 if attempt == self.retries or self._stop.is_set():
@@ -247,7 +262,25 @@ class Dispatcher:
                 self._sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
                 continue
-            self.store.mark_sent(episode.id or 0, notifier, kind)
+            self._mark_sent((episode.id or 0, notifier, kind))
             if self.on_result:
                 self.on_result(notifier, "sent")
             return
+
+    def _mark_sent(self, key: tuple[int, str, str]) -> None:
+        try:
+            self.store.mark_sent(*key)
+        except Exception as exc:  # delivered: never send it again; mark it on the next round
+            log.warning(
+                "notify %s %s of episode %d delivered, but the store refused to mark it sent "
+                "(marked on the next round): %s",
+                key[1], key[2], key[0], store_error(exc),
+            )  # fmt: skip
+            with self._lock:
+                self._unmarked.add(key)
+
+    def _record_failure(self, episode_id: int, notifier: str, kind: str, error: str) -> None:
+        try:
+            self.store.mark_failed(episode_id, notifier, kind, error)
+        except Exception as exc:  # only bookkeeping: the row stays unsent either way
+            log.debug("recording a failed notification failed: %s", store_error(exc))

@@ -3,6 +3,8 @@
 :class:`Detector.tick` is one evaluation (the scheduler calls it every interval; tests call it
 directly with their own ``now``). It keeps a bounded in-memory history of every engine's
 signals for the API and the dashboard, and its own Prometheus metrics in a private registry.
+A transition the database refuses waits in :class:`~detector.pending.PendingWrites` and is
+written, in order, once the database takes writes again; its notifications follow it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from detector.evaluator import Evaluator, Transition
 from detector.notify import AlertmanagerNotifier, Dispatcher, Notifier
+from detector.pending import DEFAULT_MAX_PENDING, PendingWrites
 from detector.signals import SIGNALS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.sources import Source
-from detector.store import EpisodeStore
+from detector.store import EpisodeStore, store_error
 from detector.thresholds import ALERTS, AlertRule
 
 log = logging.getLogger("retrywatch.detector")
@@ -136,6 +139,21 @@ class DetectorMetrics:
             ["notifier", "result"],
             registry=r,
         )
+        self.store_write_failures = Counter(
+            "retrywatch_detector_store_write_failures_total",
+            "Episode writes the database refused (each is retried until it lands).",
+            registry=r,
+        )
+        self.store_writes_pending = Gauge(
+            "retrywatch_detector_store_writes_pending",
+            "Alert transitions waiting for the database to take them.",
+            registry=r,
+        )
+        self.store_writes_dropped = Counter(
+            "retrywatch_detector_store_writes_dropped_total",
+            "Waiting alert transitions dropped at the bound while the database refused writes.",
+            registry=r,
+        )
 
 
 class Detector:
@@ -150,6 +168,7 @@ class Detector:
         clock: Callable[[], float] = time.time,
         history_points: int = 4320,
         alertmanager_refresh_s: float = 60.0,
+        max_pending_writes: int = DEFAULT_MAX_PENDING,
     ) -> None:
         self.source = source
         self.store = store
@@ -165,6 +184,14 @@ class Detector:
             notifiers,
             on_result=lambda n, res: self.metrics.notifications.labels(notifier=n, result=res).inc(),
         )
+        self.pending = PendingWrites(
+            store,
+            self.dispatcher.names,
+            max_pending=max_pending_writes,
+            on_failure=self.metrics.store_write_failures.inc,
+            on_drop=self.metrics.store_writes_dropped.inc,
+        )
+        self.metrics.store_writes_pending.set_function(lambda: float(len(self.pending)))
         self._alertmanagers = [n for n in notifiers if isinstance(n, AlertmanagerNotifier)]
         self._am_refresh_s = alertmanager_refresh_s
         self._am_last_refresh = 0.0
@@ -199,13 +226,10 @@ class Detector:
             for frame in frames:
                 self.history.add(frame)
             transitions = self.evaluator.evaluate(now, frames)
-            notifier_names = self.dispatcher.names
             for tr in transitions:
-                episode = self.store.record(tr, notifier_names)
                 self.metrics.transitions.labels(kind=tr.kind).inc()
-                if episode is not None:
-                    for notifier in notifier_names:
-                        self.dispatcher.submit(episode, notifier, tr.kind)
+            self.pending.add(transitions)
+            self._write_pending()
             self._refresh_alertmanagers(now)
             self.metrics.evaluations.inc()
             self.metrics.source_up.set(1.0 if self.status.up else 0.0)
@@ -218,11 +242,30 @@ class Detector:
             self.metrics.eval_seconds.set(time.perf_counter() - start)
             return transitions
 
+    def _write_pending(self) -> None:
+        """Write the waiting transitions (in order, until one is refused) and notify those that
+        landed: their notification rows were written with them."""
+        for tr, episode in self.pending.flush():
+            if episode is not None:
+                for notifier in self.dispatcher.names:
+                    self.dispatcher.submit(episode, notifier, tr.kind)
+
+    def write_pending(self) -> int:
+        """Retry the waiting transitions now (a replay's scheduler and :meth:`stop` call it; an
+        evaluation does it by itself); returns how many still wait."""
+        with self._lock:
+            self._write_pending()
+        return len(self.pending)
+
     def _refresh_alertmanagers(self, now: float) -> None:
         if not self._alertmanagers or now - self._am_last_refresh < self._am_refresh_s:
             return
         self._am_last_refresh = now
-        firing = [ep for ep in self.store.firing() if ep.id is not None]
+        try:
+            firing = [ep for ep in self.store.firing() if ep.id is not None]
+        except Exception as exc:  # a database that is down must not stop evaluation
+            log.warning("alertmanager refresh: reading the firing episodes failed: %s", store_error(exc))
+            return
         for am in self._alertmanagers:
             try:
                 am.refresh(firing)
@@ -232,19 +275,30 @@ class Detector:
     def firing_alerts(self) -> list[dict[str, object]]:
         return [a.as_dict() for a in self.evaluator.firing()]
 
-    def start(self, interval_s: float = 5.0) -> None:
-        """Run :meth:`tick` every ``interval_s`` on APScheduler's background scheduler."""
+    def start(self, interval_s: float = 5.0, *, evaluate: bool = True) -> None:
+        """Run :meth:`tick` every ``interval_s`` on APScheduler's background scheduler, with the
+        notifications and the retries of waiting writes; ``evaluate=False`` (a replay that ticks
+        by itself) runs only those."""
         if interval_s <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval_s}")
         self.dispatcher.start()
-        self.dispatcher.requeue_unsent()
-        self._safe_tick()
+        self._safe_requeue()
         sched = BackgroundScheduler(timezone="UTC")
-        sched.add_job(self._safe_tick, "interval", seconds=interval_s, max_instances=1, coalesce=True)
-        sched.add_job(self.dispatcher.requeue_unsent, "interval", seconds=max(30.0, interval_s * 6),
+        if evaluate:
+            self._safe_tick()
+            sched.add_job(self._safe_tick, "interval", seconds=interval_s, max_instances=1, coalesce=True)
+        else:
+            sched.add_job(self.write_pending, "interval", seconds=interval_s, max_instances=1, coalesce=True)
+        sched.add_job(self._safe_requeue, "interval", seconds=max(30.0, interval_s * 6),
                       max_instances=1, coalesce=True)  # fmt: skip
         sched.start()
         self._scheduler = sched
+
+    def _safe_requeue(self) -> None:
+        try:
+            self.dispatcher.requeue_unsent()
+        except Exception as exc:  # the database is down: the next round picks them up
+            log.warning("reading unsent notifications failed: %s", store_error(exc))
 
     def _safe_tick(self) -> None:
         try:
@@ -257,5 +311,10 @@ class Detector:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
             self._scheduler = None
+        if self.write_pending():
+            lost = "; ".join(f"{t.alertname} on {t.labels.instance} {t.kind} at {t.at:.0f}"
+                             for t in self.pending.waiting())  # fmt: skip
+            log.error("stopping with %d transitions the store never took (they are lost; an alert "
+                      "still true fires again after a restart): %s", len(self.pending), lost)  # fmt: skip
         self.dispatcher.close()
         self.source.close()

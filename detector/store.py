@@ -5,6 +5,10 @@ committed transaction, so a fired episode survives a restart and a ``kill -9``. 
 delivery of its firing and of its resolution is a row beside it (written in the same
 transaction, marked sent on success), so a restarted detector neither loses nor repeats one.
 
+A URL that cannot be used (an unknown scheme, a missing driver, a server that does not answer,
+a SQLite file in a directory that does not exist or a file that is not a database) raises
+:class:`StoreOpenError` with one line that names the URL with its password masked.
+
 The schema is versioned: table ``schema_version`` holds one row; :func:`migrate` brings any
 older schema to :data:`SCHEMA_VERSION` step by step and refuses a newer one.
 """
@@ -36,11 +40,14 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.sql.elements import ColumnElement
 
 from detector.episodes import AlertEpisode
 from detector.evaluator import Transition
 from detector.signals import EngineLabels
+from exporter.redact import redact_text, redact_url
 
 SCHEMA_VERSION = 1
 DEFAULT_URL = "sqlite:///retrywatch-detector.db"
@@ -82,8 +89,15 @@ notifications = Table(
 )
 
 
+PG_CONNECT_TIMEOUT_S = 10  # a PostgreSQL server that drops packets fails a connect in this time
+
+
 class SchemaError(RuntimeError):
     """The database holds a schema this version cannot use."""
+
+
+class StoreOpenError(ValueError):
+    """The database URL cannot be used; the message is one line, its password masked."""
 
 
 def _create_v1(conn: Connection) -> None:
@@ -121,12 +135,33 @@ def migrate(engine: Engine) -> int:
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for ``url``; SQLite files get WAL and full fsync so a commit survives ``kill -9``."""
-    if url.startswith("sqlite") and ":memory:" not in url and url != "sqlite://":
-        path = url.split("///", 1)[-1]
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, future=True, pool_pre_ping=True)
+    """An engine for ``url``; SQLite files get WAL and full fsync so a commit survives ``kill -9``.
+
+    A SQLite file's directory must exist: a mistyped path (``sqlite:///var/...`` for
+    ``sqlite:////var/...``) is refused rather than created.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise _refused(url, "not a database URL (dialect+driver://...)") from None
+    except ValueError as exc:  # e.g. a port that is not a number
+        raise _refused(url, f"not a database URL ({exc})") from None
+    connect_args: dict[str, object] = {}
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        path = parsed.database or ""
+        if path and path != ":memory:" and not path.startswith("file:"):
+            folder = Path(path).absolute().parent
+            if not folder.is_dir():
+                raise _refused(url, f"directory {folder} does not exist")
+    elif backend == "postgresql" and "connect_timeout" not in parsed.query and _libpq(parsed.drivername):
+        connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+    try:
+        engine = create_engine(url, future=True, pool_pre_ping=True, connect_args=connect_args)
+    except NoSuchModuleError:
+        raise _refused(url, f"unknown database scheme {parsed.drivername!r}") from None
+    except ImportError as exc:
+        raise _refused(url, f"the driver for {parsed.drivername!r} is not installed ({exc})") from None
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine, "connect")
@@ -137,6 +172,23 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
     return engine
+
+
+def _refused(url: str, reason: str) -> StoreOpenError:
+    return StoreOpenError(f"cannot use the database {redact_url(url)}: {redact_text(reason, [url])}")
+
+
+def _libpq(drivername: str) -> bool:
+    """True for the drivers that pass libpq's ``connect_timeout`` through (psycopg 3 and 2)."""
+    return drivername in ("postgresql", "postgresql+psycopg", "postgresql+psycopg2")
+
+
+def store_error(exc: BaseException) -> str:
+    """One line for a database error: the driver's own first line, without SQLAlchemy's
+    statement, parameters and background link."""
+    inner = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    lines = str(inner).strip().splitlines()
+    return (lines[0] if lines else type(inner).__name__).strip()
 
 
 def _row_to_episode(row) -> AlertEpisode:  # type: ignore[no-untyped-def]
@@ -158,8 +210,16 @@ class EpisodeStore:
 
     def __init__(self, url: str = DEFAULT_URL) -> None:
         self.url = url
+        self.display_url = redact_url(url)
         self.engine = make_engine(url)
-        migrate(self.engine)
+        try:
+            migrate(self.engine)
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            raise _refused(url, store_error(exc)) from None
+        except SchemaError:
+            self.engine.dispose()
+            raise
         self._lock = threading.Lock()
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from urllib3.util.retry import Retry
 
 from detector.signals import PROMETHEUS_JOB, RAW
 from detector.sources import FetchResult
+from exporter.redact import redact_text, redact_url
 from retrywatch.timeseries import Sample, Snapshot
 
 MAX_SERIES = 20_000
@@ -42,8 +43,9 @@ class PrometheusSource:
         timeout_s: float = 10.0,
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"Prometheus URL must be http(s)://..., got {url!r}")
+            raise ValueError(f"Prometheus URL must be http(s)://..., got {redact_url(url)!r}")
         self.url = url
+        self.display_url = redact_url(url)  # its credentials masked, for messages
         self.backfill_s = backfill_s
         self.step_s = step_s
         self.query = _selector(job)
@@ -68,7 +70,8 @@ class PrometheusSource:
             else:
                 snapshots = [self._instant(now)]
         except (PrometheusApiClientException, RequestException, ValueError, KeyError) as exc:
-            return FetchResult(down=sorted(self.known) or [self.url], error=f"{self.url}: {exc}")
+            error = f"{self.display_url}: {redact_text(str(exc), [self.url])}"
+            return FetchResult(down=sorted(self.known) or [self.display_url], error=error)
         down: set[str] = set()
         for snap in snapshots:
             keep: list[Sample] = []

@@ -1,6 +1,7 @@
 """Direct scrape of retrywatch proxies' ``/metrics`` (which carry vLLM's series too).
 
-The embedded default: no Prometheus needed. Each target's samples get ``instance`` = its URL.
+The embedded default: no Prometheus needed. Each target's samples get ``instance`` = its URL,
+with any credentials in it masked (the instance is stored, shown and sent in notifications).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 import httpx
 
 from detector.sources import FetchResult
+from exporter.redact import redact_text, redact_url
 from retrywatch.timeseries import Snapshot, parse_exposition
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -32,8 +34,9 @@ class ScrapeSource:
             raise ValueError(f"at most {MAX_TARGETS} exporter URLs")
         for url in urls:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"exporter URL must be http(s)://.../metrics, got {url!r}")
+                raise ValueError(f"exporter URL must be http(s)://.../metrics, got {redact_url(url)!r}")
         self.urls = list(urls)
+        self.instances = {url: redact_url(url) for url in self.urls}
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
 
     def _scrape(self, url: str) -> str:
@@ -45,7 +48,7 @@ class ScrapeSource:
             for chunk in resp.iter_bytes():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
-                    raise ValueError(f"{url}: /metrics larger than {MAX_BODY_BYTES} bytes")
+                    raise ValueError(f"{self.instances[url]}: /metrics larger than {MAX_BODY_BYTES} bytes")
                 chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", errors="replace")
 
@@ -55,10 +58,11 @@ class ScrapeSource:
             try:
                 samples = parse_exposition(self._scrape(url))
             except (httpx.HTTPError, ValueError) as exc:
-                result.down.append(url)
-                result.error = f"{url}: {exc}"
+                instance = self.instances[url]
+                result.down.append(instance)
+                result.error = f"{instance}: {redact_text(str(exc), [url])}"
                 continue
-            labelled = [(n, {**lb, "instance": url}, v) for n, lb, v in samples]
+            labelled = [(n, {**lb, "instance": self.instances[url]}, v) for n, lb, v in samples]
             result.snapshots.append(Snapshot(t=now, samples=labelled))
         return result
 

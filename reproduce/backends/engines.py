@@ -22,6 +22,7 @@ from types import TracebackType
 
 import httpx
 
+from exporter.redact import redact_text, redact_url
 from reproduce.backends.commands import (
     EngineFlags,
     cpu_env,
@@ -238,8 +239,9 @@ class ExternalBackend(EngineBackend):
         timeout_s: float = 30.0,
     ) -> None:
         if not engine_url.startswith(("http://", "https://")):
-            raise BackendError(f"--engine-url must be an http(s) URL, not {engine_url!r}")
+            raise BackendError(f"--engine-url must be an http(s) URL, not {redact_url(engine_url)!r}")
         self.engine_url = engine_url.rstrip("/")
+        self.display_url = redact_url(self.engine_url)  # its credentials masked: printed and stored
         self.model_name = model_name
         if vocab_size is None and model is not None:
             vocab_size = model_info(model).vocab_size
@@ -258,10 +260,10 @@ class ExternalBackend(EngineBackend):
                         return EngineEndpoint(self.engine_url, name, self.vocab_size)
                     last_error = f"/health answered {health.status_code}"
                 except httpx.TransportError as exc:
-                    last_error = f"{type(exc).__name__}: {exc}"
+                    last_error = redact_text(f"{type(exc).__name__}: {exc}", [self.engine_url])
                 time.sleep(0.5)
         raise BackendError(
-            f"engine at {self.engine_url} not healthy within {self.timeout_s:.0f} s ({last_error})"
+            f"engine at {self.display_url} not healthy within {self.timeout_s:.0f} s ({last_error})"
         )
 
     def _served_name(self, client: httpx.Client) -> str:
@@ -270,14 +272,14 @@ class ExternalBackend(EngineBackend):
             return str(response.json()["data"][0]["id"])
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise BackendError(
-                f"{self.engine_url}/v1/models did not name a model ({exc}); pass the model name"
+                f"{self.display_url}/v1/models did not name a model ({exc}); pass the model name"
             ) from exc
 
     def stop(self) -> None:
         """Nothing to stop: the engine is someone else's."""
 
     def describe(self) -> dict[str, object]:
-        return {"backend": self.kind, "engine_url": self.engine_url}
+        return {"backend": self.kind, "engine_url": self.display_url}
 
 
 class EmulatedBackend(EngineBackend):

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from exporter.redact import redact_url
 from reproduce.calibrate import (
     CalibrationError,
     CalibrationResult,
@@ -100,7 +101,8 @@ async def wait_engine_idle(engine_url: str, *, timeout_s: float = 120.0, poll_s:
             if backlog == 0:
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"engine at {engine_url} still busy ({backlog}) after {timeout_s:.0f} s")
+                shown = redact_url(engine_url)
+                raise TimeoutError(f"engine at {shown} still busy ({backlog}) after {timeout_s:.0f} s")
             await asyncio.sleep(poll_s)
 
 
@@ -232,7 +234,7 @@ async def _probe_service_time(
             )
             if result.outcome is not AttemptOutcome.DELIVERED:
                 raise CalibrationError(
-                    f"probe call to {engine_url} ended {result.outcome.value}: {result.error}"
+                    f"probe call to {redact_url(engine_url)} ended {result.outcome.value}: {result.error}"
                 )
             took.append(time.monotonic() - start)
     return sum(took) / len(took)

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from exporter.policy import Cancellation, PolicyConfig
+from exporter.redact import redact_url
 from reproduce.backends.engines import (
     BackendError,
     EmulatedBackend,
@@ -92,7 +93,7 @@ def calibrate_http_command(
         scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
         protocol = cpu_scaled(time_scale) if scaled else study(time_scale)
         with engine as endpoint, ExitStack() as stack:
-            click.echo(f"engine {endpoint.model_name} at {endpoint.url}", err=True)
+            click.echo(f"engine {endpoint.model_name} at {redact_url(endpoint.url)}", err=True)
             send_url = None
             if via_proxy:
                 no_control = PolicyConfig(coalesce=False, cancellation=Cancellation.OFF)

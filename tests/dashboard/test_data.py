@@ -116,10 +116,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_unreachable_detector_is_a_clear_error() -> None:
-    client = DetectorClient(f"http://127.0.0.1:{_free_port()}", timeout_s=1.0)
-    with pytest.raises(DetectorUnavailable, match="did not answer /alerts"):
+def test_unreachable_detector_is_a_clear_error_without_its_credentials() -> None:
+    client = DetectorClient(f"http://ops:s3cretpw@127.0.0.1:{_free_port()}", timeout_s=1.0)
+    with pytest.raises(DetectorUnavailable, match="did not answer /alerts") as err:
         client.alerts()
+    assert "ops:***@127.0.0.1" in str(err.value) and "s3cretpw" not in str(err.value)
+    with pytest.raises(ValueError, match="http") as bad:
+        DetectorClient("ops:s3cretpw@detector:8200")
+    assert "s3cretpw" not in str(bad.value)
 
 
 def test_wrong_shapes_name_the_field() -> None:

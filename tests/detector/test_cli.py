@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,8 @@ from click.testing import CliRunner
 from detector.cli import detect
 from detector.store import EpisodeStore
 from retrywatch.timeseries import write_series
-from tests.detector.conftest import TestServer, free_port, wait_until
+from tests.detector.conftest import TestServer, exposition, free_port, wait_until
+from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim
 
 
@@ -64,3 +66,90 @@ def test_usage_errors_are_clear(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "http" in res.output
     res = runner.invoke(detect, ["--exporter", "http://a/metrics"], env={"RETRYWATCH_CAPACITY": "-1"})
     assert res.exit_code == 2 and "capacity" in res.output.lower()
+
+
+SECRETS = ("DBSECRETpw", "SCRAPESECRET", "HOOKSECRET", "HOOKTOKEN", "QUERYTOKEN", "AMSECRET")
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.parametrize("db_from", ["option", "environment"])
+def test_no_credential_is_printed_logged_stored_or_sent(
+    tmp_path: Path, http_server: TestServer, postgres_url: str, db_from: str
+) -> None:
+    http_server.body = exposition(snapshot(0.0, first=1.0).samples)
+    http_server.fail_next = 1  # one failed notification: its error names the URL
+    live = f"http://scrape:SCRAPESECRET@127.0.0.1:{http_server.port}/metrics"
+    dead = f"http://scrape:SCRAPESECRET@127.0.0.1:{free_port()}/metrics"  # fires NoData
+    db = postgres_url.replace("//rw@", "//rw:DBSECRETpw@")
+    port = free_port()
+    env = {**os.environ, "RETRYWATCH_DB": db} if db_from == "environment" else dict(os.environ)
+    log = tmp_path / "detector.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrywatch", "detect", "--exporter", live, "--exporter", dead,
+         "--webhook", f"http://hook:HOOKSECRET@127.0.0.1:{http_server.port}/hooks/HOOKTOKEN42?token=QUERYTOKEN",
+         "--alertmanager", f"http://am:AMSECRET@127.0.0.1:{http_server.port}",
+         *(["--db", db] if db_from == "option" else []),
+         "--time-scale", "10", "--port", str(port), "--log-level", "info"],
+        env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def notified() -> bool:
+            kinds = {"webhook" if isinstance(p, dict) else "alertmanager" for p in http_server.posts}
+            return kinds == {"webhook", "alertmanager"}
+
+        wait_until(notified, 60, "the webhook and Alertmanager notifications")
+        served = httpx.get(f"{base}/signals", timeout=5).text + httpx.get(f"{base}/episodes", timeout=5).text
+        api_metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    output = log.read_text()
+    assert "retrywatch detector on" in output and "rw:***@127.0.0.1" in output
+    assert "HTTP Request: POST http://hook:***@127.0.0.1" in output  # httpx's own log line, masked
+    assert "notify" in output and "/hooks/***?token=***" in output  # the failed delivery's error
+    assert f"http://scrape:***@127.0.0.1:{http_server.port}/metrics" in served  # the engine's instance
+    sent = json.dumps(http_server.posts)
+    for secret in SECRETS:
+        assert secret not in output, f"{secret} printed or logged"
+        assert secret not in served + api_metrics, f"{secret} served by the API"
+        assert secret not in sent, f"{secret} sent in a notification"
+
+
+# case -> (--db, what the error says, given by the option or by RETRYWATCH_DB)
+BAD_DATABASES = {
+    "unknown scheme": ("nosuchdb://rw:DBSECRETpw@127.0.0.1/x", "unknown database scheme", "option"),
+    "not a URL": ("rw:DBSECRETpw@127.0.0.1/x", "not a database URL", "environment"),
+    "driver not installed": ("mysql://rw:DBSECRETpw@127.0.0.1/x", "'mysql' is not installed", "option"),
+    "unreachable server": (
+        "postgresql+psycopg://rw:DBSECRETpw@127.0.0.1:{free}/x",
+        "Connection refused",
+        "environment",
+    ),
+    "missing directory": ("sqlite:///{tmp}/no/such/d.db", "/no/such does not exist", "option"),
+    "not a database": ("sqlite:///{tmp}/notes.txt", "file is not a database", "environment"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATABASES))
+def test_a_bad_db_is_a_one_line_usage_error_with_the_password_masked(tmp_path: Path, case: str) -> None:
+    template, reason, given_by = BAD_DATABASES[case]
+    url = template.format(tmp=tmp_path, free=free_port())
+    (tmp_path / "notes.txt").write_text("not a database, just notes\n" * 100)
+    args = [sys.executable, "-m", "retrywatch", "detect", "--exporter", "http://127.0.0.1:9/metrics"]
+    env = dict(os.environ)
+    if given_by == "option":
+        args += ["--db", url]
+    else:
+        env["RETRYWATCH_DB"] = url
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr  # like every bad option of this command
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("Error:")]
+    assert line.startswith("Error: Invalid value for --db: cannot use the database ")
+    assert reason in line and "Traceback" not in res.stderr and res.stdout == ""
+    assert "DBSECRETpw" not in res.stderr + res.stdout
+    if "DBSECRETpw" in url:
+        assert "rw:***@" in line
+    assert not (tmp_path / "no").exists()  # a mistyped path is refused, not created

@@ -60,7 +60,7 @@ def _exercise(store: EpisodeStore) -> None:
 
 
 def test_sqlite_episodes_and_notifications(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'sub' / 'd.db'}"
+    url = f"sqlite:///{tmp_path / 'd.db'}"
     store = EpisodeStore(url)
     _exercise(store)
     store.close()

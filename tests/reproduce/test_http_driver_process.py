@@ -113,11 +113,15 @@ def test_the_bound_stops_a_process_that_outlives_it(tmp_path: Path) -> None:
     proc.stop()
 
 
-def test_external_backend_refuses_a_bad_url_and_a_dead_engine() -> None:
-    with pytest.raises(BackendError, match="http"):
-        ExternalBackend("localhost:8000")
-    with pytest.raises(BackendError, match="not healthy"):
-        ExternalBackend(f"http://127.0.0.1:{free_port()}", timeout_s=0.5).start()
+def test_external_backend_refuses_a_bad_url_and_a_dead_engine_without_printing_credentials() -> None:
+    with pytest.raises(BackendError, match="http") as bad:
+        ExternalBackend("ops:s3cretpw@localhost:8000")
+    assert "s3cretpw" not in str(bad.value)
+    dead = ExternalBackend(f"http://ops:s3cretpw@127.0.0.1:{free_port()}", timeout_s=0.5)
+    with pytest.raises(BackendError, match="not healthy") as err:
+        dead.start()
+    assert "ops:***@127.0.0.1" in str(err.value) and "s3cretpw" not in str(err.value)
+    assert "s3cretpw" not in str(dead.describe())  # written into the run's summary
 
 
 def test_find_python_takes_a_venv_or_an_executable(tmp_path: Path) -> None:
