@@ -3,8 +3,9 @@
 NOTE: one step follows vLLM's ``Scheduler.schedule()`` under a token budget
 (``max_num_batched_tokens``): running executions first (each decode takes one token, a
 prefill continues with as many prompt tokens as the budget allows: chunked prefill), then
-waiting executions in FCFS order while budget, sequence slots and KV blocks allow, each first
-matched against the prefix cache. When a running execution cannot get a KV block, the newest
+waiting executions in FCFS order while budget, sequence slots and KV blocks allow (blocks for
+the whole sequence, as vLLM's ``scheduler_reserve_full_isl`` asks), each first matched against
+the prefix cache. When a running execution cannot get a KV block, the newest
 running execution is preempted (its blocks freed, still cached) and later recomputed from the
 waiting queue's head; a step that preempted admits nobody new.
 
@@ -671,6 +672,7 @@ class EngineModel:
         pool = self._pool
         waiting = self._waiting
         max_seqs = self.config.max_num_seqs
+        reserve_full = self.config.scheduler_reserve_full_isl
         while waiting and budget > 0 and len(self._running) < max_seqs:
             ex = waiting[0]
             if ex.state != _WAITING:  # aborted while waiting (lazy removal)
@@ -683,7 +685,9 @@ class EngineModel:
             hit_tokens = hit_blocks * bs
             n = min(length - hit_tokens, budget)
             need = -(-(hit_tokens + n) // bs) - hit_blocks
-            if need + free_hit > pool.num_free:
+            # vLLM's --scheduler-reserve-full-isl: the whole sequence must fit, not the chunk
+            gate = -(-length // bs) - hit_blocks if reserve_full else need
+            if gate + free_hit > pool.num_free:
                 break
             waiting.popleft()
             self._num_waiting -= 1

@@ -480,3 +480,28 @@ def test_same_inputs_same_events() -> None:
     first = run()
     assert first == run()
     assert {e.kind for e in first} == set(EventKind)
+
+
+@pytest.mark.parametrize("reserve_full", [True, False])
+def test_admission_waits_until_the_whole_prompt_fits(reserve_full: bool) -> None:
+    # 40 blocks of 4 tokens. a holds 20 of them; b's 120-token prompt needs 30 more: its first
+    # 39-token chunk (10 blocks) would fit, the whole prompt does not. vLLM's default
+    # (scheduler_reserve_full_isl) keeps b waiting; admitting it on its first chunk starts a
+    # prefill that the engine later has to preempt.
+    engine = create_engine(
+        num_gpu_blocks=40,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=40,
+        scheduler_reserve_full_isl=reserve_full,
+    )
+    drv = Driver(engine)
+    engine.add_request(request("a", [("a", 76)], max_tokens=8), 0.0)
+    drv.step()
+    drv.step()
+    engine.add_request(request("b", [("b", 120)], max_tokens=2), drv.now)
+    drv.step()
+    drv.step()
+    assert (engine.traces["b"].admitted_at == []) is reserve_full
+    drv.run()
+    assert drv.kinds("b")[-1] == EventKind.FINISHED
+    assert (engine.num_preemptions_total == 0) is reserve_full
