@@ -130,9 +130,8 @@ class EngineConfig:
 
     ``max_num_queued_reqs`` is vLLM's engine queue cap Q (None: no cap): an execution that
     would leave more than Q waiting or running is refused. ``scheduler_reserve_full_isl`` is
-    vLLM's admission gate of the same name (on by default in vLLM since 2026): a waiting
-    execution is admitted only if KV blocks for its whole sequence are free, not only for its
-    first chunk.
+    vLLM's admission gate of the same name (on by default in vLLM 0.32): a waiting execution is
+    admitted only if KV blocks for its whole sequence are free, not only for its first chunk.
     """
 
     num_gpu_blocks: int
