@@ -374,9 +374,10 @@ def trace_shares(traces: Iterable[ExecutionTraceLike]) -> dict[str, float | None
 
 @dataclass(frozen=True)
 class RetryExecution:
-    """The execution a retry created, as the tracing timing needs it (PROTOCOL §6): when vLLM's
-    scheduler first scheduled it (None: never), its attempt's deadline, and when the abort of
-    the call's previous execution reached the engine (None: that one was not aborted)."""
+    """The execution a retry created, as the tracing timing (what the study's traces report)
+    needs it: when vLLM's scheduler first scheduled it (None: never), its attempt's deadline,
+    and when the abort of the call's previous execution reached the engine (None: that one was
+    not aborted)."""
 
     first_scheduled_at: float | None
     deadline_at: float

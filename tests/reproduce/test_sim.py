@@ -174,7 +174,7 @@ def test_tracing_reports_the_shares() -> None:
     assert 0 < shares["aborted_share"] <= 1
     assert 0 <= shares["in_flight_share_of_aborted"] <= 1
     assert 0 < shares["missed_share"] <= shares["aborted_share"]
-    # retries reach the engine only as their own deadline arrives (PROTOCOL §8): scheduled
+    # retries reach the engine only as their own deadline arrives (the study's finding): scheduled
     # within seconds of it, about a deadline after their predecessor was aborted, or never
     before = shares["retry_scheduled_before_deadline_s"]
     after = shares["retry_scheduled_after_predecessor_abort_s"]

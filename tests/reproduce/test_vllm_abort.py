@@ -82,7 +82,7 @@ def test_attempt_abandoned_during_its_last_prefill_step_is_never_counted(heavy: 
     """The step that computes a prompt's last chunk (and samples its first token) is running
     when the client leaves: vLLM processes the abort before that step's outputs
     (``EngineCore.step``), so the prompt is queried but never counted, though its whole prefill
-    ran (PROTOCOL §2; the engine model's rule)."""
+    ran (vLLM's counting rule, and the engine model's)."""
     asyncio.run(wait_engine_idle(heavy.url, timeout_s=300))
     before = _scrape(heavy.url)
     prompt_len = 3_800  # two steps of 2,048 batched tokens on this model, seconds each
