@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,11 +26,13 @@ from retrywatch.timeseries import Snapshot
 
 __all__ = [
     "RecoveryRule",
+    "RetryExecution",
     "Timeline",
     "compute_outcomes",
     "counter_at",
     "delivery",
     "recovery",
+    "retry_timing",
     "trace_shares",
     "waiting_series",
 ]
@@ -366,4 +369,42 @@ def trace_shares(traces: Iterable[ExecutionTraceLike]) -> dict[str, float | None
         "in_flight_share_of_aborted": in_flight / aborted if aborted else None,
         "missed_share": missed / total if total else None,
         "computed_prompt_tokens": float(total),
+    }
+
+
+@dataclass(frozen=True)
+class RetryExecution:
+    """The execution a retry created, as the tracing timing (what the study's traces report)
+    needs it: when vLLM's scheduler first scheduled it (None: never), its attempt's deadline,
+    and when the abort of the call's previous execution reached the engine (None: that one was
+    not aborted)."""
+
+    first_scheduled_at: float | None
+    deadline_at: float
+    predecessor_abort_at: float | None = None
+
+
+def retry_timing(retries: Iterable[RetryExecution]) -> dict[str, float | None]:
+    """When the executions of retries were first scheduled (medians over those scheduled):
+
+    * ``retry_scheduled_before_deadline_s``: how long before the retry's own deadline;
+    * ``retry_scheduled_after_predecessor_abort_s``: how long after the abort of the call's
+      previous execution (retries whose predecessor was aborted);
+    * ``retry_never_scheduled_share``: of the retries' executions the engine accepted, those
+      never scheduled (they waited out their deadline in the queue);
+    * ``retries_traced``: how many retries' executions these figures cover.
+    """
+    items = list(retries)
+    scheduled = [r for r in items if r.first_scheduled_at is not None]
+    before = [r.deadline_at - r.first_scheduled_at for r in scheduled if r.first_scheduled_at is not None]
+    after = [
+        r.first_scheduled_at - r.predecessor_abort_at
+        for r in scheduled
+        if r.first_scheduled_at is not None and r.predecessor_abort_at is not None
+    ]
+    return {
+        "retry_scheduled_before_deadline_s": statistics.median(before) if before else None,
+        "retry_scheduled_after_predecessor_abort_s": statistics.median(after) if after else None,
+        "retry_never_scheduled_share": (len(items) - len(scheduled)) / len(items) if items else None,
+        "retries_traced": float(len(items)),
     }

@@ -125,15 +125,30 @@ def render_markdown(runs: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] |
         lines += ["## Trace breakdown", ""]
         lines.append(
             "| block | condition | model | aborted share of computed prompt tokens "
-            "| in flight share of aborted | missed by the prompt-token counter |"
+            "| in flight share of aborted | missed by the prompt-token counter "
+            "| retries first scheduled: s before own deadline / s after predecessor's abort "
+            "| retries never scheduled |"
         )
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for (b, cond, model), members in traced.items():
+
+            def mean_of(key: str, runs: Sequence[Mapping[str, Any]] = members) -> float | None:
+                return _mean((r.get("trace") or {}).get(key) for r in runs)
+
             shares = [
-                _pct(_mean((r.get("trace") or {}).get(k) for r in members))
-                for k in ("aborted_share", "in_flight_share_of_aborted", "missed_share")
+                _pct(mean_of(k)) for k in ("aborted_share", "in_flight_share_of_aborted", "missed_share")
             ]
-            lines.append(f"| {b} | {cond} | {model} | " + " | ".join(shares) + " |")
+            timing = (
+                f"{_num(mean_of('retry_scheduled_before_deadline_s'))} / "
+                f"{_num(mean_of('retry_scheduled_after_predecessor_abort_s'))}"
+            )
+            never = _pct(mean_of("retry_never_scheduled_share"))
+            lines.append(f"| {b} | {cond} | {model} | " + " | ".join([*shares, timing, never]) + " |")
+        lines.append("")
+        lines.append(
+            "Retry timing: medians per run over the executions retries created (their mean over "
+            "runs); scheduled = when vLLM's scheduler took the execution into a step."
+        )
         lines.append("")
     return "\n".join(lines)
 

@@ -43,6 +43,7 @@ class EngineLike(Protocol):
     def add_request(self, request: Any, now: float) -> bool: ...
     def abort_request(self, request_id: str, now: float) -> list[Any] | None: ...
     def start_step(self, now: float) -> float | None: ...
+    def drain_events(self) -> list[Any]: ...
     def finish_step(self, now: float) -> list[Any]: ...
     def output_tokens(self, request_id: str) -> int: ...
     def has_request(self, request_id: str) -> bool: ...
@@ -150,8 +151,8 @@ class EngineDriver:
         """Abort as a client disconnect does in vLLM: steps in flight still finish."""
         if execution.done or execution.request_id not in self._live:
             return
-        # A waiting execution leaves at once (its ABORTED event comes back here); a running one
-        # after the steps in flight (its event comes from ``finish_step``).
+        # A waiting execution usually leaves at once (its ABORTED event comes back here); a
+        # running one after the steps in flight (its event comes from ``finish_step``).
         events = self.engine.abort_request(execution.request_id, self.now())
         if events:
             self._after_step(events)
@@ -163,6 +164,7 @@ class EngineDriver:
         while True:
             duration = self.engine.start_step(self.now())
             if duration is None:
+                self._after_step(self.engine.drain_events())
                 self._idle = True
                 self._wake.clear()
                 await self._wake.wait()

@@ -129,7 +129,9 @@ class EngineConfig:
     """Everything the engine model needs; presets (``reproduce.engine.presets``) fill it in.
 
     ``max_num_queued_reqs`` is vLLM's engine queue cap Q (None: no cap): an execution that
-    would leave more than Q waiting or running is refused.
+    would leave more than Q waiting or running is refused. ``scheduler_reserve_full_isl`` is
+    vLLM's admission gate of the same name (on by default in vLLM 0.32): a waiting execution is
+    admitted only if KV blocks for its whole sequence are free, not only for its first chunk.
     """
 
     num_gpu_blocks: int
@@ -141,6 +143,7 @@ class EngineConfig:
     max_model_len: int = 32_768
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    scheduler_reserve_full_isl: bool = True
     max_num_queued_reqs: int | None = None
     model: ModelSpec | None = field(default=None, compare=False)
 

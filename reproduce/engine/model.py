@@ -3,15 +3,24 @@
 NOTE: one step follows vLLM's ``Scheduler.schedule()`` under a token budget
 (``max_num_batched_tokens``): running executions first (each decode takes one token, a
 prefill continues with as many prompt tokens as the budget allows: chunked prefill), then
-waiting executions in FCFS order while budget, sequence slots and KV blocks allow, each first
-matched against the prefix cache. When a running execution cannot get a KV block, the newest
+waiting executions in FCFS order while budget, sequence slots and KV blocks allow (blocks for
+the whole sequence, as vLLM's ``scheduler_reserve_full_isl`` asks), each first matched against
+the prefix cache. When a running execution cannot get a KV block, the newest
 running execution is preempted (its blocks freed, still cached) and later recomputed from the
 waiting queue's head; a step that preempted admits nobody new.
 
-NOTE (asynchronous scheduling): vLLM keeps up to two steps in flight. An abort of a running
-execution that arrives during step k takes effect after step k+1: step k's outputs still count,
-step k+1 computes its tokens (its prompt blocks stay cached) but outputs nothing. An abort of
-a waiting execution takes effect at once.
+NOTE (asynchronous scheduling): vLLM keeps up to two steps in flight. Its engine core
+schedules step k+1 as soon as step k is issued (``EngineCore.step_with_batch_queue``), then
+waits for step k, processes the aborts that arrived meanwhile, and only then step k's outputs.
+So, in this model:
+- an abort of a running execution that arrives during step k takes effect after step k+1:
+  neither step's output reaches anyone (no token, no first token for
+  ``vllm:prompt_tokens_total``), but both compute (their prompt blocks stay cached);
+- step k+1 admits only executions that were waiting when step k started (one that arrives
+  during step k waits for step k+2), and an abort of such a waiting execution that arrives
+  during step k cannot stop step k+1 from admitting it: it is admitted (its prompt queried),
+  computes one chunk in flight, and leaves after that step. Any other waiting execution leaves
+  at once when aborted. The trace's ``scheduled_at`` is when vLLM's scheduler decided.
 
 NOTE (speed): a step costs O(executions that change phase), not O(running): decodes are
 counted, not iterated (one global step index; each decode execution knows the step at which
@@ -113,9 +122,11 @@ class ExecutionTrace:
     max_tokens: int
     queued_at: float
     refused: bool = False
-    admitted_at: list[float] = field(default_factory=list)
+    admitted_at: list[float] = field(default_factory=list)  # start of the step it was admitted to
+    scheduled_at: list[float] = field(default_factory=list)  # when vLLM's scheduler decided it
     prefill_steps: list[tuple[int, float, int]] = field(default_factory=list)  # (step, start, tokens)
-    decode_spans: list[tuple[int, int]] = field(default_factory=list)  # (first step, last step)
+    # (first step, last step) of each decode run; an abort's runs end with its in-flight steps
+    decode_spans: list[tuple[int, int]] = field(default_factory=list)
     cache_hit_tokens: list[int] = field(default_factory=list)  # per admission
     preemptions: int = 0
     first_token_at: float | None = None
@@ -156,6 +167,7 @@ class _Exec:
     __slots__ = (
         "abort_requested_step",
         "abort_step",
+        "aborting",
         "admitted",
         "base_ctx",
         "base_out",
@@ -173,6 +185,7 @@ class _Exec:
         "private",
         "prompt_at_abort",
         "prompt_len",
+        "queued_at",
         "rid",
         "s0",
         "state",
@@ -180,8 +193,11 @@ class _Exec:
         "trace",
     )
 
-    def __init__(self, req: EngineRequest, layout: list[tuple[Hashable, int]], prompt_len: int) -> None:
+    def __init__(
+        self, req: EngineRequest, layout: list[tuple[Hashable, int]], prompt_len: int, queued_at: float
+    ) -> None:
         self.rid = req.request_id
+        self.queued_at = queued_at  # when it (last) entered the waiting queue
         self.prompt_len = prompt_len
         self.max_tokens = req.max_tokens
         self.layout = layout
@@ -196,6 +212,7 @@ class _Exec:
         self.admitted = False
         self.abort_step: int | None = None
         self.abort_requested_step: int | None = None
+        self.aborting = False  # counted in the engine's pending aborts
         self.prompt_at_abort = 0
         self.epoch = 0
         self.s0 = 0
@@ -263,7 +280,9 @@ class EngineModel:
         self._finish_heap: list[tuple[int, int, int, _Exec]] = []
         self._block_heap: list[tuple[int, int, int, _Exec]] = []
         self._abort_due: dict[int, list[_Exec]] = {}
-        self._aborting = 0  # running executions whose abort is in flight
+        self._aborting = 0  # live executions whose abort is pending (in flight, or waiting)
+        self._waiting_aborts: list[_Exec] = []  # aborted while the next step's admission stood
+        self._cutoff: float | None = None  # when vLLM scheduled the next step (None: at once)
         self._seq = 0
         self._next_step = 0
         self._last_finished = -1
@@ -333,8 +352,8 @@ class EngineModel:
             return 0
         if ex.state == _DECODE:
             out = ex.base_out + (self._last_finished - ex.s0)
-            if ex.abort_step is not None:
-                out = min(out, ex.base_out + (ex.abort_step - 1 - ex.s0))
+            if ex.abort_requested_step is not None:
+                out = min(out, ex.base_out + (ex.abort_requested_step - 1 - ex.s0))
             return max(ex.base_out, out)
         return ex.out
 
@@ -366,7 +385,7 @@ class EngineModel:
             if self.trace_enabled:
                 self.traces[rid] = ExecutionTrace(rid, prompt_len, request.max_tokens, now, refused=True)
             return False
-        ex = _Exec(request, layout, prompt_len)
+        ex = _Exec(request, layout, prompt_len, now)
         if self.trace_enabled:
             ex.trace = self.traces[rid] = ExecutionTrace(rid, prompt_len, request.max_tokens, now)
         self._live[rid] = ex
@@ -377,20 +396,28 @@ class EngineModel:
     def abort_request(self, request_id: str, now: float) -> list[EngineEvent]:
         """Abort an execution (the client left). Unknown ids are a no-op.
 
-        A waiting execution is dropped at once (its ABORTED event is returned here); a running
-        one is aborted after the steps in flight (its ABORTED event comes from ``finish_step``).
+        A waiting execution is dropped at once (its ABORTED event is returned here) unless the
+        next step's admission already stood (see the module NOTE); a running one is aborted
+        after the steps in flight. Those ABORTED events come from ``finish_step``.
         """
         ex = self._live.get(request_id)
-        if ex is None or ex.abort_step is not None:
+        if ex is None or ex.aborting:
             return []
         if ex.trace is not None:
             ex.trace.abort_requested_at = now
-        if ex.state == _WAITING:
-            ex.abort_requested_step = None
-            ex.prompt_at_abort = ex.computed_prompt
-            return [self._remove(ex, now)]
         step = self._step
         ex.prompt_at_abort = ex.computed_prompt
+        if ex.state == _WAITING:
+            if self._scheduled_next(step, ex):
+                assert step is not None
+                # step k+1 was scheduled when step k started: it may still admit this one
+                ex.abort_requested_step = step.last
+                ex.aborting = True
+                self._aborting += 1
+                self._waiting_aborts.append(ex)
+                return []
+            ex.abort_requested_step = None
+            return [self._remove(ex, now)]
         if step is not None:
             current = step.last
             ex.abort_requested_step = current
@@ -402,9 +429,25 @@ class EngineModel:
             ex.abort_requested_step = self._next_step
             due = self._next_step
         ex.abort_step = due
+        ex.aborting = True
         self._aborting += 1
         self._abort_due.setdefault(due, []).append(ex)
         return []
+
+    def _scheduled_next(self, step: _Step | None, ex: _Exec) -> bool:
+        """Whether vLLM scheduled the step after ``step`` while ``ex`` was already waiting."""
+        return step is not None and self.config.async_scheduling and ex.queued_at <= self._substep_start(step)
+
+    @staticmethod
+    def _substep_start(step: _Step) -> float:
+        """When the last step of ``step`` (one step, or the last of a coalesced run) started."""
+        return step.ends[-2] if step.num_steps > 1 else step.start
+
+    def drain_events(self) -> list[EngineEvent]:
+        """Events produced while scheduling (aborts of executions that never ran) that no
+        ``finish_step`` will return because ``start_step`` found nothing to run."""
+        events, self._pending = self._pending, []
+        return events
 
     # --- stepping -------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:
@@ -471,12 +514,28 @@ class EngineModel:
             budget -= n
         num_decode = self._n_dec  # after preemptions
 
-        # 3. waiting executions, FCFS, unless this step preempted (as vLLM does).
-        if not preempted or (not chunks and num_decode == 0):
-            self._admit(now, chunks, budget)
+        # 3. waiting executions, FCFS, unless this step preempted (as vLLM does); with
+        # asynchronous scheduling, only those that were waiting when the previous step started.
+        idle = not chunks and num_decode == 0
+        cutoff = now if self._cutoff is None else self._cutoff
+        self._cutoff = None
+        if not preempted or idle:
+            self._admit(now, chunks, budget, cutoff)
+        if self._waiting_aborts:
+            for ex in self._waiting_aborts:
+                if ex.state == _WAITING:  # not admitted: it leaves without computing anything
+                    self._pending.append(self._remove(ex, now))
+                elif ex.state == _PREFILL:  # admitted before its abort was processed
+                    ex.abort_step = s
+                    self._abort_due.setdefault(s, []).append(ex)
+            self._waiting_aborts = []
+        if not chunks and num_decode == 0 and cutoff < now:
+            # vLLM had nothing to issue for this step, so it took new requests in as they came
+            cutoff = now
+            self._admit(now, chunks, budget, cutoff)
 
         if not chunks and num_decode == 0:
-            self._refresh_gauges()
+            self._refresh_gauges(cutoff)
             return None
         prompt_tokens = 0
         pairs = 0
@@ -516,6 +575,7 @@ class EngineModel:
             for ex, n in chunks:
                 if ex.trace is not None:
                     ex.trace.prefill_steps.append((s, now, n))
+        self._refresh_gauges(cutoff)
         return duration
 
     def _coalesce(self, step: _Step, now: float, duration: float) -> float:
@@ -607,22 +667,27 @@ class EngineModel:
                 self.steps[-1] = dataclasses.replace(rec, duration=ends[-1] - rec.start, num_steps=keep)
         return ends[-1]
 
-    def _admit(self, now: float, chunks: list[tuple[_Exec, int]], budget: int) -> None:
+    def _admit(self, now: float, chunks: list[tuple[_Exec, int]], budget: int, cutoff: float) -> None:
         bs = self._bs
         pool = self._pool
         waiting = self._waiting
         max_seqs = self.config.max_num_seqs
+        reserve_full = self.config.scheduler_reserve_full_isl
         while waiting and budget > 0 and len(self._running) < max_seqs:
             ex = waiting[0]
             if ex.state != _WAITING:  # aborted while waiting (lazy removal)
                 waiting.popleft()
                 continue
+            if ex.queued_at > cutoff:  # arrived after vLLM scheduled this step
+                break
             length = ex.target
             hits, hit_blocks, free_hit = pool.lookup(ex.layout, (length - 1) // bs)
             hit_tokens = hit_blocks * bs
             n = min(length - hit_tokens, budget)
             need = -(-(hit_tokens + n) // bs) - hit_blocks
-            if need + free_hit > pool.num_free:
+            # vLLM's --scheduler-reserve-full-isl: the whole sequence must fit, not the chunk
+            gate = -(-length // bs) - hit_blocks if reserve_full else need
+            if gate + free_hit > pool.num_free:
                 break
             waiting.popleft()
             self._num_waiting -= 1
@@ -646,6 +711,7 @@ class EngineModel:
                 self.prefix_cache_hits_total += min(hit_tokens, ex.prompt_len)
             if ex.trace is not None:
                 ex.trace.admitted_at.append(now)
+                ex.trace.scheduled_at.append(cutoff)
                 ex.trace.cache_hit_tokens.append(hit_tokens)
             chunks.append((ex, n))
             budget -= n
@@ -658,6 +724,8 @@ class EngineModel:
         self._step = None
         s = step.last
         self._last_finished = s
+        if self.config.async_scheduling:
+            self._cutoff = self._substep_start(step)  # when vLLM scheduled the next step
         if step.early:
             # KV blocks the decodes of a coalesced run needed (see _coalesce)
             need = 0
@@ -681,30 +749,35 @@ class EngineModel:
             if caching:
                 self._commit(ex, min(ex.computed, ex.prompt_len) // bs)
             if ex.computed >= ex.target and ex.abort_step != s:
-                self._prefill_done(ex, s, now, events)
+                # an abort that arrived during this step discards its output (see the class NOTE)
+                self._prefill_done(ex, s, now, events, output=ex.abort_requested_step is None)
+
+        # decodes whose abort arrived during this step (due after the next) output nothing now
+        silenced = 0
+        for ex in self._abort_due.get(s + 1, ()):
+            if ex.state == _DECODE and ex.s0 < s:
+                silenced += 1
 
         # aborts taking effect after this step
         due = self._abort_due.pop(s, None)
-        aborted_decodes = 0
         if due:
             for ex in due:
                 if ex.state == _DONE:
                     continue
                 if ex.state == _DECODE and ex.s0 < s:
-                    aborted_decodes += 1
+                    silenced += 1
                 events.append(self._remove(ex, now))
 
         # decodes: one token each per step; some finish
-        self.generation_tokens_total += step.num_decode * step.num_steps - aborted_decodes
+        self.generation_tokens_total += step.num_decode * step.num_steps - silenced
         heap = self._finish_heap
         while heap and heap[0][0] <= s:
             _, _, epoch, ex = heapq.heappop(heap)
-            if ex.epoch != epoch or ex.state != _DECODE:
-                continue
+            if ex.epoch != epoch or ex.state != _DECODE or ex.abort_step is not None:
+                continue  # an execution whose abort is pending is removed when it is due
             ex.out = ex.max_tokens
             self._leave_decode(ex, s)
             events.append(self._finish(ex, now))
-        self._refresh_gauges()
         return events
 
     # --- internals ------------------------------------------------------------------
@@ -728,11 +801,16 @@ class EngineModel:
                 break
             start = end
 
-    def _prefill_done(self, ex: _Exec, s: int, now: float, events: list[EngineEvent]) -> None:
+    def _prefill_done(
+        self, ex: _Exec, s: int, now: float, events: list[EngineEvent], *, output: bool = True
+    ) -> None:
+        """``ex`` computed its whole prompt in step ``s``; with ``output`` False (an abort arrived
+        during the step) its token is discarded: it only moves on to decode in the step in flight."""
         self._prefilling.remove(ex)
-        ex.out += 1
-        self.generation_tokens_total += 1
-        if not ex.first_token:
+        if output:
+            ex.out += 1
+            self.generation_tokens_total += 1
+        if output and not ex.first_token:
             ex.first_token = True
             self.prompt_tokens_total += ex.prompt_len
             if ex.trace is not None:
@@ -742,7 +820,7 @@ class EngineModel:
                     EventKind.FIRST_TOKEN, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt
                 )
             )
-        if ex.out >= ex.max_tokens:
+        if output and ex.out >= ex.max_tokens:
             events.append(self._finish(ex, now))
             return
         ex.state = _DECODE
@@ -793,7 +871,8 @@ class EngineModel:
 
     def _finish(self, ex: _Exec, now: float) -> EngineEvent:
         """Complete ``ex`` (already out of the prefill list and the decode sums)."""
-        if ex.abort_step is not None:  # finished before its abort took effect
+        if ex.aborting:  # pragma: no cover - an execution with a pending abort never finishes
+            ex.aborting = False
             self._aborting -= 1
         del self._running[ex.rid]
         self._release(ex)
@@ -808,14 +887,20 @@ class EngineModel:
     def _remove(self, ex: _Exec, now: float) -> EngineEvent:
         """Drop an aborted execution (waiting, or running after its in-flight steps)."""
         end_step = self._last_finished
-        if ex.abort_step is not None:
+        if ex.aborting:
+            ex.aborting = False
             self._aborting -= 1
+        decoding = ex.state == _DECODE
         if ex.state == _WAITING:
             self._num_waiting -= 1  # lazily removed from the deque
         else:
-            # outputs of the steps still in flight at the abort are not delivered
-            delivered = end_step if ex.abort_step is None else ex.abort_step - 1
-            self._leave_running(ex, max(ex.s0, delivered) if ex.state == _DECODE else delivered)
+            # outputs of the step running when the abort arrived, and of the one in flight
+            # behind it, are not delivered
+            delivered = end_step if ex.abort_requested_step is None else ex.abort_requested_step - 1
+            self._leave_running(ex, max(ex.s0, delivered) if decoding else delivered)
+            if decoding and ex.trace is not None and ex.trace.decode_spans:
+                first, _ = ex.trace.decode_spans[-1]  # its decode ran until now, output or not
+                ex.trace.decode_spans[-1] = (first, end_step)
         ex.state = _DONE
         del self._live[ex.rid]
         if ex.abort_requested_step is not None and ex.abort_step is not None:
@@ -857,12 +942,24 @@ class EngineModel:
             self._pending.append(self._remove(ex, now))
             return
         ex.state = _WAITING
+        ex.queued_at = now
         self._waiting.appendleft(ex)
         self._num_waiting += 1
 
-    def _refresh_gauges(self) -> None:
-        self._gauge_waiting = self._num_waiting
-        self._gauge_running = len(self._running)
+    def _refresh_gauges(self, cutoff: float) -> None:
+        # NOTE: vLLM makes its scheduler stats after a step's aborts are processed and the next
+        # step is scheduled; requests that arrived after that scheduling are still in its input
+        # queue. So waiting counts what the scheduler saw and could not admit, and running
+        # leaves out aborts.
+        unseen = 0
+        for ex in reversed(self._waiting):  # arrival order: the unseen ones are at the tail
+            if ex.state != _WAITING:
+                continue
+            if ex.queued_at <= cutoff:
+                break
+            unseen += 1
+        self._gauge_waiting = self._num_waiting - unseen
+        self._gauge_running = len(self._running) - self._aborting
         self._gauge_kv_usage = self._pool.usage
 
     # --- metrics --------------------------------------------------------------------
@@ -897,7 +994,7 @@ class EngineModel:
         held = pool.held_blocks()
         total = private + held + pool.free_empty + pool.free_cached
         assert total == pool.num_blocks, (private, held, pool.free_empty, pool.free_cached, pool.num_blocks)
-        aborting = sum(1 for ex in self._running.values() if ex.abort_step is not None)
+        aborting = sum(1 for ex in self._live.values() if ex.aborting)
         assert aborting == self._aborting, (aborting, self._aborting)
         for ex in self._running.values():
             blocks = ex.held_total + ex.private

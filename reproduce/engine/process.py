@@ -72,6 +72,8 @@ class EngineProcess:
             end = self.engine.step_end
             assert end is not None
             self._step_handle = self.env.schedule(end, self._on_step_end)
+        else:
+            self._forward(self.engine.drain_events())
 
     def _on_step_end(self) -> None:
         self._step_handle = None

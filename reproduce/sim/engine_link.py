@@ -17,7 +17,7 @@ from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
 from reproduce.engine.model import EventKind as _EngineEventKind
 from reproduce.engine.presets import PresetError, preset
 from reproduce.engine.process import EngineProcess
-from reproduce.outcomes import trace_shares
+from reproduce.outcomes import RetryExecution, retry_timing, trace_shares
 from reproduce.simenv import Environment
 from reproduce.workload import WorkloadSpec
 from retrywatch.timeseries import Sample
@@ -164,3 +164,23 @@ class Engine:
     def shares(self) -> dict[str, float | None]:
         """PROTOCOL §6's tracing shares of this engine's executions so far."""
         return trace_shares(self.model.trace_records())
+
+    def retry_timing(self, retries: Sequence[tuple[int, int | None, float]]) -> dict[str, float | None]:
+        """When the executions of retries were first scheduled (``reproduce.outcomes.retry_timing``).
+
+        ``retries``: (execution id, the call's previous execution id or None, the retry's
+        deadline) for every execution a retry created; those the engine refused are left out.
+        """
+        traces = self.model.traces
+        items = []
+        for execution_id, predecessor, deadline_at in retries:
+            trace = traces.get(str(execution_id))
+            if trace is None or trace.refused:
+                continue
+            before = traces.get(str(predecessor)) if predecessor is not None else None
+            abort_at = (
+                before.abort_requested_at if before is not None and before.aborted_at is not None else None
+            )
+            first = trace.scheduled_at[0] if trace.scheduled_at else None
+            items.append(RetryExecution(first, deadline_at, abort_at))
+        return retry_timing(items)

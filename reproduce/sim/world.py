@@ -103,7 +103,7 @@ class SimResult:
 class _Call:
     """A call in flight: its plan, its record and its outstanding attempt."""
 
-    __slots__ = ("deadline", "plan", "record", "segments", "subscriber")
+    __slots__ = ("deadline", "last_execution", "plan", "record", "segments", "subscriber")
 
     def __init__(self, plan: PlannedCall, record: CallRecord) -> None:
         self.plan = plan
@@ -111,6 +111,7 @@ class _Call:
         self.segments = prompt_segments(plan)
         self.subscriber: int | None = None
         self.deadline: EventHandle | None = None
+        self.last_execution: int | None = None  # the execution its latest attempt created
 
 
 class _World:
@@ -131,6 +132,8 @@ class _World:
         self.by_subscriber: dict[int, _Call] = {}
         self.by_execution: dict[int, _Call] = {}
         self.calls: list[_Call] = []
+        # tracing: (execution id, the call's previous execution id, deadline) of each retry's execution
+        self.retries: list[tuple[int, int | None, float]] = []
         self.outstanding = 0
         self.arrived = 0
         self.snapshots: list[Snapshot] = []
@@ -179,6 +182,9 @@ class _World:
         call.deadline = self.env.schedule(attempt.deadline_at, self._give_up, call, decision.subscriber_id)
         if isinstance(decision, Created):
             self.by_execution[decision.execution_id] = call
+            if self.spec.condition.tracing and attempt.is_retry:
+                self.retries.append((decision.execution_id, call.last_execution, attempt.deadline_at))
+            call.last_execution = decision.execution_id
         elif isinstance(decision, Attached):
             execution = self.policy.execution(decision.execution_id)
             if execution is not None and execution.first_token_at is not None:
@@ -320,5 +326,5 @@ def simulate(spec: SimSpec) -> SimResult:
         end_s=end,
         wall_s=time.perf_counter() - started,
         cpu_s=time.process_time() - cpu_started,
-        trace_shares=engine.shares() if cond.tracing else None,
+        trace_shares=engine.shares() | engine.retry_timing(world.retries) if cond.tracing else None,
     )

@@ -92,7 +92,8 @@ def test_chunked_prefill_under_the_token_budget() -> None:
 
 
 def test_decodes_take_one_token_each_and_prefill_gets_the_rest() -> None:
-    engine = create_engine()
+    # synchronous scheduling: requests added between steps are admitted by the next one
+    engine = create_engine(async_scheduling=False)
     drv = Driver(engine)
     engine.add_request(request("a", [("a", 40)], max_tokens=10), 0.0)
     drv.step()  # a: prefill 40, first token
@@ -254,13 +255,55 @@ def test_abort_after_first_token_counts_the_prompt_once() -> None:
     engine.start_step(drv.now)
     engine.abort_request("x", drv.now)
     drv.now += 1
-    engine.finish_step(drv.now)  # step 3: its output still counts
-    assert engine.output_tokens("x") == 4
-    (event,) = drv.step()  # step 4 in flight, output dropped
-    assert event.kind == EventKind.ABORTED and event.output_tokens == 4
+    # step 3 was running when the abort arrived: vLLM processes aborts before a step's outputs
+    # (EngineCore.step_with_batch_queue), so its token is dropped
+    engine.finish_step(drv.now)
+    assert engine.output_tokens("x") == 3
+    (event,) = drv.step()  # step 4 was in flight behind it: computed, output dropped
+    assert event.kind == EventKind.ABORTED and event.output_tokens == 3
+    assert event.in_flight_steps == (3, 4)
     assert engine.prompt_tokens_total == 20
-    assert engine.generation_tokens_total == 4
+    assert engine.generation_tokens_total == 3
     assert set(engine.request_success_total.values()) == {0}
+
+
+def test_abort_during_the_last_prefill_step_discards_the_first_token() -> None:
+    # The prompt's last chunk runs when the client leaves: the step completes (its blocks are
+    # cached), the step behind it is in flight, but no token reaches anyone, so neither
+    # vllm:prompt_tokens_total nor the driver ever sees a first token.
+    engine = create_engine()
+    drv = Driver(engine)
+    engine.add_request(request("x", [("x", 150)], max_tokens=5), 0.0)
+    drv.step()  # 100 prompt tokens
+    engine.start_step(drv.now)  # the last 50
+    engine.abort_request("x", drv.now + 0.5)
+    drv.now += 1
+    assert engine.finish_step(drv.now) == []
+    (event,) = drv.step()  # its first decode was in flight
+    assert event.kind == EventKind.ABORTED and event.output_tokens == 0
+    assert event.in_flight_steps == (1, 2) and event.in_flight_prompt_tokens == 50
+    assert drv.kinds("x") == [EventKind.ABORTED]
+    assert engine.prompt_tokens_total == 0 and engine.generation_tokens_total == 0
+    assert engine.prefix_cache_queries_total == 150
+    assert engine.traces["x"].first_token_at is None
+    engine.check()
+
+
+def test_abort_during_the_last_decode_step_is_an_abort_not_a_completion() -> None:
+    engine = create_engine()
+    drv = Driver(engine)
+    engine.add_request(request("x", [("x", 20)], max_tokens=3), 0.0)
+    drv.step()
+    drv.step()
+    engine.start_step(drv.now)  # the step that would output the last token
+    engine.abort_request("x", drv.now + 0.5)
+    drv.now += 1
+    assert engine.finish_step(drv.now) == []
+    (event,) = drv.step()
+    assert event.kind == EventKind.ABORTED and event.output_tokens == 2
+    assert metric(engine, "vllm:request_success_total", finished_reason="length") == 0
+    assert engine.generation_tokens_total == 2
+    assert not engine.has_work
 
 
 def test_queue_cap_refuses_beyond_q_waiting_or_running() -> None:
@@ -303,6 +346,73 @@ def test_gauges_refresh_once_per_step() -> None:
     drv.step()
     assert metric(engine, "vllm:num_requests_running") == 1
     assert 0 < metric(engine, "vllm:kv_cache_usage_perc") < 1
+
+
+def test_gauges_show_the_queue_the_scheduler_left_behind() -> None:
+    # vLLM makes its stats after scheduling the next step: an execution that arrived after that
+    # scheduling is not counted as waiting yet; one the budget left behind is; an execution
+    # whose abort arrived no longer counts as running.
+    engine = create_engine(max_num_batched_tokens=100)
+    engine.add_request(request("a", [("a", 150)], max_tokens=5), 0.0)
+    engine.start_step(0.0)  # a's first 100
+    engine.add_request(request("b", [("b", 20)], max_tokens=5), 0.5)
+    engine.add_request(request("c", [("c", 150)], max_tokens=5), 0.5)
+    engine.finish_step(1.0)
+    assert metric(engine, "vllm:num_requests_waiting") == 0  # not refreshed at a step's end
+    engine.start_step(1.0)  # a's last 50: step 1 was scheduled before b and c arrived
+    assert engine.num_waiting == 2
+    assert metric(engine, "vllm:num_requests_waiting") == 0
+    engine.finish_step(2.0)
+    engine.start_step(2.0)  # a decodes, b's 20, c's first 79
+    assert metric(engine, "vllm:num_requests_running") == 3
+    assert metric(engine, "vllm:num_requests_waiting") == 0
+    engine.add_request(request("d", [("d", 150)], max_tokens=5), 2.5)
+    engine.add_request(request("e", [("e", 150)], max_tokens=5), 2.5)
+    engine.abort_request("b", 2.5)
+    engine.finish_step(3.0)
+    engine.start_step(3.0)  # b's decode in flight, a's decode, c's last 71: no room for d or e
+    engine.finish_step(4.0)
+    engine.start_step(4.0)  # a and c decode, d's first 98; e is left behind
+    assert engine.num_waiting == 1
+    assert metric(engine, "vllm:num_requests_waiting") == 1
+    assert metric(engine, "vllm:num_requests_running") == 3
+    engine.abort_request("a", 4.5)
+    engine.finish_step(5.0)
+    engine.start_step(5.0)  # a's decode in flight, c decodes, d's last 52, e's first 46
+    assert engine.num_running == 4
+    assert metric(engine, "vllm:num_requests_running") == 3  # a's abort is processed
+
+
+def test_asynchronous_scheduling_admits_one_step_late() -> None:
+    # vLLM schedules step k+1 when step k starts: an arrival during step k waits for step k+2,
+    # and a waiting execution aborted during step k is still admitted by step k+1, computes one
+    # chunk there and leaves; its prompt is queried, never counted.
+    engine = create_engine()
+    engine.add_request(request("a", [("a", 20)], max_tokens=50), 0.0)
+    engine.start_step(0.0)
+    engine.add_request(request("b", [("b", 200)], max_tokens=5), 0.5)
+    engine.finish_step(1.0)
+    engine.start_step(1.0)
+    assert engine.steps[-1].num_prefill == 0  # b arrived after step 1 was scheduled
+    engine.finish_step(2.0)
+    engine.start_step(2.0)
+    assert engine.traces["b"].admitted_at == [2.0]
+    assert engine.traces["b"].scheduled_at == [1.0]  # decided when step 1 started
+    engine.add_request(request("c", [("c", 300)], max_tokens=5), 2.5)
+    engine.finish_step(3.0)
+    engine.start_step(3.0)  # c arrived after step 3 was scheduled
+    engine.add_request(request("d", [("d", 300)], max_tokens=5), 3.5)
+    assert engine.abort_request("c", 3.6) == []  # step 4 was scheduled with c in it
+    assert engine.abort_request("d", 3.6)[0].kind == EventKind.ABORTED  # d: never scheduled
+    engine.finish_step(4.0)
+    engine.start_step(4.0)
+    assert engine.traces["c"].prefill_steps == [(4, 4.0, 97)]  # a decodes, b's last 2
+    (event,) = [e for e in engine.finish_step(5.0) if e.request_id == "c"]
+    assert event.kind == EventKind.ABORTED
+    assert event.in_flight_steps == (4,) and event.in_flight_prompt_tokens == 97
+    assert engine.prefix_cache_queries_total == 20 + 200 + 300
+    assert engine.traces["d"].admitted_at == []
+    engine.check()
 
 
 def test_step_time_model_terms() -> None:
@@ -370,3 +480,28 @@ def test_same_inputs_same_events() -> None:
     first = run()
     assert first == run()
     assert {e.kind for e in first} == set(EventKind)
+
+
+@pytest.mark.parametrize("reserve_full", [True, False])
+def test_admission_waits_until_the_whole_prompt_fits(reserve_full: bool) -> None:
+    # 40 blocks of 4 tokens. a holds 20 of them; b's 120-token prompt needs 30 more: its first
+    # 39-token chunk (10 blocks) would fit, the whole prompt does not. vLLM's default
+    # (scheduler_reserve_full_isl) keeps b waiting; admitting it on its first chunk starts a
+    # prefill that the engine later has to preempt.
+    engine = create_engine(
+        num_gpu_blocks=40,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=40,
+        scheduler_reserve_full_isl=reserve_full,
+    )
+    drv = Driver(engine)
+    engine.add_request(request("a", [("a", 76)], max_tokens=8), 0.0)
+    drv.step()
+    drv.step()
+    engine.add_request(request("b", [("b", 120)], max_tokens=2), drv.now)
+    drv.step()
+    drv.step()
+    assert (engine.traces["b"].admitted_at == []) is reserve_full
+    drv.run()
+    assert drv.kinds("b")[-1] == EventKind.FINISHED
+    assert (engine.num_preemptions_total == 0) is reserve_full

@@ -8,11 +8,13 @@ from reproduce.client import AttemptOutcome, AttemptRecord, CallRecord
 from reproduce.engine.model import ExecutionTrace
 from reproduce.outcomes import (
     RecoveryRule,
+    RetryExecution,
     Timeline,
     compute_outcomes,
     counter_at,
     delivery,
     recovery,
+    retry_timing,
     trace_shares,
 )
 from retrywatch import metricnames as mn
@@ -207,3 +209,19 @@ def test_trace_shares_on_hand_built_traces() -> None:
     assert shares["in_flight_share_of_aborted"] == pytest.approx(200 / 1500)
     assert shares["missed_share"] == pytest.approx(500 / 2500)
     assert trace_shares([])["aborted_share"] is None
+
+
+def test_retry_timing_medians_and_the_share_never_scheduled() -> None:
+    retries = [
+        RetryExecution(first_scheduled_at=119.8, deadline_at=120.0, predecessor_abort_at=0.0),
+        RetryExecution(first_scheduled_at=239.5, deadline_at=240.0, predecessor_abort_at=119.0),
+        RetryExecution(first_scheduled_at=300.0, deadline_at=301.0),  # predecessor not aborted
+        RetryExecution(first_scheduled_at=None, deadline_at=400.0, predecessor_abort_at=280.0),
+    ]
+    timing = retry_timing(retries)
+    assert timing["retry_scheduled_before_deadline_s"] == pytest.approx(0.5)
+    assert timing["retry_scheduled_after_predecessor_abort_s"] == pytest.approx((119.8 + 120.5) / 2)
+    assert timing["retry_never_scheduled_share"] == pytest.approx(0.25)
+    assert timing["retries_traced"] == 4
+    empty = retry_timing([])
+    assert empty["retry_never_scheduled_share"] is None and empty["retry_scheduled_before_deadline_s"] is None

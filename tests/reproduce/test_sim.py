@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from reproduce.client import AttemptOutcome
+from reproduce.client import AttemptOutcome, ClientConfig
 from reproduce.conditions import Condition, block
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.outcomes import compute_outcomes
@@ -174,5 +174,14 @@ def test_tracing_reports_the_shares() -> None:
     assert 0 < shares["aborted_share"] <= 1
     assert 0 <= shares["in_flight_share_of_aborted"] <= 1
     assert 0 < shares["missed_share"] <= shares["aborted_share"]
+    # retries reach the engine only as their own deadline arrives (the study's finding): scheduled
+    # within seconds of it, about a deadline after their predecessor was aborted, or never
+    before = shares["retry_scheduled_before_deadline_s"]
+    after = shares["retry_scheduled_after_predecessor_abort_s"]
+    assert before is not None and after is not None and shares["retries_traced"]
+    deadline = ClientConfig().deadline_s / TIME_SCALE
+    assert 0 < before < 0.1 * deadline
+    assert 0.8 * deadline < after < deadline + ClientConfig().backoff_max_s / TIME_SCALE
+    assert 0 < shares["retry_never_scheduled_share"] < 1
     _, untraced = run(DIAG.condition("retries-on-cancel-on"))
     assert untraced.trace_shares is None

@@ -76,3 +76,53 @@ def test_attempt_abandoned_during_prefill_is_missed_by_the_prompt_token_counter(
     assert delta(mn.VLLM_GENERATION_TOKENS) == 0
     # A client abort is not counted as a finished request with reason "abort".
     assert delta(mn.VLLM_REQUEST_SUCCESS, finished_reason="abort") == 0
+
+
+def test_attempt_abandoned_during_its_last_prefill_step_is_never_counted(heavy: EngineEndpoint) -> None:
+    """The step that computes a prompt's last chunk (and samples its first token) is running
+    when the client leaves: vLLM processes the abort before that step's outputs
+    (``EngineCore.step``), so the prompt is queried but never counted, though its whole prefill
+    ran (vLLM's counting rule, and the engine model's)."""
+    asyncio.run(wait_engine_idle(heavy.url, timeout_s=300))
+    before = _scrape(heavy.url)
+    prompt_len = 3_800  # two steps of 2,048 batched tokens on this model, seconds each
+
+    async def go() -> list[float]:
+        ids = [(17 * k + 5) % 31_000 + 3 for k in range(prompt_len)]
+        first: list[float] = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+            attempt = asyncio.create_task(
+                run_attempt(
+                    client,
+                    f"{heavy.url}/v1/completions",
+                    completion_body(heavy.model_name, ids, 8),
+                    call_id="abandoned",
+                    deadline_at=time.monotonic() + 600,
+                    on_first_byte=first.append,
+                )
+            )
+            # The queries are published with the stats of the prompt's first step; the engine
+            # schedules its second and last step at once: leave as soon as they show.
+            deadline = time.monotonic() + 300
+            async with httpx.AsyncClient(timeout=10) as metrics:
+                while time.monotonic() < deadline and not attempt.done():
+                    text = (await metrics.get(f"{heavy.url}/metrics")).text
+                    queries = Snapshot(0.0, parse_exposition(text)).value(mn.VLLM_PREFIX_CACHE_QUERIES) or 0.0
+                    if queries - (before.value(mn.VLLM_PREFIX_CACHE_QUERIES) or 0.0) >= prompt_len:
+                        break
+                    await asyncio.sleep(0.02)
+            attempt.cancel()  # closes the connection: vLLM aborts the request
+            await asyncio.gather(attempt, return_exceptions=True)
+        return first
+
+    assert asyncio.run(go()) == [], "the first token arrived before the test could leave"
+    asyncio.run(wait_engine_idle(heavy.url, timeout_s=300))
+    after = _scrape(heavy.url)
+
+    def delta(name: str) -> float:
+        return (after.value(name) or 0.0) - (before.value(name) or 0.0)
+
+    assert delta(mn.VLLM_PREFIX_CACHE_QUERIES) == prompt_len
+    # Its last step ran to the end and sampled a first token, which nobody ever saw or counted.
+    assert delta(mn.VLLM_PROMPT_TOKENS) == 0
+    assert delta(mn.VLLM_GENERATION_TOKENS) == 0
