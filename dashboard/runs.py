@@ -1,5 +1,5 @@
 """Reproduce outputs for the Experiments page: ``DIR/summary.json``, ``DIR/validation.json``
-and each run's metrics series (``retrywatch/timeseries.py``), turned into the same signal
+and each run's metrics series (``exporter/timeseries.py``), turned into the same signal
 names the detector serves so the live panels' figure builders draw a run too.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot, read_series
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot, read_series
 
 RATE_WINDOW_S = 30.0
 MAX_RUNS = 5000

@@ -2,7 +2,7 @@
 
 Owns the signal names and units, their PromQL recording rules (rendered into
 ``rules/retrywatch.rules.yml`` by ``rules/generate.py``), and their Python computation from a
-sequence of :class:`retrywatch.timeseries.Snapshot` s.
+sequence of :class:`exporter.timeseries.Snapshot` s.
 
 Engines are grouped by the ``instance`` label, which every source adds (the scraped URL, the
 Prometheus target, or the replayed run's slug): the proxy's series carry no engine label, so
@@ -22,9 +22,42 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from detector.thresholds import WINDOWS, Windows, check_time_scale
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The windows signals are computed over (seconds); PromQL ranges use the same values."""
+
+    rate_s: float = 60.0
+    prompt_gap_s: float = 300.0
+    capacity_estimate_s: float = 3600.0
+    gauge_lookback_s: float = 300.0  # like Prometheus' lookback delta
+
+    def scaled(self, time_scale: float) -> Windows:
+        """Every window divided by ``time_scale`` (K); K = 1: itself."""
+        k = check_time_scale(time_scale)
+        if k == 1.0:
+            return self
+        return Windows(
+            rate_s=self.rate_s / k,
+            prompt_gap_s=self.prompt_gap_s / k,
+            capacity_estimate_s=self.capacity_estimate_s / k,
+            gauge_lookback_s=self.gauge_lookback_s / k,
+        )
+
+
+WINDOWS = Windows()
+
+
+def check_time_scale(time_scale: float) -> float:
+    """Validate a time scale K (a scaled run divides every duration by K): finite and > 0."""
+    k = float(time_scale)
+    if not (math.isfinite(k) and k > 0):
+        raise ValueError(f"time scale must be a finite number > 0, got {time_scale!r}")
+    return k
+
 
 PROMETHEUS_JOB = "retrywatch"
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"

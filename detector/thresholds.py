@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from detector.signals import RECORD_NAMES, check_time_scale
+
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
 
@@ -334,39 +336,6 @@ ALERTS: tuple[AlertRule, ...] = (
 ALERTS_BY_NAME: dict[str, AlertRule] = {rule.name: rule for rule in ALERTS}
 
 
-@dataclass(frozen=True)
-class Windows:
-    """The windows signals are computed over (seconds); PromQL ranges use the same values."""
-
-    rate_s: float = 60.0
-    prompt_gap_s: float = 300.0
-    capacity_estimate_s: float = 3600.0
-    gauge_lookback_s: float = 300.0  # like Prometheus' lookback delta
-
-    def scaled(self, time_scale: float) -> Windows:
-        """Every window divided by ``time_scale`` (K); K = 1: itself."""
-        k = check_time_scale(time_scale)
-        if k == 1.0:
-            return self
-        return Windows(
-            rate_s=self.rate_s / k,
-            prompt_gap_s=self.prompt_gap_s / k,
-            capacity_estimate_s=self.capacity_estimate_s / k,
-            gauge_lookback_s=self.gauge_lookback_s / k,
-        )
-
-
-WINDOWS = Windows()
-
-
-def check_time_scale(time_scale: float) -> float:
-    """Validate a time scale K (a scaled run divides every duration by K): finite and > 0."""
-    k = float(time_scale)
-    if not (math.isfinite(k) and k > 0):
-        raise ValueError(f"time scale must be a finite number > 0, got {time_scale!r}")
-    return k
-
-
 def scale_rules(rules: Iterable[AlertRule], time_scale: float) -> tuple[AlertRule, ...]:
     """Every rule's durations divided by ``time_scale`` (see :meth:`AlertRule.scaled`)."""
     return tuple(rule.scaled(time_scale) for rule in rules)
@@ -385,6 +354,4 @@ def promql_template(text: str) -> str:
 
 def alert_expr(rule: AlertRule) -> str:
     """The PromQL expression of an alert, over the recording rules of ``detector/signals.py``."""
-    from detector.signals import RECORD_NAMES
-
     return condition_promql(rule.condition, RECORD_NAMES)

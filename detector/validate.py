@@ -28,8 +28,8 @@ from typing import Any
 
 import click
 
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import read_series
+from exporter import metricnames as mn
+from exporter.timeseries import read_series
 
 PAPER = "paper"  # the block made of every block: runs carry their own block's name
 RETRY_LOOP = "VLLMMetastableRetryLoop"

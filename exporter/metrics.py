@@ -3,7 +3,7 @@ sliding window, and the upstream engine's own families passed through unchanged 
 fetch, served until it is older than a staleness bound).
 
 The counters are read fresh from ``Policy.counters`` on every scrape by a custom collector, with
-every label value of ``retrywatch.metricnames`` present from the start. The response is the
+every label value of ``exporter.metricnames`` present from the start. The response is the
 plain text format (``generate_latest`` + ``CONTENT_TYPE_LATEST``) so vLLM's colons survive a
 Prometheus scrape.
 """
@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from exporter import metricnames as mn
 from exporter.policy import AttemptKind, Fate, Policy, ShedReason
-from retrywatch import metricnames as mn
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0)

@@ -284,7 +284,7 @@ class Subscriber:
 
 @dataclass
 class PolicyCounters:
-    """Raw monotonic counters, named after ``retrywatch.metricnames``."""
+    """Raw monotonic counters, named after ``exporter.metricnames``."""
 
     attempts: dict[AttemptKind, int] = field(default_factory=lambda: dict.fromkeys(AttemptKind, 0))
     attached: int = 0

@@ -20,9 +20,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot
 
 __all__ = [
     "RecoveryRule",

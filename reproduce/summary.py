@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from exporter.timeseries import Snapshot, write_series
 from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
 from reproduce.outcomes import Timeline, compute_outcomes
-from retrywatch.timeseries import Snapshot, write_series
 
 __all__ = ["SummaryError", "read_summary", "run_dir", "run_entry", "write_run_files", "write_summary"]
 

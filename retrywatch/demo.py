@@ -29,7 +29,7 @@ from pathlib import Path
 import click
 import httpx
 
-from retrywatch.metricnames import VLLM_NUM_WAITING
+from exporter.metricnames import VLLM_NUM_WAITING
 
 __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 

@@ -4,7 +4,7 @@ Prometheus evaluates rules only in real time, at the wall clock, never over hist
 handed afterwards. To evaluate ``rules/retrywatch.rules.yml`` over a recorded (or simulated) run
 with Prometheus' own PromQL engine, this module:
 
-1. renders the run as OpenMetrics with timestamps (``retrywatch.timeseries.to_openmetrics``) and
+1. renders the run as OpenMetrics with timestamps (``exporter.timeseries.to_openmetrics``) and
    turns it into TSDB blocks with ``promtool tsdb create-blocks-from openmetrics``;
 2. starts a real ``prometheus`` on 127.0.0.1 over that data directory;
 3. materialises the recording rules over the run's range with
@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import yaml
 
-from retrywatch.timeseries import Snapshot, to_openmetrics
+from exporter.timeseries import Snapshot, to_openmetrics
 
 # Prometheus' TSDB deletes blocks older than its retention on start; keep loaded runs recent.
 _RETENTION = "30d"

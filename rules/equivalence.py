@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import yaml
 
-from retrywatch.timeseries import Snapshot, read_series
+from exporter.timeseries import Snapshot, read_series
 
 Key = tuple[str, float, float | None]  # (alertname, fired_at_s, resolved_at_s)
 

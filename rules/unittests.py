@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from retrywatch.timeseries import Snapshot
+from exporter.timeseries import Snapshot
 
 TESTS_DIR = Path(__file__).resolve().parent / "tests"
 STEP_S = 5

@@ -18,7 +18,7 @@ from urllib3.util.retry import Retry
 from detector.signals import PROMETHEUS_JOB, RAW
 from detector.sources import FetchResult
 from exporter.redact import redact_text, redact_url
-from retrywatch.timeseries import Sample, Snapshot
+from exporter.timeseries import Sample, Snapshot
 
 MAX_SERIES = 20_000
 

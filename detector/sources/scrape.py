@@ -12,7 +12,7 @@ import httpx
 
 from detector.sources import FetchResult
 from exporter.redact import redact_text, redact_url
-from retrywatch.timeseries import Snapshot, parse_exposition
+from exporter.timeseries import Snapshot, parse_exposition
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_TARGETS = 64

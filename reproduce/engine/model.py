@@ -42,9 +42,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from exporter.timeseries import Sample
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.kvcache import BlockPool, prompt_layout
-from retrywatch.timeseries import Sample
 
 __all__ = [
     "FINISHED_REASONS",

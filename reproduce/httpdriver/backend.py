@@ -31,6 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from exporter.timeseries import Snapshot
 from reproduce.backends.engines import (
     EmulatedBackend,
     EngineBackend,
@@ -49,7 +50,6 @@ from reproduce.httpdriver.scrape import MetricsScraper
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.summary import run_dir, run_entry, write_run_files
 from reproduce.workload import generate_trace
-from retrywatch.timeseries import Snapshot
 
 __all__ = ["HttpBackend", "HttpBackendError", "drive_run"]
 

@@ -47,7 +47,9 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
+from exporter import metricnames as mn
 from exporter.redact import redact_url
+from exporter.timeseries import Snapshot, parse_exposition
 from reproduce.calibrate import (
     CalibrationError,
     CalibrationResult,
@@ -61,8 +63,6 @@ from reproduce.client import AttemptOutcome
 from reproduce.httpdriver.attempt import completion_body, run_attempt
 from reproduce.httpdriver.protocol import HttpProtocol
 from reproduce.workload import generate_trace, prompt_token_ids
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot, parse_exposition
 
 __all__ = [
     "TimedStageObservation",

@@ -1,6 +1,6 @@
 """Scrapes a proxy's (or an engine's) ``/metrics`` every few seconds into a metrics series.
 
-Each scrape becomes one ``retrywatch.timeseries.Snapshot`` with ``t`` in seconds from the run's
+Each scrape becomes one ``exporter.timeseries.Snapshot`` with ``t`` in seconds from the run's
 start, written as one JSON line at once (a crash leaves every scrape taken so far) and kept in
 memory for the run's outcomes. Histograms are dropped, as the series format says. A failed
 scrape is counted and skipped: a gap in the series, never a made-up value.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from retrywatch.timeseries import Snapshot, parse_exposition, write_snapshot
+from exporter.timeseries import Snapshot, parse_exposition, write_snapshot
 
 __all__ = ["MetricsScraper"]
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
+from exporter.timeseries import Sample
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
 from reproduce.engine.model import EventKind as _EngineEventKind
@@ -20,7 +21,6 @@ from reproduce.engine.process import EngineProcess
 from reproduce.outcomes import RetryExecution, retry_timing, trace_shares
 from reproduce.simenv import Environment
 from reproduce.workload import WorkloadSpec
-from retrywatch.timeseries import Sample
 
 __all__ = [
     "STUDY_CAPACITY",

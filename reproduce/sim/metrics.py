@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from exporter import metricnames as mn
 from exporter.metrics import PolicyCollector, SlidingWindow, WindowSample
 from exporter.policy import Policy
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Sample, Snapshot
+from exporter.timeseries import Sample, Snapshot
 
 __all__ = ["PROXY_WINDOW_S", "Scraper"]
 

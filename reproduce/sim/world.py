@@ -38,6 +38,7 @@ from exporter.policy import (
     ShedReason,
     StartTimer,
 )
+from exporter.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
 from reproduce.conditions import Condition
 from reproduce.engine.config import EngineConfig
@@ -46,7 +47,6 @@ from reproduce.sim import engine_link
 from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
 from reproduce.simenv import Environment, EventHandle
 from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, paper_phases, prompt_segments
-from retrywatch.timeseries import Snapshot
 
 __all__ = ["SimResult", "SimSpec", "simulate"]
 

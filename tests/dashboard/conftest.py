@@ -16,8 +16,8 @@ from werkzeug.serving import make_server
 
 from dashboard.app import DashboardConfig, create_app
 from dashboard.staticapi import StaticDetectorAPI, synthetic_history
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot, write_series
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot, write_series
 
 NOW = 1_790_000_000.0  # a fixed "now" (Unix s) so tests do not depend on the wall clock
 

@@ -21,8 +21,8 @@ from dashboard.app import DashboardConfig, create_app
 from dashboard.pages import live
 from dashboard.prometheus import PrometheusSignals
 from dashboard.staticapi import StaticDetectorAPI
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import format_sample
+from exporter import metricnames as mn
+from exporter.timeseries import format_sample
 
 pytestmark = pytest.mark.promtool
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dashboard.runs import RunsDirError, load_runs, run_key, run_signals, series_signals
-from retrywatch.timeseries import Snapshot
+from exporter.timeseries import Snapshot
 
 
 def test_load_runs_reads_summary_and_validation(runs_dir: Path) -> None:

@@ -214,6 +214,6 @@ def _pg_ready(check: Callable[[], bool]) -> bool:
 
 def exposition(snapshot_samples: list[tuple[str, dict[str, str], float]]) -> str:
     """Plain-text exposition of samples, as the proxy serves them."""
-    from retrywatch.timeseries import format_sample
+    from exporter.timeseries import format_sample
 
     return "\n".join(format_sample(n, lb, v) for n, lb, v in snapshot_samples) + "\n"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Sample, Snapshot
+from exporter import metricnames as mn
+from exporter.timeseries import Sample, Snapshot
 
 
 def snapshot(

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.store import EpisodeStore
-from retrywatch.timeseries import write_series
+from exporter.timeseries import write_series
 from tests.detector.conftest import TestServer, exposition, free_port, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim

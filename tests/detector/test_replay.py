@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from detector.replay import replay_run
-from retrywatch.timeseries import write_series
+from exporter.timeseries import write_series
 from tests.detector.factories import steady
 from tests.detector.minisim import MiniSim
 

@@ -18,13 +18,13 @@ from click.testing import CliRunner
 from detector.cli import detect
 from detector.evaluator import Evaluator
 from detector.replay import replay_run
-from detector.signals import EngineLabels, SignalConfig, SignalEngine, SignalFrame
-from detector.thresholds import ALERTS, NO_DATA, WINDOWS, scale_rules
+from detector.signals import WINDOWS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
+from detector.thresholds import ALERTS, NO_DATA, scale_rules
+from exporter.timeseries import read_series, write_series
 from reproduce.conditions import block
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.httpdriver.detectorproc import DetectorProcess
 from reproduce.sim import SimSpec, simulate
-from retrywatch.timeseries import read_series, write_series
 from tests.detector.conftest import free_port, wait_until
 
 # A small simulated engine (Ĉ ≈ 9.77 calls/s at the study's scale), the diagnostic block's pulse.

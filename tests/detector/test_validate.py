@@ -22,7 +22,7 @@ from detector.validate import (
     validate,
     validate_dir,
 )
-from retrywatch.timeseries import write_series
+from exporter.timeseries import write_series
 from rules import unittests
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from retrywatch import metricnames
+from exporter import metricnames
 
 PRESET = "qwen2.5-7b-h100"
 

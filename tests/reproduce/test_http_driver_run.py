@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from exporter import metricnames as mn
+from exporter.timeseries import read_series
 from reproduce.conditions import expand
 from reproduce.registry import RunJob, get_backend
 from reproduce.summary import read_summary, write_summary
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import read_series
 
 pytestmark = pytest.mark.slow
 

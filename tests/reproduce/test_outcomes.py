@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, AttemptRecord, CallRecord
 from reproduce.engine.model import ExecutionTrace
 from reproduce.outcomes import (
@@ -17,8 +19,6 @@ from reproduce.outcomes import (
     retry_timing,
     trace_shares,
 )
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot
 
 TL = Timeline()
 

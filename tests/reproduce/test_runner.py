@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from exporter.timeseries import read_series
 from reproduce.conditions import expand
 from reproduce.registry import BackendNotFound, backend_names, get_backend
 from reproduce.runner import run_many
 from reproduce.summary import SummaryError, read_summary
-from retrywatch.timeseries import read_series
 
 # A small engine and short prompts so a scaled run takes a fraction of a second: Ĉ = 9.77 calls/s
 # by the simulator's own calibration; its KV cache holds about 50 prompts, as the study's engine

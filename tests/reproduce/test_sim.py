@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from exporter import metricnames as mn
 from reproduce.client import AttemptOutcome, ClientConfig
 from reproduce.conditions import Condition, block
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.outcomes import compute_outcomes
 from reproduce.sim import SimResult, SimSpec, simulate
-from retrywatch import metricnames as mn
 
 # A small engine whose capacity is easy to reason about: prefill dominates (10k prompt
 # tokens/s, 1,000 uncached tokens a call), so Ĉ is close to 10 calls/s (9.77 by calibration).

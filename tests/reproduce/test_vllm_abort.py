@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.httpdriver.attempt import completion_body, run_attempt
 from reproduce.httpdriver.calibration import wait_engine_idle
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot, parse_exposition
 from tests.reproduce.vllm_helpers import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exporter import metricnames as mn
 from exporter.policy import Cancellation, PolicyConfig
+from exporter.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.client import AttemptOutcome
 from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
 from reproduce.httpdriver.calibration import wait_engine_idle
 from reproduce.httpdriver.proxyproc import ProxyProcess
-from retrywatch import metricnames as mn
-from retrywatch.timeseries import Snapshot, parse_exposition
 from tests.reproduce.vllm_helpers import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -34,6 +34,7 @@ import pytest
 
 from detector.validate import BACKLOG, RETRY_LOOP, validate_dir
 from exporter.policy import Cancellation, PolicyConfig
+from exporter.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.backends.models import model_info
 from reproduce.conditions import RunSpec, expand
@@ -52,7 +53,6 @@ from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scal
 from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.registry import Backend, RunJob, get_backend
 from reproduce.summary import run_dir, write_summary
-from retrywatch.timeseries import Snapshot, parse_exposition
 from tests.reproduce.vllm_helpers import running_vllm
 
 # Calibration, two runs and at most one rerun of each (``_run_while_the_client_keeps_up``).

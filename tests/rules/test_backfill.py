@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from retrywatch.timeseries import Snapshot
+from exporter.timeseries import Snapshot
 from rules.backfill import (
     BackfillError,
     Prometheus,
