@@ -13,11 +13,10 @@ import argparse
 import time
 
 from reproduce.engine import EngineEvent, EngineModel, EngineRequest, EventKind, preset
+from reproduce.engine.presets import STUDY_CAPACITY
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
 from reproduce.workload import PAPER_PHASES, WorkloadSpec, generate_trace, prompt_segments
-
-CAPACITY = {"qwen2.5-7b-h100": 2.78, "qwen3-14b-h100": 1.09, "llama3.1-8b-h100": 1.83}
 
 
 def scenario(
@@ -27,7 +26,7 @@ def scenario(
     deadline_s: float | None,
     coalesce: bool,
 ) -> None:
-    spec = WorkloadSpec(capacity=CAPACITY[model], phases=phases, seed=1)
+    spec = WorkloadSpec(capacity=STUDY_CAPACITY[model], phases=phases, seed=1)
     trace = generate_trace(spec)
     env = Environment()
     engine = EngineModel(preset(model))
@@ -66,7 +65,7 @@ def scenario(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="qwen2.5-7b-h100", choices=sorted(CAPACITY))
+    parser.add_argument("--preset", default="qwen2.5-7b-h100", choices=sorted(STUDY_CAPACITY))
     parser.add_argument("--no-coalesce", action="store_true", help="step decode-only runs one by one")
     args = parser.parse_args()
     coalesce = not args.no_coalesce

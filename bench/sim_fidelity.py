@@ -27,10 +27,9 @@ from pathlib import Path
 from detector.signals import SignalConfig, SignalEngine
 from detector.sources.replay import load_snapshots
 from reproduce.engine import EngineConfig, EngineModel, EngineRequest, EventKind, preset
-from reproduce.engine.presets import PRESET_NAMES
+from reproduce.engine.presets import PRESET_NAMES, preset_capacity
 from reproduce.engine.process import EngineProcess
 from reproduce.outcomes import RecoveryRule
-from reproduce.sim.engine_link import preset_capacity
 from reproduce.simenv import Environment
 from reproduce.workload import WorkloadSpec, generate_trace, prompt_segments
 

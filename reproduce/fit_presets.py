@@ -1,8 +1,8 @@
 """Fit the engine presets' step-time coefficients to the protocol's calibration inputs.
 
 Run ``python -m reproduce.fit_presets`` (about a minute). Inputs only (PROTOCOL §5), never
-outcomes: Ĉ from the protocol's own calibration run on the simulator (2.78 Qwen2.5-7B, 1.09
-Qwen3-14B, 1.83 Llama-3.1-8B calls/s) and, for Qwen2.5-7B, the low-load reference at 1.52
+outcomes: Ĉ from the protocol's own calibration run (``reproduce.engine.presets.STUDY_CAPACITY``)
+and, for Qwen2.5-7B, the low-load reference at 1.52
 calls/s sent directly: median 0.31 s to the first token and 4.5 s to the last.
 
 Method. Ĉ is the mean over five calibration seeds (one calibration varies by a few % with its
@@ -30,9 +30,15 @@ import numpy as np
 
 from reproduce.calibrate import calibrate, sim_latency, sim_stage_runner
 from reproduce.engine.config import EngineConfig, StepTimeModel
-from reproduce.engine.presets import FITTED_FILE, MODELS, PRESET_NAMES, preset, prior_step_time
+from reproduce.engine.presets import (
+    FITTED_FILE,
+    MODELS,
+    PRESET_NAMES,
+    STUDY_CAPACITY,
+    preset,
+    prior_step_time,
+)
 
-CAPACITY_TARGETS = {"qwen2.5-7b-h100": 2.78, "qwen3-14b-h100": 1.09, "llama3.1-8b-h100": 1.83}
 REFERENCE_PRESET = "qwen2.5-7b-h100"
 LOW_LOAD_RATE = 1.52
 TTFT_TARGET = 0.31
@@ -76,7 +82,7 @@ def fit_reference(log: Callable[[str], None], iterations: int = 10) -> StepTimeM
     """Gauss-Newton on (fixed, per prompt token, per context token) for Ĉ, TTFT, TTLT."""
     start = prior_step_time(MODELS["qwen2.5-7b"])
     x = np.log([getattr(start, key) for key in _FITTED])
-    target = np.log([CAPACITY_TARGETS[REFERENCE_PRESET], TTFT_TARGET, TTLT_TARGET])
+    target = np.log([STUDY_CAPACITY[REFERENCE_PRESET], TTFT_TARGET, TTLT_TARGET])
 
     def residual(logs: np.ndarray) -> np.ndarray:
         st = _with(start, logs)
@@ -122,7 +128,7 @@ def fit_scaled(name: str, reference: StepTimeModel, log: Callable[[str], None]) 
         factor = math.exp(log_factor)
         return mean_capacity(name, StepTimeModel(**{k: v * factor for k, v in shape.items()}))
 
-    target = CAPACITY_TARGETS[name]
+    target = STUDY_CAPACITY[name]
     a, fa = 0.0, math.log(capacity(0.0) / target)
     # capacity ~ 1 / factor: a good second point
     b = fa
@@ -142,7 +148,7 @@ def evaluate(name: str, step_time: StepTimeModel) -> dict[str, float]:
     figures: dict[str, float] = {"capacity": float(np.mean(per_seed))}
     figures |= {f"capacity_seed{seed}": c for seed, c in zip(CALIBRATION_SEEDS, per_seed, strict=True)}
     # starting the stages at half the target instead of 1 call/s (another valid protocol run)
-    figures["capacity_start_half"] = measure_capacity(name, step_time, start_rate=CAPACITY_TARGETS[name] / 2)
+    figures["capacity_start_half"] = measure_capacity(name, step_time, start_rate=STUDY_CAPACITY[name] / 2)
     if name == REFERENCE_PRESET:
         figures["median_ttft_s"], figures["median_ttlt_s"] = measure_latency(name, step_time)
     return {k: round(v, 4) for k, v in figures.items()}
@@ -171,25 +177,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         fitted = {name: preset(name).step_time for name in PRESET_NAMES}
     else:
-        targets = f"Ĉ {CAPACITY_TARGETS[REFERENCE_PRESET]}, TTFT {TTFT_TARGET} s, TTLT {TTLT_TARGET} s"
+        targets = f"Ĉ {STUDY_CAPACITY[REFERENCE_PRESET]}, TTFT {TTFT_TARGET} s, TTLT {TTLT_TARGET} s"
         log(f"fitting {REFERENCE_PRESET} to {targets}")
         fitted[REFERENCE_PRESET] = fit_reference(log)
         for name in PRESET_NAMES:
             if name != REFERENCE_PRESET:
-                log(f"fitting {name} to Ĉ {CAPACITY_TARGETS[name]}")
+                log(f"fitting {name} to Ĉ {STUDY_CAPACITY[name]}")
                 fitted[name] = fit_scaled(name, fitted[REFERENCE_PRESET], log)
     table: dict[str, object] = {}
     ok = True
     for name in PRESET_NAMES:
         figures = evaluate(name, fitted[name])
-        error = figures["capacity"] / CAPACITY_TARGETS[name] - 1
+        error = figures["capacity"] / STUDY_CAPACITY[name] - 1
         ok &= abs(error) <= TOLERANCE
         log(f"{name}: {asdict(fitted[name])}")
-        log(f"  achieved {figures} (Ĉ target {CAPACITY_TARGETS[name]}, {error * 100:+.2f} %)")
+        log(f"  achieved {figures} (Ĉ target {STUDY_CAPACITY[name]}, {error * 100:+.2f} %)")
         table[name] = {
             "step_time": asdict(fitted[name]),
             "achieved": figures,
-            "targets": {"capacity": CAPACITY_TARGETS[name]}
+            "targets": {"capacity": STUDY_CAPACITY[name]}
             | (
                 {"median_ttft_s": TTFT_TARGET, "median_ttlt_s": TTLT_TARGET}
                 if name == REFERENCE_PRESET

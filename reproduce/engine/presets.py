@@ -21,10 +21,12 @@ __all__ = [
     "GPU_H100_80GB",
     "MODELS",
     "PRESET_NAMES",
+    "STUDY_CAPACITY",
     "GpuSpec",
     "PresetError",
     "fitted_step_times",
     "preset",
+    "preset_capacity",
     "prior_step_time",
 ]
 
@@ -56,6 +58,14 @@ MODELS: dict[str, ModelSpec] = {
 
 PRESET_NAMES = ("qwen2.5-7b-h100", "qwen3-14b-h100", "llama3.1-8b-h100")
 _PRESET_MODEL = dict(zip(PRESET_NAMES, MODELS, strict=True))
+
+#: Ĉ of each preset in calls per second: the study's calibration (docs/protocol.md §5), the target
+#: that ``python -m reproduce.fit_presets`` fits each preset's step time to reproduce (within ±3%).
+STUDY_CAPACITY: dict[str, float] = {
+    "qwen2.5-7b-h100": 2.78,
+    "qwen3-14b-h100": 1.09,
+    "llama3.1-8b-h100": 1.83,
+}
 
 GPU_MEMORY_UTILIZATION = 0.9
 # Activation peak at 8,192 batched tokens, CUDA graphs and non-torch memory (an assumption).
@@ -135,3 +145,12 @@ def preset(
         model=model,
         **options,
     )
+
+
+def preset_capacity(name: str) -> float:
+    """The preset's Ĉ in calls per second (:data:`STUDY_CAPACITY`)."""
+    try:
+        return STUDY_CAPACITY[name]
+    except KeyError:
+        known = ", ".join(STUDY_CAPACITY)
+        raise PresetError(f"no Ĉ for preset {name!r}: use one of {known}, or give a capacity") from None

@@ -13,6 +13,7 @@ from typing import Any
 
 from reproduce.client import ClientConfig
 from reproduce.conditions import RunSpec
+from reproduce.engine.presets import preset_capacity
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
@@ -47,7 +48,7 @@ class SimBackend(Backend):
                     r.model, mixed_prompts=True, workload=self.workload, engine=self.engine
                 )
             else:
-                self.capacities[key] = engine_link.preset_capacity(r.model)
+                self.capacities[key] = preset_capacity(r.model)
 
     def spec_for(self, job: RunJob) -> SimSpec:
         r = job.run

@@ -16,19 +16,17 @@ from exporter.timeseries import Sample
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
 from reproduce.engine.model import EventKind as _EngineEventKind
-from reproduce.engine.presets import PresetError, preset
+from reproduce.engine.presets import preset
 from reproduce.engine.process import EngineProcess
 from reproduce.outcomes import RetryExecution, retry_timing, trace_shares
 from reproduce.simenv import Environment
 from reproduce.workload import WorkloadSpec
 
 __all__ = [
-    "STUDY_CAPACITY",
     "Engine",
     "EventKind",
     "calibrate_preset",
     "calibrated_capacity",
-    "preset_capacity",
     "preset_config",
 ]
 
@@ -46,27 +44,9 @@ _KINDS = {
 }
 
 
-#: Ĉ of each preset in calls per second: the study's calibration (PROTOCOL §5), which the
-#: presets' step-time coefficients are fitted to reproduce (``python -m reproduce.fit_presets``).
-STUDY_CAPACITY: dict[str, float] = {
-    "qwen2.5-7b-h100": 2.78,
-    "qwen3-14b-h100": 1.09,
-    "llama3.1-8b-h100": 1.83,
-}
-
-
 def preset_config(model: str, **options: Any) -> EngineConfig:
     """The preset's engine configuration (``reproduce.engine.presets``)."""
     return preset(model, **options)
-
-
-def preset_capacity(model: str) -> float:
-    """The preset's Ĉ in calls per second."""
-    try:
-        return STUDY_CAPACITY[model]
-    except KeyError:
-        known = ", ".join(STUDY_CAPACITY)
-        raise PresetError(f"no Ĉ for preset {model!r}: use one of {known}, or give a capacity") from None
 
 
 def calibrate_preset(

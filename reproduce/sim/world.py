@@ -42,6 +42,7 @@ from exporter.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
 from reproduce.conditions import Condition
 from reproduce.engine.config import EngineConfig
+from reproduce.engine.presets import preset_capacity
 from reproduce.outcomes import Timeline
 from reproduce.sim import engine_link
 from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
@@ -307,7 +308,7 @@ def simulate(spec: SimSpec) -> SimResult:
         overrides=spec.engine,
         config=spec.engine_config,
     )
-    capacity = spec.capacity if spec.capacity is not None else engine_link.preset_capacity(spec.model)
+    capacity = spec.capacity if spec.capacity is not None else preset_capacity(spec.model)
     k = spec.time_scale
     fields: dict[str, Any] = {
         "phases": paper_phases(cond.pulse_multiple),

@@ -51,10 +51,11 @@ def test_prior_scales_with_model_size() -> None:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_fitted_presets_meet_the_calibration_inputs(name: str) -> None:
     """The checked-in fit still holds for the engine model as it is (rerun fit_presets if not)."""
-    from reproduce.fit_presets import CAPACITY_TARGETS, TOLERANCE, mean_capacity
+    from reproduce.engine.presets import STUDY_CAPACITY
+    from reproduce.fit_presets import TOLERANCE, mean_capacity
 
     config = preset(name)
-    assert mean_capacity(name, config.step_time) == pytest.approx(CAPACITY_TARGETS[name], rel=TOLERANCE)
+    assert mean_capacity(name, config.step_time) == pytest.approx(STUDY_CAPACITY[name], rel=TOLERANCE)
 
 
 def test_qwen_low_load_reference() -> None:
