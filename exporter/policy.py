@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+from exporter.knobs import check_bounds, knob
+
 T = TypeVar("T")
 
 # Departures of attempts without a call id remembered per key, each licensing one retry: enough
@@ -115,44 +117,74 @@ class QueueOrder(StrEnum):
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Every knob of the policy core; the defaults are the study's "answer every call" recipe."""
+    """Every knob of the policy core; the defaults are the study's "answer every call" recipe.
 
-    coalesce: bool = True
-    cancellation: Cancellation = Cancellation.DEFERRED
-    cancel_after_s: float = 10.0
-    retry_budget: float | None = None  # max retries per first attempt over the window; None = off
-    budget_window_s: float = 60.0
-    budget_order: BudgetOrder = BudgetOrder.LOOKUP_FIRST
-    max_outstanding: int | None = None  # executions in the engine at once; None = no proxy cap
-    max_queued: int = 10_000  # bound on the proxy queue
-    queue_order: QueueOrder = QueueOrder.FIFO
-    lifo_threshold: int = 50
-    deadline_check: bool = False
+    Each knob with an option (``exporter.knobs``) is a flag of ``retrywatch proxy``; the proxy's
+    settings inherit these fields, so a knob is declared here once. The clients' deadline is set
+    by the proxy's ``--deadline`` (seconds, or ``auto`` to infer it)."""
+
+    coalesce: bool = knob(True, flag="coalesce", help="Attach retries to their call's live execution.")
+    cancellation: Cancellation = knob(
+        Cancellation.DEFERRED,
+        flag="cancellation",
+        help="Last subscriber gone: off (run on), on (abort now), deferred (abort after --cancel-after).",
+    )
+    cancel_after_s: float = knob(
+        10.0, flag="cancel-after", help="Seconds of deferred cancellation.", minimum=0
+    )
+    retry_budget: float | None = knob(
+        None,
+        flag="retry-budget",
+        help="Max retries per first attempt over --budget-window (e.g. 0.1); unset = no budget.",
+        minimum=0,
+    )
+    budget_window_s: float = knob(
+        60.0, flag="budget-window", help="Budget window, seconds.", minimum=0, exclusive=True
+    )
+    budget_order: BudgetOrder = knob(
+        BudgetOrder.LOOKUP_FIRST,
+        flag="budget-order",
+        help="lookup-first: the budget sees only retries that would create an execution.",
+    )
+    max_outstanding: int | None = knob(
+        None,
+        flag="max-outstanding",
+        help="Executions in the engine at once; more wait in the proxy queue. Unset = no proxy cap.",
+        minimum=1,
+    )
+    max_queued: int = knob(10_000, flag="max-queued", help="Bound on the proxy queue.", minimum=0)
+    queue_order: QueueOrder = knob(
+        QueueOrder.FIFO,
+        flag="queue-order",
+        help="Proxy queue order; lifo serves the newest first once over --lifo-threshold are queued.",
+    )
+    lifo_threshold: int = knob(
+        50, flag="lifo-threshold", help="Queue length above which LIFO applies.", minimum=0
+    )
+    deadline_check: bool = knob(
+        False,
+        flag="deadline-check",
+        help="Refuse (503) an attempt the proxy estimates will miss the clients' deadline.",
+    )
     deadline_s: float | None = None  # the clients' deadline on a whole attempt, when known
-    max_live_executions: int = 20_000  # hard bound on executions held (queued + in the engine)
+    max_live_executions: int = knob(
+        20_000,
+        flag="max-live-executions",
+        help="Hard bound on executions held (queued + in the engine).",
+        minimum=1,
+    )
     retry_memory_s: float = 900.0  # how long a call key is remembered for classifying retries
     max_remembered_calls: int = 200_000
     prefill_tokens_per_s: float = 20_000.0  # prior for the first-token wait estimate; learned online
 
     def __post_init__(self) -> None:
-        if self.cancel_after_s < 0 or not math.isfinite(self.cancel_after_s):
-            raise PolicyConfigError("cancel_after_s must be a finite number of seconds >= 0")
-        if self.retry_budget is not None and not (0 <= self.retry_budget < math.inf):
-            raise PolicyConfigError("retry_budget must be a ratio >= 0 (e.g. 0.1), or None for no budget")
-        if self.budget_window_s <= 0:
-            raise PolicyConfigError("budget_window_s must be > 0 seconds")
-        if self.max_outstanding is not None and self.max_outstanding < 1:
-            raise PolicyConfigError("max_outstanding must be >= 1, or None for no proxy cap")
-        if self.max_queued < 0:
-            raise PolicyConfigError("max_queued must be >= 0")
-        if self.lifo_threshold < 0:
-            raise PolicyConfigError("lifo_threshold must be >= 0")
+        check_bounds(self, PolicyConfigError)
         if self.deadline_s is not None and not (0 < self.deadline_s < math.inf):
             raise PolicyConfigError("deadline_s must be a positive number of seconds, or None")
         if self.deadline_check and self.deadline_s is None:
             raise PolicyConfigError("deadline_check needs deadline_s (the clients' deadline)")
-        if self.max_live_executions < 1 or self.max_remembered_calls < 1:
-            raise PolicyConfigError("max_live_executions and max_remembered_calls must be >= 1")
+        if self.max_remembered_calls < 1:
+            raise PolicyConfigError("max_remembered_calls must be >= 1")
         if self.retry_memory_s <= 0 or self.prefill_tokens_per_s <= 0:
             raise PolicyConfigError("retry_memory_s and prefill_tokens_per_s must be > 0")
 

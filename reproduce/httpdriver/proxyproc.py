@@ -1,73 +1,27 @@
 """``retrywatch proxy`` started as a subprocess with a condition's flags, in front of an engine.
 
-The flags come from the condition's policy (``Condition.policy_config``, durations already
-divided by the time scale) plus what the proxy needs to know about the run: Ĉ for its derived
-gauges, the clients' deadline, and the engine's vocabulary size for its token-ID guard.
+The settings are the condition's policy (``Condition.policy_config``, durations already divided
+by the time scale) plus what the proxy needs to know about the run: Ĉ for its derived gauges
+and the engine's vocabulary size for its token-ID guard (the clients' deadline is the policy's).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from exporter.policy import PolicyConfig
+from exporter.settings import ProxySettings
 from reproduce.httpdriver.childserver import ChildServer, retrywatch_argv
 
-__all__ = ["ProxyProcess", "proxy_args"]
-
-
-def proxy_args(
-    policy: PolicyConfig,
-    *,
-    upstream: str,
-    port: int,
-    host: str = "127.0.0.1",
-    capacity: float | None = None,
-    vocab_size: int | None = None,
-    window_s: float | None = None,
-) -> list[str]:
-    """The ``retrywatch proxy`` arguments that reproduce ``policy`` in front of ``upstream``."""
-    args = [
-        "--upstream",
-        upstream,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--cancellation",
-        policy.cancellation.value,
-        "--cancel-after",
-        f"{policy.cancel_after_s:g}",
-        "--coalesce" if policy.coalesce else "--no-coalesce",
-        "--budget-window",
-        f"{policy.budget_window_s:g}",
-        "--budget-order",
-        policy.budget_order.value,
-        "--queue-order",
-        policy.queue_order.value,
-        "--lifo-threshold",
-        str(policy.lifo_threshold),
-        "--max-queued",
-        str(policy.max_queued),
-    ]
-    if policy.retry_budget is not None:
-        args += ["--retry-budget", f"{policy.retry_budget:g}"]
-    if policy.max_outstanding is not None:
-        args += ["--max-outstanding", str(policy.max_outstanding)]
-    if policy.deadline_s is not None:
-        args += ["--deadline", f"{policy.deadline_s:g}"]
-    if policy.deadline_check:
-        args.append("--deadline-check")
-    if capacity is not None:
-        args += ["--capacity", f"{capacity:g}"]
-    if vocab_size is not None:
-        args += ["--vocab-size", str(vocab_size)]
-    if window_s is not None:
-        args += ["--window", f"{window_s:g}"]
-    return args
+__all__ = ["ProxyProcess"]
 
 
 class ProxyProcess(ChildServer):
-    """The proxy as a child process of this Python: ``start()`` returns its base URL."""
+    """The proxy as a child process of this Python: ``start()`` returns its base URL.
+
+    Its command line is ``ProxySettings.to_argv`` of the policy (every knob) with the run's own
+    settings, so every knob of the policy reaches the process."""
 
     name = "proxy"
     ready_path = "/metrics"
@@ -86,23 +40,13 @@ class ProxyProcess(ChildServer):
         startup_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(workdir=workdir, host=host, bound_s=bound_s, startup_timeout_s=startup_timeout_s)
-        self.policy = policy
-        self.upstream = upstream
-        self.capacity = capacity
-        self.vocab_size = vocab_size
-        self.window_s = window_s
+        own: dict[str, object] = {"capacity": capacity, "vocab_size": vocab_size}
+        if window_s is not None:
+            own["window_s"] = window_s
+        self.settings = ProxySettings.with_policy(policy, upstream=upstream, host=host, **own)
 
     def command(self, port: int) -> list[str]:
-        args = proxy_args(
-            self.policy,
-            upstream=self.upstream,
-            port=port,
-            host=self.host,
-            capacity=self.capacity,
-            vocab_size=self.vocab_size,
-            window_s=self.window_s,
-        )
-        return retrywatch_argv("proxy", *args)
+        return retrywatch_argv("proxy", *replace(self.settings, port=port).to_argv())
 
     def __enter__(self) -> str:
         return self.start()
