@@ -15,17 +15,20 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.dashboard
 
 from dashboard.app import Context, DashboardConfig
 from dashboard.pages import live
-from dashboard.staticapi import StaticDetectorAPI, synthetic_history
+from exporter.processes import ManagedProcess, free_port
+from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
 CHROMIUM = os.environ.get("RETRYWATCH_CHROMIUM", "/usr/bin/chromium")
 FLAGS = [
@@ -48,24 +51,6 @@ GRAPHS_DRAWN = """(engine) => {
     }) && chip && chip.innerText.includes(engine)
       && document.querySelector('#graph-attempts .js-plotly-plot').layout.uirevision.startsWith(engine + ':');
 }"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up within {timeout_s} s")
 
 
 def instance_url(i: int) -> str:
@@ -111,10 +96,11 @@ def main() -> None:
     points = int(args.hours * 3600 / 5) + 1
     port = free_port()
     cmd = [sys.executable, "-m", "retrywatch", "dashboard", "--detector", api_url, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(tempfile.mkdtemp(prefix="bench-dashboard-")) / "dashboard.log"  # kept
+    proc = ManagedProcess(cmd, log_path=log, bound_s=None, name="dashboard").start()
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_http(base + "/")
+        proc.wait_ready(base + "/", timeout_s=60, poll_s=0.2)
         cold: list[float] = []
         warm: list[float] = []
         switches: list[float] = []
@@ -157,8 +143,7 @@ def main() -> None:
             live.update(ctx, first, int(args.hours * 3600))
             server_side.append(time.perf_counter() - t0)
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        proc.stop(grace_s=10.0)
         server.terminate()
         server.join(timeout=10)
     print(

@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from exporter.processes import ManagedProcess, free_port
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -62,7 +58,7 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--model", default="qwen2.5-7b-h100")
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable,
@@ -78,21 +74,14 @@ def main() -> None:
         "--vocab-size",
         "32000",
     ]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+    log = Path(tempfile.mkdtemp(prefix="bench-emulate-")) / "emulate.log"  # kept
+    with ManagedProcess(command, log_path=log, bound_s=None, name="emulated engine") as server:
+        server.wait_ready(url + "/health", timeout_s=30, poll_s=0.1)
+        assert server.pid is not None
         cpu0 = _cpu_seconds(server.pid)
         chunks, wall = asyncio.run(_run(url, args.clients, args.tokens, args.prompt_len))
         cpu = _cpu_seconds(server.pid) - cpu0
-    finally:
-        server.terminate()
-        _, err = server.communicate(timeout=10)
-    lagged = err.decode(errors="replace").count("trails the scaled wall clock")
+    lagged = log.read_text(errors="replace").count("trails the scaled wall clock")
     print(
         f"emulated engine {args.model} at time scale {args.time_scale:g}: "
         f"{args.clients} streams x {args.tokens} tokens"

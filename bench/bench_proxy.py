@@ -1,7 +1,7 @@
 """Benchmark of the proxy against the test upstream: prints figures, asserts nothing.
 
 Run: ``python bench/bench_proxy.py`` (about two and a half minutes). It starts the test upstream
-(``exporter.testing.upstream``), ``retrywatch proxy`` and the floor forwarder
+(``tests/exporter/upstream.py``), ``retrywatch proxy`` and the floor forwarder
 (``bench/asgi_floor.py``: an ASGI app under uvicorn that only forwards) as processes on free
 loopback ports and measures, side by side in one run:
 
@@ -28,34 +28,23 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
+from exporter.policy import Cancellation
+from exporter.processes import ManagedProcess, free_port
+from exporter.settings import ProxySettings
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: ``python -m tests...`` runs from it
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=1.0)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -236,35 +225,27 @@ def main() -> None:
     args = parser.parse_args()
 
     up_port, px_port, floor_port = free_port(), free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "exporter.testing.upstream", "--port", str(up_port)])
-    floor = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(os.path.dirname(os.path.abspath(__file__)), "asgi_floor.py"),
-            "--upstream",
-            f"http://127.0.0.1:{up_port}",
-            "--port",
-            str(floor_port),
-        ]
-    )
-    px = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "retrywatch",
-            "proxy",
-            "--upstream",
-            f"http://127.0.0.1:{up_port}",
-            "--port",
-            str(px_port),
-            "--cancellation",
-            "on",
-        ]
-    )
+    upstream = f"http://127.0.0.1:{up_port}"
+    logs = Path(tempfile.mkdtemp(prefix="bench-proxy-"))  # kept: the processes' logs
+    commands = {
+        "test upstream": [sys.executable, "-m", "tests.exporter.upstream", "--port", str(up_port)],
+        "floor": [sys.executable, str(ROOT / "bench" / "asgi_floor.py"), "--upstream", upstream,
+                  "--port", str(floor_port)],
+        "proxy": [sys.executable, "-m", "retrywatch", "proxy",
+                  *ProxySettings(upstream=upstream, port=px_port, cancellation=Cancellation.ON).to_argv()],
+    }  # fmt: skip
+    procs = {
+        name: ManagedProcess(argv, log_path=logs / f"{name}.log", bound_s=None, cwd=ROOT, name=name).start()
+        for name, argv in commands.items()
+    }
+    up, floor, px = procs["test upstream"], procs["floor"], procs["proxy"]
     try:
-        wait_http(f"http://127.0.0.1:{up_port}/health")
-        wait_http(f"http://127.0.0.1:{px_port}/metrics")
-        wait_http(f"http://127.0.0.1:{floor_port}/")
+        for proc, url in (
+            (up, f"{upstream}/health"),
+            (px, f"http://127.0.0.1:{px_port}/metrics"),
+            (floor, f"http://127.0.0.1:{floor_port}/"),
+        ):
+            proc.wait_ready(url, timeout_s=60.0, poll_s=0.05, ready=lambda status: status < 500)
         paths = [("direct", up_port), ("proxy", px_port), ("floor", floor_port)]
         asyncio.run(ttft_rounds(paths, 1, 10, 3, tokens=2))  # warm up every path
 
@@ -333,11 +314,7 @@ def main() -> None:
         )
     finally:
         for proc in (px, floor, up):
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.stop(grace_s=10.0)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,5 @@
 - ``prometheus.py``: the same signals from Prometheus' recording rules (``--prometheus``);
 - ``runs.py``: reproduce outputs for the Experiments page (``--runs DIR``);
 - ``app.py`` and ``pages/``: the app, routing, and the Live, History and Experiments pages;
-- ``staticapi.py``: a detector-API-shaped server over given data (benchmark and browser tests);
 - ``cli.py``: the click command.
 """

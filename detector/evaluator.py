@@ -5,8 +5,9 @@ engine's :class:`~detector.signals.SignalFrame` and returns the transitions (fir
 that happened at ``now``. It performs no I/O and reads no clock: the caller passes ``now``
 (wall time for live sources, the run's time for a replay).
 
-NOTE: the state machine is Prometheus 2.42's (rules/alerting.go): a condition that holds makes
-an alert pending with ``active_at = now``; it fires at the first evaluation where
+NOTE: the state machine (:class:`AlertStateMachine`, which the rules' backfill harness runs over
+Prometheus' own query results too) is Prometheus 2.42's (rules/alerting.go): a condition that
+holds makes an alert pending with ``active_at = now``; it fires at the first evaluation where
 ``now - active_at >= for``; once firing, a false condition starts ``keep_firing_since`` and the
 alert resolves at the first evaluation where ``now - keep_firing_since >= keep_firing_for``
 (a true condition clears it); a pending alert whose condition is false is dropped. A missing
@@ -31,21 +32,66 @@ TransitionKind = Literal["firing", "resolved"]
 
 
 @dataclass
+class AlertStateMachine:
+    """Prometheus' alerting state machine for one alert and one label set (see the NOTE above).
+
+    Feed it every evaluation in time order with whether the condition held; it answers the
+    transition that evaluation made, if any. ``state`` None: inactive (never active, dropped
+    while pending, or resolved; ``fired_at`` keeps the resolved episode's start)."""
+
+    for_s: float
+    keep_firing_for_s: float
+    state: State | None = None
+    active_at: float | None = None
+    fired_at: float | None = None
+    keep_firing_since: float | None = None
+
+    def step(self, now: float, holds: bool) -> TransitionKind | None:
+        if holds:
+            if self.state is None:
+                self.state, self.active_at, self.fired_at = "pending", now, None
+            self.keep_firing_since = None
+            assert self.active_at is not None
+            if self.state == "pending" and now - self.active_at >= self.for_s:
+                self.state, self.fired_at = "firing", now
+                return "firing"
+            return None
+        if self.state == "pending":
+            self.state = None
+        elif self.state == "firing":
+            if self.keep_firing_since is None:
+                self.keep_firing_since = now
+            if now - self.keep_firing_since >= self.keep_firing_for_s:
+                self.state = None
+                return "resolved"
+        return None
+
+
+@dataclass
 class AlertState:
     """One active (pending or firing) alert for one engine."""
 
     rule: AlertRule
     labels: EngineLabels
-    state: State
-    active_at: float
+    machine: AlertStateMachine
     value: float | None
-    fired_at: float | None = None
-    keep_firing_since: float | None = None
     missing: tuple[str, ...] = ()
 
     @property
     def alertname(self) -> str:
         return self.rule.name
+
+    @property
+    def state(self) -> State | None:
+        return self.machine.state
+
+    @property
+    def active_at(self) -> float | None:
+        return self.machine.active_at
+
+    @property
+    def fired_at(self) -> float | None:
+        return self.machine.fired_at
 
     @property
     def description(self) -> str:
@@ -119,9 +165,10 @@ class Evaluator:
         """Re-arm an alert that was firing before a restart (episodes are in the store), so that
         it resolves through the usual hysteresis instead of firing a second time."""
         rule = next(r for r in self.rules if r.name == rule_name)
-        self._active[(rule_name, labels.instance)] = AlertState(
-            rule=rule, labels=labels, state="firing", active_at=fired_at, value=value, fired_at=fired_at
+        machine = AlertStateMachine(
+            rule.for_s, rule.keep_firing_for_s, state="firing", active_at=fired_at, fired_at=fired_at
         )
+        self._active[(rule_name, labels.instance)] = AlertState(rule, labels, machine, value)
 
     def evaluate(self, now: float, frames: Sequence[SignalFrame]) -> list[Transition]:
         if self.last_eval is not None and now < self.last_eval:
@@ -139,27 +186,22 @@ class Evaluator:
                 value = frame.values.get(rule.value_signal)
                 alert = self._active.get(key)
                 if alert is None:
-                    alert = AlertState(rule, frame.labels, "pending", active_at=now, value=value)
+                    machine = AlertStateMachine(rule.for_s, rule.keep_firing_for_s)
+                    alert = AlertState(rule, frame.labels, machine, value)
                     self._active[key] = alert
                 elif alert.state == "pending":
                     alert.labels = frame.labels  # engine/model may appear after the first scrape
                 alert.value = value
                 alert.missing = frame.missing
-                alert.keep_firing_since = None
-                if alert.state == "pending" and now - alert.active_at >= rule.for_s:
-                    alert.state = "firing"
-                    alert.fired_at = now
+                if alert.machine.step(now, True) == "firing":
                     out.append(self._transition("firing", alert, now))
             for key, alert in list(self._active.items()):
                 if key[0] != rule.name or key[1] in seen:
                     continue
-                if alert.state == "pending":
+                kind = alert.machine.step(now, False)
+                if alert.state is None:
                     del self._active[key]
-                    continue
-                if alert.keep_firing_since is None:
-                    alert.keep_firing_since = now
-                if now - alert.keep_firing_since >= rule.keep_firing_for_s:
-                    del self._active[key]
+                if kind == "resolved":
                     out.append(self._transition("resolved", alert, now))
         return out
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,12 @@ import click
 import httpx
 
 from exporter.metricnames import VLLM_NUM_WAITING
+from exporter.policy import Cancellation, PolicyConfig
+from exporter.processes import ManagedProcess, ProcessStartError, log_tail, port_taken
+from exporter.settings import ProxySettings
+from exporter.timeseries import parse_exposition
+from reproduce.client import ClientConfig
+from reproduce.engine.presets import PresetError, preset_capacity
 
 __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 
@@ -38,8 +42,8 @@ __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 DEMO_PRESET = "qwen3-14b-h100"
 #: Engine seconds per wall second: the protocol's 947-s trace plays in under 4 minutes.
 DEMO_TIME_SCALE = 4.0
-DEADLINE_S = 120.0  # the study's client deadline (engine seconds)
-CANCEL_AFTER_S = 10.0  # the study's deferred cancellation W (engine seconds)
+DEADLINE_S = ClientConfig().deadline_s  # the study's client deadline (engine seconds)
+CANCEL_AFTER_S = PolicyConfig().cancel_after_s  # the study's deferred cancellation W (engine seconds)
 VOCAB_SIZE = 32_000
 SERVICES = ("engine", "proxy", "detector", "dashboard")
 
@@ -67,35 +71,18 @@ class DemoPlan:
         return CANCEL_AFTER_S / self.time_scale
 
 
-#: Ĉ of each preset in calls per engine second: PROTOCOL §5's calibration targets, which
-#: ``python -m reproduce.fit_presets`` fits every preset's step time to reproduce (within ±3%).
-PRESET_CAPACITY = {"qwen2.5-7b-h100": 2.78, "qwen3-14b-h100": 1.09, "llama3.1-8b-h100": 1.83}
-
-
-def _preset_capacity(preset: str) -> float:
-    try:
-        return PRESET_CAPACITY[preset]
-    except KeyError:
-        raise click.UsageError(f"no calibrated capacity for preset {preset!r}") from None
-
-
 def demo_plan(
     with_controls: bool, preset: str = DEMO_PRESET, time_scale: float = DEMO_TIME_SCALE
 ) -> DemoPlan:
-    return DemoPlan(preset, time_scale, _preset_capacity(preset), with_controls)
+    """The demo's numbers: Ĉ of ``preset`` (its calibration), durations divided by ``time_scale``."""
+    try:
+        capacity = preset_capacity(preset)
+    except PresetError as exc:
+        raise click.UsageError(str(exc)) from None
+    return DemoPlan(preset, time_scale, capacity, with_controls)
 
 
 # --- processes ------------------------------------------------------------------------------
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -103,8 +90,23 @@ class _Service:
     name: str
     url: str
     ready_path: str
-    process: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
+    process: ManagedProcess | None = None
+
+
+def proxy_settings(plan: DemoPlan, upstream: str, host: str, port: int) -> ProxySettings:
+    """The demo's proxy: the study's "no control" condition (retries on, no coalescing,
+    cancellation off), or with controls coalescing with deferred cancellation."""
+    return ProxySettings(
+        upstream=upstream,
+        host=host,
+        port=port,
+        coalesce=plan.with_controls,
+        cancellation=Cancellation.DEFERRED if plan.with_controls else Cancellation.OFF,
+        cancel_after_s=plan.cancel_after_s,
+        capacity=plan.capacity,
+        deadline_s=plan.deadline_s,
+        vocab_size=VOCAB_SIZE,
+    )
 
 
 def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Path) -> dict[str, list[str]]:
@@ -112,10 +114,6 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
     engine_url = f"http://{host}:{ports['engine']}"
     proxy_url = f"http://{host}:{ports['proxy']}"
     detector_url = f"http://{host}:{ports['detector']}"
-    if plan.with_controls:
-        controls = ["--coalesce", "--cancellation", "deferred", "--cancel-after", f"{plan.cancel_after_s:g}"]
-    else:
-        controls = ["--no-coalesce", "--cancellation", "off"]
     capacity = ["--capacity", f"{plan.capacity:.4f}", "--deadline", f"{plan.deadline_s:g}"]
     return {
         "engine": [
@@ -132,20 +130,7 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
             "--port",
             str(ports["engine"]),
         ],
-        "proxy": [
-            *exe,
-            "proxy",
-            "--upstream",
-            engine_url,
-            "--host",
-            host,
-            "--port",
-            str(ports["proxy"]),
-            *controls,
-            *capacity,
-            "--vocab-size",
-            str(VOCAB_SIZE),
-        ],
+        "proxy": [*exe, "proxy", *proxy_settings(plan, engine_url, host, ports["proxy"]).to_argv()],
         "detector": [
             *exe,
             "detect",
@@ -175,58 +160,31 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
 
 
 def _start(service: _Service, command: Sequence[str], workdir: Path) -> None:
-    service.log = workdir / f"{service.name}.log"
-    with service.log.open("wb") as log:
-        # Own session: a Ctrl-C in the terminal reaches the demo only, which stops each child by PID.
-        service.process = subprocess.Popen(
-            list(command),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    # Own session: a Ctrl-C in the terminal reaches the demo only, which stops each child by PID.
+    service.process = ManagedProcess(
+        command, log_path=workdir / f"{service.name}.log", bound_s=None, name=f"the {service.name}"
+    ).start()
 
 
 def _stop(services: Sequence[_Service]) -> None:
     for service in reversed(services):
-        if service.process is not None and service.process.poll() is None:
-            service.process.terminate()
-    deadline = time.monotonic() + 8.0
-    for service in reversed(services):
-        process = service.process
-        if process is None:
-            continue
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+        if service.process is not None:
+            service.process.stop(grace_s=8.0)
 
 
-def _log_tail(service: _Service, lines: int = 15) -> str:
-    if service.log is None or not service.log.exists():
-        return ""
-    return "\n".join(service.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-async def _wait_ready(services: Sequence[_Service], timeout_s: float) -> None:
+def _wait_ready(services: Sequence[_Service], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2.0) as http:
-        for service in services:
-            while True:
-                assert service.process is not None
-                if service.process.poll() is not None:
-                    code = service.process.returncode
-                    raise click.ClickException(f"the {service.name} exited ({code}):\n{_log_tail(service)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    response = await http.get(service.url + service.ready_path)
-                    if response.status_code < 500:
-                        break
-                if time.monotonic() > deadline:
-                    raise click.ClickException(
-                        f"the {service.name} did not become ready:\n{_log_tail(service)}"
-                    )
-                await asyncio.sleep(0.25)
+    for service in services:
+        assert service.process is not None
+        try:
+            service.process.wait_ready(
+                service.url + service.ready_path,
+                timeout_s=max(0.0, deadline - time.monotonic()),
+                poll_s=0.25,
+                ready=lambda status: status < 500,
+            )
+        except ProcessStartError as exc:
+            raise click.ClickException(str(exc)) from None
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -234,10 +192,11 @@ async def _wait_ready(services: Sequence[_Service], timeout_s: float) -> None:
 
 async def _engine_waiting(http: httpx.AsyncClient, engine_url: str) -> str:
     """The engine's ``vllm:num_requests_waiting`` (as text; "?" when unreachable)."""
-    with contextlib.suppress(httpx.HTTPError):
-        for line in (await http.get(engine_url + "/metrics")).text.splitlines():
-            if line.startswith(VLLM_NUM_WAITING + "{"):
-                return f"{float(line.rsplit(' ', 1)[1]):.0f}"
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        samples = parse_exposition((await http.get(engine_url + "/metrics")).text)
+        waiting = [value for name, _, value in samples if name == VLLM_NUM_WAITING]
+        if waiting:
+            return f"{sum(waiting):.0f}"
     return "?"
 
 
@@ -256,7 +215,6 @@ async def _episodes(http: httpx.AsyncClient, detector_url: str) -> list[str]:
 
 
 async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed: int) -> None:
-    from reproduce.client import ClientConfig
     from reproduce.workload import WorkloadSpec, generate_trace, paper_phases
     from retrywatch.demo_load import LoadStats, run_load
 
@@ -376,7 +334,7 @@ def demo(
     if len(set(ports.values())) != len(ports):
         raise click.UsageError("the four ports must differ")
     for name, port in ports.items():
-        if not _port_free(host, port):
+        if port_taken(host, port) is not None:
             raise click.ClickException(
                 f"port {port} on {host} (the {name}) is taken; pick another with --{name}-port"
             )
@@ -395,7 +353,7 @@ def demo(
         try:
             for service in services:
                 _start(service, commands[service.name], workdir)
-            asyncio.run(_wait_ready(services, timeout_s=60.0))
+            _wait_ready(services, timeout_s=60.0)
             click.echo(_what_to_watch(plan, urls["dashboard"]))
             if not no_browser:
                 with contextlib.suppress(Exception):
@@ -405,7 +363,8 @@ def demo(
             click.echo("\ninterrupted: stopping")
         finally:
             _stop(services)
-            if "trails the scaled wall clock" in _log_tail(services[0], lines=200):
+            engine_log = services[0].process.log_path if services[0].process else None
+            if engine_log is not None and "trails the scaled wall clock" in log_tail(engine_log, 20_000):
                 click.echo(
                     "note: this machine could not step the emulated engine in time (CPU-bound), so it ran "
                     "below its capacity; close other work or run on a larger machine."

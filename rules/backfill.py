@@ -6,7 +6,8 @@ with Prometheus' own PromQL engine, this module:
 
 1. renders the run as OpenMetrics with timestamps (``exporter.timeseries.to_openmetrics``) and
    turns it into TSDB blocks with ``promtool tsdb create-blocks-from openmetrics``;
-2. starts a real ``prometheus`` on 127.0.0.1 over that data directory;
+2. starts a real ``prometheus`` on 127.0.0.1 over that data directory (``exporter.processes``),
+   queried with ``prometheus-api-client``;
 3. materialises the recording rules over the run's range with
    ``promtool tsdb create-blocks-from rules``, one dependency layer at a time (that tool cannot
    see the output of rules it is backfilling in the same pass), moving each layer's blocks into
@@ -25,22 +26,23 @@ under one interval, so that the evaluation at run time ``t`` sees exactly the sc
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 
+from detector.evaluator import AlertStateMachine
+from exporter.processes import ManagedProcess, ProcessStartError, free_port
 from exporter.timeseries import Snapshot, to_openmetrics
 
 # Prometheus' TSDB deletes blocks older than its retention on start; keep loaded runs recent.
@@ -92,18 +94,13 @@ def write_blocks(
         om_path.unlink(missing_ok=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Prometheus:
-    """A real ``prometheus`` process on 127.0.0.1 over a given data directory.
+    """A real ``prometheus`` process on 127.0.0.1 over a given data directory, queried with
+    ``prometheus-api-client``.
 
     Nothing is scraped (the configuration has no targets); rule files, if given, are loaded
-    so that the server validates them, but they only evaluate at the wall clock.
+    so that the server validates them, but they only evaluate at the wall clock. Its log is
+    ``<data_dir>.prometheus.log`` beside the data directory, kept after it stops.
     """
 
     def __init__(
@@ -119,9 +116,8 @@ class Prometheus:
         self.lookback_delta_s = lookback_delta_s
         self.binary = binary
         self.port = 0
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-        self._client = httpx.Client(timeout=30.0)
+        self._process: ManagedProcess | None = None
+        self._client: PrometheusConnect | None = None
 
     @property
     def url(self) -> str:
@@ -129,6 +125,7 @@ class Prometheus:
 
     def start(self) -> None:
         config = self.data_dir.parent / f"{self.data_dir.name}.prometheus.yml"
+        log = self.data_dir.parent / f"{self.data_dir.name}.prometheus.log"
         cfg: dict[str, Any] = {"global": {"evaluation_interval": "5s"}}
         if self.rule_files:
             cfg["rule_files"] = [str(p) for p in self.rule_files]
@@ -136,54 +133,30 @@ class Prometheus:
         last_error = ""
         for _ in range(3):  # a free port can be taken between the probe and the bind
             self.port = free_port()
-            self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
-            self._proc = subprocess.Popen(
-                [
-                    self.binary,
-                    f"--config.file={config}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    f"--storage.tsdb.path={self.data_dir}",
-                    f"--storage.tsdb.retention.time={_RETENTION}",
-                    f"--query.lookback-delta={int(self.lookback_delta_s)}s",
-                ],
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-            )
-            if self._wait_ready():
-                return
-            last_error = self._read_log()
-            self.stop()
+            argv = [
+                self.binary,
+                f"--config.file={config}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                f"--storage.tsdb.path={self.data_dir}",
+                f"--storage.tsdb.retention.time={_RETENTION}",
+                f"--query.lookback-delta={int(self.lookback_delta_s)}s",
+            ]
+            self._process = ManagedProcess(argv, log_path=log, bound_s=None, name="prometheus").start()
+            try:
+                self._process.wait_ready(f"{self.url}/-/ready", timeout_s=_READY_TIMEOUT_S, poll_s=0.1)
+            except ProcessStartError as exc:
+                last_error = str(exc)
+                self.stop()
+                continue
+            self._client = PrometheusConnect(url=self.url, disable_ssl=True, timeout=30)
+            return
         raise BackfillError(f"prometheus did not become ready: {last_error[-2000:]}")
 
-    def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._proc is None or self._proc.poll() is not None:
-                return False
-            with contextlib.suppress(httpx.HTTPError):
-                if self._client.get(f"{self.url}/-/ready").status_code == 200:
-                    return True
-            time.sleep(0.1)
-        return False
-
-    def _read_log(self) -> str:
-        if self._log is None:
-            return ""
-        self._log.seek(0)
-        return str(self._log.read().decode("utf-8", "replace"))
-
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
-        self._proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self._process is not None:
+            self._process.stop(grace_s=10.0)
+            self._process = None
+        self._client = None
 
     def restart(self) -> None:
         self.stop()
@@ -191,7 +164,6 @@ class Prometheus:
 
     def close(self) -> None:
         self.stop()
-        self._client.close()
 
     def __enter__(self) -> Prometheus:
         self.start()
@@ -200,22 +172,34 @@ class Prometheus:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _api(self, path: str, params: Mapping[str, str]) -> Any:
-        resp = self._client.get(f"{self.url}/api/v1/{path}", params=dict(params))
-        body = resp.json()
-        if body.get("status") != "success":
-            raise BackfillError(f"{path} {dict(params)}: {body.get('error', resp.text)}")
-        return body["data"]
+    def _connection(self) -> PrometheusConnect:
+        if self._client is None:
+            raise BackfillError("prometheus is not running")
+        return self._client
 
     def query(self, expr: str, at_unix_s: float) -> list[dict[str, Any]]:
-        data = self._api("query", {"query": expr, "time": f"{at_unix_s:.3f}"})
-        result: list[dict[str, Any]] = data["result"]
-        return result
+        try:
+            result = self._connection().custom_query(expr, params={"time": f"{at_unix_s:.3f}"})
+        except PrometheusApiClientException as exc:
+            raise BackfillError(f"query {expr!r}: {exc}") from exc
+        return list(result)
 
     def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict[str, Any]]:
-        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}s"}
-        result: list[dict[str, Any]] = self._api("query_range", params)["result"]
-        return result
+        # NOTE: custom_query_range rounds start and end to whole seconds; the evaluation grid is
+        # offset by a fraction of a second (``evaluation_offset``), so the exact times are given
+        # as the request's own parameters, which take precedence.
+        exact = {"start": f"{start:.3f}", "end": f"{end:.3f}"}
+        try:
+            result = self._connection().custom_query_range(
+                expr,
+                start_time=datetime.fromtimestamp(start, UTC),
+                end_time=datetime.fromtimestamp(end, UTC),
+                step=f"{step_s:g}s",
+                params=exact,
+            )
+        except PrometheusApiClientException as exc:
+            raise BackfillError(f"query_range {expr!r}: {exc}") from exc
+        return list(result)
 
 
 # --- recording rules over history ----------------------------------------------------------
@@ -381,7 +365,8 @@ def alert_episodes(
     for_s: float,
     keep_firing_for_s: float = 0.0,
 ) -> list[Episode]:
-    """Prometheus' alerting state machine (rules/alerting.go) over evaluation timestamps.
+    """Prometheus' alerting state machine (rules/alerting.go; the detector's own,
+    ``detector.evaluator.AlertStateMachine``) over evaluation timestamps.
 
     ``active[labels]`` lists the evaluation times at which the alert expression returned a
     sample for ``labels``. An alert becomes pending at the first such time ``t0`` and fires at
@@ -393,29 +378,14 @@ def alert_episodes(
     episodes: list[Episode] = []
     for labels, times in active.items():
         hits = set(times)
-        pending_since: float | None = None
-        fired_at: float | None = None
-        empty_since: float | None = None
+        machine = AlertStateMachine(for_s, keep_firing_for_s)
         for t in eval_times:
-            if t in hits:
-                empty_since = None
-                if pending_since is None and fired_at is None:
-                    pending_since = t
-                if fired_at is None and pending_since is not None and t - pending_since >= for_s:
-                    fired_at = t
-                    pending_since = None
-                continue
-            if fired_at is None:
-                pending_since = None
-                continue
-            if empty_since is None:
-                empty_since = t
-            if t - empty_since >= keep_firing_for_s:
-                episodes.append(Episode(labels, fired_at, t))
-                fired_at = None
-                empty_since = None
-        if fired_at is not None:
-            episodes.append(Episode(labels, fired_at, None))
+            if machine.step(t, t in hits) == "resolved":
+                assert machine.fired_at is not None
+                episodes.append(Episode(labels, machine.fired_at, t))
+        if machine.state == "firing":
+            assert machine.fired_at is not None
+            episodes.append(Episode(labels, machine.fired_at, None))
     return sorted(episodes, key=lambda e: (e.fired_at, e.labels))
 
 

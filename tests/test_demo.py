@@ -13,18 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exporter.processes import free_port
 from retrywatch.demo import demo_commands, demo_plan
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+    ports: list[int] = []
+    while len(ports) < n:  # distinct ones
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _value(command: list[str], option: str) -> str:

@@ -22,6 +22,7 @@ from types import TracebackType
 
 import httpx
 
+from exporter.processes import ManagedProcess, ProcessStartError, free_port
 from exporter.redact import redact_text, redact_url
 from reproduce.backends.commands import (
     EngineFlags,
@@ -32,7 +33,6 @@ from reproduce.backends.commands import (
     vllm_command,
 )
 from reproduce.backends.models import ModelConfigError, model_info, prepare_model_dir
-from reproduce.backends.process import ManagedProcess, ProcessStartError, free_port
 
 __all__ = [
     "CPU_ENGINE_NICENESS",

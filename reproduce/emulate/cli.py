@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 
 import click
+
+from exporter.processes import port_taken
 
 __all__ = ["emulate"]
 
@@ -131,10 +132,6 @@ def _raise_open_files_limit() -> None:
 
 def _check_port(host: str, port: int) -> None:
     """Fail with a clear message when the port is taken (before the engine starts)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    reason = port_taken(host, port)
+    if reason is not None:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {reason}")

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import httpx
 
-from tests.exporter.support import Upstream, free_port, stop_process, wait_http
+from exporter.processes import ManagedProcess, free_port
+from tests.exporter.support import Upstream
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def test_floor_forwards_a_stream_whole_with_one_upstream_request(upstream: Upstream) -> None:
+def test_floor_forwards_a_stream_whole_with_one_upstream_request(upstream: Upstream, tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, str(BENCH / "asgi_floor.py"), "--upstream", upstream.url, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
+    with ManagedProcess(cmd, log_path=tmp_path / "floor.log", bound_s=None, name="floor") as proc:
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/", proc=proc)
+        proc.wait_ready(f"{url}/", timeout_s=20, poll_s=0.05, ready=lambda status: status < 500)
         call = uuid.uuid4().hex
         body = {"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 7, "stream": True}
         with httpx.stream(
@@ -33,8 +33,6 @@ def test_floor_forwards_a_stream_whole_with_one_upstream_request(upstream: Upstr
         assert text.count("data: ") == 8  # 7 tokens, then [DONE]
         assert text.rstrip().endswith("data: [DONE]")
         assert len(upstream.requests(call_id=call)) == 1
-    finally:
-        stop_process(proc)
 
 
 def test_attempt_path_benchmark_times_every_gap() -> None:

@@ -15,9 +15,9 @@ import pytest
 from werkzeug.serving import make_server
 
 from dashboard.app import DashboardConfig, create_app
-from dashboard.staticapi import StaticDetectorAPI, synthetic_history
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot, write_series
+from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
 NOW = 1_790_000_000.0  # a fixed "now" (Unix s) so tests do not depend on the wall clock
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dashboard.app import DashboardConfig
-from dashboard.staticapi import StaticDetectorAPI
+from tests.dashboard.staticapi import StaticDetectorAPI
 
 from .conftest import DRAW_TIMEOUT_MS, ENGINE_A, ENGINE_B, Page, ServedApp, loop_alert
 

@@ -3,7 +3,6 @@ itself is exercised as a real process in test_real_detector.py)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from exporter.processes import free_port
 from retrywatch.cli import main
 
 
@@ -33,9 +33,7 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_the_startup_line_masks_credentials(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path / "dashboard.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "retrywatch", "dashboard", "--port", str(port),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import numpy as np
 import pytest
@@ -17,7 +15,8 @@ from dashboard.data import (
     engine_of,
     signals_for_engine,
 )
-from dashboard.staticapi import StaticDetectorAPI
+from exporter.processes import free_port
+from tests.dashboard.staticapi import StaticDetectorAPI
 
 from .conftest import ENGINE_A, ENGINE_B, NOW
 
@@ -110,14 +109,8 @@ def test_signals_for_engine_keeps_only_the_selected_instance(api: StaticDetector
         client.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_unreachable_detector_is_a_clear_error_without_its_credentials() -> None:
-    client = DetectorClient(f"http://ops:s3cretpw@127.0.0.1:{_free_port()}", timeout_s=1.0)
+    client = DetectorClient(f"http://ops:s3cretpw@127.0.0.1:{free_port()}", timeout_s=1.0)
     with pytest.raises(DetectorUnavailable, match="did not answer /alerts") as err:
         client.alerts()
     assert "ops:***@127.0.0.1" in str(err.value) and "s3cretpw" not in str(err.value)

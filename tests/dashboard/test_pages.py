@@ -3,7 +3,6 @@ API shapes and a reproduce output written in the real formats."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,8 @@ from dashboard import figures
 from dashboard.app import Context, DashboardConfig, create_app
 from dashboard.figures import MAX_POINTS
 from dashboard.pages import experiments, history, live
-from dashboard.staticapi import StaticDetectorAPI
+from exporter.processes import free_port
+from tests.dashboard.staticapi import StaticDetectorAPI
 
 from .conftest import ENGINE_A, ENGINE_B, NOW, loop_alert
 
@@ -84,9 +84,7 @@ def test_source_down_is_no_data_never_healthy(api: StaticDetectorAPI) -> None:
 
 
 def test_unreachable_detector_shows_no_data() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = create_app(DashboardConfig(detector_url=f"http://127.0.0.1:{port}", timeout_s=0.5))
     ctx = app.server.config["RETRYWATCH_CONTEXT"]
     banner, _, _, _, *figs, status = live.update(ctx, None, 3600)

@@ -4,11 +4,8 @@ a real HTTP server serving the proxy's counters and runs ``rules/retrywatch.rule
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,20 +17,15 @@ import pytest
 from dashboard.app import DashboardConfig, create_app
 from dashboard.pages import live
 from dashboard.prometheus import PrometheusSignals
-from dashboard.staticapi import StaticDetectorAPI
 from exporter import metricnames as mn
+from exporter.processes import ManagedProcess, free_port
 from exporter.timeseries import format_sample
+from tests.dashboard.staticapi import StaticDetectorAPI
 
 pytestmark = pytest.mark.promtool
 
 RULES = Path(__file__).resolve().parents[2] / "rules" / "retrywatch.rules.yml"
 CAPACITY = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class QuietServer(ThreadingHTTPServer):
@@ -114,7 +106,7 @@ def prometheus(tmp_path: Path, fleet: list[CounterServer]) -> Iterator[str]:
     if binary is None:
         pytest.fail("prometheus not found: install Debian's prometheus package (see .ci/run)")
     targets = ", ".join(f"'127.0.0.1:{t.port}'" for t in fleet)
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -123,32 +115,16 @@ def prometheus(tmp_path: Path, fleet: list[CounterServer]) -> Iterator[str]:
         "  - job_name: retrywatch\n"
         f"    static_configs: [{{targets: [{targets}]}}]\n"
     )
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("Prometheus did not start") from None
-                time.sleep(0.2)
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+    ]
+    with ManagedProcess(argv, log_path=tmp_path / "prometheus.log", bound_s=None, name="Prometheus") as proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(url + "/-/ready", timeout_s=30, poll_s=0.2)
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_prometheus_signals_feed_the_live_page(prometheus: str, fleet: list[CounterServer]) -> None:

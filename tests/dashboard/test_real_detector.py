@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from exporter.processes import ManagedProcess, free_port
 
 from .conftest import Page, write_episode_series
 
@@ -26,56 +25,24 @@ REPLAY_SPEED = 20.0  # run-seconds per wall second: the loop fires ~6 s in, reso
 PROCESS_START_S = 90.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = PROCESS_START_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
-
-
-def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as fh:
-        return subprocess.Popen(
-            [sys.executable, "-m", "retrywatch", *args], stdout=fh, stderr=subprocess.STDOUT
-        )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+def _start(args: list[str], log: Path) -> ManagedProcess:
+    argv = [sys.executable, "-m", "retrywatch", *args]
+    return ManagedProcess(argv, log_path=log, bound_s=None, name=args[0]).start()
 
 
 @pytest.fixture
 def processes(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    started: list[subprocess.Popen[bytes]] = []
+    started: list[ManagedProcess] = []
     yield {"started": started, "tmp": tmp_path}
     for proc in reversed(started):
-        _stop(proc)
+        proc.stop(grace_s=10)
 
 
 def test_live_page_against_the_real_detector(browser: Any, processes: dict[str, Any]) -> None:
     tmp: Path = processes["tmp"]
     series = tmp / "runs" / "episode" / "metrics.jsonl"
     write_episode_series(series)
-    detector_port, dashboard_port = _free_port(), _free_port()
+    detector_port, dashboard_port = free_port(), free_port()
     detector_url = f"http://127.0.0.1:{detector_port}"
     # Both start at once (each takes seconds to import); the replay is paced from its start.
     detector = _start(
@@ -99,8 +66,8 @@ def test_live_page_against_the_real_detector(browser: Any, processes: dict[str, 
     )
     processes["started"].append(dashboard)
     base = f"http://127.0.0.1:{dashboard_port}"
-    _wait_http(base + "/", dashboard)
-    _wait_http(detector_url + "/healthz", detector)
+    dashboard.wait_ready(base + "/", timeout_s=PROCESS_START_S, poll_s=0.2)
+    detector.wait_ready(detector_url + "/healthz", timeout_s=PROCESS_START_S, poll_s=0.2)
 
     tab = Page(browser)
     tab.page.goto(base + "/?range=900")

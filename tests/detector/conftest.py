@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -19,11 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from exporter.processes import ManagedProcess, free_port
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -105,40 +100,25 @@ def http_server() -> Iterator[TestServer]:
     server.close()
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[str]:
     binary = need("prometheus-alertmanager")
     port = free_port()
     cfg = tmp_path / "am.yml"
     cfg.write_text("route:\n  receiver: blackhole\nreceivers:\n  - name: blackhole\n")
-    proc = subprocess.Popen(
-        ["timeout", "120", binary, f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-         f"--storage.path={tmp_path / 'am'}", f"--config.file={cfg}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, 20, "Alertmanager")
+    argv = [binary, f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+            f"--storage.path={tmp_path / 'am'}", f"--config.file={cfg}"]  # fmt: skip
+    with ManagedProcess(argv, log_path=tmp_path / "am.log", bound_s=120, name="Alertmanager") as proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{url}/-/ready", timeout_s=20, poll_s=0.1)
         yield url
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture
 def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str], str]]:
     """Start a real Prometheus scraping ``target`` (host:port) every second as job retrywatch."""
     binary = need("prometheus")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[ManagedProcess] = []
 
     def start(target: str) -> str:
         port = free_port()
@@ -148,19 +128,17 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str], str]]:
             "scrape_configs:\n  - job_name: retrywatch\n    static_configs:\n"
             f"      - targets: ['{target}']\n"
         )
-        proc = subprocess.Popen(
-            ["timeout", "120", binary, f"--web.listen-address=127.0.0.1:{port}",
-             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--config.file={cfg}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        procs.append(proc)
+        argv = [binary, f"--web.listen-address=127.0.0.1:{port}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--config.file={cfg}"]  # fmt: skip
+        proc = ManagedProcess(argv, log_path=tmp_path / "prometheus.log", bound_s=120, name="Prometheus")
+        procs.append(proc.start())
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(f"{url}/-/ready", timeout=1).status_code == 200, 20, "Prometheus")
+        proc.wait_ready(f"{url}/-/ready", timeout_s=20, poll_s=0.1)
         return url
 
     yield start
     for proc in procs:
-        _stop(proc)
+        proc.stop()
 
 
 @pytest.fixture
@@ -183,11 +161,9 @@ def postgres_url() -> Iterator[str]:
     subprocess.run([*prefix, initdb, "-D", str(data), "-U", "rw", "--auth=trust", "-E", "UTF8"],
                    check=True, capture_output=True, timeout=60)  # fmt: skip
     port = free_port()
-    proc = subprocess.Popen(
-        ["timeout", "120", *prefix, postgres, "-D", str(data), "-c", "listen_addresses=127.0.0.1",
-         "-p", str(port), "-k", str(sock), "-c", "fsync=off"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    argv = [*prefix, postgres, "-D", str(data), "-c", "listen_addresses=127.0.0.1",
+            "-p", str(port), "-k", str(sock), "-c", "fsync=off"]  # fmt: skip
+    proc = ManagedProcess(argv, log_path=base / "postgres.log", bound_s=120, name="PostgreSQL").start()
 
     def ready() -> bool:
         import psycopg
@@ -199,7 +175,7 @@ def postgres_url() -> Iterator[str]:
         wait_until(lambda: _pg_ready(ready), 30, "PostgreSQL")
         yield f"postgresql+psycopg://rw@127.0.0.1:{port}/postgres"
     finally:
-        _stop(proc)
+        proc.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 

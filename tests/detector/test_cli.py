@@ -15,8 +15,9 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.store import EpisodeStore
+from exporter.processes import free_port
 from exporter.timeseries import write_series
-from tests.detector.conftest import TestServer, exposition, free_port, wait_until
+from tests.detector.conftest import TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim
 

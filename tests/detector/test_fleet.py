@@ -16,7 +16,8 @@ from detector.api import create_app
 from detector.service import Detector
 from detector.sources.scrape import ScrapeSource
 from detector.store import EpisodeStore
-from tests.detector.conftest import TestServer, exposition, free_port, wait_until
+from exporter.processes import free_port
+from tests.detector.conftest import TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
 
 T0 = 1_800_000_000.0

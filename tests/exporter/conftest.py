@@ -4,8 +4,6 @@ process. Tests of the server itself (``test_server.py``) run ``retrywatch proxy`
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,25 +11,17 @@ from typing import Any
 
 import pytest
 
+from exporter.processes import free_port
 from exporter.proxy import Proxy
 from exporter.server import DrainingServer, ServerConfig
 from exporter.settings import ProxySettings
-from tests.exporter.support import RunningProxy, Upstream, free_port, stop_process, wait_http
+from tests.exporter.support import RunningProxy, Upstream, start_upstream
 
 
 @pytest.fixture(scope="session")
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "exporter.testing.upstream", "--port", str(port)]
-    log = tmp_path_factory.mktemp("upstream") / "upstream.log"  # its crashes log tracebacks
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/health", proc=proc)
-        yield Upstream(url)
-    finally:
-        stop_process(proc)
+    with start_upstream(tmp_path_factory.mktemp("upstream")) as running:
+        yield running
 
 
 @pytest.fixture

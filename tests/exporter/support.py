@@ -1,52 +1,36 @@
-"""Helpers for the proxy's end-to-end tests: ports, processes, scrapes and the counter balance."""
+"""Helpers for the proxy's end-to-end tests: the test upstream and proxy processes, scrapes and the
+counter balance. Processes and ports come from ``exporter.processes``."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.processes import ManagedProcess, free_port
 from exporter.proxy import Proxy
 
+__all__ = [
+    "ProxyProcess",
+    "RunningProxy",
+    "Samples",
+    "Upstream",
+    "balance",
+    "env_without_retrywatch",
+    "free_port",
+    "proxy_process",
+    "start_upstream",
+]
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout_s: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
 
 
 @dataclass
@@ -120,7 +104,7 @@ class ProxyProcess:
 
     url: str
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: ManagedProcess
 
     def peak_rss_kib(self) -> int:
         """The process's peak resident memory so far (Linux: ``VmHWM``)."""
@@ -138,11 +122,26 @@ def proxy_process(upstream_url: str, *args: str, env: dict[str, str] | None = No
     cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", upstream_url, "--port", str(port)]
     cmd += args
     full_env = env_without_retrywatch() | (env or {})
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with tempfile.TemporaryDirectory(prefix="rw-proxy-") as tmp:
+        proc = ManagedProcess(cmd, log_path=Path(tmp) / "proxy.log", bound_s=None, env=full_env, name="proxy")
+        with proc:
+            url = f"http://127.0.0.1:{port}"
+            proc.wait_ready(f"{url}/metrics", timeout_s=20, poll_s=0.05, ready=lambda status: status < 500)
+            yield ProxyProcess(url, port, proc)
+
+
+@contextlib.contextmanager
+def start_upstream(log_dir: Path) -> Iterator[Upstream]:
+    """The test upstream (``tests.exporter.upstream``) as a process on a free loopback port."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.exporter.upstream", "--port", str(port)]
+    proc = ManagedProcess(
+        cmd, log_path=log_dir / "upstream.log", bound_s=None, cwd=ROOT, name="test upstream"
+    )
+    with proc:  # its crashes log tracebacks
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/metrics", proc=proc)
-        yield ProxyProcess(url, port, proc)
-    finally:
-        if proc.poll() is None:
-            stop_process(proc)
+        proc.wait_ready(f"{url}/health", timeout_s=20, poll_s=0.05)
+        yield Upstream(url)
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: ``python -m tests...`` runs from it

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
+import signal
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 from click.testing import CliRunner
 
 from exporter.cli import proxy
-from tests.exporter.support import Upstream, env_without_retrywatch, free_port, stop_process, wait_http
+from exporter.processes import ManagedProcess, free_port
+from tests.exporter.support import Upstream, env_without_retrywatch
 
 
-def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upstream) -> None:
+def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upstream, tmp_path: Path) -> None:
     port = free_port()
     env = env_without_retrywatch() | {
         "RETRYWATCH_UPSTREAM": upstream.url,
@@ -26,10 +28,10 @@ def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upst
         "RETRYWATCH_NO_SUCH_OPTION": "ignored",
     }
     cmd = [sys.executable, "-m", "retrywatch", "proxy", "--cancellation", "off", "--drain-timeout", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    proc = ManagedProcess(cmd, log_path=tmp_path / "proxy.log", bound_s=None, env=env, name="proxy")
+    with proc:
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/metrics", proc=proc)
+        proc.wait_ready(f"{url}/metrics", timeout_s=20, poll_s=0.05)
         body = {"model": "test-model", "prompt": [1, 2], "max_tokens": 2}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " t0 t1"
@@ -45,14 +47,11 @@ def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upst
         t.start()
         wait_for_request(upstream, call)
         began = time.monotonic()
-        proc.terminate()
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert time.monotonic() - began < 20
         t.join()
         wait_for_request(upstream, call, aborted=True)
-    finally:
-        if proc.poll() is None:
-            stop_process(proc)
 
 
 def _post_quietly(url: str, body: dict[str, object], headers: dict[str, str]) -> None:

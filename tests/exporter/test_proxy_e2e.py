@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.exporter.support import RunningProxy, Upstream, balance, free_port
+from exporter.processes import free_port
+from tests.exporter.support import RunningProxy, Upstream, balance
 
 StartProxy = Callable[..., RunningProxy]
 

@@ -20,14 +20,9 @@ import httpx
 import pytest
 
 from exporter import metricnames
+from exporter.processes import free_port
 
 PRESET = "qwen2.5-7b-h100"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

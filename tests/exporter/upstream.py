@@ -46,7 +46,7 @@ record, so a test can tell whose answer a client received. It also serves ``/met
 ``vllm:`` families with vLLM's counting rules), ``/v1/models``, ``/health`` and ``/version``.
 Prompt text is never stored: only its length.
 
-Run: ``python -m exporter.testing.upstream --port 8000``.
+Run: ``python -m tests.exporter.upstream --port 8000``.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class HookedProtocol(HttpToolsProtocol):
 def _connection(scope: Scope) -> ConnectionHook:
     hook = scope.get("extensions", {}).get(CONNECTION_EXTENSION)
     if not isinstance(hook, ConnectionHook):
-        raise RuntimeError("the test upstream needs its own server: python -m exporter.testing.upstream")
+        raise RuntimeError("the test upstream needs its own server: python -m tests.exporter.upstream")
     return hook
 
 

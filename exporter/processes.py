@@ -1,10 +1,14 @@
-"""A server process the harness starts itself: bounded by ``timeout``, awaited on HTTP, stopped by PID.
+"""Processes the project starts itself: a free port, a server started, awaited on HTTP and stopped
+by PID, its log kept. The one such utility: the demo, the reproduce harness (vLLM, the emulated
+engine, the proxy, the detector), the rules harness (Prometheus), the tests and the benchmarks
+all use it.
 
-Every process runs under coreutils ``timeout`` (nothing outlives its bound, even if the harness
-dies; on Linux ``timeout`` is also sent SIGTERM when the harness dies) in its own process group;
-``stop`` signals that group by the PID we started (SIGTERM, then SIGKILL after a grace period),
-which reaches vLLM's engine-core child as well. Output goes to a log file whose tail is quoted
-when the process fails to become ready.
+A process runs in its own process group, optionally under coreutils ``timeout`` (``bound_s``:
+nothing outlives its bound, even if the starter dies); on Linux it is also sent SIGTERM when the
+process that started it dies. ``stop`` signals that group by the PID we started (SIGTERM, then
+SIGKILL after a grace period), which reaches children such as vLLM's engine core as well. Output
+goes to a log file, kept after the process ends, whose tail is quoted when the process fails to
+become ready.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import IO
 
 import httpx
 
-__all__ = ["ManagedProcess", "ProcessStartError", "free_port", "log_tail"]
+__all__ = ["ManagedProcess", "ProcessStartError", "free_port", "log_tail", "port_taken"]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -70,6 +74,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` right now (the OS's reason), or None if it
+    could."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def log_tail(path: Path, max_chars: int = 3_000) -> str:
     """The last ``max_chars`` characters of a log file ('' if it does not exist)."""
     try:
@@ -83,20 +100,23 @@ def log_tail(path: Path, max_chars: int = 3_000) -> str:
 
 
 class ManagedProcess:
-    """One child server: ``start()``, ``wait_ready(url)``, ``stop()``; also a context manager."""
+    """One child server: ``start()``, ``wait_ready(url)``, ``stop()``; also a context manager.
+
+    ``bound_s``: the longest it may run (under coreutils ``timeout``); None: no bound, and
+    :attr:`pid` is the server's own."""
 
     def __init__(
         self,
         argv: Sequence[str],
         *,
         log_path: Path,
-        bound_s: float,
+        bound_s: float | None,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         name: str = "server",
         niceness: int = 0,
     ) -> None:
-        if bound_s <= 0:
+        if bound_s is not None and bound_s <= 0:
             raise ValueError(f"bound_s must be > 0 seconds, got {bound_s}")
         if not 0 <= niceness <= 19:
             raise ValueError(f"niceness must be in 0..19, got {niceness}")
@@ -114,11 +134,14 @@ class ManagedProcess:
 
     @property
     def pid(self) -> int | None:
-        """PID of the ``timeout`` wrapper, which leads the process group; None before start."""
+        """PID of the process group's leader (the ``timeout`` wrapper when bounded); None before
+        start."""
         return None if self._proc is None else self._proc.pid
 
     def command(self) -> list[str]:
         """The full argv run, ``timeout`` wrapper included."""
+        if self.bound_s is None:
+            return list(self.argv)
         # --kill-after: SIGKILL the group if it ignores SIGTERM at the bound.
         return ["timeout", "--kill-after=10", f"{self.bound_s:.0f}", *self.argv]
 
@@ -143,11 +166,31 @@ class ManagedProcess:
         """Exit code if the process has ended, else None."""
         return None if self._proc is None else self._proc.poll()
 
-    def wait_ready(self, url: str, *, timeout_s: float, poll_s: float = 0.5) -> float:
-        """Poll ``GET url`` until it answers 200; return the seconds waited.
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the process we started (the group's leader) only."""
+        if self._proc is not None:
+            self._proc.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to end; its exit code (``subprocess.TimeoutExpired`` if it
+        does not end within ``timeout`` seconds)."""
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} not started")
+        return self._proc.wait(timeout=timeout)
+
+    def wait_ready(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        poll_s: float = 0.5,
+        ready: Callable[[int], bool] = lambda status: status == 200,
+    ) -> float:
+        """Poll ``GET url`` until its status is ``ready`` (200 by default); return the seconds
+        waited.
 
         Raises ``ProcessStartError`` (with the log tail) if the process exits or the wait
-        exceeds ``timeout_s``.
+        exceeds ``timeout_s`` (then the process is stopped).
         """
         if self._proc is None:
             raise RuntimeError(f"{self.name} not started")
@@ -161,7 +204,7 @@ class ManagedProcess:
                         f"log {self.log_path}:\n{log_tail(self.log_path)}"
                     )
                 try:
-                    if client.get(url).status_code == 200:
+                    if ready(client.get(url).status_code):
                         return time.monotonic() - start
                 except httpx.TransportError:
                     pass

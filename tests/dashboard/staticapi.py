@@ -1,4 +1,5 @@
-"""A detector-API-shaped HTTP server over data held in memory (docs/architecture.md shapes).
+"""A test double of the detector: a detector-API-shaped HTTP server over data held in memory
+(the shapes of docs/architecture.md).
 
 It evaluates nothing: it serves the alerts, episodes and signal history it is given, so the
 dashboard can be benchmarked at a chosen scale (``bench/bench_dashboard.py``: 6 h of 5-s history

@@ -1,1 +1,0 @@
-"""Test helpers for the proxy: an OpenAI-compatible streaming upstream written for testing it."""
