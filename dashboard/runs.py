@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from exporter import metricnames as mn
+from exporter.ratios import PROMPT_TOKEN_GAP, Ratio
 from exporter.timeseries import Snapshot, read_series
 
 RATE_WINDOW_S = 30.0
@@ -195,10 +196,20 @@ def series_signals(
     counted, admitted = rate(mn.VLLM_PROMPT_TOKENS), rate(mn.VLLM_PREFIX_CACHE_QUERIES)
     out["prompt_tokens_counted_rate"] = pts(counted)
     out["prompt_tokens_admitted_rate"] = pts(admitted)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out["prompt_token_gap"] = pts(np.where(admitted > 0, 1.0 - counted / admitted, math.nan))
+    out["prompt_token_gap"] = pts(_ratio_series(PROMPT_TOKEN_GAP, out))
     # Drop signals the series does not carry at all, so panels say "no data" honestly.
     return {k: v for k, v in out.items() if np.isfinite(v[:, 1]).any()}
+
+
+def _ratio_series(ratio: Ratio, signals: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``ratio`` (the detector's definition) at every snapshot, NaN where unknown."""
+    columns = {name: signals[name][:, 1] for name in ratio.inputs}
+    out = np.full(len(next(iter(columns.values()))), math.nan)
+    for i in range(out.size):
+        value = ratio.value({name: None if math.isnan(c[i]) else float(c[i]) for name, c in columns.items()})
+        if value is not None:
+            out[i] = value
+    return out
 
 
 def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarray]:

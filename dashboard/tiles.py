@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dashboard.figures import Points, latest
+from exporter.ratios import RATIOS
+
+RATIOS_BY_NAME = {ratio.name: ratio for ratio in RATIOS}
 
 Status = Literal["ok", "alert", "nodata"]
 
@@ -74,25 +77,17 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
-    """The newest value of a tile's ratio: the detector's signal, else computed from its parts."""
-    if key != "delivered_share":
+    """The newest value of a tile's ratio: the detector's signal, else computed from its parts
+    with the detector's own definition (``exporter.ratios``)."""
+    ratio = RATIOS_BY_NAME.get(key)
+    if ratio is not None:
         direct = latest(signals.get(key))
         if direct is not None:
             return direct
-    if key == "creation_capacity_ratio":
-        return _ratio(latest(signals.get("execution_creation_rate")), latest(signals.get("capacity")))
-    if key == "queue_littles_law_ratio":
-        waiting = latest(signals.get("vllm_waiting"))
-        queued = latest(signals.get("proxy_queued")) or 0.0
-        rate, deadline = latest(signals.get("execution_creation_rate")), latest(signals.get("deadline"))
-        level = None if rate is None or deadline is None else rate * deadline
-        return _ratio(None if waiting is None else waiting + queued, level)
-    if key == "prompt_token_gap":
-        ratio = _ratio(
-            latest(signals.get("prompt_tokens_counted_rate")),
-            latest(signals.get("prompt_tokens_admitted_rate")),
-        )
-        return None if ratio is None else 1.0 - ratio
+        parts = {name: latest(signals.get(name)) for name in ratio.inputs}
+        if "vllm_waiting" in parts and parts["vllm_waiting"] is None:
+            return None  # as in the detector: without vLLM's waiting queue, no signal at all
+        return ratio.value(parts)
     if key == "delivered_share":
         completed = latest(signals.get("completion_rate_completed"))
         orphaned = latest(signals.get("completion_rate_orphaned")) or 0.0

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from exporter import metricnames as mn
+from exporter.ratios import RATIOS
 from exporter.timeseries import Snapshot
 
 
@@ -140,7 +140,7 @@ def _data_missing_promql() -> str:
     )
 
 
-SIGNALS: tuple[SignalSpec, ...] = (
+_BASE_SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec(
         "attempt_rate_first",
         "1/s",
@@ -250,90 +250,39 @@ SIGNALS: tuple[SignalSpec, ...] = (
         _r("client_deadline:seconds"),
         _gauge(mn.CLIENT_DEADLINE, "max", " > 0"),
     ),
-    SignalSpec(
-        "prompt_token_gap",
-        "ratio",
-        "Share of admitted prompt tokens vLLM's counter misses (5 min).",
-        _r("prompt_token_gap:ratio5m"),
-        f"1 - {_r('prompt_tokens_counted:rate5m')} / ({_r('prompt_tokens_admitted:rate5m')} > 0)",
-    ),
-    SignalSpec(
-        "executions_per_first_attempt",
-        "ratio",
-        "Executions created per first attempt.",
-        _r("executions_per_first_attempt:ratio1m"),
-        f"{_r('executions_created:rate1m')} / ({_r('attempts_first:rate1m')} > 0)",
-    ),
-    SignalSpec(
-        "creation_capacity_ratio",
-        "ratio",
-        "Execution creation rate over Ĉ.",
-        _r("creation_capacity:ratio1m"),
-        f"{_r('executions_created:rate1m')} / {_r('capacity:calls_per_second')}",
-    ),
-    SignalSpec(
-        "completion_capacity_ratio",
-        "ratio",
-        "Executions the engine completed (delivered or orphaned) over Ĉ.",
-        _r("completion_capacity:ratio1m"),
-        f"({_r('executions_completed:rate1m')} + {_r('executions_orphaned:rate1m')})"
-        f" / {_r('capacity:calls_per_second')}",
-    ),
-    SignalSpec(
-        "waiting_littles_law_ratio",
-        "ratio",
-        "vLLM waiting over attempt rate × deadline.",
-        _r("waiting_littles_law:ratio1m"),
-        f"{_r('vllm_waiting:sum')} / (({_r('attempts:rate1m')} * {_r('client_deadline:seconds')}) > 0)",
-    ),
-    SignalSpec(
-        "queue_littles_law_ratio",
-        "ratio",
-        "Executions waiting (vLLM waiting + the proxy's queue) over execution creation rate × deadline:"
-        " 1 when every execution waits out its client's deadline (Little's law).",
-        _r("queue_littles_law:ratio1m"),
-        f"{_r('queue_executions:sum')}"
-        f" / (({_r('executions_created:rate1m')} * {_r('client_deadline:seconds')}) > 0)",
-    ),
-    SignalSpec(
-        "backlog_seconds",
-        "s",
-        "Executions in the engine (waiting + running) and the proxy queue, in seconds at Ĉ: by Little's"
-        " law, how long a new execution takes to complete.",
-        _r("backlog:seconds"),
-        f"({_r('vllm_waiting:sum')} + {_r('vllm_running:sum')} + {_r('executions_queued:sum')})"
-        f" / {_r('capacity:calls_per_second')}",
-    ),
-    SignalSpec(
-        "backlog_deadline_ratio",
-        "ratio",
-        "The backlog in deadlines.",
-        _r("backlog_deadline:ratio"),
-        f"{_r('backlog:seconds')} / {_r('client_deadline:seconds')}",
-    ),
-    SignalSpec(
-        "goodput_ratio",
-        "ratio",
-        "Calls delivered within the deadline per first attempt.",
-        _r("goodput:ratio1m"),
-        f"{_r('calls_delivered_within_deadline:rate1m')} / ({_r('attempts_first:rate1m')} > 0)",
-    ),
-    SignalSpec(
-        "orphaned_fraction",
-        "ratio",
-        "Share of the engine's completions that were orphaned.",
-        _r("orphaned:ratio1m"),
-        f"{_r('executions_orphaned:rate1m')} / "
-        f"(({_r('executions_completed:rate1m')} + {_r('executions_orphaned:rate1m')}) > 0)",
-    ),
-    SignalSpec(
-        "cancelled_fraction",
-        "ratio",
-        "Share of the executions the engine finished or aborted that were cancelled.",
-        _r("cancelled:ratio1m"),
-        f"{_r('executions_cancelled:rate1m')} / (({_r('executions_completed:rate1m')}"
-        f" + {_r('executions_orphaned:rate1m')} + {_r('executions_cancelled:rate1m')}) > 0)",
-    ),
+)
+
+# The derived ratios (exporter/ratios.py: one definition each) and their recording rules.
+RATIO_RECORDS: dict[str, str] = {
+    "prompt_token_gap": "prompt_token_gap:ratio5m",
+    "executions_per_first_attempt": "executions_per_first_attempt:ratio1m",
+    "creation_capacity_ratio": "creation_capacity:ratio1m",
+    "completion_capacity_ratio": "completion_capacity:ratio1m",
+    "waiting_littles_law_ratio": "waiting_littles_law:ratio1m",
+    "queue_littles_law_ratio": "queue_littles_law:ratio1m",
+    "backlog_seconds": "backlog:seconds",
+    "backlog_deadline_ratio": "backlog_deadline:ratio",
+    "goodput_ratio": "goodput:ratio1m",
+    "orphaned_fraction": "orphaned:ratio1m",
+    "cancelled_fraction": "cancelled:ratio1m",
+}
+
+
+def _ratio_specs() -> list[SignalSpec]:
+    """One signal per derived ratio, its PromQL over the records of the signals it reads (the
+    signals above, and the ratios before it)."""
+    records = {spec.name: spec.record for spec in _BASE_SIGNALS}
+    specs = []
+    for ratio in RATIOS:
+        record = _r(RATIO_RECORDS[ratio.name])
+        specs.append(SignalSpec(ratio.name, ratio.unit, ratio.help, record, ratio.promql(records)))
+        records[ratio.name] = record
+    return specs
+
+
+SIGNALS: tuple[SignalSpec, ...] = (
+    *_BASE_SIGNALS,
+    *_ratio_specs(),
     SignalSpec(
         "queue_growth_rate",
         "executions/s",
@@ -626,20 +575,19 @@ class SignalEngine:
 
         v["attempt_rate_first"] = first = rate("attempts_first")
         v["attempt_rate_retry"] = retry = rate("attempts_retry")
-        v["attempt_rate"] = attempts = _add(first, retry)
-        v["execution_creation_rate"] = created = rate("created")
+        v["attempt_rate"] = _add(first, retry)
+        v["execution_creation_rate"] = rate("created")
         for fate in mn.FATES:
             v[f"completion_rate_{fate}"] = rate(f"finished_{fate}")
         v["shed_rate"] = rate("shed")
         v["attached_rate"] = rate("attached")
-        v["delivered_rate_within_deadline"] = within = rate("delivered_within")
+        v["delivered_rate_within_deadline"] = rate("delivered_within")
         v["delivered_rate_late"] = rate("delivered_late")
-        v["prompt_tokens_counted_rate"] = counted = rate("prompt_tokens", w.prompt_gap_s)
-        v["prompt_tokens_admitted_rate"] = admitted = rate("prefix_queries", w.prompt_gap_s)
+        v["prompt_tokens_counted_rate"] = rate("prompt_tokens", w.prompt_gap_s)
+        v["prompt_tokens_admitted_rate"] = rate("prefix_queries", w.prompt_gap_s)
         v["vllm_waiting"] = waiting = self._gauge(hist, "waiting", now)
         v["vllm_running"] = self._gauge(hist, "running", now)
-        queued_gauge = self._gauge(hist, "queued", now)
-        v["proxy_queued"] = queued_gauge
+        v["proxy_queued"] = self._gauge(hist, "queued", now)
         v["capacity"] = capacity = self._capacity(hist, now)
         if self.config.deadline is not None:
             deadline: float | None = self.config.deadline
@@ -647,31 +595,8 @@ class SignalEngine:
             g = self._gauge(hist, "deadline_gauge", now)
             deadline = g if g is not None and g > 0 else None
         v["deadline"] = deadline
-        v["prompt_token_gap"] = (
-            1.0 - (counted or 0.0) / admitted if admitted is not None and admitted > 0 else None
-        )
-        v["executions_per_first_attempt"] = _div(created, first)
-        v["creation_capacity_ratio"] = _div(created, capacity)
-        completed = v["completion_rate_completed"]
-        orphaned = v["completion_rate_orphaned"]
-        engine_done = _add(completed, orphaned)
-        v["completion_capacity_ratio"] = _div(engine_done, capacity)
-        little = attempts * deadline if attempts is not None and deadline is not None else None
-        v["waiting_littles_law_ratio"] = _div(waiting, little)
-        # NOTE: shed and attached attempts wait in no queue; every created execution waits in the
-        # proxy's queue or the engine's until it runs or its deadline passes.
-        waiting_all = _add(waiting, queued_gauge) if waiting is not None else None
-        per_deadline = created * deadline if created is not None and deadline is not None else None
-        v["queue_littles_law_ratio"] = _div(waiting_all, per_deadline)
-        # NOTE: running executions count: at Ĉ a new execution completes only after everything
-        # in the engine ahead of and beside it (Little's law), which is what its deadline measures.
-        queue = _add(waiting_all, v["vllm_running"])
-        v["backlog_seconds"] = backlog = _div(queue, capacity)
-        v["backlog_deadline_ratio"] = _div(backlog, deadline)
-        v["goodput_ratio"] = _div(within, first)
-        v["orphaned_fraction"] = _div(orphaned, engine_done)
-        cancelled = v["completion_rate_cancelled"]
-        v["cancelled_fraction"] = _div(cancelled, _add(engine_done, cancelled))
+        for ratio in RATIOS:  # each reads signals computed above, or a ratio before it
+            v[ratio.name] = ratio.value(v)
         v["queue_growth_rate"] = self._deriv(hist, ("waiting", "queued"), now, w.rate_s)
 
         missing: list[str] = []
@@ -702,13 +627,3 @@ def _add(a: float | None, b: float | None) -> float | None:
     if a is None and b is None:
         return None
     return (a or 0.0) + (b or 0.0)
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b <= 0:
-        return None
-    return a / b
-
-
-def signal_values(frames: Iterable[SignalFrame]) -> Mapping[EngineLabels, Mapping[str, float | None]]:
-    return {f.labels: f.values for f in frames}

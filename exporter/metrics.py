@@ -22,6 +22,8 @@ from prometheus_client.registry import Collector
 
 from exporter import metricnames as mn
 from exporter.policy import AttemptKind, Fate, Policy, ShedReason
+from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
+from exporter.timeseries import parse_exposition
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0)
@@ -34,23 +36,32 @@ def _base(name: str) -> str:
 
 
 def scan_vllm(text: str, names: tuple[str, ...] = _VLLM_SCANNED) -> dict[str, float]:
-    """Sum the samples of a few families (over all label sets) from an exposition text."""
-    totals: dict[str, float] = {}
+    """Sum the samples of a few families (over all label sets) from an exposition text.
+
+    NOTE: this runs on the event loop every second. Only the lines of the wanted families are
+    handed to prometheus_client's parser: a whole vLLM exposition (hundreds of histogram
+    lines) takes it milliseconds, the few wanted lines microseconds (``bench/bench_scan.py``).
+    A line the parser refuses is skipped, as a scrape of it would be."""
     wanted = set(names)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        head = line.split(" ", 1)[0]
-        name = head.split("{", 1)[0]
-        if name not in wanted:
-            continue
-        rest = line[line.rindex("}") + 1 :] if "{" in head else line[len(name) :]
+    lines = [line for line in text.splitlines() if line.startswith(names)]
+    totals: dict[str, float] = {}
+    for line in lines:
         try:
-            value = float(rest.split()[0])
-        except (ValueError, IndexError):
+            samples = parse_exposition(line)
+        except ValueError:
             continue
-        totals[name] = totals.get(name, 0.0) + value
+        for name, _, value in samples:
+            if name in wanted:
+                totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def _none_if_nan(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def _nan_if_unknown(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 @dataclass(frozen=True)
@@ -94,16 +105,22 @@ class SlidingWindow:
         return float(vb - va) / (b.t - a.t)
 
     def prompt_token_gap(self) -> float:
-        # Between the oldest and the newest samples that carry the upstream's counters (samples
-        # taken while the passthrough had nothing, e.g. at start-up, are skipped).
-        known = [s for s in self.samples if s.prompt_tokens is not None and s.prefix_queries is not None]
-        if len(known) < 2 or known[-1].t <= known[0].t:
+        """``exporter.ratios.PROMPT_TOKEN_GAP`` between the oldest and the newest samples that
+        carry the upstream's counters (samples taken while the passthrough had nothing, e.g. at
+        start-up, are skipped); NaN when unknown."""
+        known = [
+            (s.t, s.prompt_tokens, s.prefix_queries)
+            for s in self.samples
+            if s.prompt_tokens is not None and s.prefix_queries is not None
+        ]
+        if len(known) < 2 or known[-1][0] <= known[0][0]:
             return math.nan
-        a, b = known[0], known[-1]
-        admitted = b.prefix_queries - a.prefix_queries  # type: ignore[operator]
-        if admitted <= 0:
-            return math.nan
-        return 1.0 - (b.prompt_tokens - a.prompt_tokens) / admitted  # type: ignore[operator]
+        (t0, counted0, admitted0), (t1, counted1, admitted1) = known[0], known[-1]
+        rates = {
+            "prompt_tokens_counted_rate": (counted1 - counted0) / (t1 - t0),
+            "prompt_tokens_admitted_rate": (admitted1 - admitted0) / (t1 - t0),
+        }
+        return _nan_if_unknown(PROMPT_TOKEN_GAP.value(rates))
 
     def latest_waiting(self) -> float | None:
         return self.samples[-1].waiting if self.samples else None
@@ -201,17 +218,21 @@ class PolicyCollector(Collector):
             mn.EXECUTION_CREATION_RATE, "Executions created per second over the window.", value=creation
         )
         yield GaugeMetricFamily(mn.ATTEMPT_RATE, "Attempts per second over the window.", value=attempt_rate)
-        ratio = creation / capacity if self.capacity else math.nan
-        yield GaugeMetricFamily(mn.CREATION_CAPACITY_RATIO, "Execution creation rate over Ĉ.", value=ratio)
-        waiting = w.latest_waiting()
-        denominator = attempt_rate * deadline
-        littles = waiting / denominator if waiting is not None and denominator > 0 else math.nan
-        yield GaugeMetricFamily(
-            mn.WAITING_LITTLES_LAW_RATIO, "vLLM waiting / (attempt rate × deadline).", value=littles
-        )
+        # The ratios are the detector's (exporter.ratios), over this window's rates.
+        signals = {
+            "execution_creation_rate": _none_if_nan(creation),
+            "attempt_rate": _none_if_nan(attempt_rate),
+            "capacity": self.capacity,
+            "deadline": self.policy.deadline_s,
+            "vllm_waiting": w.latest_waiting(),
+        }
+        ratio = _nan_if_unknown(CREATION_CAPACITY_RATIO.value(signals))
+        yield GaugeMetricFamily(mn.CREATION_CAPACITY_RATIO, CREATION_CAPACITY_RATIO.help, value=ratio)
+        littles = _nan_if_unknown(WAITING_LITTLES_LAW_RATIO.value(signals))
+        yield GaugeMetricFamily(mn.WAITING_LITTLES_LAW_RATIO, WAITING_LITTLES_LAW_RATIO.help, value=littles)
         yield GaugeMetricFamily(
             mn.PROMPT_TOKEN_GAP_RATIO,
-            "1 − Δ prompt tokens / Δ prefix cache queries over the window.",
+            "Share of admitted prompt tokens vLLM's counter misses, over the window.",
             value=w.prompt_token_gap(),
         )
 
