@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import httpx
@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from exporter import sse
 from exporter.admin import executions_listing
 from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
 from exporter.metrics import ProxyMetrics
@@ -84,7 +85,6 @@ ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
 SAMPLE_INTERVAL_S = 1.0
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
-DONE_EVENT = b"data: [DONE]\n\n"  # the end of an OpenAI-style stream
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
 
 
@@ -92,35 +92,16 @@ def _json_response(status: int, body: bytes, headers: dict[str, str] | None = No
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def _error_event(obj: bytes) -> dict[str, Any] | None:
+def _error_event(event: bytes) -> Mapping[str, Any] | None:
     """The error object if an SSE event is ``data: {"error": ...}`` (vLLM's in-stream error)."""
-    event = obj.strip()
-    if not event.startswith(b"data:"):
-        return None
-    payload = event[5:].strip()
-    if not payload.startswith(b"{") or b"error" not in payload[:64]:
+    payload = sse.event_payload(event)
+    # Parsed only when it can be an error: the first event of every stream comes this way.
+    if payload is None or not payload.startswith("{") or "error" not in payload[:64]:
         return None
     try:
-        parsed = json.loads(payload)
+        return sse.error_of(sse.event_json(payload))
     except ValueError:
         return None
-    if not isinstance(parsed, dict):
-        return None
-    error = parsed.get("error")
-    if isinstance(error, dict):
-        return error
-    if parsed.get("object") == "error":
-        return parsed
-    return None
-
-
-def _error_code(error: dict[str, Any]) -> int | None:
-    code = error.get("code")
-    if isinstance(code, int):
-        return code
-    if isinstance(code, str) and code.isdigit():
-        return int(code)
-    return None
 
 
 def _upstream_message(raw: bytes, default: str) -> str:
@@ -510,14 +491,14 @@ class Proxy:
         the completion in the same callback that appends ``[DONE]``, before any subscriber can
         read it."""
         append = relay.append
-        n = len(DONE_EVENT)
+        n = len(sse.DONE_EVENT)
         last = b""  # the stream's last bytes, enough to see a [DONE] split across chunks
 
         def sink(data: bytes) -> None:
             nonlocal last
             append(data)
             last = data if len(data) >= n else (last + data)[-n:]
-            if last.endswith(DONE_EVENT) and relay.outcome is None:
+            if last.endswith(sse.DONE_EVENT) and relay.outcome is None:
                 self._complete(relay)
 
         return sink
@@ -535,7 +516,7 @@ class Proxy:
         error = _error_event(event)
         if error is None:
             return False
-        code = _error_code(error)
+        code = sse.error_code(error)
         message = str(error.get("message") or "the engine reported an error")[:500]
         if code == 503:
             self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from exporter import sse
 from reproduce.client import AttemptOutcome
 
 __all__ = ["AttemptResult", "completion_body", "parse_retry_after", "run_attempt"]
@@ -67,17 +68,14 @@ def parse_retry_after(value: str | None) -> float | None:
     return seconds if seconds >= 0 else None
 
 
-def _error_code(event: dict[str, object]) -> int | None:
-    error = event.get("error")
-    if not isinstance(error, dict):
+def _error_outcome(obj: object) -> tuple[AttemptOutcome, int | None] | None:
+    """How an error in an event or a body ends the attempt (refused for code 503, else failed)
+    and the code it carried; None if ``obj`` is not an error."""
+    error = sse.error_of(obj)
+    if error is None:
         return None
-    code = error.get("code")
-    if isinstance(code, int | str):
-        try:
-            return int(code)
-        except ValueError:
-            pass
-    return -1
+    code = sse.error_code(error)
+    return (AttemptOutcome.REFUSED if code == 503 else AttemptOutcome.FAILED), code
 
 
 async def _read_json_answer(response: httpx.Response, clock: Callable[[], float]) -> AttemptResult:
@@ -91,9 +89,9 @@ async def _read_json_answer(response: httpx.Response, clock: Callable[[], float]
             AttemptOutcome.FAILED, first_byte_at, clock(), response.status_code, error="bad body"
         )
     if isinstance(body, dict):
-        code = _error_code(body)
-        if code is not None:
-            outcome = AttemptOutcome.REFUSED if code == 503 else AttemptOutcome.FAILED
+        error = _error_outcome(body)
+        if error is not None:
+            outcome, code = error
             return AttemptResult(outcome, None, clock(), response.status_code, error=f"error body {code}")
         choices = body.get("choices")
         if isinstance(choices, list) and choices:
@@ -138,26 +136,26 @@ async def run_attempt(
                     return await _read_json_answer(response, clock)
                 finished = False
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                    data = sse.event_payload(line)
+                    if data is None:
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == sse.DONE:
                         if finished:
                             return AttemptResult(
                                 AttemptOutcome.DELIVERED, first_byte_at, clock(), status, None, tokens
                             )
                         break
                     try:
-                        event = json.loads(data)
+                        event = sse.event_json(data)
                     except ValueError:
                         return AttemptResult(
                             AttemptOutcome.FAILED, first_byte_at, clock(), status, error="bad event"
                         )
                     if not isinstance(event, dict):
                         continue
-                    code = _error_code(event)
-                    if code is not None:
-                        outcome = AttemptOutcome.REFUSED if code == 503 else AttemptOutcome.FAILED
+                    error = _error_outcome(event)
+                    if error is not None:
+                        outcome, code = error
                         return AttemptResult(
                             outcome, first_byte_at, clock(), status, error=f"error event {code}"
                         )
