@@ -75,7 +75,7 @@ class Context:
         return value
 
     def runs(self) -> RunsDir | None:
-        """The reproduce output given with ``--runs`` (read once; RunsDirError if broken)."""
+        """The reproduce output given with ``--runs`` (read once; RunDirError if broken)."""
         if self.config.runs_dir is None:
             return None
         with self._runs_lock:

@@ -20,6 +20,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from detector.rundir import RunDirError
+
 # --- palette (Okabe & Ito, 2008) -------------------------------------------------------
 BLACK = "#000000"
 ORANGE = "#E69F00"
@@ -39,10 +41,6 @@ MAX_SHADES = 60  # alert spans drawn per panel (the newest ones)
 
 XKind = Literal["date", "seconds"]
 Points = Sequence[Sequence[float]] | np.ndarray
-
-
-class SummaryError(ValueError):
-    """A reproduce summary run lacks a field a figure needs, or holds an impossible value."""
 
 
 @dataclass(frozen=True)
@@ -458,7 +456,7 @@ def episodes_timeline_figure(
 def _require(run: Mapping[str, Any], key: str) -> Any:
     if key not in run:
         ident = run.get("series") or run.get("condition") or "?"
-        raise SummaryError(f"summary run {ident!r} has no {key!r} field")
+        raise RunDirError(f"summary run {ident!r} has no {key!r} field")
     return run[key]
 
 
@@ -496,7 +494,7 @@ def cohort_shares(run: Mapping[str, Any], cohort: str) -> tuple[float, float, fl
     """
     delivery = _require(run, "delivery")
     if cohort not in delivery:
-        raise SummaryError(f"summary run {run.get('series', '?')!r} has no delivery for cohort {cohort!r}")
+        raise RunDirError(f"summary run {run.get('series', '?')!r} has no delivery for cohort {cohort!r}")
     entry = delivery[cohort]
     if entry.get("within_deadline") is None and entry.get("by_horizon") is None:
         return None
@@ -504,14 +502,14 @@ def cohort_shares(run: Mapping[str, Any], cohort: str) -> tuple[float, float, fl
         within = float(entry["within_deadline"])
         horizon = float(entry["by_horizon"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise SummaryError(
+        raise RunDirError(
             f"delivery[{cohort!r}] needs numeric within_deadline and by_horizon: {exc}"
         ) from exc
     calls = entry.get("calls") or entry.get("offered")
     if (within > 1.0 or horizon > 1.0) and calls:
         within, horizon = within / float(calls), horizon / float(calls)
     if not (0.0 <= within <= horizon + 1e-9 and horizon <= 1.0 + 1e-9):
-        raise SummaryError(
+        raise RunDirError(
             f"delivery[{cohort!r}] shares must satisfy 0 <= within_deadline <= by_horizon <= 1, "
             f"got {within} and {horizon}"
         )
@@ -607,9 +605,7 @@ def creation_rate_vs_recovery_figure(runs: list[dict]) -> go.Figure:
         _require(run, "recovered")
         rates = _require(run, "rates_x_capacity")
         if "executions_created" not in rates:
-            raise SummaryError(
-                f"rates_x_capacity of run {run.get('series', '?')!r} has no executions_created"
-            )
+            raise RunDirError(f"rates_x_capacity of run {run.get('series', '?')!r} has no executions_created")
     if not any("attempts" in r["rates_x_capacity"] for r in runs):
         panels = panels[1:]
     fig = make_subplots(

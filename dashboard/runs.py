@@ -5,7 +5,6 @@ names the detector serves so the live panels' figure builders draw a run too.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,16 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from detector.rundir import RunDirError, read_summary, read_validation, run_slug, series_path
 from exporter import metricnames as mn
 from exporter.ratios import PROMPT_TOKEN_GAP, Ratio
 from exporter.timeseries import Snapshot, read_series
 
 RATE_WINDOW_S = 30.0
 MAX_RUNS = 5000
-
-
-class RunsDirError(ValueError):
-    """A reproduce output directory is missing a file or holds JSON of the wrong shape."""
 
 
 @dataclass
@@ -69,23 +65,10 @@ class RunsDir:
         raise KeyError(f"no run {run_id!r} in {self.root}")
 
     def series_path(self, run: Mapping[str, Any]) -> Path:
-        rel = run.get("series")
-        if not rel:
-            raise RunsDirError(f"run {run_key(run)!r} names no metrics series")
-        path = (self.root / str(rel)).resolve()
-        if self.root.resolve() not in path.parents:
-            raise RunsDirError(f"series path {rel!r} leaves the runs directory")
-        return path
+        return series_path(self.root, run)
 
 
-def run_key(run: Mapping[str, Any]) -> str:
-    """A run's identifier: the slug ``block__condition__model__r<run>`` of docs/architecture.md."""
-    series = run.get("series")
-    if series:
-        return Path(str(series)).parent.name or str(series)
-    return (
-        f"{run.get('block', '')}__{run.get('condition', '')}__{run.get('model', '')}__r{run.get('run', '')}"
-    )
+run_key = run_slug  # a run's identifier on the pages: its slug
 
 
 def run_identity(run: Mapping[str, Any]) -> tuple[str, ...]:
@@ -99,30 +82,15 @@ def run_label(run: Mapping[str, Any]) -> str:
     return f"{' · '.join(parts)} · run {run.get('run', '')} ({state})"
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise RunsDirError(f"{path} does not exist: is this a `retrywatch reproduce run` output?") from exc
-    except json.JSONDecodeError as exc:
-        raise RunsDirError(f"{path} is not valid JSON: {exc}") from exc
-
-
 def load_runs(root: Path | str) -> RunsDir:
-    """Read ``summary.json`` (required) and ``validation.json`` (optional) under ``root``."""
+    """Read ``summary.json`` (required) and ``validation.json`` (optional) under ``root``
+    (``detector.rundir``)."""
     root = Path(root)
-    if not root.is_dir():
-        raise RunsDirError(f"runs directory {root} does not exist")
-    summary = _load_json(root / "summary.json")
-    if not isinstance(summary, Mapping) or not isinstance(summary.get("runs"), list):
-        raise RunsDirError(f"{root / 'summary.json'} must hold {{'runs': [...]}}")
+    summary = read_summary(root)
     runs = [r for r in summary["runs"] if isinstance(r, dict)][:MAX_RUNS]
     alerts: dict[str, list[dict[str, Any]]] = {}
-    validation_path = root / "validation.json"
-    if validation_path.exists():
-        validation = _load_json(validation_path)
-        if not isinstance(validation, Mapping) or not isinstance(validation.get("runs"), list):
-            raise RunsDirError(f"{validation_path} must hold {{'runs': [...]}}")
+    validation = read_validation(root)
+    if validation is not None:
         by_identity: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         for entry in validation["runs"]:
             if isinstance(entry, Mapping):
@@ -218,7 +186,7 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
     try:
         snapshots = list(read_series(path))
     except FileNotFoundError as exc:
-        raise RunsDirError(f"metrics series {path} of run {run_key(run)!r} does not exist") from exc
+        raise RunDirError(f"metrics series {path} of run {run_key(run)!r} does not exist") from exc
     capacity = run.get("capacity")
     deadline = run.get("deadline_s")
     return series_signals(

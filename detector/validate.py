@@ -28,6 +28,7 @@ from typing import Any
 
 import click
 
+from detector.rundir import SUMMARY, RunDirError, read_summary, series_path
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
 
@@ -37,10 +38,6 @@ BACKLOG = "VLLMBacklogBeyondDeadline"
 # The retry-loop alert must fire within this long after the pulse's end, in the study's seconds
 # (divided by the run's time scale).
 RETRY_LOOP_LEAD_TARGET_S = 120.0
-
-
-class ValidationError(ValueError):
-    """The reproduce output is missing or malformed; the message says which file and field."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +94,13 @@ class RunResult:
 
 def _field(run: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in run:
-        raise ValidationError(f"{where}: missing field {key!r}")
+        raise RunDirError(f"{where}: missing field {key!r}")
     return run[key]
 
 
 def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValidationError(f"{where}: expected a finite number, got {value!r}")
+        raise RunDirError(f"{where}: expected a finite number, got {value!r}")
     return float(value)
 
 
@@ -159,33 +156,23 @@ def explain_miss(info: RunInfo) -> str:
 
 def load_runs(out_dir: Path) -> list[RunInfo]:
     """Read ``out_dir/summary.json`` into :class:`RunInfo`s; a clear error names a bad run."""
-    summary_path = out_dir / "summary.json"
-    if not summary_path.is_file():
-        raise ValidationError(f"{summary_path}: not found (is {out_dir} a reproduce output?)")
-    try:
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValidationError(f"{summary_path}: not JSON ({exc})") from exc
-    runs = summary.get("runs") if isinstance(summary, dict) else None
-    if not isinstance(runs, list):
-        raise ValidationError(f"{summary_path}: expected an object with a list 'runs'")
+    summary_path = out_dir / SUMMARY
     infos: list[RunInfo] = []
-    for i, run in enumerate(runs):
+    for i, run in enumerate(read_summary(out_dir)["runs"]):
         where = f"{summary_path}: runs[{i}]"
         if not isinstance(run, dict):
-            raise ValidationError(f"{where}: expected an object")
+            raise RunDirError(f"{where}: expected an object")
         pulse = _field(run, "pulse", where)
         if not isinstance(pulse, dict):
-            raise ValidationError(f"{where}: 'pulse' must be an object with start_s and end_s")
+            raise RunDirError(f"{where}: 'pulse' must be an object with start_s and end_s")
         recovered = _field(run, "recovered", where)
         if not isinstance(recovered, bool):
-            raise ValidationError(f"{where}: 'recovered' must be true or false")
+            raise RunDirError(f"{where}: 'recovered' must be true or false")
         recovery_time = run.get("recovery_time_s")
         if recovered and recovery_time is None:
-            raise ValidationError(f"{where}: a recovered run needs 'recovery_time_s'")
-        series = out_dir / str(_field(run, "series", where))
-        if not series.is_file():
-            raise ValidationError(f"{where}: series file {series} not found")
+            raise RunDirError(f"{where}: a recovered run needs 'recovery_time_s'")
+        _field(run, "series", where)
+        series = series_path(out_dir, run, must_exist=True)
         infos.append(
             RunInfo(
                 block=str(_field(run, "block", where)),
@@ -507,7 +494,7 @@ def validate_dir(
     if block is not None and block != PAPER:
         infos = [i for i in infos if i.block == block]
         if not infos:
-            raise ValidationError(f"{out_dir / 'summary.json'}: no run of block {block!r}")
+            raise RunDirError(f"{out_dir / SUMMARY}: no run of block {block!r}")
     results = [RunResult(info, replayer(info)) for info in infos]
     report = build_report(results, list(alertnames) if alertnames is not None else all_alertnames())
     (out_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -522,7 +509,7 @@ def validate(out_dir: Path, block: str | None) -> None:
     """Replay every run of a reproduce output DIR through the detector and score each alert."""
     try:
         report = validate_dir(out_dir, block=block)
-    except ValidationError as exc:
+    except RunDirError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(render_markdown(report).split("\n## Targets")[0])
     click.echo(f"wrote {out_dir / 'validation.json'} and {out_dir / 'validation.md'}")

@@ -181,11 +181,11 @@ def run(
 @click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def report(out_dir: Path) -> None:
     """Write DIR/report.md (tables) and DIR/report.html (plotly figures)."""
+    from detector.rundir import RunDirError
     from reproduce.report import write_report
-    from reproduce.summary import SummaryError
 
     try:
         md, html = write_report(out_dir)
-    except SummaryError as exc:
+    except RunDirError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {md} and {html}")

@@ -19,7 +19,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from reproduce.summary import read_summary
+from detector.rundir import read_summary
 
 __all__ = ["group_runs", "recovery_times_figure", "render_markdown", "trace_figure", "write_report"]
 

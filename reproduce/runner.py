@@ -16,9 +16,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from detector.rundir import RunDirError, read_summary
 from reproduce.conditions import RunSpec
 from reproduce.registry import Backend, RunJob
-from reproduce.summary import SummaryError, read_summary, write_summary
+from reproduce.summary import write_summary
 
 __all__ = ["run_many"]
 
@@ -30,7 +31,7 @@ def _execute(backend: Backend, job: RunJob) -> dict[str, Any]:
 def _existing(out: Path) -> list[dict[str, Any]]:
     try:
         return [r for r in read_summary(out)["runs"] if isinstance(r, dict)]
-    except SummaryError:
+    except RunDirError:
         return []
 
 

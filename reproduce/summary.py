@@ -3,7 +3,8 @@
 A backend hands over the call records and the metrics series of a run; this module writes the
 series to ``DIR/runs/<slug>/metrics.jsonl`` (and the call records to ``attempts.jsonl``),
 computes the outcomes (``reproduce.outcomes``) and shapes the run's entry as the contract in
-docs/architecture.md asks. ``write_summary`` writes the file atomically.
+docs/architecture.md asks. ``write_summary`` writes the file atomically; ``detector.rundir``
+reads it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,7 @@ from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
 from reproduce.outcomes import Timeline, compute_outcomes
 
-__all__ = ["SummaryError", "read_summary", "run_dir", "run_entry", "write_run_files", "write_summary"]
-
-
-class SummaryError(ValueError):
-    """A summary.json that is missing or malformed; the message names the file."""
+__all__ = ["run_dir", "run_entry", "write_run_files", "write_summary"]
 
 
 def run_dir(out: Path, run: RunSpec) -> Path:
@@ -111,16 +108,3 @@ def write_summary(
         json.dump(_json_safe(body), fh, indent=1)
     os.replace(tmp, path)
     return path
-
-
-def read_summary(out: Path) -> dict[str, Any]:
-    path = out / "summary.json"
-    if not path.is_file():
-        raise SummaryError(f"{path} does not exist: run `retrywatch reproduce run ... --out {out}` first")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise SummaryError(f"{path} is not JSON ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
-        raise SummaryError(f"{path} must hold {{'runs': [...]}}")
-    return data

@@ -10,7 +10,6 @@ any disagreement. Needs ``promtool`` and ``prometheus`` (Debian's ``prometheus``
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 import click
 import yaml
 
+from detector.rundir import RunDirError, read_summary, run_slug, series_path
 from exporter.timeseries import Snapshot, read_series
 
 Key = tuple[str, float, float | None]  # (alertname, fired_at_s, resolved_at_s)
@@ -66,12 +66,15 @@ def main(out_dir: Path, block: str | None) -> None:
     """Compare the detector's and Prometheus' verdicts on every run of a reproduce output DIR."""
     from rules.generate import EVALUATION_INTERVAL_S, RULES_PATH
 
-    summary = json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
-    paths = {
-        Path(run["series"]).parent.name: out_dir / run["series"]
-        for run in summary["runs"]
-        if block is None or run["block"] == block
-    }
+    try:
+        summary = read_summary(out_dir)
+        paths = {
+            run_slug(run): series_path(out_dir, run)
+            for run in summary["runs"]
+            if block is None or run["block"] == block
+        }
+    except RunDirError as exc:
+        raise click.ClickException(str(exc)) from exc
     t0 = time.monotonic()
     python = {slug: python_verdict(path) for slug, path in paths.items()}
     t1 = time.monotonic()

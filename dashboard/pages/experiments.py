@@ -18,7 +18,8 @@ from dashboard.figures import (
     run_shades,
 )
 from dashboard.pages import Page
-from dashboard.runs import RunsDirError, run_key, run_label, run_signals
+from dashboard.runs import run_key, run_label, run_signals
+from detector.rundir import RunDirError
 from detector.thresholds import ALERTS
 
 if TYPE_CHECKING:
@@ -44,13 +45,13 @@ def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]
         return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], str(exc)
     try:
         signals = run_signals(runs_dir, run)
-    except (RunsDirError, ValueError) as exc:
+    except (RunDirError, ValueError) as exc:
         return [
             figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS
         ], f"cannot read run: {exc}"
     try:
         alerts, origin = runs_dir.run_alerts(run)
-    except (RunsDirError, ValueError) as exc:
+    except (RunDirError, ValueError) as exc:
         alerts, origin = [], f"no alerts ({exc})"
     shades = run_shades(alerts, SEVERITIES)
     end = max((float(p[-1, 0]) for p in signals.values() if p.shape[0]), default=None)
@@ -91,10 +92,10 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
     try:
         runs_dir = ctx.runs()
         if runs_dir is None:
-            raise RunsDirError("no runs directory configured")
+            raise RunDirError("no runs directory configured")
         delivery = delivery_by_cohort_figure(runs_dir.runs)
         creation = creation_rate_vs_recovery_figure(runs_dir.runs)
-    except (RunsDirError, ValueError) as exc:
+    except (RunDirError, ValueError) as exc:
         return html.Div(f"Cannot open {ctx.config.runs_dir}: {exc}", style=style.NOTE, id="experiments-note")
     options = [{"label": run_label(r), "value": run_key(r)} for r in runs_dir.runs]
     return html.Div(

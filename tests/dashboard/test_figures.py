@@ -9,7 +9,6 @@ from dashboard import figures
 from dashboard.figures import (
     PALETTE,
     Shade,
-    SummaryError,
     attempts_figure,
     cohort_shares,
     creation_rate_vs_recovery_figure,
@@ -21,6 +20,7 @@ from dashboard.figures import (
     queue_figure,
     run_shades,
 )
+from detector.rundir import RunDirError
 
 
 def make_run(
@@ -79,11 +79,11 @@ def test_delivery_labels_name_the_model_when_models_vary() -> None:
 def test_delivery_rejects_impossible_shares() -> None:
     bad = make_run("x", 1, recovered=True, created=0.5, attempts=0.5)
     bad["delivery"]["pulse"] = {"within_deadline": 0.9, "by_horizon": 0.5}
-    with pytest.raises(SummaryError, match="within_deadline <= by_horizon"):
+    with pytest.raises(RunDirError, match="within_deadline <= by_horizon"):
         delivery_by_cohort_figure([bad])
     missing = make_run("x", 1, recovered=True, created=0.5, attempts=0.5)
     del missing["delivery"]
-    with pytest.raises(SummaryError, match="delivery"):
+    with pytest.raises(RunDirError, match="delivery"):
         delivery_by_cohort_figure([missing])
 
 
@@ -107,7 +107,7 @@ def test_creation_rate_vs_recovery_separates_recovered_runs() -> None:
 def test_creation_rate_needs_executions_created() -> None:
     run = make_run("x", 1, recovered=True, created=0.5, attempts=0.5)
     del run["rates_x_capacity"]["executions_created"]
-    with pytest.raises(SummaryError, match="executions_created"):
+    with pytest.raises(RunDirError, match="executions_created"):
         creation_rate_vs_recovery_figure([run])
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dashboard.runs import RunsDirError, load_runs, run_key, run_signals, series_signals
+from dashboard.runs import load_runs, run_key, run_signals, series_signals
+from detector.rundir import RunDirError
 from exporter.timeseries import Snapshot
 
 
@@ -50,14 +51,14 @@ def test_counter_reset_gives_nan_not_a_negative_rate() -> None:
 
 
 def test_bad_runs_dirs_get_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(RunsDirError, match="does not exist"):
+    with pytest.raises(RunDirError, match="does not exist"):
         load_runs(tmp_path / "nope")
-    with pytest.raises(RunsDirError, match=r"summary\.json does not exist"):
+    with pytest.raises(RunDirError, match=r"summary\.json does not exist"):
         load_runs(tmp_path)
     (tmp_path / "summary.json").write_text("{")
-    with pytest.raises(RunsDirError, match="not valid JSON"):
+    with pytest.raises(RunDirError, match="not valid JSON"):
         load_runs(tmp_path)
     (tmp_path / "summary.json").write_text(json.dumps({"runs": [{"series": "../../etc/x"}]}))
     loaded = load_runs(tmp_path)
-    with pytest.raises(RunsDirError, match="leaves the runs directory"):
+    with pytest.raises(RunDirError, match="leaves the runs directory"):
         loaded.series_path(loaded.runs[0])

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from detector.rundir import RunDirError
 from detector.thresholds import ALERTS_BY_NAME
 from detector.validate import (
     BACKLOG,
@@ -15,7 +16,6 @@ from detector.validate import (
     Firing,
     RunInfo,
     RunResult,
-    ValidationError,
     build_report,
     load_runs,
     render_markdown,
@@ -209,13 +209,13 @@ def test_bad_summary_gets_a_clear_error(tmp_path: Path, mutate, message: str) ->
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
     mutate(summary["runs"][0])
     (tmp_path / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(RunDirError, match=message):
         load_runs(tmp_path)
 
 
 def test_block_filter(tmp_path: Path) -> None:
     _write_dir(tmp_path)
-    with pytest.raises(ValidationError, match="no run of block 'engine-cap'"):
+    with pytest.raises(RunDirError, match="no run of block 'engine-cap'"):
         validate_dir(tmp_path, block="engine-cap")
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))
     summary["runs"][1]["block"] = "diagnostic"

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
+from detector.rundir import read_summary
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
 from reproduce.conditions import expand
 from reproduce.registry import RunJob, get_backend
-from reproduce.summary import read_summary, write_summary
+from reproduce.summary import write_summary
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from detector.rundir import RunDirError
 from reproduce.conditions import expand
 from reproduce.registry import get_backend
 from reproduce.report import render_markdown, write_report
 from reproduce.runner import run_many
-from reproduce.summary import SummaryError, write_summary
+from reproduce.summary import write_summary
 from tests.reproduce.test_runner import SMALL
 
 
@@ -63,7 +64,7 @@ def test_markdown_from_hand_built_entries() -> None:
 
 
 def test_missing_summary_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(SummaryError, match="does not exist"):
+    with pytest.raises(RunDirError, match="does not exist"):
         write_report(tmp_path)
 
 

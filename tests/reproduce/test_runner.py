@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from detector.rundir import RunDirError, read_summary
 from exporter.timeseries import read_series
 from reproduce.conditions import expand
 from reproduce.registry import BackendNotFound, backend_names, get_backend
 from reproduce.runner import run_many
-from reproduce.summary import SummaryError, read_summary
 
 # A small engine and short prompts so a scaled run takes a fraction of a second: Ĉ = 9.77 calls/s
 # by the simulator's own calibration; its KV cache holds about 50 prompts, as the study's engine
@@ -99,8 +99,8 @@ def test_backend_registry_and_errors(tmp_path: Path) -> None:
         get_backend("nope")
     with pytest.raises(ValueError, match="jobs"):
         run_many(get_backend("sim"), expand("diagnostic", runs=1)[:1], tmp_path, jobs=0)
-    with pytest.raises(SummaryError, match="does not exist"):
+    with pytest.raises(RunDirError, match="does not exist"):
         read_summary(tmp_path / "missing")
     (tmp_path / "summary.json").write_text(json.dumps({"nope": 1}))
-    with pytest.raises(SummaryError, match="runs"):
+    with pytest.raises(RunDirError, match="runs"):
         read_summary(tmp_path)

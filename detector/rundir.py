@@ -1,0 +1,90 @@
+"""A reproduce output directory (``DIR/``): the one reader of ``DIR/summary.json``,
+``DIR/validation.json`` and the runs' metrics series paths, with the one error class.
+
+``retrywatch reproduce run`` writes the directory (``reproduce/summary.py``; shapes in
+docs/architecture.md); the detector's validation, the dashboard's Experiments page, the rules'
+equivalence check and the reproduce report and runner read it through this module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SUMMARY",
+    "VALIDATION",
+    "RunDirError",
+    "read_summary",
+    "read_validation",
+    "run_slug",
+    "series_path",
+]
+
+SUMMARY = "summary.json"
+VALIDATION = "validation.json"
+
+
+class RunDirError(ValueError):
+    """A reproduce output directory is missing a file or holds JSON of the wrong shape; the
+    message names the file (and the run) and what is wrong."""
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RunDirError(f"{path} is not valid JSON ({exc})") from exc
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    """``out/summary.json``: ``{"runs": [...], ...}``."""
+    if not out.is_dir():
+        raise RunDirError(f"runs directory {out} does not exist")
+    path = out / SUMMARY
+    if not path.is_file():
+        raise RunDirError(
+            f"{path}: not found; {SUMMARY} does not exist until `retrywatch reproduce run ... --out {out}`"
+            " writes it"
+        )
+    data = _read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise RunDirError(f"{path} must hold {{'runs': [...]}}")
+    return data
+
+
+def read_validation(out: Path) -> dict[str, Any] | None:
+    """``out/validation.json`` (``retrywatch reproduce validate``), or None if it is not there."""
+    path = out / VALIDATION
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise RunDirError(f"{path} must hold {{'runs': [...]}}")
+    return data
+
+
+def run_slug(run: Mapping[str, Any]) -> str:
+    """A run's identifier: ``block__condition__model__r<run>``, the name of its folder."""
+    series = run.get("series")
+    if series:
+        return Path(str(series)).parent.name or str(series)
+    return (
+        f"{run.get('block', '')}__{run.get('condition', '')}__{run.get('model', '')}__r{run.get('run', '')}"
+    )
+
+
+def series_path(out: Path, run: Mapping[str, Any], *, must_exist: bool = False) -> Path:
+    """The run's metrics series (``run["series"]``, relative to ``out``), which must stay
+    inside ``out`` (and exist, with ``must_exist``)."""
+    rel = run.get("series")
+    if not rel:
+        raise RunDirError(f"{out / SUMMARY}: run {run_slug(run)!r} names no metrics series")
+    path = (out / str(rel)).resolve()
+    if out.resolve() not in path.parents:
+        raise RunDirError(f"{out / SUMMARY}: series path {rel!r} leaves the runs directory")
+    if must_exist and not path.is_file():
+        raise RunDirError(f"{out / SUMMARY}: series file {path} of run {run_slug(run)!r} not found")
+    return path
