@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from detector.rundir import RunDirError
+from detector.thresholds import ALERTS_BY_NAME, SEVERITIES
 
 # --- palette (Okabe & Ito, 2008) -------------------------------------------------------
 BLACK = "#000000"
@@ -163,7 +164,7 @@ def _add_shades(fig: go.Figure, shades: Iterable[Shade], now: float | None, x_ki
         end = shade.end if shade.end is not None else now
         if end is not None:
             by_severity.setdefault(shade.severity, []).append((shade.start, max(end, shade.start)))
-    draw_order = ("info", "warning", "critical")  # later ones are drawn on top
+    draw_order = tuple(reversed(SEVERITIES))  # the more severe drawn later, on top
     for severity in sorted(by_severity, key=lambda s: draw_order.index(s) if s in draw_order else -1):
         for start, end in merge_spans(by_severity[severity]):
             fig.add_vrect(
@@ -667,32 +668,23 @@ def creation_rate_vs_recovery_figure(runs: list[dict]) -> go.Figure:
     return fig
 
 
-def run_shades(
-    alerts: Iterable[Mapping[str, Any]], severities: Mapping[str, str] | None = None
-) -> list[Shade]:
-    """Shades from validation.json alerts (``alertname``, ``fired_at_s``, ``resolved_at_s``)."""
-    severities = severities or {}
+def run_shades(alerts: Iterable[Mapping[str, Any]]) -> list[Shade]:
+    """Shades from validation.json alerts (``alertname``, ``fired_at_s``, ``resolved_at_s``),
+    with each alert's severity from its one definition (``detector.thresholds``)."""
     shades = []
     for alert in alerts:
         name = str(alert["alertname"])
         resolved = alert.get("resolved_at_s")
+        rule = ALERTS_BY_NAME.get(name)
         shades.append(
             Shade(
                 start=float(alert["fired_at_s"]),
                 end=None if resolved is None else float(resolved),
                 alertname=name,
-                severity=str(alert.get("severity") or severities.get(name) or _default_severity(name)),
+                severity=str(alert.get("severity") or (rule.severity if rule else "warning")),
             )
         )
     return shades
-
-
-def _default_severity(alertname: str) -> str:
-    if alertname == "VLLMMetastableRetryLoop":
-        return "critical"
-    if alertname == "VLLMRetrywatchNoData":
-        return "info"
-    return "warning"
 
 
 def pulse_marks(fig: go.Figure, pulse: Mapping[str, Any] | None) -> go.Figure:

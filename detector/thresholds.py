@@ -31,6 +31,7 @@ NOTE on the mechanism (PROTOCOL §8), which sets each condition:
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -39,6 +40,7 @@ from detector.signals import RECORD_NAMES, check_time_scale
 
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = typing.get_args(Severity)  # the most severe first
 
 RUNBOOK_URL_PATTERN = "docs/runbook.md#{anchor}"
 

@@ -20,12 +20,10 @@ from dashboard.figures import (
 from dashboard.pages import Page
 from dashboard.runs import run_key, run_label, run_signals
 from detector.rundir import RunDirError
-from detector.thresholds import ALERTS
 
 if TYPE_CHECKING:
     from dashboard.app import Context
 
-SEVERITIES: dict[str, str] = {rule.name: rule.severity for rule in ALERTS}
 RUN_GRAPH_IDS: tuple[str, ...] = (
     "graph-run-attempts",
     "graph-run-fates",
@@ -53,7 +51,7 @@ def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]
         alerts, origin = runs_dir.run_alerts(run)
     except (RunDirError, ValueError) as exc:
         alerts, origin = [], f"no alerts ({exc})"
-    shades = run_shades(alerts, SEVERITIES)
+    shades = run_shades(alerts)
     end = max((float(p[-1, 0]) for p in signals.values() if p.shape[0]), default=None)
     figs = [
         pulse_marks(

@@ -20,6 +20,7 @@ from dashboard.data import Alert, DetectorError, Episode, signals_for_engine
 from dashboard.figures import Shade
 from dashboard.pages import Page
 from dashboard.tiles import Tile, tiles
+from detector.thresholds import SEVERITIES
 
 if TYPE_CHECKING:
     from dashboard.app import Context
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 RANGES: tuple[tuple[str, int], ...] = (("15 min", 900), ("1 h", 3600), ("6 h", 21600))
 DEFAULT_RANGE_S = 3600
 GRAPH_IDS: tuple[str, ...] = ("graph-attempts", "graph-fates", "graph-queue", "graph-prompt")
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+SEVERITY_ORDER = {severity: i for i, severity in enumerate(SEVERITIES)}  # most severe first
 
 
 @dataclass
