@@ -293,10 +293,6 @@ class EpisodeStore:
             row = conn.execute(select(episodes).where(episodes.c.id == row.id)).one()
             return _row_to_episode(row)
 
-    def update_value(self, episode_id: int, value: float | None) -> None:
-        with self._lock, self.engine.begin() as conn:
-            conn.execute(update(episodes).where(episodes.c.id == episode_id).values(value=_finite(value)))
-
     def mark_sent(self, episode_id: int, notifier: str, kind: str) -> None:
         with self._lock, self.engine.begin() as conn:
             conn.execute(

@@ -55,11 +55,6 @@ def canonical_body(body: Mapping[str, Any]) -> bytes:
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def body_digest(body: Mapping[str, Any]) -> str:
-    """A short hash of the full generation parameters."""
-    return hashlib.sha256(canonical_body(body)).hexdigest()[:32]
-
-
 def find_call_id(headers: Mapping[str, str], call_id_header: str = DEFAULT_CALL_ID_HEADER) -> str | None:
     """The call id from the configured header, else from ``Idempotency-Key``; None if neither.
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from exporter.policy import Fate, ShedReason
+
 # --- retrywatch counters -------------------------------------------------------------
 ATTEMPTS: Final = "retrywatch_attempts_total"  # {kind="first"|"retry"}
 ATTEMPTS_ATTACHED: Final = "retrywatch_attempts_attached_total"
@@ -37,10 +39,9 @@ CREATION_CAPACITY_RATIO: Final = "retrywatch_creation_capacity_ratio"
 WAITING_LITTLES_LAW_RATIO: Final = "retrywatch_waiting_littles_law_ratio"
 PROMPT_TOKEN_GAP_RATIO: Final = "retrywatch_prompt_token_gap_ratio"
 
-# --- bounded label values, created up front -------------------------------------------
-ATTEMPT_KINDS: Final = ("first", "retry")
-SHED_REASONS: Final = ("retry_budget", "proxy_queue", "deadline")
-FATES: Final = ("completed", "orphaned", "cancelled", "dropped", "refused", "failed")
+# --- bounded label values, created up front (the policy's own enums) ---------------------
+SHED_REASONS: Final = tuple(reason.value for reason in ShedReason)
+FATES: Final = tuple(fate.value for fate in Fate)
 DELIVERY_LABELS: Final = ("true", "false")
 ATTEMPT_OUTCOMES: Final = ("delivered", "disconnected", "shed", "refused", "failed")
 

@@ -32,7 +32,6 @@ class LoadStats:
     calls_delivered: int = 0
     calls_delivered_in_deadline: int = 0
     calls_failed: int = 0
-    calls_skipped: int = 0  # not started: the driver's bound on calls in progress was reached
     attempts: int = 0
     retries: int = 0
     outcomes: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in AttemptOutcome})
@@ -114,8 +113,7 @@ async def run_load(
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if stats.in_progress >= max_calls_in_progress:
-                    stats.calls_skipped += 1
-                    continue
+                    continue  # not started: the bound on calls in progress is reached
                 record = model.new_call(
                     call.call_id,
                     clock(),

@@ -13,10 +13,6 @@ from typing import Protocol
 from exporter.timeseries import Snapshot
 
 
-class SourceError(RuntimeError):
-    """The source is unreachable or answered something that is not metrics."""
-
-
 @dataclass
 class FetchResult:
     snapshots: list[Snapshot] = field(default_factory=list)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -69,10 +69,6 @@ class EngineFlags:
             raise EngineFlagsError(
                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-
-    def with_queue_cap(self, max_num_queued_reqs: int | None) -> EngineFlags:
-        """The same flags with vLLM's engine queue cap Q set (or removed with None)."""
-        return replace(self, max_num_queued_reqs=max_num_queued_reqs)
 
     def args(self) -> list[str]:
         """The flags as command-line arguments, in a stable order."""

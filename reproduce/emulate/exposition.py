@@ -14,23 +14,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from exporter import metricnames as mn
+from exporter.timeseries import Sample
+
 __all__ = ["CONTENT_TYPE_LATEST", "VLLM_HELP", "EngineCollector", "render"]
 
 #: vLLM 0.3x's documentation strings (vllm/v1/metrics/loggers.py), by exported name.
 VLLM_HELP: dict[str, str] = {
-    "vllm:num_requests_running": "Number of requests in model execution batches.",
-    "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
-    "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
-    "vllm:prefix_cache_queries_total": "Prefix cache queries, in terms of number of queried tokens.",
-    "vllm:prefix_cache_hits_total": "Prefix cache hits, in terms of number of cached tokens.",
-    "vllm:num_preemptions_total": "Cumulative number of preemption from the engine.",
-    "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
-    "vllm:generation_tokens_total": "Number of generation tokens processed.",
-    "vllm:request_success_total": "Count of successfully processed requests.",
-    "vllm:admission_rejections_total": "Number of admission attempts rejected by a queue limit, by reason.",
+    mn.VLLM_NUM_RUNNING: "Number of requests in model execution batches.",
+    mn.VLLM_NUM_WAITING: "Number of requests waiting to be processed.",
+    mn.VLLM_KV_CACHE_USAGE: "KV-cache usage. 1 means 100 percent usage.",
+    mn.VLLM_PREFIX_CACHE_QUERIES: "Prefix cache queries, in terms of number of queried tokens.",
+    mn.VLLM_PREFIX_CACHE_HITS: "Prefix cache hits, in terms of number of cached tokens.",
+    mn.VLLM_NUM_PREEMPTIONS: "Cumulative number of preemption from the engine.",
+    mn.VLLM_PROMPT_TOKENS: "Number of prefill tokens processed.",
+    mn.VLLM_GENERATION_TOKENS: "Number of generation tokens processed.",
+    mn.VLLM_REQUEST_SUCCESS: "Count of successfully processed requests.",
+    mn.VLLM_ADMISSION_REJECTIONS: "Number of admission attempts rejected by a queue limit, by reason.",
 }
-
-Sample = tuple[str, dict[str, str], float]
 
 
 def _family(name: str, samples: Sequence[Sample]) -> Metric:

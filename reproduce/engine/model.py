@@ -42,6 +42,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from exporter import metricnames as mn
 from exporter.timeseries import Sample
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.kvcache import BlockPool, prompt_layout
@@ -332,10 +333,6 @@ class EngineModel:
     @property
     def steps_done(self) -> int:
         return self._last_finished + 1
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self._pool.usage
 
     @property
     def block_pool(self) -> BlockPool:
@@ -971,19 +968,19 @@ class EngineModel:
             return {**base, **extra}
 
         samples: list[Sample] = [
-            ("vllm:prompt_tokens_total", lab(), float(self.prompt_tokens_total)),
-            ("vllm:prefix_cache_queries_total", lab(), float(self.prefix_cache_queries_total)),
-            ("vllm:prefix_cache_hits_total", lab(), float(self.prefix_cache_hits_total)),
-            ("vllm:generation_tokens_total", lab(), float(self.generation_tokens_total)),
-            ("vllm:num_preemptions_total", lab(), float(self.num_preemptions_total)),
-            ("vllm:num_requests_waiting", lab(), float(self._gauge_waiting)),
-            ("vllm:num_requests_running", lab(), float(self._gauge_running)),
-            ("vllm:kv_cache_usage_perc", lab(), float(self._gauge_kv_usage)),
+            (mn.VLLM_PROMPT_TOKENS, lab(), float(self.prompt_tokens_total)),
+            (mn.VLLM_PREFIX_CACHE_QUERIES, lab(), float(self.prefix_cache_queries_total)),
+            (mn.VLLM_PREFIX_CACHE_HITS, lab(), float(self.prefix_cache_hits_total)),
+            (mn.VLLM_GENERATION_TOKENS, lab(), float(self.generation_tokens_total)),
+            (mn.VLLM_NUM_PREEMPTIONS, lab(), float(self.num_preemptions_total)),
+            (mn.VLLM_NUM_WAITING, lab(), float(self._gauge_waiting)),
+            (mn.VLLM_NUM_RUNNING, lab(), float(self._gauge_running)),
+            (mn.VLLM_KV_CACHE_USAGE, lab(), float(self._gauge_kv_usage)),
         ]
         for reason, value in self.request_success_total.items():
-            samples.append(("vllm:request_success_total", lab(finished_reason=reason), float(value)))
+            samples.append((mn.VLLM_REQUEST_SUCCESS, lab(finished_reason=reason), float(value)))
         for reason, value in self.admission_rejections_total.items():
-            samples.append(("vllm:admission_rejections_total", lab(reason=reason), float(value)))
+            samples.append((mn.VLLM_ADMISSION_REJECTIONS, lab(reason=reason), float(value)))
         return samples
 
     def check(self) -> None:

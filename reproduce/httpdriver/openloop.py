@@ -51,8 +51,6 @@ class OpenLoopStats:
     """Live counts of the client (for progress lines and tests)."""
 
     attempts_sent: int = 0
-    attempts_open: int = 0
-    calls_done: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     late_starts: int = 0  # attempts sent more than LATE_START_S after they were due (client overload)
     #: How late the heartbeat woke, one sample per beat (the most recent 65,536): a loop starved
@@ -166,29 +164,23 @@ class OpenLoopClient:
                 self.stats.late_starts += 1
             attempt = self.model.send(record, now)
             self.stats.attempts_sent += 1
-            self.stats.attempts_open += 1
-            try:
-                result: AttemptResult = await run_attempt(
-                    client,
-                    self.url,
-                    body,
-                    call_id=planned.call_id,
-                    deadline_at=t0 + attempt.deadline_at,
-                    call_id_header=self.call_id_header,
-                    on_first_byte=lambda at: self.model.first_byte(record, at - t0),
-                    clock=self.clock,
-                )
-            finally:
-                self.stats.attempts_open -= 1
+            result: AttemptResult = await run_attempt(
+                client,
+                self.url,
+                body,
+                call_id=planned.call_id,
+                deadline_at=t0 + attempt.deadline_at,
+                call_id_header=self.call_id_header,
+                on_first_byte=lambda at: self.model.first_byte(record, at - t0),
+                clock=self.clock,
+            )
             self.stats.outcomes[result.outcome.value] = self.stats.outcomes.get(result.outcome.value, 0) + 1
             ended = result.ended_at - t0
             if result.outcome is AttemptOutcome.DELIVERED:
                 self.model.delivered(record, ended)
-                self.stats.calls_done += 1
                 return
             next_at = self.model.failed(record, ended, result.outcome, result.retry_after_s)
             if next_at is None:
-                self.stats.calls_done += 1
                 return
             due = next_at
             await asyncio.sleep(max(0.0, t0 + next_at - self.clock()))

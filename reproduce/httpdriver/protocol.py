@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from reproduce.client import ClientConfig
-from reproduce.conditions import RunSpec
+from reproduce.conditions import RunSpec, engine_cap_for
 from reproduce.outcomes import Timeline
 from reproduce.workload import WorkloadSpec
 
@@ -142,7 +142,7 @@ def scaled_queue_cap(q_study: int, capacity: float, deadline_s: float) -> int:
     held 100/338 of it. On an engine with Ĉ = ``capacity`` calls per run-second and deadline
     ``deadline_s`` run-seconds, the same share is ``q_study / 338 x deadline x Ĉ``.
     """
-    full = math.ceil(_STUDY_DEADLINE_S * STUDY_CAPACITY)
+    full = engine_cap_for(STUDY_CAPACITY, _STUDY_DEADLINE_S)
     return max(1, math.ceil(q_study / full * deadline_s * capacity))
 
 

@@ -91,11 +91,6 @@ class StaticDetectorAPI:
                 if item.get("resolved_at") is not None:
                     item["resolved_at"] = float(item["resolved_at"]) + dt
 
-    def last_time(self) -> float | None:
-        with self._lock:
-            ends = [float(a[-1, 0]) for sig in self._signals.values() for a in sig.values() if a.shape[0]]
-        return max(ends) if ends else None
-
     # --- answers -----------------------------------------------------------------------
     def answer(self, path: str, query: Mapping[str, str]) -> tuple[int, Any]:
         with self._lock:
