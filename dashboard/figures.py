@@ -61,7 +61,7 @@ def as_array(points: Points | None) -> np.ndarray:
     """``points`` as an (n, 2) float array of (t, value), sorted by t, non-finite t dropped."""
     if points is None:
         return np.empty((0, 2))
-    arr = np.asarray(points, dtype=float)
+    arr: np.ndarray = np.asarray(points, dtype=float)
     if arr.size == 0:
         return np.empty((0, 2))
     if arr.ndim != 2 or arr.shape[1] != 2:
@@ -526,7 +526,7 @@ def _empty_figure(text: str, title: str) -> go.Figure:
     return fig
 
 
-def delivery_by_cohort_figure(runs: list[dict]) -> go.Figure:
+def delivery_by_cohort_figure(runs: list[dict[str, Any]]) -> go.Figure:
     """Delivery by cohort per condition: share of calls delivered within the deadline, late
     (within the horizon) and undelivered, averaged over each condition's runs; one panel per
     cohort (pulse, hold, primary)."""
@@ -587,7 +587,7 @@ def delivery_by_cohort_figure(runs: list[dict]) -> go.Figure:
     return fig
 
 
-def creation_rate_vs_recovery_figure(runs: list[dict]) -> go.Figure:
+def creation_rate_vs_recovery_figure(runs: list[dict[str, Any]]) -> go.Figure:
     """Each run's attempt rate and execution-creation rate (multiples of Ĉ, from
     ``rates_x_capacity``) per condition, marked recovered or not; a line at 1 Ĉ.
 

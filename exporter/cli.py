@@ -20,7 +20,7 @@ from exporter.settings import ProxySettings, SettingsError
 FC = TypeVar("FC", bound=Callable[..., Any])
 
 
-def _click_type(k: Knob) -> click.ParamType | type | None:
+def _click_type(k: Knob) -> click.ParamType[Any] | None:
     o = k.option
     if isinstance(k.kind, type) and issubclass(k.kind, enum.Enum):
         return click.Choice([str(e.value) for e in k.kind])

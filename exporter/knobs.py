@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -95,17 +94,22 @@ def _resolve(annotation: Any) -> tuple[type, bool]:
     return annotation, optional
 
 
-@functools.cache
+_KNOBS: dict[type, tuple[Knob, ...]] = {}
+
+
 def knobs(cls: type) -> tuple[Knob, ...]:
     """The knobs of a dataclass (inherited ones first), in declaration order."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        option = f.metadata.get(_OPTION)
-        if isinstance(option, Option):
-            kind, optional = _resolve(hints[f.name])
-            out.append(Knob(f.name, option, kind, optional, f.default))
-    return tuple(out)
+    found = _KNOBS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            option = f.metadata.get(_OPTION)
+            if isinstance(option, Option):
+                kind, optional = _resolve(hints[f.name])
+                out.append(Knob(f.name, option, kind, optional, f.default))
+        found = _KNOBS[cls] = tuple(out)
+    return found
 
 
 def check_bounds(settings: Any, error: type[Exception]) -> None:

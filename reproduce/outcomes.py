@@ -59,7 +59,7 @@ class Timeline:
     @classmethod
     def scaled(cls, time_scale: float = 1.0, **study_durations: float) -> Timeline:
         """The study's timeline (or the given durations, at the study's scale) divided by K."""
-        base = cls(**study_durations)  # type: ignore[arg-type]
+        base = cls(**study_durations)
         k = float(time_scale)
         return cls(
             base.base_s / k,

@@ -82,7 +82,8 @@ def run_entry(
         entry["trace"] = dict(trace)
     if extra:
         entry.update(extra)
-    return _json_safe(entry)
+    safe: dict[str, Any] = _json_safe(entry)
+    return safe
 
 
 def _json_safe(value: Any) -> Any:

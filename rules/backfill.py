@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from prometheus_api_client import PrometheusConnect
+from prometheus_api_client.exceptions import PrometheusApiClientException
 
 from detector.evaluator import AlertStateMachine
 from exporter.processes import ManagedProcess, ProcessStartError, free_port

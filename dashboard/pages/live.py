@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 RANGES: tuple[tuple[str, int], ...] = (("15 min", 900), ("1 h", 3600), ("6 h", 21600))
 DEFAULT_RANGE_S = 3600
 GRAPH_IDS: tuple[str, ...] = ("graph-attempts", "graph-fates", "graph-queue", "graph-prompt")
-SEVERITY_ORDER = {severity: i for i, severity in enumerate(SEVERITIES)}  # most severe first
+SEVERITY_ORDER: dict[str, int] = {severity: i for i, severity in enumerate(SEVERITIES)}  # most severe first
 
 
 @dataclass
