@@ -1,5 +1,5 @@
-"""Benchmark of the engine model: wall time of 1,800 simulated seconds (issue 3 §5 target: a whole
-paper run, simulator included, in <= 1 s; the engine is only part of it).
+"""Benchmark of the engine model: wall time of 1,800 simulated seconds (the simulator's target, in
+README's benchmarks: a whole paper run, simulator included, in <= 1 s; the engine is only part of it).
 
 Run: ``python bench/bench_engine.py [--preset qwen2.5-7b-h100]``. Prints one line per scenario:
 the protocol's base/pulse/hold trace sent open loop; a constant 2.7 Ĉ overload whose queue grows

@@ -1,4 +1,5 @@
-"""Speed of the simulator (issue 3 §5): one full-length paper run, then ``--block paper``.
+"""Speed of the simulator (targets: one paper run <= 1 s, the 137-run paper block <= 3 min with 2 jobs):
+one full-length paper run, then ``--block paper``.
 
 Targets: one 1,800-s paper run in <= 1 s of wall time, and the 137 runs of ``--block paper`` in
 <= 3 min with 2 jobs. Prints simulated seconds per wall second (Vidur runs at roughly 20x

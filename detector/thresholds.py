@@ -15,7 +15,7 @@ once firing, resolves only after the condition has been false for ``keep_firing_
 (``keep_firing_for``, accepted by Prometheus 2.42's rule files). The evaluator mirrors
 Prometheus' state machine exactly, so both fire and resolve on the same evaluation.
 
-NOTE on the mechanism (PROTOCOL §8), which sets each condition:
+NOTE on the mechanism (docs/protocol.md §8), which sets each condition:
 - the retry loop needs executions created at or above Ĉ (retries add executions); with
   cancellation on, every execution waits out its deadline, so the engine's waiting queue sits
   near attempt rate × deadline (Little's law) while completions collapse; with cancellation off,

@@ -1,7 +1,7 @@
 """Validation of the alerts against a reproduce output: ``retrywatch reproduce validate DIR``.
 
 Replays every run listed in ``DIR/summary.json`` through the detector (``replay_run``), then
-scores each alert against the run's outcome (PROTOCOL §6: recovered or not, recovery time):
+scores each alert against the run's outcome (docs/protocol.md §6: recovered or not, recovery time):
 
 - recall over the runs that did not recover (the alert fired at all after the pulse began);
 - false-positive runs among the runs that recovered: an episode that fired before the pulse
@@ -12,8 +12,8 @@ scores each alert against the run's outcome (PROTOCOL §6: recovered or not, rec
   and the recovery, the resolution of the last such episode minus the recovery time (an
   episode still firing at the end of the run counts as resolved at the run's end).
 
-Writes ``DIR/validation.json`` (the shape in docs/architecture.md, plus a ``targets`` section
-with the checks of issue 4 §5) and ``DIR/validation.md``. Times are seconds from the run's start.
+Writes ``DIR/validation.json`` (the shape in docs/architecture.md, plus a ``targets`` section:
+the checks of :func:`check_targets`) and ``DIR/validation.md``. Times are seconds from the run's start.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _hold_and_control(info: RunInfo, below: str, prefix: str = "") -> list[str]:
 
 def explain_transient_loop(info: RunInfo, firing: Firing) -> str:
     """Why a run that recovered showed the retry-loop signature between its pulse and recovery:
-    the figures that separate a loop that drains from one that holds (PROTOCOL §8)."""
+    the figures that separate a loop that drains from one that holds (docs/protocol.md §8)."""
     parts = []
     if firing.value is not None:
         parts.append(f"executions created at {firing.value:.2f} Ĉ when it fired")
@@ -259,8 +259,12 @@ def _run_ref(r: RunResult, **extra: Any) -> dict[str, Any]:
 
 
 def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
-    """The targets of issue 4 §5, computed on every run given (the ``paper`` block's runs when
-    validating ``--block paper``); each list names the runs that break or qualify a target."""
+    """The targets the alerts are held to, computed on every run given (the ``paper`` block's
+    runs when validating ``--block paper``): the retry-loop alert fires in every run that did not
+    recover, at most ``RETRY_LOOP_LEAD_TARGET_S`` (scaled) after the pulse's end, and never
+    before the pulse, after a recovery or in a run whose retries were shed or attached; the
+    backlog alert fires before the pulse's end in every run that did not recover. Each list
+    names the runs that break or qualify a target."""
     loop_missed: list[dict[str, Any]] = []
     loop_late: list[dict[str, Any]] = []
     loop_before_pulse: list[dict[str, Any]] = []

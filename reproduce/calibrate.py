@@ -1,4 +1,4 @@
-"""Calibration of the capacity Ĉ (PROTOCOL §5), generic over a stage runner.
+"""Calibration of the capacity Ĉ (docs/protocol.md §5), generic over a stage runner.
 
 Stages of ``stage_s`` seconds, each at ``factor`` times the previous arrival rate, run without
 retries until the engine's waiting queue grows by at least ``growth_threshold`` calls/s. In that

@@ -87,7 +87,7 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
 def calibrate(
     backend: str, model: str, mixed_prompts: bool, tokens_per_step: int, seed: int, start_rate: float
 ) -> None:
-    """Measure Ĉ by PROTOCOL §5 (300-s stages at 1.5x until the queue grows)."""
+    """Measure Ĉ by docs/protocol.md §5 (300-s stages at 1.5x until the queue grows)."""
     if backend != "sim":
         raise click.ClickException(f"calibrate here supports --backend sim only, not {backend!r}")
     from reproduce.sim import engine_link

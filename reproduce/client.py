@@ -1,4 +1,4 @@
-"""The client model of the study (PROTOCOL §4): one call = at most R+1 attempts.
+"""The client model of the study (docs/protocol.md §4): one call = at most R+1 attempts.
 
 NOTE: pure and clock-injected, like the proxy's policy core. The simulator drives it in
 simulated time and the HTTP drivers in wall time; neither this module nor its records do any

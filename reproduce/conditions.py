@@ -1,4 +1,4 @@
-"""Blocks and conditions of the study (PROTOCOL §7), as data.
+"""Blocks and conditions of the study (docs/protocol.md §7), as data.
 
 A condition says what the client, the proxy and the engine do: retries on or off, the proxy's
 policy (cancellation off/on/deferred, coalescing, retry budget and its order, proxy cap with

@@ -1,6 +1,6 @@
 """Fit the engine presets' step-time coefficients to the protocol's calibration inputs.
 
-Run ``python -m reproduce.fit_presets`` (about a minute). Inputs only (PROTOCOL §5), never
+Run ``python -m reproduce.fit_presets`` (about a minute). Inputs only (docs/protocol.md §5), never
 outcomes: Ĉ from the protocol's own calibration run (``reproduce.engine.presets.STUDY_CAPACITY``)
 and, for Qwen2.5-7B, the low-load reference at 1.52
 calls/s sent directly: median 0.31 s to the first token and 4.5 s to the last.

@@ -1,4 +1,4 @@
-"""Outcomes of a pulse run (PROTOCOL §6), from call records and the metrics series.
+"""Outcomes of a pulse run (docs/protocol.md §6), from call records and the metrics series.
 
 Whichever world produced them (the simulator or an HTTP driver against a real engine), a run
 is judged the same way: cohorts by planned arrival, delivery within the deadline and by the
@@ -98,7 +98,7 @@ class Timeline:
 
 @dataclass(frozen=True)
 class RecoveryRule:
-    """PROTOCOL §6's recovery thresholds, at the study's scale."""
+    """docs/protocol.md §6's recovery thresholds, at the study's scale."""
 
     min_delivered: float = 0.98  # share of a window's calls delivered within the deadline
     max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
@@ -346,7 +346,7 @@ class ExecutionTraceLike(Protocol):
 
 
 def trace_shares(traces: Iterable[ExecutionTraceLike]) -> dict[str, float | None]:
-    """PROTOCOL §6's tracing shares over every execution of a run:
+    """docs/protocol.md §6's tracing shares over every execution of a run:
 
     * ``aborted_share``: computed prompt tokens held by aborted executions / all computed;
     * ``in_flight_share_of_aborted``: of the aborted executions' computed prompt tokens, those

@@ -1,4 +1,4 @@
-"""Workload traces of the study's protocol (PROTOCOL §3): open-loop Poisson arrivals per phase.
+"""Workload traces of the study's protocol (docs/protocol.md §3): open-loop Poisson arrivals per phase.
 
 A trace fixes every call's planned arrival time, prompt length (with the shared prefix) and
 response length before the run starts, from a seeded ``numpy`` Generator, so the same spec

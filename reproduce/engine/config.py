@@ -1,6 +1,6 @@
 """Engine configuration: the model's architecture, KV capacity in blocks, and the step-time model.
 
-KV bytes per token follow the architecture (PROTOCOL §2): ``2 (K and V) * layers * kv_heads *
+KV bytes per token follow the architecture (docs/protocol.md §2): ``2 (K and V) * layers * kv_heads *
 head_dim * dtype_bytes``. The number of KV blocks is what vLLM's memory profiling leaves for
 the cache: ``gpu_memory * utilization - weights - activation/runtime overhead``, divided by
 ``block_size * kv_bytes_per_token``.

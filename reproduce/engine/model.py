@@ -27,7 +27,7 @@ counted, not iterated (one global step index; each decode execution knows the st
 it finishes and at which it needs its next KV block, kept in heaps); sums of running and
 context tokens are maintained incrementally.
 
-Counters follow vLLM's real rules (PROTOCOL §2): ``vllm:prompt_tokens_total`` adds a prompt's
+Counters follow vLLM's real rules (docs/protocol.md §2): ``vllm:prompt_tokens_total`` adds a prompt's
 full length at its first output token; ``vllm:prefix_cache_queries_total`` adds it once when
 the execution is first admitted to the running batch; a client abort adds nothing to
 ``vllm:request_success_total``. Gauges refresh once per step, like vLLM's.

@@ -1,4 +1,4 @@
-"""Engine presets of the study (PROTOCOL §2): three models on one H100 80 GB at 90% memory.
+"""Engine presets of the study (docs/protocol.md §2): three models on one H100 80 GB at 90% memory.
 
 Architectures and memory are facts; the step-time coefficients are fitted by
 ``python -m reproduce.fit_presets`` to the protocol's calibration inputs only (Ĉ per model, and

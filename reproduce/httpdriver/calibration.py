@@ -1,4 +1,4 @@
-"""Calibration of Ĉ on a real engine over HTTP (PROTOCOL §5, scaled): a stage runner for
+"""Calibration of Ĉ on a real engine over HTTP (docs/protocol.md §5, scaled): a stage runner for
 ``reproduce.calibrate.calibrate``.
 
 A stage sends open-loop Poisson arrivals of the protocol's prompts straight to the engine (no
@@ -12,7 +12,7 @@ hundred 1,200-token prompts) can absorb a whole stage's excess arrivals without 
 queue showing it; their sum grows at (arrival rate - Ĉ) either way, which is what the
 protocol's growth measures. On a GPU with the study's flags the difference vanishes.
 
-NOTE: departures from a literal PROTOCOL §5, all because a CPU engine's throughput rises with
+NOTE: departures from a literal docs/protocol.md §5, all because a CPU engine's throughput rises with
 its running batch (decode is not free on a CPU as it nearly is on a GPU: measured on the
 ``small`` configuration, 3.9 calls/s with 8 calls open, 6.4 with 32, 8.1 with 128), so the
 backlog of a stage just past the first saturation keeps climbing for many seconds while the
@@ -307,7 +307,7 @@ def calibrate_settled(
     confirm_factor: float = 2.0,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationResult:
-    """PROTOCOL §5 on any stage runner (rates per run-second), with the module NOTE's changes.
+    """docs/protocol.md §5 on any stage runner (rates per run-second), with the module NOTE's changes.
 
     Stages grow by ``factor`` from ``start_rate`` until one saturates (its backlog grows by at
     least ``growth_threshold`` calls/s, and more than ``arrival_noise_floor``, over its settled
@@ -383,7 +383,7 @@ def calibrate_http(
     confirm_factor: float = 2.0,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationResult:
-    """Ĉ of the engine at ``engine_url`` in calls per wall second, by PROTOCOL §5 with stages of
+    """Ĉ of the engine at ``engine_url`` in calls per wall second, by docs/protocol.md §5 with stages of
     300 s divided by the protocol's time scale (30 s at K = 10).
 
     Rates are in calls per wall second: a real engine does not run K times faster, so they are

@@ -1,6 +1,6 @@
 """``retrywatch reproduce calibrate-http``: measure Ĉ of a real (or emulated, or external) engine.
 
-Starts the engine as ``reproduce run`` would (or uses ``--engine-url``), runs PROTOCOL §5's
+Starts the engine as ``reproduce run`` would (or uses ``--engine-url``), runs docs/protocol.md §5's
 calibration over HTTP with the chosen protocol's prompts, prints Ĉ in calls per wall second
 (what ``--backend-option capacity=`` takes) and writes the stages as JSON with ``--out``.
 """
@@ -74,7 +74,7 @@ def calibrate_http_command(
     workdir: Path,
     out: Path | None,
 ) -> None:
-    """Calibrate Ĉ (PROTOCOL §5, stages of 300 s / time scale) on an engine over HTTP."""
+    """Calibrate Ĉ (docs/protocol.md §5, stages of 300 s / time scale) on an engine over HTTP."""
     from reproduce.calibrate import CalibrationError
     from reproduce.httpdriver.calibration import calibrate_http
     from reproduce.httpdriver.protocol import cpu_scaled, study

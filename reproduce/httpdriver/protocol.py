@@ -1,4 +1,4 @@
-"""The protocol an HTTP run follows: the study's (PROTOCOL §3–4) or a scaled copy for a CPU engine.
+"""The protocol an HTTP run follows: the study's (docs/protocol.md §3–4) or a scaled copy for a CPU engine.
 
 At time scale K every duration of the protocol is divided by K (phases, deadline, backoff,
 horizon, recovery windows, the proxy's deferral and budget window). On a GPU and on the
@@ -34,7 +34,7 @@ __all__ = [
     "with_pulse",
 ]
 
-#: Ĉ of the calibration behind the study's engine cap Q = 338 = ⌈120 s x 2.81⌉ (PROTOCOL §4).
+#: Ĉ of the calibration behind the study's engine cap Q = 338 = ⌈120 s x 2.81⌉ (docs/protocol.md §4).
 STUDY_CAPACITY = 2.81
 _STUDY_DEADLINE_S = 120.0
 

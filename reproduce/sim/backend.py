@@ -1,7 +1,7 @@
 """The ``sim`` backend of ``retrywatch reproduce run``: each run is one simulated pulse run.
 
 Ĉ is the preset's calibrated capacity; a mixed-prompts condition recalibrates it on the
-simulator (PROTOCOL §7), once per model, before the runs start. Runs are independent and
+simulator (docs/protocol.md §7), once per model, before the runs start. Runs are independent and
 deterministic for their seed, so they run in parallel worker processes.
 """
 

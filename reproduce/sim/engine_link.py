@@ -3,7 +3,7 @@
 The engine model (``reproduce.engine``) is a pure stepping object; this module steps it on the
 simulator's event heap (a step starts whenever work exists and the engine is idle; its end
 calls ``finish_step`` and forwards the events) and turns the per-execution trace into the
-shares PROTOCOL §6 asks for.
+shares docs/protocol.md §6 asks for.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def calibrate_preset(
     workload: Mapping[str, Any] | None = None,
     engine: Mapping[str, Any] | None = None,
 ) -> Any:
-    """PROTOCOL §5's calibration on the simulator (``reproduce.calibrate``): 300-s stages at 1.5x
+    """docs/protocol.md §5's calibration on the simulator (``reproduce.calibrate``): 300-s stages at 1.5x
     the previous rate, from ``start_rate`` (1 call/s, as the presets' fit does), until the
     waiting queue grows."""
     from reproduce.calibrate import calibrate, sim_stage_runner
@@ -142,7 +142,7 @@ class Engine:
         return self.model.metrics_samples(self.labels)
 
     def shares(self) -> dict[str, float | None]:
-        """PROTOCOL §6's tracing shares of this engine's executions so far."""
+        """docs/protocol.md §6's tracing shares of this engine's executions so far."""
         return trace_shares(self.model.trace_records())
 
     def retry_timing(self, retries: Sequence[tuple[int, int | None, float]]) -> dict[str, float | None]:

@@ -4,7 +4,7 @@ Not the project's simulator (``reproduce/``): one FIFO engine with ``slots`` exe
 at once, each taking ``slots / Ĉ`` seconds (so it completes Ĉ calls/s when saturated),
 clients with a deadline and up to R retries, cancellation on or off, no proxy controls. It
 writes the proxy's and vLLM's real metric names every ``scrape`` seconds, which is all the
-detector reads. It reproduces the mechanism of PROTOCOL §8 (orphaned loop with cancellation
+detector reads. It reproduces the mechanism of docs/protocol.md §8 (orphaned loop with cancellation
 off, Little's-law loop with cancellation on, recovery without retries) so the tests can check
 verdicts against an independent model rather than against hand-written numbers.
 """

@@ -70,7 +70,7 @@ class RunningProxy:
 
 
 def balance(m: Samples) -> None:
-    """Assert the counter balance of issue 2 §4 on one scrape."""
+    """Assert the counter balance (``exporter.policy``'s docstring) on one scrape."""
 
     def v(name: str, **labels: str) -> float:
         return m[(name, tuple(sorted(labels.items())))]

@@ -16,7 +16,7 @@ from reproduce.httpdriver.backend import HttpBackend, HttpBackendError
 from reproduce.httpdriver.protocol import STUDY_CAPACITY, scaled_queue_cap, study
 
 GPU_MODELS = {
-    # name: (layers, hidden, query heads, KV heads, head dim, vocab) from PROTOCOL §2 and the model cards
+    # name: (layers, hidden, query heads, KV heads, head dim, vocab): docs/protocol.md §2, the model cards
     "qwen2.5-7b-instruct": (28, 3584, 28, 4, 128, 152_064),
     "qwen3-14b": (40, 5120, 40, 8, 128, 151_936),
     "llama-3.1-8b-instruct": (32, 4096, 32, 8, 128, 128_256),

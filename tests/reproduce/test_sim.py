@@ -72,7 +72,7 @@ def test_scaled_pulse_retries_without_controls_never_recover_while_retries_off_d
     out_on = outcomes(spec, on)
     assert out_off["recovered"] and out_off["recovery_time_s"] is not None
     assert not out_on["recovered"] and out_on["recovery_time_s"] is None
-    # PROTOCOL §8: the collapsed run creates executions above Ĉ, the recovered one below it,
+    # docs/protocol.md §8: the collapsed run creates executions above Ĉ, the recovered one below it,
     # and with cancellation off the engine keeps completing (orphaned) executions at about Ĉ.
     assert out_on["rates_x_capacity"]["executions_created"] > 2.0
     assert out_off["rates_x_capacity"]["executions_created"] < 1.0
