@@ -28,19 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from dashboard.app import Context, DashboardConfig
 from dashboard.pages import live
 from exporter.processes import ManagedProcess, free_port
+from tests.dashboard.conftest import CHROMIUM, CHROMIUM_FLAGS
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
-CHROMIUM = os.environ.get("RETRYWATCH_CHROMIUM", "/usr/bin/chromium")
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 GRAPHS_DRAWN = """(engine) => {
     const ids = ['graph-attempts', 'graph-fates', 'graph-queue', 'graph-prompt'];
     const chip = document.querySelector('#engine-states');
@@ -107,7 +97,7 @@ def main() -> None:
         first, other = engines[0], engines[1 % len(engines)]
         url = f"{base}/?{urllib.parse.urlencode({'engine': first, 'range': int(args.hours * 3600)})}"
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
             for r in range(args.repeat + 1):  # round 0 warms the server and is not counted
                 context = browser.new_context(viewport={"width": 1280, "height": 720})
                 times = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -21,21 +21,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from exporter import metricnames as mn
-from exporter.policy import AttemptKind, Fate, Policy, ShedReason
+from exporter.policy import AttemptKind, Fate, Policy, PolicyCounters, ShedReason
 from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
 from exporter.timeseries import parse_exposition
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0)
 
-_VLLM_SCANNED = (mn.VLLM_NUM_WAITING, mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES)
+#: The upstream's families the window samples (summed over their label sets).
+WINDOW_VLLM_FAMILIES = (mn.VLLM_NUM_WAITING, mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES)
 
 
 def _base(name: str) -> str:
     return name.removesuffix("_total")
 
 
-def scan_vllm(text: str, names: tuple[str, ...] = _VLLM_SCANNED) -> dict[str, float]:
+def scan_vllm(text: str, names: tuple[str, ...] = WINDOW_VLLM_FAMILIES) -> dict[str, float]:
     """Sum the samples of a few families (over all label sets) from an exposition text.
 
     NOTE: this runs on the event loop every second. Only the lines of the wanted families are
@@ -72,6 +73,19 @@ class WindowSample:
     prompt_tokens: float | None
     prefix_queries: float | None
     waiting: float | None
+
+
+def window_sample(t: float, counters: PolicyCounters, vllm: Mapping[str, float]) -> WindowSample:
+    """The window's sample at ``t``: the policy's counters and the upstream's families
+    (``vllm``: :data:`WINDOW_VLLM_FAMILIES` summed, absent when not known)."""
+    return WindowSample(
+        t=t,
+        attempts=float(sum(counters.attempts.values())),
+        created=float(counters.created),
+        prompt_tokens=vllm.get(mn.VLLM_PROMPT_TOKENS),
+        prefix_queries=vllm.get(mn.VLLM_PREFIX_CACHE_QUERIES),
+        waiting=vllm.get(mn.VLLM_NUM_WAITING),
+    )
 
 
 class SlidingWindow:
@@ -294,19 +308,8 @@ class ProxyMetrics:
 
     def sample(self, now: float) -> None:
         """Take one window sample (on a 1-s timer and at scrape time)."""
-        c = self.policy.counters
         text = self.passthrough_text(now)
-        vllm = scan_vllm(text) if text else {}
-        self.window.add(
-            WindowSample(
-                t=now,
-                attempts=float(sum(c.attempts.values())),
-                created=float(c.created),
-                prompt_tokens=vllm.get(mn.VLLM_PROMPT_TOKENS),
-                prefix_queries=vllm.get(mn.VLLM_PREFIX_CACHE_QUERIES),
-                waiting=vllm.get(mn.VLLM_NUM_WAITING),
-            )
-        )
+        self.window.add(window_sample(now, self.policy.counters, scan_vllm(text) if text else {}))
 
     def exposition(self, passthrough: bool, now: float) -> bytes:
         ours = generate_latest(self.registry)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from exporter import metricnames as mn
-from exporter.metrics import PolicyCollector, SlidingWindow, WindowSample
+from exporter.metrics import WINDOW_VLLM_FAMILIES, PolicyCollector, SlidingWindow, window_sample
 from exporter.policy import Policy
 from exporter.timeseries import Sample, Snapshot
 
@@ -42,19 +41,9 @@ class Scraper:
         engine = self.engine_samples()
         totals: dict[str, float] = {}
         for name, _, value in engine:
-            if name in (mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES, mn.VLLM_NUM_WAITING):
+            if name in WINDOW_VLLM_FAMILIES:
                 totals[name] = totals.get(name, 0.0) + value
-        c = self.policy.counters
-        self.window.add(
-            WindowSample(
-                t=t,
-                attempts=float(sum(c.attempts.values())),
-                created=float(c.created),
-                prompt_tokens=totals.get(mn.VLLM_PROMPT_TOKENS),
-                prefix_queries=totals.get(mn.VLLM_PREFIX_CACHE_QUERIES),
-                waiting=totals.get(mn.VLLM_NUM_WAITING),
-            )
-        )
+        self.window.add(window_sample(t, self.policy.counters, totals))
         samples: list[Sample] = [
             (s.name, dict(s.labels), float(s.value))
             for family in self.collector.collect()
