@@ -26,6 +26,7 @@ from exporter.settings import (
     ProxySettings,
     SettingsError,
 )
+from exporter.upstream import DEFAULT_MAX_IDLE_S
 
 FC = TypeVar("FC", bound=Callable[..., Any])
 
@@ -183,6 +184,15 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
     help="Serve the last good upstream /metrics this long while a refresh is slow or failing.",
 )
 @_opt(
+    "upstream-max-idle",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_MAX_IDLE_S,
+    help=(
+        "Seconds a kept-alive connection to the engine may stay idle and still be reused; keep it "
+        "below the engine's own keep-alive timeout (5 s in vLLM)."
+    ),
+)
+@_opt(
     "max-head-bytes",
     type=click.IntRange(min=1024),
     default=DEFAULT_MAX_HEAD_BYTES,
@@ -268,6 +278,7 @@ def proxy(**options: Any) -> None:
             metrics_passthrough=options["metrics_passthrough"],
             upstream_metrics_timeout_s=options["metrics_timeout"],
             upstream_metrics_max_staleness_s=options["metrics_max_staleness"],
+            upstream_max_idle_s=options["upstream_max_idle"],
             max_head_bytes=options["max_head_bytes"],
             max_headers=options["max_headers"],
             head_timeout_s=options["head_timeout"],

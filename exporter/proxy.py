@@ -146,8 +146,13 @@ class Proxy:
         self.metrics = ProxyMetrics(
             self.policy, settings.window_s, settings.capacity, settings.upstream_metrics_max_staleness_s
         )
-        self.upstream = UpstreamClient(settings.upstream_base, settings.upstream_connect_timeout_s)
-        self.pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s)
+        base, connect_s, idle_s = (
+            settings.upstream_base,
+            settings.upstream_connect_timeout_s,
+            settings.upstream_max_idle_s,
+        )
+        self.upstream = UpstreamClient(base, connect_s, max_idle_s=idle_s)
+        self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s)
         self.relays: dict[int, Relay] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
 from exporter.routes import DEFAULT_ROUTES, ForwardedRoutes
+from exporter.upstream import DEFAULT_MAX_IDLE_S
 
 
 class SettingsError(ValueError):
@@ -63,6 +64,8 @@ class ProxySettings:
     upstream_metrics_timeout_s: float = 2.0  # longest a scrape of the proxy waits for the upstream's
     upstream_metrics_max_staleness_s: float = 15.0  # last good upstream scrape served this long
     upstream_connect_timeout_s: float = 5.0
+    # a kept-alive upstream connection idle longer than this is not reused (both upstream clients)
+    upstream_max_idle_s: float = DEFAULT_MAX_IDLE_S
     # the server (exporter.server) and the routes it forwards (exporter.routes)
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     max_headers: int = DEFAULT_MAX_HEADERS
@@ -107,6 +110,8 @@ class ProxySettings:
             raise SettingsError("--metrics-timeout must be a positive number of seconds")
         if not (0 < self.upstream_metrics_max_staleness_s < math.inf):
             raise SettingsError("--metrics-max-staleness must be a positive number of seconds")
+        if not (0 < self.upstream_max_idle_s < math.inf):
+            raise SettingsError("--upstream-max-idle must be a positive number of seconds")
         if self.deadline_auto and self.deadline_s is not None:
             raise SettingsError("--deadline is either a number of seconds or 'auto', not both")
         if self.deadline_check and self.deadline_s is None and not self.deadline_auto:

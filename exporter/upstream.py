@@ -50,7 +50,8 @@ _DROP_REQUEST_HEADERS = frozenset(
 )
 # Longest a kept-alive upstream connection is reused after its last response: below the
 # upstream's own keep-alive timeout (5 s in uvicorn, which serves vLLM), so the upstream does not
-# close a connection just as a request is written on it. Both clients use it.
+# close a connection just as a request is written on it. Both clients use it; the proxy's
+# --upstream-max-idle sets it.
 DEFAULT_MAX_IDLE_S = 2.0
 
 # Response headers never relayed to a client.
