@@ -43,10 +43,11 @@ connection), so a test can tell whether a client reused a connection.
 It records every generation request (call id, ``x-test-tag``, the ``Expect`` header as received,
 the port it came from, when it arrived, its first token, its end, and whether and when the client
 closed the connection early; a request whose body never arrived whole is recorded too, as
-aborted) and serves the records on ``GET /test/requests?call_id=...`` so tests can assert what
-reached the engine and what was aborted. Each completion's id is ``cmpl-<request_id>`` of its
-record, so a test can tell whose answer a client received. It also serves ``/metrics`` (a few
-``vllm:`` families with vLLM's counting rules), ``/v1/models``, ``/health`` and ``/version``.
+aborted) and serves the records on ``GET /test/requests`` (``?call_id=``, ``?tag=``,
+``?tag_prefix=`` select) so tests can assert what reached the engine and what was aborted.
+Each completion's id is ``cmpl-<request_id>`` of its record, so a test can tell whose answer a
+client received. It also serves ``/metrics`` (a few ``vllm:`` families with vLLM's counting
+rules), ``/v1/models``, ``/health`` and ``/version``.
 Prompt text is never stored: only its length.
 
 Run: ``python -m exporter.testing.upstream --port 8000``.
@@ -75,7 +76,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 MODES = ("normal", "refuse-http", "refuse-stream", "crash", "close", "error-500")
-MAX_RECORDS = 20_000
+MAX_RECORDS = 50_000  # generation requests remembered (the oldest are forgotten)
 MAX_HOLDS = 10_000
 MAX_INTERIM = 8  # interim responses one request may ask for
 # A vLLM's --max-model-len: a request asking for more completion tokens gets a 400.
@@ -270,10 +271,13 @@ class TestUpstream:
             query = parse_qs(scope.get("query_string", b"").decode())
             call_id = query.get("call_id", [None])[0]
             tag = query.get("tag", [None])[0]
+            prefix = query.get("tag_prefix", [None])[0]
             rows = [
                 asdict(r)
                 for r in self.records
-                if (call_id is None or r.call_id == call_id) and (tag is None or r.tag == tag)
+                if (call_id is None or r.call_id == call_id)
+                and (tag is None or r.tag == tag)
+                and (prefix is None or (r.tag or "").startswith(prefix))
             ]
             await _respond_json(send, 200, {"requests": rows})
         elif method == "POST" and path == "/test/config":

@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.proxy import Proxy
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from exporter.testing.soak import Samples, balance_problems, scrape
 
 
 def free_port() -> int:
@@ -77,37 +75,13 @@ class RunningProxy:
 
     def metrics(self) -> Samples:
         """Samples of ``/metrics`` keyed by (name, sorted labels)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        out: Samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+        return scrape(self.url)
 
 
 def balance(m: Samples) -> None:
-    """Assert the counter balance of issue 2 §4 on one scrape."""
-
-    def v(name: str, **labels: str) -> float:
-        return m[(name, tuple(sorted(labels.items())))]
-
-    attempts = v("retrywatch_attempts_total", kind="first") + v("retrywatch_attempts_total", kind="retry")
-    shed = sum(
-        v("retrywatch_attempts_shed_total", reason=r) for r in ("retry_budget", "proxy_queue", "deadline")
-    )
-    created = v("retrywatch_executions_created_total")
-    assert attempts == v("retrywatch_attempts_attached_total") + shed + created
-    fate = {
-        f: v("retrywatch_executions_finished_total", fate=f)
-        for f in ("completed", "orphaned", "cancelled", "dropped", "refused", "failed")
-    }
-    dispatched = v("retrywatch_executions_dispatched_total")
-    assert created == dispatched + fate["dropped"] + v("retrywatch_executions_queued")
-    live = v("retrywatch_executions_live")
-    assert (
-        dispatched
-        == fate["completed"] + fate["orphaned"] + fate["cancelled"] + fate["failed"] + fate["refused"] + live
-    )
+    """Assert the counter balance (``exporter.policy``'s docstring) on one scrape."""
+    problems = balance_problems(m)
+    assert not problems, problems
 
 
 def env_without_retrywatch() -> dict[str, str]:
