@@ -14,7 +14,10 @@ adds per connection:
   connection is closed if the answer has begun;
 * an idle timeout: a connection that starts no request for ``--keep-alive-timeout`` is closed,
   from its opening as after each answer (uvicorn's own keep-alive timer arms only after one);
-* a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once.
+* a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once;
+* a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
+  proxy switches to none, and httptools would hand the body to the new protocol (one without a
+  body goes on as plain HTTP/1.1).
 
 A sweep a few times a second checks the deadlines, so the per-request cost is storing one.
 The errors the server sends itself are OpenAI-style JSON bodies, like the app's, and end the
@@ -186,7 +189,9 @@ class BoundedProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            pass  # no upgrade is served (ws="none"): the request goes on as plain HTTP
+            # No upgrade is served (ws="none"): a request without a body (one with a body was
+            # refused in ``on_headers_complete``) goes on as plain HTTP.
+            pass
         except httptools.HttpParserError as exc:
             refused = exc.__context__
             if isinstance(refused, _Refused):
@@ -248,6 +253,16 @@ class BoundedProtocol(HttpToolsProtocol):
             raise _Refused(431, f"the request has over {self.max_headers} header fields", "too_many_headers")
         if self._received > self.max_head_bytes and self._head_size() > self.max_head_bytes:
             raise _Refused(431, f"the request head is over {self.max_head_bytes} bytes", "head_too_large")
+        if self.parser.should_upgrade() and self._has_body():
+            # NOTE: httptools takes everything after the head of a request that asks to switch
+            # protocols (``Connection: upgrade``) for the new protocol's bytes: its body never
+            # reaches the app, which would see an empty body (uvicorn, which serves vLLM, does the
+            # same). The proxy switches to no protocol, so say so rather than lose the body.
+            message = (
+                "the proxy does not switch protocols (Upgrade), and a request that asks to cannot "
+                "carry a body here: send it without 'Connection: upgrade'"
+            )
+            raise _Refused(400, message, "unsupported_upgrade")
         super().on_headers_complete()
         self.phase = BODY
         self.deadline = self.loop.time() + self.body_timeout_s
@@ -257,6 +272,12 @@ class BoundedProtocol(HttpToolsProtocol):
             # NOTE: an instance attribute (swapping the cycle's class cost ~9 us per request) that
             # refers to its cycle weakly: a strong reference would leave every cycle to the GC.
             cycle.send_500_response = functools.partial(_send_json_500, weakref.ref(cycle))  # type: ignore[method-assign]
+
+    def _has_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" \t0")):
+                return True
+        return False
 
     def _head_size(self) -> int:
         return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)

@@ -109,7 +109,11 @@ class UpstreamClient:
         self, method: str, path: str, body: bytes, headers: list[tuple[str, str]], query: bytes = b""
     ) -> httpx.Response:
         """Send a request and return the response with its body still unread (a stream)."""
-        request = self.client.build_request(method, self.url(path, query), content=body, headers=headers)
+        # NOTE: as bytes, as they arrived: httpx encodes str header values as ASCII, and a value
+        # with obs-text (bytes 0x80-0xff, which HTTP allows and clients send) raised inside the
+        # proxy, answering a client's header with a 500.
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        request = self.client.build_request(method, self.url(path, query), content=body, headers=raw)
         return await self.client.send(request, stream=True)
 
     async def get_text(self, path: str, timeout_s: float) -> str:

@@ -306,7 +306,9 @@ class TestUpstream:
             self.records.clear()
             await _respond_json(send, 200, {})
         else:
-            await _respond_json(send, 404, {"error": {"message": "not found", "code": 404}})
+            raw_path = scope.get("raw_path") or b""  # as received, so a test sees what a proxy forwarded
+            error = {"message": "not found", "code": 404, "path": raw_path.decode("latin-1")}
+            await _respond_json(send, 404, {"error": error})
 
     def _hold(self, name: str) -> asyncio.Event:
         event = self._holds.get(name)
