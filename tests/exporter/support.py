@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -84,6 +85,13 @@ def balance(m: Samples) -> None:
     assert not problems, problems
 
 
+def errors_logged(log: Path) -> list[str]:
+    """The lines of a process's output that tell of an error inside it: a traceback, or an
+    exception uvicorn caught in the app."""
+    text = log.read_text(errors="replace")
+    return [line for line in text.splitlines() if "Traceback" in line or "Exception in ASGI" in line]
+
+
 def env_without_retrywatch() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("RETRYWATCH_")}
 
@@ -106,13 +114,17 @@ class ProxyProcess:
 
 
 @contextlib.contextmanager
-def proxy_process(upstream_url: str, *args: str, env: dict[str, str] | None = None) -> Iterator[ProxyProcess]:
-    """Run ``retrywatch proxy --upstream URL ARGS...`` until the block ends (then SIGTERM)."""
+def proxy_process(
+    upstream_url: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> Iterator[ProxyProcess]:
+    """Run ``retrywatch proxy --upstream URL ARGS...`` until the block ends (then SIGTERM); its
+    output goes to ``log`` if given (see ``errors_logged``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", upstream_url, "--port", str(port)]
     cmd += args
     full_env = env_without_retrywatch() | (env or {})
-    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log, "ab") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=out)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/metrics", proc=proc)

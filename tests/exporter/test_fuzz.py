@@ -22,6 +22,8 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -41,7 +43,7 @@ from exporter.validation import (
     parse_body,
     validate,
 )
-from tests.exporter.support import ProxyProcess, Upstream, balance, proxy_process, scrape
+from tests.exporter.support import ProxyProcess, Upstream, balance, errors_logged, proxy_process, scrape
 
 LONG_RUN = int(os.environ.get("RETRYWATCH_FUZZ_EXAMPLES", "0"))
 FUZZ_EXAMPLES = LONG_RUN or 500
@@ -57,15 +59,24 @@ PROXY_ROUTES = (COMPLETIONS, CHAT_COMPLETIONS, "/metrics")
 FORWARDED = ForwardedRoutes((DEFAULT_ROUTES,))
 
 
+@dataclass
+class Fuzzed:
+    proxy: ProxyProcess
+    log: Path  # its output: nothing in it may tell of an error inside the proxy
+
+
 @pytest.fixture(scope="module")
-def fuzzed(upstream: Upstream) -> Iterator[ProxyProcess]:
+def fuzzed(upstream: Upstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     args = ("--head-timeout", "1", "--body-timeout", "1", "--keep-alive-timeout", "5", "--drain-timeout", "0")
-    with proxy_process(upstream.url, *args) as p:
-        yield p
+    log = tmp_path_factory.mktemp("fuzz") / "proxy.log"
+    with proxy_process(upstream.url, *args, log=log) as p:
+        yield Fuzzed(p, log)
 
 
-def assert_alive_and_balanced(p: ProxyProcess, upstream: Upstream) -> None:
+def assert_alive_and_balanced(fuzzed: Fuzzed, upstream: Upstream) -> None:
+    p = fuzzed.proxy
     assert p.proc.poll() is None, "the proxy died"
+    assert errors_logged(fuzzed.log) == [], fuzzed.log.read_text()[-5000:]
     deadline = time.monotonic() + WAIT_S
     while True:
         m = scrape(p.url)
@@ -230,7 +241,7 @@ def generation_requests(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
     return route, draw(bodies(route)), headers
 
 
-def test_fuzzed_bodies_on_the_generation_routes(fuzzed: ProxyProcess, upstream: Upstream) -> None:
+def test_fuzzed_bodies_on_the_generation_routes(fuzzed: Fuzzed, upstream: Upstream) -> None:
     client = httpx.Client(timeout=WAIT_S)
 
     @FUZZ
@@ -242,7 +253,7 @@ def test_fuzzed_bodies_on_the_generation_routes(fuzzed: ProxyProcess, upstream: 
         route, body, headers = request
         try:
             encoded = {k.encode(): v.encode("latin-1") for k, v in headers.items()}
-            r = client.post(f"{fuzzed.url}{route}", content=body, headers=encoded)
+            r = client.post(f"{fuzzed.proxy.url}{route}", content=body, headers=encoded)
         except httpx.RemoteProtocolError as exc:
             raise AssertionError(f"the proxy broke the connection: {exc}") from None
         event(f"HTTP {r.status_code}")
@@ -472,7 +483,7 @@ def request_heads(draw: st.DrawFn) -> tuple[str, str, bytes]:
     return method, target, raw_request(method, target, *headers)
 
 
-def test_fuzzed_request_heads_on_every_route(fuzzed: ProxyProcess, upstream: Upstream) -> None:
+def test_fuzzed_request_heads_on_every_route(fuzzed: Fuzzed, upstream: Upstream) -> None:
     upgrade = (b"connection: upgrade", b"upgrade: h2c")
 
     @FUZZ
@@ -484,7 +495,7 @@ def test_fuzzed_request_heads_on_every_route(fuzzed: ProxyProcess, upstream: Ups
     def check(request: tuple[str, str, bytes]) -> None:
         method, target, data = request
         head_only = method == "HEAD"  # an answer to HEAD has no body
-        status, body = send_raw(fuzzed, data, head_only)
+        status, body = send_raw(fuzzed.proxy, data, head_only)
         check_answer(status, body, target if not head_only else "", data, with_body=not head_only)
         if method == "POST" and target in (COMPLETIONS, CHAT_COMPLETIONS) and status != 200:
             # Its body is a valid completion request: whatever the head said, it must arrive whole.
@@ -547,7 +558,7 @@ def malformed_requests(draw: st.DrawFn) -> tuple[str, bytes]:
     return target.decode("latin-1"), data
 
 
-def test_malformed_requests_written_raw(fuzzed: ProxyProcess, upstream: Upstream) -> None:
+def test_malformed_requests_written_raw(fuzzed: Fuzzed, upstream: Upstream) -> None:
     @FUZZ
     @given(malformed_requests() | st.binary(min_size=1, max_size=200).map(lambda b: ("", b + b"\r\n\r\n")))
     @example(("*", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
@@ -567,7 +578,7 @@ def test_malformed_requests_written_raw(fuzzed: ProxyProcess, upstream: Upstream
     def check(request: tuple[str, bytes]) -> None:
         target, data = request
         head_only = data.startswith(b"HEAD ")  # an answer to HEAD has no body
-        status, body = send_raw(fuzzed, data, head_only)
+        status, body = send_raw(fuzzed.proxy, data, head_only)
         if status is None:
             event("closed without an answer")
             return  # a request the server could not even read as HTTP may be closed on

@@ -6,10 +6,12 @@ bigger: ``python bench/soak_proxy.py --calls 10000``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from exporter.testing.soak import FATES, KINDS, SOAK_PROXY_ARGS, run_soak
-from tests.exporter.support import Upstream, proxy_process
+from tests.exporter.support import Upstream, errors_logged, proxy_process
 
 CALLS = 4_000
 WARMUP_CALLS = 1_000
@@ -24,12 +26,16 @@ MAX_RSS_GROWTH_PER_CALL = 1024
 
 
 @pytest.mark.slow
-def test_a_soak_of_every_kind_of_call_leaves_the_proxy_correct_balanced_and_flat(upstream: Upstream) -> None:
-    with proxy_process(upstream.url, *SOAK_PROXY_ARGS, "--drain-timeout", "0") as p:
+def test_a_soak_of_every_kind_of_call_leaves_the_proxy_correct_balanced_and_flat(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    log = tmp_path / "proxy.log"
+    with proxy_process(upstream.url, *SOAK_PROXY_ARGS, "--drain-timeout", "0", log=log) as p:
         report = run_soak(p.url, p.proc.pid, upstream.url, CALLS, WARMUP_CALLS, CONCURRENCY, seed=0)
     text = "\n".join(report.lines())
     print(text)
     assert report.problems == [], text
+    assert errors_logged(log) == [], log.read_text()[-5000:]  # nothing failed inside the proxy
     f = report.figures
     # Every kind of call happened, and every way an execution ends, and a retry both attached to
     # its call's execution and created its own.
