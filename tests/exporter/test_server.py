@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import httptools
 import httpx
 import pytest
 
@@ -245,6 +246,45 @@ def test_header_values_with_bytes_beyond_ascii_are_forwarded(
     for value in (b"caf\xe9", b"\xe2\x9c\x93 ok", b"\xff\xfe"):
         response = exchange(bounded.port, [whole_request(method, path, b"x-note: " + value + b"\r\n")])
         assert response.startswith(b"HTTP/1.1 200 "), response[:300]
+
+
+def responses(raw: bytes) -> list[tuple[int, bytes]]:
+    """The responses in what a server sent on one connection: (status, body) each."""
+    out: list[tuple[int, bytes]] = []
+    body = bytearray()
+
+    class Callbacks:
+        def on_body(self, data: bytes) -> None:
+            body.extend(data)
+
+        def on_message_complete(self) -> None:
+            out.append((parser.get_status_code(), bytes(body)))
+            body.clear()
+
+    parser = httptools.HttpResponseParser(Callbacks())
+    parser.feed_data(raw)
+    return out
+
+
+def test_a_body_sent_without_its_length_gets_a_clear_answer_not_a_silent_close(bounded: ProxyProcess) -> None:
+    """Without Content-Length (or chunked) a request has no body in HTTP/1.1: its body's bytes are
+    the next request, which is not HTTP. The connection was closed at once, and the client got
+    no answer at all, not even to its request."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\r\n"
+    got = responses(exchange(bounded.port, [head + completion()]))
+    assert [status for status, _ in got] == [400, 400]
+    first, then = (json.loads(body)["error"] for _, body in got)
+    assert first["code"] == "invalid_json" and "Content-Length" in first["message"]
+    assert then["code"] == "invalid_http"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
+def test_a_request_followed_by_garbage_is_answered_before_the_garbage_is_refused(
+    bounded: ProxyProcess, path: str
+) -> None:
+    got = responses(exchange(bounded.port, [request_head("GET", path, b"\r\n") + b"GARBAGE\r\n\r\n"]))
+    assert [status for status, _ in got] == [200, 400]
+    assert json.loads(got[1][1])["error"]["code"] == "invalid_http"
 
 
 UPGRADE_H2C = (
