@@ -6,7 +6,8 @@ sending the body, before the answer, mid-stream, during an upstream stall, at ``
 retry the same call (attaching to the live execution or creating a new one), refusals in both of
 vLLM's forms, upstreams that crash mid-stream or hang up after reading the request, interim
 responses, and identical requests without a call id sent at once (and the same call id from two
-callers). Afterwards it checks what a client and an operator would see:
+callers); on new connections and on connections earlier attempts left open, as an SDK's pool
+reuses them. Afterwards it checks what a client and an operator would see:
 
 * every answer a client read whole is its own call's (the test upstream names each completion
   after the request it recorded, ``cmpl-<request_id>``, and every attempt carries its own
@@ -86,6 +87,7 @@ class AttemptPlan:
     expect: str | None  # None: the client leaves before its answer (``leave``)
     leave: Leave | None = None
     backoff_s: float = 0.0  # wait before sending it
+    reuse: bool = False  # on a connection an earlier attempt left open, if there is one
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Exchange:
     complete: bool = False  # the HTTP response ended properly
     left: bool = False  # the client closed before the end (as planned)
     sent: bool = False  # the whole request was written
+    reused: bool = False  # sent on a kept-alive connection an earlier attempt left open
     error: str | None = None  # a transport error or a timeout
 
 
@@ -193,7 +196,7 @@ def plan_unit(rng: random.Random, run: str, first_index: int) -> list[Call]:
             h["x-stainless-retry-count"] = str(a)
         if rng.random() < 0.1:
             h["x-test-interim"] = "100,103"
-        attempts.append(AttemptPlan(h, expect, leave, backoff))
+        attempts.append(AttemptPlan(h, expect, leave, backoff, reuse=leave is None and rng.random() < 0.5))
 
     if kind in ("stream", "json"):
         headers = {"x-test-token-interval": f"{rng.uniform(0, 0.005):.4f}"}
@@ -256,6 +259,7 @@ class _ResponseParser:
         self.content_type = ""
         self.body = bytearray()
         self.complete = False
+        self.keep_alive = False
         self._headers: list[tuple[bytes, bytes]] = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -266,6 +270,7 @@ class _ResponseParser:
         self.interim = status < 200
         if not self.interim:
             self.status = status
+            self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it at the end
             for name, value in self._headers:
                 if name == b"content-type":
                     self.content_type = value.decode("latin-1")
@@ -292,16 +297,46 @@ def _request_bytes(host: str, route: str, body: bytes, headers: dict[str, str]) 
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def _attempt(host: str, port: int, call: Call, a: int, run: str) -> Exchange:
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class _Client:
+    """Where attempts connect: a new connection each, or, for an attempt planned to ``reuse``
+    one, a connection an earlier attempt read to its end and left open (as an SDK's pool does:
+    at most ``max_idle`` wait, the others are closed)."""
+
+    def __init__(self, host: str, port: int, max_idle: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[Connection] = []
+        self.max_idle = max_idle
+
+    async def connect(self, reuse: bool) -> tuple[Connection, bool]:
+        if reuse and self.idle:
+            return self.idle.pop(), True
+        return await asyncio.open_connection(self.host, self.port), False
+
+    def release(self, connection: Connection) -> None:
+        if len(self.idle) < self.max_idle:
+            self.idle.append(connection)
+        else:
+            connection[1].close()
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop()[1].close()
+
+
+async def _attempt(client: _Client, call: Call, a: int, run: str) -> Exchange:
     plan = call.attempts[a]
     ex = Exchange(call.index, a, _tag(run, call.index, a), plan.expect, call.stream)
-    request = _request_bytes(f"{host}:{port}", call.route, call.body, plan.headers)
+    request = _request_bytes(f"{client.host}:{client.port}", call.route, call.body, plan.headers)
     leave = plan.leave or Leave()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ATTEMPT_TIMEOUT_S
     writer: asyncio.StreamWriter | None = None
+    keep = False
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        (reader, writer), ex.reused = await client.connect(plan.reuse)
         if leave.in_body:
             writer.write(request[: len(request) - len(call.body) // 2 - 1])
             await writer.drain()
@@ -335,20 +370,23 @@ async def _attempt(host: str, port: int, call: Call, a: int, run: str) -> Exchan
                     break
         ex.status, ex.content_type = response.status, response.content_type
         ex.body, ex.complete = bytes(response.body), response.complete
+        keep = response.complete and response.keep_alive and not ex.left
     except (OSError, httptools.HttpParserError) as exc:
         ex.error = f"{type(exc).__name__}: {exc}"
     finally:
-        if writer is not None:
+        if writer is not None and keep:
+            client.release((reader, writer))
+        elif writer is not None:
             writer.close()
     return ex
 
 
-async def _run_call(host: str, port: int, call: Call, run: str) -> list[Exchange]:
+async def _run_call(client: _Client, call: Call, run: str) -> list[Exchange]:
     out = []
     for a, plan in enumerate(call.attempts):
         if plan.backoff_s:
             await asyncio.sleep(plan.backoff_s)
-        out.append(await _attempt(host, port, call, a, run))
+        out.append(await _attempt(client, call, a, run))
     return out
 
 
@@ -367,15 +405,19 @@ async def drive(
         index += len(unit)
     queue = list(reversed(units))
     exchanges: list[Exchange] = []
+    client = _Client(host, port, max_idle=concurrency // 2)
 
     async def worker() -> None:
         while queue:
             unit = queue.pop()
-            results = await asyncio.gather(*(_run_call(host, port, c, run) for c in unit))
+            results = await asyncio.gather(*(_run_call(client, c, run) for c in unit))
             for r in results:
                 exchanges.extend(r)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        client.close()  # the phase's figures are taken with no client connection left open
     return [c for u in units for c in u], exchanges
 
 
@@ -602,7 +644,7 @@ class SoakReport:
             f"calls: {f['calls']} ({f['calls_per_s']:.0f}/s over {self.soak.duration_s:.1f} s, "
             f"concurrency {f['concurrency']}); warm-up {len(self.warmup.calls)} calls",
             "calls by kind: " + ", ".join(f"{k} {n}" for k, n in f["kinds"].items()),
-            f"attempts: {f['attempts']}; what they got: "
+            f"attempts: {f['attempts']} ({f['reused']} on a kept-alive connection); what they got: "
             + ", ".join(f"{k} {n}" for k, n in sorted(self.soak.outcomes.items())),
             f"the proxy counted attempts first {f['first']:.0f}, retry {f['retry']:.0f}, "
             f"attached {f['attached']:.0f}",
@@ -653,7 +695,9 @@ async def _settle(proxy_url: str, run: str, probe_index: int, problems: list[str
     headers = {"x-call-id": uuid.uuid4().hex, "x-test-tag": _tag(run, probe_index, 0)}
     probe = Call(probe_index, "probe", "/v1/completions", body, False, 1, [AttemptPlan(headers, ANSWER)])
     parts = urlsplit(proxy_url)
-    ex = await _attempt(parts.hostname or "127.0.0.1", parts.port or 80, probe, 0, run)
+    client = _Client(parts.hostname or "127.0.0.1", parts.port or 80, max_idle=0)
+    ex = await _attempt(client, probe, 0, run)
+    client.close()
     if ex.status != 200:
         problems.append(f"the settling probe got {ex.status} {ex.error or ex.body[:200]!r}")
     await asyncio.sleep(0.3)
@@ -785,6 +829,7 @@ def _figures(warmup: Phase, s: Phase, concurrency: int, records: list[dict[str, 
         "concurrency": concurrency,
         "kinds": dict(sorted(Counter(call.kind for call in s.calls).items())),
         "attempts": len(s.exchanges),
+        "reused": sum(1 for ex in s.exchanges if ex.reused),
         "first": c["first"],
         "retry": c["retry"],
         "attached": c["attached"],
