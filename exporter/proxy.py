@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -86,6 +87,8 @@ SAMPLE_INTERVAL_S = 1.0
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
+# A fault in the proxy itself (a bug, logged): never the answer to anything a client sent.
+_PROXY_ERROR = error_body("the proxy failed handling the request", error_type(500), "proxy_error")
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -127,8 +130,13 @@ class Proxy:
         self.metrics = ProxyMetrics(
             self.policy, settings.window_s, settings.capacity, settings.upstream_metrics_max_staleness_s
         )
-        self.upstream = UpstreamClient(settings.upstream_base, settings.upstream_connect_timeout_s)
-        self.pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s)
+        base, connect_s, idle_s = (
+            settings.upstream_base,
+            settings.upstream_connect_timeout_s,
+            settings.upstream_max_idle_s,
+        )
+        self.upstream = UpstreamClient(base, connect_s, max_idle_s=idle_s)
+        self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s)
         self.relays: dict[int, Relay] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -147,9 +155,15 @@ class Proxy:
         self.starlette = Starlette(
             routes=routes,
             lifespan=self._lifespan,
-            exception_handlers={HTTPException: self._http_error},
+            # Exception: what Starlette's error middleware answers when a route fails (its own
+            # answer is a plain-text 500); it still raises the error on, to the server's log.
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
         )
         self.starlette.router.default = self.unrouted
+        # A path one slash away from a route of the proxy is not redirected to it (Starlette's
+        # default, a 307 built from the Host header): like every other path, it is passed
+        # through or answered 404.
+        self.starlette.router.redirect_slashes = False
         self.app = self  # an ASGI 3 app (servers recognise it by its async __call__)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -166,8 +180,7 @@ class Proxy:
                 response = await self.generate_asgi(scope, receive)
             except Exception:  # a bug here must answer 500, like Starlette's error middleware
                 log.exception("generation request failed in the proxy")
-                message = "the proxy failed handling the request"
-                response = _json_response(500, error_body(message, error_type(500), "proxy_error"))
+                response = _json_response(500, _PROXY_ERROR)
             await response(scope, receive, send)
             return
         await self.starlette(scope, receive, send)
@@ -585,9 +598,15 @@ class Proxy:
         assert isinstance(exc, HTTPException)
         status = exc.status_code
         code = "method_not_allowed" if status == 405 else "http_error"
-        message = f"{request.method} is not allowed on {request.url.path}" if status == 405 else exc.detail
+        message = (
+            f"{request.method} is not allowed on {request.scope['path']}" if status == 405 else exc.detail
+        )
         headers = dict(exc.headers) if exc.headers else None
         return _json_response(status, error_body(message, error_type(status), code), headers)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        """A route other than the generation routes failed: a 500, as an OpenAI-style error."""
+        return _json_response(500, _PROXY_ERROR)
 
     async def unrouted(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A path none of the proxy's routes matches: passed through, or a 404 (or a 400 for a
@@ -644,9 +663,14 @@ class Proxy:
         except RequestError as exc:
             return _json_response(exc.status, exc.body())
         headers = [*forwardable_headers(request.scope["headers"]), ("accept-encoding", "identity")]
+        # NOTE: the path exactly as the client wrote it (percent-escapes kept), not rebuilt: a URL
+        # rebuilt from the request takes its authority from the Host header, which older
+        # Starlettes did not check (``Host: x/sleep?`` made the path /sleep), and decodes ``%2F``.
+        scope = request.scope
+        path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else quote(scope["path"])
         try:
             response = await self.upstream.open(
-                request.method, request.url.path, body, headers, request.scope.get("query_string", b"")
+                request.method, path, body, headers, request.scope.get("query_string", b"")
             )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.metrics.upstream_up = False

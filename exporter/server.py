@@ -14,12 +14,17 @@ adds per connection:
   connection is closed if the answer has begun;
 * an idle timeout: a connection that starts no request for ``--keep-alive-timeout`` is closed,
   from its opening as after each answer (uvicorn's own keep-alive timer arms only after one);
-* a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once.
+* a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once;
+* a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
+  proxy switches to none, and httptools would hand the body to the new protocol (one without a
+  body goes on as plain HTTP/1.1).
 
 A sweep a few times a second checks the deadlines, so the per-request cost is storing one.
 The errors the server sends itself are OpenAI-style JSON bodies, like the app's, and end the
 connection; after a 4xx the connection lingers a moment reading and discarding, so that a client
-still sending its head reads the answer rather than a reset.
+still sending its head reads the answer rather than a reset. An error for bytes that follow a
+request still being answered (a pipelined request, or a body sent without Content-Length, which
+HTTP/1.1 reads as the next request) goes out once that answer is complete.
 
 ``DrainingServer`` replaces uvicorn's shutdown. On SIGTERM or SIGINT it stops accepting, closes
 idle connections and lets the requests in flight finish for up to ``--drain-timeout``; then it
@@ -69,6 +74,7 @@ HEAD = 1  # reading a request head (--head-timeout)
 BODY = 2  # reading a request body (--body-timeout)
 BUSY = 3  # the request is in; the app is answering it (no deadline)
 LINGER = 4  # answered with an error: discarding what the client still sends (LINGER_S)
+REFUSING = 5  # the next request was refused while one is being answered: the error follows it
 
 
 def error_response(status: int, message: str, code: str) -> bytes:
@@ -165,6 +171,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
         self._received = 0  # bytes received since the last head ended (bounds a head in progress)
+        self._refusal: tuple[int, str, str, bool] = (400, "", "", True)  # sent once REFUSING ends
 
     # --- connection -----------------------------------------------------------------------
 
@@ -179,14 +186,16 @@ class BoundedProtocol(HttpToolsProtocol):
         self.deadline = self.loop.time() + self.keep_alive_s
 
     def data_received(self, data: bytes) -> None:
-        if self.phase == LINGER:
+        if self.phase >= LINGER:
             return
         if self.phase <= HEAD:
             self._received += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            pass  # no upgrade is served (ws="none"): the request goes on as plain HTTP
+            # No upgrade is served (ws="none"): a request without a body (one with a body was
+            # refused in ``on_headers_complete``) goes on as plain HTTP.
+            pass
         except httptools.HttpParserError as exc:
             refused = exc.__context__
             if isinstance(refused, _Refused):
@@ -216,13 +225,24 @@ class BoundedProtocol(HttpToolsProtocol):
         disconnect and its writes go nowhere)."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
+            if self.phase != BODY and not self.pipeline:
+                # NOTE: the refused bytes come after a request that is still being answered (a
+                # pipelined request, or a body sent without Content-Length, which HTTP/1.1 reads
+                # as the next request). That answer goes out first, then this error: ending the
+                # connection at once left a client with no answer at all.
+                self.phase, self.deadline = REFUSING, math.inf
+                self._refusal = (status, message, code, linger)
+                return
             if cycle.response_started or self.phase != BODY:
-                # An answer has begun (it cannot be replaced), or an earlier request is still
-                # being answered (a pipelined head): end the connection without one.
+                # An answer has begun (it cannot be replaced), or requests are queued behind
+                # the one being answered: end the connection without one.
                 self.transport.close()
                 return
             cycle.disconnected = True  # the app sees a disconnect; its writes go nowhere
             cycle.message_event.set()
+        self._send_refusal(status, message, code, linger)
+
+    def _send_refusal(self, status: int, message: str, code: str, linger: bool) -> None:
         self.transport.write(error_response(status, message, code))
         if linger and self.transport.can_write_eof():
             self.transport.write_eof()
@@ -248,6 +268,16 @@ class BoundedProtocol(HttpToolsProtocol):
             raise _Refused(431, f"the request has over {self.max_headers} header fields", "too_many_headers")
         if self._received > self.max_head_bytes and self._head_size() > self.max_head_bytes:
             raise _Refused(431, f"the request head is over {self.max_head_bytes} bytes", "head_too_large")
+        if self.parser.should_upgrade() and self._has_body():
+            # NOTE: httptools takes everything after the head of a request that asks to switch
+            # protocols (``Connection: upgrade``) for the new protocol's bytes: its body never
+            # reaches the app, which would see an empty body (uvicorn, which serves vLLM, does the
+            # same). The proxy switches to no protocol, so say so rather than lose the body.
+            message = (
+                "the proxy does not switch protocols (Upgrade), and a request that asks to cannot "
+                "carry a body here: send it without 'Connection: upgrade'"
+            )
+            raise _Refused(400, message, "unsupported_upgrade")
         super().on_headers_complete()
         self.phase = BODY
         self.deadline = self.loop.time() + self.body_timeout_s
@@ -257,6 +287,12 @@ class BoundedProtocol(HttpToolsProtocol):
             # NOTE: an instance attribute (swapping the cycle's class cost ~9 us per request) that
             # refers to its cycle weakly: a strong reference would leave every cycle to the GC.
             cycle.send_500_response = functools.partial(_send_json_500, weakref.ref(cycle))  # type: ignore[method-assign]
+
+    def _has_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" \t0")):
+                return True
+        return False
 
     def _head_size(self) -> int:
         return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
@@ -272,6 +308,10 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.phase == REFUSING:
+            if self.cycle.response_complete and not self.pipeline and not self.transport.is_closing():
+                self._send_refusal(*self._refusal)
+            return
         if self.phase == BUSY and self.cycle.response_complete and not self.transport.is_closing():
             self._idle()
 

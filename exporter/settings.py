@@ -15,6 +15,7 @@ from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.knobs import check_bounds, knob, to_argv
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
 from exporter.routes import DEFAULT_FORWARDED, DEFAULT_ROUTES, ForwardedRoutes
+from exporter.upstream import DEFAULT_MAX_IDLE_S
 
 
 class SettingsError(ValueError):
@@ -98,6 +99,16 @@ class ProxySettings(PolicyConfig):
         exclusive=True,
     )
     upstream_connect_timeout_s: float = 5.0
+    upstream_max_idle_s: float = knob(
+        DEFAULT_MAX_IDLE_S,
+        flag="upstream-max-idle",
+        help=(
+            "Seconds a kept-alive connection to the engine may stay idle and still be reused; keep it "
+            "below the engine's own keep-alive timeout (5 s in vLLM)."
+        ),
+        minimum=0,
+        exclusive=True,
+    )
     # The server's client-side bounds (exporter.server): request heads, slow or idle clients, connections.
     max_head_bytes: int = knob(
         64 * 1024, flag="max-head-bytes", help="Request line and headers limit (431).", minimum=1024

@@ -50,7 +50,8 @@ _DROP_REQUEST_HEADERS = frozenset(
 )
 # Longest a kept-alive upstream connection is reused after its last response: below the
 # upstream's own keep-alive timeout (5 s in uvicorn, which serves vLLM), so the upstream does not
-# close a connection just as a request is written on it. Both clients use it.
+# close a connection just as a request is written on it. Both clients use it; the proxy's
+# --upstream-max-idle sets it.
 DEFAULT_MAX_IDLE_S = 2.0
 
 # Response headers never relayed to a client.
@@ -108,7 +109,11 @@ class UpstreamClient:
         self, method: str, path: str, body: bytes, headers: list[tuple[str, str]], query: bytes = b""
     ) -> httpx.Response:
         """Send a request and return the response with its body still unread (a stream)."""
-        request = self.client.build_request(method, self.url(path, query), content=body, headers=headers)
+        # NOTE: as bytes, as they arrived: httpx encodes str header values as ASCII, and a value
+        # with obs-text (bytes 0x80-0xff, which HTTP allows and clients send) raised inside the
+        # proxy, answering a client's header with a 500.
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        request = self.client.build_request(method, self.url(path, query), content=body, headers=raw)
         return await self.client.send(request, stream=True)
 
     async def get_text(self, path: str, timeout_s: float) -> str:

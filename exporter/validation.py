@@ -96,6 +96,10 @@ _COMMON_TYPES: dict[str, tuple[str, Any]] = {
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object, or a 400."""
+    if not raw:
+        # NOTE: often a body sent without Content-Length (or chunked), which HTTP/1.1 reads as
+        # no body at all; the server then refuses the body's bytes as the next request.
+        raise _bad("request body is empty: send a JSON object, with its Content-Length", code="invalid_json")
     try:
         body = orjson.loads(raw)  # several times faster than json on big prompts
     except (ValueError, UnicodeDecodeError) as exc:

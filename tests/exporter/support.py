@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.processes import ManagedProcess, free_port
 from exporter.proxy import Proxy
+from tests.exporter.soak import Samples, balance_problems, scrape
 
 __all__ = [
     "ProxyProcess",
@@ -25,12 +25,12 @@ __all__ = [
     "Upstream",
     "balance",
     "env_without_retrywatch",
+    "errors_logged",
     "free_port",
     "proxy_process",
+    "scrape",
     "start_upstream",
 ]
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @dataclass
@@ -61,37 +61,20 @@ class RunningProxy:
 
     def metrics(self) -> Samples:
         """Samples of ``/metrics`` keyed by (name, sorted labels)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        out: Samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+        return scrape(self.url)
 
 
 def balance(m: Samples) -> None:
     """Assert the counter balance (``exporter.policy``'s docstring) on one scrape."""
+    problems = balance_problems(m)
+    assert not problems, problems
 
-    def v(name: str, **labels: str) -> float:
-        return m[(name, tuple(sorted(labels.items())))]
 
-    attempts = v("retrywatch_attempts_total", kind="first") + v("retrywatch_attempts_total", kind="retry")
-    shed = sum(
-        v("retrywatch_attempts_shed_total", reason=r) for r in ("retry_budget", "proxy_queue", "deadline")
-    )
-    created = v("retrywatch_executions_created_total")
-    assert attempts == v("retrywatch_attempts_attached_total") + shed + created
-    fate = {
-        f: v("retrywatch_executions_finished_total", fate=f)
-        for f in ("completed", "orphaned", "cancelled", "dropped", "refused", "failed")
-    }
-    dispatched = v("retrywatch_executions_dispatched_total")
-    assert created == dispatched + fate["dropped"] + v("retrywatch_executions_queued")
-    live = v("retrywatch_executions_live")
-    assert (
-        dispatched
-        == fate["completed"] + fate["orphaned"] + fate["cancelled"] + fate["failed"] + fate["refused"] + live
-    )
+def errors_logged(log: Path) -> list[str]:
+    """The lines of a process's output that tell of an error inside it: a traceback, or an
+    exception uvicorn caught in the app."""
+    text = log.read_text(errors="replace")
+    return [line for line in text.splitlines() if "Traceback" in line or "Exception in ASGI" in line]
 
 
 def env_without_retrywatch() -> dict[str, str]:
@@ -116,14 +99,18 @@ class ProxyProcess:
 
 
 @contextlib.contextmanager
-def proxy_process(upstream_url: str, *args: str, env: dict[str, str] | None = None) -> Iterator[ProxyProcess]:
-    """Run ``retrywatch proxy --upstream URL ARGS...`` until the block ends (then SIGTERM)."""
+def proxy_process(
+    upstream_url: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> Iterator[ProxyProcess]:
+    """Run ``retrywatch proxy --upstream URL ARGS...`` until the block ends (then SIGTERM); its
+    output goes to ``log`` if given (see ``errors_logged``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", upstream_url, "--port", str(port)]
     cmd += args
     full_env = env_without_retrywatch() | (env or {})
     with tempfile.TemporaryDirectory(prefix="rw-proxy-") as tmp:
-        proc = ManagedProcess(cmd, log_path=Path(tmp) / "proxy.log", bound_s=None, env=full_env, name="proxy")
+        log_path = log if log is not None else Path(tmp) / "proxy.log"
+        proc = ManagedProcess(cmd, log_path=log_path, bound_s=None, env=full_env, name="proxy")
         with proc:
             url = f"http://127.0.0.1:{port}"
             proc.wait_ready(f"{url}/metrics", timeout_s=20, poll_s=0.05, ready=lambda status: status < 500)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from exporter.cli import proxy
 from exporter.processes import ManagedProcess, free_port
-from tests.exporter.support import Upstream, env_without_retrywatch
+from tests.exporter.support import ProxyProcess, Upstream, env_without_retrywatch, proxy_process
 
 
 def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upstream, tmp_path: Path) -> None:
@@ -128,3 +128,40 @@ def test_the_server_bounds_and_routes_are_options_and_variables() -> None:
         "RETRYWATCH_PASSTHROUGH",
     ):
         assert variable in help_text
+
+
+def _peer_ports(p: ProxyProcess, upstream: Upstream, gap_s: float) -> tuple[list[int], list[int]]:
+    """Two generation requests and two passed-through ones, ``gap_s`` apart: the ports their
+    upstream connections came from (the same port twice: the connection was reused)."""
+    generation: list[int] = []
+    passed: list[int] = []
+    for i in range(2):
+        if i:
+            time.sleep(gap_s)
+        call = uuid.uuid4().hex
+        body = {"model": "test-model", "prompt": [1, 2], "max_tokens": 2}
+        r = httpx.post(f"{p.url}/v1/completions", json=body, headers={"x-call-id": call}, timeout=10)
+        assert r.status_code == 200
+        generation.append(upstream.requests(call_id=call)[0]["peer_port"])
+        r = httpx.get(f"{p.url}/test/peer", timeout=10)
+        assert r.status_code == 200
+        passed.append(r.json()["port"])
+    return generation, passed
+
+
+def test_the_upstream_idle_limit_is_an_option_and_a_variable(upstream: Upstream) -> None:
+    runner = CliRunner()
+    for value in ("0", "-1", "soon"):
+        result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--upstream-max-idle", value])
+        assert result.exit_code == 2 and "--upstream-max-idle" in result.output
+    assert "RETRYWATCH_UPSTREAM_MAX_IDLE" in runner.invoke(proxy, ["--help"]).output
+    peer = ("--passthrough", "default", "--passthrough", "/test/peer")
+    # Idle 1.2 s: under the default (2 s) both clients reuse their connection; under a limit of
+    # 0.3 s (set by the variable) neither does.
+    with proxy_process(upstream.url, *peer) as p:
+        generation, passed = _peer_ports(p, upstream, 1.2)
+        assert generation[0] == generation[1] and passed[0] == passed[1]
+    env = {"RETRYWATCH_UPSTREAM_MAX_IDLE": "0.3"}
+    with proxy_process(upstream.url, *peer, env=env) as p:
+        generation, passed = _peer_ports(p, upstream, 1.2)
+        assert generation[0] != generation[1] and passed[0] != passed[1]

@@ -277,3 +277,21 @@ def test_a_passed_through_request_the_upstream_hangs_up_on_is_broken_not_unreach
     r = httpx.get(f"{p.url}/v1/models", headers={"x-test-mode": "close"}, timeout=10)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_broken"
     assert httpx.get(f"{p.url}/v1/models", timeout=5).json()["data"][0]["id"] == "test-model"
+
+
+def test_a_fault_in_the_proxy_on_a_passed_through_route_is_an_openai_style_500(
+    start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No client input may cause one (the fuzz in test_fuzz.py holds the proxy to that), so the
+    fault is injected: the upstream client raising something it should not. Starlette's own
+    answer was a plain-text 500."""
+    p = start_proxy()
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(p.proxy.upstream, "open", broken)
+    r = httpx.get(f"{p.url}/v1/models", timeout=10)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "proxy_error"
+    assert httpx.get(f"{p.url}/metrics", timeout=10).status_code == 200  # still serving

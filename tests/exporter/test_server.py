@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import httptools
 import httpx
 import pytest
 
@@ -235,6 +236,91 @@ def test_unforwardable_paths_get_400(bounded: ProxyProcess, path: str) -> None:
     assert status == 400 and error["code"] == "invalid_path"
 
 
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions"), ("GET", "/v1/models")])
+def test_header_values_with_bytes_beyond_ascii_are_forwarded(
+    bounded: ProxyProcess, method: str, path: str
+) -> None:
+    """HTTP allows obs-text (bytes 0x80-0xff) in a header value, and clients send it (a name in
+    Latin-1, a token in UTF-8). On a passed-through route it raised inside the proxy (its HTTP
+    client took header values for ASCII text): a 500, in plain text."""
+    for value in (b"caf\xe9", b"\xe2\x9c\x93 ok", b"\xff\xfe"):
+        response = exchange(bounded.port, [whole_request(method, path, b"x-note: " + value + b"\r\n")])
+        assert response.startswith(b"HTTP/1.1 200 "), response[:300]
+
+
+def responses(raw: bytes) -> list[tuple[int, bytes]]:
+    """The responses in what a server sent on one connection: (status, body) each."""
+    out: list[tuple[int, bytes]] = []
+    body = bytearray()
+
+    class Callbacks:
+        def on_body(self, data: bytes) -> None:
+            body.extend(data)
+
+        def on_message_complete(self) -> None:
+            out.append((parser.get_status_code(), bytes(body)))
+            body.clear()
+
+    parser = httptools.HttpResponseParser(Callbacks())
+    parser.feed_data(raw)
+    return out
+
+
+def test_a_body_sent_without_its_length_gets_a_clear_answer_not_a_silent_close(bounded: ProxyProcess) -> None:
+    """Without Content-Length (or chunked) a request has no body in HTTP/1.1: its body's bytes are
+    the next request, which is not HTTP. The connection was closed at once, and the client got
+    no answer at all, not even to its request."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\r\n"
+    got = responses(exchange(bounded.port, [head + completion()]))
+    assert [status for status, _ in got] == [400, 400]
+    first, then = (json.loads(body)["error"] for _, body in got)
+    assert first["code"] == "invalid_json" and "Content-Length" in first["message"]
+    assert then["code"] == "invalid_http"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics"])
+def test_a_request_followed_by_garbage_is_answered_before_the_garbage_is_refused(
+    bounded: ProxyProcess, path: str
+) -> None:
+    got = responses(exchange(bounded.port, [request_head("GET", path, b"\r\n") + b"GARBAGE\r\n\r\n"]))
+    assert [status for status, _ in got] == [200, 400]
+    assert json.loads(got[1][1])["error"]["code"] == "invalid_http"
+
+
+UPGRADE_H2C = (
+    b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_request_with_a_body_that_asks_to_switch_protocols_gets_400_not_an_empty_body(
+    bounded: ProxyProcess, path: str
+) -> None:
+    """httptools hands everything after the head of a request asking to upgrade (``Connection:
+    upgrade``, as an HTTP/2 client trying h2c sends) to the new protocol: its body never reached
+    the app, which answered a valid completion with "not valid JSON" and passed an empty body on
+    to the engine."""
+    status, error = status_and_error(exchange(bounded.port, [whole_request("POST", path, UPGRADE_H2C)]))
+    assert status == 400 and error["code"] == "unsupported_upgrade"
+    assert "Upgrade" in error["message"]
+
+
+def test_a_request_without_a_body_that_asks_to_switch_protocols_is_served_as_http_1_1(
+    bounded: ProxyProcess,
+) -> None:
+    with socket.create_connection(("127.0.0.1", bounded.port), timeout=WAIT_S) as s:
+        s.sendall(request_head("GET", "/v1/models", UPGRADE_H2C, b"\r\n"))
+        first = b""
+        while b"test-model" not in first:
+            got = s.recv(65536)
+            assert got, first
+            first += got
+        assert first.startswith(b"HTTP/1.1 200 ")
+        s.sendall(whole_request("GET", "/version"))  # the connection goes on as HTTP/1.1
+        second = read_to_close(s)
+        assert second.startswith(b"HTTP/1.1 200 ") and b"test-upstream" in second
+
+
 # --- the route table ---------------------------------------------------------------------------
 
 ENGINE_CONTROL_ROUTES = [
@@ -274,6 +360,31 @@ def test_the_route_table(bounded: ProxyProcess, upstream: Upstream) -> None:
     assert httpx.get(f"{url}/version", timeout=10).json() == {"version": "test-upstream"}
     assert httpx.get(f"{url}/v1/models/test-model", timeout=10).status_code == 404  # the upstream's
     assert httpx.get(f"{url}/v1/models/test-model", timeout=10).json()["error"]["code"] == 404
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/metrics/"), ("POST", "/v1/completions/")])
+def test_a_path_one_slash_off_a_route_of_the_proxy_is_not_redirected(
+    bounded: ProxyProcess, method: str, path: str
+) -> None:
+    """Starlette's default redirected it (a 307 whose Location came from the Host header): a path
+    that is not a route is passed through or gets a 404, like any other."""
+    r = httpx.request(method, bounded.url + path, headers={"host": "elsewhere.example"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "route_not_found"
+    assert "location" not in r.headers
+
+
+@pytest.mark.parametrize("host", [b"127.0.0.1", b"x/sleep?", b"x/v1/models/other#"])
+def test_a_passed_through_path_reaches_the_upstream_as_written_whatever_the_host(
+    bounded: ProxyProcess, host: bytes
+) -> None:
+    """The path forwarded is the one the route table checked, escapes and all: it was rebuilt as
+    a URL from the request (decoding %2F, and taking its authority from the Host header, which
+    older Starlettes did not check: ``Host: x/sleep?`` forwarded /sleep)."""
+    path = b"/v1/models/a%2Fb%3Fc%20d"
+    head = b"GET %s HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" % (path, host)
+    response = exchange(bounded.port, [head])
+    assert response.startswith(b"HTTP/1.1 404 "), response[:300]  # the test upstream's own 404
+    assert json.loads(response.partition(b"\r\n\r\n")[2])["error"]["path"] == path.decode()
 
 
 def test_the_forwarded_routes_are_configurable(upstream: Upstream) -> None:

@@ -4,7 +4,8 @@ It stands in for vLLM where the proxy is tested or benchmarked, and can be told 
 (headers) or for every request (``POST /test/config``) how to behave. On the generation routes:
 
 * ``x-test-ttft``: seconds to the first token; ``x-test-token-interval``: seconds between tokens;
-  the number of tokens is the request's ``max_tokens`` (default 16).
+  the number of tokens is the request's ``max_tokens`` (default 16); a ``max_tokens`` over
+  ``MAX_MODEL_LEN`` gets a 400, as from a vLLM with that ``--max-model-len``.
 * ``x-test-mode``: ``normal``; ``refuse-http`` (HTTP 503, vLLM's queue cap); ``refuse-stream``
   (HTTP 200 whose stream carries ``data: {"error": {..., "code": 503}}`` then ``data: [DONE]``);
   ``crash`` (the connection closes after ``x-test-crash-after`` tokens: mid-stream when
@@ -36,14 +37,17 @@ own httptools protocol plus that hook, so everything else is what vLLM's server 
 
 ``POST /test/metrics-delay?seconds=S`` makes it answer ``GET /metrics`` S seconds late (a
 saturated vLLM answers its scrapes slowly); ``GET /test/metrics-scrapes`` counts the scrapes
-begun.
+begun. ``GET /test/peer`` answers the port the request came from (its client's end of the
+connection), so a test can tell whether a client reused a connection.
 
 It records every generation request (call id, ``x-test-tag``, the ``Expect`` header as received,
-when it arrived, its first token, its end, and whether and when the client closed the connection
-early) and serves the records on ``GET /test/requests?call_id=...`` so tests can assert what
-reached the engine and what was aborted. Each completion's id is ``cmpl-<request_id>`` of its
-record, so a test can tell whose answer a client received. It also serves ``/metrics`` (a few
-``vllm:`` families with vLLM's counting rules), ``/v1/models``, ``/health`` and ``/version``.
+the port it came from, when it arrived, its first token, its end, and whether and when the client
+closed the connection early; a request whose body never arrived whole is recorded too, as
+aborted) and serves the records on ``GET /test/requests`` (``?call_id=``, ``?tag=``,
+``?tag_prefix=`` select) so tests can assert what reached the engine and what was aborted.
+Each completion's id is ``cmpl-<request_id>`` of its record, so a test can tell whose answer a
+client received. It also serves ``/metrics`` (a few ``vllm:`` families with vLLM's counting
+rules), ``/v1/models``, ``/health`` and ``/version``.
 Prompt text is never stored: only its length.
 
 Run: ``python -m tests.exporter.upstream --port 8000``.
@@ -72,9 +76,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 MODES = ("normal", "refuse-http", "refuse-stream", "crash", "close", "error-500")
-MAX_RECORDS = 20_000
+MAX_RECORDS = 50_000  # generation requests remembered (the oldest are forgotten)
 MAX_HOLDS = 10_000
 MAX_INTERIM = 8  # interim responses one request may ask for
+# A vLLM's --max-model-len: a request asking for more completion tokens gets a 400.
+MAX_MODEL_LEN = 65_536
 MODEL = "test-model"
 CONNECTION_EXTENSION = "retrywatch.test.connection"
 _INTERIM_HEADERS = {103: b"link: </style.css>; rel=preload; as=style\r\n"}
@@ -132,6 +138,11 @@ def _keep_alive(value: bytes | None) -> float | None:
     return seconds
 
 
+def _peer_port(scope: Scope) -> int | None:
+    client = scope.get("client")
+    return int(client[1]) if client else None
+
+
 def _interim_codes(value: bytes) -> list[int]:
     """The codes of ``x-test-interim`` (e.g. ``100,103``); ValueError unless all are 1xx."""
     codes = [int(part) for part in value.split(b",") if part.strip()]
@@ -163,6 +174,7 @@ class RequestRecord:
     max_tokens: int
     mode: str
     received_at: float
+    peer_port: int | None = None  # the client's end of the connection the request came on
     first_token_at: float | None = None
     ended_at: float | None = None
     tokens_sent: int = 0
@@ -259,10 +271,13 @@ class TestUpstream:
             query = parse_qs(scope.get("query_string", b"").decode())
             call_id = query.get("call_id", [None])[0]
             tag = query.get("tag", [None])[0]
+            prefix = query.get("tag_prefix", [None])[0]
             rows = [
                 asdict(r)
                 for r in self.records
-                if (call_id is None or r.call_id == call_id) and (tag is None or r.tag == tag)
+                if (call_id is None or r.call_id == call_id)
+                and (tag is None or r.tag == tag)
+                and (prefix is None or (r.tag or "").startswith(prefix))
             ]
             await _respond_json(send, 200, {"requests": rows})
         elif method == "POST" and path == "/test/config":
@@ -280,6 +295,8 @@ class TestUpstream:
             await _respond_json(send, 200, {"metrics_delay": self.metrics_delay})
         elif method == "GET" and path == "/test/metrics-scrapes":
             await _respond_json(send, 200, {"scrapes": self.metrics_scrapes})
+        elif method == "GET" and path == "/test/peer":
+            await _respond_json(send, 200, {"port": _peer_port(scope)})
         elif method == "POST" and path == "/test/release":
             query = parse_qs(scope.get("query_string", b"").decode())
             name = query.get("name", [""])[0]
@@ -289,7 +306,9 @@ class TestUpstream:
             self.records.clear()
             await _respond_json(send, 200, {})
         else:
-            await _respond_json(send, 404, {"error": {"message": "not found", "code": 404}})
+            raw_path = scope.get("raw_path") or b""  # as received, so a test sees what a proxy forwarded
+            error = {"message": "not found", "code": 404, "path": raw_path.decode("latin-1")}
+            await _respond_json(send, 404, {"error": error})
 
     def _hold(self, name: str) -> asyncio.Event:
         event = self._holds.get(name)
@@ -316,30 +335,41 @@ class TestUpstream:
     async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.lower(): v for k, v in scope["headers"]}
         behaviour = self._behaviour(headers)
-        try:
-            body = json.loads(await _read_body(receive))
-        except ValueError:
-            await _respond_json(send, 400, {"error": {"message": "bad json", "code": 400}})
-            return
-        chat = scope["path"].endswith("/chat/completions")
-        stream = bool(body.get("stream", False))
-        max_tokens = int(body.get("max_tokens") or 16)
-        call_id = headers.get(b"x-call-id")
-        tag = headers.get(b"x-test-tag")
-        expect = headers.get(b"expect")
+        raw = await _read_whole_body(receive)
         record = RequestRecord(
             request_id=next(self._ids),
             path=scope["path"],
-            call_id=call_id.decode() if call_id else None,
-            tag=tag.decode() if tag else None,
-            expect=expect.decode() if expect else None,
-            stream=stream,
-            prompt_tokens=_prompt_tokens(body),
-            max_tokens=max_tokens,
+            call_id=_header_text(headers, b"x-call-id"),
+            tag=_header_text(headers, b"x-test-tag"),
+            expect=_header_text(headers, b"expect"),
+            stream=False,
+            prompt_tokens=0,
+            max_tokens=0,
             mode=behaviour.mode,
             received_at=time.time(),
+            peer_port=_peer_port(scope),
         )
         self.records.append(record)
+        if raw is None:  # the client left before the whole request was in: it reached us all the same
+            record.aborted, record.aborted_at = True, record.received_at
+            record.ended_at = record.received_at
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            record.ended_at = time.time()
+            await _respond_json(send, 400, {"error": {"message": "bad json", "code": 400}})
+            return
+        chat = scope["path"].endswith("/chat/completions")
+        record.stream = stream = bool(body.get("stream", False))
+        record.max_tokens = max_tokens = int(body.get("max_tokens") or 16)
+        record.prompt_tokens = _prompt_tokens(body)
+        if max_tokens > MAX_MODEL_LEN:  # as vLLM refuses a completion longer than its context: a 400
+            record.ended_at = time.time()
+            message = f"max_tokens must be at most {MAX_MODEL_LEN}, the model's context length"
+            error = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+            await _respond_json(send, 400, error)
+            return
         if behaviour.mode == "refuse-http":
             record.ended_at = time.time()
             error = {"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}}
@@ -516,6 +546,23 @@ def _full_body(rid: str, created: int, chat: bool, text: str, record: RequestRec
         "choices": [choice],
         "usage": usage,
     }
+
+
+async def _read_whole_body(receive: Receive) -> bytes | None:
+    """The request body, or None if the client left before its end."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _header_text(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return value.decode("latin-1") if value else None
 
 
 async def _read_body(receive: Receive) -> bytes:
