@@ -134,3 +134,22 @@ def test_recorded_series_named_in_the_runbook_exist() -> None:
     named = set(re.findall(r"instance:retrywatch_[a-z0-9_]+:[a-z0-9_]+", runbook))
     records = {r["record"] for r in _rules() if "record" in r}
     assert named and named <= records, f"detector/runbook.md names unknown series: {named - records}"
+
+
+def test_the_runbook_links_follow_the_one_option(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    wiki = "https://wiki.example/retrywatch#{alert}"
+    documents = generate.rule_documents(wiki)
+    links = {
+        r["alert"]: r["annotations"]["runbook_url"] for r in documents["groups"][0]["rules"] if "alert" in r
+    }
+    assert links == {a.name: f"https://wiki.example/retrywatch#{a.name}" for a in ALERTS}
+    tests = "".join(unittests.unit_test_files(wiki).values())  # promtool expects the same links
+    assert tests.count("runbook_url: https://wiki.example/retrywatch#") > len(ALERTS)
+    stale = CliRunner().invoke(generate.main, ["--check", "--runbook-url", wiki])
+    assert stale.exit_code == 1  # the committed files carry the default links
+    bad = CliRunner().invoke(
+        generate.main, ["--check"], env={"RETRYWATCH_RUNBOOK_URL": "docs/runbook.md#{alert}"}
+    )
+    assert bad.exit_code == 2 and "absolute" in bad.output
