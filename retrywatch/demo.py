@@ -361,9 +361,9 @@ def demo(
     previous = signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="retrywatch-demo-") as tmp:
         workdir = Path(tmp)
-        logging = ["--log-level", log_level, "--log-format", log_format]  # each service's, in its log
+        log_args = ["--log-level", log_level, "--log-format", log_format]  # each service's, in its log
         commands = {
-            name: [*argv, *logging] for name, argv in demo_commands(plan, ports, host, workdir).items()
+            name: [*argv, *log_args] for name, argv in demo_commands(plan, ports, host, workdir).items()
         }
         try:
             for service in services:
