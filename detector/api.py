@@ -33,7 +33,8 @@ INDEX = (
 
 def create_app(detector: Detector) -> FastAPI:
     app = FastAPI(title="retrywatch detector", version="1")
-    runbook_page = runbook_html()  # rendered once, so a missing runbook fails at start
+    # Rendered once, so a missing runbook fails at start.
+    runbook_page = runbook_html(frozenset(rule.name for rule in detector.rules))
 
     @app.get("/", response_class=HTMLResponse)
     def index() -> str:

@@ -121,12 +121,11 @@ def _source() -> str:
 
 
 @functools.cache
-def runbook_html() -> str:
-    """``detector/runbook.md`` as one HTML page: each heading has an anchor (an alert's section
-    its name, others GitHub's slug); links into the source tree become plain text."""
+def runbook_html(alertnames: frozenset[str]) -> str:
+    """``detector/runbook.md`` as one HTML page: each heading has an anchor (the section of an
+    alert of ``alertnames`` its name, others GitHub's slug); links into the source tree become
+    plain text."""
     from markdown_it import MarkdownIt
-
-    from detector.thresholds import ALERTS_BY_NAME
 
     md = MarkdownIt("commonmark", {"html": False}).enable("table")
     tokens = md.parse(_source())
@@ -136,7 +135,7 @@ def runbook_html() -> str:
             text = tokens[i + 1].content.strip()
             if token.tag == "h1":
                 title = text
-            token.attrSet("id", text if text in ALERTS_BY_NAME else _slug(text))
+            token.attrSet("id", text if text in alertnames else _slug(text))
         for child in token.children or []:
             href = child.attrGet("href") if child.type == "link_open" else None
             if isinstance(href, str) and not urlsplit(href).scheme:
