@@ -107,6 +107,12 @@ def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
     raise KeyError(f"unknown tile {key!r}")
 
 
+def _none_delivered(signals: Mapping[str, Points | None]) -> bool:
+    within = latest(signals.get("delivered_rate_within_deadline"))
+    late = latest(signals.get("delivered_rate_late"))
+    return within is not None and late is not None and within + late <= 0
+
+
 def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[str]) -> list[Tile]:
     """The tiles for one engine, given its signals and the names of its firing alerts."""
     out = []
@@ -115,7 +121,14 @@ def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[st
         firing = tuple(a for a in spec.alerts if a in firing_alertnames)
         status: Status
         detail = ""
-        if value is None:
+        if value is None and spec.key == "delivered_within_deadline" and _none_delivered(signals):
+            # rates that say nothing was delivered are not missing data
+            text, status, detail = (
+                "none",
+                ("alert" if firing else "ok"),
+                "in the last minute",
+            )
+        elif value is None:
             text, status = "no data", "nodata"
         else:
             text = f"{100 * value:.0f}%" if spec.percent else f"{value:.2f}"

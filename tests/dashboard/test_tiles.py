@@ -58,3 +58,7 @@ def test_delivery_within_the_deadline_is_shown_with_the_late_share_beside_it() -
     every = {"delivered_rate_within_deadline": pts(2.0), "delivered_rate_late": pts(0.0)}
     assert tile_value("delivered_within_deadline", every) == pytest.approx(1.0)
     assert tile_value("delivered_within_deadline", {}) is None
+    # nothing delivered lately (the loop): said so, not "no data"
+    stalled = {"delivered_rate_within_deadline": pts(0.0), "delivered_rate_late": pts(0.0)}
+    (tile,) = [t for t in tiles(stalled, {"VLLMMetastableRetryLoop"}) if t.key == "delivered_within_deadline"]
+    assert (tile.text, tile.status) == ("none", "alert") and tile.detail == "in the last minute"
