@@ -159,9 +159,10 @@ def render_banner(view: LiveView) -> tuple[list[Any], dict[str, str]]:
             html.Div([html.B(head), text, *_runbook(worst, view.detector_url)], className="banner-alert")
         )
     if len(alerts) > 1:
+        # Each named with its engine where that is not the worst alert's (a fleet), else briefly.
         others = ", ".join(
             f"{a.alertname} ({a.severity}{', resolving' if a.resolving else ''}"
-            f"{', ' + a.engine_name if a.engine else ''})"
+            f"{', ' + a.engine_name if a.engine and a.engine != worst.engine else ''})"
             for a in alerts[1:]
         )
         items.append(html.Div([html.B("Also firing: "), others], className="banner-others"))
