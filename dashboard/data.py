@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -75,6 +76,14 @@ class Alert(_EngineLabels):
     value: float | None
     summary: str
     description: str
+    resolving_since: float | None = None  # the condition cleared; it keeps firing a while
+    resolves_at: float | None = None  # when it resolves unless the condition returns
+    runbook_url: str = ""  # the alert's runbook section, when the detector says
+
+    @property
+    def resolving(self) -> bool:
+        """Still listed (keep-firing) though its condition no longer holds."""
+        return self.state == "resolving" or self.resolving_since is not None
 
 
 @dataclass(frozen=True)
@@ -177,9 +186,22 @@ def parse_alerts(payload: Any) -> list[Alert]:
                 value=_opt_float(item.get("value"), "value", where),
                 summary=str(item.get("summary") or ""),
                 description=str(item.get("description") or ""),
+                resolving_since=_opt_float(item.get("resolving_since"), "resolving_since", where),
+                resolves_at=_opt_float(item.get("resolves_at"), "resolves_at", where),
+                runbook_url=_http_url(item.get("runbook_url")),
             )
         )
     return alerts
+
+
+def _http_url(value: Any) -> str:
+    """A link the page may show: an http(s) URL or a relative one (resolved against the
+    detector's URL by the page); anything else (``javascript:``, ``file:``) is dropped."""
+    text = str(value or "").strip()
+    parts = urlsplit(text)
+    if parts.scheme in ("http", "https") and parts.netloc:
+        return text
+    return text if text and not parts.scheme and not parts.netloc else ""
 
 
 def parse_episodes(payload: Any) -> list[Episode]:
@@ -309,9 +331,18 @@ def engine_of(labels: Mapping[str, str]) -> str:
     return labels.get("instance") or labels.get("engine") or ""
 
 
+def instance_label(instance: str) -> str:
+    """An instance as people read it: a scraped URL (``http://10.0.0.7:8100/metrics``) as its
+    ``host:port``; anything else (a Prometheus target, a replayed run) as it is."""
+    parts = urlsplit(instance)
+    if parts.scheme in ("http", "https") and parts.netloc:
+        return parts.netloc.rsplit("@", 1)[-1]  # never a URL's credentials
+    return instance
+
+
 def engine_name(labels: Mapping[str, str]) -> str:
-    """An engine as an operator reads it: ``instance (model)``, or the instance alone."""
-    key, model = engine_of(labels), labels.get("model", "")
+    """An engine as an operator reads it: ``host:port (model)``, or the instance alone."""
+    key, model = instance_label(engine_of(labels)), labels.get("model", "")
     return f"{key} ({model})" if key and model else key
 
 

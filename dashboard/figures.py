@@ -20,6 +20,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard.data import engine_name
 from detector.rundir import RunDirError
 from detector.thresholds import ALERTS_BY_NAME, SEVERITIES
 
@@ -114,6 +115,13 @@ def _x(arr: np.ndarray, x_kind: XKind) -> np.ndarray:
     return arr[:, 0] * 1000.0 if x_kind == "date" else arr[:, 0]
 
 
+# Every time-series panel has the same fixed side margins and its legend in a row above the
+# plot, so panels side by side have plot areas of equal width and their x-axes line up.
+# The legend area holds three rows of three entries (the fates panel's seven fill it), so no
+# panel's legend pushes its plot down more than another's.
+TIME_MARGIN: dict[str, int] = {"l": 60, "r": 12, "t": 96, "b": 44}
+
+
 def _time_layout(
     fig: go.Figure,
     title: str,
@@ -123,15 +131,33 @@ def _time_layout(
     x_range: tuple[float, float] | None = None,
 ) -> None:
     fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": 15}},
-        height=310,
-        margin={"l": 60, "r": 10, "t": 40, "b": 44},
-        legend={"orientation": "v", "y": 1.0, "yanchor": "top", "x": 1.01, "font": {"size": 11}},
+        title={
+            "text": title,
+            "x": 0.01,
+            "xanchor": "left",
+            "y": 0.985,
+            "yanchor": "top",
+            "font": {"size": 15},
+        },
+        height=350,
+        margin=TIME_MARGIN,
+        legend={
+            "orientation": "h",
+            "x": 0.0,
+            "xanchor": "left",
+            "y": 1.02,
+            "yanchor": "bottom",
+            "entrywidth": 1 / 3,
+            "entrywidthmode": "fraction",
+            "traceorder": "normal",
+            "font": {"size": 11},
+        },
         hovermode="x unified",
         template="plotly_white",
         font={"size": 12},
         uirevision=uirevision,
     )
+    fig.update_yaxes(automargin=False)
     if x_kind == "date":
         fig.update_xaxes(type="date", title_text="time (UTC)")
     else:
@@ -216,17 +242,38 @@ def _line(
     fig.add_trace(go.Scatter(**trace))
 
 
-def _no_data_note(fig: go.Figure, signals: Mapping[str, Points | None], needed: Sequence[str]) -> None:
-    if all(as_array(signals.get(n)).shape[0] == 0 for n in needed):
-        fig.add_annotation(
-            text="no data for this engine and time range",
-            xref="paper",
-            yref="paper",
-            x=0.5,
-            y=0.5,
-            showarrow=False,
-            font={"size": 14, "color": GREY},
-        )
+def has_data(points: Points | None, x_range: tuple[float, float] | None = None) -> bool:
+    """Whether ``points`` holds a finite value (inside ``x_range`` when given). A source that
+    stopped answering leaves nulls (NaN) or nothing, never a value."""
+    arr = as_array(points)
+    if arr.shape[0] == 0:
+        return False
+    keep = np.isfinite(arr[:, 1])
+    if x_range is not None:
+        keep &= (arr[:, 0] >= x_range[0]) & (arr[:, 0] <= x_range[1])
+    return bool(np.any(keep))
+
+
+def _no_data_note(
+    fig: go.Figure,
+    signals: Mapping[str, Points | None],
+    needed: Mapping[str, Sequence[str]],
+    x_range: tuple[float, float] | None = None,
+) -> None:
+    """When none of the panel's ``needed`` traces (name -> signals) has a value in the range,
+    say so in the middle of the plot, naming what is missing."""
+    if any(has_data(signals.get(n), x_range) for names in needed.values() for n in names):
+        return
+    fig.add_annotation(
+        text=f"no data: {', '.join(needed)}<br>none in this time range (is the proxy's /metrics scraped?)",
+        xref="paper",
+        yref="paper",
+        x=0.5,
+        y=0.5,
+        showarrow=False,
+        font={"size": 14, "color": "#555"},
+        bgcolor="rgba(255,255,255,0.85)",
+    )
 
 
 # --- live panels (signal names of detector/signals.py) ----------------------------------
@@ -258,24 +305,31 @@ def attempts_figure(
     )
     _line(fig, signals.get("capacity"), "capacity Ĉ", BLACK, x_kind, dash="dash", hover_unit="calls/s")
     _add_shades(fig, shades, now, x_kind)
-    _time_layout(
-        fig, "Attempts and executions created vs capacity Ĉ", "rate (per s)", x_kind, uirevision, x_range
-    )
-    _no_data_note(fig, signals, ("attempt_rate_first", "attempt_rate_retry", "execution_creation_rate"))
+    _time_layout(fig, "Attempts and executions created vs Ĉ", "rate (per s)", x_kind, uirevision, x_range)
+    needed = {
+        "first attempts": ("attempt_rate_first",),
+        "retries": ("attempt_rate_retry",),
+        "executions created": ("execution_creation_rate",),
+    }
+    _no_data_note(fig, signals, needed, x_range)
     return fig
 
 
+# What became of the executions: these add up (each execution has one fate), so they stack.
 FATE_TRACES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("delivered", ("completion_rate_completed",), BLUISH_GREEN),
     ("orphaned", ("completion_rate_orphaned",), VERMILLION),
     ("cancelled", ("completion_rate_cancelled",), REDDISH_PURPLE),
-    ("shed", ("shed_rate",), YELLOW),
-    ("attached", ("attached_rate",), SKY_BLUE),
     (
         "dropped / refused / failed",
         ("completion_rate_dropped", "completion_rate_refused", "completion_rate_failed"),
         GREY,
     ),
+)
+# Attempts that created no execution: another unit, so lines beside the stack, never on it.
+ATTEMPT_FATE_TRACES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("attempts attached", ("attached_rate",), BLUE),
+    ("attempts shed", ("shed_rate",), ORANGE),
 )
 
 
@@ -298,16 +352,25 @@ def fates_figure(
     uirevision: str | None = None,
     x_range: tuple[float, float] | None = None,
 ) -> go.Figure:
-    """What became of the work, stacked: executions delivered, orphaned, cancelled, and
-    attempts shed or attached (all per second)."""
+    """What became of the executions, stacked (delivered, orphaned, cancelled, dropped/refused/
+    failed: each execution has one fate); attempts attached to a live execution or shed by the
+    proxy, which create none, as dashed lines beside the stack (all per second)."""
     fig = go.Figure()
     for name, signal_names, colour in FATE_TRACES:
         _line(fig, _sum_signals(signals, signal_names), name, colour, x_kind, stack="f", hover_unit="/s")
+    for name, signal_names, colour in ATTEMPT_FATE_TRACES:
+        _line(fig, _sum_signals(signals, signal_names), name, colour, x_kind, dash="dash", hover_unit="/s")
     _add_shades(fig, shades, now, x_kind)
     _time_layout(
-        fig, "Execution fates (stacked)", "executions or attempts per s", x_kind, uirevision, x_range
+        fig,
+        "Execution fates (stacked); attempts",
+        "executions or attempts per s",
+        x_kind,
+        uirevision,
+        x_range,
     )
-    _no_data_note(fig, signals, [n for _, names, _ in FATE_TRACES for n in names])
+    needed = {name: names for name, names, _ in FATE_TRACES + ATTEMPT_FATE_TRACES}
+    _no_data_note(fig, signals, needed, x_range)
     return fig
 
 
@@ -329,13 +392,12 @@ def queue_figure(
         fig, signals.get("proxy_queued"), "proxy queue", SKY_BLUE, x_kind, stack="q", hover_unit="executions"
     )
     littles = product(signals.get("execution_creation_rate"), signals.get("deadline"))
-    name = "executions created × deadline"
+    name = "created × deadline"
     _line(fig, littles, name, VERMILLION, x_kind, dash="dash", hover_unit="executions")
     _add_shades(fig, shades, now, x_kind)
-    _time_layout(
-        fig, "Queued executions vs executions created × deadline", "executions", x_kind, uirevision, x_range
-    )
-    _no_data_note(fig, signals, ("vllm_waiting", "proxy_queued"))
+    _time_layout(fig, "Queued vs created × deadline", "executions", x_kind, uirevision, x_range)
+    needed = {"vLLM waiting": ("vllm_waiting",), "proxy queue": ("proxy_queued",)}
+    _no_data_note(fig, signals, needed, x_range)
     return fig
 
 
@@ -354,7 +416,11 @@ def prompt_tokens_figure(
     _line(fig, signals.get("prompt_tokens_counted_rate"), "counted", BLUE, x_kind, hover_unit="tokens/s")
     _add_shades(fig, shades, now, x_kind)
     _time_layout(fig, "Prompt tokens: counted vs admitted", "tokens per s", x_kind, uirevision, x_range)
-    _no_data_note(fig, signals, ("prompt_tokens_admitted_rate", "prompt_tokens_counted_rate"))
+    needed = {
+        "prompt tokens admitted": ("prompt_tokens_admitted_rate",),
+        "prompt tokens counted": ("prompt_tokens_counted_rate",),
+    }
+    _no_data_note(fig, signals, needed, x_range)
     return fig
 
 
@@ -382,7 +448,13 @@ LIVE_SIGNALS: tuple[str, ...] = (
     "prompt_tokens_admitted_rate",
 )
 # Ratios only the tiles read (their newest value): fetched over the last minute only.
-TILE_SIGNALS: tuple[str, ...] = ("prompt_token_gap", "creation_capacity_ratio", "queue_littles_law_ratio")
+TILE_SIGNALS: tuple[str, ...] = (
+    "prompt_token_gap",
+    "creation_capacity_ratio",
+    "queue_littles_law_ratio",
+    "delivered_rate_within_deadline",
+    "delivered_rate_late",
+)
 TILE_LOOKBACK_S = 60.0
 
 
@@ -397,13 +469,17 @@ def episodes_timeline_figure(
     ``episodes`` are detector API episodes (``alertname``, ``severity``, ``labels``,
     ``started_at``, ``resolved_at``; times in Unix seconds).
     """
+    if not episodes:
+        # No axes at all: empty date axes would show January 2000.
+        return _empty_figure("no alert episodes in this time range", "Alert episodes")
     fig = go.Figure()
     rows: list[str] = []
     by_severity: dict[str, dict[str, list[Any]]] = {}
     for ep in sorted(episodes, key=lambda e: float(e["started_at"])):
         labels = ep.get("labels") or {}
-        # One row per engine: keyed by instance, as the detector does (vLLM's engine label is "0").
-        engine = labels.get("instance") or labels.get("engine", "")
+        # One row per engine: keyed by instance, as the detector does (vLLM's engine label is "0"),
+        # named as people read it (host:port and model).
+        engine = engine_name(labels)
         row = f"{ep['alertname']} · {engine}" if engine else str(ep["alertname"])
         if row not in rows:
             rows.append(row)
@@ -444,10 +520,6 @@ def episodes_timeline_figure(
     fig.update_yaxes(
         title_text="alert · engine", automargin=True, categoryorder="array", categoryarray=rows[::-1]
     )
-    if not rows:
-        fig.add_annotation(
-            text="no alert episodes match", xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False
-        )
     return fig
 
 

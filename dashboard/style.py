@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dash import dcc
+
 from dashboard.figures import BLUISH_GREEN, GREY, ORANGE, VERMILLION
 
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
@@ -22,11 +24,15 @@ SEVERITY_BG = {"critical": VERMILLION, "warning": ORANGE, "info": "#56B4E9", "no
 BANNER_HIDDEN = {"display": "none"}
 
 
-def banner(severity: str) -> dict[str, str]:
-    """A banner's style: the worst firing severity's colour, dark or white text for contrast."""
+def banner(severity: str, *, resolving: bool = False) -> dict[str, str]:
+    """A banner's style: the worst firing severity's colour, dark or white text for contrast;
+    when every alert shown is resolving, a white banner with a border of that colour."""
+    colour = SEVERITY_BG.get(severity, GREY)
+    if resolving:
+        return {**banner(severity), "background": "#fff", "color": "#111", "border": f"3px dashed {colour}"}
     return {
         "display": "block",
-        "background": SEVERITY_BG.get(severity, GREY),
+        "background": colour,
         "color": "#fff" if severity in ("critical", "nodata") else "#111",
         "padding": "8px 12px",
         "borderRadius": "4px",
@@ -42,13 +48,14 @@ def tile(status: str) -> dict[str, str]:
         "borderLeft": f"8px solid {border}",
         "borderRadius": "4px",
         "padding": "6px 10px",
-        "minWidth": "220px",
+        "minWidth": "180px",
         "flex": "1",
     }
 
 
 TILES = {"display": "flex", "gap": "8px", "flexWrap": "wrap", "margin": "6px 0"}
 TILE_VALUE = {"fontSize": "26px", "fontWeight": "700"}
+TILE_DETAIL = {"fontSize": "16px", "fontWeight": "600"}
 TILE_LABEL = {"fontSize": "13px", "fontWeight": "600"}
 TILE_HELP = {"fontSize": "11px", "color": "#555"}
 
@@ -75,3 +82,10 @@ def chip(severity: str | None) -> dict[str, str]:
 TABLE = {"borderCollapse": "collapse", "fontSize": "12px", "width": "100%"}
 TH = {"textAlign": "left", "borderBottom": "2px solid #999", "padding": "3px 6px"}
 TD = {"borderBottom": "1px solid #ddd", "padding": "3px 6px", "verticalAlign": "top"}
+
+# A time panel's toolbar keeps only what it needs (zoom, pan, reset, download), so it is short
+# and stays clear of the panel's title at the top left.
+GRAPH_CONFIG: dcc.Graph.Config = {
+    "displaylogo": False,
+    "modeBarButtonsToRemove": ["select2d", "lasso2d", "autoScale2d", "zoomIn2d", "zoomOut2d"],
+}

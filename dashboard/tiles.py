@@ -1,4 +1,4 @@
-"""The live page's at-a-glance tiles: four ratios that say whether an engine serves clients
+"""The live page's at-a-glance tiles: five ratios that say whether an engine serves clients
 or retries, each coloured by the detector's verdict (the alerts that read it), never by a
 threshold of the dashboard's own: thresholds have one definition, in detector/thresholds.py.
 """
@@ -56,6 +56,13 @@ TILE_SPECS: tuple[TileSpec, ...] = (
         True,
         ("VLLMOrphanedExecutions", "VLLMMetastableRetryLoop"),
     ),
+    TileSpec(
+        "delivered_within_deadline",
+        "calls delivered within the deadline",
+        "of the calls delivered in the last minute; late ones arrived after their deadline",
+        True,
+        ("VLLMBacklogBeyondDeadline", "VLLMMetastableRetryLoop"),
+    ),
 )
 
 
@@ -68,6 +75,7 @@ class Tile:
     text: str
     status: Status
     firing: tuple[str, ...]
+    detail: str = ""  # shown beside the value, smaller (the late share beside the delivered one)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -92,20 +100,36 @@ def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
         completed = latest(signals.get("completion_rate_completed"))
         orphaned = latest(signals.get("completion_rate_orphaned")) or 0.0
         return _ratio(completed, None if completed is None else completed + orphaned)
+    if key == "delivered_within_deadline":
+        within = latest(signals.get("delivered_rate_within_deadline"))
+        late = latest(signals.get("delivered_rate_late")) or 0.0
+        return _ratio(within, None if within is None else within + late)
     raise KeyError(f"unknown tile {key!r}")
 
 
+def _none_delivered(signals: Mapping[str, Points | None]) -> bool:
+    within = latest(signals.get("delivered_rate_within_deadline"))
+    late = latest(signals.get("delivered_rate_late"))
+    return within is not None and late is not None and within + late <= 0
+
+
 def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[str]) -> list[Tile]:
-    """The four tiles for one engine, given its signals and the names of its firing alerts."""
+    """The tiles for one engine, given its signals and the names of its firing alerts."""
     out = []
     for spec in TILE_SPECS:
         value = tile_value(spec.key, signals)
         firing = tuple(a for a in spec.alerts if a in firing_alertnames)
         status: Status
-        if value is None:
+        detail = ""
+        if value is None and spec.key == "delivered_within_deadline" and _none_delivered(signals):
+            # rates that say nothing was delivered are not missing data
+            text, status = "none", ("alert" if firing else "ok")
+        elif value is None:
             text, status = "no data", "nodata"
         else:
             text = f"{100 * value:.0f}%" if spec.percent else f"{value:.2f}"
+            if spec.key == "delivered_within_deadline":  # the late share beside it, never hidden
+                detail = f"{100 * (1 - value):.0f}% late"
             status = "alert" if firing else "ok"
-        out.append(Tile(spec.key, spec.label, spec.explanation, value, text, status, firing))
+        out.append(Tile(spec.key, spec.label, spec.explanation, value, text, status, firing, detail))
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from detector.signals import EngineLabels, SignalFrame
-from detector.thresholds import ALERTS, AlertRule, holds, scale_rules
+from detector.thresholds import ALERTS, AlertRule, engine_model, holds, scale_rules
 
 State = Literal["pending", "firing"]
 TransitionKind = Literal["firing", "resolved"]
@@ -97,13 +97,24 @@ class AlertState:
     def description(self) -> str:
         return render_description(self.rule, self.labels, self.value, self.missing)
 
+    @property
+    def resolving_since(self) -> float | None:
+        """While a firing alert's condition no longer holds (it keeps firing for
+        ``keep_firing_for``): when it stopped holding; else None."""
+        return self.machine.keep_firing_since if self.machine.state == "firing" else None
+
     def as_dict(self) -> dict[str, object]:
-        """The shape of ``GET /alerts`` (docs/architecture.md)."""
+        """The shape of ``GET /alerts`` (docs/architecture.md): ``state`` "resolving" while a
+        firing alert only keeps firing (its condition cleared at ``resolving_since``; it resolves
+        at ``resolves_at`` unless the condition returns), else the machine's state."""
+        since = self.resolving_since
         return {
             "alertname": self.rule.name,
             "severity": self.rule.severity,
             "labels": self.labels.as_dict(),
-            "state": self.state,
+            "state": "resolving" if since is not None else self.state,
+            "resolving_since": since,
+            "resolves_at": None if since is None else since + self.machine.keep_firing_for_s,
             "started_at": self.fired_at if self.fired_at is not None else self.active_at,
             "value": self.value,
             "summary": self.rule.summary,
@@ -134,6 +145,7 @@ def render_description(
         return rule.description.format(
             value=value if value is not None else float("nan"),
             missing=", ".join(missing) or "nothing",
+            engine_model=engine_model(labels.engine, labels.model),
             **labels.as_dict(),
         )
     except (ValueError, TypeError):

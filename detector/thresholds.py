@@ -73,8 +73,9 @@ Condition = Cmp | All | AnyOf
 @dataclass(frozen=True)
 class AlertRule:
     """One alert. ``description`` is a Python format string over ``value``, ``instance``,
-    ``engine``, ``model`` (and ``missing`` for NoData); :func:`promql_template` turns it into
-    Prometheus' template language."""
+    ``engine_model`` (the parenthesis "(engine E, model M)" naming only the labels the engine
+    has, empty when it has neither: a NoData alert often has none) and ``missing`` (NoData);
+    :func:`promql_template` turns it into Prometheus' template language."""
 
     name: str
     severity: Severity
@@ -160,7 +161,7 @@ RETRY_LOOP = AlertRule(
         " has collapsed."
     ),
     description=(
-        "Instance {instance} (engine {engine}, model {model}) creates executions at {value:.2f} x capacity "
+        "Instance {instance}{engine_model} creates executions at {value:.2f} x capacity "
         "while almost no call is delivered within the deadline: retries of calls that already timed out "
         "keep the engine saturated. It will not recover by itself; shed or attach retries."
     ),
@@ -213,7 +214,7 @@ BACKLOG_BEYOND_DEADLINE = AlertRule(
     severity="warning",
     summary="Work queued in the engine and the proxy needs longer than the client deadline at capacity.",
     description=(
-        "Instance {instance} (engine {engine}, model {model}) holds {value:.2f} deadlines of queued work at "
+        "Instance {instance}{engine_model} holds {value:.2f} deadlines of queued work at "
         "capacity while attempts keep arriving: every new attempt will time out, and with retries on the "
         "engine tips into the retry loop."
     ),
@@ -234,7 +235,7 @@ EXECUTIONS_ABOVE_CAPACITY = AlertRule(
     severity="warning",
     summary="The proxy creates executions faster than the engine completes them at saturation.",
     description=(
-        "Instance {instance} (engine {engine}, model {model}) has created executions at {value:.2f} x "
+        "Instance {instance}{engine_model} has created executions at {value:.2f} x "
         "capacity for minutes: the queue grows; every run that recovered created executions below capacity."
     ),
     condition=Cmp("creation_capacity_ratio", ">=", 1.0),
@@ -251,7 +252,7 @@ RETRY_AMPLIFICATION = AlertRule(
     severity="warning",
     summary="Each call now costs the engine two or more executions.",
     description=(
-        "Instance {instance} (engine {engine}, model {model}) creates {value:.2f} executions per first "
+        "Instance {instance}{engine_model} creates {value:.2f} executions per first "
         "attempt: retries multiply the engine's work. Attach retries to live executions or budget them."
     ),
     condition=All(
@@ -271,7 +272,7 @@ ORPHANED_EXECUTIONS = AlertRule(
     severity="warning",
     summary="Many executions complete with nobody waiting for them.",
     description=(
-        "On instance {instance} (engine {engine}, model {model}) {value:.0%} of completed executions were "
+        "On instance {instance}{engine_model} {value:.0%} of completed executions were "
         "orphaned: the engine spends its capacity on answers no client receives."
     ),
     condition=All(
@@ -291,7 +292,7 @@ PROMPT_TOKENS_UNCOUNTED = AlertRule(
     severity="warning",
     summary="vLLM's prompt-token counter misses a large share of the prompt work the engine admitted.",
     description=(
-        "On instance {instance} (engine {engine}, model {model}) vllm:prompt_tokens_total counted "
+        "On instance {instance}{engine_model} vllm:prompt_tokens_total counted "
         "{value:.0%} fewer prompt tokens than were admitted over 5 minutes: executions aborted before their "
         "first token are invisible to it; autoscalers reading it underestimate the load."
     ),
@@ -312,7 +313,7 @@ NO_DATA = AlertRule(
     severity="warning",
     summary="The detector has no data for this engine: its verdicts cannot be trusted.",
     description=(
-        "The detector cannot evaluate instance {instance} (engine {engine}, model {model}): "
+        "The detector cannot evaluate instance {instance}{engine_model}: "
         "missing {missing}. No alert here means nothing while this fires."
     ),
     # The data presence of an engine is a signal of its own: 1 when every needed series is
@@ -342,9 +343,27 @@ def scale_rules(rules: Iterable[AlertRule], time_scale: float) -> tuple[AlertRul
     return tuple(rule.scaled(time_scale) for rule in rules)
 
 
+def engine_model(engine: str, model: str) -> str:
+    """A description's ``{engine_model}``: " (engine E, model M)" with only the labels present,
+    or "" when neither is (so no description reads "(engine , model )")."""
+    parts = [f"engine {engine}" if engine else "", f"model {model}" if model else ""]
+    shown = ", ".join(p for p in parts if p)
+    return f" ({shown})" if shown else ""
+
+
+# engine_model() in Go's template language, for Prometheus' annotations.
+ENGINE_MODEL_TEMPLATE = (
+    "{{ if or $labels.engine $labels.model }} ("
+    "{{ with $labels.engine }}engine {{ . }}{{ end }}"
+    "{{ if and $labels.engine $labels.model }}, {{ end }}"
+    "{{ with $labels.model }}model {{ . }}{{ end }}"
+    "){{ end }}"
+)
+
+
 def promql_template(text: str) -> str:
     """Turn a rule's Python ``description`` into Prometheus' template language."""
-    out = text
+    out = text.replace("{engine_model}", ENGINE_MODEL_TEMPLATE)
     for key in ("instance", "engine", "model"):
         out = out.replace("{" + key + "}", "{{ $labels." + key + " }}")
     out = out.replace("{value:.2f}", '{{ $value | printf "%.2f" }}')

@@ -23,6 +23,7 @@ import webbrowser
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import httpx
@@ -35,6 +36,9 @@ from exporter.settings import ProxySettings
 from exporter.timeseries import parse_exposition
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import PresetError, preset_capacity
+
+if TYPE_CHECKING:
+    from retrywatch.demo_load import LoadStats
 
 __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 
@@ -266,10 +270,17 @@ async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed
             pass
         except Exception as exc:  # report the driver's failure, then stop everything as usual
             click.echo(f"the load driver failed: {type(exc).__name__}: {exc}", err=True)
-    click.echo(
-        f"done: of {stats.calls_started} calls, {stats.calls_delivered} delivered "
-        f"({stats.calls_delivered_in_deadline} within the deadline), {stats.calls_failed} failed; "
-        f"alerts fired: {', '.join(sorted(fired)) or 'none'}"
+    click.echo(closing_summary(stats, fired))
+
+
+def closing_summary(stats: LoadStats, fired: set[str]) -> str:
+    """The demo's last line: calls delivered within the deadline and late side by side (a call
+    delivered after its deadline is one its client already gave up on), failed, alerts fired."""
+    late = stats.calls_delivered - stats.calls_delivered_in_deadline
+    return (
+        f"done: of {stats.calls_started} calls, {stats.calls_delivered_in_deadline} delivered within "
+        f"the deadline, {late} delivered late (after it), {stats.calls_failed} failed"
+        f"{_undelivered(stats)}; alerts fired: {', '.join(sorted(fired)) or 'none'}"
     )
 
 
@@ -281,6 +292,21 @@ def _serving(urls: dict[str, str], workdir: Path) -> str:
         f"(alerts {detector}/alerts, runbook {detector}/runbook), dashboard {urls['dashboard']}; "
         f"logs and the detector's database in {workdir} (removed at the end)"
     )
+
+
+def _undelivered(stats: LoadStats) -> str:
+    pending = stats.calls_started - stats.calls_delivered - stats.calls_failed
+    return f", {pending} still in progress" if pending > 0 else ""
+
+
+# The demo's dashboard link opens the live page on 15 min (one of its preset ranges): the pulse
+# and the loop fill the panels instead of a sliver at the right of an hour.
+DASHBOARD_RANGE_S = 900
+
+
+def dashboard_link(dashboard_url: str) -> str:
+    """The live page of ``dashboard_url`` on the demo's range."""
+    return f"{dashboard_url.rstrip('/')}/?range={DASHBOARD_RANGE_S}"
 
 
 def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
@@ -370,10 +396,10 @@ def demo(
                 _start(service, commands[service.name], workdir)
             _wait_ready(services, timeout_s=60.0)
             announce(_serving(urls, workdir))
-            click.echo(_what_to_watch(plan, urls["dashboard"]))
+            click.echo(_what_to_watch(plan, dashboard_link(urls["dashboard"])))
             if not no_browser:
                 with contextlib.suppress(Exception):
-                    webbrowser.open(urls["dashboard"])
+                    webbrowser.open(dashboard_link(urls["dashboard"]))
             asyncio.run(_run(plan, services, duration, seed))
         except KeyboardInterrupt:
             click.echo("\ninterrupted: stopping")

@@ -350,15 +350,14 @@ def _go_percent(x: float) -> str:
 
 
 def _annotations(alertname: str, value: float, engine_labels: bool, runbook_pattern: str) -> dict[str, str]:
-    from detector.thresholds import ALERTS_BY_NAME
+    from detector.thresholds import ALERTS_BY_NAME, engine_model
 
     rule = ALERTS_BY_NAME[alertname]
     text = rule.description
     text = text.replace("{value:.2f}", f"{value:.2f}").replace("{value:.0%}", _go_percent(value))
     text = text.replace("{missing}", "a needed series or the scrape target")
     text = text.replace("{instance}", INSTANCE)
-    text = text.replace("{engine}", ENGINE if engine_labels else "")
-    text = text.replace("{model}", MODEL if engine_labels else "")
+    text = text.replace("{engine_model}", engine_model(ENGINE, MODEL) if engine_labels else "")
     return {"summary": rule.summary, "description": text, "runbook_url": rule.runbook_url(runbook_pattern)}
 
 

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from exporter.processes import free_port
-from retrywatch.demo import demo_commands, demo_plan
+from retrywatch.demo import DASHBOARD_RANGE_S, closing_summary, dashboard_link, demo_commands, demo_plan
+from retrywatch.demo_load import LoadStats
 
 
 def free_ports(n: int) -> list[int]:
@@ -152,10 +153,30 @@ def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> 
     assert firing_amid_retries, output[-3000:]
     assert dashboard_answered, output[-3000:]
     assert process.returncode == 0, output[-3000:]
-    assert f"Dashboard: http://127.0.0.1:{dashboard}" in output
+    assert f"Dashboard: http://127.0.0.1:{dashboard}/?range=900" in output  # opens on 15 min
     # One start line with every service's address and where their logs and database live.
     (start,) = [line for line in output.splitlines() if line.startswith("engine http://")]
     for port in (engine, proxy, detector, dashboard):
         assert f"http://127.0.0.1:{port}" in start
     assert f"runbook {detector_url}/runbook" in start and "logs and the detector's database in" in start
     assert all(_port_closed(port) for port in (engine, proxy, detector, dashboard))
+
+
+def test_the_closing_summary_shows_late_deliveries_beside_those_within_the_deadline() -> None:
+    # --with-controls once ended: 769 of 776 calls delivered, only 558 within the deadline
+    stats = LoadStats(calls_started=776, calls_delivered=769, calls_delivered_in_deadline=558, calls_failed=7)
+    line = closing_summary(stats, {"VLLMBacklogBeyondDeadline"})
+    assert "558 delivered within the deadline, 211 delivered late" in line
+    assert "7 failed" in line and "in progress" not in line
+    assert line.endswith("alerts fired: VLLMBacklogBeyondDeadline")
+    stats = LoadStats(calls_started=10, calls_delivered=6, calls_delivered_in_deadline=6, calls_failed=1)
+    assert "0 delivered late" in closing_summary(stats, set()) and "3 still in progress" in closing_summary(
+        stats, set()
+    )
+
+
+def test_the_dashboard_link_opens_the_live_page_on_one_of_its_ranges() -> None:
+    from dashboard.pages.live import RANGES
+
+    assert dashboard_link("http://127.0.0.1:8050") == "http://127.0.0.1:8050/?range=900"
+    assert DASHBOARD_RANGE_S in {seconds for _, seconds in RANGES}

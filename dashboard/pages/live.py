@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urljoin
 
 import dash
 import numpy as np
@@ -16,7 +17,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, dcc, html
 
 from dashboard import figures, style
-from dashboard.data import Alert, DetectorError, Episode, signals_for_engine
+from dashboard.data import Alert, DetectorError, Episode, instance_label, signals_for_engine
 from dashboard.figures import Shade
 from dashboard.pages import Page
 from dashboard.tiles import Tile, tiles
@@ -25,8 +26,10 @@ from detector.thresholds import SEVERITIES
 if TYPE_CHECKING:
     from dashboard.app import Context
 
-RANGES: tuple[tuple[str, int], ...] = (("15 min", 900), ("1 h", 3600), ("6 h", 21600))
-DEFAULT_RANGE_S = 3600
+RANGES: tuple[tuple[str, int], ...] = (("5 min", 300), ("15 min", 900), ("1 h", 3600), ("6 h", 21600))
+DEFAULT_RANGE_S = 3600  # the callback's fallback; the page opens on fitting_range()
+# The signal whose first point dates an engine's data (every proxy scrape yields it).
+SPAN_SIGNAL = "attempt_rate"
 GRAPH_IDS: tuple[str, ...] = ("graph-attempts", "graph-fates", "graph-queue", "graph-prompt")
 SEVERITY_ORDER: dict[str, int] = {severity: i for i, severity in enumerate(SEVERITIES)}  # most severe first
 
@@ -38,6 +41,7 @@ class LiveView:
     engine: str | None
     now: float
     range_s: float = 3600.0
+    detector_url: str = ""  # relative runbook links resolve against it
     alerts: list[Alert] = field(default_factory=list)
     error: str | None = None
     source_up: bool = True
@@ -75,7 +79,11 @@ def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | No
         health = ctx.detector.health()
         ref_now = now if now is not None else (health.last_scrape_at or time.time())
         view = LiveView(
-            engine=engine, now=ref_now, range_s=range_s, source_up=health.source_up and health.status == "ok"
+            engine=engine,
+            now=ref_now,
+            range_s=range_s,
+            detector_url=ctx.detector.display_url,
+            source_up=health.source_up and health.status == "ok",
         )
         view.alerts = ctx.detector.alerts()
         since = ref_now - range_s
@@ -112,53 +120,74 @@ def _fmt_time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
+def _runbook(alert: Alert, detector_url: str) -> list[Any]:
+    if not alert.runbook_url:
+        return []
+    href = urljoin(detector_url.rstrip("/") + "/", alert.runbook_url)
+    return [" ", html.A("runbook", href=href, target="_blank", rel="noopener", className="banner-runbook")]
+
+
+def _alert_order(alert: Alert) -> tuple[int, bool, float]:
+    # The worst severity first; within one, what still fires before what is resolving.
+    return (SEVERITY_ORDER.get(alert.severity, 9), alert.resolving, alert.started_at)
+
+
 def render_banner(view: LiveView) -> tuple[list[Any], dict[str, str]]:
-    """The banner: every firing alert (any engine), worst first; "no data" when the detector or
-    its source is down; hidden when nothing fires."""
+    """The banner: every firing alert (any engine), worst first, a resolving one (its condition
+    cleared, it keeps firing a while) said to be resolving; "no data" when the detector or its
+    source is down; hidden when nothing fires."""
     if view.error is not None:
         return [html.B("NO DATA "), f"detector unreachable: {view.error}"], style.banner("nodata")
     items: list[Any] = []
     if not view.source_up:
         items.append(html.Div([html.B("NO DATA "), "the detector's metrics source is down"]))
-    alerts = sorted(view.alerts, key=lambda a: (SEVERITY_ORDER.get(a.severity, 9), a.started_at))
+    alerts = sorted(view.alerts, key=_alert_order)
     if alerts:
         # The worst alert in full; the others on one line, so the panels stay in view.
         worst = alerts[0]
         where = f" on {worst.engine_name}" if worst.engine else ""
+        if worst.resolving:
+            cleared = worst.resolving_since if worst.resolving_since is not None else view.now
+            until = f", resolves at {_fmt_time(worst.resolves_at)}" if worst.resolves_at is not None else ""
+            head = f"RESOLVING {worst.severity} {worst.alertname}"
+            text = f"{where}: condition cleared at {_fmt_time(cleared)}{until} unless it returns"
+            text += f"; {worst.summary}"
+        else:
+            head = f"{worst.severity.upper()} {worst.alertname}"
+            text = f"{where} since {_fmt_time(worst.started_at)}: {worst.summary}"
         items.append(
-            html.Div(
-                [
-                    html.B(f"{worst.severity.upper()} {worst.alertname}"),
-                    f"{where} since {_fmt_time(worst.started_at)}: {worst.summary}",
-                ],
-                className="banner-alert",
-            )
+            html.Div([html.B(head), text, *_runbook(worst, view.detector_url)], className="banner-alert")
         )
     if len(alerts) > 1:
+        # Each named with its engine where that is not the worst alert's (a fleet), else briefly.
         others = ", ".join(
-            f"{a.alertname} ({a.severity}{', ' + a.engine_name if a.engine else ''})" for a in alerts[1:]
+            f"{a.alertname} ({a.severity}{', resolving' if a.resolving else ''}"
+            f"{', ' + a.engine_name if a.engine and a.engine != worst.engine else ''})"
+            for a in alerts[1:]
         )
         items.append(html.Div([html.B("Also firing: "), others], className="banner-others"))
     if not items:
         return [], style.BANNER_HIDDEN
-    return items, style.banner(alerts[0].severity if alerts else "nodata")
+    if not alerts:
+        return items, style.banner("nodata")
+    return items, style.banner(alerts[0].severity, resolving=all(a.resolving for a in alerts))
 
 
 def render_engine_states(view: LiveView, engines: Sequence[str]) -> list[Any]:
-    """One chip per engine: its worst firing alert and severity, or "ok"."""
+    """One chip per engine (host:port, as people read it): its worst firing alert and severity,
+    or "ok"."""
     chips: list[Any] = [html.Span("Engines: ", style=style.LABEL)]
     for engine in engines:
-        firing = sorted(
-            (a for a in view.alerts if a.engine == engine),
-            key=lambda a: SEVERITY_ORDER.get(a.severity, 9),
-        )
+        firing = sorted((a for a in view.alerts if a.engine == engine), key=_alert_order)
+        name = firing[0].engine_name if firing else instance_label(engine)
         if firing:
-            text = f"{engine}: {firing[0].alertname} ({firing[0].severity})"
+            state = ", resolving" if firing[0].resolving else ""
+            text = f"{name}: {firing[0].alertname} ({firing[0].severity}{state})"
             if len(firing) > 1:
                 text += f" +{len(firing) - 1}"
             chips.append(html.Span(text, style=style.chip(firing[0].severity)))
         else:
-            chips.append(html.Span(f"{engine}: ok", style=style.chip(None)))
+            chips.append(html.Span(f"{name}: ok", style=style.chip(None)))
     return chips
 
 
@@ -170,7 +199,11 @@ def render_tiles(view: LiveView) -> list[Any]:
             html.Div(
                 [
                     html.Div(t.label, style=style.TILE_LABEL),
-                    html.Div(t.text, style=style.TILE_VALUE, className="tile-value"),
+                    html.Div(
+                        [t.text, html.Span(f" · {t.detail}", style=style.TILE_DETAIL) if t.detail else ""],
+                        style=style.TILE_VALUE,
+                        className="tile-value",
+                    ),
                     html.Div(t.explanation + suffix, style=style.TILE_HELP),
                 ],
                 style=style.tile(t.status),
@@ -210,18 +243,39 @@ def engine_options(ctx: Context, current: str | None) -> tuple[list[dict[str, st
         engines = ctx.signals.signal_index().engines
     except DetectorError:
         return [], current
-    options = [{"label": e, "value": e} for e in engines]
+    options = [{"label": instance_label(e), "value": e} for e in engines]
     value = current if current in engines else (engines[0] if engines else None)
     return options, value
 
 
+def range_for_span(span_s: float | None) -> int:
+    """The smallest preset range that shows ``span_s`` seconds of data whole (the largest when
+    none does; the smallest when there is no data): the data never sits in a sliver."""
+    if span_s is None:
+        return RANGES[0][1]
+    return next((s for _, s in RANGES if s >= span_s), RANGES[-1][1])
+
+
+def fitting_range(ctx: Context, engine: str | None) -> int:
+    """The range the page opens on: the smallest preset covering the engine's data."""
+    try:
+        now = ctx.detector.health().last_scrape_at or ctx.now()
+        got = signals_for_engine(ctx.signals, (SPAN_SIGNAL,), engine=engine, since=now - RANGES[-1][1])
+    except DetectorError:
+        return DEFAULT_RANGE_S
+    points = got.get(SPAN_SIGNAL)
+    first = float(points[0, 0]) if points is not None and points.shape[0] else None
+    return range_for_span(None if first is None else now - first)
+
+
 def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
-    """The live page; ``?engine=`` and ``?range=`` (seconds, one of RANGES) preselect."""
+    """The live page; ``?engine=`` and ``?range=`` (seconds, one of RANGES) preselect; without a
+    range it opens on the smallest one that shows the engine's data whole."""
     query = query or {}
     options, value = engine_options(ctx, query.get("engine"))
-    range_value = int(query["range"]) if query.get("range", "").isdigit() else DEFAULT_RANGE_S
+    range_value = int(query["range"]) if query.get("range", "").isdigit() else 0
     if range_value not in {s for _, s in RANGES}:
-        range_value = DEFAULT_RANGE_S
+        range_value = fitting_range(ctx, value)
     # The first view is rendered with the layout (one round trip to the first paint); the
     # refresh callback then only runs on the timer or a new selection.
     banner_children, banner_style, chips, tile_divs, *figs, status = update(ctx, value, range_value)
@@ -264,10 +318,11 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
             html.Div(tile_divs, id="tiles", style=style.TILES),
             html.Div(
                 [
-                    dcc.Graph(id=gid, figure=fig, config={"displaylogo": False})
+                    dcc.Graph(id=gid, figure=fig, config=style.GRAPH_CONFIG)
                     for gid, fig in zip(GRAPH_IDS, figs, strict=True)
                 ],
                 style=style.GRID,
+                id="graph-grid",
             ),
             dcc.Interval(id="live-refresh", interval=int(ctx.config.refresh_s * 1000)),
         ]

@@ -12,7 +12,7 @@ import pytest
 from dashboard.app import DashboardConfig
 from tests.dashboard.staticapi import StaticDetectorAPI
 
-from .conftest import DRAW_TIMEOUT_MS, ENGINE_A, ENGINE_B, Page, ServedApp, loop_alert
+from .conftest import DRAW_TIMEOUT_MS, ENGINE_B, Page, ServedApp, loop_alert
 
 pytestmark = pytest.mark.browser
 
@@ -22,6 +22,41 @@ CREATED_MAX = """() => {
     const tr = gd && gd._fullData && gd._fullData.find(t => t.name === 'executions created');
     return tr ? Math.max(...Array.from(tr.y).filter(v => v !== null)) : -1;
 }"""
+
+
+PANEL_BOXES = """() => [...document.querySelectorAll('#graph-grid .js-plotly-plot')].map(gd => {
+    const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
+        return {x: r.x, y: r.y, w: r.width, h: r.height}; };
+    return {id: gd.parentElement.id, plot: box(gd.querySelector('.nsewdrag')),
+            title: box(gd.querySelector('.gtitle')),
+            modebar: box(gd.querySelector('.modebar-container .modebar'))};
+})"""
+
+
+def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
+    return (
+        a["x"] < b["x"] + b["w"]
+        and b["x"] < a["x"] + a["w"]
+        and a["y"] < b["y"] + b["h"]
+        and b["y"] < a["y"] + a["h"]
+    )
+
+
+def assert_panels_line_up(tab: Page) -> None:
+    """The four live panels' plot areas are equally wide and those in one column start at one x
+    (their x-axes line up); no title runs under its panel's toolbar."""
+    boxes = tab.page.evaluate(PANEL_BOXES)
+    assert len(boxes) == 4
+    widths = {round(b["plot"]["w"]) for b in boxes}
+    assert max(widths) - min(widths) <= 1, boxes
+    columns: dict[int, list[float]] = {}
+    for b in boxes:
+        columns.setdefault(round(b["plot"]["x"] / 100), []).append(b["plot"]["x"])
+    for xs in columns.values():
+        assert max(xs) - min(xs) <= 1, boxes
+    for b in boxes:
+        assert b["title"] is not None and b["modebar"] is not None, b
+        assert not _overlap(b["title"], b["modebar"]), b
 
 
 def test_live_page_engine_selection_and_banner(browser: Any, api: StaticDetectorAPI) -> None:
@@ -34,20 +69,21 @@ def test_live_page_engine_selection_and_banner(browser: Any, api: StaticDetector
         banner = tab.page.locator("#alert-banner")
         banner.wait_for(state="visible", timeout=DRAW_TIMEOUT_MS)
         assert "VLLMMetastableRetryLoop" in banner.inner_text()
-        assert f"on {ENGINE_A} (qwen)" in banner.inner_text()
-        assert tab.page.locator("#live-engine").inner_text().strip() == ENGINE_A  # the first engine
+        assert "on 10.0.0.1:8100 (qwen)" in banner.inner_text()  # host:port, not the /metrics URL
+        assert tab.page.locator("#live-engine").inner_text().strip() == "10.0.0.1:8100"  # the first
         assert tab.trace_max("graph-attempts", "executions created") > 2.8
         tiles = tab.page.locator("#tiles")
         assert "VLLMMetastableRetryLoop" in tiles.inner_text()
         assert "VLLMPromptTokensUncounted" not in tiles.inner_text()
         chips = tab.page.locator("#engine-states").inner_text()
         assert (
-            f"{ENGINE_A}: VLLMMetastableRetryLoop" in chips
-            and f"{ENGINE_B}: VLLMPromptTokensUncounted" in chips
+            "10.0.0.1:8100 (qwen): VLLMMetastableRetryLoop" in chips
+            and "10.0.0.2:8100 (llama): VLLMPromptTokensUncounted" in chips
         )
+        assert_panels_line_up(tab)
         tab.screenshot("live-engine-a.png")
 
-        tab.select("live-engine", ENGINE_B)
+        tab.select("live-engine", "10.0.0.2:8100")
         tab.page.wait_for_function(
             f"() => ({CREATED_MAX})() >= 0 && ({CREATED_MAX})() < 2.8", timeout=DRAW_TIMEOUT_MS
         )
@@ -67,7 +103,7 @@ def test_live_page_engine_selection_and_banner(browser: Any, api: StaticDetector
         banner.wait_for(state="hidden", timeout=DRAW_TIMEOUT_MS)
         api.set_alerts([loop_alert(ENGINE_B)])
         banner.wait_for(state="visible", timeout=DRAW_TIMEOUT_MS)
-        assert f"on {ENGINE_B} (llama)" in banner.inner_text()
+        assert "on 10.0.0.2:8100 (llama)" in banner.inner_text()
         tab.page.wait_for_function(
             "() => document.querySelector('#tiles').innerText.includes('VLLMMetastableRetryLoop')",
             timeout=DRAW_TIMEOUT_MS,
@@ -85,13 +121,13 @@ def test_history_page_filters(browser: Any, api: StaticDetectorAPI) -> None:
         tab.page.locator("#history-range").get_by_text("all", exact=True).click()  # the whole history
         rows = tab.page.locator("#episodes-table .episode-row")
         tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 4")
-        tab.select("history-engine", f"{ENGINE_A} (qwen)")  # listed by instance, not by engine "0"
+        tab.select("history-engine", "10.0.0.1:8100 (qwen)")  # listed by instance, not by engine "0"
         tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 2")
         assert ENGINE_B not in tab.page.locator("#episodes-table").inner_text()
-        tab.select("history-engine", f"{ENGINE_B} (llama)")
+        tab.select("history-engine", "10.0.0.2:8100 (llama)")
         tab.select("history-alert", "VLLMOrphanedExecutions")
         tab.page.wait_for_function("() => document.querySelectorAll('.episode-row').length === 1")
-        assert f"{ENGINE_B} (llama)" in rows.first.inner_text()
+        assert "10.0.0.2:8100 (llama)" in rows.first.inner_text()
         tab.screenshot("history.png")
         assert tab.errors == []
         tab.close()

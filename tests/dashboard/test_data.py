@@ -26,8 +26,8 @@ def test_client_reads_every_endpoint(api: StaticDetectorAPI) -> None:
     try:
         alerts = client.alerts()
         assert [(a.alertname, a.severity, a.engine, a.engine_name) for a in alerts] == [
-            ("VLLMMetastableRetryLoop", "critical", ENGINE_A, f"{ENGINE_A} (qwen)"),
-            ("VLLMPromptTokensUncounted", "warning", ENGINE_B, f"{ENGINE_B} (llama)"),
+            ("VLLMMetastableRetryLoop", "critical", ENGINE_A, "10.0.0.1:8100 (qwen)"),
+            ("VLLMPromptTokensUncounted", "warning", ENGINE_B, "10.0.0.2:8100 (llama)"),
         ]
         index = client.signal_index()
         assert index.engines == [ENGINE_A, ENGINE_B]
@@ -80,8 +80,11 @@ def test_signals_for_engine_sums_rates_and_averages_levels() -> None:
 def test_engines_are_keyed_by_instance_not_vllms_engine_label() -> None:
     assert engine_of({"engine": "0", "model": "qwen", "instance": ENGINE_A}) == ENGINE_A
     assert engine_of({"engine": "0"}) == "0"  # no instance: the engine label stands in
-    assert engine_name({"engine": "0", "model": "qwen", "instance": ENGINE_A}) == f"{ENGINE_A} (qwen)"
-    assert engine_name({"engine": "0", "instance": ENGINE_B}) == ENGINE_B
+    assert engine_name({"engine": "0", "model": "qwen", "instance": ENGINE_A}) == "10.0.0.1:8100 (qwen)"
+    assert engine_name({"engine": "0", "instance": ENGINE_B}) == "10.0.0.2:8100"
+    # a Prometheus target or a replayed run's slug is already readable; a URL's credentials never shown
+    assert engine_name({"instance": "vllm-0:8100", "model": "m"}) == "vllm-0:8100 (m)"
+    assert engine_name({"instance": "https://u:secret@10.0.0.3:8100/metrics"}) == "10.0.0.3:8100"
     assert engine_name({}) == ""
 
 

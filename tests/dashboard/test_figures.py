@@ -161,24 +161,47 @@ def test_live_panels_have_units_date_axis_and_palette_colours(builder) -> None:
 
 def test_queue_panel_draws_executions_created_times_deadline() -> None:
     fig = queue_figure(SIGNALS)
-    line = next(t for t in fig.data if t.name == "executions created × deadline")
+    line = next(t for t in fig.data if t.name == "created × deadline")
     assert list(line.y) == [120.0, 360.0, 480.0]
     waiting = next(t for t in fig.data if t.name == "vLLM waiting")
     assert waiting.stackgroup == "q"
 
 
-def test_fates_panel_stacks_and_groups_minor_fates() -> None:
+def test_fates_panel_stacks_execution_fates_only_and_draws_attempts_apart() -> None:
     fig = fates_figure(SIGNALS)
     by_name = {t.name: t for t in fig.data}
-    assert all(t.stackgroup == "f" for t in fig.data)
+    stacked = {t.name for t in fig.data if t.stackgroup == "f"}
+    # each execution has one fate: those add up; attempts attached or shed create none
+    assert stacked == {"delivered", "orphaned", "cancelled", "dropped / refused / failed"}
+    for name in ("attempts attached", "attempts shed"):
+        assert by_name[name].stackgroup is None and by_name[name].line.dash == "dash"
     assert list(by_name["orphaned"].y) == [0.0, 2.0, 2.8]
     assert list(by_name["dropped / refused / failed"].y) == pytest.approx([0.0, 0.2, 0.3])
-    assert len(by_name["shed"].y) == 0  # no data: an empty trace, not an invented zero
+    assert len(by_name["attempts shed"].y) == 0  # no data: an empty trace, not an invented zero
 
 
-def test_panel_without_data_says_so() -> None:
+def test_panel_without_data_says_so_and_names_what_is_missing() -> None:
     fig = attempts_figure({})
-    assert fig.layout.annotations[0].text == "no data for this engine and time range"
+    note = fig.layout.annotations[0].text
+    assert note.startswith("no data: first attempts, retries, executions created")
+    # a source that stopped answering leaves nulls: still no data
+    nulls = {"attempt_rate_first": [[1.0, float("nan")], [2.0, float("nan")]]}
+    assert attempts_figure(nulls).layout.annotations[0].text.startswith("no data:")
+    # values outside the shown range are no data in it either
+    old = {"attempt_rate_first": [[1.0, 3.0]]}
+    assert attempts_figure(old, x_range=(100.0, 200.0)).layout.annotations
+    assert not attempts_figure(old, x_range=(0.0, 200.0)).layout.annotations
+    for builder in (fates_figure, queue_figure, prompt_tokens_figure):
+        assert builder({}).layout.annotations[0].text.startswith("no data: ")
+
+
+def test_time_panels_share_margins_and_keep_legends_above_the_plot() -> None:
+    # equal side margins and no legend beside the plot: stacked panels' x-axes line up
+    for builder in (attempts_figure, fates_figure, queue_figure, prompt_tokens_figure):
+        layout = builder(SIGNALS).layout
+        assert (layout.margin.l, layout.margin.r) == (figures.TIME_MARGIN["l"], figures.TIME_MARGIN["r"])
+        assert layout.legend.orientation == "h" and layout.legend.yanchor == "bottom"
+        assert layout.yaxis.automargin is False
 
 
 def test_downsample_bounds_points_and_keeps_the_mean() -> None:
@@ -232,7 +255,10 @@ def test_episodes_timeline_one_row_per_alert_and_engine() -> None:
     assert rows == {"A · e1", "A · e2", "B · e1"}  # by instance: every vLLM's engine label is "0"
     critical = next(t for t in fig.data if t.name == "critical")
     assert list(critical.x) == [300_000.0, 800_000.0]  # the open one runs to `now`
-    assert episodes_timeline_figure([], now=0.0).layout.annotations[0].text == "no alert episodes match"
+    empty = episodes_timeline_figure([], now=0.0)
+    # an empty state, not date axes around January 2000
+    assert empty.layout.annotations[0].text == "no alert episodes in this time range"
+    assert empty.layout.xaxis.visible is False and not empty.data
 
 
 def test_x_range_pins_every_panel_to_the_chosen_window() -> None:

@@ -4,6 +4,7 @@ API shapes and a reproduce output written in the real formats."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,10 +36,11 @@ def test_live_update_for_a_collapsed_engine(api: StaticDetectorAPI) -> None:
     text = str(banner)
     assert "VLLMMetastableRetryLoop" in text and "CRITICAL" in text
     # the engine is named by its instance and model, never by vLLM's engine label ("0" everywhere)
-    assert f" on {ENGINE_A} (qwen) since" in text and " on 0 " not in text
-    assert f"VLLMPromptTokensUncounted (warning, {ENGINE_B} (llama))" in text
-    assert f"{ENGINE_A}: VLLMMetastableRetryLoop (critical)" in str(chips)
-    assert f"{ENGINE_B}: VLLMPromptTokensUncounted (warning)" in str(chips)
+    # as host:port, not its raw /metrics URL
+    assert " on 10.0.0.1:8100 (qwen) since" in text and " on 0 " not in text and "/metrics" not in text
+    assert "VLLMPromptTokensUncounted (warning, 10.0.0.2:8100 (llama))" in text
+    assert "10.0.0.1:8100 (qwen): VLLMMetastableRetryLoop (critical)" in str(chips)
+    assert "10.0.0.2:8100 (llama): VLLMPromptTokensUncounted (warning)" in str(chips)
     assert len(figs) == 4
     attempts = figs[0]
     created = next(t for t in attempts.data if t.name == "executions created")
@@ -72,7 +74,7 @@ def test_banner_follows_the_alert_state(api: StaticDetectorAPI) -> None:
     assert banner_style == {"display": "none"}
     api.set_alerts([loop_alert(ENGINE_B)])
     banner, banner_style, *_ = live.update(ctx, ENGINE_A, 900)
-    assert banner_style["display"] == "block" and f"on {ENGINE_B} (llama)" in str(banner)  # any engine
+    assert banner_style["display"] == "block" and "on 10.0.0.2:8100 (llama)" in str(banner)  # any engine
 
 
 def test_source_down_is_no_data_never_healthy(api: StaticDetectorAPI) -> None:
@@ -90,14 +92,14 @@ def test_unreachable_detector_shows_no_data() -> None:
     banner, _, _, _, *figs, status = live.update(ctx, None, 3600)
     assert "NO DATA" in str(banner) and "unreachable" in str(banner)
     assert status == "detector unreachable"
-    assert figs[0].layout.annotations[0].text == "no data for this engine and time range"
+    assert figs[0].layout.annotations[0].text.startswith("no data: first attempts")
     assert live.engine_options(ctx, "e") == ([], "e")
 
 
 def test_engine_options_keep_a_known_selection(api: StaticDetectorAPI) -> None:
     ctx = context(api)
     assert live.engine_options(ctx, ENGINE_B) == (
-        [{"label": ENGINE_A, "value": ENGINE_A}, {"label": ENGINE_B, "value": ENGINE_B}],
+        [{"label": "10.0.0.1:8100", "value": ENGINE_A}, {"label": "10.0.0.2:8100", "value": ENGINE_B}],
         ENGINE_B,
     )
     assert live.engine_options(ctx, "gone")[1] == ENGINE_A
@@ -112,23 +114,23 @@ def test_history_filters_by_alert_engine_and_time(api: StaticDetectorAPI) -> Non
     # engines listed by instance (with their model), not by vLLM's engine label "0"
     assert engine_opts == [
         {"label": "all engines", "value": history.ALL},
-        {"label": f"{ENGINE_A} (qwen)", "value": ENGINE_A},
-        {"label": f"{ENGINE_B} (llama)", "value": ENGINE_B},
+        {"label": "10.0.0.1:8100 (qwen)", "value": ENGINE_A},
+        {"label": "10.0.0.2:8100 (llama)", "value": ENGINE_B},
     ]
-    assert f"{ENGINE_B} (llama)" in str(table)
+    assert "10.0.0.2:8100 (llama)" in str(table)
     _, _, count, _, _ = history.update(ctx, history.ALL, history.ALL, 3600)
     assert count == "3 episodes"  # engine B's orphaned-executions episode ended 8 h ago
     fig, table, count, _, _ = history.update(ctx, "VLLMMetastableRetryLoop", ENGINE_A, 0)
     assert count == "1 episodes"
     assert "firing" in str(table)
-    assert {y for t in fig.data for y in t.y} == {f"VLLMMetastableRetryLoop · {ENGINE_A}"}
+    assert {y for t in fig.data for y in t.y} == {"VLLMMetastableRetryLoop · 10.0.0.1:8100 (qwen)"}
     _, table, count, _, _ = history.update(ctx, history.ALL, ENGINE_B, 0)
     assert count == "2 episodes" and ENGINE_A not in str(table)
     fig, _, count, _, _ = history.update(ctx, history.ALL, ENGINE_A, 0)
     assert count == "2 episodes"
     assert {y for t in fig.data for y in t.y} == {
-        f"VLLMBacklogBeyondDeadline · {ENGINE_A}",
-        f"VLLMMetastableRetryLoop · {ENGINE_A}",
+        "VLLMBacklogBeyondDeadline · 10.0.0.1:8100 (qwen)",
+        "VLLMMetastableRetryLoop · 10.0.0.1:8100 (qwen)",
     }
     _, _, count, _, _ = history.update(ctx, history.ALL, "0", 0)
     assert count == "0 episodes"  # "0" is every vLLM's engine label, not an engine
@@ -187,3 +189,62 @@ def test_tabs_on_one_engine_share_a_fetch_per_scrape(api: StaticDetectorAPI) -> 
     assert again.signals["execution_creation_rate"].shape[0] == 181
     live.live_view(ctx, ENGINE_B, 900)
     assert api.requests["/signals"] > fetched  # another engine: fetched
+
+
+def test_a_resolving_alert_is_shown_as_resolving_with_its_runbook(api: StaticDetectorAPI) -> None:
+    ctx = context(api)
+    resolving = {
+        **loop_alert(ENGINE_B),
+        "state": "resolving",
+        "resolving_since": NOW - 60,
+        "resolves_at": NOW + 60,
+        "runbook_url": "https://runbooks.example/retrywatch#vllmmetastableretryloop",
+    }
+    api.set_alerts([resolving])
+    banner, banner_style, chips, *_ = live.update(ctx, ENGINE_B, 900)
+    text = str(banner)
+    assert "RESOLVING critical VLLMMetastableRetryLoop" in text and "unless it returns" in text
+    assert "CRITICAL" not in text  # not shouted as firing
+    assert "resolving" in str(chips)
+    assert "dashed" in banner_style["border"]  # every alert shown is resolving: outlined, not filled
+    link = next(c for c in banner[0].children if getattr(c, "className", "") == "banner-runbook")
+    assert link.href == resolving["runbook_url"]
+    # a firing alert outranks a resolving one of the same severity, and fills the banner
+    api.set_alerts([resolving, {**loop_alert(ENGINE_A), "runbook_url": "/runbook#vllmmetastableretryloop"}])
+    banner, banner_style, *_ = live.update(ctx, ENGINE_A, 900)
+    assert "CRITICAL VLLMMetastableRetryLoop" in str(banner) and "border" not in banner_style
+    assert "(critical, resolving, 10.0.0.2:8100 (llama))" in str(banner)
+    link = next(c for c in banner[0].children if getattr(c, "className", "") == "banner-runbook")
+    assert link.href == f"{api.url}/runbook#vllmmetastableretryloop"  # relative: on the detector
+    # no runbook_url, or one that is not a web link: no link
+    for url in (None, "javascript:alert(1)"):
+        api.set_alerts([{**loop_alert(ENGINE_A), "runbook_url": url}])
+        banner, *_ = live.update(ctx, ENGINE_A, 900)
+        assert "banner-runbook" not in str(banner)
+
+
+def test_the_live_page_opens_on_the_smallest_range_that_shows_the_data_whole(
+    api: StaticDetectorAPI,
+) -> None:
+    assert live.range_for_span(None) == 300  # no data yet: the shortest range
+    assert live.range_for_span(40.0) == 300  # a demo's first minute: 5 min, never a sliver of 1 h
+    assert live.range_for_span(301.0) == 900
+    assert live.range_for_span(3600.0) == 3600
+    assert live.range_for_span(10 * 86400.0) == 21600
+    ctx = context(api)
+    assert live.fitting_range(ctx, ENGINE_A) == 3600  # the static API holds 1 h of history
+    assert _find(live.layout(ctx, {"engine": ENGINE_A}), "live-range").value == 3600
+    asked = live.layout(ctx, {"engine": ENGINE_A, "range": "900"})
+    assert _find(asked, "live-range").value == 900  # a range asked for in the link is kept
+
+
+def _find(component: Any, ident: str) -> Any:
+    if getattr(component, "id", None) == ident:
+        return component
+    children = getattr(component, "children", None)
+    for child in children if isinstance(children, list) else [children]:
+        if child is not None and not isinstance(child, str):
+            found = _find(child, ident)
+            if found is not None:
+                return found
+    return None

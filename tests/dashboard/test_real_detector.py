@@ -84,6 +84,13 @@ def test_live_page_against_the_real_detector(browser: Any, processes: dict[str, 
     assert tab.page.locator("#live-engine").inner_text().strip() == engines[0]  # selected by default
     assert "on episode (qwen) since" in banner.inner_text()  # by instance and model, never "on 0"
     tab.screenshot("live-real-detector.png")
+    # the recovery: the loop's condition clears and it keeps firing a while, shown as resolving
+    tab.page.wait_for_function(
+        "() => document.querySelector('#alert-banner').innerText.includes('RESOLVING critical')",
+        timeout=60_000,
+    )
+    assert "unless it returns" in banner.inner_text()
+    tab.screenshot("live-real-detector-resolving.png")
     banner.wait_for(state="hidden", timeout=60_000)  # every alert resolved after the recovery
     tab.wait_graphs(4)
     assert tab.trace_max("graph-attempts", "executions created") > 2.8  # the loop, in the history

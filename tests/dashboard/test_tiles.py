@@ -49,3 +49,16 @@ def test_no_completions_is_no_data_not_zero() -> None:
     signals = {"completion_rate_completed": pts(0.0), "completion_rate_orphaned": pts(0.0)}
     assert tile_value("delivered_share", signals) is None
     assert tile_value("creation_capacity_ratio", {"execution_creation_rate": pts(1.0)}) is None
+
+
+def test_delivery_within_the_deadline_is_shown_with_the_late_share_beside_it() -> None:
+    signals = {"delivered_rate_within_deadline": pts(3.0), "delivered_rate_late": pts(1.0)}
+    (tile,) = [t for t in tiles(signals, set()) if t.key == "delivered_within_deadline"]
+    assert tile.value == pytest.approx(0.75) and (tile.text, tile.detail) == ("75%", "25% late")
+    every = {"delivered_rate_within_deadline": pts(2.0), "delivered_rate_late": pts(0.0)}
+    assert tile_value("delivered_within_deadline", every) == pytest.approx(1.0)
+    assert tile_value("delivered_within_deadline", {}) is None
+    # nothing delivered lately (the loop): said so, not "no data"
+    stalled = {"delivered_rate_within_deadline": pts(0.0), "delivered_rate_late": pts(0.0)}
+    (tile,) = [t for t in tiles(stalled, {"VLLMMetastableRetryLoop"}) if t.key == "delivered_within_deadline"]
+    assert (tile.text, tile.status, tile.detail) == ("none", "alert", "")

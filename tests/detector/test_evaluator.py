@@ -63,3 +63,29 @@ def test_an_engine_that_disappears_resolves_its_alerts_after_hysteresis() -> Non
         ev.evaluate(i * 5.0, [SignalFrame(i * 5.0, LABELS, {"x": 5.0})])
     assert [t.kind for t in ev.evaluate(15.0, [])] == []
     assert [t.kind for t in ev.evaluate(30.0, [])] == ["resolved"]
+
+
+def test_a_firing_alert_whose_condition_cleared_is_resolving_until_keep_firing_for_ends() -> None:
+    ev = Evaluator([RULE])
+    for i, x in enumerate([1, 1, 1, 0, 0]):  # fires at 10; false from 15; keep firing 15 s
+        ev.evaluate(i * 5.0, [SignalFrame(i * 5.0, LABELS, {"x": float(x)})])
+    (alert,) = ev.firing()
+    doc = alert.as_dict()
+    assert doc["state"] == "resolving"
+    assert doc["resolving_since"] == 15.0 and doc["resolves_at"] == 30.0
+    ev.evaluate(25.0, [SignalFrame(25.0, LABELS, {"x": 1.0})])  # the condition returns
+    doc = ev.firing()[0].as_dict()
+    assert doc["state"] == "firing" and doc["resolving_since"] is None and doc["resolves_at"] is None
+
+
+def test_a_no_data_description_names_only_the_engine_labels_it_has() -> None:
+    from detector.evaluator import render_description
+    from detector.thresholds import NO_DATA
+
+    bare = render_description(NO_DATA, EngineLabels("", "", "http://10.0.0.7:8100/metrics"), 1.0, ("vllm",))
+    assert "(engine" not in bare and "model )" not in bare and "()" not in bare
+    assert bare.startswith("The detector cannot evaluate instance http://10.0.0.7:8100/metrics: missing vllm")
+    model_only = render_description(NO_DATA, EngineLabels("", "m", "i"), 1.0, ())
+    assert "instance i (model m):" in model_only
+    full = render_description(NO_DATA, EngineLabels("0", "m", "i"), 1.0, ())
+    assert "instance i (engine 0, model m):" in full

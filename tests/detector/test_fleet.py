@@ -58,7 +58,11 @@ def _dashboard_sees_two_engines(api_url: str, sick: str, well: str, now: float) 
         assert "VLLMMetastableRetryLoop" in {a.alertname for a in view_sick.engine_alerts}
         assert view_well.engine_alerts == [] and view_well.episodes == []
         chips = str(live.render_engine_states(view_sick, [sick, well]))
-        assert f"{sick}: VLLMMetastableRetryLoop (critical)" in chips and f"{well}: ok" in chips
+        # named host:port (and model), not by the scraped /metrics URL
+        sick_name = next(a.engine_name for a in view_sick.engine_alerts)
+        assert sick_name.startswith(sick.removeprefix("http://").removesuffix("/metrics"))
+        assert f"{sick_name}: VLLMMetastableRetryLoop (critical)" in chips
+        assert f"{well.removeprefix('http://').removesuffix('/metrics')}: ok" in chips
     finally:
         ctx.detector.close()
 

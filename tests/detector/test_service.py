@@ -56,6 +56,8 @@ def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
         "severity",
         "labels",
         "state",
+        "resolving_since",
+        "resolves_at",
         "started_at",
         "value",
         "summary",
@@ -65,6 +67,7 @@ def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
     assert loop["runbook_url"] == "http://127.0.0.1:8200/runbook#VLLMMetastableRetryLoop"
     assert loop["labels"] == {"engine": "0", "model": "mini-model", "instance": "proxy-a"}
     assert loop["state"] == "firing" and loop["started_at"] == fired_at
+    assert loop["resolving_since"] is None and loop["resolves_at"] is None
     eps = client.get("/episodes", params={"since": T0}).json()["episodes"]
     assert {e["alertname"] for e in eps} >= {"VLLMMetastableRetryLoop", "VLLMBacklogBeyondDeadline"}
     assert all(e["resolved_at"] is None or e["resolved_at"] >= e["started_at"] for e in eps)
