@@ -28,7 +28,9 @@ Paths (``--paths``, comma-separated):
   one worker, one runtime thread, uvloop (skipped if granian, from PyPI, is not installed);
 * ``protocol-floor``: forwarding in asyncio protocol callbacks on uvloop + httptools
   (``bench/protocol_floor.py``);
-* ``protocol-attempt``: the same plus the proxy's per-attempt work in callbacks
+* ``uvicorn-bypass``: the same forwarding in callbacks inside uvicorn's own protocol, the ASGI
+  cycle bypassed for generation POSTs only (``bench/uvicorn_bypass.py``);
+* ``protocol-attempt``: ``protocol-floor`` plus the proxy's per-attempt work in callbacks
   (``bench/protocol_attempt.py``);
 * diagnostics, not in the default set: ``proxy-probe`` (the proxy with the event-loop stall probe
   of ``bench/loop_stalls.py``; its summary is printed at the end), ``proxy-nogc`` (the garbage
@@ -81,6 +83,7 @@ DEFAULT_PATHS = (
     "asgi-granian",
     "rsgi-granian",
     "protocol-floor",
+    "uvicorn-bypass",
     "protocol-attempt",
 )
 REPLAY_PATHS = ("proxy", "protocol-attempt")  # the paths that keep executions and replays
@@ -271,6 +274,7 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
         "asgi-granian": [*granian, "--interface", "asgi", "granian_floor:asgi"],
         "rsgi-granian": [*granian, "--interface", "rsgi", "granian_floor:rsgi"],
         "protocol-floor": [py, os.path.join(BENCH, "protocol_floor.py"), *proxy_args],
+        "uvicorn-bypass": [py, os.path.join(BENCH, "uvicorn_bypass.py"), *proxy_args],
         "protocol-attempt": [py, os.path.join(BENCH, "protocol_attempt.py"), *proxy_args],
     }
     if name not in commands:
