@@ -34,7 +34,8 @@ Paths (``--paths``, comma-separated):
   (``bench/protocol_attempt.py``);
 * diagnostics, not in the default set: ``proxy-probe`` (the proxy with the event-loop stall probe
   of ``bench/loop_stalls.py``; its summary is printed at the end), ``proxy-nogc`` (the garbage
-  collector disabled after start-up), ``proxy-nosampler`` (no per-second sampling or upstream
+  collector disabled after start-up), ``proxy-gc10k`` (its youngest generation collected every
+  10,000 allocations instead of 700), ``proxy-nosampler`` (no per-second sampling or upstream
   ``/metrics`` refresh), ``proxy-quiet`` (both), ``proxy-census`` (the cyclic garbage kept and
   counted by type, printed at the end; its latency figures are not the proxy's).
 
@@ -87,7 +88,14 @@ DEFAULT_PATHS = (
     "protocol-attempt",
 )
 REPLAY_PATHS = ("proxy", "protocol-attempt")  # the paths that keep executions and replays
-DIAGNOSTIC_PATHS = ("proxy-probe", "proxy-nogc", "proxy-nosampler", "proxy-quiet", "proxy-census")
+DIAGNOSTIC_PATHS = (
+    "proxy-probe",
+    "proxy-nogc",
+    "proxy-gc10k",
+    "proxy-nosampler",
+    "proxy-quiet",
+    "proxy-census",
+)
 NGINX_CONF = """\
 worker_processes 1;
 daemon off;
@@ -260,6 +268,7 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
             *proxy_args,
         ],
         "proxy-nogc": [*stalls, "--no-gc", "--", *proxy_args],
+        "proxy-gc10k": [*stalls, "--gc-threshold", "10000", "--", *proxy_args],
         "proxy-nosampler": [*stalls, "--no-sampler", "--", *proxy_args],
         "proxy-quiet": [*stalls, "--no-gc", "--no-sampler", "--", *proxy_args],
         "proxy-census": [
@@ -667,7 +676,9 @@ def print_diagnostics(paths: list[Path], figures: dict[str, PathFigures]) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--paths", default=",".join(DEFAULT_PATHS), help="comma-separated; see the module doc"
+        "--paths",
+        default=",".join(DEFAULT_PATHS),
+        help=f"comma-separated (see the module doc); diagnostics: {', '.join(DIAGNOSTIC_PATHS)}",
     )
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--window", type=float, default=5.0, help="measured seconds per phase")

@@ -27,6 +27,7 @@ is written at exit.
 Run: ``python bench/loop_stalls.py --report stalls.json --probe -- --upstream URL --port 8100``
 (after ``--``: the options of ``retrywatch proxy``); ``python bench/loop_stalls.py --summarize
 stalls.json`` prints the summary. ``--no-gc`` disables the garbage collector after start-up,
+``--gc-threshold N`` sets its youngest generation's threshold (700 by default),
 ``--no-sampler`` stops the per-second sampling and upstream ``/metrics`` refresh (a scrape of
 ``/metrics`` still refreshes). ``--census`` keeps the cyclic garbage instead of freeing it
 (``gc.DEBUG_SAVEALL``) and reports what it is made of, by type: where the collector's work comes
@@ -87,6 +88,34 @@ def _stack(frame: Any, depth: int = 16) -> tuple[str, ...]:
     return tuple(out)
 
 
+# Where a collection was set off: the first frame (innermost first) in one of these.
+SITES = (
+    ("exporter/proxy.py", "the proxy's request or relay code (exporter/proxy.py)"),
+    ("exporter/policy.py", "the policy (exporter/policy.py)"),
+    ("exporter/relay.py", "the relay (exporter/relay.py)"),
+    ("exporter/upstream.py", "the upstream client (exporter/upstream.py)"),
+    ("exporter/metrics.py", "metrics (exporter/metrics.py)"),
+    ("/prometheus_client/", "metrics (prometheus_client)"),
+    ("/httpx/", "the upstream /metrics refresh (httpx)"),
+    ("/httpcore/", "the upstream /metrics refresh (httpx)"),
+    ("/anyio/", "the upstream /metrics refresh (httpx)"),
+    ("/uvicorn/", "uvicorn (request parsing, ASGI cycle)"),
+    ("/starlette/", "starlette"),
+    ("/asyncio/", "asyncio"),
+)
+
+
+def gc_site(frame: Any) -> str:
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if "loop_stalls.py" not in filename:
+            for needle, site in SITES:
+                if needle in filename:
+                    return site
+        frame = frame.f_back
+    return "the event loop (C code)"
+
+
 def cause_of_stack(stack: Iterable[str]) -> str:
     for entry in stack:
         for needle, cause in CAUSES:
@@ -113,6 +142,7 @@ class Recorder:
     gc_counts: Counter[int] = field(default_factory=Counter)
     gc_seconds: dict[int, float] = field(default_factory=dict)
     gc_freed: Counter[int] = field(default_factory=Counter)
+    gc_sites: Counter[str] = field(default_factory=Counter)
     sections: deque[tuple[str, float, float]] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     stacks: dict[tuple[str, ...], int] = field(default_factory=dict)  # each stack once, by id
@@ -162,6 +192,9 @@ class Recorder:
     # garbage collections
     def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
+            # What allocated the object that set the collection off (collections run inside
+            # an allocation, so on whatever path allocates the most).
+            self.gc_sites[gc_site(sys._getframe(1))] += 1
             self._gc_start = time.perf_counter()
             return
         end = time.perf_counter()
@@ -197,6 +230,11 @@ class Recorder:
 
     def report(self) -> dict[str, Any]:
         self._stop.set()
+        # What a full collection walks by now (the objects frozen at start-up excluded).
+        gen2 = len(gc.get_objects(generation=2))
+        t0 = time.perf_counter()
+        gc.collect()
+        full_s = time.perf_counter() - t0
         stacks = sorted(list(self.stacks.items()), key=lambda kv: kv[1])
         return {
             "tick_s": TICK_S,
@@ -208,6 +246,10 @@ class Recorder:
             "gc_counts": {str(k): v for k, v in self.gc_counts.items()},
             "gc_seconds": {str(k): v for k, v in self.gc_seconds.items()},
             "gc_freed": {str(k): v for k, v in self.gc_freed.items()},
+            "gc_frozen": gc.get_freeze_count(),
+            "gc_sites": self.gc_sites.most_common(),
+            "gc_gen2_at_exit": gen2,
+            "gc_full_at_exit_s": full_s,
             "sections": list(self.sections),
             "stacks": [list(stack) for stack, _ in stacks],
             "samples": list(self.samples),
@@ -282,6 +324,9 @@ def summarize(report: dict[str, Any], windows: list[tuple[float, float]] | None 
             f" and freeing {report['gc_freed'].get(g, 0)} objects"
             for g in ("0", "1", "2")
         ),
+        f"at exit: {report['gc_frozen']} objects frozen at start-up, {report['gc_gen2_at_exit']} in the"
+        f" oldest generation; a full collection took {report['gc_full_at_exit_s'] * 1e3:.1f} ms",
+        "collections set off in: " + "; ".join(f"{site} {n}" for site, n in report["gc_sites"]),
     ]
     durations: dict[str, list[float]] = {}
     for name, s0, s1 in report["sections"]:
@@ -344,7 +389,13 @@ def census(limit: int = 15) -> list[tuple[str, int]]:
     return counts.most_common(limit)
 
 
-def install(recorder: Recorder | None, no_gc: bool, no_sampler: bool, keep_garbage: bool = False) -> None:
+def install(
+    recorder: Recorder | None,
+    no_gc: bool,
+    no_sampler: bool,
+    keep_garbage: bool = False,
+    gc_threshold: int | None = None,
+) -> None:
     """Wrap the proxy's start-up (and, with a recorder, its sampling and logging)."""
     from exporter.proxy import Proxy
     from exporter.server import DrainingServer
@@ -355,6 +406,8 @@ def install(recorder: Recorder | None, no_gc: bool, no_sampler: bool, keep_garba
         await original_startup(self, sockets)  # the proxy's lifespan (gc.freeze) ran in it
         if no_gc:
             gc.disable()
+        if gc_threshold is not None:
+            gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
         if keep_garbage:
             gc.set_debug(gc.DEBUG_SAVEALL)
         if recorder is not None:
@@ -389,6 +442,7 @@ def main() -> None:
     parser.add_argument(
         "--no-sampler", action="store_true", help="no per-second sampling or /metrics refresh"
     )
+    parser.add_argument("--gc-threshold", type=int, help="the youngest generation's collection threshold")
     parser.add_argument("--census", action="store_true", help="keep the cyclic garbage and count it by type")
     parser.add_argument("--summarize", metavar="REPORT", help="print the summary of a report and exit")
     args = parser.parse_args(own)
@@ -397,7 +451,7 @@ def main() -> None:
             print(summarize(json.load(f)))
         return
     recorder = Recorder() if args.probe else None
-    install(recorder, args.no_gc, args.no_sampler, args.census)
+    install(recorder, args.no_gc, args.no_sampler, args.census, args.gc_threshold)
     if (recorder is not None or args.census) and args.report:
         path = os.path.abspath(args.report)
         started = time.perf_counter()
