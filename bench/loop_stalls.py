@@ -149,6 +149,7 @@ class Recorder:
     _gc_start: float = 0.0
     _loop: asyncio.AbstractEventLoop | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _watchdog: threading.Thread | None = None
     _schedstat: int = -1
 
     def _sched(self) -> tuple[float, float]:
@@ -163,7 +164,8 @@ class Recorder:
         self.last_tick = time.perf_counter()
         self.last_run, self.last_wait = self._sched()
         loop.call_later(TICK_S, self._tick)
-        threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _tick(self) -> None:
         now = time.perf_counter()
@@ -230,6 +232,8 @@ class Recorder:
 
     def report(self) -> dict[str, Any]:
         self._stop.set()
+        if self._watchdog is not None:  # no sample may name a stack the report has not got
+            self._watchdog.join(timeout=5)
         # What a full collection walks by now (the objects frozen at start-up excluded).
         gen2 = len(gc.get_objects(generation=2))
         t0 = time.perf_counter()
