@@ -1,7 +1,7 @@
 """The proxy's candidates side by side with nginx: added time to first token, its tail, and CPU per
 relayed chunk, in one run against one upstream. Prints figures, asserts nothing.
 
-Run: ``python bench/bench_floor.py`` (about four minutes with the defaults; ``--paths`` picks a
+Run: ``python bench/bench_floor.py`` (about five minutes with the defaults; ``--paths`` picks a
 subset, ``--rounds`` and ``--window`` the length). The scenario is the one the proxy's latency
 targets are stated in:
 
