@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -89,6 +90,32 @@ _JSON = b"application/json"
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
 # A fault in the proxy itself (a bug, logged): never the answer to anything a client sent.
 _PROXY_ERROR = error_body("the proxy failed handling the request", error_type(500), "proxy_error")
+
+
+def header_map(raw_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """A request's header fields by name (lower-cased by the server); the first of repeated ones
+    wins."""
+    headers: dict[str, str] = {}
+    for name, value in reversed(raw_headers):
+        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+    return headers
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What to answer an attempt at once: an OpenAI-style JSON error (bad input, a refusal)."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """An attempt that subscribed to an execution: its answer is read from the relay."""
+
+    relay: Relay
+    subscription: Subscription
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -275,9 +302,9 @@ class Proxy:
     async def _receive_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body straight from the ASGI messages (the hot path's ``_read_body``)."""
         limit = self.settings.max_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        too_large = self.body_too_large(headers.get("content-length"))
+        if too_large is not None:
+            raise too_large
         parts: list[bytes] = []
         size = 0
         while True:
@@ -302,22 +329,45 @@ class Proxy:
 
     async def generate_asgi(self, scope: Scope, receive: Receive) -> Response:
         started = self.now()
-        route: str = scope["path"]
-        # Header names arrive lower-cased from the server; the first of repeated ones wins.
-        headers: dict[str, str] = {}
-        for name, value in reversed(scope["headers"]):
-            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        headers = header_map(scope["headers"])
         try:
             raw = await self._receive_body(headers, receive)
-            body = parse_body(raw)
-            prompt_tokens = validate(route, body, self.settings.vocab_size)
-            call_id = find_call_id(headers, self.settings.call_id_header)
         except RequestError as exc:
             return _json_response(exc.status, exc.body())
         except ClientDisconnect:  # gone before the body arrived: nothing was decided
             return Response(status_code=400)
+        outcome = self.attempt(scope["path"], headers, scope["headers"], raw, started)
+        if isinstance(outcome, Answer):
+            return _json_response(outcome.status, outcome.body, outcome.headers)
+        return SubscriberResponse(self, outcome.relay, outcome.subscription, started)
+
+    def body_too_large(self, declared: str | None) -> RequestError | None:
+        """The 413 for a request whose declared Content-Length is over ``--max-body-bytes``."""
+        limit = self.settings.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        return None
+
+    def attempt(
+        self,
+        route: str,
+        headers: Mapping[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+        started: float,
+    ) -> Answer | Joined:
+        """One generation attempt whose body is in: validated, keyed and decided by the policy,
+        its effects carried out. Either the answer to send now (bad input, a refusal) or the
+        execution's relay the attempt now subscribes to. Called by the ASGI path
+        (``generate_asgi``) and by the callback path (``exporter.exchange``) alike."""
+        try:
+            body = parse_body(raw)
+            prompt_tokens = validate(route, body, self.settings.vocab_size)
+            call_id = find_call_id(headers, self.settings.call_id_header)
+        except RequestError as exc:
+            return Answer(exc.status, exc.body())
         except CallIdError as exc:
-            return _json_response(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
+            return Answer(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
         key = call_key(call_id, route, body, self.settings.key_without_id, caller_scope(headers))
         stream = bool(body.get("stream", False))
         attempt = Attempt(
@@ -330,9 +380,9 @@ class Proxy:
         decision = result.decision
         if isinstance(decision, Shed):
             self.metrics.observe_attempt("shed", self.now() - started)
-            return self._shed_response(decision)
+            return self._shed_answer(decision)
         if isinstance(decision, Created):
-            upstream_request = UpstreamRequest(route, raw, forwardable_headers(scope["headers"]))
+            upstream_request = UpstreamRequest(route, raw, forwardable_headers(raw_headers))
             relay = Relay(
                 decision.execution_id,
                 upstream_request,
@@ -346,21 +396,21 @@ class Proxy:
             relay = self.relays[decision.execution_id]
         subscription = relay.subscribe(decision.subscriber_id)
         self.apply(result.effects)
-        return SubscriberResponse(self, relay, subscription, started)
+        return Joined(relay, subscription)
 
-    def _shed_response(self, shed: Shed) -> Response:
+    def _shed_answer(self, shed: Shed) -> Answer:
         if shed.reason is ShedReason.RETRY_BUDGET:
             wait = shed.retry_after_s if shed.retry_after_s is not None else 1.0
             retry_after = str(max(1, math.ceil(wait)))
             message = "retry budget exhausted: retries exceed their share of first attempts; retry later"
-            return _json_response(
+            return Answer(
                 429, error_body(message, error_type(429), shed.reason.value), {"retry-after": retry_after}
             )
         if shed.reason is ShedReason.DEADLINE:
             message = "the proxy estimates this attempt would miss the clients' deadline"
         else:
             message = "the proxy's queue is full"
-        return _json_response(503, error_body(message, error_type(503), shed.reason.value))
+        return Answer(503, error_body(message, error_type(503), shed.reason.value))
 
     # --- effects ----------------------------------------------------------------------------
 
