@@ -1,7 +1,7 @@
 """How long the proxy's per-second work holds its event loop, by the size of the engine's /metrics.
 
 Run: ``python bench/bench_sampling.py`` (about half a minute). Once a second the proxy fetches the
-upstream's ``/metrics`` (``UpstreamClient.get_text``, on httpx) and takes a window sample
+upstream's ``/metrics`` (``UpstreamPool.get_text``) and takes a window sample
 (``ProxyMetrics.sample``: the derived gauges, which scan the fetched text for a few vLLM
 families); a scrape of the proxy's own ``/metrics`` (``ProxyMetrics.exposition``) serves that
 text again. The test upstream's ``/metrics`` is a few lines; a real vLLM's is hundreds (sixteen
@@ -31,7 +31,7 @@ import uvloop
 
 from exporter.metrics import ProxyMetrics
 from exporter.policy import Policy
-from exporter.upstream import UpstreamClient
+from exporter.upstream import UpstreamPool
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 # vLLM v1's histograms (name, number of buckets), from vllm/v1/metrics/loggers.py.
@@ -136,7 +136,7 @@ class Heartbeat:
 
 
 async def measure(url: str, fetches: int) -> dict[str, list[float]]:
-    client = UpstreamClient(url)
+    client = UpstreamPool(url)
     metrics = ProxyMetrics(Policy(), 60.0, None)
     beat = Heartbeat()
     out: dict[str, list[float]] = {"wall": [], "cpu": [], "stall": [], "sample": [], "exposition": []}
@@ -160,7 +160,7 @@ async def measure(url: str, fetches: int) -> dict[str, list[float]]:
             out["exposition"].append(time.perf_counter() - s1)
     finally:
         beat.running = False
-        await client.aclose()
+        client.close()
     return out
 
 

@@ -72,6 +72,27 @@ class Connection(Protocol):
     def exchange_done(self, exchange: Exchange) -> None: ...
 
 
+class _Gone:
+    """The connection of an exchange once it is lost: nothing more goes anywhere."""
+
+    writable = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        return []
+
+    def exchange_done(self, exchange: Exchange) -> None:
+        pass
+
+
+_GONE = _Gone()
+
+
 def takes_over(proxy: Proxy, method: bytes, path: bytes, http_version: str, expect_continue: bool) -> bool:
     """Whether a request whose head is complete is served in callbacks: a POST to a generation
     route, in HTTP/1.1, without ``Expect: 100-continue``, while the proxy is not closing. Every
@@ -136,6 +157,11 @@ class Exchange:
         if sub is not None:
             sub.left = True
             self._guard(self._pump)
+
+    def detach(self) -> None:
+        """The connection is gone: drop the reference to it (the connection refers to its last
+        exchange; without this, each would be garbage only the collector frees)."""
+        self.connection = _GONE
 
     def _guard(self, step: Callable[..., None], *args: bytes) -> None:
         try:
@@ -322,7 +348,12 @@ class Exchange:
         if self.response_complete:
             return
         self.response_complete = True
-        self._body = []
         if not self.keep_alive or self.disconnected:
             self.connection.close()
         self.connection.exchange_done(self)
+        # The connection keeps its last exchange (as uvicorn keeps its last request cycle) until
+        # the next request: let it hold nothing more.
+        self._body = []
+        self._relay = self._sub = None
+        self.raw_headers = []
+        self.headers = {}

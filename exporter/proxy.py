@@ -218,7 +218,11 @@ class Proxy:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # NOTE: a full garbage collection walks every object the process holds; tens of
         # thousands come from imports and start-up alone, and walking them stalled every stream
-        # for tens of milliseconds (the TTFT p99). Frozen, they are never walked again.
+        # for tens of milliseconds (the TTFT p99). Frozen, they are never walked again. The first
+        # upstream refresh comes first (bounded), so that what it makes once is frozen too.
+        first = self._refresh_upstream_metrics()
+        if first is not None:
+            await asyncio.wait({first}, timeout=self.settings.upstream_metrics_timeout_s)
         gc.collect()
         gc.freeze()
         self._sampler = asyncio.create_task(self._sample_forever())
@@ -277,8 +281,8 @@ class Proxy:
         settings = self.settings
         timeout = max(settings.upstream_metrics_timeout_s, settings.upstream_metrics_max_staleness_s)
         try:
-            text = await self.upstream.get_text(path, timeout)
-        except (httpx.HTTPError, UnicodeDecodeError):
+            text = await self.pool.get_text(path, timeout)
+        except (UpstreamError, OSError, TimeoutError, UnicodeDecodeError):
             self.metrics.upstream_failed(self.now())
         else:
             self.metrics.upstream_fetched(self.now(), text if self.settings.metrics_passthrough else "")

@@ -356,6 +356,10 @@ class BoundedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
         if exchange is not None:
             exchange.client_gone()
+        last = cast(object, self.cycle)
+        if isinstance(last, Exchange):
+            last.detach()
+        self.exchange = None
 
     def _has_body(self) -> bool:
         for name, value in self.headers:
