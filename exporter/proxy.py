@@ -39,6 +39,7 @@ from starlette.routing import Route
 from exporter import sse
 from exporter.admin import executions_listing
 from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
+from exporter.execution import Execution
 from exporter.metrics import ProxyMetrics
 from exporter.policy import (
     Attempt,
@@ -56,11 +57,9 @@ from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
     DROP_RESPONSE_HEADERS,
-    StreamedResponse,
     UpstreamClient,
     UpstreamError,
     UpstreamPool,
-    UpstreamUnreachable,
     forwardable_headers,
 )
 from exporter.validation import (
@@ -82,8 +81,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-FIRST_EVENT_LIMIT = 64 * 1024  # bytes read before the first SSE event must be complete
-ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
 SAMPLE_INTERVAL_S = 1.0
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
@@ -134,18 +131,6 @@ def _error_event(event: bytes) -> Mapping[str, Any] | None:
         return None
 
 
-def _upstream_message(raw: bytes, default: str) -> str:
-    try:
-        parsed = json.loads(raw)
-    except ValueError:
-        return default
-    if isinstance(parsed, dict):
-        err = parsed.get("error", parsed)
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])[:500]
-    return default
-
-
 class Proxy:
     """One proxy: its policy, its executions in flight and its ASGI app (``Proxy.app``)."""
 
@@ -165,7 +150,7 @@ class Proxy:
         self.upstream = UpstreamClient(base, connect_s, max_idle_s=idle_s)
         self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s)
         self.relays: dict[int, Relay] = {}
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self.executions: dict[int, Execution] = {}  # the upstream requests in flight
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._refresh: asyncio.Task[None] | None = None  # the one upstream /metrics fetch in flight
         self._sampler: asyncio.Task[None] | None = None
@@ -232,11 +217,11 @@ class Proxy:
             self._sampler.cancel()
             if self._refresh is not None:
                 self._refresh.cancel()
-            for task in list(self._tasks.values()):
-                task.cancel()
+            for execution in list(self.executions.values()):
+                execution.abort()
             for handle in self._timers.values():
                 handle.cancel()
-            await asyncio.gather(*self._tasks.values(), self._sampler, return_exceptions=True)
+            await asyncio.gather(self._sampler, return_exceptions=True)
             await self.upstream.aclose()
             self.pool.close()
 
@@ -429,15 +414,16 @@ class Proxy:
                         relay.finish(Outcome.FAILED, _SHUTTING_DOWN)
                         self.relays.pop(eid, None)
                     else:
-                        self._tasks[eid] = asyncio.create_task(self._run_execution(relay))
+                        execution = self.executions[eid] = Execution(self, relay)
+                        execution.start()
             elif isinstance(effect, Cancel):
                 self._clear_timer(eid)
                 relay = self.relays.pop(eid, None)
                 if relay is not None:
                     relay.finish(Outcome.CANCELLED)
-                task = self._tasks.get(eid)
-                if task is not None:
-                    task.cancel()  # closes the upstream response: the engine aborts it
+                running = self.executions.get(eid)
+                if running is not None:
+                    running.abort()  # closes the upstream response: the engine aborts it
             elif isinstance(effect, Drop):
                 relay = self.relays.pop(eid, None)
                 if relay is not None:
@@ -465,87 +451,7 @@ class Proxy:
             return
         self.apply(self.policy.on_timer(now, execution_id))
 
-    # --- one execution's upstream request -----------------------------------------------------
-
-    async def _run_execution(self, relay: Relay) -> None:
-        eid = relay.execution_id
-        request = relay.request
-        relay.request = None  # the body is no longer held once sent
-        response: StreamedResponse | None = None
-        try:
-            if request is None:
-                return
-            headers = [*request.headers, ("accept-encoding", "identity")]
-            try:
-                response = await self.pool.open("POST", request.path, request.body, headers)
-            except UpstreamUnreachable:
-                self.metrics.upstream_up = False
-                message = "upstream unreachable: no connection to it could be made"
-                self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_unreachable")
-                return
-            # NOTE: an upstream that breaks the connection before the response headers (a
-            # non-streaming response has none until the end) fails the execution below, as one
-            # that breaks it mid-stream does: the request is never sent again.
-            self.metrics.upstream_up = True
-            relay.status = response.status_code
-            if response.status_code != 200:
-                raw = await self._read_limited(response)
-                if response.status_code == 503:
-                    message = _upstream_message(raw, "the engine refused the request (queue full)")
-                    self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
-                else:
-                    status = response.status_code if 400 <= response.status_code < 500 else 502
-                    message = _upstream_message(raw, f"the upstream answered HTTP {response.status_code}")
-                    self._end_with_error(relay, Outcome.FAILED, status, message, "upstream_error")
-                return
-            content_type = response.headers.get("content-type")
-            if content_type:
-                relay.content_type = content_type.encode("latin-1")
-            if relay.stream:
-                await self._pump_stream(relay, response)
-            else:
-                await self._pump_body(relay, response)
-        except asyncio.CancelledError:
-            raise  # cancelled by the policy: closing the response below aborts the engine's work
-        except (UpstreamError, OSError) as exc:
-            message = f"upstream broken: {exc}"
-            self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_broken")
-        except Exception:  # a bug here must fail this execution, not leave it hanging
-            log.exception("execution %d failed in the proxy", eid)
-            self._end_with_error(relay, Outcome.FAILED, 502, "the proxy failed relaying it", "proxy_error")
-        finally:
-            if response is not None:
-                await response.aclose()
-            self._tasks.pop(eid, None)
-
-    async def _read_limited(self, response: StreamedResponse) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        async for data in response.aiter_raw():
-            parts.append(data)
-            size += len(data)
-            if size >= ERROR_BODY_LIMIT:
-                break
-        return b"".join(parts)[:ERROR_BODY_LIMIT]
-
-    async def _pump_stream(self, relay: Relay, response: StreamedResponse) -> None:
-        """Relay raw SSE bytes; only the first event is inspected (vLLM's in-stream refusal).
-        After it, chunks go from the upstream's protocol callback straight into the relay."""
-        pending = b""
-        while b"\n\n" not in pending and len(pending) < FIRST_EVENT_LIMIT:
-            data = await response.read_chunk()
-            if data is None:
-                break
-            pending += data
-        sink = self._stream_sink(relay)
-        if pending:
-            cut = pending.find(b"\n\n")
-            if self._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
-                return
-            self._first_token(relay)
-            sink(pending)
-        await response.forward(sink)
-        self._complete(relay)  # no-op if ``data: [DONE]`` completed it already
+    # --- one execution's upstream request (driven by ``exporter.execution``) -----------------
 
     def _stream_sink(self, relay: Relay) -> Callable[[bytes], None]:
         """The per-chunk path of a stream: append to the relay; at ``data: [DONE]`` complete the
@@ -569,15 +475,6 @@ class Proxy:
                 self._complete(relay)
 
         return sink
-
-    async def _pump_body(self, relay: Relay, response: StreamedResponse) -> None:
-        first = True
-        async for data in response.aiter_raw():
-            if first:
-                self._first_token(relay)
-                first = False
-            relay.append(data)
-        self._complete(relay)
 
     def _first_event_is_error(self, relay: Relay, event: bytes) -> bool:
         error = _error_event(event)
@@ -642,8 +539,8 @@ class Proxy:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        for task in self._tasks.values():
-            task.cancel()
+        for execution in list(self.executions.values()):
+            execution.abort()
 
     # --- other routes -----------------------------------------------------------------------
 

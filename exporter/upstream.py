@@ -176,6 +176,9 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[bytes], None] | None = None
+        # Called once the bytes of each read are parsed, and when the connection is lost: how
+        # an execution (``exporter.execution``) is driven without a task.
+        self.listener: Callable[[], None] | None = None
 
     def _wake(self) -> None:
         w = self.waiter
@@ -213,12 +216,16 @@ class _Connection(asyncio.Protocol):
                 self.error = UpstreamBroken(f"malformed upstream response: {exc}")
             self.close()
         self._wake()
+        if self.listener is not None:
+            self.listener()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.complete and self.error is None:
             self.error = UpstreamBroken("the upstream closed the connection before the end of the response")
         self._wake()
+        if self.listener is not None:
+            self.listener()
         # NOTE: the parser refers to this protocol (its callbacks) and this protocol to the
         # parser: a cycle only the garbage collector could free, one per closed connection, and
         # collections set off on the request path are a share of the proxy's tail latency. No
