@@ -11,7 +11,7 @@ targets are stated in:
   and, 10 ms later, the same probe straight to the upstream: the probe's own baseline, taken in
   the same seconds, under the same load;
 * the paths take turns (a phase each, several rounds, the order rotating), all against the same
-  upstream (``exporter.testing.upstream``); during a path's phase the background streams and the
+  upstream (``tests/exporter/upstream.py``); during a path's phase the background streams and the
   probes go through it, and the CPU time of its processes (from /proc, the process and its
   children) over the phase's measured window is divided by the chunks relayed through it in that
   window (SSE events counted by the clients).
@@ -53,9 +53,9 @@ import asyncio
 import functools
 import json
 import os
+import pathlib
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,7 +69,10 @@ from dataclasses import dataclass, field
 import httpx
 import uvloop
 
+from exporter.processes import ManagedProcess, free_port
+
 BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = pathlib.Path(BENCH).parent  # the repository: ``python -m tests...`` runs from it
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STREAMS = 100
 STREAM_CHUNKS = 40
@@ -127,12 +130,6 @@ http {{
 
 
 # --- processes, CPU and memory from /proc -----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout_s: float = 60.0) -> None:
@@ -222,7 +219,7 @@ def load_average() -> str:
 class Path:
     name: str
     port: int
-    proc: subprocess.Popen[bytes] | None = None
+    proc: ManagedProcess | None = None
     workdir: str | None = None
     root_pid: int = 0  # the process whose tree serves the path (the upstream's for direct)
     pids: list[int] = field(default_factory=list)
@@ -306,18 +303,10 @@ def start_path(name: str, upstream_port: int, upstream_pid: int, root: str) -> P
     if name == "nginx":
         with open(os.path.join(workdir, "nginx.conf"), "w") as f:
             f.write(NGINX_CONF.format(d=workdir, upstream=upstream_port, port=port))
-    log = open(os.path.join(workdir, "output.log"), "wb")  # noqa: SIM115 (kept open for the process)
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log = pathlib.Path(workdir) / "output.log"
+    proc = ManagedProcess(command, log_path=log, bound_s=None, env=env, cwd=ROOT, name=name).start()
+    assert proc.pid is not None
     return Path(name, port, proc, workdir, proc.pid)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # --- the clients ------------------------------------------------------------------------------
@@ -700,11 +689,14 @@ def main() -> None:
         names.insert(0, "direct")
     root = tempfile.mkdtemp(prefix="bench-floor-")
     upstream_port = free_port()
-    upstream = subprocess.Popen(
-        [sys.executable, "-m", "exporter.testing.upstream", "--port", str(upstream_port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    upstream = ManagedProcess(
+        [sys.executable, "-m", "tests.exporter.upstream", "--port", str(upstream_port)],
+        log_path=pathlib.Path(root) / "upstream.log",
+        bound_s=None,
+        cwd=ROOT,
+        name="test upstream",
+    ).start()
+    assert upstream.pid is not None
     paths: list[Path] = []
     load: LoadProcess | None = None
     try:
@@ -745,8 +737,8 @@ def main() -> None:
             load.stop()
         for path in paths:
             if path.proc is not None:
-                stop(path.proc)
-        stop(upstream)
+                path.proc.stop(grace_s=15.0)
+        upstream.stop(grace_s=15.0)
     print_diagnostics(paths, figures)
     if args.keep:
         print(f"\nlogs and reports kept in {root}")

@@ -19,18 +19,18 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
-import httpx
 import uvloop
 
 from exporter.metrics import ProxyMetrics
 from exporter.policy import Policy
+from exporter.processes import ManagedProcess, free_port
 from exporter.upstream import UpstreamPool
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -164,14 +164,6 @@ async def measure(url: str, fetches: int) -> dict[str, list[float]]:
     return out
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fetches", type=int, default=40, help="fetches timed per size")
@@ -189,21 +181,11 @@ def main() -> None:
             with open(path, "w") as f:
                 f.write(text)
             port = free_port()
-            server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", path, str(port)])
-            try:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1.0)
-                        break
-                    except httpx.HTTPError:
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.1)
+            argv = [sys.executable, os.path.abspath(__file__), "--serve", path, str(port)]
+            log = Path(tmp) / f"server-{engines}.log"
+            with ManagedProcess(argv, log_path=log, bound_s=None, name="metrics server") as server:
+                server.wait_ready(f"http://127.0.0.1:{port}/metrics", timeout_s=30.0)
                 figures = uvloop.run(measure(f"http://127.0.0.1:{port}", args.fetches))
-            finally:
-                server.terminate()
-                server.wait(timeout=10)
 
             def ms(name: str, figures: dict[str, list[float]] = figures) -> str:
                 xs = figures[name]

@@ -41,6 +41,10 @@ log = logging.getLogger("retrywatch.exchange")
 GENERATION_PATHS = frozenset(route.encode() for route in GENERATION_ROUTES)
 _PROXY_ERROR = (500, error_body("the proxy failed handling the request", error_type(500), "proxy_error"))
 _ENDED = (503, error_body("the execution ended before it was answered", error_type(503), "execution_ended"))
+_SHUT_DOWN = (
+    503,
+    error_body("the proxy shut down before answering", error_type(503), "proxy_shutting_down"),
+)
 _JSON = b"application/json"
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -157,6 +161,14 @@ class Exchange:
         if sub is not None:
             sub.left = True
             self._guard(self._pump)
+
+    def shut_down(self) -> None:
+        """The drain bound expired with this request not answered yet (its body still arriving):
+        a JSON 503, as the ASGI path's request gets when its task is cancelled."""
+        if self.response_started or self.response_complete:
+            return
+        self.keep_alive = False
+        self._guard(lambda: self._write_answer(*_SHUT_DOWN))
 
     def detach(self) -> None:
         """The connection is gone: drop the reference to it (the connection refers to its last

@@ -434,10 +434,14 @@ class DrainingServer(uvicorn.Server):
             connection.shutdown()  # idle ones close now, busy ones after their answer
         bound = self.config.settings.drain_timeout_s
         if not await self._wait_idle(bound, drain=True):
-            log.warning("drain: %d requests still in flight; ending them", len(state.tasks))
+            busy = sum(1 for c in state.connections if getattr(c, "exchange", None) is not None)
+            log.warning("drain: %d requests still in flight; ending them", len(state.tasks) + busy)
             if self.config.on_drain_expired is not None:
                 self.config.on_drain_expired()
             await self._wait_idle(FINAL_WRITE_S)
+        for connection in list(state.connections):
+            if isinstance(connection, BoundedProtocol) and connection.exchange is not None:
+                connection.exchange.shut_down()
         if state.tasks:
             for task in list(state.tasks):
                 task.cancel()

@@ -231,8 +231,6 @@ class _Connection(asyncio.Protocol):
         # collections set off on the request path are a share of the proxy's tail latency. No
         # byte is parsed after the connection is lost.
         del self.parser
-        self.transport = None
-        self.socket = None
 
     # httptools callbacks
     def on_message_begin(self) -> None:
