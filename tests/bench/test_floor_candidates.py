@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,23 +18,25 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.exporter.support import Upstream, free_port, stop_process, wait_http
+from exporter.processes import ManagedProcess, free_port
+from tests.exporter.support import Upstream
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 BODY = {"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 7, "stream": True}
 
 
+def ready(status: int) -> bool:
+    return status < 500
+
+
 @contextmanager
-def candidate(script: str, upstream: Upstream, *extra: str) -> Iterator[str]:
+def candidate(script: str, upstream: Upstream, log_dir: Path, *extra: str) -> Iterator[str]:
     port = free_port()
     cmd = [sys.executable, str(BENCH / script), *extra, "--upstream", upstream.url, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
+    with ManagedProcess(cmd, log_path=log_dir / f"{script}.log", bound_s=None, name=script) as proc:
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/health", proc=proc)
+        proc.wait_ready(f"{url}/health", timeout_s=60.0, poll_s=0.05, ready=ready)
         yield url
-    finally:
-        stop_process(proc)
 
 
 def stream(url: str, call: str, headers: dict[str, str] | None = None) -> str:
@@ -48,8 +49,10 @@ def stream(url: str, call: str, headers: dict[str, str] | None = None) -> str:
 
 
 @pytest.mark.parametrize("script", ["protocol_floor.py", "uvicorn_bypass.py", "protocol_attempt.py"])
-def test_candidate_forwards_a_stream_whole_with_one_upstream_request(upstream: Upstream, script: str) -> None:
-    with candidate(script, upstream) as url:
+def test_candidate_forwards_a_stream_whole_with_one_upstream_request(
+    upstream: Upstream, script: str, tmp_path: Path
+) -> None:
+    with candidate(script, upstream, tmp_path) as url:
         for _ in range(3):  # the second and third go on a kept-alive upstream connection
             call = uuid.uuid4().hex
             text = stream(url, call)
@@ -59,8 +62,10 @@ def test_candidate_forwards_a_stream_whole_with_one_upstream_request(upstream: U
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200  # another route, same port
 
 
-def test_attempt_prototype_coalesces_a_retry_and_refuses_a_bad_body(upstream: Upstream) -> None:
-    with candidate("protocol_attempt.py", upstream) as url:
+def test_attempt_prototype_coalesces_a_retry_and_refuses_a_bad_body(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    with candidate("protocol_attempt.py", upstream, tmp_path) as url:
         call = uuid.uuid4().hex
         slow = {"x-test-ttft": "0.5", "x-test-token-interval": "0.01"}
         with ThreadPoolExecutor(1) as pool:
@@ -75,7 +80,7 @@ def test_attempt_prototype_coalesces_a_retry_and_refuses_a_bad_body(upstream: Up
         assert bad.json()["error"]["param"] == "prompt"
 
 
-def test_granian_floors_forward_a_stream(upstream: Upstream) -> None:
+def test_granian_floors_forward_a_stream(upstream: Upstream, tmp_path: Path) -> None:
     pytest.importorskip("granian")
     for interface in ("asgi", "rsgi"):
         port = free_port()
@@ -83,15 +88,13 @@ def test_granian_floors_forward_a_stream(upstream: Upstream) -> None:
         cmd = [str(granian), "--interface", interface, "--factory", "--working-dir", str(BENCH)]
         cmd += ["--port", str(port), "--workers", "1", "--no-ws", f"granian_floor:{interface}"]
         env = {**os.environ, "FLOOR_UPSTREAM": upstream.url}
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
+        log = tmp_path / f"granian-{interface}.log"
+        with ManagedProcess(cmd, log_path=log, bound_s=None, env=env, name="granian") as proc:
             url = f"http://127.0.0.1:{port}"
-            wait_http(f"{url}/", proc=proc)
+            proc.wait_ready(f"{url}/", timeout_s=60.0, poll_s=0.05, ready=ready)
             call = uuid.uuid4().hex
             assert stream(url, call).count("data: ") == 8
             assert len(upstream.requests(call_id=call)) == 1
-        finally:
-            stop_process(proc)
 
 
 def test_stall_probe_reports_heartbeats_and_collections(upstream: Upstream, tmp_path: Path) -> None:
@@ -99,16 +102,13 @@ def test_stall_probe_reports_heartbeats_and_collections(upstream: Upstream, tmp_
     port = free_port()
     cmd = [sys.executable, str(BENCH / "loop_stalls.py"), "--probe", "--report", str(report), "--"]
     cmd += ["--upstream", upstream.url, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
+    with ManagedProcess(cmd, log_path=tmp_path / "stalls.log", bound_s=None, name="stall probe") as proc:
         url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/metrics", proc=proc)
+        proc.wait_ready(f"{url}/metrics", timeout_s=60.0, poll_s=0.05)
         for _ in range(5):
             assert stream(url, uuid.uuid4().hex).count("data: ") == 8
         time.sleep(1.5)  # at least one per-second sample
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    # (stopped with SIGTERM: the probe writes its report at exit)
     data = json.loads(report.read_text())
     assert data["ticks"] > 100
     assert data["gc_counts"]["2"] >= 1  # the proxy's own full collection at start-up
