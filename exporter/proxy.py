@@ -1,14 +1,21 @@
-"""The execution-aware proxy: a Starlette ASGI app that drives the policy core in wall time.
+"""The execution-aware proxy: the policy core driven in wall time, and its ASGI app for the rest.
 
 Each generation attempt is validated, keyed (``exporter.callkey``) and decided by
-``exporter.policy.Policy``; this module carries out the policy's effects: it opens one upstream
-request per execution (``exporter.upstream``), fans the bytes out to the execution's subscribers
-(``exporter.relay``), notices client disconnects at once (a task per subscriber waits for
-``http.disconnect``), closes the upstream connection to cancel, and arms deferred-cancellation
-timers with ``loop.call_later``. The policy's clock is ``time.monotonic``.
-Its own routes (``/metrics``, ``/retrywatch/...``) answer 405 to other methods; any other path is
-passed through to the upstream unchanged if ``--passthrough`` allows it (``exporter.routes``),
-else answered 404. When a drained shutdown runs out of time (``exporter.server``),
+``exporter.policy.Policy`` in ``Proxy.attempt``; this module carries out the policy's effects: a
+dispatched execution sends one upstream request (``exporter.execution``, driven by the upstream
+connection's callbacks), its bytes are fanned out to the execution's subscribers
+(``exporter.relay``), a cancelled one has its upstream connection closed, and
+deferred-cancellation timers are armed with ``loop.call_later``. The policy's clock is
+``time.monotonic``.
+
+A generation POST is normally served in callbacks on the server's connection
+(``exporter.exchange``, taken over by ``exporter.server``): no ASGI cycle and no task. The ASGI
+app (``Proxy.app``) serves the rest: the proxy's own routes (``/metrics``,
+``/retrywatch/...``; 405 to other methods), any other path, passed through to the upstream
+unchanged if ``--passthrough`` allows it (``exporter.routes``) or answered 404, and the
+generation requests the callback path leaves to it (HTTP/1.0, ``Expect: 100-continue``, a
+request pipelined behind another), answered by ``SubscriberResponse`` (a task per subscriber
+waits for ``http.disconnect``). When a drained shutdown runs out of time (``exporter.server``),
 ``end_executions`` ends every live execution with an error its clients can read.
 """
 
