@@ -19,6 +19,11 @@ adds per connection:
   proxy switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1).
 
+A generation POST is taken over when its head is complete (``exporter.exchange``: the request
+and its answer carried by callbacks, no ASGI cycle and no task); the exchange stands in for
+uvicorn's request cycle on the connection, so every bound here, pipelining and the drain apply to
+it as to any request. Every other request goes to the ASGI app, on the same port.
+
 A sweep a few times a second checks the deadlines, so the per-request cost is storing one.
 The errors the server sends itself are OpenAI-style JSON bodies, like the app's, and end the
 connection; after a 4xx the connection lingers a moment reading and discarding, so that a client
