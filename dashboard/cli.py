@@ -1,4 +1,8 @@
-"""``retrywatch dashboard``: serve the operators' Dash app (127.0.0.1 by default)."""
+"""``retrywatch dashboard``: serve the operators' Dash app (127.0.0.1 by default).
+
+The app is served by waitress, a production WSGI server (never Flask's development server), with
+no access log: a port already in use is a usage error (exit 2) before anything is announced.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,15 @@ from pathlib import Path
 
 import click
 
+from detector.runbook import DEFAULT_HOST, DEFAULT_PORT
+from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
+
+#: waitress's worker threads: each serves one request (a page or a callback) at a time.
+THREADS = 8
+#: Bounds on a request (waitress's defaults are 256 KiB and 1 GiB; a callback sends small JSON).
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @click.command("dashboard")
@@ -14,7 +26,7 @@ from exporter.redact import redact_url
     "--detector",
     "detector_url",
     envvar="RETRYWATCH_DETECTOR_URL",
-    default="http://127.0.0.1:8200",
+    default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
     show_default=True,
     help="Base URL of the detector API (alerts, episodes, signals).",
 )
@@ -49,6 +61,7 @@ from exporter.redact import redact_url
     show_default=True,
     help="Live page auto-refresh interval in seconds.",
 )
+@log_options
 def dashboard(
     detector_url: str,
     prometheus_url: str | None,
@@ -56,10 +69,15 @@ def dashboard(
     host: str,
     port: int,
     refresh_s: float,
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Run the operators' Dash dashboard."""
+    import waitress
+
     from dashboard.app import DashboardConfig, create_app  # lazy: Dash is heavy
 
+    setup_logging(log_level, log_format, [detector_url, prometheus_url])
     try:
         config = DashboardConfig(
             detector_url=detector_url, prometheus_url=prometheus_url, runs_dir=runs_dir, refresh_s=refresh_s
@@ -67,8 +85,18 @@ def dashboard(
         app = create_app(config)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    check_port(host, port)
     source = f"detector {redact_url(detector_url)}"
     if prometheus_url:
         source += f", Prometheus {redact_url(prometheus_url)}"
-    click.echo(f"retrywatch dashboard on http://{host}:{port}/ ({source})", err=True)
-    app.run(host=host, port=port, debug=False)
+    runs = f"; runs from {runs_dir}" if runs_dir else ""
+    announce(f"retrywatch dashboard on http://{host}:{port}/ ({source}){runs}; state: none of its own")
+    waitress.serve(
+        app.server,
+        host=host,
+        port=port,
+        threads=THREADS,
+        ident="retrywatch",
+        max_request_header_size=MAX_HEADER_BYTES,
+        max_request_body_size=MAX_BODY_BYTES,
+    )

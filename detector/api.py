@@ -1,25 +1,52 @@
-"""The detector's HTTP API (FastAPI): active alerts, episodes, signal history, health, metrics.
+"""The detector's HTTP API (FastAPI): active alerts, episodes, signal history, health, metrics,
+the runbook as a page (``/runbook``) and an index of them (``/``).
 
 JSON shapes are the contract of docs/architecture.md (the dashboard codes against them).
 Times are Unix seconds. Engines are keyed by their ``instance`` label (the scraped URL, the
 Prometheus target, the replayed run's slug): ``GET /signals`` lists instances, and the
 ``engine=`` parameter of ``/signals`` and ``/episodes`` selects one by it; ``engine`` and
-``model`` stay labels.
+``model`` stay labels. Each alert and episode carries its ``runbook_url`` (``detector.runbook``).
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from detector.runbook import runbook_html
 from detector.service import SIGNAL_NAMES, Detector
 from detector.signals import SIGNALS_BY_NAME
 
 MAX_EPISODES = 1000
+#: What ``GET /`` lists.
+INDEX = (
+    ("/alerts", "the alerts firing now (JSON)"),
+    ("/episodes", "past and open alert episodes (JSON)"),
+    ("/signals", "the signals' recent history (JSON)"),
+    ("/runbook", "what each alert means and what to do"),
+    ("/metrics", "the detector's own metrics (Prometheus)"),
+    ("/healthz", "whether the source answers (JSON)"),
+    ("/docs", "the API's reference"),
+)
 
 
 def create_app(detector: Detector) -> FastAPI:
     app = FastAPI(title="retrywatch detector", version="1")
+    # Rendered once, so a missing runbook fails at start.
+    runbook_page = runbook_html(frozenset(rule.name for rule in detector.rules))
+
+    @app.get("/", response_class=HTMLResponse)
+    def index() -> str:
+        links = "".join(f'<li><a href="{path}">{path}</a>: {what}</li>' for path, what in INDEX)
+        return (
+            "<!doctype html>\n<html lang=en><head><meta charset=utf-8><title>retrywatch detector</title>"
+            f"</head><body><h1>retrywatch detector</h1><ul>{links}</ul></body></html>\n"
+        )
+
+    @app.get("/runbook", response_class=HTMLResponse)
+    def runbook() -> str:
+        return runbook_page
 
     @app.get("/alerts")
     def alerts() -> dict[str, object]:
@@ -36,7 +63,9 @@ def create_app(detector: Detector) -> FastAPI:
         found = detector.store.episodes(
             since=since, until=until, alertname=alertname, engine=engine, limit=limit
         )
-        return {"episodes": [ep.as_dict() for ep in found]}
+        return {
+            "episodes": [{**ep.as_dict(), "runbook_url": detector.runbook_url(ep.alertname)} for ep in found]
+        }
 
     @app.get("/signals")
     def signals(

@@ -4,19 +4,22 @@ Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
 (e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``, ``RETRYWATCH_TIME_SCALE``).
 
 URLs are printed and logged with their credentials masked (``exporter/redact.py``). A ``--db``
-that cannot be used is a usage error (exit 2) that names the option, like every bad option here.
+that cannot be used is a usage error (exit 2) that names the option, like every bad option here,
+and so is a ``--port`` already in use: both are checked before anything is fetched. The database
+is by default SQLite in the user's state directory (``detector.store.state_dir``); the start line
+names it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 import click
 
-from detector.store import DEFAULT_URL
-from exporter.redact import RedactFilter, redact_url
+from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
+from exporter.logs import announce, check_port, log_options, setup_logging
+from exporter.redact import redact_url
 
 
 def _env(name: str) -> str:
@@ -48,10 +51,10 @@ def _env(name: str) -> str:
 )
 @click.option(
     "--db",
-    default=DEFAULT_URL,
-    show_default=True,
+    default=None,
     envvar=_env("DB"),
-    help="SQLAlchemy URL (a SQLite file's directory must exist).",
+    help="SQLAlchemy URL (a SQLite file's directory must exist) "
+    "[default: sqlite:///$XDG_STATE_HOME/retrywatch/detector.db, ~/.local/state without XDG_STATE_HOME].",
 )
 @click.option(
     "--interval",
@@ -84,24 +87,29 @@ def _env(name: str) -> str:
     envvar=_env("DEADLINE"),
     help="Client deadline in s (default: the proxy's gauge).",
 )
-@click.option("--host", default="127.0.0.1", show_default=True, envvar=_env("HOST"))
-@click.option("--port", type=click.IntRange(0, 65535), default=8200, show_default=True, envvar=_env("PORT"))
-@click.option("--log-level", default="info", show_default=True, envvar=_env("LOG_LEVEL"))
+@runbook_option(default=None, help_default="this detector's own /runbook page")
+@click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=_env("HOST"))
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, envvar=_env("PORT")
+)
+@log_options
 def detect(
     exporters: tuple[str, ...],
     prometheus: str | None,
     replay: Path | None,
     replay_speed: float,
-    db: str,
+    db: str | None,
     interval: float | None,
     time_scale: float,
     webhooks: tuple[str, ...],
     alertmanager: str | None,
     capacity: float | None,
     deadline: float | None,
+    runbook_pattern: str | None,
     host: str,
     port: int,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Run the detector: signals, alerts, episodes, notifications, and its HTTP API."""
     import uvicorn
@@ -112,14 +120,9 @@ def detect(
     from detector.signals import SignalConfig
     from detector.sources import Source
     from detector.sources.replay import ReplaySource
-    from detector.store import EpisodeStore, SchemaError, StoreOpenError
+    from detector.store import EpisodeStore, SchemaError, StoreOpenError, default_url
 
-    handler = logging.StreamHandler()
-    handler.addFilter(RedactFilter([db, prometheus, alertmanager, *webhooks, *exporters]))
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[handler]
-    )
-    logging.captureWarnings(True)  # a library's warning goes through the same masking handler
+    setup_logging(log_level, log_format, [db, prometheus, alertmanager, *webhooks, *exporters])
     chosen = [bool(exporters), bool(prometheus), replay is not None]
     if sum(chosen) != 1:
         raise click.UsageError("give exactly one of --exporter URL, --prometheus URL or --replay FILE")
@@ -127,6 +130,8 @@ def detect(
         raise click.BadParameter("must be >= 0", param_hint="--replay-speed")
     if interval is None:
         interval = max(0.1, 5.0 / time_scale)
+    check_port(host, port)
+    pattern = runbook_pattern or served_pattern(host, port)
     try:
         source: Source
         replay_source: ReplaySource | None = None
@@ -145,31 +150,53 @@ def detect(
             offset = time.time() - (probe.end if replay_speed == 0 else probe.start)
             replay_source = ReplaySource(replay, offset=offset)
             source = replay_source
-        notifiers: list[Notifier] = [WebhookNotifier(u, name=f"webhook{i}") for i, u in enumerate(webhooks)]
+        notifiers: list[Notifier] = [
+            WebhookNotifier(u, name=f"webhook{i}", runbook_pattern=pattern) for i, u in enumerate(webhooks)
+        ]
         if alertmanager:
-            notifiers.append(AlertmanagerNotifier(alertmanager))
+            notifiers.append(AlertmanagerNotifier(alertmanager, runbook_pattern=pattern))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
+        if db is None:
+            db = default_url()
         store = EpisodeStore(db)
+    except OSError as exc:  # the state directory cannot be created
+        source.close()
+        for notifier in notifiers:
+            notifier.close()
+        raise click.BadParameter(f"the default database's directory: {exc}", param_hint="--db") from None
     except (StoreOpenError, SchemaError) as exc:
         source.close()
         for notifier in notifiers:
             notifier.close()
         raise click.BadParameter(str(exc), param_hint="--db") from None
     config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
-    detector = Detector(source, store, notifiers=notifiers, config=config)
+    detector = Detector(source, store, notifiers=notifiers, config=config, runbook_pattern=pattern)
+    app = create_app(detector)
+    announce(
+        f"retrywatch detector on http://{host}:{port} (/alerts, /episodes, /runbook, /metrics) "
+        f"reading {_source_text(source.name, exporters, prometheus, replay)}; "
+        f"episodes in {redact_url(db)}; runbook links {pattern}"
+    )
     if replay_source is not None:
         _run_replay(detector, replay_source, interval, replay_speed)
     else:
         detector.start(interval)
-    app = create_app(detector)
-    click.echo(f"retrywatch detector on http://{host}:{port} ({source.name}, db {redact_url(db)})")
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+        # log_config=None: uvicorn logs through the command's handler (exporter.logs).
+        uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None)
     finally:
         detector.stop()
         store.close()
+
+
+def _source_text(name: str, exporters: tuple[str, ...], prometheus: str | None, replay: Path | None) -> str:
+    if exporters:
+        return "the proxies " + ", ".join(redact_url(u) for u in exporters)
+    if prometheus:
+        return f"Prometheus {redact_url(prometheus)}"
+    return f"{name} of {replay}"
 
 
 def _run_replay(detector, source, interval: float, speed: float) -> None:  # type: ignore[no-untyped-def]

@@ -26,8 +26,8 @@ from typing import Protocol
 import httpx
 
 from detector.episodes import AlertEpisode
+from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.store import EpisodeStore, store_error
-from detector.thresholds import ALERTS_BY_NAME, RUNBOOK_URL_PATTERN
 from exporter.redact import redact_text, redact_url
 
 log = logging.getLogger("retrywatch.detector.notify")
@@ -49,28 +49,33 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).isoformat().replace("+00:00", "Z")
 
 
-def _runbook(alertname: str) -> str:
-    rule = ALERTS_BY_NAME.get(alertname)
-    return rule.runbook_url if rule else RUNBOOK_URL_PATTERN.format(anchor=alertname.lower())
-
-
 class WebhookNotifier:
     """POSTs one JSON document per firing or resolution."""
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0, name: str = "webhook") -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 5.0,
+        name: str = "webhook",
+        runbook_pattern: str = DEFAULT_PATTERN,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"webhook URL must be http(s)://..., got {redact_url(url)!r}")
         self.url = url
+        self.runbook_pattern = runbook_pattern
         self.display_url = redact_url(url)  # its credentials masked, for messages
         self.name = name
         self._client = httpx.Client(timeout=timeout_s)
 
-    @staticmethod
-    def payload(episode: AlertEpisode, kind: str) -> dict[str, object]:
+    def payload(self, episode: AlertEpisode, kind: str) -> dict[str, object]:
         return {
             "version": 1,
             "status": kind,
-            "alert": {**episode.as_dict(), "runbook_url": _runbook(episode.alertname)},
+            "alert": {
+                **episode.as_dict(),
+                "runbook_url": runbook_url(self.runbook_pattern, episode.alertname),
+            },
         }
 
     def send(self, episode: AlertEpisode, kind: str) -> None:
@@ -89,10 +94,17 @@ class AlertmanagerNotifier:
     """Posts alerts to Alertmanager's API v2 (``POST /api/v2/alerts``)."""
 
     def __init__(
-        self, url: str, *, timeout_s: float = 5.0, generator_url: str = "", name: str = "alertmanager"
+        self,
+        url: str,
+        *,
+        timeout_s: float = 5.0,
+        generator_url: str = "",
+        name: str = "alertmanager",
+        runbook_pattern: str = DEFAULT_PATTERN,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"Alertmanager URL must be http(s)://..., got {redact_url(url)!r}")
+        self.runbook_pattern = runbook_pattern
         self.url = url.rstrip("/") + "/api/v2/alerts"
         self.display_url = redact_url(self.url)  # its credentials masked, for messages
         self.name = name
@@ -107,7 +119,7 @@ class AlertmanagerNotifier:
             "annotations": {
                 "summary": episode.summary,
                 "description": episode.description,
-                "runbook_url": _runbook(episode.alertname),
+                "runbook_url": runbook_url(self.runbook_pattern, episode.alertname),
             },
             "startsAt": _iso(episode.started_at),
         }

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from detector.evaluator import Evaluator, Transition
 from detector.notify import AlertmanagerNotifier, Dispatcher, Notifier
 from detector.pending import DEFAULT_MAX_PENDING, PendingWrites
+from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.signals import SIGNALS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.sources import Source
 from detector.store import EpisodeStore, store_error
@@ -169,8 +170,10 @@ class Detector:
         history_points: int = 4320,
         alertmanager_refresh_s: float = 60.0,
         max_pending_writes: int = DEFAULT_MAX_PENDING,
+        runbook_pattern: str = DEFAULT_PATTERN,
     ) -> None:
         self.source = source
+        self.runbook_pattern = runbook_pattern
         self.store = store
         self.rules = tuple(rules)
         self.clock = clock
@@ -179,6 +182,7 @@ class Detector:
         self.history = SignalHistory(history_points)
         self.metrics = DetectorMetrics(self.rules)
         self.status = SourceStatus()
+        self._source_seen: bool | None = None  # the source's last state (None: not fetched yet)
         self.dispatcher = Dispatcher(
             store,
             notifiers,
@@ -218,8 +222,8 @@ class Detector:
             if result.error:
                 self.metrics.source_errors.inc()
                 self.status.last_error = result.error
-                log.warning("source: %s", result.error)
-            self.status.up = not result.down and result.error is None
+                log.debug("source: %s", result.error)
+            self._source_changed(not result.down and result.error is None, result.error, result.down)
             if result.snapshots:
                 self.status.last_scrape_at = max(s.t for s in result.snapshots)
             frames = self.signals.compute(now)
@@ -241,6 +245,19 @@ class Detector:
                 self.metrics.firing.labels(alertname=rule_name).set(n)
             self.metrics.eval_seconds.set(time.perf_counter() - start)
             return transitions
+
+    def _source_changed(self, up: bool, error: str | None, down: Sequence[str]) -> None:
+        """Record the source's state; one warning per change (down, back up), not per failure,
+        and none for a first fetch that works."""
+        before, self.status.up = self._source_seen, up
+        self._source_seen = up
+        if up == before:
+            return
+        if not up:
+            reason = error or f"no answer from {', '.join(down)}"
+            log.warning("source %s is down: %s", self.source.name, reason)
+        elif before is not None:
+            log.warning("source %s is back up", self.source.name)
 
     def _write_pending(self) -> None:
         """Write the waiting transitions (in order, until one is refused) and notify those that
@@ -272,8 +289,14 @@ class Detector:
             except Exception as exc:  # a refresh failure must not stop evaluation
                 log.warning("alertmanager refresh failed: %s", exc)
 
+    def runbook_url(self, alertname: str) -> str:
+        """The link to ``alertname``'s runbook section (``detector.runbook``)."""
+        return runbook_url(self.runbook_pattern, alertname)
+
     def firing_alerts(self) -> list[dict[str, object]]:
-        return [a.as_dict() for a in self.evaluator.firing()]
+        return [
+            {**a.as_dict(), "runbook_url": self.runbook_url(a.rule.name)} for a in self.evaluator.firing()
+        ]
 
     def start(self, interval_s: float = 5.0, *, evaluate: bool = True) -> None:
         """Run :meth:`tick` every ``interval_s`` on APScheduler's background scheduler, with the

@@ -16,6 +16,7 @@ older schema to :data:`SCHEMA_VERSION` step by step and refuses a newer one.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,7 +51,24 @@ from detector.signals import EngineLabels
 from exporter.redact import redact_text, redact_url
 
 SCHEMA_VERSION = 1
-DEFAULT_URL = "sqlite:///retrywatch-detector.db"
+#: The default database's file, under :func:`state_dir`.
+DEFAULT_DB_FILE = "detector.db"
+
+
+def state_dir() -> Path:
+    """The user's state directory for retrywatch: ``$XDG_STATE_HOME/retrywatch`` (by default
+    ``~/.local/state/retrywatch``), as the XDG Base Directory specification places it."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".local" / "state"
+    return root / "retrywatch"
+
+
+def default_url() -> str:
+    """The default database: SQLite in :func:`state_dir` (created when missing)."""
+    folder = state_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / DEFAULT_DB_FILE}"
+
 
 metadata = MetaData()
 
@@ -208,7 +226,7 @@ def _row_to_episode(row) -> AlertEpisode:  # type: ignore[no-untyped-def]
 class EpisodeStore:
     """Episodes in a SQL database; every write is its own committed transaction."""
 
-    def __init__(self, url: str = DEFAULT_URL) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url
         self.display_url = redact_url(url)
         self.engine = make_engine(url)

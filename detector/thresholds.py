@@ -36,13 +36,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.signals import RECORD_NAMES, check_time_scale
 
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = typing.get_args(Severity)  # the most severe first
-
-RUNBOOK_URL_PATTERN = "docs/runbook.md#{anchor}"
 
 
 @dataclass(frozen=True)
@@ -87,9 +86,9 @@ class AlertRule:
     value_signal: str
     unit: str = ""
 
-    @property
-    def runbook_url(self) -> str:
-        return RUNBOOK_URL_PATTERN.format(anchor=self.name.lower())
+    def runbook_url(self, pattern: str = DEFAULT_PATTERN) -> str:
+        """The link to this alert's runbook section (``detector.runbook``)."""
+        return runbook_url(pattern, self.name)
 
     def scaled(self, time_scale: float) -> AlertRule:
         """The rule for a run whose durations are all divided by ``time_scale`` (K): ``for`` and

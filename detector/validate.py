@@ -38,6 +38,9 @@ BACKLOG = "VLLMBacklogBeyondDeadline"
 # The retry-loop alert must fire within this long after the pulse's end, in the study's seconds
 # (divided by the run's time scale).
 RETRY_LOOP_LEAD_TARGET_S = 120.0
+# A late firing is put beside when the loop formed: executions created over this window (study
+# seconds) rising to Ĉ, the loop's fuel, seen at a finer grain than the detector's rate window.
+LOOP_FORMATION_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,37 @@ def explain_miss(info: RunInfo) -> str:
     return "; ".join(
         _hold_and_control(info, ": below Ĉ, so not the loop's fuel", prefix="executions created at ")
     )
+
+
+def loop_formed_at_s(info: RunInfo, before_s: float) -> float | None:
+    """When the loop formed, for a firing at ``before_s``: the last time, from the pulse's end
+    to ``before_s``, at which executions created over ``LOOP_FORMATION_WINDOW_S`` (scaled) rose
+    to Ĉ. None when creation stayed at or above Ĉ over all that time (the loop had formed by
+    the pulse's end) or the run's series is not there."""
+    if not info.series.exists():
+        return None
+    window = LOOP_FORMATION_WINDOW_S / info.time_scale
+    points = [
+        (snap.t, created)
+        for snap in read_series(info.series)
+        if (created := snap.value(mn.EXECUTIONS_CREATED)) is not None
+    ]
+    formed = None
+    j = 0
+    below = False
+    for t, created in points:
+        while j + 1 < len(points) and points[j + 1][0] <= t - window:
+            j += 1
+        t0, c0 = points[j]
+        if t - t0 < window or t < info.pulse_end_s:
+            continue
+        if t > before_s:
+            break
+        at_capacity = (created - c0) / (t - t0) >= info.capacity
+        if at_capacity and below:
+            formed = t
+        below = not at_capacity
+    return formed
 
 
 def load_runs(out_dir: Path) -> list[RunInfo]:
@@ -284,7 +318,9 @@ def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
                 loop_missed.append(_run_ref(r, why=explain_miss(info)))
             elif first_loop.fired_at_s - info.pulse_end_s > lead_target:
                 lead = round(first_loop.fired_at_s - info.pulse_end_s, 3)
-                loop_late.append(_run_ref(r, lead_time_s=lead, why=explain_miss(info)))
+                formed = loop_formed_at_s(info, first_loop.fired_at_s)
+                extra = {} if formed is None else {"loop_formed_s": round(formed - info.pulse_end_s, 3)}
+                loop_late.append(_run_ref(r, lead_time_s=lead, why=explain_miss(info), **extra))
             if not any(info.pulse_start_s <= f.fired_at_s <= info.pulse_end_s for f in backlog):
                 backlog_missed.append(_run_ref(r))
         before = [f for f in loop if f.fired_at_s < info.pulse_start_s]
@@ -413,6 +449,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             extra = []
             if "lead_time_s" in r:
                 extra.append(f"+{_fmt(r['lead_time_s'])} s")
+            if "loop_formed_s" in r:
+                extra.append(
+                    f"the loop formed at +{_fmt(r['loop_formed_s'])} s (executions created over "
+                    f"{LOOP_FORMATION_WINDOW_S:g} s reached Ĉ)"
+                )
             if "recovered" in r:
                 extra.append("recovered" if r["recovered"] else "did not recover")
             if r.get("why"):

@@ -14,7 +14,9 @@ from typing import Any, TypeVar
 import click
 
 from exporter.knobs import Knob, env_var, knobs
+from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.policy import PolicyConfigError
+from exporter.redact import redact_url
 from exporter.settings import ProxySettings, SettingsError
 
 FC = TypeVar("FC", bound=Callable[..., Any])
@@ -90,15 +92,8 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
     default=None,
     help="Clients' deadline on an attempt: seconds, or 'auto' to infer it.",
 )
-@click.option(
-    "--log-level",
-    envvar=env_var("log-level"),
-    show_envvar=True,
-    show_default=True,
-    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-    default="warning",
-)
-def proxy(deadline: str | None, log_level: str, **options: Any) -> None:
+@log_options
+def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any) -> None:
     """Run the execution-aware proxy in front of a vLLM engine."""
     from exporter.proxy import Proxy
     from exporter.server import serve
@@ -108,5 +103,11 @@ def proxy(deadline: str | None, log_level: str, **options: Any) -> None:
         settings = ProxySettings(deadline_s=deadline_s, deadline_auto=deadline_auto, **options)
     except (SettingsError, PolicyConfigError) as exc:
         raise click.UsageError(str(exc)) from None
+    check_port(settings.host, settings.port)
+    setup_logging(log_level, log_format, [settings.upstream])
     app = Proxy(settings)
+    announce(
+        f"retrywatch proxy on http://{settings.host}:{settings.port} (metrics /metrics) in front of "
+        f"{redact_url(settings.upstream_base)}; state: in memory only"
+    )
     serve(app.app, settings, app.end_executions, log_level)

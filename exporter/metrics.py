@@ -10,6 +10,7 @@ Prometheus scrape.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -24,6 +25,8 @@ from exporter import metricnames as mn
 from exporter.policy import AttemptKind, Fate, Policy, PolicyCounters, ShedReason
 from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
 from exporter.timeseries import parse_exposition
+
+log = logging.getLogger("retrywatch.proxy")
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0)
@@ -271,11 +274,17 @@ class ProxyMetrics:
     """Everything ``/metrics`` serves, on a registry of its own."""
 
     def __init__(
-        self, policy: Policy, window_s: float, capacity: float | None, max_staleness_s: float = 15.0
+        self,
+        policy: Policy,
+        window_s: float,
+        capacity: float | None,
+        max_staleness_s: float = 15.0,
+        upstream_name: str = "the upstream",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.window = SlidingWindow(window_s)
-        self.upstream_up = False
+        self.upstream_name = upstream_name  # for the log: its credentials masked
+        self._upstream_up: bool | None = None  # None: not known yet
         self.max_staleness_s = max_staleness_s
         self.upstream_text = ""  # last good upstream exposition
         self.upstream_vllm: dict[str, float] = {}  # its window families, scanned once per fetch
@@ -299,6 +308,22 @@ class ProxyMetrics:
         self._duration_children = {o: self.attempt_duration.labels(outcome=o) for o in mn.ATTEMPT_OUTCOMES}
         self.policy = policy
         self.deadlines = DeadlineEstimator()
+
+    @property
+    def upstream_up(self) -> bool:
+        return bool(self._upstream_up)
+
+    @upstream_up.setter
+    def upstream_up(self, up: bool) -> None:
+        """One warning per change (down, back up), not per failure; a first success is silent."""
+        before = self._upstream_up
+        if up == before:
+            return
+        self._upstream_up = up
+        if not up:
+            log.warning("upstream %s is down: no answer from it", self.upstream_name)
+        elif before is not None:
+            log.warning("upstream %s is back up", self.upstream_name)
 
     def observe_attempt(self, outcome: str, duration_s: float) -> None:
         self._duration_children[outcome].observe(duration_s)

@@ -60,6 +60,7 @@ from exporter.policy import (
     ShedReason,
     StartTimer,
 )
+from exporter.redact import redact_url
 from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
@@ -147,7 +148,11 @@ class Proxy:
         if settings.deadline_auto:
             self.policy.set_deadline(None)  # until inferred (see ProxySettings.policy_config)
         self.metrics = ProxyMetrics(
-            self.policy, settings.window_s, settings.capacity, settings.upstream_metrics_max_staleness_s
+            self.policy,
+            settings.window_s,
+            settings.capacity,
+            settings.upstream_metrics_max_staleness_s,
+            upstream_name=redact_url(settings.upstream_base),
         )
         base, connect_s, idle_s = (
             settings.upstream_base,

@@ -517,5 +517,6 @@ def serve(
 ) -> None:
     """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module)."""
     make_room_for(settings.max_connections)
-    config = ServerConfig(app, settings, on_drain_expired, loop="auto", log_level=log_level)
+    # log_config=None: uvicorn's loggers propagate to the command's handler (exporter.logs).
+    config = ServerConfig(app, settings, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
     DrainingServer(config).run()

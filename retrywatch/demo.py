@@ -27,9 +27,10 @@ from pathlib import Path
 import click
 import httpx
 
+from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.metricnames import VLLM_NUM_WAITING
 from exporter.policy import Cancellation, PolicyConfig
-from exporter.processes import ManagedProcess, ProcessStartError, log_tail, port_taken
+from exporter.processes import ManagedProcess, ProcessStartError, log_tail
 from exporter.settings import ProxySettings
 from exporter.timeseries import parse_exposition
 from reproduce.client import ClientConfig
@@ -272,6 +273,16 @@ async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed
     )
 
 
+def _serving(urls: dict[str, str], workdir: Path) -> str:
+    """The demo's start line: every service's URL, and where their logs and database live."""
+    detector = urls["detector"]
+    return (
+        f"engine {urls['engine']}, proxy {urls['proxy']} (metrics /metrics), detector {detector} "
+        f"(alerts {detector}/alerts, runbook {detector}/runbook), dashboard {urls['dashboard']}; "
+        f"logs and the detector's database in {workdir} (removed at the end)"
+    )
+
+
 def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
     pulse = f"{120 / plan.time_scale:.0f}-{227 / plan.time_scale:.0f} s"
     if plan.with_controls:
@@ -313,6 +324,7 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
 @click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8050, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload trace.")
+@log_options
 def demo(
     duration: float,
     with_controls: bool,
@@ -323,6 +335,8 @@ def demo(
     dashboard_port: int,
     host: str,
     seed: int,
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Start engine, proxy, detector and dashboard, and drive a pulse of retrying clients."""
     ports = {
@@ -334,10 +348,8 @@ def demo(
     if len(set(ports.values())) != len(ports):
         raise click.UsageError("the four ports must differ")
     for name, port in ports.items():
-        if port_taken(host, port) is not None:
-            raise click.ClickException(
-                f"port {port} on {host} (the {name}) is taken; pick another with --{name}-port"
-            )
+        check_port(host, port, f"--{name}-port", what=f"the {name}")
+    setup_logging(log_level, log_format)
     plan = demo_plan(with_controls)
     urls = {name: f"http://{host}:{port}" for name, port in ports.items()}
     ready = {"engine": "/health", "proxy": "/metrics", "detector": "/healthz", "dashboard": "/"}
@@ -349,11 +361,15 @@ def demo(
     previous = signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="retrywatch-demo-") as tmp:
         workdir = Path(tmp)
-        commands = demo_commands(plan, ports, host, workdir)
+        log_args = ["--log-level", log_level, "--log-format", log_format]  # each service's, in its log
+        commands = {
+            name: [*argv, *log_args] for name, argv in demo_commands(plan, ports, host, workdir).items()
+        }
         try:
             for service in services:
                 _start(service, commands[service.name], workdir)
             _wait_ready(services, timeout_s=60.0)
+            announce(_serving(urls, workdir))
             click.echo(_what_to_watch(plan, urls["dashboard"]))
             if not no_browser:
                 with contextlib.suppress(Exception):

@@ -10,6 +10,11 @@ help text as comments; alerts from ``detector.thresholds.ALERTS`` with their Pro
 ``detector.thresholds.alert_expr``. Everything sits in one rule group, recording rules first:
 Prometheus evaluates a group's rules in order at one timestamp, so each alert reads the
 recorded signals of the same evaluation, exactly like the Python evaluator does.
+
+Each alert's ``runbook_url`` annotation comes from ``--runbook-url`` (``RETRYWATCH_RUNBOOK_URL``,
+``detector.runbook``): by default the detector's own ``/runbook`` page at its default address;
+give your wiki's pattern (``--runbook-url 'https://wiki.example/retrywatch#{alert}'``) when you
+generate the rules you deploy.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from detector.runbook import DEFAULT_PATTERN, runbook_option
 
 RULES_PATH = Path(__file__).resolve().parent / "retrywatch.rules.yml"
 GROUP_NAME = "retrywatch"
@@ -85,8 +92,9 @@ def _block(key: str, text: str, indent: str) -> list[str]:
     return [f"{indent}{key}: |-", *(f"{indent}  {line}" for line in text.splitlines())]
 
 
-def rule_documents() -> dict[str, Any]:
-    """The rules as data (what ``yaml.safe_load`` of the generated file must return)."""
+def rule_documents(runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
+    """The rules as data (what ``yaml.safe_load`` of the generated file must return), each alert's
+    ``runbook_url`` from ``runbook_pattern`` (``detector.runbook``)."""
     from detector.signals import recording_rules
     from detector.thresholds import ALERTS, alert_expr, promql_template
 
@@ -99,19 +107,19 @@ def rule_documents() -> dict[str, Any]:
         rule["annotations"] = {
             "summary": alert.summary,
             "description": promql_template(alert.description),
-            "runbook_url": alert.runbook_url,
+            "runbook_url": alert.runbook_url(runbook_pattern),
         }
         rules.append(rule)
     return {"groups": [{"name": GROUP_NAME, "interval": duration(EVALUATION_INTERVAL_S), "rules": rules}]}
 
 
-def render() -> str:
+def render(runbook_pattern: str = DEFAULT_PATTERN) -> str:
     """The full text of ``rules/retrywatch.rules.yml``."""
     from detector.signals import SIGNALS
 
     help_by_record = {s.record: f"{s.help} [{s.unit}] (signal {s.name})" for s in SIGNALS}
     help_by_record.update(_HELPER_COMMENTS)
-    doc = rule_documents()
+    doc = rule_documents(runbook_pattern)
     group = doc["groups"][0]
     lines = [
         HEADER.rstrip("\n"),
@@ -144,35 +152,36 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def generated_files() -> dict[Path, str]:
+def generated_files(runbook_pattern: str = DEFAULT_PATTERN) -> dict[Path, str]:
     """{path: text} of every generated file: the rules and their promtool unit tests."""
     from rules.unittests import unit_test_files
 
-    return {RULES_PATH: render(), **unit_test_files()}
+    return {RULES_PATH: render(runbook_pattern), **unit_test_files(runbook_pattern)}
 
 
-def stale_files() -> list[Path]:
+def stale_files(runbook_pattern: str = DEFAULT_PATTERN) -> list[Path]:
     """Generated files whose committed text differs from what the definitions produce."""
     return [
         path
-        for path, text in generated_files().items()
+        for path, text in generated_files(runbook_pattern).items()
         if not path.exists() or path.read_text(encoding="utf-8") != text
     ]
 
 
 @click.command()
 @click.option("--check", is_flag=True, help="Exit 1 if a file differs from the definitions; write nothing.")
-def main(check: bool) -> None:
+@runbook_option(default=DEFAULT_PATTERN, help_default="the detector's /runbook at its default address")
+def main(check: bool, runbook_pattern: str) -> None:
     """Write (or --check) rules/retrywatch.rules.yml and rules/tests/*.yml from detector/thresholds.py."""
     if check:
-        stale = stale_files()
+        stale = stale_files(runbook_pattern)
         for path in stale:
             click.echo(f"{path} is out of date: run `python -m rules.generate`", err=True)
         if stale:
             sys.exit(1)
         click.echo("rules and their tests are up to date")
         return
-    for path, text in generated_files().items():
+    for path, text in generated_files(runbook_pattern).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         click.echo(f"wrote {path}")

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from detector.runbook import DEFAULT_PATTERN
 from exporter.timeseries import Snapshot
 
 TESTS_DIR = Path(__file__).resolve().parent / "tests"
@@ -348,7 +349,7 @@ def _go_percent(x: float) -> str:
     return f"{x * 100:.4g}%"
 
 
-def _annotations(alertname: str, value: float, engine_labels: bool) -> dict[str, str]:
+def _annotations(alertname: str, value: float, engine_labels: bool, runbook_pattern: str) -> dict[str, str]:
     from detector.thresholds import ALERTS_BY_NAME
 
     rule = ALERTS_BY_NAME[alertname]
@@ -358,7 +359,7 @@ def _annotations(alertname: str, value: float, engine_labels: bool) -> dict[str,
     text = text.replace("{instance}", INSTANCE)
     text = text.replace("{engine}", ENGINE if engine_labels else "")
     text = text.replace("{model}", MODEL if engine_labels else "")
-    return {"summary": rule.summary, "description": text, "runbook_url": rule.runbook_url}
+    return {"summary": rule.summary, "description": text, "runbook_url": rule.runbook_url(runbook_pattern)}
 
 
 def _labels(alertname: str, engine_labels: bool) -> dict[str, str]:
@@ -374,7 +375,7 @@ def _duration(seconds: int) -> str:
     return f"{seconds}s"
 
 
-def unit_test_document(scenarios: AlertScenarios) -> dict[str, Any]:
+def unit_test_document(scenarios: AlertScenarios, runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
     from detector.thresholds import ALERTS_BY_NAME
 
     rule = ALERTS_BY_NAME[scenarios.alertname]
@@ -397,7 +398,9 @@ def unit_test_document(scenarios: AlertScenarios) -> dict[str, Any]:
             return [
                 {
                     "exp_labels": labels,
-                    "exp_annotations": _annotations(scenarios.alertname, value, case.engine_labels),
+                    "exp_annotations": _annotations(
+                        scenarios.alertname, value, case.engine_labels, runbook_pattern
+                    ),
                 }
             ]
 
@@ -437,11 +440,13 @@ HEADER = (
 )
 
 
-def unit_test_files() -> dict[Path, str]:
-    """{path: text} of every promtool test file."""
+def unit_test_files(runbook_pattern: str = DEFAULT_PATTERN) -> dict[Path, str]:
+    """{path: text} of every promtool test file (the rules' runbook links from ``runbook_pattern``)."""
     out: dict[Path, str] = {}
     for scenarios in SCENARIOS:
         path = TESTS_DIR / f"{scenarios.alertname.lower()}.test.yml"
-        body = yaml.safe_dump(unit_test_document(scenarios), sort_keys=False, width=1000, allow_unicode=True)
+        body = yaml.safe_dump(
+            unit_test_document(scenarios, runbook_pattern), sort_keys=False, width=1000, allow_unicode=True
+        )
         out[path] = HEADER.format(alertname=scenarios.alertname, path=f"rules/tests/{path.name}") + body
     return out

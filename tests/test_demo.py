@@ -79,9 +79,11 @@ def test_a_taken_port_fails_with_a_clear_message() -> None:
             text=True,
             timeout=60,
         )
-    assert result.returncode != 0
-    assert f"port {port} on 127.0.0.1 (the proxy) is taken" in result.stderr
-    assert "--proxy-port" in result.stderr
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port} for the proxy (Address already in use): "
+        "pick another with --proxy-port"
+    ]
 
 
 def _port_closed(port: int) -> bool:
@@ -151,4 +153,9 @@ def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> 
     assert dashboard_answered, output[-3000:]
     assert process.returncode == 0, output[-3000:]
     assert f"Dashboard: http://127.0.0.1:{dashboard}" in output
+    # One start line with every service's address and where their logs and database live.
+    (start,) = [line for line in output.splitlines() if line.startswith("engine http://")]
+    for port in (engine, proxy, detector, dashboard):
+        assert f"http://127.0.0.1:{port}" in start
+    assert f"runbook {detector_url}/runbook" in start and "logs and the detector's database in" in start
     assert all(_port_closed(port) for port in (engine, proxy, detector, dashboard))

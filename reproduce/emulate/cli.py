@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from exporter.processes import port_taken
+from exporter.logs import announce, check_port, log_options, setup_logging
 
 __all__ = ["emulate"]
 
@@ -62,12 +62,7 @@ DEFAULT_VOCAB_SIZE = 152_064
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="warning",
-    show_default=True,
-)
+@log_options
 def emulate(
     preset: str,
     served_model_name: str | None,
@@ -80,12 +75,15 @@ def emulate(
     host: str,
     port: int,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Serve the engine model with vLLM's OpenAI API and /metrics, stepped in wall time."""
     import uvicorn
 
     from reproduce.emulate.server import build_app
 
+    check_port(host, port)
+    setup_logging(log_level, log_format)
     try:
         app = build_app(
             preset,
@@ -99,21 +97,20 @@ def emulate(
         )
     except (KeyError, ValueError) as exc:
         raise click.BadParameter(str(exc.args[0] if exc.args else exc), param_hint="--model") from None
-    _check_port(host, port)
     _raise_open_files_limit()
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
+        log_config=None,  # uvicorn logs through the command's handler (exporter.logs)
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=2,
     )
-    click.echo(
-        f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on http://{host}:{port}",
-        err=True,
+    announce(
+        f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on http://{host}:{port} "
+        "(OpenAI API, /metrics, /health); state: in memory only"
     )
     # ``run`` sets up uvicorn's event loop (uvloop when installed) before serving.
     uvicorn.Server(config).run()
@@ -128,10 +125,3 @@ def _raise_open_files_limit() -> None:
         target = max(soft, 65_536) if hard == resource.RLIM_INFINITY else hard
         if soft != resource.RLIM_INFINITY and soft < target:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
-def _check_port(host: str, port: int) -> None:
-    """Fail with a clear message when the port is taken (before the engine starts)."""
-    reason = port_taken(host, port)
-    if reason is not None:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {reason}")

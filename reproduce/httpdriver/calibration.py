@@ -33,6 +33,14 @@ batch fills, and the throughput it shows is that of a partly filled batch:
   the largest completion rate over the settled part of a saturated stage. A pulse at 2.7 Ĉ fills
   the batch, so the full batch's rate is the Ĉ that predicts it; arrival - growth of a stage
   whose batch is still filling reads Ĉ up to twice too low (4.99 instead of ~8 calls/s).
+* the confirm stages last ``CONFIRM_STAGE_MULTIPLE`` times the protocol's stage (90 s at
+  K = 10). In a saturated CPU engine every step carries a 2,048-token prefill chunk, so a call,
+  once admitted, decodes its 30 tokens one per 0.5-0.6-s step: it completes 15-20 s after it got
+  in, a lag that scaling the stages by K does not shrink. Over a 30-s stage the settled 20 s then
+  hold only 10-15 s of the saturated flow's completions: in a CI run (one call alone 0.47 s) the
+  stages read 1.95 and 2.35 calls/s, and the no-control run that followed completed 2.15 x that
+  Ĉ and recovered; earlier calibrations on faster machines read 4.15-5.8. Over a 90-s stage the
+  settled 60 s start after the lag. The study's 300-s stages on a GPU never saw it.
 A stage that is not saturated after its warm-up never sets Ĉ, and a completion rate never
 exceeds what the engine really completed, so neither change can overstate Ĉ.
 """
@@ -64,7 +72,14 @@ from reproduce.httpdriver.attempt import completion_body, run_attempt
 from reproduce.httpdriver.protocol import HttpProtocol
 from reproduce.workload import generate_trace, prompt_token_ids
 
+#: The confirm stages' length in stages of the protocol (the module's NOTE says why).
+CONFIRM_STAGE_MULTIPLE = 3.0
+#: Longest wait for the engine to finish what a stage left (a 90-s confirm stage can leave a few
+#: hundred calls running on in a proxy without cancellation).
+IDLE_TIMEOUT_S = 300.0
+
 __all__ = [
+    "CONFIRM_STAGE_MULTIPLE",
     "TimedStageObservation",
     "arrival_noise_floor",
     "calibrate_http",
@@ -73,6 +88,7 @@ __all__ = [
     "http_stage_runner",
     "settled_capacity",
     "settled_samples",
+    "stage_lengths",
     "wait_engine_idle",
 ]
 
@@ -173,7 +189,7 @@ def http_stage_runner(
     *,
     seed: int = 0,
     sample_every_s: float = 1.0,
-    idle_timeout_s: float = 180.0,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
     send_url: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> StageRunner:
@@ -250,6 +266,13 @@ def settled_samples(
     return [(t, v) for t, v in samples if t >= start]
 
 
+def stage_lengths(protocol: HttpProtocol) -> tuple[float, float]:
+    """(stage, confirm stage) in wall seconds: the protocol's 300-s stage divided by its time
+    scale, and ``CONFIRM_STAGE_MULTIPLE`` times that."""
+    stage_s = 300.0 / protocol.time_scale
+    return stage_s, CONFIRM_STAGE_MULTIPLE * stage_s
+
+
 def settled_capacity(stages: Sequence[StageSummary]) -> tuple[float, int]:
     """(Ĉ, index of the stage that set it): the largest completion rate among saturated stages."""
     saturated = [s for s in stages if s.saturated]
@@ -305,6 +328,7 @@ def calibrate_settled(
     warmup_fraction: float = 1.0 / 3.0,
     confirm_stages: int = 1,
     confirm_factor: float = 2.0,
+    confirm_stage_s: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationResult:
     """docs/protocol.md §5 on any stage runner (rates per run-second), with the module NOTE's changes.
@@ -313,8 +337,9 @@ def calibrate_settled(
     least ``growth_threshold`` calls/s, and more than ``arrival_noise_floor``, over its settled
     part); a first stage that saturates already says nothing about Ĉ, so calibration restarts
     ``factor``² lower (at most three times). Then ``confirm_stages`` more stages run, the first
-    at ``confirm_factor`` times the saturated stage's rate, the next ``factor`` higher each; Ĉ
-    is the largest settled completion rate among the saturated stages.
+    at ``confirm_factor`` times the saturated stage's rate, the next ``factor`` higher each, each
+    ``confirm_stage_s`` long (default ``stage_s``); Ĉ is the largest settled completion rate among
+    the saturated stages.
     """
     if not (start_rate > 0 and math.isfinite(start_rate)):
         raise CalibrationError(f"start_rate must be a positive call rate, got {start_rate!r}")
@@ -322,12 +347,15 @@ def calibrate_settled(
         raise CalibrationError(f"factor and confirm_factor must be > 1, got {factor!r}, {confirm_factor!r}")
     if confirm_stages < 0:
         raise CalibrationError(f"confirm_stages must be >= 0, got {confirm_stages!r}")
+    confirm_s = stage_s if confirm_stage_s is None else confirm_stage_s
+    if not (confirm_s > 0 and math.isfinite(confirm_s)):
+        raise CalibrationError(f"confirm_stage_s must be a positive duration, got {confirm_stage_s!r}")
     settled_samples((), stage_s, warmup_fraction)  # validates warmup_fraction
     stages: list[StageSummary] = []
 
-    def stage(rate: float) -> StageSummary:
+    def stage(rate: float, duration_s: float = stage_s) -> StageSummary:
         summary = _settled_summary(
-            run_stage(rate, stage_s, len(stages)), rate, len(stages), warmup_fraction, growth_threshold
+            run_stage(rate, duration_s, len(stages)), rate, len(stages), warmup_fraction, growth_threshold
         )
         stages.append(summary)
         return summary
@@ -352,15 +380,15 @@ def calibrate_settled(
         )
     rate *= confirm_factor
     for _ in range(confirm_stages):
-        stage(rate)
+        stage(rate, confirm_s)
         rate *= factor
     capacity, best = settled_capacity(stages)
     method = (
         f"{stage_s:g}-s stages x{factor:g} from {start_rate:g} calls/s until the backlog (waiting + running) "
         f"grows by >= {growth_threshold:g} calls/s, and by more than the arrivals' noise, after the first "
         f"{warmup_fraction:.0%} of the stage; "
-        f"{confirm_stages} more stage(s) from x{confirm_factor:g} that rate; Ĉ = the largest completion "
-        "rate after the warm-up among the saturated stages"
+        f"{confirm_stages} more {confirm_s:g}-s stage(s) from x{confirm_factor:g} that rate; "
+        "Ĉ = the largest completion rate after the warm-up among the saturated stages"
     )
     return CalibrationResult(capacity=capacity, saturated_stage=best, stages=tuple(stages), method=method)
 
@@ -384,7 +412,8 @@ def calibrate_http(
     log: Callable[[str], None] | None = None,
 ) -> CalibrationResult:
     """Ĉ of the engine at ``engine_url`` in calls per wall second, by docs/protocol.md §5 with stages of
-    300 s divided by the protocol's time scale (30 s at K = 10).
+    300 s divided by the protocol's time scale (30 s at K = 10), the confirm stages
+    ``CONFIRM_STAGE_MULTIPLE`` times that.
 
     Rates are in calls per wall second: a real engine does not run K times faster, so they are
     not rescaled (the protocol's prompts are). Without ``start_rate`` the first stage runs at
@@ -409,10 +438,12 @@ def calibrate_http(
     runner = http_stage_runner(
         engine_url, model_name, vocab_size, protocol, seed=seed, send_url=send_url, log=log
     )
+    stage_s, confirm_stage_s = stage_lengths(protocol)
     result = calibrate_settled(
         runner,
         start_rate,
-        stage_s=300.0 / protocol.time_scale,
+        stage_s=stage_s,
+        confirm_stage_s=confirm_stage_s,
         factor=factor,
         growth_threshold=growth_threshold,
         max_stages=max_stages,
@@ -421,5 +452,5 @@ def calibrate_http(
         confirm_factor=confirm_factor,
         log=log,
     )
-    asyncio.run(wait_engine_idle(engine_url))
+    asyncio.run(wait_engine_idle(engine_url, timeout_s=IDLE_TIMEOUT_S))
     return result

@@ -38,7 +38,7 @@ from reproduce.conditions import RunSpec
 from reproduce.engine import EngineConfig
 from reproduce.engine.config import GIB, StepTimeModel
 from reproduce.httpdriver.attempt import completion_body, run_attempt
-from reproduce.httpdriver.calibration import calibrate_settled
+from reproduce.httpdriver.calibration import calibrate_settled, stage_lengths
 from reproduce.httpdriver.protocol import HttpProtocol
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry
@@ -183,10 +183,10 @@ def sim_stage_runner(config: EngineConfig, protocol: HttpProtocol, *, seed: int 
 def sim_calibration(
     config: EngineConfig, protocol: HttpProtocol, start_rate: float, *, seed: int = 0
 ) -> CalibrationResult:
-    """Ĉ of the engine model by the real engine's calibration method (30-s stages at K = 10)."""
-    return calibrate_settled(
-        sim_stage_runner(config, protocol, seed=seed), start_rate, stage_s=300.0 / protocol.time_scale
-    )
+    """Ĉ of the engine model by the real engine's calibration method (``stage_lengths``)."""
+    stage_s, confirm_s = stage_lengths(protocol)
+    runner = sim_stage_runner(config, protocol, seed=seed)
+    return calibrate_settled(runner, start_rate, stage_s=stage_s, confirm_stage_s=confirm_s)
 
 
 def simulate_runs(

@@ -3,11 +3,13 @@ itself is exercised as a real process in test_real_detector.py)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 from click.testing import CliRunner
 
 from exporter.processes import free_port
@@ -51,3 +53,49 @@ def test_the_startup_line_masks_credentials(tmp_path: Path) -> None:
     out = log.read_text()
     assert "(detector http://ops:***@127.0.0.1:9, Prometheus http://127.0.0.1:9?token=***)" in out
     assert "s3cretpw" not in out and "TOKEN123" not in out
+
+
+def test_it_is_served_by_a_production_server_quietly(tmp_path: Path) -> None:
+    port, detector = free_port(), free_port()
+    log = tmp_path / "dashboard.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrywatch", "dashboard", "--port", str(port),
+         "--detector", f"http://127.0.0.1:{detector}"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                page = httpx.get(url + "/", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        layout = httpx.get(url + "/_dash-layout", timeout=10)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert page.status_code == 200 and layout.status_code == 200
+    assert page.headers["server"] == "retrywatch"  # waitress, named so; never Werkzeug's server
+    # One start line; no development-server warning, no Dash banner, no line per request.
+    assert log.read_text().splitlines() == [
+        f"retrywatch dashboard on {url}/ (detector http://127.0.0.1:{detector}); state: none of its own"
+    ]
+
+
+def test_a_taken_port_is_one_line_before_the_app_is_announced() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "retrywatch", "dashboard", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): pick another with --port"
+    ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +18,7 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.store import EpisodeStore
+from detector.thresholds import ALERTS
 from exporter.processes import free_port
 from exporter.timeseries import write_series
 from tests.detector.conftest import TestServer, exposition, wait_until
@@ -154,3 +158,118 @@ def test_a_bad_db_is_a_one_line_usage_error_with_the_password_masked(tmp_path: P
     if "DBSECRETpw" in url:
         assert "rw:***@" in line
     assert not (tmp_path / "no").exists()  # a mistyped path is refused, not created
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETRYWATCH_")}
+    return env | {"XDG_STATE_HOME": str(tmp_path / "state")}
+
+
+def test_the_default_database_is_in_the_state_directory_and_the_source_changes_are_logged_once(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    http_server.body = exposition(snapshot(0.0, first=1.0).samples)
+    port = free_port()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    log = tmp_path / "detector.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrywatch", "detect", "--exporter", http_server.url + "/metrics",
+         "--interval", "0.2", "--port", str(port)],
+        cwd=cwd, env=_env(tmp_path), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: "retrywatch detector on" in log.read_text(), 60, "the start line")
+        wait_until(lambda: httpx.get(f"{base}/healthz", timeout=5).json()["source"]["up"], 30, "a scrape")
+        http_server.status = 500
+        wait_until(lambda: "is down" in log.read_text(), 30, "the source's down line")
+        time.sleep(1.5)  # several more failed scrapes
+        http_server.status = 200
+        wait_until(lambda: "is back up" in log.read_text(), 30, "the source's up line")
+        time.sleep(1.0)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    db = tmp_path / "state" / "retrywatch" / "detector.db"
+    assert db.exists() and list(cwd.iterdir()) == []  # nothing written where it was started
+    lines = log.read_text().splitlines()
+    assert lines[0] == (
+        f"retrywatch detector on {base} (/alerts, /episodes, /runbook, /metrics) reading the proxies "
+        f"{http_server.url}/metrics; episodes in sqlite:///{db}; runbook links {base}/runbook#{{alert}}"
+    )
+    # Quiet by default: the start line and one line per change of the source, nothing per scrape.
+    assert [line.split(" ", 3)[2:] for line in lines[1:]] == [
+        ["WARNING", f"retrywatch.detector: source exporter is down: {http_server.url}/metrics: HTTP 500"],
+        ["WARNING", "retrywatch.detector: source exporter is back up"],
+    ], lines
+
+
+def test_a_taken_port_ends_it_before_it_prints_scrapes_or_creates_anything(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    scrapes: list[float] = []
+    http_server.body_fn = lambda: (scrapes.append(time.time()), "")[1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "retrywatch", "detect", "--exporter", http_server.url,
+             "--port", str(port)],
+            env=_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): pick another with --port"
+    ]
+    assert scrapes == [] and not (tmp_path / "state").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_runbook_links_follow_the_option_and_the_detector_serves_its_runbook_and_an_index(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}/metrics"  # fires VLLMRetrywatchNoData
+    log = tmp_path / "detector.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrywatch", "detect", "--exporter", dead, "--time-scale", "10",
+         "--interval", "0.5", "--port", str(port), "--db", f"sqlite:///{tmp_path / 'd.db'}",
+         "--runbook-url", "https://wiki.example/rw#{alert}"],
+        env=_env(tmp_path), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def firing() -> list[dict[str, str]]:
+            with contextlib.suppress(httpx.HTTPError):
+                return list(httpx.get(f"{base}/alerts", timeout=5).json()["alerts"])
+            return []
+
+        wait_until(lambda: bool(firing()), 60, "the NoData alert")
+        alerts = firing()
+        episodes = httpx.get(f"{base}/episodes", timeout=5).json()["episodes"]
+        index = httpx.get(f"{base}/", timeout=5)
+        runbook = httpx.get(f"{base}/runbook", timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    expected = "https://wiki.example/rw#VLLMRetrywatchNoData"
+    assert [a["runbook_url"] for a in alerts] == [expected]
+    assert episodes and {e["runbook_url"] for e in episodes} == {expected}
+    assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+    for path in ("/alerts", "/episodes", "/runbook", "/metrics"):
+        assert f'href="{path}"' in index.text
+    assert runbook.status_code == 200 and runbook.headers["content-type"].startswith("text/html")
+    for rule in ALERTS:
+        assert f'<h2 id="{rule.name}">{rule.name}</h2>' in runbook.text
+    assert "runbook links https://wiki.example/rw#{alert}" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    "pattern", ["docs/runbook.md#{alert}", "https://wiki.example/rw", "https://wiki.example/{alert}/{x}"]
+)
+def test_a_runbook_pattern_that_gives_no_absolute_link_per_alert_is_refused(pattern: str) -> None:
+    result = CliRunner().invoke(detect, ["--replay", __file__, "--runbook-url", pattern])
+    assert result.exit_code == 2 and "--runbook-url" in result.output, result.output

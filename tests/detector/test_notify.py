@@ -17,6 +17,8 @@ from tests.detector.conftest import TestServer, wait_until
 
 LABELS = EngineLabels("0", "qwen", "proxy-a")
 
+WIKI_PATTERN = "https://wiki.example/rw#{alert}"
+
 
 def _tr(kind: str, at: float) -> Transition:
     return Transition(kind=kind, alertname="VLLMMetastableRetryLoop", severity="critical", labels=LABELS,  # type: ignore[arg-type]
@@ -28,7 +30,9 @@ def test_webhook_retries_with_backoff_and_delivers_each_transition_once(
 ) -> None:
     store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
     sleeps: list[float] = []
-    hook = WebhookNotifier(http_server.url + "/hook", timeout_s=2.0, name="webhook0")
+    hook = WebhookNotifier(
+        http_server.url + "/hook", timeout_s=2.0, name="webhook0", runbook_pattern=WIKI_PATTERN
+    )
     disp = Dispatcher(
         store, [hook], retries=3, backoff_s=0.05, sleep=lambda s: (sleeps.append(s), time.sleep(s))[1]
     )
@@ -43,7 +47,7 @@ def test_webhook_retries_with_backoff_and_delivers_each_transition_once(
     assert [p["status"] for p in http_server.posts] == ["firing"]  # type: ignore[index]
     body = http_server.posts[0]
     assert body["alert"]["alertname"] == "VLLMMetastableRetryLoop"  # type: ignore[index]
-    assert body["alert"]["runbook_url"] == "docs/runbook.md#vllmmetastableretryloop"  # type: ignore[index]
+    assert body["alert"]["runbook_url"] == "https://wiki.example/rw#VLLMMetastableRetryLoop"  # type: ignore[index]
     assert store.unsent() == []
     assert disp.requeue_unsent() == 0  # nothing left to send: nothing is sent twice
     done = store.record(_tr("resolved", 1300.0), disp.names)
@@ -135,7 +139,10 @@ def test_alertmanager_receives_firing_then_resolved(tmp_path: Path, alertmanager
         "alertname": "VLLMMetastableRetryLoop", "severity": "critical", "source": "retrywatch",
         "engine": "0", "model": "qwen", "instance": "proxy-a",
     }  # fmt: skip
-    assert alert["annotations"]["runbook_url"] == "docs/runbook.md#vllmmetastableretryloop"  # type: ignore[index]
+    # By default the link opens the detector's own runbook page, at its default address.
+    assert alert["annotations"]["runbook_url"] == (  # type: ignore[index]
+        "http://127.0.0.1:8200/runbook#VLLMMetastableRetryLoop"
+    )
     am.refresh([ep])  # a refresh is accepted and does not create a second alert
     assert len(active()) == 1
     resolved = Transition(

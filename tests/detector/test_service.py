@@ -60,12 +60,15 @@ def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
         "value",
         "summary",
         "description",
+        "runbook_url",
     }
+    assert loop["runbook_url"] == "http://127.0.0.1:8200/runbook#VLLMMetastableRetryLoop"
     assert loop["labels"] == {"engine": "0", "model": "mini-model", "instance": "proxy-a"}
     assert loop["state"] == "firing" and loop["started_at"] == fired_at
     eps = client.get("/episodes", params={"since": T0}).json()["episodes"]
     assert {e["alertname"] for e in eps} >= {"VLLMMetastableRetryLoop", "VLLMBacklogBeyondDeadline"}
     assert all(e["resolved_at"] is None or e["resolved_at"] >= e["started_at"] for e in eps)
+    assert all(e["runbook_url"].endswith(f"/runbook#{e['alertname']}") for e in eps)
     assert client.get("/episodes", params={"alertname": "Nope"}).json() == {"episodes": []}
     listing = client.get("/signals").json()
     assert "creation_capacity_ratio" in listing["signals"] and listing["engines"] == ["proxy-a"]

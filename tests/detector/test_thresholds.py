@@ -41,7 +41,10 @@ def test_rule_reads_only_known_signals_and_its_value_is_the_promql_value(rule) -
     # PromQL's `a and b` keeps a's value: the first leaf is the alert's value in both evaluators.
     assert leaves(rule.condition)[0].signal == rule.value_signal
     assert rule.for_s >= 0 and rule.keep_firing_for_s >= 0
-    assert rule.runbook_url == f"docs/runbook.md#{rule.name.lower()}"
+    assert rule.runbook_url() == f"http://127.0.0.1:8200/runbook#{rule.name}"
+    assert (
+        rule.runbook_url("https://wiki.example/rw/{anchor}") == f"https://wiki.example/rw/{rule.name.lower()}"
+    )
     assert "{" not in promql_template(rule.description).replace("{{", "").replace("}}", "")
 
 

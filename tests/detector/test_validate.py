@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,11 +19,13 @@ from detector.validate import (
     RunResult,
     build_report,
     load_runs,
+    loop_formed_at_s,
     render_markdown,
     validate,
     validate_dir,
 )
-from exporter.timeseries import write_series
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot, write_series
 from rules import unittests
 
 
@@ -83,6 +86,27 @@ def test_scores_recall_false_positives_lead_and_resolve_times() -> None:
     assert backlog["recall"] == pytest.approx(1 / 3, abs=1e-4)
     assert backlog["lead_time_s"] == {"median": -27.0, "max": -27.0}  # before the pulse's end
     assert backlog["false_positive_runs"] == 0
+
+
+def test_a_late_firing_is_put_beside_when_the_loop_formed(tmp_path: Path) -> None:
+    # A 2 Ĉ pulse (ending at 227 s) whose backlog sits at the deadline's edge: creation falls to
+    # 0.8 Ĉ after it, the loop forms only at 330 s (creation 1.4 Ĉ), and the alert fires at 355 s.
+    capacity, created, snaps = 2.78, 0.0, []
+    for t in range(0, 600):
+        created += capacity * (2.0 if t < 227 else 0.8 if t < 330 else 1.4)
+        snaps.append(Snapshot(float(t), [(mn.EXECUTIONS_CREATED, {}, created)]))
+    series = tmp_path / "metrics.jsonl"
+    write_series(series, snaps)
+    info = dataclasses.replace(_info(7, recovered=False), series=series)
+    # Over 10 s, creation reaches Ĉ once 4 of its seconds run at 1.4 Ĉ (3 fall short).
+    assert loop_formed_at_s(info, 355.0) == 333.0
+    assert loop_formed_at_s(info, 300.0) is None  # still below Ĉ: not formed yet
+    steady = dataclasses.replace(info, pulse_end_s=340.0)
+    assert loop_formed_at_s(steady, 400.0) is None  # at or above Ĉ from the pulse's end on
+    report = build_report([RunResult(info, [Firing(RETRY_LOOP, 355.0, None)])], [RETRY_LOOP])
+    (late,) = report["targets"][RETRY_LOOP]["late_runs"]
+    assert (late["lead_time_s"], late["loop_formed_s"]) == (128.0, 106.0)
+    assert "the loop formed at +106 s" in render_markdown(report)
 
 
 def test_targets_name_the_runs_that_break_them() -> None:

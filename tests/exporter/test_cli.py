@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,7 +19,7 @@ from click.testing import CliRunner
 
 from exporter.cli import proxy
 from exporter.processes import ManagedProcess, free_port
-from tests.exporter.support import ProxyProcess, Upstream, env_without_retrywatch, proxy_process
+from tests.exporter.support import ROOT, ProxyProcess, Upstream, env_without_retrywatch, proxy_process
 
 
 def test_the_proxy_runs_as_a_subprocess_configured_by_environment(upstream: Upstream, tmp_path: Path) -> None:
@@ -165,3 +169,88 @@ def test_the_upstream_idle_limit_is_an_option_and_a_variable(upstream: Upstream)
     with proxy_process(upstream.url, *peer, env=env) as p:
         generation, passed = _peer_ports(p, upstream, 1.2)
         assert generation[0] != generation[1] and passed[0] != passed[1]
+
+
+def _upstream_on(port: int, log: Path) -> ManagedProcess:
+    cmd = [sys.executable, "-m", "tests.exporter.upstream", "--port", str(port)]
+    proc = ManagedProcess(cmd, log_path=log, bound_s=None, cwd=ROOT, name="test upstream").start()
+    proc.wait_ready(f"http://127.0.0.1:{port}/health", timeout_s=20, poll_s=0.05)
+    return proc
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _json_lines(log: Path) -> list[dict[str, str]]:
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    for line in lines:
+        assert set(line) == {"time", "level", "logger", "message"}, line
+    return lines
+
+
+def test_the_proxy_says_once_where_it_serves_and_once_per_change_that_its_upstream_is_down_or_up(
+    tmp_path: Path,
+) -> None:
+    upstream_port = free_port()
+    upstream = _upstream_on(upstream_port, tmp_path / "upstream1.log")
+    log = tmp_path / "proxy.log"
+    try:
+        with proxy_process(
+            f"http://ops:S3CRET@127.0.0.1:{upstream_port}", "--log-format", "json", log=log
+        ) as p:
+            upstream.stop()
+            wait_for(lambda: "is down" in log.read_text(), 20, "the upstream's down line")
+            time.sleep(3.5)  # the proxy probes its upstream every second: several more failures
+            upstream = _upstream_on(upstream_port, tmp_path / "upstream2.log")
+            wait_for(lambda: "is back up" in log.read_text(), 20, "the upstream's up line")
+            time.sleep(2.5)
+            assert httpx.get(f"{p.url}/metrics", timeout=5).status_code == 200
+    finally:
+        upstream.stop()
+    lines = _json_lines(log)
+    start = lines[0]
+    assert start["message"].startswith(f"retrywatch proxy on http://127.0.0.1:{p.port} ")
+    assert f"in front of http://ops:***@127.0.0.1:{upstream_port}" in start["message"]
+    assert sum("retrywatch proxy on" in line["message"] for line in lines) == 1
+    changes = [line for line in lines if line["logger"] == "retrywatch.proxy"]
+    assert [c["message"] for c in changes] == [
+        f"upstream http://ops:***@127.0.0.1:{upstream_port} is down: no answer from it",
+        f"upstream http://ops:***@127.0.0.1:{upstream_port} is back up",
+    ], changes
+    assert all(c["level"] == "warning" for c in changes)
+    assert "S3CRET" not in log.read_text()
+    assert not [line for line in lines if line["logger"].startswith("uvicorn")]  # quiet by default
+
+
+def test_a_taken_port_is_one_line_naming_the_option_before_anything_is_announced(upstream: Upstream) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "retrywatch", "proxy", "--upstream", upstream.url, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env_without_retrywatch(),
+        )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): pick another with --port"
+    ]
+
+
+def test_every_command_has_the_same_log_options() -> None:
+    from retrywatch.cli import SUBCOMMANDS, main
+
+    for name in ("proxy", "detect", "dashboard", "emulate", "demo"):
+        assert name in SUBCOMMANDS
+        out = CliRunner().invoke(main, [name, "--help"], terminal_width=200).output
+        assert "--log-level [critical|error|warning|info|debug]" in out, name
+        assert "[env var: RETRYWATCH_LOG_LEVEL; default: warning]" in out, name
+        assert "--log-format [text|json]" in out and "RETRYWATCH_LOG_FORMAT" in out, name

@@ -65,7 +65,11 @@ def emulator(*args: str, startup_s: float = 30.0) -> Iterator[str]:
             process.kill()
             process.wait(timeout=10)
         if process.stdout is not None:
+            _last_output[:] = process.stdout.read().decode(errors="replace").splitlines()
             process.stdout.close()
+
+
+_last_output: list[str] = []  # the output of the last emulator() once stopped
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
@@ -398,4 +402,20 @@ def test_unknown_preset_and_taken_port_fail_clearly() -> None:
             text=True,
             timeout=60,
         )
-    assert result.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    # Checked before the engine is built: one line naming the option, a usage error.
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): pick another with --port"
+    ]
+
+
+def test_it_says_once_what_it_serves_and_logs_nothing_more_by_default() -> None:
+    with emulator("--time-scale", "10") as url:
+        assert httpx.post(
+            url + "/v1/completions", json={"prompt": [1], "max_tokens": 2}, timeout=30
+        ).is_success
+    # The process is stopped: its whole output is the start line.
+    assert _last_output == [
+        f"emulated engine {PRESET} (time scale 10) on {url} (OpenAI API, /metrics, /health); "
+        "state: in memory only"
+    ]

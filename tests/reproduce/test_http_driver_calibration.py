@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import pytest
 
-from reproduce.calibrate import CalibrationError, StageObservation, StageRunner, StageSummary, calibrate
+from reproduce.calibrate import (
+    CalibrationError,
+    StageObservation,
+    StageRunner,
+    StageSummary,
+    TimedStageObservation,
+    calibrate,
+)
 from reproduce.client import AttemptRecord, CallRecord
 from reproduce.httpdriver.calibration import (
     arrival_noise_floor,
     calibrate_settled,
     settled_capacity,
     settled_samples,
+    stage_lengths,
 )
 from reproduce.httpdriver.openloop import OpenLoopStats, fell_behind, send_lag
+from reproduce.httpdriver.protocol import cpu_scaled
 
 
 def batching_engine(c_full: float, half_batch: float) -> StageRunner:
@@ -68,6 +77,42 @@ def test_fill_transient_is_not_read_as_saturation() -> None:
     assert len(settled.stages) == settled.stages[-1].index + 1
     assert sum(s.saturated for s in settled.stages) >= 2
     assert "largest" in settled.method
+
+
+def lagging_engine(capacity: float, lag_s: float, alone_s: float = 0.5) -> StageRunner:
+    """A CPU engine past saturation: it admits at most ``capacity`` calls/s, and once saturated
+    a call completes ``lag_s`` after it got in (decoding one token per prefill-laden step); below
+    saturation it completes ``alone_s`` after it arrived."""
+
+    def run_stage(rate: float, duration_s: float, index: int) -> StageObservation:
+        admitted = min(rate, capacity)
+        took = lag_s if rate > capacity else alone_s
+        admissions = [k / admitted for k in range(round(admitted * duration_s))]
+        done = tuple(t + took for t in admissions if t + took <= duration_s)
+        backlog = [
+            (float(t), max(0.0, rate - capacity) * t + min(t, took) * admitted)
+            for t in range(round(duration_s) + 1)
+        ]
+        return TimedStageObservation(round(rate * duration_s), duration_s, backlog, len(done), done)
+
+    return run_stage
+
+
+def test_the_confirm_stage_outlasts_the_saturated_decode_lag() -> None:
+    # A CI machine's engine: saturated, a call completes 17.5 s after it got in. Over 30-s
+    # stages the settled 20 s hold 12.5 s of completions, and Ĉ reads about 0.6 of capacity;
+    # the confirm stage of stage_lengths (90 s) settles after the lag.
+    engine = lagging_engine(capacity=3.5, lag_s=17.5)
+    short = calibrate_settled(engine, 1.0, stage_s=30.0)
+    assert short.capacity < 0.7 * 3.5
+    stage_s, confirm_s = stage_lengths(cpu_scaled(10.0))
+    assert (stage_s, confirm_s) == (30.0, 90.0)
+    long = calibrate_settled(engine, 1.0, stage_s=stage_s, confirm_stage_s=confirm_s)
+    assert long.capacity == pytest.approx(3.5, rel=0.05)
+    assert long.stages[-1].index == long.saturated_stage
+    assert "90-s stage" in long.method
+    with pytest.raises(CalibrationError, match="confirm_stage_s"):
+        calibrate_settled(engine, 1.0, stage_s=30.0, confirm_stage_s=0.0)
 
 
 def test_a_stage_below_capacity_never_sets_it() -> None:

@@ -51,7 +51,7 @@ def test_every_alert_once_with_the_detector_thresholds() -> None:
 
 
 def test_alert_naming_and_annotations_follow_the_mixin_conventions() -> None:
-    runbook = (REPO / "docs" / "runbook.md").read_text(encoding="utf-8")
+    runbook = (REPO / "detector" / "runbook.md").read_text(encoding="utf-8")
     headings = set(re.findall(r"^## (\S+)\s*$", runbook, flags=re.M))
     for rule in (r for r in _rules() if "alert" in r):
         name = rule["alert"]
@@ -61,9 +61,9 @@ def test_alert_naming_and_annotations_follow_the_mixin_conventions() -> None:
         assert set(ann) == {"summary", "description", "runbook_url"}
         assert "{{" not in ann["summary"] and ann["summary"].endswith(".")
         assert "{{ $labels.instance }}" in ann["description"]
-        assert ann["runbook_url"] == f"docs/runbook.md#{name.lower()}"
-        # GitHub's anchor of "## VLLMFoo" is "vllmfoo": the section must exist.
-        assert name in headings, f"docs/runbook.md has no section for {name}"
+        # Absolute: the detector's runbook page at its default address, the section by its name.
+        assert ann["runbook_url"] == f"http://127.0.0.1:8200/runbook#{name}"
+        assert name in headings, f"detector/runbook.md has no section for {name}"
 
 
 def test_recording_rules_are_named_level_metric_operations() -> None:
@@ -130,7 +130,26 @@ def test_every_alert_has_a_promtool_scenario_on_the_evaluation_grid() -> None:
 
 
 def test_recorded_series_named_in_the_runbook_exist() -> None:
-    runbook = (REPO / "docs" / "runbook.md").read_text(encoding="utf-8")
+    runbook = (REPO / "detector" / "runbook.md").read_text(encoding="utf-8")
     named = set(re.findall(r"instance:retrywatch_[a-z0-9_]+:[a-z0-9_]+", runbook))
     records = {r["record"] for r in _rules() if "record" in r}
-    assert named and named <= records, f"docs/runbook.md names unknown series: {named - records}"
+    assert named and named <= records, f"detector/runbook.md names unknown series: {named - records}"
+
+
+def test_the_runbook_links_follow_the_one_option(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    wiki = "https://wiki.example/retrywatch#{alert}"
+    documents = generate.rule_documents(wiki)
+    links = {
+        r["alert"]: r["annotations"]["runbook_url"] for r in documents["groups"][0]["rules"] if "alert" in r
+    }
+    assert links == {a.name: f"https://wiki.example/retrywatch#{a.name}" for a in ALERTS}
+    tests = "".join(unittests.unit_test_files(wiki).values())  # promtool expects the same links
+    assert tests.count("runbook_url: https://wiki.example/retrywatch#") > len(ALERTS)
+    stale = CliRunner().invoke(generate.main, ["--check", "--runbook-url", wiki])
+    assert stale.exit_code == 1  # the committed files carry the default links
+    bad = CliRunner().invoke(
+        generate.main, ["--check"], env={"RETRYWATCH_RUNBOOK_URL": "docs/runbook.md#{alert}"}
+    )
+    assert bad.exit_code == 2 and "absolute" in bad.output
