@@ -1,15 +1,18 @@
 """Benchmark of the proxy against the test upstream: prints figures, asserts nothing.
 
-Run: ``python bench/bench_proxy.py`` (about two and a half minutes). It starts the test upstream
-(``tests/exporter/upstream.py``), ``retrywatch proxy`` and the floor forwarder
-(``bench/asgi_floor.py``: an ASGI app under uvicorn that only forwards) as processes on free
-loopback ports and measures, side by side in one run:
+Run: ``python bench/bench_proxy.py`` (about three minutes). It starts the test upstream
+(``tests/exporter/upstream.py``), ``retrywatch proxy``, the floor forwarder
+(``bench/asgi_floor.py``: an ASGI app under uvicorn that only forwards) and Debian's nginx (one
+worker, the configuration of ``bench/bench_floor.py``; skipped if nginx is not installed) as
+processes on free loopback ports and measures, side by side in one run:
 
 * time to first token with 100 concurrent streams (clients staggered, each streaming 50 tokens
-  in 0.5 s, six times, cycling through the direct path, the proxy and the floor, so the three
+  in 0.5 s, six times, cycling through the direct path, the proxy, the floor and nginx, so all
   are measured interleaved, at the same concurrency and machine load): p50 and p99 of each, and
-  the differences from the direct path (the proxy's added TTFT, and the floor's: what any ASGI
-  proxy under uvicorn adds here); every stream has its own call id;
+  the differences from the direct path (the added TTFT); every stream has its own call id; the
+  CPU time of the proxy's and nginx's processes per chunk they relayed in those rounds; and the
+  three ratios of the targets: added p50 / max(nginx's added p50, 0.25 ms), added p99 /
+  max(nginx's added p99, 1 ms), CPU per chunk / nginx's (each <= 2 meets its target);
 * relay throughput (chunks/s) with 100 concurrent streams at full speed, and the proxy's CPU
   time per chunk relayed (from /proc);
 * one execution fanned out to 10 subscribers (same call id): their time to first token and
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from bench_floor import NGINX_CONF
 
 from exporter.policy import Cancellation
 from exporter.processes import ManagedProcess, free_port
@@ -51,6 +56,17 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its children (nginx's master and worker)."""
+    total = cpu_seconds(pid)
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    return total + sum(cpu_seconds(c) for c in children)
 
 
 def load() -> str:
@@ -141,9 +157,9 @@ async def ttft_rounds(
     rounds: int,
     concurrency: int,
     per_client: int,
-    px_pid: int | None = None,
+    pids: dict[str, int] | None = None,
     tokens: int = 50,
-) -> tuple[dict[str, list[float]], float]:
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Each round runs ``concurrency`` clients (staggered over one stream's length, so about that
     many streams are in flight) doing ``per_client`` streams each. Every client cycles through
     the paths (the clients' starting paths rotate), so all paths are measured at the same time,
@@ -153,22 +169,23 @@ async def ttft_rounds(
     headers = {"x-test-token-interval": "0.01"}
     stream_s = tokens * 0.01
     out: dict[str, list[float]] = {name: [] for name, _ in paths}
-    proxy_cpu = 0.0
+    pids = pids or {}
+    cpu = dict.fromkeys(pids, 0.0)
     for r in range(rounds):
         starts = [stream_s * i / concurrency for i in range(concurrency)]
-        cpu0 = cpu_seconds(px_pid) if px_pid is not None else 0.0
+        cpu0 = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         clients = (
             _client(paths, body, headers, s, per_client, (i + r) % len(paths)) for i, s in enumerate(starts)
         )
         per = await asyncio.gather(*clients)
-        if px_pid is not None:
-            proxy_cpu += cpu_seconds(px_pid) - cpu0
+        for name, pid in pids.items():
+            cpu[name] += tree_cpu_seconds(pid) - cpu0[name]
         results = [x for xs in per for x in xs]
         failed = sorted({name for name, x in results if not (x.ok and x.chunks == tokens + 1)})
         assert not failed, f"a stream failed on {failed}"
         for name, x in results:
             out[name].append(x.ttft_s)
-    return out, proxy_cpu
+    return out, cpu
 
 
 async def throughput(port: int, concurrency: int, tokens: int) -> tuple[float, int]:
@@ -224,9 +241,12 @@ def main() -> None:
     parser.add_argument("--executions", type=int, default=1000, help="live executions in the memory phase")
     args = parser.parse_args()
 
-    up_port, px_port, floor_port = free_port(), free_port(), free_port()
+    up_port, px_port, floor_port, nginx_port = free_port(), free_port(), free_port(), free_port()
     upstream = f"http://127.0.0.1:{up_port}"
     logs = Path(tempfile.mkdtemp(prefix="bench-proxy-"))  # kept: the processes' logs
+    nginx = shutil.which("nginx")
+    if nginx is None:
+        print("nginx: skipped, it is not installed (the ratios need it)")
     commands = {
         "test upstream": [sys.executable, "-m", "tests.exporter.upstream", "--port", str(up_port)],
         "floor": [sys.executable, str(ROOT / "bench" / "asgi_floor.py"), "--upstream", upstream,
@@ -234,19 +254,33 @@ def main() -> None:
         "proxy": [sys.executable, "-m", "retrywatch", "proxy",
                   *ProxySettings(upstream=upstream, port=px_port, cancellation=Cancellation.ON).to_argv()],
     }  # fmt: skip
+    if nginx is not None:
+        (logs / "nginx").mkdir()
+        conf = logs / "nginx" / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(d=logs / "nginx", upstream=up_port, port=nginx_port))
+        commands["nginx"] = [nginx, "-p", str(logs / "nginx"), "-c", str(conf), "-e", "stderr"]
     procs = {
         name: ManagedProcess(argv, log_path=logs / f"{name}.log", bound_s=None, cwd=ROOT, name=name).start()
         for name, argv in commands.items()
     }
     up, floor, px = procs["test upstream"], procs["floor"], procs["proxy"]
     try:
-        for proc, url in (
+        ready = [
             (up, f"{upstream}/health"),
             (px, f"http://127.0.0.1:{px_port}/metrics"),
             (floor, f"http://127.0.0.1:{floor_port}/"),
-        ):
+        ]
+        if "nginx" in procs:
+            ready.append((procs["nginx"], f"http://127.0.0.1:{nginx_port}/health"))
+        for proc, url in ready:
             proc.wait_ready(url, timeout_s=60.0, poll_s=0.05, ready=lambda status: status < 500)
         paths = [("direct", up_port), ("proxy", px_port), ("floor", floor_port)]
+        assert px.pid is not None
+        pids = {"proxy": px.pid}
+        nginx_pid = procs["nginx"].pid if "nginx" in procs else None
+        if nginx_pid is not None:
+            paths.append(("nginx", nginx_port))
+            pids["nginx"] = nginx_pid
         asyncio.run(ttft_rounds(paths, 1, 10, 3, tokens=2))  # warm up every path
 
         print(f"machine: {os.cpu_count()} cores; load average (1 min) {load()} at the start")
@@ -259,7 +293,8 @@ def main() -> None:
             f" floor p50 {f50 * 1e3:.2f} ms, added {(f50 - d50) * 1e3:.2f} ms"
         )
         before = load()
-        ttft, paced_cpu = asyncio.run(ttft_rounds(paths, args.rounds, args.concurrency, 6, px.pid))
+        ttft, cpu = asyncio.run(ttft_rounds(paths, args.rounds, args.concurrency, 6, pids))
+        paced_cpu = cpu["proxy"]
         d50, d99 = pct(ttft["direct"], 0.5), pct(ttft["direct"], 0.99)
         p50, p99 = pct(ttft["proxy"], 0.5), pct(ttft["proxy"], 0.99)
         f50, f99 = pct(ttft["floor"], 0.5), pct(ttft["floor"], 0.99)
@@ -279,6 +314,21 @@ def main() -> None:
         paced_chunks = len(ttft["proxy"]) * 51
         print(f"  proxy CPU per paced chunk (one event per read) {paced_cpu / paced_chunks * 1e6:.1f} us,")
         print(f"  per stream (request + 51 chunks) {paced_cpu / len(ttft['proxy']) * 1e3:.2f} ms")
+        if "nginx" in ttft:
+            n50, n99 = pct(ttft["nginx"], 0.5), pct(ttft["nginx"], 0.99)
+            nginx_cpu = cpu["nginx"] / (len(ttft["nginx"]) * 51)
+            proxy_cpu = paced_cpu / paced_chunks
+            print(f"  nginx   p50 {n50 * 1e3:7.2f} ms   p99 {n99 * 1e3:7.2f} ms")
+            print(
+                f"  added by nginx       p50 {(n50 - d50) * 1e3:5.2f} ms   p99 {(n99 - d99) * 1e3:5.2f} ms;"
+                f" nginx CPU per paced chunk {nginx_cpu * 1e6:.1f} us"
+            )
+            r50 = (p50 - d50) / max(n50 - d50, 0.25e-3)
+            r99 = (p99 - d99) / max(n99 - d99, 1e-3)
+            print(
+                f"  ratios (targets <= 2): added p50 {r50:.2f} (proxy / max(nginx, 0.25 ms));"
+                f" added p99 {r99:.2f} (proxy / max(nginx, 1 ms)); CPU per chunk {proxy_cpu / nginx_cpu:.2f}"
+            )
 
         before = load()
         direct_rate, _ = asyncio.run(throughput(up_port, args.concurrency, args.tokens))
@@ -313,7 +363,7 @@ def main() -> None:
             f" with 400-token replay buffers (target <= 100 MB; load {before} -> {load()})"
         )
     finally:
-        for proc in (px, floor, up):
+        for proc in reversed(procs.values()):
             proc.stop(grace_s=10.0)
 
 

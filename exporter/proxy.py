@@ -1,14 +1,21 @@
-"""The execution-aware proxy: a Starlette ASGI app that drives the policy core in wall time.
+"""The execution-aware proxy: the policy core driven in wall time, and its ASGI app for the rest.
 
 Each generation attempt is validated, keyed (``exporter.callkey``) and decided by
-``exporter.policy.Policy``; this module carries out the policy's effects: it opens one upstream
-request per execution (``exporter.upstream``), fans the bytes out to the execution's subscribers
-(``exporter.relay``), notices client disconnects at once (a task per subscriber waits for
-``http.disconnect``), closes the upstream connection to cancel, and arms deferred-cancellation
-timers with ``loop.call_later``. The policy's clock is ``time.monotonic``.
-Its own routes (``/metrics``, ``/retrywatch/...``) answer 405 to other methods; any other path is
-passed through to the upstream unchanged if ``--passthrough`` allows it (``exporter.routes``),
-else answered 404. When a drained shutdown runs out of time (``exporter.server``),
+``exporter.policy.Policy`` in ``Proxy.attempt``; this module carries out the policy's effects: a
+dispatched execution sends one upstream request (``exporter.execution``, driven by the upstream
+connection's callbacks), its bytes are fanned out to the execution's subscribers
+(``exporter.relay``), a cancelled one has its upstream connection closed, and
+deferred-cancellation timers are armed with ``loop.call_later``. The policy's clock is
+``time.monotonic``.
+
+A generation POST is normally served in callbacks on the server's connection
+(``exporter.exchange``, taken over by ``exporter.server``): no ASGI cycle and no task. The ASGI
+app (``Proxy.app``) serves the rest: the proxy's own routes (``/metrics``,
+``/retrywatch/...``; 405 to other methods), any other path, passed through to the upstream
+unchanged if ``--passthrough`` allows it (``exporter.routes``) or answered 404, and the
+generation requests the callback path leaves to it (HTTP/1.0, ``Expect: 100-continue``, a
+request pipelined behind another), answered by ``SubscriberResponse`` (a task per subscriber
+waits for ``http.disconnect``). When a drained shutdown runs out of time (``exporter.server``),
 ``end_executions`` ends every live execution with an error its clients can read.
 """
 
@@ -23,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -38,6 +46,7 @@ from starlette.routing import Route
 from exporter import sse
 from exporter.admin import executions_listing
 from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
+from exporter.execution import Execution
 from exporter.metrics import ProxyMetrics
 from exporter.policy import (
     Attempt,
@@ -56,11 +65,9 @@ from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
     DROP_RESPONSE_HEADERS,
-    StreamedResponse,
     UpstreamClient,
     UpstreamError,
     UpstreamPool,
-    UpstreamUnreachable,
     forwardable_headers,
 )
 from exporter.validation import (
@@ -82,14 +89,38 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-FIRST_EVENT_LIMIT = 64 * 1024  # bytes read before the first SSE event must be complete
-ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
 SAMPLE_INTERVAL_S = 1.0
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
 # A fault in the proxy itself (a bug, logged): never the answer to anything a client sent.
 _PROXY_ERROR = error_body("the proxy failed handling the request", error_type(500), "proxy_error")
+
+
+def header_map(raw_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """A request's header fields by name (lower-cased by the server); the first of repeated ones
+    wins."""
+    headers: dict[str, str] = {}
+    for name, value in reversed(raw_headers):
+        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+    return headers
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What to answer an attempt at once: an OpenAI-style JSON error (bad input, a refusal)."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """An attempt that subscribed to an execution: its answer is read from the relay."""
+
+    relay: Relay
+    subscription: Subscription
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -106,18 +137,6 @@ def _error_event(event: bytes) -> Mapping[str, Any] | None:
         return sse.error_of(sse.event_json(payload))
     except ValueError:
         return None
-
-
-def _upstream_message(raw: bytes, default: str) -> str:
-    try:
-        parsed = json.loads(raw)
-    except ValueError:
-        return default
-    if isinstance(parsed, dict):
-        err = parsed.get("error", parsed)
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return str(err["message"])[:500]
-    return default
 
 
 class Proxy:
@@ -143,7 +162,7 @@ class Proxy:
         self.upstream = UpstreamClient(base, connect_s, max_idle_s=idle_s)
         self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s)
         self.relays: dict[int, Relay] = {}
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self.executions: dict[int, Execution] = {}  # the upstream requests in flight
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._refresh: asyncio.Task[None] | None = None  # the one upstream /metrics fetch in flight
         self._sampler: asyncio.Task[None] | None = None
@@ -196,7 +215,11 @@ class Proxy:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         # NOTE: a full garbage collection walks every object the process holds; tens of
         # thousands come from imports and start-up alone, and walking them stalled every stream
-        # for tens of milliseconds (the TTFT p99). Frozen, they are never walked again.
+        # for tens of milliseconds (the TTFT p99). Frozen, they are never walked again. The first
+        # upstream refresh comes first (bounded), so that what it makes once is frozen too.
+        first = self._refresh_upstream_metrics()
+        if first is not None:
+            await asyncio.wait({first}, timeout=self.settings.upstream_metrics_timeout_s)
         gc.collect()
         gc.freeze()
         self._sampler = asyncio.create_task(self._sample_forever())
@@ -206,11 +229,11 @@ class Proxy:
             self._sampler.cancel()
             if self._refresh is not None:
                 self._refresh.cancel()
-            for task in list(self._tasks.values()):
-                task.cancel()
+            for execution in list(self.executions.values()):
+                execution.abort()
             for handle in self._timers.values():
                 handle.cancel()
-            await asyncio.gather(*self._tasks.values(), self._sampler, return_exceptions=True)
+            await asyncio.gather(self._sampler, return_exceptions=True)
             await self.upstream.aclose()
             self.pool.close()
 
@@ -255,8 +278,8 @@ class Proxy:
         settings = self.settings
         timeout = max(settings.upstream_metrics_timeout_s, settings.upstream_metrics_max_staleness_s)
         try:
-            text = await self.upstream.get_text(path, timeout)
-        except (httpx.HTTPError, UnicodeDecodeError):
+            text = await self.pool.get_text(path, timeout)
+        except (UpstreamError, OSError, TimeoutError, UnicodeDecodeError):
             self.metrics.upstream_failed(self.now())
         else:
             self.metrics.upstream_fetched(self.now(), text if self.settings.metrics_passthrough else "")
@@ -280,9 +303,9 @@ class Proxy:
     async def _receive_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body straight from the ASGI messages (the hot path's ``_read_body``)."""
         limit = self.settings.max_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        too_large = self.body_too_large(headers.get("content-length"))
+        if too_large is not None:
+            raise too_large
         parts: list[bytes] = []
         size = 0
         while True:
@@ -307,22 +330,45 @@ class Proxy:
 
     async def generate_asgi(self, scope: Scope, receive: Receive) -> Response:
         started = self.now()
-        route: str = scope["path"]
-        # Header names arrive lower-cased from the server; the first of repeated ones wins.
-        headers: dict[str, str] = {}
-        for name, value in reversed(scope["headers"]):
-            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        headers = header_map(scope["headers"])
         try:
             raw = await self._receive_body(headers, receive)
-            body = parse_body(raw)
-            prompt_tokens = validate(route, body, self.settings.vocab_size)
-            call_id = find_call_id(headers, self.settings.call_id_header)
         except RequestError as exc:
             return _json_response(exc.status, exc.body())
         except ClientDisconnect:  # gone before the body arrived: nothing was decided
             return Response(status_code=400)
+        outcome = self.attempt(scope["path"], headers, scope["headers"], raw, started)
+        if isinstance(outcome, Answer):
+            return _json_response(outcome.status, outcome.body, outcome.headers)
+        return SubscriberResponse(self, outcome.relay, outcome.subscription, started)
+
+    def body_too_large(self, declared: str | None) -> RequestError | None:
+        """The 413 for a request whose declared Content-Length is over ``--max-body-bytes``."""
+        limit = self.settings.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        return None
+
+    def attempt(
+        self,
+        route: str,
+        headers: Mapping[str, str],
+        raw_headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+        started: float,
+    ) -> Answer | Joined:
+        """One generation attempt whose body is in: validated, keyed and decided by the policy,
+        its effects carried out. Either the answer to send now (bad input, a refusal) or the
+        execution's relay the attempt now subscribes to. Called by the ASGI path
+        (``generate_asgi``) and by the callback path (``exporter.exchange``) alike."""
+        try:
+            body = parse_body(raw)
+            prompt_tokens = validate(route, body, self.settings.vocab_size)
+            call_id = find_call_id(headers, self.settings.call_id_header)
+        except RequestError as exc:
+            return Answer(exc.status, exc.body())
         except CallIdError as exc:
-            return _json_response(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
+            return Answer(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
         key = call_key(call_id, route, body, self.settings.key_without_id, caller_scope(headers))
         stream = bool(body.get("stream", False))
         attempt = Attempt(
@@ -335,9 +381,9 @@ class Proxy:
         decision = result.decision
         if isinstance(decision, Shed):
             self.metrics.observe_attempt("shed", self.now() - started)
-            return self._shed_response(decision)
+            return self._shed_answer(decision)
         if isinstance(decision, Created):
-            upstream_request = UpstreamRequest(route, raw, forwardable_headers(scope["headers"]))
+            upstream_request = UpstreamRequest(route, raw, forwardable_headers(raw_headers))
             relay = Relay(
                 decision.execution_id,
                 upstream_request,
@@ -351,21 +397,21 @@ class Proxy:
             relay = self.relays[decision.execution_id]
         subscription = relay.subscribe(decision.subscriber_id)
         self.apply(result.effects)
-        return SubscriberResponse(self, relay, subscription, started)
+        return Joined(relay, subscription)
 
-    def _shed_response(self, shed: Shed) -> Response:
+    def _shed_answer(self, shed: Shed) -> Answer:
         if shed.reason is ShedReason.RETRY_BUDGET:
             wait = shed.retry_after_s if shed.retry_after_s is not None else 1.0
             retry_after = str(max(1, math.ceil(wait)))
             message = "retry budget exhausted: retries exceed their share of first attempts; retry later"
-            return _json_response(
+            return Answer(
                 429, error_body(message, error_type(429), shed.reason.value), {"retry-after": retry_after}
             )
         if shed.reason is ShedReason.DEADLINE:
             message = "the proxy estimates this attempt would miss the clients' deadline"
         else:
             message = "the proxy's queue is full"
-        return _json_response(503, error_body(message, error_type(503), shed.reason.value))
+        return Answer(503, error_body(message, error_type(503), shed.reason.value))
 
     # --- effects ----------------------------------------------------------------------------
 
@@ -380,15 +426,16 @@ class Proxy:
                         relay.finish(Outcome.FAILED, _SHUTTING_DOWN)
                         self.relays.pop(eid, None)
                     else:
-                        self._tasks[eid] = asyncio.create_task(self._run_execution(relay))
+                        execution = self.executions[eid] = Execution(self, relay)
+                        execution.start()
             elif isinstance(effect, Cancel):
                 self._clear_timer(eid)
                 relay = self.relays.pop(eid, None)
                 if relay is not None:
                     relay.finish(Outcome.CANCELLED)
-                task = self._tasks.get(eid)
-                if task is not None:
-                    task.cancel()  # closes the upstream response: the engine aborts it
+                running = self.executions.get(eid)
+                if running is not None:
+                    running.abort()  # closes the upstream response: the engine aborts it
             elif isinstance(effect, Drop):
                 relay = self.relays.pop(eid, None)
                 if relay is not None:
@@ -416,87 +463,7 @@ class Proxy:
             return
         self.apply(self.policy.on_timer(now, execution_id))
 
-    # --- one execution's upstream request -----------------------------------------------------
-
-    async def _run_execution(self, relay: Relay) -> None:
-        eid = relay.execution_id
-        request = relay.request
-        relay.request = None  # the body is no longer held once sent
-        response: StreamedResponse | None = None
-        try:
-            if request is None:
-                return
-            headers = [*request.headers, ("accept-encoding", "identity")]
-            try:
-                response = await self.pool.open("POST", request.path, request.body, headers)
-            except UpstreamUnreachable:
-                self.metrics.upstream_up = False
-                message = "upstream unreachable: no connection to it could be made"
-                self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_unreachable")
-                return
-            # NOTE: an upstream that breaks the connection before the response headers (a
-            # non-streaming response has none until the end) fails the execution below, as one
-            # that breaks it mid-stream does: the request is never sent again.
-            self.metrics.upstream_up = True
-            relay.status = response.status_code
-            if response.status_code != 200:
-                raw = await self._read_limited(response)
-                if response.status_code == 503:
-                    message = _upstream_message(raw, "the engine refused the request (queue full)")
-                    self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
-                else:
-                    status = response.status_code if 400 <= response.status_code < 500 else 502
-                    message = _upstream_message(raw, f"the upstream answered HTTP {response.status_code}")
-                    self._end_with_error(relay, Outcome.FAILED, status, message, "upstream_error")
-                return
-            content_type = response.headers.get("content-type")
-            if content_type:
-                relay.content_type = content_type.encode("latin-1")
-            if relay.stream:
-                await self._pump_stream(relay, response)
-            else:
-                await self._pump_body(relay, response)
-        except asyncio.CancelledError:
-            raise  # cancelled by the policy: closing the response below aborts the engine's work
-        except (UpstreamError, OSError) as exc:
-            message = f"upstream broken: {exc}"
-            self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_broken")
-        except Exception:  # a bug here must fail this execution, not leave it hanging
-            log.exception("execution %d failed in the proxy", eid)
-            self._end_with_error(relay, Outcome.FAILED, 502, "the proxy failed relaying it", "proxy_error")
-        finally:
-            if response is not None:
-                await response.aclose()
-            self._tasks.pop(eid, None)
-
-    async def _read_limited(self, response: StreamedResponse) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        async for data in response.aiter_raw():
-            parts.append(data)
-            size += len(data)
-            if size >= ERROR_BODY_LIMIT:
-                break
-        return b"".join(parts)[:ERROR_BODY_LIMIT]
-
-    async def _pump_stream(self, relay: Relay, response: StreamedResponse) -> None:
-        """Relay raw SSE bytes; only the first event is inspected (vLLM's in-stream refusal).
-        After it, chunks go from the upstream's protocol callback straight into the relay."""
-        pending = b""
-        while b"\n\n" not in pending and len(pending) < FIRST_EVENT_LIMIT:
-            data = await response.read_chunk()
-            if data is None:
-                break
-            pending += data
-        sink = self._stream_sink(relay)
-        if pending:
-            cut = pending.find(b"\n\n")
-            if self._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
-                return
-            self._first_token(relay)
-            sink(pending)
-        await response.forward(sink)
-        self._complete(relay)  # no-op if ``data: [DONE]`` completed it already
+    # --- one execution's upstream request (driven by ``exporter.execution``) -----------------
 
     def _stream_sink(self, relay: Relay) -> Callable[[bytes], None]:
         """The per-chunk path of a stream: append to the relay; at ``data: [DONE]`` complete the
@@ -520,15 +487,6 @@ class Proxy:
                 self._complete(relay)
 
         return sink
-
-    async def _pump_body(self, relay: Relay, response: StreamedResponse) -> None:
-        first = True
-        async for data in response.aiter_raw():
-            if first:
-                self._first_token(relay)
-                first = False
-            relay.append(data)
-        self._complete(relay)
 
     def _first_event_is_error(self, relay: Relay, event: bytes) -> bool:
         error = _error_event(event)
@@ -593,8 +551,8 @@ class Proxy:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        for task in self._tasks.values():
-            task.cancel()
+        for execution in list(self.executions.values()):
+            execution.abort()
 
     # --- other routes -----------------------------------------------------------------------
 

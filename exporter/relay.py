@@ -45,14 +45,19 @@ class UpstreamRequest:
 
 @dataclass(eq=False)
 class Subscription:
-    """One subscriber's read position and wake-up future."""
+    """One subscriber's read position and how it is woken: a future its task awaits (the ASGI
+    path), or a callback run at once (``notify``, the callback path of ``exporter.exchange``)."""
 
     subscriber_id: int
     offset: int = 0
     left: bool = False  # the client disconnected
     waiter: asyncio.Future[None] | None = field(default=None, repr=False)
+    notify: Callable[[], None] | None = field(default=None, repr=False)
 
     def wake(self) -> None:
+        if self.notify is not None:
+            self.notify()
+            return
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -101,7 +106,7 @@ class Relay:
         self.chunks += 1
         if len(self._tail) >= BLOCK_BYTES:
             self._seal_tail()
-        for sub in self.subscriptions.values():
+        for sub in list(self.subscriptions.values()):
             sub.wake()
 
     def finish(self, outcome: Outcome, error: tuple[int, bytes] | None = None) -> None:
@@ -110,7 +115,7 @@ class Relay:
         self.outcome = outcome
         self.error = error
         self.request = None
-        for sub in self.subscriptions.values():
+        for sub in list(self.subscriptions.values()):
             sub.wake()
 
     def _seal_tail(self) -> None:

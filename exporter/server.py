@@ -19,6 +19,11 @@ adds per connection:
   proxy switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1).
 
+A generation POST is taken over when its head is complete (``exporter.exchange``: the request
+and its answer carried by callbacks, no ASGI cycle and no task); the exchange stands in for
+uvicorn's request cycle on the connection, so every bound here, pipelining and the drain apply to
+it as to any request. Every other request goes to the ASGI app, on the same port.
+
 A sweep a few times a second checks the deadlines, so the per-request cost is storing one.
 The errors the server sends itself are OpenAI-style JSON bodies, like the app's, and end the
 connection; after a 4xx the connection lingers a moment reading and discarding, so that a client
@@ -58,6 +63,8 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from exporter.exchange import Exchange, takes_over
+from exporter.proxy import Proxy
 from exporter.settings import ProxySettings
 from exporter.validation import error_body, error_type
 
@@ -172,6 +179,10 @@ class BoundedProtocol(HttpToolsProtocol):
         self.deadline = math.inf  # loop time by which the phase must end
         self._received = 0  # bytes received since the last head ended (bounds a head in progress)
         self._refusal: tuple[int, str, str, bool] = (400, "", "", True)  # sent once REFUSING ends
+        # Generation POSTs are served in callbacks by the proxy (``exporter.exchange``); the
+        # exchange in progress, if any, also stands in for uvicorn's request cycle (``cycle``).
+        self.proxy = config.app if isinstance(config.app, Proxy) else None
+        self.exchange: Exchange | None = None
 
     # --- connection -----------------------------------------------------------------------
 
@@ -278,15 +289,82 @@ class BoundedProtocol(HttpToolsProtocol):
                 "carry a body here: send it without 'Connection: upgrade'"
             )
             raise _Refused(400, message, "unsupported_upgrade")
-        super().on_headers_complete()
+        if not self._take_over():
+            super().on_headers_complete()
         self.phase = BODY
         self.deadline = self.loop.time() + self.body_timeout_s
         self._received = 0
         cycle = self.cycle
-        if cycle is not None:
+        if isinstance(cycle, RequestResponseCycle):
             # NOTE: an instance attribute (swapping the cycle's class cost ~9 us per request) that
             # refers to its cycle weakly: a strong reference would leave every cycle to the GC.
             cycle.send_500_response = functools.partial(_send_json_500, weakref.ref(cycle))  # type: ignore[method-assign]
+
+    def _take_over(self) -> bool:
+        """Serve a generation POST in callbacks (``exporter.exchange``) if nothing else is in
+        progress on the connection; else (and for every other request) uvicorn runs the app."""
+        proxy, cycle = self.proxy, self.cycle
+        if proxy is None or self.exchange is not None or (cycle is not None and not cycle.response_complete):
+            return False
+        parser = self.parser
+        path = self.url.partition(b"?")[0]
+        version, expect = parser.get_http_version(), self.expect_100_continue
+        if not takes_over(proxy, parser.get_method(), path, version, expect):
+            return False
+        self._unset_keepalive_if_required()
+        exchange = Exchange(proxy, self, path.decode("ascii"), self.headers, parser.should_keep_alive())
+        if not exchange.response_complete:  # (a body declared over the bound was answered at once)
+            self.exchange = exchange
+        self.cycle = exchange  # type: ignore[assignment]
+        return True
+
+    # --- what an exchange needs of its connection (``exporter.exchange.Connection``) ------------
+
+    @property
+    def writable(self) -> bool:
+        return not self.flow.write_paused and not self.transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        return self.server_state.default_headers
+
+    def exchange_done(self, exchange: Exchange) -> None:
+        """An exchange's answer is complete: as uvicorn's end of a response (the next pipelined
+        request, or idle)."""
+        if self.exchange is exchange:
+            self.exchange = None
+        self.on_response_complete()
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.exchange
+        if exchange is not None and self._serving(exchange):
+            exchange.on_body(body)
+        else:
+            super().on_body(body)
+
+    def _serving(self, exchange: Exchange) -> bool:
+        """Whether the request being read is the exchange's (not one pipelined behind it)."""
+        return cast(object, self.cycle) is exchange
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.exchange is not None:
+            self.exchange.resume()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        exchange = self.exchange
+        super().connection_lost(exc)
+        if exchange is not None:
+            exchange.client_gone()
+        last = cast(object, self.cycle)
+        if isinstance(last, Exchange):
+            last.detach()
+        self.exchange = None
 
     def _has_body(self) -> bool:
         for name, value in self.headers:
@@ -298,7 +376,11 @@ class BoundedProtocol(HttpToolsProtocol):
         return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        exchange = self.exchange
+        if exchange is not None and self._serving(exchange):
+            exchange.on_message_complete()
+        else:
+            super().on_message_complete()
         self._received = 0
         if self.cycle.response_complete:  # answered before its body was in (e.g. a 413)
             self._idle()
@@ -357,10 +439,14 @@ class DrainingServer(uvicorn.Server):
             connection.shutdown()  # idle ones close now, busy ones after their answer
         bound = self.config.settings.drain_timeout_s
         if not await self._wait_idle(bound, drain=True):
-            log.warning("drain: %d requests still in flight; ending them", len(state.tasks))
+            busy = sum(1 for c in state.connections if getattr(c, "exchange", None) is not None)
+            log.warning("drain: %d requests still in flight; ending them", len(state.tasks) + busy)
             if self.config.on_drain_expired is not None:
                 self.config.on_drain_expired()
             await self._wait_idle(FINAL_WRITE_S)
+        for connection in list(state.connections):
+            if isinstance(connection, BoundedProtocol) and connection.exchange is not None:
+                connection.exchange.shut_down()
         if state.tasks:
             for task in list(state.tasks):
                 task.cancel()

@@ -1,8 +1,9 @@
 """The proxy's HTTP clients toward the engine: one upstream request per execution.
 
-Generation requests go through ``UpstreamPool``, a lean HTTP/1.1 client on asyncio protocols and
-httptools (raw body bytes, one write per request, keep-alive reuse); every other route and the
-``/metrics`` scrape use an httpx AsyncClient. Cancelling an execution closes its upstream
+Generation requests and the once-a-second refresh of the engine's ``/metrics``
+(``UpstreamPool.get_text``) go through ``UpstreamPool``, a lean HTTP/1.1 client on asyncio
+protocols and httptools (raw body bytes, one write per request, keep-alive reuse); the other
+routes, passed through, use an httpx AsyncClient. Cancelling an execution closes its upstream
 response before the end, which closes the connection (it is not returned to the pool), so vLLM
 sees the disconnect and aborts the request.
 
@@ -116,11 +117,6 @@ class UpstreamClient:
         request = self.client.build_request(method, self.url(path, query), content=body, headers=raw)
         return await self.client.send(request, stream=True)
 
-    async def get_text(self, path: str, timeout_s: float) -> str:
-        response = await self.client.get(self.url(path), timeout=timeout_s)
-        response.raise_for_status()
-        return response.text
-
     async def aclose(self) -> None:
         await self.client.aclose()
 
@@ -180,6 +176,9 @@ class _Connection(asyncio.Protocol):
         self.chunks: deque[bytes] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[bytes], None] | None = None
+        # Called once the bytes of each read are parsed, and when the connection is lost: how
+        # an execution (``exporter.execution``) is driven without a task.
+        self.listener: Callable[[], None] | None = None
 
     def _wake(self) -> None:
         w = self.waiter
@@ -217,12 +216,21 @@ class _Connection(asyncio.Protocol):
                 self.error = UpstreamBroken(f"malformed upstream response: {exc}")
             self.close()
         self._wake()
+        if self.listener is not None:
+            self.listener()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.complete and self.error is None:
             self.error = UpstreamBroken("the upstream closed the connection before the end of the response")
         self._wake()
+        if self.listener is not None:
+            self.listener()
+        # NOTE: the parser refers to this protocol (its callbacks) and this protocol to the
+        # parser: a cycle only the garbage collector could free, one per closed connection, and
+        # collections set off on the request path are a share of the proxy's tail latency. No
+        # byte is parsed after the connection is lost.
+        del self.parser
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -429,6 +437,22 @@ class UpstreamPool:
             conn.close()
             raise
         return StreamedResponse(self, conn)
+
+    async def get_text(self, path: str, timeout_s: float) -> str:
+        """GET ``path`` on a pooled connection and return its body as text (the upstream's
+        ``/metrics``), within ``timeout_s`` in all. Raises ``UpstreamError`` for a failure or a
+        status other than 200, ``TimeoutError`` past the bound."""
+        async with asyncio.timeout(timeout_s):
+            response = await self.open("GET", path, b"", [("accept-encoding", "identity")])
+            try:
+                parts: list[bytes] = []
+                while (chunk := await response.read_chunk()) is not None:
+                    parts.append(chunk)
+            finally:
+                await response.aclose()
+        if response.status_code != 200:
+            raise UpstreamBroken(f"the upstream answered HTTP {response.status_code} to GET {path}")
+        return b"".join(parts).decode()
 
     def close(self) -> None:
         while self._idle:

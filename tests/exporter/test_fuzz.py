@@ -405,13 +405,15 @@ def read_response(sock: socket.socket, head_only: bool = False) -> tuple[int | N
     final: dict[str, Any] = {"status": None, "body": bytearray(), "done": False, "headers": False}
 
     class Callbacks:
+        # NOTE: only the first final response counts. A refusal of bytes that followed the
+        # request may arrive in the same read; its body was appended to the first one's.
         def on_headers_complete(self) -> None:
             status = parser.get_status_code()
-            if status >= 200:
+            if status >= 200 and not final["done"]:
                 final["status"], final["headers"] = status, True
 
         def on_body(self, body: bytes) -> None:
-            if final["status"] is not None:
+            if final["status"] is not None and not final["done"]:
                 final["body"] += body
 
         def on_message_complete(self) -> None:

@@ -287,6 +287,25 @@ def test_a_request_followed_by_garbage_is_answered_before_the_garbage_is_refused
     assert json.loads(got[1][1])["error"]["code"] == "invalid_http"
 
 
+def test_pipelined_requests_behind_a_generation_request_are_answered_in_order(bounded: ProxyProcess) -> None:
+    """A generation request is served in callbacks (``exporter.exchange``); requests pipelined
+    behind it on the same connection (another completion, a streamed one, a passed-through GET)
+    wait for its answer and are answered in order, each whole."""
+    first, streamed = completion(max_tokens=3), completion(max_tokens=2, stream=True)
+    data = b"".join(
+        (
+            post_head("/v1/completions", len(first), b"\r\n") + first,
+            post_head("/v1/completions", len(streamed), b"\r\n") + streamed,
+            request_head("GET", "/v1/models", b"connection: close\r\n\r\n"),
+        )
+    )
+    got = responses(exchange(bounded.port, [data]))
+    assert [status for status, _ in got] == [200, 200, 200]
+    assert json.loads(got[0][1])["choices"][0]["text"] == " t0 t1 t2"
+    assert got[1][1].count(b"data: ") == 3 and got[1][1].endswith(b"data: [DONE]\n\n")
+    assert b"test-model" in got[2][1]
+
+
 UPGRADE_H2C = (
     b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
 )

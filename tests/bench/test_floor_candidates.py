@@ -1,0 +1,142 @@
+"""The candidates of ``bench/bench_floor.py`` do what they are measured for: each forwards a
+stream whole on one upstream request, the attempt prototype coalesces and refuses as the proxy
+does, the stall probe reports, and the benchmark itself runs end to end on a small scenario."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exporter.processes import ManagedProcess, free_port
+from tests.exporter.support import Upstream
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+BODY = {"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 7, "stream": True}
+
+
+def ready(status: int) -> bool:
+    return status < 500
+
+
+@contextmanager
+def candidate(script: str, upstream: Upstream, log_dir: Path, *extra: str) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, str(BENCH / script), *extra, "--upstream", upstream.url, "--port", str(port)]
+    with ManagedProcess(cmd, log_path=log_dir / f"{script}.log", bound_s=None, name=script) as proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{url}/health", timeout_s=60.0, poll_s=0.05, ready=ready)
+        yield url
+
+
+def stream(url: str, call: str, headers: dict[str, str] | None = None) -> str:
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=BODY, headers={"x-call-id": call, **(headers or {})}, timeout=10
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return b"".join(r.iter_raw()).decode()
+
+
+@pytest.mark.parametrize("script", ["protocol_floor.py", "uvicorn_bypass.py", "protocol_attempt.py"])
+def test_candidate_forwards_a_stream_whole_with_one_upstream_request(
+    upstream: Upstream, script: str, tmp_path: Path
+) -> None:
+    with candidate(script, upstream, tmp_path) as url:
+        for _ in range(3):  # the second and third go on a kept-alive upstream connection
+            call = uuid.uuid4().hex
+            text = stream(url, call)
+            assert text.count("data: ") == 8  # 7 tokens, then [DONE]
+            assert text.rstrip().endswith("data: [DONE]")
+            assert len(upstream.requests(call_id=call)) == 1
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200  # another route, same port
+
+
+def test_attempt_prototype_coalesces_a_retry_and_refuses_a_bad_body(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    with candidate("protocol_attempt.py", upstream, tmp_path) as url:
+        call = uuid.uuid4().hex
+        slow = {"x-test-ttft": "0.5", "x-test-token-interval": "0.01"}
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(stream, url, call, slow)
+            time.sleep(0.2)  # the first attempt's execution is live: the retry attaches to it
+            text2 = stream(url, call, slow)
+            text1 = first.result(timeout=10)
+        assert text1 == text2 and text1.count("data: ") == 8
+        assert len(upstream.requests(call_id=call)) == 1
+        bad = httpx.post(f"{url}/v1/completions", json={"model": "test-model"}, timeout=10)
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "prompt"
+
+
+def test_granian_floors_forward_a_stream(upstream: Upstream, tmp_path: Path) -> None:
+    pytest.importorskip("granian")
+    for interface in ("asgi", "rsgi"):
+        port = free_port()
+        granian = Path(sys.executable).parent / "granian"
+        cmd = [str(granian), "--interface", interface, "--factory", "--working-dir", str(BENCH)]
+        cmd += ["--port", str(port), "--workers", "1", "--no-ws", f"granian_floor:{interface}"]
+        env = {**os.environ, "FLOOR_UPSTREAM": upstream.url}
+        log = tmp_path / f"granian-{interface}.log"
+        with ManagedProcess(cmd, log_path=log, bound_s=None, env=env, name="granian") as proc:
+            url = f"http://127.0.0.1:{port}"
+            proc.wait_ready(f"{url}/", timeout_s=60.0, poll_s=0.05, ready=ready)
+            call = uuid.uuid4().hex
+            assert stream(url, call).count("data: ") == 8
+            assert len(upstream.requests(call_id=call)) == 1
+
+
+def test_stall_probe_reports_heartbeats_and_collections(upstream: Upstream, tmp_path: Path) -> None:
+    report = tmp_path / "stalls.json"
+    port = free_port()
+    cmd = [sys.executable, str(BENCH / "loop_stalls.py"), "--probe", "--report", str(report), "--"]
+    cmd += ["--upstream", upstream.url, "--port", str(port)]
+    with ManagedProcess(cmd, log_path=tmp_path / "stalls.log", bound_s=None, name="stall probe") as proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{url}/metrics", timeout_s=60.0, poll_s=0.05)
+        for _ in range(5):
+            assert stream(url, uuid.uuid4().hex).count("data: ") == 8
+        time.sleep(1.5)  # at least one per-second sample
+    # (stopped with SIGTERM: the probe writes its report at exit)
+    data = json.loads(report.read_text())
+    assert data["ticks"] > 100
+    assert data["gc_counts"]["2"] >= 1  # the proxy's own full collection at start-up
+    assert any(name == "sample" for name, _, _ in data["sections"])
+    summary = subprocess.run(
+        [sys.executable, str(BENCH / "loop_stalls.py"), "--summarize", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert summary.returncode == 0, summary.stderr
+    assert "heartbeats" in summary.stdout and "collections set off in" in summary.stdout
+
+
+def test_bench_floor_runs_a_small_scenario() -> None:
+    out = subprocess.run(
+        [
+            *(sys.executable, str(BENCH / "bench_floor.py"), "--paths", "protocol-floor"),
+            *("--rounds", "1", "--window", "1", "--streams", "5", "--memory", "0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    ).stdout
+    rows = {
+        line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("direct", "protocol"))
+    }
+    assert set(rows) == {"direct", "protocol-floor"}
+    assert int(rows["protocol-floor"][1]) >= 40  # probes taken through it in one 1-s window
+    assert "failed" not in out
