@@ -82,9 +82,13 @@ class Execution:
         try:
             step()
         except Exception:
-            log.exception("execution %d failed in the proxy", self.relay.execution_id)
-            if self.state != _DONE:
-                self._fail(Outcome.FAILED, 502, "the proxy failed relaying it", "proxy_error")
+            self._fault()
+
+    def _fault(self) -> None:
+        """A step of the proxy's own raised: logged, and the execution fails with a 502."""
+        log.exception("execution %d failed in the proxy", self.relay.execution_id)
+        if self.state != _DONE:
+            self._fail(Outcome.FAILED, 502, "the proxy failed relaying it", "proxy_error")
 
     # --- the request -------------------------------------------------------------------------
 
@@ -188,10 +192,23 @@ class Execution:
         self._forward(conn, sink)
 
     def _forward(self, conn: _Connection, sink: Callable[[bytes], None]) -> None:
-        """From now on each body chunk goes from the parser's callback straight to ``sink``."""
+        """From now on each body chunk goes from the parser's callback straight to ``sink``.
+
+        NOTE: a fault in ``sink`` is the proxy's, not the upstream's: raised inside the parser's
+        callback, httptools would report it as a malformed response (``upstream_broken``), so
+        the parser's calls are guarded here."""
         while conn.chunks:
             sink(conn.chunks.popleft())
-        conn.sink = sink
+
+        def guarded(data: bytes) -> None:
+            if self.state == _DONE:
+                return
+            try:
+                sink(data)
+            except Exception:
+                self._fault()
+
+        conn.sink = guarded
 
     def _take(self, conn: _Connection) -> None:
         while conn.chunks:
