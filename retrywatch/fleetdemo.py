@@ -194,8 +194,10 @@ class FleetPorts:
             if not 1 <= port <= 65535:
                 raise click.UsageError(f"{what} would listen on port {port}: change {option}")
             if port in out:
+                other, other_option = out[port]
+                change = option if option == other_option else f"{option} or {other_option}"
                 raise click.UsageError(
-                    f"{what} and {out[port][0]} would both listen on port {port}: change {option}"
+                    f"{what} and {other} would both listen on port {port}: change {change}"
                 )
             out[port] = (what, option)
         return out
