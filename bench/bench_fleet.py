@@ -187,8 +187,10 @@ def rule_evaluation(
                 ticks.append(time.perf_counter() - t0)
                 time.sleep(1)
             engines = len(detector.signals.compute(time.time()))
+            kept = len(detector.history.engines())
             print(
-                f"detector tick reading Prometheus at {replicas} replicas ({engines} engines): first "
+                f"detector tick reading Prometheus at {replicas} replicas ({engines} engines evaluated, "
+                f"history kept for {kept}): first "
                 f"(10-min backfill) {ticks[0] * 1000:.0f} ms, then median "
                 f"{statistics.median(ticks[1:]) * 1000:.0f} ms, max {max(ticks[1:]) * 1000:.0f} ms "
                 f"over {len(ticks) - 1} ticks"
