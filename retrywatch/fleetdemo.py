@@ -41,7 +41,6 @@ import click
 import httpx
 import yaml
 
-from exporter.policy import Cancellation, PolicyConfig
 from exporter.processes import ManagedProcess, ProcessStartError, log_tail, port_taken
 from exporter.settings import ProxySettings
 from reproduce.client import ClientConfig
@@ -70,10 +69,7 @@ HEALTHY_PRESET = "qwen2.5-7b-h100"
 SERVED_MODEL = "retrywatch-demo"
 DEFAULT_REPLICAS = 3
 MAX_REPLICAS = 16
-#: Engine seconds per wall second, as in the single-engine demo.
-DEFAULT_TIME_SCALE = 4.0
 PULSE_MULTIPLE = 2.7
-VOCAB_SIZE = 32_000
 #: Debian's packages for the parts that are not Python: binary -> package.
 BINARIES: dict[str, str] = {
     "nginx": "nginx",
@@ -138,10 +134,6 @@ class FleetPlan:
         return ClientConfig().deadline_s / self.time_scale
 
     @property
-    def cancel_after_s(self) -> float:
-        return PolicyConfig().cancel_after_s / self.time_scale
-
-    @property
     def load_capacity_engine(self) -> float:
         """The capacity the pulse is sized against: N x replica 1's Ĉ, so that each replica's share
         of the load is the study's pulse for replica 1."""
@@ -152,7 +144,15 @@ class FleetPlan:
         return replica.capacity_engine * self.time_scale
 
 
-def fleet_plan(n: int, *, with_controls: bool = False, time_scale: float = DEFAULT_TIME_SCALE) -> FleetPlan:
+def _single() -> ModuleType:
+    """``retrywatch.demo`` (imported when used: it imports this module for its ``--fleet`` hook)."""
+    return importlib.import_module("retrywatch.demo")
+
+
+def fleet_plan(n: int, *, with_controls: bool = False, time_scale: float | None = None) -> FleetPlan:
+    """N replicas; ``time_scale`` None: the single-engine demo's."""
+    if time_scale is None:
+        time_scale = float(_single().DEMO_TIME_SCALE)
     if not 2 <= n <= MAX_REPLICAS:
         raise click.UsageError(f"--fleet takes 2 to {MAX_REPLICAS} replicas, got {n}")
     presets = [TIPPED_PRESET] + [HEALTHY_PRESET] * (n - 1)
@@ -291,6 +291,8 @@ class FleetDemo:
     def _plan_services(self) -> list[Service]:
         plan, ports, host, work = self.plan, self.ports, self.host, self.workdir
         exe = [sys.executable, "-m", "retrywatch"]
+        single = _single()
+        vocab = str(single.VOCAB_SIZE)
         binary = {name: _which(name) or name for name in BINARIES}
         out: list[Service] = []
         for r in plan.replicas:
@@ -309,7 +311,7 @@ class FleetDemo:
                         "--time-scale",
                         f"{plan.time_scale:g}",
                         "--vocab-size",
-                        str(VOCAB_SIZE),
+                        vocab,
                         "--host",
                         host,
                         "--port",
@@ -318,16 +320,11 @@ class FleetDemo:
                 )
             )
         for r in plan.replicas:
-            settings = ProxySettings(
-                upstream=self.engine_url(r),
-                host=host,
-                port=ports.proxy(r),
-                coalesce=plan.with_controls,
-                cancellation=Cancellation.DEFERRED if plan.with_controls else Cancellation.OFF,
-                cancel_after_s=plan.cancel_after_s,
-                capacity=plan.capacity(r),
-                deadline_s=plan.deadline_s,
-                vocab_size=VOCAB_SIZE,
+            # The single-engine demo's proxy (its "no control" condition, or with controls), at
+            # this replica's capacity.
+            replica_plan = single.DemoPlan(r.preset, plan.time_scale, r.capacity_engine, plan.with_controls)
+            settings: ProxySettings = single.proxy_settings(
+                replica_plan, self.engine_url(r), host, ports.proxy(r)
             )
             out.append(
                 Service(
@@ -522,7 +519,7 @@ async def drive(
             generate_trace(spec),
             ClientConfig().scaled(plan.time_scale),
             served_model=SERVED_MODEL,
-            vocab_size=VOCAB_SIZE,
+            vocab_size=_single().VOCAB_SIZE,
             stats=stats,
             seed=seed,
         )
@@ -594,7 +591,7 @@ def run_fleet_demo(
     host: str,
     seed: int,
     ports: FleetPorts,
-    time_scale: float = DEFAULT_TIME_SCALE,
+    time_scale: float | None = None,
 ) -> None:
     """The ``retrywatch demo --fleet N`` command: check, start, drive, stop."""
     missing = missing_binaries()
@@ -670,9 +667,8 @@ def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--time-scale",
             type=click.FloatRange(1.0, 16.0),
-            default=DEFAULT_TIME_SCALE,
-            show_default=True,
-            help="With --fleet: engine seconds per wall second.",
+            default=None,
+            help="With --fleet: engine seconds per wall second [default: the single-engine demo's, 4].",
         ),
     ]
     for option in reversed(options):
@@ -695,7 +691,7 @@ def fleet_demo(
     nginx_port: int,
     prometheus_port: int,
     alertmanager_port: int,
-    time_scale: float,
+    time_scale: float | None,
 ) -> None:
     """``retrywatch demo --fleet N``, from the demo command's options."""
     ports = FleetPorts(
