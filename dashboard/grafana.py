@@ -153,7 +153,7 @@ def timeseries_panel(build: Callable[..., go.Figure], panel_id: int, grid: dict[
         "id": panel_id,
         "type": "timeseries",
         "title": str(fig.layout.title.text),
-        "description": (build.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
+        "description": " ".join((build.__doc__ or "").strip().split("\n\n")[0].split()),
         "datasource": _datasource(),
         "gridPos": grid,
         "targets": targets,
