@@ -462,11 +462,19 @@ class FleetDemo:
 
 @contextlib.contextmanager
 def running_fleet(
-    plan: FleetPlan, ports: FleetPorts, host: str = "127.0.0.1", *, timeout_s: float = 90.0
+    plan: FleetPlan,
+    ports: FleetPorts,
+    host: str = "127.0.0.1",
+    *,
+    timeout_s: float = 90.0,
+    announce: Callable[[FleetDemo], None] | None = None,
 ) -> Iterator[FleetDemo]:
-    """The fleet started in a temporary folder, stopped and the folder removed on exit."""
+    """The fleet started in a temporary folder, stopped and the folder removed on exit;
+    ``announce(fleet)`` is called before anything starts."""
     with tempfile.TemporaryDirectory(prefix="retrywatch-fleet-") as tmp:
         fleet = FleetDemo(plan, ports, host, Path(tmp))
+        if announce is not None:
+            announce(fleet)
         try:
             fleet.start(timeout_s=timeout_s)
             yield fleet
@@ -608,9 +616,9 @@ def run_fleet_demo(
     previous = signal.signal(signal.SIGTERM, _terminate)
     lagged = False
     try:
-        with running_fleet(plan, ports, host) as fleet:
+        with running_fleet(plan, ports, host, announce=lambda f: click.echo(_what_to_watch(f))) as fleet:
             try:
-                click.echo(_what_to_watch(fleet))
+                click.echo("every process is ready: the pulse starts now")
                 if not no_browser:
                     with contextlib.suppress(Exception):
                         webbrowser.open(fleet.dashboard_url)

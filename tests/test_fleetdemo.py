@@ -185,7 +185,7 @@ def test_sigterm_stops_every_process_and_removes_the_temporary_folder(tmp_path: 
             process.communicate(timeout=10)
     assert process.returncode == 0, output[-3000:]
     assert "interrupted: stopped every process" in output
-    assert f"nginx        http://127.0.0.1:{ports.nginx}" in output
+    assert f"nginx        http://127.0.0.1:{ports.nginx}" in output  # printed before anything starts
     every = [ports.nginx, ports.prometheus, ports.alertmanager, ports.detector, ports.dashboard]
     every += [ports.engine_base, ports.engine_base + 1, ports.proxy_base, ports.proxy_base + 1]
     assert all(_port_closed(port) for port in every)
