@@ -23,7 +23,6 @@ import webbrowser
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import click
 import httpx
@@ -35,7 +34,6 @@ from exporter.settings import ProxySettings
 from exporter.timeseries import parse_exposition
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import PresetError, preset_capacity
-from retrywatch.fleetdemo import fleet_demo, fleet_options
 
 __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 
@@ -315,7 +313,6 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
 @click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8050, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload trace.")
-@fleet_options
 def demo(
     duration: float,
     with_controls: bool,
@@ -326,13 +323,8 @@ def demo(
     dashboard_port: int,
     host: str,
     seed: int,
-    **fleet: Any,
 ) -> None:
     """Start engine, proxy, detector and dashboard, and drive a pulse of retrying clients."""
-    if fleet["fleet"] is not None:  # retrywatch demo --fleet N: retrywatch/fleetdemo.py
-        fleet_demo(duration, with_controls, no_browser, host, seed, engine_port, proxy_port, detector_port,
-                   dashboard_port, **fleet)  # fmt: skip
-        return
     ports = {
         "engine": engine_port,
         "proxy": proxy_port,

@@ -18,6 +18,9 @@ replica 1 tips into the retry loop, the others stay healthy.
 Ports: nginx 8080, Prometheus 9090, Alertmanager 9093, detector 8200, dashboard 8050; replica i
 (1..N) has its engine on ``--engine-port`` + i - 1 (8000, 8001, ...) and its proxy on
 ``--proxy-port`` + i - 1 (8100, 8101, ...). Everything binds ``--host`` (127.0.0.1).
+
+``retrywatch demo`` (``retrywatch/cli.py``) is :data:`demo` here: ``retrywatch.demo``'s
+single-engine command, unchanged, with the fleet's options added (:func:`with_fleet`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from exporter.processes import ManagedProcess, ProcessStartError, log_tail, port
 from exporter.settings import ProxySettings
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_capacity
+from retrywatch import demo as single
 from rules.generate import RULES_PATH
 
 __all__ = [
@@ -53,11 +57,11 @@ __all__ = [
     "FleetPlan",
     "FleetPorts",
     "Replica",
+    "demo",
     "drive",
-    "fleet_demo",
-    "fleet_options",
     "missing_binaries",
     "run_fleet_demo",
+    "with_fleet",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,15 +148,10 @@ class FleetPlan:
         return replica.capacity_engine * self.time_scale
 
 
-def _single() -> ModuleType:
-    """``retrywatch.demo`` (imported when used: it imports this module for its ``--fleet`` hook)."""
-    return importlib.import_module("retrywatch.demo")
-
-
 def fleet_plan(n: int, *, with_controls: bool = False, time_scale: float | None = None) -> FleetPlan:
     """N replicas; ``time_scale`` None: the single-engine demo's."""
     if time_scale is None:
-        time_scale = float(_single().DEMO_TIME_SCALE)
+        time_scale = single.DEMO_TIME_SCALE
     if not 2 <= n <= MAX_REPLICAS:
         raise click.UsageError(f"--fleet takes 2 to {MAX_REPLICAS} replicas, got {n}")
     presets = [TIPPED_PRESET] + [HEALTHY_PRESET] * (n - 1)
@@ -291,7 +290,6 @@ class FleetDemo:
     def _plan_services(self) -> list[Service]:
         plan, ports, host, work = self.plan, self.ports, self.host, self.workdir
         exe = [sys.executable, "-m", "retrywatch"]
-        single = _single()
         vocab = str(single.VOCAB_SIZE)
         binary = {name: _which(name) or name for name in BINARIES}
         out: list[Service] = []
@@ -527,7 +525,7 @@ async def drive(
             generate_trace(spec),
             ClientConfig().scaled(plan.time_scale),
             served_model=SERVED_MODEL,
-            vocab_size=_single().VOCAB_SIZE,
+            vocab_size=single.VOCAB_SIZE,
             stats=stats,
             seed=seed,
         )
@@ -638,86 +636,75 @@ def run_fleet_demo(
         )
 
 
-def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The fleet's own options of ``retrywatch demo`` (used with ``--fleet``)."""
-    options = [
-        click.option(
-            "--fleet",
-            type=click.IntRange(2, MAX_REPLICAS),
-            is_flag=False,
-            flag_value=DEFAULT_REPLICAS,
-            default=None,
-            help=f"Run a fleet of N replicas behind nginx, with Prometheus and Alertmanager "
-            f"(--fleet alone: {DEFAULT_REPLICAS}). Engines and proxies then take N ports from "
-            "--engine-port and --proxy-port.",
-        ),
-        click.option(
-            "--nginx-port",
-            type=click.IntRange(1, 65535),
-            default=8080,
-            show_default=True,
-            help="With --fleet: the balancer's port.",
-        ),
-        click.option(
-            "--prometheus-port",
-            type=click.IntRange(1, 65535),
-            default=9090,
-            show_default=True,
-            help="With --fleet.",
-        ),
-        click.option(
-            "--alertmanager-port",
-            type=click.IntRange(1, 65535),
-            default=9093,
-            show_default=True,
-            help="With --fleet.",
-        ),
-        click.option(
-            "--time-scale",
-            type=click.FloatRange(1.0, 16.0),
-            default=None,
-            help="With --fleet: engine seconds per wall second [default: the single-engine demo's, 4].",
-        ),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+FLEET_OPTIONS: tuple[click.Option, ...] = (
+    click.Option(
+        ["--fleet"],
+        type=click.IntRange(2, MAX_REPLICAS),
+        is_flag=False,
+        flag_value=DEFAULT_REPLICAS,
+        default=None,
+        help=f"Run a fleet of N replicas behind nginx, with Prometheus and Alertmanager "
+        f"(--fleet alone: {DEFAULT_REPLICAS}). Engines and proxies then take N ports from "
+        "--engine-port and --proxy-port.",
+    ),
+    click.Option(
+        ["--nginx-port"],
+        type=click.IntRange(1, 65535),
+        default=8080,
+        show_default=True,
+        help="With --fleet: the balancer's port.",
+    ),
+    click.Option(["--prometheus-port"], type=click.IntRange(1, 65535), default=9090, show_default=True),
+    click.Option(["--alertmanager-port"], type=click.IntRange(1, 65535), default=9093, show_default=True),
+    click.Option(
+        ["--time-scale"],
+        type=click.FloatRange(1.0, 16.0),
+        default=None,
+        help="With --fleet: engine seconds per wall second [default: the single-engine demo's, 4].",
+    ),
+)
 
 
-def fleet_demo(
-    duration: float,
-    with_controls: bool,
-    no_browser: bool,
-    host: str,
-    seed: int,
-    engine_port: int,
-    proxy_port: int,
-    detector_port: int,
-    dashboard_port: int,
-    *,
-    fleet: int,
-    nginx_port: int,
-    prometheus_port: int,
-    alertmanager_port: int,
-    time_scale: float | None,
-) -> None:
-    """``retrywatch demo --fleet N``, from the demo command's options."""
-    ports = FleetPorts(
-        nginx=nginx_port,
-        prometheus=prometheus_port,
-        alertmanager=alertmanager_port,
-        detector=detector_port,
-        dashboard=dashboard_port,
-        engine_base=engine_port,
-        proxy_base=proxy_port,
+def with_fleet(command: click.Command) -> click.Command:
+    """``command`` (the single-engine ``retrywatch demo``) with the fleet's options: without
+    ``--fleet`` it runs as it is; with it, the fleet runs, taking the single demo's duration,
+    controls, browser, host, seed and ports."""
+    fleet_names = [str(option.name) for option in FLEET_OPTIONS]
+
+    def callback(**kwargs: Any) -> None:
+        fleet = {name: kwargs.pop(name) for name in fleet_names}
+        if fleet["fleet"] is None:
+            click.get_current_context().invoke(command, **kwargs)
+            return
+        ports = FleetPorts(
+            nginx=fleet["nginx_port"],
+            prometheus=fleet["prometheus_port"],
+            alertmanager=fleet["alertmanager_port"],
+            detector=kwargs["detector_port"],
+            dashboard=kwargs["dashboard_port"],
+            engine_base=kwargs["engine_port"],
+            proxy_base=kwargs["proxy_port"],
+        )
+        run_fleet_demo(
+            fleet["fleet"],
+            duration_s=kwargs["duration"],
+            with_controls=kwargs["with_controls"],
+            no_browser=kwargs["no_browser"],
+            host=kwargs["host"],
+            seed=kwargs["seed"],
+            ports=ports,
+            time_scale=fleet["time_scale"],
+        )
+
+    return click.Command(
+        command.name,
+        params=[*command.params, *FLEET_OPTIONS],
+        callback=callback,
+        help=command.help,
+        short_help=command.short_help,
+        context_settings=command.context_settings,
     )
-    run_fleet_demo(
-        fleet,
-        duration_s=duration,
-        with_controls=with_controls,
-        no_browser=no_browser,
-        host=host,
-        seed=seed,
-        ports=ports,
-        time_scale=time_scale,
-    )
+
+
+#: ``retrywatch demo`` (``retrywatch/cli.py``): the single-engine demo, or ``--fleet N``.
+demo = with_fleet(single.demo)
