@@ -17,7 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "reproduce": ("reproduce.cli:reproduce", "Calibrate, run, report and validate pulse experiments."),
     "detect": ("detector.cli:detect", "Run the detector: signals, alerts, episodes, notifications."),
     "dashboard": ("dashboard.cli:dashboard", "Run the operators' Dash dashboard."),
-    "demo": ("retrywatch.demo:demo", "One command: engine, proxy, detector, dashboard and a pulse."),
+    # retrywatch/demo.py's command, with --fleet N (retrywatch/fleetdemo.py)
+    "demo": ("retrywatch.fleetdemo:demo", "One command: engine, proxy, detector, dashboard and a pulse."),
 }
 
 

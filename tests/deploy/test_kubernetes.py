@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
+from dashboard import grafana
 from exporter.callkey import DEFAULT_CALL_ID_HEADER
 from rules.generate import RULES_PATH
 from tests.deploy import crds
@@ -300,11 +301,11 @@ def test_every_retrywatch_containers_arguments_are_options_of_its_command(
     assert {args[0] for args in seen} == {"proxy", "detect", "dashboard"}
 
 
-def test_the_grafana_dashboard_configmap_is_ready_for_the_generated_dashboard(
+def test_the_grafana_dashboard_configmap_carries_the_generated_dashboard(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     config = find(rendered["ingress-nginx"], "ConfigMap", "retrywatch-grafana-dashboard")
     assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
     (text,) = config["data"].values()
     dashboard = json.loads(text)
-    assert dashboard["uid"] and dashboard["title"]
+    assert dashboard == json.loads(grafana.render())  # the generated dashboard, as committed
