@@ -63,12 +63,13 @@ PANEL_TRACES: dict[Callable[..., go.Figure], tuple[Trace, ...]] = {
         Trace("capacity Ĉ", ("capacity",)),
     ),
     figures.fates_figure: tuple(
-        Trace(name, names, "sum" if len(names) > 1 else "one") for name, names, _ in figures.FATE_TRACES
+        Trace(name, names, "sum" if len(names) > 1 else "one")
+        for name, names, _ in (*figures.FATE_TRACES, *figures.ATTEMPT_FATE_TRACES)
     ),
     figures.queue_figure: (
         Trace("vLLM waiting", ("vllm_waiting",)),
         Trace("proxy queue", ("proxy_queued",)),
-        Trace("executions created × deadline", ("execution_creation_rate", "deadline"), "product"),
+        Trace("created × deadline", ("execution_creation_rate", "deadline"), "product"),
     ),
     figures.prompt_tokens_figure: (
         Trace("admitted", ("prompt_tokens_admitted_rate",)),
@@ -102,6 +103,10 @@ def tile_expr(key: str) -> str:
         return _selector(SIGNALS_BY_NAME[key].record)
     if key == "delivered_share":  # completed / (completed + orphaned) = 1 - orphaned share
         return f"1 - {_selector(SIGNALS_BY_NAME['orphaned_fraction'].record)}"
+    if key == "delivered_within_deadline":  # within / (within + late), as dashboard.tiles
+        within = _selector(SIGNALS_BY_NAME["delivered_rate_within_deadline"].record)
+        late = _selector(SIGNALS_BY_NAME["delivered_rate_late"].record)
+        return f"{within} / ({within} + {late})"
     raise KeyError(f"no query for the tile {key!r}")
 
 
