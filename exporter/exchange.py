@@ -32,19 +32,21 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from exporter.proxy import Answer, Proxy, header_map
-from exporter.relay import Outcome, Relay, Subscription
+from exporter.proxy import (
+    ENDED_WITHOUT_ANSWER,
+    PROXY_ERROR,
+    SHUT_DOWN_UNANSWERED,
+    Answer,
+    Ending,
+    Proxy,
+    header_map,
+)
+from exporter.relay import Relay, Subscription
 from exporter.validation import GENERATION_ROUTES, error_body, error_type
 
 log = logging.getLogger("retrywatch.exchange")
 
 GENERATION_PATHS = frozenset(route.encode() for route in GENERATION_ROUTES)
-_PROXY_ERROR = (500, error_body("the proxy failed handling the request", error_type(500), "proxy_error"))
-_ENDED = (503, error_body("the execution ended before it was answered", error_type(503), "execution_ended"))
-_SHUT_DOWN = (
-    503,
-    error_body("the proxy shut down before answering", error_type(503), "proxy_shutting_down"),
-)
 _JSON = b"application/json"
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _LAST_CHUNK = b"0\r\n\r\n"
@@ -168,7 +170,7 @@ class Exchange:
         if self.response_started or self.response_complete:
             return
         self.keep_alive = False
-        self._guard(lambda: self._write_answer(*_SHUT_DOWN))
+        self._guard(lambda: self._write_answer(*SHUT_DOWN_UNANSWERED))
 
     def detach(self) -> None:
         """The connection is gone: drop the reference to it (the connection refers to its last
@@ -200,7 +202,7 @@ class Exchange:
             return
         if not self.response_started and self.connection.writable:
             self.keep_alive = False
-            self._write_answer(*_PROXY_ERROR)
+            self._write_answer(*PROXY_ERROR)
         else:
             self.response_complete = True
             self.connection.close()
@@ -273,48 +275,28 @@ class Exchange:
                 self.proxy.subscriber_left(sub, self.started)
 
     def _settle(self, relay: Relay, sub: Subscription) -> None:
-        proxy = self.proxy
-        outcome = relay.outcome
-        # A streaming client that closes at ``[DONE]`` (before the end of the HTTP response) was
-        # sent the whole completion: it counts as delivered, not as gone.
-        whole = self.response_started and sub.offset >= relay.end
-        sent_all = outcome is Outcome.COMPLETED and relay.stream and whole
-        if sub.left and not sent_all:
-            self._accounted = True
-            proxy.subscriber_left(sub, self.started)
+        ending = self.proxy.settle(relay, sub, self.started, self.response_started)
+        self._accounted = ending is not Ending.BODY
+        if ending is Ending.LEFT:
             self._finished()
             return
-        if outcome is Outcome.COMPLETED:
-            if relay.stream:
-                self._accounted = True
-                proxy.subscriber_delivered(sub, self.started)
-                if not sub.left:
-                    end = _LAST_CHUNK
-                    if not self.response_started:
-                        end = self._head_bytes(200, relay.content_type, None, True) + end
-                    self.connection.write(end)
-                self._finished()
-            else:
-                body = relay.read(sub)
-                head = self._head_bytes(relay.status, relay.content_type, len(body), True)
-                self.connection.write(head + body)
-                self._accounted = True
-                if sub.left:
-                    proxy.subscriber_left(sub, self.started)
-                else:
-                    proxy.subscriber_delivered(sub, self.started)
-                self._finished()
+        if ending is Ending.STREAM_END:
+            if not sub.left:
+                end = _LAST_CHUNK
+                if not self.response_started:
+                    end = self._head_bytes(200, relay.content_type, None, True) + end
+                self.connection.write(end)
+            self._finished()
             return
-        status, body = relay.error or _ENDED
-        self._accounted = True
-        if outcome is Outcome.REFUSED:
-            proxy.metrics.observe_attempt("refused", proxy.now() - self.started)
-        else:
-            proxy.metrics.observe_attempt("failed", proxy.now() - self.started)
-            if outcome in (Outcome.CANCELLED, Outcome.DROPPED):
-                # Not expected (the policy cancels or drops only executions nobody waits for);
-                # make sure the policy forgets this subscriber all the same.
-                proxy.apply(proxy.policy.on_subscriber_left(proxy.now(), sub.subscriber_id))
+        if ending is Ending.BODY:
+            body = relay.read(sub)
+            head = self._head_bytes(relay.status, relay.content_type, len(body), True)
+            self.connection.write(head + body)
+            self._accounted = True
+            self.proxy.body_written(sub, self.started)
+            self._finished()
+            return
+        status, body = relay.error or ENDED_WITHOUT_ANSWER
         if self.response_started:  # mid-stream: an SSE error event, then the end of the stream
             event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
             self.connection.write(b"%x\r\n%b\r\n" % (len(event), event) + _LAST_CHUNK)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import gc
 import hmac
 import json
@@ -94,7 +95,27 @@ UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
 # A fault in the proxy itself (a bug, logged): never the answer to anything a client sent.
-_PROXY_ERROR = error_body("the proxy failed handling the request", error_type(500), "proxy_error")
+# What a client reads when the proxy itself failed, or shut down, before answering it (both servers'
+# paths: exporter.server, exporter.exchange).
+PROXY_ERROR = (500, error_body("the proxy failed handling the request", error_type(500), "proxy_error"))
+SHUT_DOWN_UNANSWERED = (
+    503,
+    error_body("the proxy shut down before answering", error_type(503), "proxy_shutting_down"),
+)
+# What a subscriber reads when its execution ended without an answer or an error of its own.
+ENDED_WITHOUT_ANSWER = (
+    503,
+    error_body("the execution ended before it was answered", error_type(503), "execution_ended"),
+)
+
+
+class Ending(enum.Enum):
+    """How one subscriber's attempt ends (:meth:`Proxy.settle`), for the code that writes it."""
+
+    LEFT = "left"  # the client left first: nothing more to write
+    STREAM_END = "stream_end"  # a whole stream: write its end unless the client is gone
+    BODY = "body"  # a whole non-streaming answer: write it, then Proxy.body_written
+    ERROR = "error"  # write the execution's error (an SSE error event mid-stream)
 
 
 def header_map(raw_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -204,7 +225,7 @@ class Proxy:
                 response = await self.generate_asgi(scope, receive)
             except Exception:  # a bug here must answer 500, like Starlette's error middleware
                 log.exception("generation request failed in the proxy")
-                response = _json_response(500, _PROXY_ERROR)
+                response = _json_response(*PROXY_ERROR)
             await response(scope, receive, send)
             return
         await self.starlette(scope, receive, send)
@@ -535,6 +556,44 @@ class Proxy:
         self.metrics.observe_attempt("delivered", now - started)
         self.policy.on_subscriber_delivered(now, subscription.subscriber_id)
 
+    def settle(self, relay: Relay, sub: Subscription, started: float, response_started: bool) -> Ending:
+        """Account the end of one subscriber's attempt once its execution ended or it left, and
+        say what is left to write; both servers' paths (``SubscriberResponse``,
+        ``exporter.exchange``) end their attempts here. ``Ending.BODY`` is accounted by
+        :meth:`body_written`, once the answer is written."""
+        outcome = relay.outcome
+        # A streaming client that closes at ``[DONE]`` (before the end of the HTTP response) was
+        # sent the whole completion: it counts as delivered, not as gone.
+        sent_all = (
+            outcome is Outcome.COMPLETED and relay.stream and response_started and sub.offset >= relay.end
+        )
+        if sub.left and not sent_all:
+            self.subscriber_left(sub, started)
+            return Ending.LEFT
+        if outcome is Outcome.COMPLETED:
+            if not relay.stream:
+                return Ending.BODY
+            self.subscriber_delivered(sub, started)
+            return Ending.STREAM_END
+        now = self.now()
+        if outcome is Outcome.REFUSED:
+            self.metrics.observe_attempt("refused", now - started)
+        else:
+            self.metrics.observe_attempt("failed", now - started)
+            if outcome in (Outcome.CANCELLED, Outcome.DROPPED):
+                # Not expected (the policy cancels or drops only executions nobody waits for);
+                # make sure the policy forgets this subscriber all the same.
+                self.apply(self.policy.on_subscriber_left(now, sub.subscriber_id))
+        return Ending.ERROR
+
+    def body_written(self, sub: Subscription, started: float) -> None:
+        """A whole non-streaming answer was written: delivered, unless its client went away while
+        it was written."""
+        if sub.left:
+            self.subscriber_left(sub, started)
+        else:
+            self.subscriber_delivered(sub, started)
+
     # --- a drained shutdown out of time -------------------------------------------------------
 
     def end_executions(self) -> None:
@@ -569,7 +628,7 @@ class Proxy:
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         """A route other than the generation routes failed: a 500, as an OpenAI-style error."""
-        return _json_response(500, _PROXY_ERROR)
+        return _json_response(*PROXY_ERROR)
 
     async def unrouted(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A path none of the proxy's routes matches: passed through, or a 404 (or a 400 for a
@@ -708,45 +767,24 @@ class SubscriberResponse(Response):
 
     async def _finish(self, send: Send, headers_sent: bool) -> None:
         relay, sub, proxy = self.relay, self.subscription, self.proxy
-        outcome = relay.outcome
-        # A streaming client that closes at ``[DONE]`` (before the end of the HTTP response) was
-        # sent the whole completion: it counts as delivered, not as gone.
-        sent_all = outcome is Outcome.COMPLETED and relay.stream and headers_sent and sub.offset >= relay.end
-        if sub.left and not sent_all:
+        ending = proxy.settle(relay, sub, self.started, headers_sent)
+        self._accounted = ending is not Ending.BODY
+        if ending is Ending.LEFT:
+            return
+        if ending is Ending.STREAM_END:
+            if not headers_sent:
+                await send(self._start(200, relay.content_type))
+            if not sub.left:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if ending is Ending.BODY:
+            body = relay.read(sub)
+            await send(self._start(relay.status, relay.content_type, len(body)))
+            await send({"type": "http.response.body", "body": body, "more_body": False})
             self._accounted = True
-            proxy.subscriber_left(sub, self.started)
+            proxy.body_written(sub, self.started)
             return
-        if outcome is Outcome.COMPLETED:
-            if relay.stream:
-                self._accounted = True
-                proxy.subscriber_delivered(sub, self.started)
-                if not headers_sent:
-                    await send(self._start(200, relay.content_type))
-                if not sub.left:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-            else:
-                body = relay.read(sub)
-                await send(self._start(relay.status, relay.content_type, len(body)))
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                self._accounted = True
-                if sub.left:  # the client went away while the body was written
-                    proxy.subscriber_left(sub, self.started)
-                else:
-                    proxy.subscriber_delivered(sub, self.started)
-            return
-        status, body = relay.error or (
-            503,
-            error_body("the execution ended before it was answered", error_type(503), "execution_ended"),
-        )
-        self._accounted = True
-        if outcome is Outcome.REFUSED:
-            proxy.metrics.observe_attempt("refused", proxy.now() - self.started)
-        else:
-            proxy.metrics.observe_attempt("failed", proxy.now() - self.started)
-            if outcome in (Outcome.CANCELLED, Outcome.DROPPED):
-                # Not expected (the policy cancels or drops only executions nobody waits for);
-                # make sure the policy forgets this subscriber all the same.
-                proxy.apply(proxy.policy.on_subscriber_left(proxy.now(), sub.subscriber_id))
+        status, body = relay.error or ENDED_WITHOUT_ANSWER
         if headers_sent:  # mid-stream: an SSE error event, then the end of the stream
             event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": False})

@@ -64,7 +64,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from exporter.exchange import Exchange, takes_over
-from exporter.proxy import Proxy
+from exporter.proxy import PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
 from exporter.settings import ProxySettings
 from exporter.validation import error_body, error_type
 
@@ -115,11 +115,7 @@ async def _send_json_500(ref: weakref.ref[RequestResponseCycle]) -> None:
     if cycle is None:
         return
     task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        status, message, code = 503, "the proxy shut down before answering", "proxy_shutting_down"
-    else:
-        status, message, code = 500, "the proxy failed handling the request", "proxy_error"
-    body = error_body(message, error_type(status), code)
+    status, body = SHUT_DOWN_UNANSWERED if task is not None and task.cancelling() else PROXY_ERROR
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
