@@ -41,6 +41,9 @@ class LoadStats:
         return self.calls_started - self.calls_delivered - self.calls_failed
 
 
+STOP_TIMEOUT_S = 10.0  # the longest the calls in progress get to end once the load is stopped
+
+
 async def _run_call(
     http: httpx.AsyncClient,
     url: str,
@@ -53,6 +56,7 @@ async def _run_call(
     clock: Callable[[], float],
 ) -> None:
     next_at: float | None = clock()
+    task = asyncio.current_task()
     while next_at is not None:
         delay = next_at - clock()
         if delay > 0:
@@ -69,6 +73,9 @@ async def _run_call(
             call_id_header=call_id_header,
             clock=clock,
         )
+        if task is not None and task.cancelling():
+            # Stopped (Ctrl-C): an attempt that ended as the cancellation came must not retry.
+            raise asyncio.CancelledError
         stats.outcomes[result.outcome.value] += 1
         if result.outcome is AttemptOutcome.DELIVERED:
             model.delivered(record, result.ended_at)
@@ -136,4 +143,5 @@ async def run_load(
             for task in list(tasks):
                 task.cancel()
             if tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
+                # Bounded: closing hundreds of attempts must not hold up the demo's stop.
+                await asyncio.wait(list(tasks), timeout=STOP_TIMEOUT_S)

@@ -144,7 +144,13 @@ def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> 
         # Ctrl-C: the demo stops every process it started.
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired as exc:
+            told = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output
+            pytest.fail(
+                f"the demo did not stop within 60 s of Ctrl-C; its output ended: {(told or '')[-3000:]}"
+            )
     finally:
         if process.poll() is None:
             process.kill()
