@@ -23,7 +23,7 @@ import webbrowser
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 import httpx
@@ -162,6 +162,25 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
             str(ports["dashboard"]),
         ],
     }
+
+
+def take_stop_signals() -> dict[int, Any]:
+    """Make Ctrl-C (SIGINT) and SIGTERM stop the demo (a ``KeyboardInterrupt``), whatever its
+    parent left them as (a shell starts a background job with SIGINT ignored, and the ignoring is
+    inherited); returns the handlers to put back (:func:`restore_signals`)."""
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    return {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate),
+    }
+
+
+def restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def _start(service: _Service, command: Sequence[str], workdir: Path) -> None:
@@ -381,10 +400,7 @@ def demo(
     ready = {"engine": "/health", "proxy": "/metrics", "detector": "/healthz", "dashboard": "/"}
     services = [_Service(name, urls[name], ready[name]) for name in SERVICES]
 
-    def _terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = take_stop_signals()
     with tempfile.TemporaryDirectory(prefix="retrywatch-demo-") as tmp:
         workdir = Path(tmp)
         log_args = ["--log-level", log_level, "--log-format", log_format]  # each service's, in its log
@@ -411,4 +427,4 @@ def demo(
                     "note: this machine could not step the emulated engine in time (CPU-bound), so it ran "
                     "below its capacity; close other work or run on a larger machine."
                 )
-            signal.signal(signal.SIGTERM, previous)
+            restore_signals(previous)

@@ -56,7 +56,6 @@ async def _run_call(
     clock: Callable[[], float],
 ) -> None:
     next_at: float | None = clock()
-    task = asyncio.current_task()
     while next_at is not None:
         delay = next_at - clock()
         if delay > 0:
@@ -73,9 +72,6 @@ async def _run_call(
             call_id_header=call_id_header,
             clock=clock,
         )
-        if task is not None and task.cancelling():
-            # Stopped (Ctrl-C): an attempt that ended as the cancellation came must not retry.
-            raise asyncio.CancelledError
         stats.outcomes[result.outcome.value] += 1
         if result.outcome is AttemptOutcome.DELIVERED:
             model.delivered(record, result.ended_at)

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import importlib.util
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -608,10 +607,7 @@ def run_fleet_demo(
     plan = fleet_plan(n, with_controls=with_controls, time_scale=time_scale)
     check_ports_free(plan, ports, host)
 
-    def _terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = single.take_stop_signals()
     lagged = False
     try:
         with running_fleet(plan, ports, host, announce=lambda f: click.echo(_what_to_watch(f))) as fleet:
@@ -628,7 +624,7 @@ def run_fleet_demo(
     except KeyboardInterrupt:
         click.echo("\ninterrupted: stopped every process")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        single.restore_signals(previous)
     if lagged:
         click.echo(
             "note: this machine could not step the emulated engines in time (CPU-bound), so they ran "

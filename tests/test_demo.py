@@ -120,7 +120,15 @@ def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> 
         "--dashboard-port",
         str(dashboard),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Started with SIGINT ignored, as a shell starts a background job (and CI its jobs): Ctrl-C
+    # must still stop the demo.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     detector_url = f"http://127.0.0.1:{detector}"
     fired = firing_amid_retries = dashboard_answered = False
     try:

@@ -172,9 +172,6 @@ async def run_attempt(
                     AttemptOutcome.FAILED, first_byte_at, clock(), status, None, tokens, "stream ended early"
                 )
     except TimeoutError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise asyncio.CancelledError from None  # cancelled as the deadline came: stopped, not timed out
         # Leaving the ``stream`` block above closed the connection: the far side sees us leave.
         return AttemptResult(AttemptOutcome.DISCONNECTED, first_byte_at, clock(), status, None, tokens)
     except httpx.HTTPError as exc:
