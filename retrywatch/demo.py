@@ -23,7 +23,7 @@ import webbrowser
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import click
 import httpx
@@ -190,20 +190,30 @@ def _start(service: _Service, command: Sequence[str], workdir: Path) -> None:
     ).start()
 
 
-def _stop(services: Sequence[_Service]) -> None:
+class Served(Protocol):
+    """A service the demos start: where it answers once ready, and its process."""
+
+    url: str
+    ready_path: str
+    process: ManagedProcess | None
+
+
+def stop_services(services: Sequence[Served]) -> None:
+    """Stop each service's process, the last started first."""
     for service in reversed(services):
         if service.process is not None:
             service.process.stop(grace_s=8.0)
 
 
-def _wait_ready(services: Sequence[_Service], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_services_ready(services: Sequence[Served], deadline: float, at_least_s: float = 0.0) -> None:
+    """Wait until each service answers (below 500) by ``deadline`` (``time.monotonic``), giving
+    each at least ``at_least_s``; a service that exits or does not answer ends the command."""
     for service in services:
         assert service.process is not None
         try:
             service.process.wait_ready(
                 service.url + service.ready_path,
-                timeout_s=max(0.0, deadline - time.monotonic()),
+                timeout_s=max(at_least_s, deadline - time.monotonic()),
                 poll_s=0.25,
                 ready=lambda status: status < 500,
             )
@@ -410,7 +420,7 @@ def demo(
         try:
             for service in services:
                 _start(service, commands[service.name], workdir)
-            _wait_ready(services, timeout_s=60.0)
+            wait_services_ready(services, time.monotonic() + 60.0)
             announce(_serving(urls, workdir))
             click.echo(_what_to_watch(plan, dashboard_link(urls["dashboard"])))
             if not no_browser:
@@ -420,7 +430,7 @@ def demo(
         except KeyboardInterrupt:
             click.echo("\ninterrupted: stopping")
         finally:
-            _stop(services)
+            stop_services(services)
             engine_log = services[0].process.log_path if services[0].process else None
             if engine_log is not None and "trails the scaled wall clock" in log_tail(engine_log, 20_000):
                 click.echo(

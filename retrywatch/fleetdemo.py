@@ -43,7 +43,7 @@ import click
 import httpx
 import yaml
 
-from exporter.processes import ManagedProcess, ProcessStartError, log_tail, port_taken
+from exporter.processes import ManagedProcess, log_tail, port_taken
 from exporter.settings import ProxySettings
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_capacity
@@ -431,22 +431,10 @@ class FleetDemo:
                 service.process = ManagedProcess(
                     service.argv, log_path=log, bound_s=None, name=service.name
                 ).start()
-            for service in wave:
-                assert service.process is not None
-                try:
-                    service.process.wait_ready(
-                        service.url + service.ready_path,
-                        timeout_s=max(1.0, deadline - time.monotonic()),
-                        poll_s=0.25,
-                        ready=lambda status: status < 500,
-                    )
-                except ProcessStartError as exc:
-                    raise click.ClickException(str(exc)) from None
+            single.wait_services_ready(wave, deadline, at_least_s=1.0)
 
     def stop(self) -> None:
-        for service in reversed(self.services):
-            if service.process is not None:
-                service.process.stop(grace_s=8.0)
+        single.stop_services(self.services)
 
     def engine_lagged(self) -> bool:
         """Whether an emulated engine could not keep up with the scaled wall clock (CPU-bound)."""
