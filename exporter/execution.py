@@ -184,10 +184,10 @@ class Execution:
 
         def sink(data: bytes) -> None:
             nonlocal first
+            append(data)  # written to the subscribers first, then accounted
             if first:
                 first = False
                 proxy._first_token(relay)
-            append(data)
 
         self._forward(conn, sink)
 
@@ -248,8 +248,7 @@ class Execution:
             if proxy._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
                 self._finish()
                 return
-            proxy._first_token(relay)
-            sink(pending)
+            sink(pending)  # the first token, accounted by the sink once written
         self.state = _BODY
         self._forward(conn, sink)
         if conn.complete:

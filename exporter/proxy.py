@@ -416,9 +416,10 @@ class Proxy:
             self.relays[decision.execution_id] = relay
         else:
             relay = self.relays[decision.execution_id]
-        subscription = relay.subscribe(decision.subscriber_id)
+        # The upstream request goes out first (a dispatch writes it at once on an idle pooled
+        # connection): the subscription is set up while the engine works on it.
         self.apply(result.effects)
-        return Joined(relay, subscription)
+        return Joined(relay, relay.subscribe(decision.subscriber_id))
 
     def _shed_answer(self, shed: Shed) -> Answer:
         if shed.reason is ShedReason.RETRY_BUDGET:
@@ -487,8 +488,12 @@ class Proxy:
     # --- one execution's upstream request (driven by ``exporter.execution``) -----------------
 
     def _stream_sink(self, relay: Relay) -> Callable[[bytes], None]:
-        """The per-chunk path of a stream: append to the relay; at ``data: [DONE]`` complete the
-        execution at once.
+        """The per-chunk path of a stream from its first event on: append to the relay (which
+        writes the chunk to its subscribers); after the first, account the first token; at
+        ``data: [DONE]`` complete the execution at once.
+
+        NOTE: the first token is accounted after it was written to the subscribers, not before:
+        the accounting is off the time to first token.
 
         NOTE: the upstream ends its response (the chunked terminator) in a later write than
         ``[DONE]``, and most clients (the OpenAI SDK among them) close the connection as soon as
@@ -499,10 +504,14 @@ class Proxy:
         append = relay.append
         n = len(sse.DONE_EVENT)
         last = b""  # the stream's last bytes, enough to see a [DONE] split across chunks
+        first = True
 
         def sink(data: bytes) -> None:
-            nonlocal last
+            nonlocal last, first
             append(data)
+            if first:
+                first = False
+                self._first_token(relay)
             last = data if len(data) >= n else (last + data)[-n:]
             if last.endswith(sse.DONE_EVENT) and relay.outcome is None:
                 self._complete(relay)

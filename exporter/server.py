@@ -55,13 +55,16 @@ import resource
 import signal
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Generator
 from types import FrameType
 from typing import Any, cast
 
 import httptools
 import uvicorn
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
 from exporter.exchange import Exchange, takes_over
 from exporter.proxy import PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
@@ -138,6 +141,7 @@ class ServerConfig(uvicorn.Config):
     ) -> None:
         self.settings = settings
         self.on_drain_expired = on_drain_expired
+        self.protocol_template: dict[str, Any] | None = None  # BoundedProtocol's, once per server
         super().__init__(
             app,
             host=settings.host,
@@ -163,6 +167,28 @@ class BoundedProtocol(HttpToolsProtocol):
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        # NOTE: uvicorn's own __init__ looks up its two loggers, their handlers and a dozen of the
+        # config's settings again for every connection, and on this machine a new connection's
+        # first request pays for every line of code it runs (docs/proxy.md#benchmark). What is the
+        # same for every connection is taken once per server from an instance made the usual way
+        # (``_template``); a connection then sets only its parser and its pipeline.
+        template = cast(ServerConfig, config).protocol_template
+        if template is None or template["server_state"] is not server_state:
+            template = self._template(config, server_state, app_state, _loop)
+            cast(ServerConfig, config).protocol_template = template
+        self.__dict__.update(template)
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.pipeline = deque()
+
+    def _template(
+        self,
+        config: uvicorn.Config,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None,
+    ) -> dict[str, Any]:
+        """Every attribute a new connection starts with but its parser and pipeline."""
         super().__init__(config, server_state, app_state, _loop)
         settings = cast(ServerConfig, config).settings
         self.max_head_bytes = settings.max_head_bytes
@@ -171,6 +197,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self.body_timeout_s = settings.body_timeout_s
         self.keep_alive_s = settings.keep_alive_s
         self.max_connections = settings.max_connections
+        self.scheme = "http"  # the proxy serves no TLS
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
         self._received = 0  # bytes received since the last head ended (bounds a head in progress)
@@ -179,11 +206,16 @@ class BoundedProtocol(HttpToolsProtocol):
         # exchange in progress, if any, also stands in for uvicorn's request cycle (``cycle``).
         self.proxy = config.app if isinstance(config.app, Proxy) else None
         self.exchange: Exchange | None = None
+        return {k: v for k, v in self.__dict__.items() if k not in ("parser", "pipeline")}
 
     # --- connection -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # NOTE: uvicorn's reads both addresses here (system calls); they only go into an ASGI
+        # scope, so they are read when one is built (``_asgi_scope``).
+        self.connections.add(self)
+        self.transport = transport
+        self.flow = FlowControl(transport)
         if len(self.connections) > self.max_connections:
             message = f"the proxy holds its limit of {self.max_connections} connections; retry later"
             self.transport.write(error_response(503, message, "too_many_connections"))
@@ -262,8 +294,12 @@ class BoundedProtocol(HttpToolsProtocol):
     # --- parser callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        # uvicorn's, without the ASGI scope: a generation POST never becomes an ASGI request, so
+        # the scope is built only for a request that does (``_asgi_scope``).
         self._unset_keepalive_if_required()
-        super().on_message_begin()
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self.phase = HEAD
         self.deadline = self.loop.time() + self.head_timeout_s
 
@@ -286,6 +322,7 @@ class BoundedProtocol(HttpToolsProtocol):
             )
             raise _Refused(400, message, "unsupported_upgrade")
         if not self._take_over():
+            self.scope = self._asgi_scope()
             super().on_headers_complete()
         self.phase = BODY
         self.deadline = self.loop.time() + self.body_timeout_s
@@ -313,6 +350,21 @@ class BoundedProtocol(HttpToolsProtocol):
             self.exchange = exchange
         self.cycle = exchange  # type: ignore[assignment]
         return True
+
+    def _asgi_scope(self) -> Any:
+        """The ASGI scope uvicorn's ``on_message_begin`` builds (its ``on_headers_complete`` adds
+        the method, path and query), with the addresses read now."""
+        return {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": get_local_addr(self.transport),
+            "client": get_remote_addr(self.transport),
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
 
     # --- what an exchange needs of its connection (``exporter.exchange.Connection``) ------------
 
