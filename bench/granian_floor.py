@@ -51,7 +51,11 @@ class RsgiFloor:
         if scope.method != "POST" or self.pool is None:
             protocol.response_empty(200, [])
             return
-        headers = [(k.lower(), v) for k, v in scope.headers.items() if k.lower() not in _DROP]
+        headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in scope.headers.items()
+            if k.lower() not in _DROP
+        ]
         response = await self.pool.open("POST", scope.path, body, headers)
         try:
             content_type = response.headers.get("content-type", "application/octet-stream")

@@ -118,16 +118,11 @@ def call_key(
     """
     if call_id is None and without_id is KeyWithoutId.NONE:
         return None
-    h = hashlib.sha256()
-    h.update(b"caller:")
-    if caller is not None:
-        h.update(caller.encode())
-    h.update(b"\0")
-    h.update(b"id:" if call_id is not None else b"body:")
-    if call_id is not None:
-        h.update(call_id.encode())
-    h.update(b"\0")
-    h.update(route.encode())
-    h.update(b"\0")
-    h.update(canonical_body(body))
-    return h.hexdigest()[:32]
+    parts = (
+        b"caller:%b\0" % (caller or "").encode(),
+        b"id:%b\0" % call_id.encode() if call_id is not None else b"body:\0",
+        route.encode(),
+        b"\0",
+        canonical_body(body),
+    )
+    return hashlib.sha256(b"".join(parts)).hexdigest()[:32]

@@ -153,8 +153,13 @@ class Exchange:
         self._guard(self._decide)
 
     def resume(self) -> None:
-        """The client's transport resumed writing: catch up from the relay."""
-        self._guard(self._pump)
+        """New bytes in the relay, its end, or the client's transport resumed writing: catch up
+        from the relay. (Once per relayed chunk: the guard is written out here.)"""
+        try:
+            self._pump()
+        except Exception:
+            log.exception("generation request failed in the proxy")
+            self._fault()
 
     def client_gone(self) -> None:
         """The client's connection was lost."""

@@ -94,11 +94,11 @@ class Execution:
 
     def _start(self) -> None:
         pool = self.proxy.pool
-        conn = pool._take_idle()
+        conn = pool.take_idle()
         if conn is not None:
             self._send(conn)
             return
-        self._connecting = asyncio.ensure_future(pool._connect())
+        self._connecting = asyncio.ensure_future(pool.connect())
         self._connecting.add_done_callback(self._connected)
 
     def _connected(self, future: asyncio.Future[_Connection]) -> None:
@@ -133,8 +133,8 @@ class Execution:
             return
         self.state = _HEAD
         conn.listener = self._on_upstream
-        headers = [*request.headers, ("accept-encoding", "identity")]
-        conn.transport.write(self.proxy.pool._request_bytes("POST", request.path, request.body, headers))
+        headers = [*request.headers, (b"accept-encoding", b"identity")]
+        conn.transport.write(self.proxy.pool.request_bytes("POST", request.path, request.body, headers))
 
     # --- the response, in the connection's callbacks -------------------------------------------
 

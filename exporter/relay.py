@@ -40,7 +40,7 @@ class UpstreamRequest:
 
     path: str
     body: bytes
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]  # forwarded as they came
 
 
 @dataclass(eq=False)
@@ -106,7 +106,11 @@ class Relay:
         self.chunks += 1
         if len(self._tail) >= BLOCK_BYTES:
             self._seal_tail()
-        for sub in list(self.subscriptions.values()):
+        subscriptions = self.subscriptions
+        if len(subscriptions) == 1:  # the usual case, without a copy per chunk
+            next(iter(subscriptions.values())).wake()
+            return
+        for sub in list(subscriptions.values()):  # a wake may unsubscribe
             sub.wake()
 
     def finish(self, outcome: Outcome, error: tuple[int, bytes] | None = None) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import select
-import socket
 import ssl
 import time
 from collections import deque
@@ -32,21 +31,21 @@ import httpx
 # Accept-Encoding (the proxy relays raw bytes and inspects the first SSE event).
 _DROP_REQUEST_HEADERS = frozenset(
     {
-        "host",
-        "content-length",
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "accept-encoding",
+        b"host",
+        b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"accept-encoding",
         # The proxy reads the whole body before forwarding it: nothing is left to wait for, and
         # the upstream's interim 100 Continue would only be one more response to skip.
-        "expect",
+        b"expect",
     }
 )
 # Longest a kept-alive upstream connection is reused after its last response: below the
@@ -70,14 +69,10 @@ DROP_RESPONSE_HEADERS = frozenset(
 )
 
 
-def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """The client's request headers that go to the upstream, as (name, value) strings."""
-    out: list[tuple[str, str]] = []
-    for name, value in headers:
-        n = name.decode("latin-1").lower()
-        if n not in _DROP_REQUEST_HEADERS:
-            out.append((n, value.decode("latin-1")))
-    return out
+def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The client's request headers that go to the upstream (ASGI's byte pairs, names in lower
+    case), as they came."""
+    return [(name, value) for name, value in headers if name.lower() not in _DROP_REQUEST_HEADERS]
 
 
 class UpstreamClient:
@@ -107,14 +102,13 @@ class UpstreamClient:
         return self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
 
     async def open(
-        self, method: str, path: str, body: bytes, headers: list[tuple[str, str]], query: bytes = b""
+        self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]], query: bytes = b""
     ) -> httpx.Response:
         """Send a request and return the response with its body still unread (a stream)."""
         # NOTE: as bytes, as they arrived: httpx encodes str header values as ASCII, and a value
         # with obs-text (bytes 0x80-0xff, which HTTP allows and clients send) raised inside the
         # proxy, answering a client's header with a 500.
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        request = self.client.build_request(method, self.url(path, query), content=body, headers=raw)
+        request = self.client.build_request(method, self.url(path, query), content=body, headers=headers)
         return await self.client.send(request, stream=True)
 
     async def aclose(self) -> None:
@@ -137,17 +131,6 @@ class UpstreamBroken(UpstreamError):
     before the end of the response, or answered something that is not HTTP/1.1."""
 
 
-def _readable(sock: socket.socket) -> bool:
-    """Whether a socket has something to read (data, an end of stream or an error), without
-    waiting; a socket that cannot be polled counts as readable (not fit for reuse)."""
-    poller = select.poll()
-    try:
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
-
-
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to the upstream, parsing responses with httptools.
 
@@ -158,7 +141,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.socket: socket.socket | None = None  # asyncio's and uvloop's stand-ins have fileno()
+        self._poller: select.poll | None = None  # polls the socket while the connection is idle
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since: float | None = None  # time.monotonic() when it went back to the pool
@@ -196,14 +179,20 @@ class _Connection(asyncio.Protocol):
         upstream's keep-alive timeout) or stray bytes may sit in the kernel unseen by the
         protocol. An idle connection that is readable was closed by the peer or carries bytes
         nobody asked for; either way it must not be written on."""
-        if self.closed or self.transport is None or self.transport.is_closing() or self.socket is None:
+        if self.closed or self.transport is None or self.transport.is_closing() or self._poller is None:
             return False
-        return not _readable(self.socket)
+        try:
+            return not self._poller.poll(0)  # readable: data, an end of stream or an error
+        except OSError:
+            return False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        self.socket = cast("socket.socket | None", transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")  # asyncio's and uvloop's stand-ins have fileno()
+        if sock is not None:
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         if self.idle_since is not None:  # nothing was asked: a stray response, or garbage
@@ -215,7 +204,8 @@ class _Connection(asyncio.Protocol):
             if self.error is None:
                 self.error = UpstreamBroken(f"malformed upstream response: {exc}")
             self.close()
-        self._wake()
+        if self.waiter is not None:
+            self._wake()
         if self.listener is not None:
             self.listener()
 
@@ -386,7 +376,7 @@ class UpstreamPool:
         while idle and now - cast(float, idle[0].idle_since) > self.max_idle_s:
             idle.popleft().close()
 
-    def _take_idle(self) -> _Connection | None:
+    def take_idle(self) -> _Connection | None:
         """The most recently used idle connection that is fit to carry a request, if any."""
         self._expire(time.monotonic())
         while self._idle:
@@ -397,7 +387,7 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def _connect(self) -> _Connection:
+    async def connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
@@ -408,23 +398,25 @@ class UpstreamPool:
             raise UpstreamUnreachable(f"cannot connect to the upstream: {exc}") from None
         return conn
 
-    def _request_bytes(self, method: str, path: str, body: bytes, headers: list[tuple[str, str]]) -> bytes:
-        lines = [
-            method.encode() + b" " + self.prefix + path.encode("latin-1") + b" HTTP/1.1",
-            b"host: " + self.host_header,
-            b"content-length: " + str(len(body)).encode(),
+    def request_bytes(self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """A request, head and body, as written on a connection of this pool."""
+        head = [
+            b"%b %b%b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n"
+            % (method.encode(), self.prefix, path.encode("latin-1"), self.host_header, len(body))
         ]
-        lines.extend(f"{k}: {v}".encode("latin-1") for k, v in headers)
-        return b"\r\n".join(lines) + b"\r\n\r\n" + body
+        head.extend(b"%b: %b\r\n" % pair for pair in headers)
+        head.append(b"\r\n")
+        head.append(body)
+        return b"".join(head)
 
     async def open(
-        self, method: str, path: str, body: bytes, headers: list[tuple[str, str]]
+        self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
     ) -> StreamedResponse:
         """Send a request, once; return when the final response's headers are in. Raises
         ``UpstreamUnreachable`` if no connection could be made, ``UpstreamBroken`` if the
         connection broke after the request was written."""
-        request = self._request_bytes(method, path, body, headers)
-        conn = self._take_idle() or await self._connect()
+        request = self.request_bytes(method, path, body, headers)
+        conn = self.take_idle() or await self.connect()
         try:
             if conn.transport is None:
                 raise UpstreamUnreachable("the upstream connection was not set up")
@@ -443,7 +435,7 @@ class UpstreamPool:
         ``/metrics``), within ``timeout_s`` in all. Raises ``UpstreamError`` for a failure or a
         status other than 200, ``TimeoutError`` past the bound."""
         async with asyncio.timeout(timeout_s):
-            response = await self.open("GET", path, b"", [("accept-encoding", "identity")])
+            response = await self.open("GET", path, b"", [(b"accept-encoding", b"identity")])
             try:
                 parts: list[bytes] = []
                 while (chunk := await response.read_chunk()) is not None:

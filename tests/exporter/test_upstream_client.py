@@ -27,7 +27,7 @@ def test_sequential_requests_reuse_one_kept_alive_connection(upstream: Upstream)
         connections = set()
         for _ in range(3):
             response = await pool.open(
-                "POST", "/v1/completions", BODY, [("content-type", "application/json")]
+                "POST", "/v1/completions", BODY, [(b"content-type", b"application/json")]
             )
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
@@ -47,7 +47,7 @@ def test_closing_mid_response_closes_the_connection_and_the_upstream_sees_it(ups
 
     async def scenario() -> float:
         pool = UpstreamPool(upstream.url)
-        headers = [("x-call-id", call), ("x-test-token-interval", "0.05")]
+        headers = [(b"x-call-id", call.encode()), (b"x-test-token-interval", b"0.05")]
         body = BODY.replace(b'"max_tokens": 3', b'"max_tokens": 100')
         response = await pool.open("POST", "/v1/completions", body, headers)
         async for _ in response.aiter_raw():
@@ -75,7 +75,7 @@ def test_unreachable_and_broken_upstreams_raise_their_own_errors(upstream: Upstr
 
     async def broken() -> None:
         pool = UpstreamPool(upstream.url)
-        headers = [("x-test-mode", "crash"), ("x-test-crash-after", "1")]
+        headers = [(b"x-test-mode", b"crash"), (b"x-test-crash-after", b"1")]
         response = await pool.open("POST", "/v1/completions", BODY, headers)
         try:
             async for _ in response.aiter_raw():
@@ -88,9 +88,9 @@ def test_unreachable_and_broken_upstreams_raise_their_own_errors(upstream: Upstr
         asyncio.run(broken())
 
 
-async def _complete(pool: UpstreamPool, call: str, *extra: tuple[str, str]) -> tuple[bytes, object]:
+async def _complete(pool: UpstreamPool, call: str, *extra: tuple[bytes, bytes]) -> tuple[bytes, object]:
     """One whole request: (its body, the connection that carried it)."""
-    response = await pool.open("POST", "/v1/completions", BODY, [("x-call-id", call), *extra])
+    response = await pool.open("POST", "/v1/completions", BODY, [(b"x-call-id", call.encode()), *extra])
     assert response.status_code == 200
     body = b"".join([chunk async for chunk in response.aiter_raw()])
     await response.aclose()
@@ -108,7 +108,7 @@ def test_interim_responses_are_skipped_and_the_connection_stays_in_step(upstream
 
     async def scenario() -> list[tuple[bytes, object]]:
         pool = UpstreamPool(upstream.url)
-        interim = [("x-test-interim", "100,103"), ("x-test-ttft", "0.05")]
+        interim = [(b"x-test-interim", b"100,103"), (b"x-test-ttft", b"0.05")]
         out = [await _complete(pool, calls[0], *interim), await _complete(pool, calls[1], *interim)]
         out += [await _complete(pool, c) for c in calls[2:]]
         pool.close()
@@ -124,7 +124,7 @@ def test_a_101_is_a_broken_exchange_and_the_connection_is_not_reused(upstream: U
     async def scenario() -> None:
         pool = UpstreamPool(upstream.url)
         with pytest.raises(UpstreamBroken, match="101"):
-            await pool.open("POST", "/v1/completions", BODY, [("x-test-interim", "101")])
+            await pool.open("POST", "/v1/completions", BODY, [(b"x-test-interim", b"101")])
         assert not pool._idle
         pool.close()
 
@@ -139,7 +139,7 @@ def test_a_request_is_sent_once_even_if_its_reused_connection_closes(upstream: U
     async def scenario() -> None:
         pool = UpstreamPool(upstream.url)
         await _complete(pool, warm)  # a kept-alive connection in the pool: the next one reuses it
-        headers = [("x-call-id", call), ("x-test-mode", "close"), ("x-test-ttft", "0.3")]
+        headers = [(b"x-call-id", call.encode()), (b"x-test-mode", b"close"), (b"x-test-ttft", b"0.3")]
         with pytest.raises(UpstreamBroken, match="closed the connection"):
             await pool.open("POST", "/v1/completions", BODY, headers)
         assert not pool._idle
@@ -157,10 +157,12 @@ def test_an_idle_connection_the_upstream_closed_is_not_written_on(upstream: Upst
 
     async def scenario() -> tuple[object, bytes, object]:
         pool = UpstreamPool(upstream.url, max_idle_s=60)  # not expired: the poll must see it
-        _, used = await _complete(pool, first, ("x-test-keep-alive", "0.1"))
+        _, used = await _complete(pool, first, (b"x-test-keep-alive", b"0.1"))
         # NOTE: blocks the loop on purpose until the hang-up has reached the kernel, unseen by
         # the connection's protocol (the loop has not run since).
-        sock = pool._idle[0].socket
+        transport = pool._idle[0].transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
         assert sock is not None and select.select([sock], [], [], 10)[0]
         body, conn = await _complete(pool, second)
         pool.close()
