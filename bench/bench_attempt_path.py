@@ -20,13 +20,12 @@ import asyncio
 import statistics
 import time
 import uuid
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Callable
 
 import orjson
 
 from exporter.policy import Cancellation, Effect
-from exporter.proxy import Proxy, SubscriberResponse
+from exporter.proxy import Joined, Proxy, header_map
 from exporter.settings import ProxySettings
 
 BODY = orjson.dumps({"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 50, "stream": True})
@@ -39,32 +38,32 @@ class DecisionOnly(Proxy):
         return None
 
 
-def scope() -> MutableMapping[str, Any]:
-    headers = [
+def attempt(proxy: Proxy) -> None:
+    """One attempt, as both of the proxy's paths run it (``Proxy.attempt``), then its end."""
+    raw_headers = [
         (b"host", b"127.0.0.1:8100"),
         (b"content-type", b"application/json"),
         (b"content-length", str(len(BODY)).encode()),
         (b"x-call-id", uuid.uuid4().hex.encode()),
     ]
-    return {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    outcome = proxy.attempt("/v1/completions", header_map(raw_headers), raw_headers, BODY, proxy.now())
+    assert isinstance(outcome, Joined), "the attempt was not admitted"
+    proxy._complete(outcome.relay)
+    proxy.subscriber_delivered(outcome.subscription, proxy.now())
 
 
-async def receive() -> MutableMapping[str, Any]:
-    return {"type": "http.request", "body": BODY, "more_body": False}
+def nothing(proxy: Proxy) -> None:
+    """The reference: no work at all (what waking up costs whatever is done)."""
 
 
-async def timings(proxy: Proxy, gap_s: float, attempts: int) -> list[float]:
+async def timings(proxy: Proxy, work: Callable[[Proxy], None], gap_s: float, attempts: int) -> list[float]:
     out: list[float] = []
     for _ in range(attempts):
-        request = scope()
         if gap_s:
             await asyncio.sleep(gap_s)
         t0 = time.perf_counter_ns()
-        response = await proxy.generate_asgi(request, receive)
+        work(proxy)
         out.append((time.perf_counter_ns() - t0) / 1e3)
-        assert isinstance(response, SubscriberResponse), "the attempt was not admitted"
-        proxy._complete(response.relay)
-        proxy.subscriber_delivered(response.subscription, proxy.now())
     return out
 
 
@@ -75,14 +74,15 @@ def main() -> None:
     proxy = DecisionOnly(ProxySettings(upstream="http://127.0.0.1:9", cancellation=Cancellation.ON))
 
     async def run() -> None:
-        await timings(proxy, 0.0, 200)  # warm up
+        await timings(proxy, attempt, 0.0, 200)  # warm up
         for gap_s in (0.0, 0.0005, 0.002, 0.010):
-            xs = sorted(await timings(proxy, gap_s, args.attempts))
             label = "back to back" if not gap_s else f"after {gap_s * 1e3:g} ms idle"
-            print(
-                f"per-attempt work, {label:>18}: median {statistics.median(xs):6.1f} us,"
-                f" p90 {xs[int(0.9 * (len(xs) - 1))]:6.1f} us ({len(xs)} attempts)"
-            )
+            for name, work in (("per-attempt work", attempt), ("a no-op call", nothing)):
+                xs = sorted(await timings(proxy, work, gap_s, args.attempts))
+                print(
+                    f"{name:>16}, {label:>18}: median {statistics.median(xs):6.1f} us,"
+                    f" p90 {xs[int(0.9 * (len(xs) - 1))]:6.1f} us ({len(xs)} calls)"
+                )
 
     asyncio.run(run())
 
