@@ -1,16 +1,18 @@
 """How long the proxy's per-attempt work takes hot, and after the process has been idle.
 
 Run: ``python bench/bench_attempt_path.py`` (a few seconds). In one process, with no server and
-no upstream, it times ``Proxy.generate_asgi`` for a streaming completion with its own call id
-(reading the body, parsing, validation, the call key, the policy's decision, the relay and
-subscription): back to back, and after the event loop sat idle for 0.5, 2 and 10 ms before each
-attempt. The policy's effects (the upstream request) are not carried out, and each execution is
-completed and delivered right after its attempt, so the policy stays the same size throughout.
+no upstream, it times ``Proxy.attempt`` (the code both of the proxy's paths run) for a streaming
+completion with its own call id (parsing, validation, the call key, the policy's decision, the
+relay and subscription): back to back, and after the event loop sat idle for 0.5, 2 and 10 ms
+before each attempt; beside each, a no-op call timed the same way. The policy's effects (the
+upstream request) are not carried out, and each execution is completed and delivered right after
+its attempt, so the policy stays the same size throughout.
 
 A proxy in front of an engine sits idle between most requests. The gap between the hot figure
-and the idle ones is what the CPU's cold caches cost the same code: the part of the added time
-to first token (``bench/bench_proxy.py``) that no change to the work done per attempt can remove
-by making the hot loop faster.
+and the idle ones is what running the same code in a process that has just woken costs (cold
+caches, and on a virtual machine whatever the host did meanwhile); the no-op shows what waking
+alone costs. That gap is the part of the added time to first token (``bench/bench_proxy.py``)
+that grows with the work done per attempt, whatever the server.
 """
 
 from __future__ import annotations
