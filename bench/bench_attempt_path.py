@@ -40,32 +40,44 @@ class DecisionOnly(Proxy):
         return None
 
 
-def attempt(proxy: Proxy) -> None:
-    """One attempt, as both of the proxy's paths run it (``Proxy.attempt``), then its end."""
+Timed = tuple[float, Callable[[], None]]  # microseconds taken, and what ends it (untimed)
+
+
+def attempt(proxy: Proxy) -> Timed:
+    """One attempt, timed as both of the proxy's paths run it (``Proxy.attempt``, its headers
+    read into a map first); its end (completion and delivery) is left to the caller, untimed."""
     raw_headers = [
         (b"host", b"127.0.0.1:8100"),
         (b"content-type", b"application/json"),
         (b"content-length", str(len(BODY)).encode()),
         (b"x-call-id", uuid.uuid4().hex.encode()),
     ]
+    t0 = time.perf_counter_ns()
     outcome = proxy.attempt("/v1/completions", header_map(raw_headers), raw_headers, BODY, proxy.now())
+    elapsed_us = (time.perf_counter_ns() - t0) / 1e3
     assert isinstance(outcome, Joined), "the attempt was not admitted"
-    proxy._complete(outcome.relay)
-    proxy.subscriber_delivered(outcome.subscription, proxy.now())
+
+    def end() -> None:
+        proxy._complete(outcome.relay)
+        proxy.subscriber_delivered(outcome.subscription, proxy.now())
+
+    return elapsed_us, end
 
 
-def nothing(proxy: Proxy) -> None:
-    """The reference: no work at all (what waking up costs whatever is done)."""
+def nothing(proxy: Proxy) -> Timed:
+    """The reference: no work at all, timed the same way (what waking alone costs)."""
+    t0 = time.perf_counter_ns()
+    return (time.perf_counter_ns() - t0) / 1e3, lambda: None
 
 
-async def timings(proxy: Proxy, work: Callable[[Proxy], None], gap_s: float, attempts: int) -> list[float]:
+async def timings(proxy: Proxy, work: Callable[[Proxy], Timed], gap_s: float, attempts: int) -> list[float]:
     out: list[float] = []
     for _ in range(attempts):
         if gap_s:
             await asyncio.sleep(gap_s)
-        t0 = time.perf_counter_ns()
-        work(proxy)
-        out.append((time.perf_counter_ns() - t0) / 1e3)
+        elapsed_us, end = work(proxy)
+        out.append(elapsed_us)
+        end()
     return out
 
 
