@@ -154,12 +154,8 @@ class Exchange:
 
     def resume(self) -> None:
         """New bytes in the relay, its end, or the client's transport resumed writing: catch up
-        from the relay. (Once per relayed chunk: the guard is written out here.)"""
-        try:
-            self._pump()
-        except Exception:
-            log.exception("generation request failed in the proxy")
-            self._fault()
+        from the relay."""
+        self._guard(self._pump)
 
     def client_gone(self) -> None:
         """The client's connection was lost."""

@@ -12,9 +12,9 @@ the pool if its response was read to the end, else it is closed.
 
 Cancelling (``abort``) closes the connection before the end of the response: the engine sees the
 disconnect and aborts the request. What each outcome means for the policy and the relay is the
-proxy's (``Proxy._first_token``, ``_complete``, ``_end_with_error``, ``_first_event_is_error``,
-``_stream_sink``); this module only drives it. Every entry point is guarded: a fault in the proxy
-fails the execution with a 502 its subscribers read, and is logged.
+proxy's (``Proxy._sink``, ``_complete``, ``_end_with_error``, ``_first_event_is_error``); this
+module only drives it. Every entry point is guarded: a fault in the proxy fails the execution
+with a 502 its subscribers read, and is logged.
 """
 
 from __future__ import annotations
@@ -179,17 +179,7 @@ class Execution:
             self.state = _FIRST_EVENT
             return
         self.state = _BODY
-        first = True
-        append = relay.append
-
-        def sink(data: bytes) -> None:
-            nonlocal first
-            append(data)  # written to the subscribers first, then accounted
-            if first:
-                first = False
-                proxy._first_token(relay)
-
-        self._forward(conn, sink)
+        self._forward(conn, proxy._sink(relay))
 
     def _forward(self, conn: _Connection, sink: Callable[[bytes], None]) -> None:
         """From now on each body chunk goes from the parser's callback straight to ``sink``.
@@ -242,7 +232,7 @@ class Execution:
             return
         self._pending = []
         proxy, relay = self.proxy, self.relay
-        sink = proxy._stream_sink(relay)
+        sink = proxy._sink(relay)
         if pending:
             cut = pending.find(b"\n\n")
             if proxy._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):

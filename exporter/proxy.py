@@ -487,10 +487,10 @@ class Proxy:
 
     # --- one execution's upstream request (driven by ``exporter.execution``) -----------------
 
-    def _stream_sink(self, relay: Relay) -> Callable[[bytes], None]:
-        """The per-chunk path of a stream from its first event on: append to the relay (which
-        writes the chunk to its subscribers); after the first, account the first token; at
-        ``data: [DONE]`` complete the execution at once.
+    def _sink(self, relay: Relay) -> Callable[[bytes], None]:
+        """The per-chunk path of an execution's response body from its first bytes on: append
+        to the relay (which writes a stream's chunk to its subscribers); after the first, account
+        the first token; in a stream, at ``data: [DONE]`` complete the execution at once.
 
         NOTE: the first token is accounted after it was written to the subscribers, not before:
         the accounting is off the time to first token.
@@ -502,6 +502,7 @@ class Proxy:
         the completion in the same callback that appends ``[DONE]``, before any subscriber can
         read it."""
         append = relay.append
+        stream = relay.stream
         n = len(sse.DONE_EVENT)
         last = b""  # the stream's last bytes, enough to see a [DONE] split across chunks
         first = True
@@ -512,6 +513,8 @@ class Proxy:
             if first:
                 first = False
                 self._first_token(relay)
+            if not stream:
+                return
             last = data if len(data) >= n else (last + data)[-n:]
             if last.endswith(sse.DONE_EVENT) and relay.outcome is None:
                 self._complete(relay)

@@ -106,11 +106,7 @@ class Relay:
         self.chunks += 1
         if len(self._tail) >= BLOCK_BYTES:
             self._seal_tail()
-        subscriptions = self.subscriptions
-        if len(subscriptions) == 1:  # the usual case, without a copy per chunk
-            next(iter(subscriptions.values())).wake()
-            return
-        for sub in list(subscriptions.values()):  # a wake may unsubscribe
+        for sub in list(self.subscriptions.values()):
             sub.wake()
 
     def finish(self, outcome: Outcome, error: tuple[int, bytes] | None = None) -> None:

@@ -204,8 +204,7 @@ class _Connection(asyncio.Protocol):
             if self.error is None:
                 self.error = UpstreamBroken(f"malformed upstream response: {exc}")
             self.close()
-        if self.waiter is not None:
-            self._wake()
+        self._wake()
         if self.listener is not None:
             self.listener()
 
