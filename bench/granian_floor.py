@@ -24,7 +24,7 @@ from typing import Any
 
 from asgi_floor import Floor
 
-from exporter.upstream import UpstreamPool
+from exporter.upstream import UpstreamPool, forwardable_headers
 
 UPSTREAM_ENV = "FLOOR_UPSTREAM"
 
@@ -51,11 +51,9 @@ class RsgiFloor:
         if scope.method != "POST" or self.pool is None:
             protocol.response_empty(200, [])
             return
-        headers = [
-            (k.lower().encode("latin-1"), v.encode("latin-1"))
-            for k, v in scope.headers.items()
-            if k.lower() not in _DROP
-        ]
+        headers = forwardable_headers(
+            [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in scope.headers.items()]
+        )
         response = await self.pool.open("POST", scope.path, body, headers)
         try:
             content_type = response.headers.get("content-type", "application/octet-stream")
@@ -64,26 +62,6 @@ class RsgiFloor:
                 await transport.send_bytes(chunk)
         finally:
             await response.aclose()
-
-
-# The request headers exporter.upstream.forwardable_headers drops (it takes ASGI's byte pairs).
-_DROP = frozenset(
-    {
-        "host",
-        "content-length",
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "accept-encoding",
-        "expect",
-    }
-)
 
 
 def asgi() -> Floor:

@@ -37,24 +37,8 @@ from urllib.parse import urlsplit
 import httptools
 import uvloop
 
-# Request headers not forwarded upstream (hop by hop, or set by the forwarder itself).
-DROP_REQUEST_HEADERS = frozenset(
-    {
-        b"host",
-        b"content-length",
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"accept-encoding",
-        b"expect",
-    }
-)
+from exporter.upstream import forwardable_headers
+
 # Response headers not relayed to the client (the framing is the forwarder's own).
 DROP_RESPONSE_HEADERS = frozenset(
     {
@@ -212,7 +196,7 @@ class UpstreamPool:
             method + b" " + target + b" HTTP/1.1\r\nhost: " + self.host_header,
             b"content-length: " + str(len(body)).encode(),
         ]
-        parts.extend(n + b": " + v for n, v in headers if n not in DROP_REQUEST_HEADERS)
+        parts.extend(n + b": " + v for n, v in forwardable_headers(headers))
         return b"\r\n".join(parts) + b"\r\n\r\n" + body
 
     def send(self, exchange: Exchange, request: bytes) -> None:
