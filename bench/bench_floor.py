@@ -14,7 +14,12 @@ targets are stated in:
   upstream (``tests/exporter/upstream.py``); during a path's phase the background streams and the
   probes go through it, and the CPU time of its processes (from /proc, the process and its
   children) over the phase's measured window is divided by the chunks relayed through it in that
-  window (SSE events counted by the clients).
+  window (SSE events counted by the clients);
+* with ``--pin``, each path runs on a core of its own (the last one), the clients and the upstream
+  on the others: the proxy as it runs beside a GPU engine, on a machine with cores to spare,
+  instead of taking turns on one core with the processes it serves (on a 2-core machine a
+  socket write's wake-up puts the woken process behind the writer on its CPU). nginx is pinned
+  the same way.
 
 Paths (``--paths``, comma-separated):
 
@@ -32,8 +37,12 @@ Paths (``--paths``, comma-separated):
   cycle bypassed for generation POSTs only (``bench/uvicorn_bypass.py``);
 * ``protocol-attempt``: ``protocol-floor`` plus the proxy's per-attempt work in callbacks
   (``bench/protocol_attempt.py``);
+* ``proxy-baseline``: ``retrywatch proxy`` run from another checkout's sources (``--baseline``,
+  e.g. a ``git worktree`` of the last commit), to measure a change beside what it changes;
 * diagnostics, not in the default set: ``proxy-probe`` (the proxy with the event-loop stall probe
-  of ``bench/loop_stalls.py``; its summary is printed at the end), ``proxy-nogc`` (the garbage
+  of ``bench/loop_stalls.py``; its summary is printed at the end), ``proxy-steps`` (the proxy with
+  the steps of a request's path timed, wall and CPU, by ``bench/step_times.py``; its summary is
+  printed at the end, its latency figures are not the proxy's), ``proxy-nogc`` (the garbage
   collector disabled after start-up), ``proxy-gc10k`` (its youngest generation collected every
   10,000 allocations instead of 700), ``proxy-nosampler`` (no per-second sampling or upstream
   ``/metrics`` refresh), ``proxy-quiet`` (both), ``proxy-census`` (the cyclic garbage kept and
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -90,9 +100,10 @@ DEFAULT_PATHS = (
     "uvicorn-bypass",
     "protocol-attempt",
 )
-REPLAY_PATHS = ("proxy", "protocol-attempt")  # the paths that keep executions and replays
+REPLAY_PATHS = ("proxy", "proxy-baseline", "protocol-attempt")  # the paths that keep executions and replays
 DIAGNOSTIC_PATHS = (
     "proxy-probe",
+    "proxy-steps",
     "proxy-nogc",
     "proxy-gc10k",
     "proxy-nosampler",
@@ -199,6 +210,27 @@ def machine_busy_s() -> float:
     return (sum(values[:8]) - idle) / CLK_TCK
 
 
+def split_cores() -> tuple[set[int], set[int]]:
+    """``--pin``: the cores for everything else (the clients, the upstream), and the core of the
+    path under test (the last one this process may use)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs at least two cores")
+    return set(cores[:-1]), {cores[-1]}
+
+
+def pin(pids: list[int], cores: set[int]) -> None:
+    """Every thread of these processes on ``cores``."""
+    for pid in pids:
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            with contextlib.suppress(OSError):  # a thread that has just ended
+                os.sched_setaffinity(int(tid), cores)
+
+
 def raise_fd_limit(need: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
@@ -256,11 +288,20 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
     commands: dict[str, list[str]] = {
         "nginx": ["nginx", "-p", workdir, "-c", os.path.join(workdir, "nginx.conf"), "-e", "stderr"],
         "proxy": [py, "-m", "retrywatch", "proxy", *proxy_args],
+        "proxy-baseline": [py, "-m", "retrywatch", "proxy", *proxy_args],  # run from --baseline
         "proxy-probe": [
             *stalls,
             "--probe",
             "--report",
             os.path.join(workdir, "stalls.json"),
+            "--",
+            *proxy_args,
+        ],
+        "proxy-steps": [
+            py,
+            os.path.join(BENCH, "step_times.py"),
+            "--report",
+            os.path.join(workdir, "steps.json"),
             "--",
             *proxy_args,
         ],
@@ -288,8 +329,11 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
     return commands[name], env
 
 
-def start_path(name: str, upstream_port: int, upstream_pid: int, root: str) -> Path | None:
-    """Start a path's process; None (and a line saying why) if its server is not installed."""
+def start_path(
+    name: str, upstream_port: int, upstream_pid: int, root: str, baseline: str | None
+) -> Path | None:
+    """Start a path's process; None (and a line saying why) if its server is not installed.
+    ``proxy-baseline`` runs from the checkout ``baseline`` (its modules shadow this one's)."""
     if name == "direct":
         return Path(name, upstream_port, root_pid=upstream_pid)
     port = free_port()
@@ -304,7 +348,12 @@ def start_path(name: str, upstream_port: int, upstream_pid: int, root: str) -> P
         with open(os.path.join(workdir, "nginx.conf"), "w") as f:
             f.write(NGINX_CONF.format(d=workdir, upstream=upstream_port, port=port))
     log = pathlib.Path(workdir) / "output.log"
-    proc = ManagedProcess(command, log_path=log, bound_s=None, env=env, cwd=ROOT, name=name).start()
+    cwd = ROOT
+    if name == "proxy-baseline":
+        if baseline is None:
+            raise SystemExit("the path proxy-baseline needs --baseline CHECKOUT")
+        cwd = pathlib.Path(baseline).resolve()
+    proc = ManagedProcess(command, log_path=log, bound_s=None, env=env, cwd=cwd, name=name).start()
     assert proc.pid is not None
     return Path(name, port, proc, workdir, proc.pid)
 
@@ -653,6 +702,13 @@ def print_diagnostics(paths: list[Path], figures: dict[str, PathFigures]) -> Non
             with open(stalls) as f:
                 print("\nevent-loop stalls of the proxy (proxy-probe), in its measured windows:")
                 print(summarize(json.load(f), figures[path.name].windows))
+        steps = os.path.join(path.workdir, "steps.json")
+        if path.name == "proxy-steps" and os.path.exists(steps):
+            from step_times import summarize as summarize_steps
+
+            with open(steps) as f:
+                print("\nthe steps of a request's path in the proxy (proxy-steps), over its run:")
+                print(summarize_steps(json.load(f)))
         census = os.path.join(path.workdir, "census.json")
         if path.name == "proxy-census" and os.path.exists(census):
             with open(census) as f:
@@ -679,14 +735,29 @@ def main() -> None:
         help="live executions held when measuring the RSS of the paths that keep replays (0: skip)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the paths' logs and reports, and say where")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the path under test on a core of its own, the clients and the upstream on the others",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="another checkout of this repository: adds the path proxy-baseline, its proxy",
+    )
     parser.add_argument("--load-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_worker:
         uvloop.run(load_worker(args.streams))
         return
     names = [n.strip() for n in args.paths.split(",") if n.strip()]
+    if args.baseline and "proxy-baseline" not in names:
+        names.append("proxy-baseline")
     if "direct" not in names:
         names.insert(0, "direct")
+    others, own_core = split_cores() if args.pin else (set(), set())
+    if args.pin:
+        os.sched_setaffinity(0, others)  # the upstream and the load process inherit it
     root = tempfile.mkdtemp(prefix="bench-floor-")
     upstream_port = free_port()
     upstream = ManagedProcess(
@@ -701,7 +772,7 @@ def main() -> None:
     load: LoadProcess | None = None
     try:
         wait_http(f"http://127.0.0.1:{upstream_port}/health")
-        started = (start_path(name, upstream_port, upstream.pid, root) for name in names)
+        started = (start_path(name, upstream_port, upstream.pid, root, args.baseline) for name in names)
         paths = [p for p in started if p is not None]
         for path in paths:
             wait_http(f"http://127.0.0.1:{path.port}/health")
@@ -709,12 +780,20 @@ def main() -> None:
         own = [os.getpid(), upstream.pid, load.proc.pid]
         for path in paths:
             path.refresh_pids()
+            if args.pin and path.name != "direct":
+                pin(path.pids, own_core)
         phase_s = args.window + STREAM_CHUNKS * CHUNK_INTERVAL_S + 0.3
         print(
             f"machine: {os.cpu_count()} cores; load average {load_average()} at the start;"
             f" {len(paths)} paths x {args.rounds} rounds x {phase_s:.1f} s;"
             f" {args.streams} background streams ({STREAM_CHUNKS} chunks at {CHUNK_INTERVAL_S * 1e3:g} ms),"
-            f" a probe every {PROBE_INTERVAL_S * 1e3:g} ms",
+            f" a probe every {PROBE_INTERVAL_S * 1e3:g} ms"
+            + (
+                f"; each path on core {min(own_core)}, the clients and the upstream on"
+                f" {', '.join(map(str, sorted(others)))}"
+                if args.pin
+                else ""
+            ),
             flush=True,
         )
         figures = measure(paths, load, args.rounds, args.window, own)

@@ -435,10 +435,23 @@ def install(
     logging.Handler.handle = recorder.timed("logging", logging.Handler.handle)  # type: ignore[method-assign]
 
 
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A launcher's own options, and those of ``retrywatch proxy`` (after ``--``)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def run_proxy(proxy_args: list[str]) -> None:
+    """``retrywatch proxy`` in this process, its probes installed already."""
+    from retrywatch.cli import main as retrywatch
+
+    retrywatch(args=["proxy", *proxy_args], prog_name="retrywatch")
+
+
 def main() -> None:
-    argv = sys.argv[1:]
-    proxy_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, proxy_args = split_argv(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", help="where to write the JSON report at exit")
     parser.add_argument("--probe", action="store_true", help="install the stall probe")
@@ -469,9 +482,7 @@ def main() -> None:
                 json.dump(report, f)
 
         atexit.register(write)
-    from retrywatch.cli import main as retrywatch
-
-    retrywatch(args=["proxy", *proxy_args], prog_name="retrywatch")
+    run_proxy(proxy_args)
 
 
 if __name__ == "__main__":
