@@ -133,13 +133,19 @@ def test_stall_probe_reports_heartbeats_and_collections(upstream: Upstream, tmp_
 SMALL_SCENARIO = ("--rounds", "1", "--window", "1", "--streams", "5", "--memory", "0")
 
 
-def test_bench_floor_runs_a_small_scenario() -> None:
-    out = bench_output("bench_floor.py", "--paths", "protocol-floor", *SMALL_SCENARIO)
+def test_bench_floor_runs_a_small_scenario_beside_a_baseline_checkout() -> None:
+    pin = ("--pin",) if len(os.sched_getaffinity(0)) >= 2 else ()
+    paths = ("--paths", "protocol-floor,proxy-steps", "--baseline", str(BENCH.parent))
+    out = bench_output("bench_floor.py", *paths, *pin, *SMALL_SCENARIO)
     rows = {
-        line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("direct", "protocol"))
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.startswith(("direct", "protocol", "proxy"))
     }
-    assert set(rows) == {"direct", "protocol-floor"}
+    assert set(rows) == {"direct", "protocol-floor", "proxy-steps", "proxy-baseline"}
     assert int(rows["protocol-floor"][1]) >= 40  # probes taken through it in one 1-s window
+    assert ("each path on core" in out.splitlines()[0]) == bool(pin)
+    assert "the steps of a request's path in the proxy (proxy-steps)" in out
     assert "failed" not in out
 
 
@@ -156,16 +162,6 @@ def test_step_timer_times_each_step_of_a_request(upstream: Upstream, tmp_path: P
     summary = bench_output("step_times.py", "--summarize", str(report))
     names = [line.split()[0] for line in summary.splitlines()[1:]]
     assert names.index("Proxy.attempt") < names.index("parse_body") < names.index("Execution._first_event")
-
-
-def test_bench_floor_runs_a_baseline_checkout_and_the_step_timer_each_on_a_core() -> None:
-    args = ("--paths", "proxy-steps", "--baseline", str(BENCH.parent), "--pin")
-    out = bench_output("bench_floor.py", *args, *SMALL_SCENARIO)
-    assert "each path on core" in out.splitlines()[0]
-    rows = {line.split()[0] for line in out.splitlines() if line.startswith(("direct", "proxy"))}
-    assert {"direct", "proxy-steps", "proxy-baseline"} <= rows
-    assert "the steps of a request's path in the proxy (proxy-steps)" in out
-    assert "failed" not in out
 
 
 def test_pin_puts_every_thread_of_a_process_tree_on_the_given_cores() -> None:
