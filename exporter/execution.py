@@ -133,8 +133,8 @@ class Execution:
             return
         self.state = _HEAD
         conn.listener = self._on_upstream
-        headers = [*request.headers, (b"accept-encoding", b"identity")]
-        conn.transport.write(self.proxy.pool.request_bytes("POST", request.path, request.body, headers))
+        pool = self.proxy.pool
+        conn.transport.write(pool.request_bytes("POST", request.path, request.body, request.headers))
 
     # --- the response, in the connection's callbacks -------------------------------------------
 

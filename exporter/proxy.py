@@ -696,7 +696,7 @@ class Proxy:
             body = await self._read_body(request)
         except RequestError as exc:
             return _json_response(exc.status, exc.body())
-        headers = [*forwardable_headers(request.scope["headers"]), (b"accept-encoding", b"identity")]
+        headers = forwardable_headers(request.scope["headers"])
         # NOTE: the path exactly as the client wrote it (percent-escapes kept), not rebuilt: a URL
         # rebuilt from the request takes its authority from the Host header, which older
         # Starlettes did not check (``Host: x/sleep?`` made the path /sleep), and decodes ``%2F``.

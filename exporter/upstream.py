@@ -28,7 +28,8 @@ import httptools
 import httpx
 
 # Request headers never forwarded upstream: hop-by-hop ones, those httpx sets itself, and
-# Accept-Encoding (the proxy relays raw bytes and inspects the first SSE event).
+# Accept-Encoding (the proxy relays raw bytes and inspects the first SSE event: every request it
+# sends asks for ``_IDENTITY`` instead).
 _DROP_REQUEST_HEADERS = frozenset(
     {
         b"host",
@@ -48,6 +49,7 @@ _DROP_REQUEST_HEADERS = frozenset(
         b"expect",
     }
 )
+_IDENTITY = (b"accept-encoding", b"identity")  # on every upstream request: the body unencoded
 # Longest a kept-alive upstream connection is reused after its last response: below the
 # upstream's own keep-alive timeout (5 s in uvicorn, which serves vLLM), so the upstream does not
 # close a connection just as a request is written on it. Both clients use it; the proxy's
@@ -104,11 +106,14 @@ class UpstreamClient:
     async def open(
         self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]], query: bytes = b""
     ) -> httpx.Response:
-        """Send a request and return the response with its body still unread (a stream)."""
+        """Send a request (asking for ``_IDENTITY``) and return the response with its body still
+        unread (a stream)."""
         # NOTE: as bytes, as they arrived: httpx encodes str header values as ASCII, and a value
         # with obs-text (bytes 0x80-0xff, which HTTP allows and clients send) raised inside the
         # proxy, answering a client's header with a 500.
-        request = self.client.build_request(method, self.url(path, query), content=body, headers=headers)
+        request = self.client.build_request(
+            method, self.url(path, query), content=body, headers=[*headers, _IDENTITY]
+        )
         return await self.client.send(request, stream=True)
 
     async def aclose(self) -> None:
@@ -398,12 +403,13 @@ class UpstreamPool:
         return conn
 
     def request_bytes(self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-        """A request, head and body, as written on a connection of this pool."""
+        """A request, head and body, as written on a connection of this pool (asking for
+        ``_IDENTITY``)."""
         head = [
             b"%b %b%b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n"
             % (method.encode(), self.prefix, path.encode("latin-1"), self.host_header, len(body))
         ]
-        head.extend(b"%b: %b\r\n" % pair for pair in headers)
+        head.extend(b"%b: %b\r\n" % pair for pair in (*headers, _IDENTITY))
         head.append(b"\r\n")
         head.append(body)
         return b"".join(head)
@@ -434,7 +440,7 @@ class UpstreamPool:
         ``/metrics``), within ``timeout_s`` in all. Raises ``UpstreamError`` for a failure or a
         status other than 200, ``TimeoutError`` past the bound."""
         async with asyncio.timeout(timeout_s):
-            response = await self.open("GET", path, b"", [(b"accept-encoding", b"identity")])
+            response = await self.open("GET", path, b"", [])
             try:
                 parts: list[bytes] = []
                 while (chunk := await response.read_chunk()) is not None:

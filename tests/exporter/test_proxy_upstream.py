@@ -80,6 +80,24 @@ def _finished(p: RunningProxy, fate: str) -> float:
     return p.metrics()[("retrywatch_executions_finished_total", (("fate", fate),))]
 
 
+# --- Accept-Encoding ---------------------------------------------------------------------------
+
+
+def test_the_upstream_is_asked_for_an_unencoded_body_whatever_the_client_accepts(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    """The proxy relays the engine's bytes as they come and reads the first SSE event: the
+    client's Accept-Encoding is not forwarded, and every upstream request asks for identity."""
+    p = start_proxy()
+    for stream in (True, False):
+        call = uuid.uuid4().hex
+        headers = {"x-call-id": call, "accept-encoding": "gzip, br"}
+        r = httpx.post(f"{p.url}/v1/completions", json=_body(3, stream), headers=headers, timeout=30)
+        assert r.status_code == 200
+        assert "content-encoding" not in r.headers
+        assert upstream.requests(call_id=call)[0]["accept_encoding"] == "identity"
+
+
 # --- Expect: 100-continue -----------------------------------------------------------------------
 
 

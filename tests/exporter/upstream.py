@@ -169,6 +169,7 @@ class RequestRecord:
     call_id: str | None
     tag: str | None
     expect: str | None  # the Expect header as received (a proxy should not forward it)
+    accept_encoding: str | None  # the Accept-Encoding header as received
     stream: bool
     prompt_tokens: int
     max_tokens: int
@@ -342,6 +343,7 @@ class TestUpstream:
             call_id=_header_text(headers, b"x-call-id"),
             tag=_header_text(headers, b"x-test-tag"),
             expect=_header_text(headers, b"expect"),
+            accept_encoding=_header_text(headers, b"accept-encoding"),
             stream=False,
             prompt_tokens=0,
             max_tokens=0,
