@@ -288,7 +288,6 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
     commands: dict[str, list[str]] = {
         "nginx": ["nginx", "-p", workdir, "-c", os.path.join(workdir, "nginx.conf"), "-e", "stderr"],
         "proxy": [py, "-m", "retrywatch", "proxy", *proxy_args],
-        "proxy-baseline": [py, "-m", "retrywatch", "proxy", *proxy_args],  # run from --baseline
         "proxy-probe": [
             *stalls,
             "--probe",
@@ -324,6 +323,7 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
         "uvicorn-bypass": [py, os.path.join(BENCH, "uvicorn_bypass.py"), *proxy_args],
         "protocol-attempt": [py, os.path.join(BENCH, "protocol_attempt.py"), *proxy_args],
     }
+    commands["proxy-baseline"] = commands["proxy"]  # run from the --baseline checkout (start_path)
     if name not in commands:
         raise SystemExit(f"unknown path {name!r}; known: direct, {', '.join(commands)}")
     return commands[name], env
