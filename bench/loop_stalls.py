@@ -450,10 +450,37 @@ def run_proxy(proxy_args: list[str]) -> None:
     retrywatch(args=["proxy", *proxy_args], prog_name="retrywatch")
 
 
-def main() -> None:
-    own, proxy_args = split_argv(sys.argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_launcher(
+    parser: argparse.ArgumentParser, summarize: Callable[[Any], str]
+) -> tuple[argparse.Namespace, list[str]] | None:
+    """A launcher's own options (``--report`` and ``--summarize`` added to ``parser``'s) and those
+    of ``retrywatch proxy``; None once ``--summarize`` printed a report's summary."""
     parser.add_argument("--report", help="where to write the JSON report at exit")
+    parser.add_argument("--summarize", metavar="REPORT", help="print the summary of a report and exit")
+    own, proxy_args = split_argv(sys.argv[1:])
+    args = parser.parse_args(own)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summarize(json.load(f)))
+        return None
+    return args, proxy_args
+
+
+def report_at_exit(path: str | None, make: Callable[[], Any]) -> None:
+    """Write ``make()`` as JSON to ``path`` when the proxy exits (nothing when no path)."""
+    if path is None:
+        return
+    path = os.path.abspath(path)
+
+    def write() -> None:
+        with open(path, "w") as f:
+            json.dump(make(), f)
+
+    atexit.register(write)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe", action="store_true", help="install the stall probe")
     parser.add_argument("--no-gc", action="store_true", help="disable the garbage collector after start-up")
     parser.add_argument(
@@ -461,27 +488,23 @@ def main() -> None:
     )
     parser.add_argument("--gc-threshold", type=int, help="the youngest generation's collection threshold")
     parser.add_argument("--census", action="store_true", help="keep the cyclic garbage and count it by type")
-    parser.add_argument("--summarize", metavar="REPORT", help="print the summary of a report and exit")
-    args = parser.parse_args(own)
-    if args.summarize:
-        with open(args.summarize) as f:
-            print(summarize(json.load(f)))
+    parsed = parse_launcher(parser, summarize)
+    if parsed is None:
         return
+    args, proxy_args = parsed
     recorder = Recorder() if args.probe else None
     install(recorder, args.no_gc, args.no_sampler, args.census, args.gc_threshold)
-    if (recorder is not None or args.census) and args.report:
-        path = os.path.abspath(args.report)
-        started = time.perf_counter()
+    started = time.perf_counter()
 
-        def write() -> None:
-            report = recorder.report() if recorder is not None else {}
-            if args.census:
-                report["garbage_census"] = census()
-                report["census_seconds"] = time.perf_counter() - started
-            with open(path, "w") as f:
-                json.dump(report, f)
+    def report() -> dict[str, Any]:
+        out = recorder.report() if recorder is not None else {}
+        if args.census:
+            out["garbage_census"] = census()
+            out["census_seconds"] = time.perf_counter() - started
+        return out
 
-        atexit.register(write)
+    if recorder is not None or args.census:
+        report_at_exit(args.report, report)
     run_proxy(proxy_args)
 
 

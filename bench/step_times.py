@@ -23,17 +23,13 @@ steps.json`` prints the summary.
 from __future__ import annotations
 
 import argparse
-import atexit
-import json
-import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from loop_stalls import run_proxy, split_argv
+from loop_stalls import parse_launcher, report_at_exit, run_proxy
 
 # (module, owner or None for a module-level function, attribute, depth): the request's path in
 # the order a request meets it; depth says what includes what (a step at depth d is part of the
@@ -116,25 +112,13 @@ def summarize(timings: dict[str, list[list[int]]]) -> str:
 
 
 def main() -> None:
-    own, proxy_args = split_argv(sys.argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report", help="where to write the JSON report at exit")
-    parser.add_argument("--summarize", metavar="REPORT", help="print the summary of a report and exit")
-    args = parser.parse_args(own)
-    if args.summarize:
-        with open(args.summarize) as f:
-            print(summarize(json.load(f)))
+    parsed = parse_launcher(argparse.ArgumentParser(description=__doc__.splitlines()[0]), summarize)
+    if parsed is None:
         return
+    args, proxy_args = parsed
     timings: Timings = defaultdict(list)
     install(timings)
-    if args.report:
-        path = os.path.abspath(args.report)
-
-        def write() -> None:
-            with open(path, "w") as f:
-                json.dump(timings, f)
-
-        atexit.register(write)
+    report_at_exit(args.report, lambda: timings)
     run_proxy(proxy_args)
 
 
