@@ -5,6 +5,7 @@ Three measurements, none of which feeds the presets or any threshold::
     .venv/bin/python bench/sim_fidelity.py throughput      # drain throughput against Ĉ, preemptions
     .venv/bin/python bench/sim_fidelity.py windows DIR     # what holds recovery back, per run
     .venv/bin/python bench/sim_fidelity.py edge DIR        # engine cap Q = 338 at the deadline's edge
+    .venv/bin/python bench/sim_fidelity.py window DIR...   # the loop alert over shorter rate windows
 
 ``throughput``: per preset, the completion rate under a sustained 2 Ĉ load (the engine's most,
 with a full running batch and a long queue: what drains a pulse's backlog) in multiples of Ĉ,
@@ -13,7 +14,9 @@ and preemptions in one saturated calibration stage with vLLM's full-sequence adm
 reproduce output DIR, the hold windows before its recovery that delivered at least 98 % of their
 calls within the deadline yet failed the rule's queue conditions, with their mean waiting
 queue. ``edge``: the loop alert's signals 103, 118 and 148 s after the pulse's end in every
-engine-cap-338 run of DIR, by outcome.
+engine-cap-338 run of DIR, by outcome. ``window``: the loop alert replayed over every run of
+each DIR with the detector's rate window and with shorter ones (``--rate-s``): recall, lead
+after the pulse's end (median / max), and the recovered runs in which it fired.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from detector.signals import SignalConfig, SignalEngine
+from detector.signals import WINDOWS, SignalConfig, SignalEngine
 from detector.sources.replay import load_snapshots
+from detector.validate import RETRY_LOOP, RunResult, load_runs, replay_firings, score_alert
 from reproduce.engine import EngineConfig, EngineModel, EngineRequest, EventKind, preset
 from reproduce.engine.presets import PRESET_NAMES, preset_capacity
 from reproduce.engine.process import EngineProcess
@@ -134,6 +138,26 @@ def edge(out: Path) -> None:
         print(f"{condition} | {recovered} | {created:.2f} | " + " | ".join(cells))
 
 
+def window(outs: list[Path], rates_s: list[float]) -> None:
+    print("DIR | rate window (s) | recall | lead median / max (s) | recovered runs it fired in")
+    for out in outs:
+        infos = load_runs(out)
+        for rate_s in rates_s:
+            windows = dataclasses.replace(WINDOWS, rate_s=rate_s)
+            results = [RunResult(info, replay_firings(info, windows)) for info in infos]
+            score = score_alert(RETRY_LOOP, results)
+            fired = [
+                r.info.slug
+                for r in results
+                if r.info.recovered and any(f.alertname == RETRY_LOOP for f in r.firings)
+            ]
+            lead = score["lead_time_s"]
+            print(
+                f"{out} | {rate_s:g} | {score['recall']} | {lead['median']} / {lead['max']} |"
+                f" {len(fired)}{': ' + ', '.join(fired) if fired else ''}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -142,11 +166,18 @@ def main() -> None:
     sub.add_parser("throughput")
     for name in ("windows", "edge"):
         sub.add_parser(name).add_argument("out", type=Path, help="a reproduce output folder")
+    rates = sub.add_parser("window")
+    rates.add_argument("outs", type=Path, nargs="+", help="reproduce output folders")
+    rates.add_argument(
+        "--rate-s", type=float, nargs="+", default=[WINDOWS.rate_s, 30.0], help="rate windows (s)"
+    )
     args = parser.parse_args()
     if args.what == "throughput":
         throughput()
     elif args.what == "windows":
         windows(args.out)
+    elif args.what == "window":
+        window(args.outs, args.rate_s)
     else:
         edge(args.out)
 

@@ -18,8 +18,13 @@ from exporter import metricnames as mn
 from exporter.ratios import PROMPT_TOKEN_GAP, Ratio
 from exporter.timeseries import Snapshot, read_series
 
-RATE_WINDOW_S = 30.0
+RATE_WINDOW_S = 30.0  # at the study's scale
 MAX_RUNS = 5000
+
+
+def time_scale(run: Mapping[str, Any]) -> float:
+    """The run's time scale K (``reproduce --time-scale``): every duration of it divided by K."""
+    return float(run.get("time_scale") or 1.0)
 
 
 @dataclass
@@ -39,13 +44,14 @@ class RunsDir:
         if key in self.alerts:
             return self.alerts[key], "validation.json"
         if key not in self._replayed:
-            from detector.replay import replay_run  # lazy: only for runs not yet validated
+            from detector.replay import replay_reproduce_run  # lazy: only for runs not yet validated
 
             capacity, deadline = run.get("capacity"), run.get("deadline_s")
-            episodes = replay_run(
+            episodes = replay_reproduce_run(
                 self.series_path(run),
                 None if capacity is None else float(capacity),
                 None if deadline is None else float(deadline),
+                time_scale(run),
             )
             self._replayed[key] = [
                 {
@@ -193,4 +199,5 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
         snapshots,
         capacity=None if capacity is None else float(capacity),
         deadline_s=None if deadline is None else float(deadline),
+        window_s=RATE_WINDOW_S / time_scale(run),  # a scaled run's durations are all divided by K
     )

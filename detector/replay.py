@@ -1,8 +1,9 @@
-"""``replay_run``: a reproduce run's series through the detector, as fast as possible.
+"""``replay_run``: a reproduce run's series through the detector, as fast as possible;
+``replay_reproduce_run``: one run of a reproduce output folder, the way ``retrywatch reproduce
+validate`` and the dashboard's runs page judge it.
 
-The public entry point ``retrywatch reproduce validate`` builds on. Evaluation happens on the
-replay clock: at every snapshot (or on a fixed grid with ``interval``), times in seconds from
-the run's start.
+Evaluation happens on the replay clock: at every snapshot (or on a fixed grid with
+``interval``), times in seconds from the run's start.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from pathlib import Path
 
 from detector.episodes import AlertEpisode, EpisodeLog
 from detector.evaluator import Evaluator
-from detector.signals import SignalConfig, SignalEngine
+from detector.signals import WINDOWS, SignalConfig, SignalEngine, Windows
 from detector.sources.replay import load_snapshots
 from detector.thresholds import ALERTS, AlertRule
+from exporter import metricnames as mn
+from exporter.timeseries import read_series
 
 
 def replay_run(
@@ -25,6 +28,7 @@ def replay_run(
     rules: tuple[AlertRule, ...] = ALERTS,
     instance: str | None = None,
     time_scale: float = 1.0,
+    windows: Windows = WINDOWS,
 ) -> list[AlertEpisode]:
     """Replay one run's ``metrics.jsonl`` and return every alert episode, in firing order.
 
@@ -32,8 +36,9 @@ def replay_run(
     to use the exported (or estimated) values. ``interval``: evaluate every ``interval`` seconds
     of run time instead of at each snapshot. ``time_scale`` (K): the run was scaled by K
     (``reproduce --time-scale K``), so every signal window and every alert's ``for`` and
-    hysteresis are divided by K (K = 1: real time). Episodes still firing at the end have
-    ``resolved_at = None``.
+    hysteresis are divided by K (K = 1: real time). ``windows``: the signals' windows at K = 1
+    (the detector's own by default; another to see what a different window would have done).
+    Episodes still firing at the end have ``resolved_at = None``.
     """
     if capacity is not None and not capacity > 0:
         raise ValueError(f"capacity must be positive calls/s, got {capacity!r}")
@@ -41,7 +46,7 @@ def replay_run(
         raise ValueError(f"deadline must be positive seconds, got {deadline!r}")
     if interval is not None and not interval > 0:
         raise ValueError(f"interval must be positive seconds, got {interval!r}")
-    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
+    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale, windows=windows)
     snapshots = load_snapshots(Path(series_path), instance)
     signals = SignalEngine(config)
     evaluator = Evaluator(rules, time_scale=config.time_scale)
@@ -63,3 +68,29 @@ def replay_run(
         log.apply(evaluator.evaluate(t, signals.compute(t)))
         t += interval
     return log.episodes
+
+
+def replay_reproduce_run(
+    series_path: Path | str,
+    capacity: float | None,
+    deadline: float | None,
+    time_scale: float = 1.0,
+    *,
+    windows: Windows = WINDOWS,
+) -> list[AlertEpisode]:
+    """One run of a reproduce output folder through the detector: at the run's time scale
+    (``time_scale`` in its summary entry), and, like Prometheus, with Ĉ and the deadline read
+    from the run's own gauges; the summary's ``capacity`` and ``deadline`` stand in only where
+    the series does not export them."""
+    try:
+        first = next(read_series(Path(series_path)), None)
+    except OSError:
+        first = None  # replay_run says what is wrong with the file
+    exported = {name for name, _, _ in first.samples} if first is not None else set()
+    return replay_run(
+        series_path,
+        capacity=None if mn.CAPACITY in exported else capacity,
+        deadline=None if mn.CLIENT_DEADLINE in exported else deadline,
+        time_scale=time_scale,
+        windows=windows,
+    )

@@ -29,6 +29,7 @@ from typing import Any
 import click
 
 from detector.rundir import SUMMARY, RunDirError, read_summary, series_path
+from detector.signals import WINDOWS, Windows
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
 
@@ -498,17 +499,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 Replayer = Callable[[RunInfo], list[Firing]]
 
 
-def replay_firings(info: RunInfo) -> list[Firing]:
-    """Replay one run's series through the detector and return its episodes."""
-    from detector.replay import replay_run  # the detector's public replay API
+def replay_firings(info: RunInfo, windows: Windows = WINDOWS) -> list[Firing]:
+    """Replay one run's series through the detector (its signals over ``windows``) and return
+    its episodes."""
+    from detector.replay import replay_reproduce_run  # the detector's public replay API
 
-    # Like Prometheus, read Ĉ and the deadline from the run's own gauges; the summary's values
-    # stand in only where the series does not export them.
-    first = next(read_series(info.series), None)
-    exported = {name for name, _, _ in first.samples} if first is not None else set()
-    capacity = None if mn.CAPACITY in exported else info.capacity
-    deadline = None if mn.CLIENT_DEADLINE in exported else info.deadline_s
-    episodes = replay_run(info.series, capacity=capacity, deadline=deadline)
+    episodes = replay_reproduce_run(
+        info.series, info.capacity, info.deadline_s, info.time_scale, windows=windows
+    )
     return [
         Firing(
             alertname=e.alertname,

@@ -10,7 +10,9 @@ import pytest
 
 from dashboard.runs import load_runs, run_key, run_signals, series_signals
 from detector.rundir import RunDirError
-from exporter.timeseries import Snapshot
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot, read_series, write_series
+from tests.dashboard.conftest import summary_run, write_run_series
 
 
 def test_load_runs_reads_summary_and_validation(runs_dir: Path) -> None:
@@ -39,6 +41,38 @@ def test_run_signals_follow_the_counters(runs_dir: Path) -> None:
     healthy = run_signals(loaded, loaded.run("diagnostic__retries-off__qwen2.5-7b__r1"))
     assert np.nanmax(healthy["attempt_rate_retry"][:, 1]) == 0.0
     assert "completion_rate_failed" not in healthy  # not in the series: no invented zeros
+
+
+def test_a_scaled_run_is_drawn_and_replayed_at_its_scale(tmp_path: Path) -> None:
+    """A run at time scale K = 10 (every duration divided by 10, every rate times 10) gets the
+    same charts and alerts as the study-scale run, at a tenth of its times: both the rates'
+    window and the detector's replay are divided by K."""
+    study, scaled = tmp_path / "study", tmp_path / "scaled"
+    run = summary_run("retries-on", 1, recovered=False)
+    write_run_series(study / run["series"], collapse=True)
+    (study / "summary.json").write_text(json.dumps({"runs": [run]}))
+    per_run_second = {mn.CAPACITY: 10.0, mn.CLIENT_DEADLINE: 0.1}  # Ĉ and the deadline in run time
+    snaps = [
+        Snapshot(s.t / 10, [(n, lb, v * per_run_second.get(n, 1.0)) for n, lb, v in s.samples])
+        for s in read_series(study / run["series"])
+    ]
+    (scaled / run["series"]).parent.mkdir(parents=True)
+    write_series(scaled / run["series"], snaps)
+    fast = {**run, "time_scale": 10.0, "capacity": 28.0, "duration_s": 60.0}
+    (scaled / "summary.json").write_text(json.dumps({"runs": [fast]}))
+    a, b = load_runs(study), load_runs(scaled)
+    key = run_key(run)
+    rate = run_signals(a, a.run(key))["execution_creation_rate"]
+    fast_rate = run_signals(b, b.run(key))["execution_creation_rate"]
+    assert np.allclose(fast_rate[:, 0] * 10, rate[:, 0])
+    assert np.allclose(fast_rate[:, 1], rate[:, 1] * 10, equal_nan=True)
+    alerts, source = a.run_alerts(a.run(key))
+    fast_alerts, fast_source = b.run_alerts(b.run(key))
+    assert source == fast_source == "the detector's replay"
+    assert "VLLMMetastableRetryLoop" in [x["alertname"] for x in alerts]
+    assert [x["alertname"] for x in fast_alerts] == [x["alertname"] for x in alerts]
+    fired = [x["fired_at_s"] for x in alerts]
+    assert [x["fired_at_s"] * 10 for x in fast_alerts] == pytest.approx(fired)
 
 
 def test_counter_reset_gives_nan_not_a_negative_rate() -> None:

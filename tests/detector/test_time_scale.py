@@ -4,6 +4,7 @@ and replayed at K = 10 gives the alerts the same run gives at the study's scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -20,6 +21,7 @@ from detector.evaluator import Evaluator
 from detector.replay import replay_run
 from detector.signals import WINDOWS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.thresholds import ALERTS, NO_DATA, scale_rules
+from detector.validate import RETRY_LOOP, RunInfo, replay_firings
 from exporter.processes import free_port
 from exporter.timeseries import read_series, write_series
 from reproduce.conditions import block
@@ -104,6 +106,38 @@ def test_a_scaled_run_replayed_at_its_scale_alerts_like_the_study_scale_run(
         assert ep.started_at * 10 == pytest.approx(study[name].started_at, abs=40.0), name
         assert (ep.resolved_at is None) == (study[name].resolved_at is None), name
     assert ("VLLMMetastableRetryLoop" in scaled) == (key == "retries-on-cancel-off")
+
+
+def test_validation_replays_a_scaled_run_at_its_scale(runs: dict[tuple[float, str], Path]) -> None:
+    """``retrywatch reproduce validate`` (and the dashboard's runs page) replayed a scaled run
+    with the study's windows and durations, ten times too long for it."""
+    path = runs[(10.0, "retries-on-cancel-off")]
+    info = RunInfo(
+        block="diagnostic", condition="retries-on-cancel-off", model="test", run=1, recovered=False,
+        recovery_time_s=None, pulse_start_s=12.0, pulse_end_s=22.7, duration_s=143.5, deadline_s=12.0,
+        capacity=CAPACITY * 10, time_scale=10.0, series=path, shed_or_attached=False,
+    )  # fmt: skip
+    got = [(f.alertname, f.fired_at_s, f.resolved_at_s) for f in replay_firings(info)]
+    want = [
+        (e.alertname, round(e.started_at, 3), None if e.resolved_at is None else round(e.resolved_at, 3))
+        for e in replay_run(path, time_scale=10.0)
+    ]
+    assert got == want
+    assert RETRY_LOOP in [name for name, _, _ in got]
+
+
+def test_a_shorter_rate_window_names_the_loop_sooner(runs: dict[tuple[float, str], Path]) -> None:
+    """``windows`` replays a run as a detector with other windows would have judged it (what
+    ``bench/sim_fidelity.py window`` compares); the default is the detector's own."""
+    path = runs[(1.0, "retries-on-cancel-off")]
+    assert _summary(replay_run(path, windows=WINDOWS)) == EXPECTED_K1
+
+    def loop_at(rate_s: float) -> float:
+        episodes = replay_run(path, windows=dataclasses.replace(WINDOWS, rate_s=rate_s))
+        (loop,) = [e for e in episodes if e.alertname == "VLLMMetastableRetryLoop"]
+        return loop.started_at
+
+    assert loop_at(30.0) < loop_at(60.0) == 330.0
 
 
 def test_durations_scale_and_thresholds_stay() -> None:
