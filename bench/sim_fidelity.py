@@ -1,11 +1,11 @@
 """Figures behind the simulator's departures from the study (docs/results.md), printed.
 
-Three measurements, none of which feeds the presets or any threshold::
+Four measurements, none of which feeds the presets or any threshold::
 
     .venv/bin/python bench/sim_fidelity.py throughput      # drain throughput against Ĉ, preemptions
     .venv/bin/python bench/sim_fidelity.py windows DIR     # what holds recovery back, per run
     .venv/bin/python bench/sim_fidelity.py edge DIR        # engine cap Q = 338 at the deadline's edge
-    .venv/bin/python bench/sim_fidelity.py window DIR...   # the loop alert over shorter rate windows
+    .venv/bin/python bench/sim_fidelity.py rate-window DIR...  # the loop alert over shorter rate windows
 
 ``throughput``: per preset, the completion rate under a sustained 2 Ĉ load (the engine's most,
 with a full running batch and a long queue: what drains a pulse's backlog) in multiples of Ĉ,
@@ -14,7 +14,7 @@ and preemptions in one saturated calibration stage with vLLM's full-sequence adm
 reproduce output DIR, the hold windows before its recovery that delivered at least 98 % of their
 calls within the deadline yet failed the rule's queue conditions, with their mean waiting
 queue. ``edge``: the loop alert's signals 103, 118 and 148 s after the pulse's end in every
-engine-cap-338 run of DIR, by outcome. ``window``: the loop alert replayed over every run of
+engine-cap-338 run of DIR, by outcome. ``rate-window``: the loop alert replayed over every run of
 each DIR with the detector's rate window and with shorter ones (``--rate-s``): recall, lead
 after the pulse's end (median / max), and the recovered runs in which it fired.
 """
@@ -138,13 +138,13 @@ def edge(out: Path) -> None:
         print(f"{condition} | {recovered} | {created:.2f} | " + " | ".join(cells))
 
 
-def window(outs: list[Path], rates_s: list[float]) -> None:
+def rate_window(outs: list[Path], rates_s: list[float]) -> None:
     print("DIR | rate window (s) | recall | lead median / max (s) | recovered runs it fired in")
     for out in outs:
         infos = load_runs(out)
         for rate_s in rates_s:
-            windows = dataclasses.replace(WINDOWS, rate_s=rate_s)
-            results = [RunResult(info, replay_firings(info, windows)) for info in infos]
+            over = dataclasses.replace(WINDOWS, rate_s=rate_s)
+            results = [RunResult(info, replay_firings(info, over)) for info in infos]
             score = score_alert(RETRY_LOOP, results)
             fired = [
                 r.info.slug
@@ -166,7 +166,7 @@ def main() -> None:
     sub.add_parser("throughput")
     for name in ("windows", "edge"):
         sub.add_parser(name).add_argument("out", type=Path, help="a reproduce output folder")
-    rates = sub.add_parser("window")
+    rates = sub.add_parser("rate-window")
     rates.add_argument("outs", type=Path, nargs="+", help="reproduce output folders")
     rates.add_argument(
         "--rate-s", type=float, nargs="+", default=[WINDOWS.rate_s, 30.0], help="rate windows (s)"
@@ -176,8 +176,8 @@ def main() -> None:
         throughput()
     elif args.what == "windows":
         windows(args.out)
-    elif args.what == "window":
-        window(args.outs, args.rate_s)
+    elif args.what == "rate-window":
+        rate_window(args.outs, args.rate_s)
     else:
         edge(args.out)
 

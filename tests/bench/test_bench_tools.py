@@ -48,3 +48,22 @@ def test_attempt_path_benchmark_times_every_gap() -> None:
         lines = [line.strip() for line in out.splitlines() if line.strip().startswith(work)]
         assert [line.split(":")[0].split(",")[1].strip() for line in lines] == gaps
         assert all("(5 calls)" in line for line in lines)
+
+
+def test_sim_fidelity_replays_the_loop_alert_over_each_rate_window(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = [sys.executable, "-m", "retrywatch", "reproduce", "run", "--block", "diagnostic"]
+    run += ["--model", "qwen2.5-7b-h100", "--condition", "retries-on-cancel-off", "--condition"]
+    run += ["retries-off-cancel-off", "--runs", "1", "--seed", "5", "--no-progress", "--out", str(out)]
+    subprocess.run(run, capture_output=True, timeout=300, check=True)
+    printed = subprocess.run(
+        [sys.executable, str(BENCH / "sim_fidelity.py"), "rate-window", str(out), "--rate-s", "60", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    rows = [[cell.strip() for cell in line.split("|")] for line in printed.splitlines()[1:]]
+    assert [(row[1], row[2], row[4]) for row in rows] == [("60", "1.0", "0"), ("20", "1.0", "0")]
+    lead_60, lead_20 = (float(row[3].split("/")[0]) for row in rows)  # the collapsed run's lead
+    assert lead_20 < lead_60
