@@ -61,7 +61,7 @@ STEPS: tuple[tuple[str, str | None, str, int], ...] = (
 Timings = dict[str, list[tuple[int, int]]]  # step -> (wall ns, CPU ns) per call
 
 
-def step_name(module: str, owner: str | None, attribute: str) -> str:
+def step_name(owner: str | None, attribute: str) -> str:
     return f"{owner}.{attribute}" if owner else attribute
 
 
@@ -74,7 +74,7 @@ def install(timings: Timings) -> None:
         module = importlib.import_module(module_name)
         owner: Any = getattr(module, owner_name) if owner_name else module
         original: Callable[..., Any] = getattr(owner, attribute)
-        calls = timings[step_name(module_name, owner_name, attribute)]
+        calls = timings[step_name(owner_name, attribute)]
 
         def timed(
             *args: Any, _original: Callable[..., Any] = original, _calls: list[Any] = calls, **kwargs: Any
@@ -91,8 +91,8 @@ def install(timings: Timings) -> None:
 
 def summarize(timings: dict[str, list[list[int]]]) -> str:
     lines = [f"{'step':<42} {'calls':>7} {'wall p50':>9} {'p90':>7} {'CPU p50':>8} {'p90':>7}  (us)"]
-    for module_name, owner_name, attribute, depth in STEPS:
-        name = step_name(module_name, owner_name, attribute)
+    for _, owner_name, attribute, depth in STEPS:
+        name = step_name(owner_name, attribute)
         calls = timings.get(name) or []
         label = "  " * depth + name
         if not calls:
