@@ -8,6 +8,11 @@ before each attempt; beside each, a no-op call timed the same way. The policy's 
 upstream request) are not carried out, and each execution is completed and delivered right after
 its attempt, so the policy stays the same size throughout.
 
+Beside them, after the same gaps, 256 one-byte reads in a Python loop: within one page, then one
+per 4-KiB page of a 64-MiB buffer (pages the previous call did not read), then the same on a
+buffer the kernel backs with transparent huge pages (``madvise``; left out where it refuses).
+They show how much of a just-woken process's slowness is the data it touches and the TLB.
+
 A proxy in front of an engine sits idle between most requests. The gap between the hot figure
 and the idle ones is what running the same code in a process that has just woken costs (cold
 caches, and on a virtual machine whatever the host did meanwhile); the no-op shows what waking
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import mmap
 import statistics
 import time
 import uuid
@@ -70,6 +77,48 @@ def nothing(proxy: Proxy) -> Timed:
     return (time.perf_counter_ns() - t0) / 1e3, lambda: None
 
 
+READS = 256
+PAGE = 4096
+PROBE_BYTES = 64 << 20
+
+
+class Reads:
+    """``READS`` one-byte reads of a buffer, ``stride`` bytes apart, each call past the last."""
+
+    def __init__(self, stride: int, huge_pages: bool = False) -> None:
+        self.buf = mmap.mmap(-1, PROBE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages:
+            self.buf.madvise(mmap.MADV_HUGEPAGE)  # OSError where the kernel has no THP
+        self.view = memoryview(self.buf)
+        for offset in range(0, PROBE_BYTES, PAGE):
+            self.view[offset] = 1  # fault every page in before timing
+        self.stride = stride
+        self.span = READS * stride + PAGE
+        self.base = 0
+
+    def __call__(self, _proxy: Proxy) -> Timed:
+        view, stride = self.view, self.stride
+        base = self.base = (self.base + self.span) % (PROBE_BYTES - self.span)
+        t0 = time.perf_counter_ns()
+        total = 0
+        for i in range(READS):
+            total += view[base + i * stride]
+        return (time.perf_counter_ns() - t0) / 1e3, lambda: None
+
+
+def works() -> list[tuple[str, Callable[[Proxy], Timed]]]:
+    """What is timed after each gap, by name: the attempt, a no-op, and the memory reads."""
+    out: list[tuple[str, Callable[[Proxy], Timed]]] = [
+        ("per-attempt work", attempt),
+        ("a no-op call", nothing),
+        (f"{READS} reads, one page", Reads(1)),
+        (f"{READS} reads, {READS} pages", Reads(PAGE + 64)),
+    ]
+    with contextlib.suppress(OSError, AttributeError):  # no THP here, or no MADV_HUGEPAGE
+        out.append((f"{READS} reads, huge pages", Reads(PAGE + 64, huge_pages=True)))
+    return out
+
+
 async def timings(proxy: Proxy, work: Callable[[Proxy], Timed], gap_s: float, attempts: int) -> list[float]:
     out: list[float] = []
     for _ in range(attempts):
@@ -87,14 +136,16 @@ def main() -> None:
     args = parser.parse_args()
     proxy = DecisionOnly(ProxySettings(upstream="http://127.0.0.1:9", cancellation=Cancellation.ON))
 
+    timed = works()
+
     async def run() -> None:
         await timings(proxy, attempt, 0.0, 200)  # warm up
         for gap_s in (0.0, 0.0005, 0.002, 0.010):
             label = "back to back" if not gap_s else f"after {gap_s * 1e3:g} ms idle"
-            for name, work in (("per-attempt work", attempt), ("a no-op call", nothing)):
+            for name, work in timed:
                 xs = sorted(await timings(proxy, work, gap_s, args.attempts))
                 print(
-                    f"{name:>16}, {label:>18}: median {statistics.median(xs):6.1f} us,"
+                    f"{name:>25}, {label:>18}: median {statistics.median(xs):6.1f} us,"
                     f" p90 {xs[int(0.9 * (len(xs) - 1))]:6.1f} us ({len(xs)} calls)"
                 )
 
