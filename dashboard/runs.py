@@ -27,6 +27,13 @@ def time_scale(run: Mapping[str, Any]) -> float:
     return float(run.get("time_scale") or 1.0)
 
 
+def capacity_deadline(run: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """Ĉ (calls/s) and the client deadline (s) as the run's summary entry gives them; None for
+    one it leaves out (the run's series may export it)."""
+    capacity, deadline = run.get("capacity"), run.get("deadline_s")
+    return (None if capacity is None else float(capacity), None if deadline is None else float(deadline))
+
+
 @dataclass
 class RunsDir:
     """A loaded reproduce output: the summary's runs and each run's detector alerts."""
@@ -46,13 +53,7 @@ class RunsDir:
         if key not in self._replayed:
             from detector.replay import replay_reproduce_run  # lazy: only for runs not yet validated
 
-            capacity, deadline = run.get("capacity"), run.get("deadline_s")
-            episodes = replay_reproduce_run(
-                self.series_path(run),
-                None if capacity is None else float(capacity),
-                None if deadline is None else float(deadline),
-                time_scale(run),
-            )
+            episodes = replay_reproduce_run(self.series_path(run), *capacity_deadline(run), time_scale(run))
             self._replayed[key] = [
                 {
                     "alertname": ep.alertname,
@@ -193,11 +194,10 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
         snapshots = list(read_series(path))
     except FileNotFoundError as exc:
         raise RunDirError(f"metrics series {path} of run {run_key(run)!r} does not exist") from exc
-    capacity = run.get("capacity")
-    deadline = run.get("deadline_s")
+    capacity, deadline = capacity_deadline(run)
     return series_signals(
         snapshots,
-        capacity=None if capacity is None else float(capacity),
-        deadline_s=None if deadline is None else float(deadline),
+        capacity=capacity,
+        deadline_s=deadline,
         window_s=RATE_WINDOW_S / time_scale(run),  # a scaled run's durations are all divided by K
     )
