@@ -17,7 +17,9 @@ adds per connection:
 * a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once;
 * a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
   proxy switches to none, and httptools would hand the body to the new protocol (one without a
-  body goes on as plain HTTP/1.1).
+  body goes on as plain HTTP/1.1);
+* a transfer coding other than chunked alone (``Transfer-Encoding: gzip, chunked``) gets 501:
+  httptools would undo only the chunking and hand the body on still coded.
 
 A generation POST is taken over when its head is complete (``exporter.exchange``: the request
 and its answer carried by callbacks, no ASGI cycle and no task); the exchange stands in for
@@ -321,6 +323,14 @@ class BoundedProtocol(HttpToolsProtocol):
                 "carry a body here: send it without 'Connection: upgrade'"
             )
             raise _Refused(400, message, "unsupported_upgrade")
+        if not self._transfer_coding_is_served():
+            # NOTE: httptools reads any coding list that ends in chunked ("gzip, chunked") as
+            # chunked alone: the body would reach the app still gzip-coded, and a passed-through
+            # request would reach the engine without its coding. nginx answers 501 too.
+            message = (
+                "the proxy decodes no transfer coding but chunked: send 'Transfer-Encoding: chunked' or none"
+            )
+            raise _Refused(501, message, "unsupported_transfer_encoding")
         if not self._take_over():
             self.scope = self._asgi_scope()
             super().on_headers_complete()
@@ -419,6 +429,11 @@ class BoundedProtocol(HttpToolsProtocol):
             if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" \t0")):
                 return True
         return False
+
+    def _transfer_coding_is_served(self) -> bool:
+        """Whether the request's transfer codings, if any, are chunked alone."""
+        codings = [value for name, value in self.headers if name == b"transfer-encoding"]
+        return not codings or b",".join(codings).strip(b" \t").lower() == b"chunked"
 
     def _head_size(self) -> int:
         return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)

@@ -324,6 +324,39 @@ def test_a_request_with_a_body_that_asks_to_switch_protocols_gets_400_not_an_emp
     assert "Upgrade" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("codings", [[b"gzip, chunked"], [b"gzip", b"chunked"], [b"x-custom , Chunked"]])
+def test_a_transfer_coding_other_than_chunked_gets_501_not_a_body_still_coded(
+    bounded: ProxyProcess, path: str, codings: list[bytes]
+) -> None:
+    """httptools takes any list of codings that ends in chunked for chunked alone: the proxy
+    undid the chunking and read a gzip-coded body as if it were plain (a passed-through request
+    reached the engine with its coding dropped)."""
+    body = completion()
+    fields = b"".join(b"transfer-encoding: %b\r\n" % coding for coding in codings)
+    head = request_head(
+        "POST", path, b"content-type: application/json\r\n", fields, b"connection: close\r\n\r\n"
+    )
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    status, error = status_and_error(exchange(bounded.port, [head + chunked]))
+    assert status == 501 and error["code"] == "unsupported_transfer_encoding"
+    assert "chunked" in error["message"]
+
+
+@pytest.mark.parametrize("coding", [b"chunked", b"Chunked", b" chunked "])
+def test_a_chunked_body_is_served(bounded: ProxyProcess, coding: bytes) -> None:
+    body = completion()
+    head = request_head(
+        "POST",
+        "/v1/completions",
+        b"content-type: application/json\r\n",
+        b"transfer-encoding: %b\r\n" % coding,
+    )
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    response = exchange(bounded.port, [head + b"connection: close\r\n\r\n" + chunked])
+    assert response.startswith(b"HTTP/1.1 200 "), response[:300]
+
+
 def test_a_request_without_a_body_that_asks_to_switch_protocols_is_served_as_http_1_1(
     bounded: ProxyProcess,
 ) -> None:
