@@ -39,6 +39,8 @@ Paths (``--paths``, comma-separated):
   (``bench/protocol_attempt.py``);
 * ``proxy-baseline``: ``retrywatch proxy`` run from another checkout's sources (``--baseline``,
   e.g. a ``git worktree`` of the last commit), to measure a change beside what it changes;
+* ``proxy-python``: ``retrywatch proxy`` run by another Python interpreter (``--python``: a
+  virtual environment's, with this checkout installed), to measure an interpreter beside this one;
 * diagnostics, not in the default set: ``proxy-probe`` (the proxy with the event-loop stall probe
   of ``bench/loop_stalls.py``; its summary is printed at the end), ``proxy-steps`` (the proxy with
   the steps of a request's path timed, wall and CPU, by ``bench/step_times.py``; its summary is
@@ -100,7 +102,7 @@ DEFAULT_PATHS = (
     "uvicorn-bypass",
     "protocol-attempt",
 )
-REPLAY_PATHS = ("proxy", "proxy-baseline", "protocol-attempt")  # the paths that keep executions and replays
+REPLAY_PATHS = ("proxy", "proxy-baseline", "proxy-python", "protocol-attempt")  # the paths that keep executions and replays
 DIAGNOSTIC_PATHS = (
     "proxy-probe",
     "proxy-steps",
@@ -260,7 +262,9 @@ class Path:
         self.pids = tree(self.root_pid)
 
 
-def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[str], dict[str, str]]:
+def _command(
+    name: str, port: int, upstream: str, workdir: str, python: str | None
+) -> tuple[list[str], dict[str, str]]:
     py = sys.executable
     env = dict(os.environ)
     proxy_args = ["--upstream", upstream, "--port", str(port)]
@@ -324,13 +328,17 @@ def _command(name: str, port: int, upstream: str, workdir: str) -> tuple[list[st
         "protocol-attempt": [py, os.path.join(BENCH, "protocol_attempt.py"), *proxy_args],
     }
     commands["proxy-baseline"] = commands["proxy"]  # run from the --baseline checkout (start_path)
+    if python is not None:
+        commands["proxy-python"] = [python, *commands["proxy"][1:]]
+    elif name == "proxy-python":
+        raise SystemExit("the path proxy-python needs --python INTERPRETER")
     if name not in commands:
         raise SystemExit(f"unknown path {name!r}; known: direct, {', '.join(commands)}")
     return commands[name], env
 
 
 def start_path(
-    name: str, upstream_port: int, upstream_pid: int, root: str, baseline: str | None
+    name: str, upstream_port: int, upstream_pid: int, root: str, baseline: str | None, python: str | None
 ) -> Path | None:
     """Start a path's process; None (and a line saying why) if its server is not installed.
     ``proxy-baseline`` runs from the checkout ``baseline`` (its modules shadow this one's)."""
@@ -340,7 +348,7 @@ def start_path(
     workdir = os.path.join(root, name)
     os.makedirs(workdir)
     upstream = f"http://127.0.0.1:{upstream_port}"
-    command, env = _command(name, port, upstream, workdir)
+    command, env = _command(name, port, upstream, workdir, python)
     if shutil.which(command[0]) is None:
         print(f"{name}: skipped, {os.path.basename(command[0])} is not installed", flush=True)
         return None
@@ -745,6 +753,11 @@ def main() -> None:
         metavar="CHECKOUT",
         help="another checkout of this repository: adds the path proxy-baseline, its proxy",
     )
+    parser.add_argument(
+        "--python",
+        metavar="INTERPRETER",
+        help="another Python with this checkout installed: adds the path proxy-python, the proxy under it",
+    )
     parser.add_argument("--load-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_worker:
@@ -753,6 +766,8 @@ def main() -> None:
     names = [n.strip() for n in args.paths.split(",") if n.strip()]
     if args.baseline and "proxy-baseline" not in names:
         names.append("proxy-baseline")
+    if args.python and "proxy-python" not in names:
+        names.append("proxy-python")
     if "direct" not in names:
         names.insert(0, "direct")
     others, own_core = split_cores() if args.pin else (set(), set())
@@ -772,7 +787,9 @@ def main() -> None:
     load: LoadProcess | None = None
     try:
         wait_http(f"http://127.0.0.1:{upstream_port}/health")
-        started = (start_path(name, upstream_port, upstream.pid, root, args.baseline) for name in names)
+        started = (
+            start_path(name, upstream_port, upstream.pid, root, args.baseline, args.python) for name in names
+        )
         paths = [p for p in started if p is not None]
         for path in paths:
             wait_http(f"http://127.0.0.1:{path.port}/health")

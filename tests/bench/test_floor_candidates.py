@@ -133,16 +133,23 @@ def test_stall_probe_reports_heartbeats_and_collections(upstream: Upstream, tmp_
 SMALL_SCENARIO = ("--rounds", "1", "--window", "1", "--streams", "5", "--memory", "0")
 
 
-def test_bench_floor_runs_a_small_scenario_beside_a_baseline_checkout() -> None:
+def test_bench_floor_runs_a_small_scenario_beside_a_baseline_checkout_and_interpreter() -> None:
     pin = ("--pin",) if len(os.sched_getaffinity(0)) >= 2 else ()
-    paths = ("--paths", "protocol-floor,proxy-steps", "--baseline", str(BENCH.parent))
+    paths = (
+        "--paths",
+        "protocol-floor,proxy-steps",
+        "--baseline",
+        str(BENCH.parent),
+        "--python",
+        sys.executable,
+    )
     out = bench_output("bench_floor.py", *paths, *pin, *SMALL_SCENARIO)
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
         if line.startswith(("direct", "protocol", "proxy"))
     }
-    assert set(rows) == {"direct", "protocol-floor", "proxy-steps", "proxy-baseline"}
+    assert set(rows) == {"direct", "protocol-floor", "proxy-steps", "proxy-baseline", "proxy-python"}
     assert int(rows["protocol-floor"][1]) >= 40  # probes taken through it in one 1-s window
     assert ("each path on core" in out.splitlines()[0]) == bool(pin)
     assert "the steps of a request's path in the proxy (proxy-steps)" in out
