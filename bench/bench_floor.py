@@ -102,7 +102,8 @@ DEFAULT_PATHS = (
     "uvicorn-bypass",
     "protocol-attempt",
 )
-REPLAY_PATHS = ("proxy", "proxy-baseline", "proxy-python", "protocol-attempt")  # the paths that keep executions and replays
+# the paths that keep executions and replays
+REPLAY_PATHS = ("proxy", "proxy-baseline", "proxy-python", "protocol-attempt")
 DIAGNOSTIC_PATHS = (
     "proxy-probe",
     "proxy-steps",

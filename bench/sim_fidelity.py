@@ -1,11 +1,12 @@
 """Figures behind the simulator's departures from the study (docs/results.md), printed.
 
-Four measurements, none of which feeds the presets or any threshold::
+Five measurements, none of which feeds the presets or any threshold::
 
     .venv/bin/python bench/sim_fidelity.py throughput      # drain throughput against Ĉ, preemptions
     .venv/bin/python bench/sim_fidelity.py windows DIR     # what holds recovery back, per run
     .venv/bin/python bench/sim_fidelity.py edge DIR        # engine cap Q = 338 at the deadline's edge
     .venv/bin/python bench/sim_fidelity.py rate-window DIR...  # the loop alert over shorter rate windows
+    .venv/bin/python bench/sim_fidelity.py seeds DIR...    # the loop alert's misses and late firings, per DIR
 
 ``throughput``: per preset, the completion rate under a sustained 2 Ĉ load (the engine's most,
 with a full running batch and a long queue: what drains a pulse's backlog) in multiples of Ĉ,
@@ -16,7 +17,10 @@ calls within the deadline yet failed the rule's queue conditions, with their mea
 queue. ``edge``: the loop alert's signals 103, 118 and 148 s after the pulse's end in every
 engine-cap-338 run of DIR, by outcome. ``rate-window``: the loop alert replayed over every run of
 each DIR with the detector's rate window and with shorter ones (``--rate-s``): recall, lead
-after the pulse's end (median / max), and the recovered runs in which it fired.
+after the pulse's end (median / max), and the recovered runs in which it fired. ``seeds``: the
+loop alert over every run of each DIR (one a seed), as ``retrywatch reproduce validate`` judges
+it: recall, lead (median / max), each run it missed with the executions it created over the
+hold, each late firing with when the loop formed, and the recovered runs it fired in.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 from detector.signals import WINDOWS, SignalConfig, SignalEngine
 from detector.sources.replay import load_snapshots
-from detector.validate import RETRY_LOOP, RunResult, load_runs, replay_firings, score_alert
+from detector.validate import RETRY_LOOP, RunResult, check_targets, load_runs, replay_firings, score_alert
 from reproduce.engine import EngineConfig, EngineModel, EngineRequest, EventKind, preset
 from reproduce.engine.presets import PRESET_NAMES, preset_capacity
 from reproduce.engine.process import EngineProcess
@@ -158,6 +162,33 @@ def rate_window(outs: list[Path], rates_s: list[float]) -> None:
             )
 
 
+def _plus(seconds: float | None) -> str:
+    return "–" if seconds is None else f"+{seconds:g}"
+
+
+def seeds(outs: list[Path]) -> None:
+    columns = ("recall", "lead median / max (s)", "missed: created over the hold", "late: lead, loop formed")
+    print(" | ".join(("DIR", *columns, "recovered runs it fired in")))
+    for out in outs:
+        infos = load_runs(out)
+        hold = {info.slug: info.hold_creation_x_capacity for info in infos}
+        results = [RunResult(info, replay_firings(info)) for info in infos]
+        score = score_alert(RETRY_LOOP, results)
+        targets = check_targets(results)[RETRY_LOOP]
+        missed = [f"{m['run']} ({hold[m['run']] or 0:.2f} Ĉ)" for m in targets["missed_runs"]]
+        late = [
+            f"{m['run']} (+{m['lead_time_s']:g}, formed {_plus(m.get('loop_formed_s'))})"
+            for m in targets["late_runs"]
+        ]
+        fired = sorted({m["run"] for m in targets["fired_between_pulse_and_recovery"]})
+        lead = score["lead_time_s"]
+        cells = (missed, late, fired)
+        print(
+            f"{out} | {score['recall']} | {lead['median']} / {lead['max']} | "
+            + " | ".join(f"{len(c)}{': ' + ', '.join(c) if c else ''}" for c in cells)
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -171,6 +202,7 @@ def main() -> None:
     rates.add_argument(
         "--rate-s", type=float, nargs="+", default=[WINDOWS.rate_s, 30.0], help="rate windows (s)"
     )
+    sub.add_parser("seeds").add_argument("outs", type=Path, nargs="+", help="reproduce output folders")
     args = parser.parse_args()
     if args.what == "throughput":
         throughput()
@@ -178,6 +210,8 @@ def main() -> None:
         windows(args.out)
     elif args.what == "rate-window":
         rate_window(args.outs, args.rate_s)
+    elif args.what == "seeds":
+        seeds(args.outs)
     else:
         edge(args.out)
 
