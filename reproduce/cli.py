@@ -116,7 +116,13 @@ def calibrate(
 @click.option("--block", "block_slug", required=True, type=click.Choice(block_slugs()), help="Block to run.")
 @click.option("--condition", "conditions", multiple=True, help="Only these conditions (repeatable).")
 @click.option("--runs", type=click.IntRange(min=1), default=None, help="Runs per condition [study's counts].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Run r uses seed S + r.")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Run r uses seed S + r: seeds closer than a condition's number of runs share traces.",
+)
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Parallel processes.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True, help="Output DIR.")
 @click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
