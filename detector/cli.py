@@ -7,7 +7,8 @@ URLs are printed and logged with their credentials masked (``exporter/redact.py`
 that cannot be used is a usage error (exit 2) that names the option, like every bad option here,
 and so is a ``--port`` already in use: both are checked before anything is fetched. The database
 is by default SQLite in the user's state directory (``detector.store.state_dir``); the start line
-names it.
+names it. The API is served by ``exporter.server`` with the bounds of ``exporter.bounds`` (request
+heads, slow and idle clients, connections), and SIGTERM drains it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import click
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
+
+# Dashboards, scripts and Prometheus read the API: far fewer clients than the proxy's.
+API_MAX_CONNECTIONS = 1_000
 
 
 def _env(name: str) -> str:
@@ -112,8 +116,6 @@ def detect(
     log_format: str,
 ) -> None:
     """Run the detector: signals, alerts, episodes, notifications, and its HTTP API."""
-    import uvicorn
-
     from detector.api import create_app
     from detector.notify import AlertmanagerNotifier, Notifier, WebhookNotifier
     from detector.service import Detector
@@ -121,6 +123,8 @@ def detect(
     from detector.sources import Source
     from detector.sources.replay import ReplaySource
     from detector.store import EpisodeStore, SchemaError, StoreOpenError, default_url
+    from exporter.bounds import HttpBounds
+    from exporter.server import serve
 
     setup_logging(log_level, log_format, [db, prometheus, alertmanager, *webhooks, *exporters])
     chosen = [bool(exporters), bool(prometheus), replay is not None]
@@ -184,8 +188,9 @@ def detect(
     else:
         detector.start(interval)
     try:
-        # log_config=None: uvicorn logs through the command's handler (exporter.logs).
-        uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None)
+        # The proxy's server, with its client-side bounds at their defaults: the API answers
+        # dashboards and scripts, and a slow or endless request must not hold its memory.
+        serve(app, HttpBounds(host=host, port=port, max_connections=API_MAX_CONNECTIONS), None, log_level)
     finally:
         detector.stop()
         store.close()

@@ -1,9 +1,11 @@
-"""The proxy's HTTP server: uvicorn with every client-side bound, and a drained shutdown.
+"""retrywatch's HTTP server (the proxy's, and the detector's API): uvicorn with every
+client-side bound (``exporter.bounds``), and a drained shutdown.
 
 uvicorn's httptools protocol bounds neither the size of a request head nor its number of header
 fields, and times out neither a request head or body that stops arriving nor a connection that
 never sends a request. ``BoundedProtocol``, a subclass of it passed to uvicorn as ``http=``,
-adds per connection:
+adds per connection (the flags are ``retrywatch proxy``'s; the detector's API has their
+defaults):
 
 * head bounds: a head over ``--max-head-bytes`` (request line and header fields, counted as the
   bytes arrive, so one endless header is never buffered) or with more than ``--max-headers``
@@ -16,12 +18,12 @@ adds per connection:
   from its opening as after each answer (uvicorn's own keep-alive timer arms only after one);
 * a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once;
 * a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
-  proxy switches to none, and httptools would hand the body to the new protocol (one without a
+  server switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1);
 * a transfer coding other than chunked alone (``Transfer-Encoding: gzip, chunked``) gets 501:
   httptools would undo only the chunking and hand the body on still coded.
 
-A generation POST is taken over when its head is complete (``exporter.exchange``: the request
+In the proxy, a generation POST is taken over when its head is complete (``exporter.exchange``: the request
 and its answer carried by callbacks, no ASGI cycle and no task); the exchange stands in for
 uvicorn's request cycle on the connection, so every bound here, pipelining and the drain apply to
 it as to any request. Every other request goes to the ASGI app, on the same port.
@@ -68,9 +70,9 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
+from exporter.bounds import ServerSettings
 from exporter.exchange import Exchange, takes_over
 from exporter.proxy import PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
-from exporter.settings import ProxySettings
 from exporter.validation import error_body, error_type
 
 log = logging.getLogger("retrywatch.server")
@@ -131,13 +133,13 @@ async def _send_json_500(ref: weakref.ref[RequestResponseCycle]) -> None:
 
 
 class ServerConfig(uvicorn.Config):
-    """uvicorn's config with the proxy's settings (the protocol reads its bounds there) and the
+    """uvicorn's config with the server's settings (the protocol reads its bounds there) and the
     hook called when the drain bound expires."""
 
     def __init__(
         self,
         app: Any,
-        settings: ProxySettings,
+        settings: ServerSettings,
         on_drain_expired: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -149,10 +151,10 @@ class ServerConfig(uvicorn.Config):
             host=settings.host,
             port=settings.port,
             http=BoundedProtocol,
-            ws="none",  # the proxy serves no WebSocket
+            ws="none",  # no WebSocket is served
             lifespan="on",
             access_log=False,
-            proxy_headers=False,  # the proxy never uses the client's address: no per-request rewrite
+            proxy_headers=False,  # no route uses the client's address: no per-request rewrite
             timeout_keep_alive=math.ceil(settings.keep_alive_s),  # the sweep closes them on time
             backlog=4096,
             **kwargs,
@@ -199,7 +201,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self.body_timeout_s = settings.body_timeout_s
         self.keep_alive_s = settings.keep_alive_s
         self.max_connections = settings.max_connections
-        self.scheme = "http"  # the proxy serves no TLS
+        self.scheme = "http"  # no TLS is served
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
         self._received = 0  # bytes received since the last head ended (bounds a head in progress)
@@ -219,7 +221,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self.transport = transport
         self.flow = FlowControl(transport)
         if len(self.connections) > self.max_connections:
-            message = f"the proxy holds its limit of {self.max_connections} connections; retry later"
+            message = f"the server holds its limit of {self.max_connections} connections; retry later"
             self.transport.write(error_response(503, message, "too_many_connections"))
             self.transport.close()
             return
@@ -317,9 +319,9 @@ class BoundedProtocol(HttpToolsProtocol):
             # NOTE: httptools takes everything after the head of a request that asks to switch
             # protocols (``Connection: upgrade``) for the new protocol's bytes: its body never
             # reaches the app, which would see an empty body (uvicorn, which serves vLLM, does the
-            # same). The proxy switches to no protocol, so say so rather than lose the body.
+            # same). The server switches to no protocol, so say so rather than lose the body.
             message = (
-                "the proxy does not switch protocols (Upgrade), and a request that asks to cannot "
+                "the server does not switch protocols (Upgrade), and a request that asks to cannot "
                 "carry a body here: send it without 'Connection: upgrade'"
             )
             raise _Refused(400, message, "unsupported_upgrade")
@@ -328,7 +330,7 @@ class BoundedProtocol(HttpToolsProtocol):
             # chunked alone: the body would reach the app still gzip-coded, and a passed-through
             # request would reach the engine without its coding. nginx answers 501 too.
             message = (
-                "the proxy decodes no transfer coding but chunked: send 'Transfer-Encoding: chunked' or none"
+                "the server decodes no transfer coding but chunked: send 'Transfer-Encoding: chunked' or none"
             )
             raise _Refused(501, message, "unsupported_transfer_encoding")
         if not self._take_over():
@@ -576,7 +578,7 @@ def make_room_for(max_connections: int) -> None:
 
 
 def serve(
-    app: Any, settings: ProxySettings, on_drain_expired: Callable[[], None] | None, log_level: str
+    app: Any, settings: ServerSettings, on_drain_expired: Callable[[], None] | None, log_level: str
 ) -> None:
     """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module)."""
     make_room_for(settings.max_connections)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from exporter.bounds import HttpBounds
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.knobs import check_bounds, knob, to_argv
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
@@ -34,7 +35,7 @@ class ProxySettings(PolicyConfig):
     accept their string values."""
 
     upstream: str = knob(flag="upstream", help="Base URL of the engine (vLLM), e.g. http://127.0.0.1:8000.")
-    host: str = knob("127.0.0.1", flag="host", help="Address to listen on.")
+    host: str = knob(HttpBounds.host, flag="host", help="Address to listen on.")
     port: int = knob(8100, flag="port", help="Port to listen on.", minimum=0, maximum=65535)
     call_id_header: str = knob(
         DEFAULT_CALL_ID_HEADER,
@@ -109,43 +110,46 @@ class ProxySettings(PolicyConfig):
         minimum=0,
         exclusive=True,
     )
-    # The server's client-side bounds (exporter.server): request heads, slow or idle clients, connections.
+    # The server's client-side bounds (exporter.bounds): request heads, slow or idle clients,
+    # connections, the drain.
     max_head_bytes: int = knob(
-        64 * 1024, flag="max-head-bytes", help="Request line and headers limit (431).", minimum=1024
+        HttpBounds.max_head_bytes,
+        flag="max-head-bytes",
+        help="Request line and headers limit (431).",
+        minimum=1024,
     )
-    max_headers: int = knob(100, flag="max-headers", help="Header fields limit (431).", minimum=8)
+    max_headers: int = knob(
+        HttpBounds.max_headers, flag="max-headers", help="Header fields limit (431).", minimum=8
+    )
     head_timeout_s: float = knob(
-        10.0,
+        HttpBounds.head_timeout_s,
         flag="head-timeout",
         help="Seconds from a request's first byte to the end of its head (408).",
         minimum=0,
         exclusive=True,
     )
     body_timeout_s: float = knob(
-        30.0,
+        HttpBounds.body_timeout_s,
         flag="body-timeout",
         help="Seconds from the end of a request's head to the end of its body (408).",
         minimum=0,
         exclusive=True,
     )
-    # NOTE: longer than the idle timeout of the usual load balancers (60 s), so that they, not
-    # the proxy, close a kept-alive connection (no request races a close).
     keep_alive_s: float = knob(
-        75.0,
+        HttpBounds.keep_alive_s,
         flag="keep-alive-timeout",
         help="Seconds a client connection may stay open without starting a request.",
         minimum=0,
         exclusive=True,
     )
     max_connections: int = knob(
-        10_000,  # as many as --max-queued
+        HttpBounds.max_connections,  # as many as --max-queued
         flag="max-connections",
         help="Client connections open at once; past it a new one gets 503 and is closed.",
         minimum=1,
     )
-    # Inside Kubernetes' default 30-s grace period.
     drain_timeout_s: float = knob(
-        25.0,
+        HttpBounds.drain_timeout_s,
         flag="drain-timeout",
         help="On SIGTERM, seconds requests in flight get to finish before they end with an error.",
         minimum=0,

@@ -273,3 +273,40 @@ def test_runbook_links_follow_the_option_and_the_detector_serves_its_runbook_and
 def test_a_runbook_pattern_that_gives_no_absolute_link_per_alert_is_refused(pattern: str) -> None:
     result = CliRunner().invoke(detect, ["--replay", __file__, "--runbook-url", pattern])
     assert result.exit_code == 2 and "--runbook-url" in result.output, result.output
+
+
+def test_the_api_bounds_its_clients_and_sigterm_ends_it_cleanly(tmp_path: Path) -> None:
+    """The API ran on stock uvicorn, which bounds no request head: one client sending an endless
+    header grew the detector by 250 MB in 30 s, and half-sent requests were held forever."""
+    series = tmp_path / "runs" / "diag__off__mini__r1" / "metrics.jsonl"
+    series.parent.mkdir(parents=True)
+    write_series(series, MiniSim(seed=3).run())
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrywatch", "detect", "--replay", str(series), "--port", str(port),
+         "--db", f"sqlite:///{tmp_path / 'detector.db'}", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr.log").open("wb"),
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(f"{base}/healthz"), 60, "the detector's API")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /alerts HTTP/1.1\r\nhost: x\r\nx-junk: ")
+            with contextlib.suppress(OSError):  # the server closes once it has answered
+                for _ in range(1024):  # up to 64 MiB
+                    s.sendall(b"a" * 65536)
+            answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert b"head_too_large" in answer
+        assert httpx.get(f"{base}/alerts", timeout=5).status_code == 200  # and it goes on serving
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0, (tmp_path / "stderr.log").read_text()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,53 @@
+"""The client-side bounds of retrywatch's HTTP servers (``exporter.server``): where a server
+listens, and how large a request head, how slow a client, how many connections and how long a
+drained shutdown it allows.
+
+``retrywatch proxy`` makes each bound a flag (``exporter.settings``, whose defaults are these);
+the detector's API serves with the defaults. The server reads any settings object with these
+attributes (:class:`ServerSettings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpBounds:
+    """Where to listen and the bounds, each with its default."""
+
+    host: str = "127.0.0.1"
+    port: int
+    max_head_bytes: int = 64 * 1024  # request line and header fields (431)
+    max_headers: int = 100  # header fields (431)
+    head_timeout_s: float = 10.0  # from a request's first byte to the end of its head (408)
+    body_timeout_s: float = 30.0  # from the end of a request's head to the end of its body (408)
+    # NOTE: longer than the idle timeout of the usual load balancers (60 s), so that they, not
+    # the server, close a kept-alive connection (no request races a close).
+    keep_alive_s: float = 75.0
+    max_connections: int = 10_000  # past it a new connection gets 503 and is closed
+    drain_timeout_s: float = 25.0  # inside Kubernetes' default 30-s grace period
+
+
+class ServerSettings(Protocol):
+    """What ``exporter.server`` reads of its settings (``HttpBounds``, ``ProxySettings``)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def max_head_bytes(self) -> int: ...
+    @property
+    def max_headers(self) -> int: ...
+    @property
+    def head_timeout_s(self) -> float: ...
+    @property
+    def body_timeout_s(self) -> float: ...
+    @property
+    def keep_alive_s(self) -> float: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def drain_timeout_s(self) -> float: ...
