@@ -1,4 +1,9 @@
-"""``retrywatch emulate``: serve the engine model over HTTP in wall time (optionally scaled)."""
+"""``retrywatch emulate``: serve the engine model over HTTP in wall time (optionally scaled).
+
+It runs on the proxy's server (``exporter.server``): request heads, slow and idle clients and
+connections bounded (``exporter.bounds``' defaults; ``--max-live`` caps the connections too), and
+SIGTERM drains it for 2 s.
+"""
 
 from __future__ import annotations
 
@@ -78,8 +83,8 @@ def emulate(
     log_format: str,
 ) -> None:
     """Serve the engine model with vLLM's OpenAI API and /metrics, stepped in wall time."""
-    import uvicorn
-
+    from exporter.bounds import HttpBounds
+    from exporter.server import DrainingServer, ServerConfig
     from reproduce.emulate.server import build_app
 
     check_port(host, port)
@@ -98,22 +103,17 @@ def emulate(
     except (KeyError, ValueError) as exc:
         raise click.BadParameter(str(exc.args[0] if exc.args else exc), param_hint="--model") from None
     _raise_open_files_limit()
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        log_config=None,  # uvicorn logs through the command's handler (exporter.logs)
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=2,
-    )
+    # The proxy's server (request heads, slow and idle clients bounded): a live request holds a
+    # connection, so --max-live bounds both; SIGTERM gives the streams in flight 2 s.
+    bounds = HttpBounds(host=host, port=port, max_connections=max_live, drain_timeout_s=2.0)
+    # log_config=None: uvicorn logs through the command's handler (exporter.logs).
+    config = ServerConfig(app, bounds, log_level=log_level, log_config=None)
     announce(
         f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on http://{host}:{port} "
         "(OpenAI API, /metrics, /health); state: in memory only"
     )
     # ``run`` sets up uvicorn's event loop (uvloop when installed) before serving.
-    uvicorn.Server(config).run()
+    DrainingServer(config).run()
 
 
 def _raise_open_files_limit() -> None:

@@ -235,6 +235,19 @@ def test_malformed_json_and_oversized_bodies(server: str) -> None:
     assert httpx.get(server + "/v1/completions").status_code == 405
 
 
+def test_an_endless_request_head_gets_431_not_the_servers_memory(server: str) -> None:
+    """It ran on stock uvicorn, which buffers a request head of any size."""
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-junk: ")
+        with contextlib.suppress(OSError):  # the server closes once it has answered
+            for _ in range(1024):  # up to 64 MiB
+                s.sendall(b"a" * 65536)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
 def test_metrics_carry_vllm_names_help_and_types(server: str) -> None:
     text = httpx.get(server + "/metrics").text
     for name, kind in [
