@@ -3,14 +3,12 @@ listens, and how large a request head, how slow a client, how many connections a
 drained shutdown it allows.
 
 ``retrywatch proxy`` makes each bound a flag (``exporter.settings``, whose defaults are these);
-the detector's API serves with the defaults. The server reads any settings object with these
-attributes (:class:`ServerSettings`).
+the detector's API and the emulated engine serve with the defaults.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,26 +26,3 @@ class HttpBounds:
     keep_alive_s: float = 75.0
     max_connections: int = 10_000  # past it a new connection gets 503 and is closed
     drain_timeout_s: float = 25.0  # inside Kubernetes' default 30-s grace period
-
-
-class ServerSettings(Protocol):
-    """What ``exporter.server`` reads of its settings (``HttpBounds``, ``ProxySettings``)."""
-
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
-    @property
-    def max_head_bytes(self) -> int: ...
-    @property
-    def max_headers(self) -> int: ...
-    @property
-    def head_timeout_s(self) -> float: ...
-    @property
-    def body_timeout_s(self) -> float: ...
-    @property
-    def keep_alive_s(self) -> float: ...
-    @property
-    def max_connections(self) -> int: ...
-    @property
-    def drain_timeout_s(self) -> float: ...

@@ -110,4 +110,4 @@ def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any)
         f"retrywatch proxy on http://{settings.host}:{settings.port} (metrics /metrics) in front of "
         f"{redact_url(settings.upstream_base)}; state: in memory only"
     )
-    serve(app.app, settings, app.end_executions, log_level)
+    serve(app.app, settings.bounds(), app.end_executions, log_level)

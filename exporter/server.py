@@ -70,7 +70,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
-from exporter.bounds import ServerSettings
+from exporter.bounds import HttpBounds
 from exporter.exchange import Exchange, takes_over
 from exporter.proxy import PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
 from exporter.validation import error_body, error_type
@@ -133,29 +133,29 @@ async def _send_json_500(ref: weakref.ref[RequestResponseCycle]) -> None:
 
 
 class ServerConfig(uvicorn.Config):
-    """uvicorn's config with the server's settings (the protocol reads its bounds there) and the
-    hook called when the drain bound expires."""
+    """uvicorn's config with the server's bounds (the protocol reads them there) and the hook
+    called when the drain bound expires."""
 
     def __init__(
         self,
         app: Any,
-        settings: ServerSettings,
+        bounds: HttpBounds,
         on_drain_expired: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.settings = settings
+        self.bounds = bounds
         self.on_drain_expired = on_drain_expired
         self.protocol_template: dict[str, Any] | None = None  # BoundedProtocol's, once per server
         super().__init__(
             app,
-            host=settings.host,
-            port=settings.port,
+            host=bounds.host,
+            port=bounds.port,
             http=BoundedProtocol,
             ws="none",  # no WebSocket is served
             lifespan="on",
             access_log=False,
             proxy_headers=False,  # no route uses the client's address: no per-request rewrite
-            timeout_keep_alive=math.ceil(settings.keep_alive_s),  # the sweep closes them on time
+            timeout_keep_alive=math.ceil(bounds.keep_alive_s),  # the sweep closes them on time
             backlog=4096,
             **kwargs,
         )
@@ -194,13 +194,13 @@ class BoundedProtocol(HttpToolsProtocol):
     ) -> dict[str, Any]:
         """Every attribute a new connection starts with but its parser and pipeline."""
         super().__init__(config, server_state, app_state, _loop)
-        settings = cast(ServerConfig, config).settings
-        self.max_head_bytes = settings.max_head_bytes
-        self.max_headers = settings.max_headers
-        self.head_timeout_s = settings.head_timeout_s
-        self.body_timeout_s = settings.body_timeout_s
-        self.keep_alive_s = settings.keep_alive_s
-        self.max_connections = settings.max_connections
+        bounds = cast(ServerConfig, config).bounds
+        self.max_head_bytes = bounds.max_head_bytes
+        self.max_headers = bounds.max_headers
+        self.head_timeout_s = bounds.head_timeout_s
+        self.body_timeout_s = bounds.body_timeout_s
+        self.keep_alive_s = bounds.keep_alive_s
+        self.max_connections = bounds.max_connections
         self.scheme = "http"  # no TLS is served
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
@@ -481,7 +481,7 @@ class DrainingServer(uvicorn.Server):
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        s = self.config.settings
+        s = self.config.bounds
         interval = max(0.01, min(SWEEP_MAX_S, min(s.head_timeout_s, s.body_timeout_s, s.keep_alive_s) / 10))
         loop = asyncio.get_running_loop()
         while True:
@@ -502,7 +502,7 @@ class DrainingServer(uvicorn.Server):
             sock.close()
         for connection in list(state.connections):
             connection.shutdown()  # idle ones close now, busy ones after their answer
-        bound = self.config.settings.drain_timeout_s
+        bound = self.config.bounds.drain_timeout_s
         if not await self._wait_idle(bound, drain=True):
             busy = sum(1 for c in state.connections if getattr(c, "exchange", None) is not None)
             log.warning("drain: %d requests still in flight; ending them", len(state.tasks) + busy)
@@ -577,11 +577,9 @@ def make_room_for(max_connections: int) -> None:
         )
 
 
-def serve(
-    app: Any, settings: ServerSettings, on_drain_expired: Callable[[], None] | None, log_level: str
-) -> None:
+def serve(app: Any, bounds: HttpBounds, on_drain_expired: Callable[[], None] | None, log_level: str) -> None:
     """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module)."""
-    make_room_for(settings.max_connections)
+    make_room_for(bounds.max_connections)
     # log_config=None: uvicorn's loggers propagate to the command's handler (exporter.logs).
-    config = ServerConfig(app, settings, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
+    config = ServerConfig(app, bounds, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
     DrainingServer(config).run()

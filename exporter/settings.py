@@ -205,6 +205,10 @@ class ProxySettings(PolicyConfig):
             argv += ["--deadline", repr(float(self.deadline_s))]
         return argv
 
+    def bounds(self) -> HttpBounds:
+        """Where the proxy listens, and its server's client-side bounds."""
+        return HttpBounds(**{f.name: getattr(self, f.name) for f in fields(HttpBounds)})
+
     @property
     def upstream_base(self) -> str:
         return self.upstream.rstrip("/")

@@ -34,7 +34,9 @@ def start_proxy(upstream: Upstream) -> Iterator[Callable[..., RunningProxy]]:
         kwargs.setdefault("drain_timeout_s", 0.5)  # at teardown, streams left open end at once
         settings = ProxySettings(upstream=upstream_url or upstream.url, port=port, **kwargs)
         proxy = Proxy(settings)
-        config = ServerConfig(proxy.app, settings, proxy.end_executions, log_level="warning", loop="asyncio")
+        config = ServerConfig(
+            proxy.app, settings.bounds(), proxy.end_executions, log_level="warning", loop="asyncio"
+        )
         server = DrainingServer(config)  # in a thread, it leaves signals alone
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

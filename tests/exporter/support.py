@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ __all__ = [
     "Samples",
     "Upstream",
     "balance",
+    "endless_head",
     "env_without_retrywatch",
     "errors_logged",
     "free_port",
@@ -132,3 +134,14 @@ def start_upstream(log_dir: Path) -> Iterator[Upstream]:
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: ``python -m tests...`` runs from it
+
+
+def endless_head(port: int, path: str) -> bytes:
+    """Send a GET whose one header never ends (up to 64 MiB) to a server of ours on ``port``
+    and return its first answer: a bounded server answers 431 and closes early."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET %b HTTP/1.1\r\nhost: x\r\nx-junk: " % path.encode())
+        with contextlib.suppress(OSError):  # the server closes once it has answered
+            for _ in range(1024):
+                s.sendall(b"a" * 65536)
+        return s.recv(4096)

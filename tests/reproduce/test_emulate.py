@@ -21,6 +21,7 @@ import pytest
 
 from exporter import metricnames
 from exporter.processes import free_port
+from tests.exporter.support import endless_head
 
 PRESET = "qwen2.5-7b-h100"
 
@@ -237,13 +238,7 @@ def test_malformed_json_and_oversized_bodies(server: str) -> None:
 
 def test_an_endless_request_head_gets_431_not_the_servers_memory(server: str) -> None:
     """It ran on stock uvicorn, which buffers a request head of any size."""
-    port = int(server.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-junk: ")
-        with contextlib.suppress(OSError):  # the server closes once it has answered
-            for _ in range(1024):  # up to 64 MiB
-                s.sendall(b"a" * 65536)
-        answer = s.recv(4096)
+    answer = endless_head(int(server.rsplit(":", 1)[1]), "/health")
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert httpx.get(server + "/health", timeout=10).status_code == 200
 
