@@ -24,5 +24,5 @@ class HttpBounds:
     # NOTE: longer than the idle timeout of the usual load balancers (60 s), so that they, not
     # the server, close a kept-alive connection (no request races a close).
     keep_alive_s: float = 75.0
-    max_connections: int = 10_000  # past it a new connection gets 503 and is closed
+    max_connections: int = 10_000  # past it a new one gets 503 (as many as the proxy's --max-queued)
     drain_timeout_s: float = 25.0  # inside Kubernetes' default 30-s grace period

@@ -143,7 +143,7 @@ class ProxySettings(PolicyConfig):
         exclusive=True,
     )
     max_connections: int = knob(
-        HttpBounds.max_connections,  # as many as --max-queued
+        HttpBounds.max_connections,
         flag="max-connections",
         help="Client connections open at once; past it a new one gets 503 and is closed.",
         minimum=1,
