@@ -20,7 +20,7 @@ defaults):
 * a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
   server switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1);
-* a transfer coding other than chunked alone (``Transfer-Encoding: gzip, chunked``) gets 501:
+* a transfer coding other than chunked alone (``Transfer-Encoding: gzip, chunked``) gets 400:
   httptools would undo only the chunking and hand the body on still coded.
 
 In the proxy, a generation POST is taken over when its head is complete (``exporter.exchange``: the request
@@ -328,11 +328,12 @@ class BoundedProtocol(HttpToolsProtocol):
         if not self._transfer_coding_is_served():
             # NOTE: httptools reads any coding list that ends in chunked ("gzip, chunked") as
             # chunked alone: the body would reach the app still gzip-coded, and a passed-through
-            # request would reach the engine without its coding. nginx answers 501 too.
+            # request would reach the engine without its coding. nginx answers 501; here what a
+            # client sends never gets a 5xx (those say the proxy or the engine failed), so 400.
             message = (
                 "the server decodes no transfer coding but chunked: send 'Transfer-Encoding: chunked' or none"
             )
-            raise _Refused(501, message, "unsupported_transfer_encoding")
+            raise _Refused(400, message, "unsupported_transfer_encoding")
         if not self._take_over():
             self.scope = self._asgi_scope()
             super().on_headers_complete()
