@@ -166,6 +166,10 @@ def _plus(seconds: float | None) -> str:
     return "–" if seconds is None else f"+{seconds:g}"
 
 
+def _times_capacity(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f} Ĉ"  # None: the summary gives no creation rate
+
+
 def seeds(outs: list[Path]) -> None:
     columns = ("recall", "lead median / max (s)", "missed: created over the hold", "late: lead, loop formed")
     print(" | ".join(("DIR", *columns, "recovered runs it fired in")))
@@ -175,7 +179,7 @@ def seeds(outs: list[Path]) -> None:
         results = [RunResult(info, replay_firings(info)) for info in infos]
         score = score_alert(RETRY_LOOP, results)
         targets = check_targets(results)[RETRY_LOOP]
-        missed = [f"{m['run']} ({hold[m['run']] or 0:.2f} Ĉ)" for m in targets["missed_runs"]]
+        missed = [f"{m['run']} ({_times_capacity(hold[m['run']])})" for m in targets["missed_runs"]]
         late = [
             f"{m['run']} (+{m['lead_time_s']:g}, formed {_plus(m.get('loop_formed_s'))})"
             for m in targets["late_runs"]
