@@ -10,6 +10,8 @@ Prometheus target, the replayed run's slug): ``GET /signals`` lists instances, a
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,6 +21,9 @@ from detector.service import SIGNAL_NAMES, Detector
 from detector.signals import SIGNALS_BY_NAME
 
 MAX_EPISODES = 1000
+#: A ``since``/``until`` parameter: finite (``nan`` or ``inf`` gets a 422, not every episode).
+UnixTime = Annotated[float | None, Query(allow_inf_nan=False, description="Unix seconds")]
+
 #: What ``GET /`` lists.
 INDEX = (
     ("/alerts", "the alerts firing now (JSON)"),
@@ -54,8 +59,8 @@ def create_app(detector: Detector) -> FastAPI:
 
     @app.get("/episodes")
     def episodes(
-        since: float | None = None,
-        until: float | None = None,
+        since: UnixTime = None,
+        until: UnixTime = None,
         alertname: str | None = Query(default=None, max_length=128),
         engine: str | None = Query(default=None, max_length=256),
         limit: int = Query(default=MAX_EPISODES, ge=1, le=MAX_EPISODES),
@@ -70,7 +75,7 @@ def create_app(detector: Detector) -> FastAPI:
     @app.get("/signals")
     def signals(
         name: str | None = Query(default=None, max_length=64),
-        since: float | None = None,
+        since: UnixTime = None,
         engine: str | None = Query(default=None, max_length=256),
     ) -> dict[str, object]:
         if name is None:

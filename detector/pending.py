@@ -14,6 +14,11 @@ its resolution, both waiting) is dropped, else the oldest transition; each drop 
 logged as an error, never silent. A firing without its resolution and a resolution of an
 episode the store already holds are at most two per alert and engine, so with a bound above
 that only episodes that fired and resolved while the database was down are ever dropped.
+
+A transition whose values the database refuses (SQL's data exceptions, :class:`DataError`, or a
+text the driver cannot encode in the database's encoding) would be refused on every try and hold
+back every transition behind it, and with them every notification: it is dropped at once,
+counted and logged as an error like the others.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+
+from sqlalchemy.exc import DataError
 
 from detector.episodes import AlertEpisode
 from detector.evaluator import Transition
@@ -86,7 +93,11 @@ class PendingWrites:
                 tr = self._queue[0]
                 try:
                     episode = self.store.record(tr, self.notifiers)
-                except Exception as exc:  # any refusal: it waits and is tried again
+                except (DataError, UnicodeError) as exc:  # refused for its values: it never lands
+                    self._queue.popleft()
+                    self._dropped(1, _describe(tr), f"the database refuses its values ({store_error(exc)})")
+                    continue
+                except Exception as exc:  # any other refusal: it waits and is tried again
                     refused = (tr, exc)
                     break
                 self._queue.popleft()
@@ -132,15 +143,19 @@ class PendingWrites:
                 resolved = queue[j]
                 del queue[j]
                 del queue[i]
-                self._dropped(2, f"the episode {_describe(tr)}, resolved at {resolved.at:.0f}")
+                episode = f"the episode {_describe(tr)}, resolved at {resolved.at:.0f}"
+                self._dropped(2, episode, self._at_bound())
                 return
         oldest = queue.popleft()
-        self._dropped(1, _describe(oldest))
+        self._dropped(1, _describe(oldest), self._at_bound())
 
-    def _dropped(self, n: int, what: str) -> None:
+    def _at_bound(self) -> str:
+        return (
+            f"the store has refused writes for {self._failing_for():.0f} s"
+            f" and {self.max_pending} transitions wait (the bound)"
+        )
+
+    def _dropped(self, n: int, what: str, why: str) -> None:
         if self.on_drop:
             self.on_drop(n)
-        log.error(
-            "the store has refused writes for %.0f s and %d transitions wait (the bound): dropped %s",
-            self._failing_for(), self.max_pending, what,
-        )  # fmt: skip
+        log.error("dropped %s: %s", what, why)

@@ -152,7 +152,8 @@ class DetectorMetrics:
         )
         self.store_writes_dropped = Counter(
             "retrywatch_detector_store_writes_dropped_total",
-            "Waiting alert transitions dropped at the bound while the database refused writes.",
+            "Alert transitions dropped: at the bound while the database refused writes,"
+            " or refused for their values.",
             registry=r,
         )
 

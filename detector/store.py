@@ -5,6 +5,10 @@ committed transaction, so a fired episode survives a restart and a ``kill -9``. 
 delivery of its firing and of its resolution is a row beside it (written in the same
 transaction, marked sent on success), so a restarted detector neither loses nor repeats one.
 
+Text is stored as the columns can hold it (:func:`fit`): a label value from a source is whatever
+an engine or Prometheus sent, and PostgreSQL refuses a NUL character and a value longer than its
+column. A refused write would wait forever and hold back every alert's notifications behind it.
+
 A URL that cannot be used (an unknown scheme, a missing driver, a server that does not answer,
 a SQLite file in a directory that does not exist or a file that is not a database) raises
 :class:`StoreOpenError` with one line that names the URL with its password masked.
@@ -15,6 +19,7 @@ older schema to :data:`SCHEMA_VERSION` step by step and refuses a newer one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -209,6 +214,25 @@ def store_error(exc: BaseException) -> str:
     return (lines[0] if lines else type(inner).__name__).strip()
 
 
+#: What stands for a NUL character in stored text (PostgreSQL's text types cannot hold one).
+NUL_STAND_IN = "\ufffd"
+_DIGEST_CHARS = 16
+
+
+def fit(value: str, column: Column[str]) -> str:
+    """``value`` as ``column`` holds it: NUL replaced with U+FFFD, and a value longer than the
+    column cut to its length, ending in a digest of the whole so that two long values stay apart.
+
+    Deterministic, so that a lookup fits its value the same way the write did."""
+    value = value.replace("\x00", NUL_STAND_IN)
+    length = getattr(column.type, "length", None)
+    if length is None or len(value) <= length:
+        return value
+    whole = value.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(whole, digest_size=_DIGEST_CHARS // 2).hexdigest()
+    return f"{value[: length - _DIGEST_CHARS - 1]}~{digest}"
+
+
 def _row_to_episode(row) -> AlertEpisode:  # type: ignore[no-untyped-def]
     return AlertEpisode(
         id=row.id,
@@ -261,15 +285,15 @@ class EpisodeStore:
                 return _row_to_episode(existing)
             result = conn.execute(
                 episodes.insert().values(
-                    alertname=tr.alertname,
-                    severity=tr.severity,
-                    engine=tr.labels.engine,
-                    model=tr.labels.model,
-                    instance=tr.labels.instance,
+                    alertname=fit(tr.alertname, episodes.c.alertname),
+                    severity=fit(tr.severity, episodes.c.severity),
+                    engine=fit(tr.labels.engine, episodes.c.engine),
+                    model=fit(tr.labels.model, episodes.c.model),
+                    instance=fit(tr.labels.instance, episodes.c.instance),
                     started_at=tr.started_at,
                     resolved_at=None,
-                    summary=tr.summary,
-                    description=tr.description,
+                    summary=fit(tr.summary, episodes.c.summary),
+                    description=fit(tr.description, episodes.c.description),
                     value=_finite(tr.value),
                     extra=json.dumps(tr.extra, default=str),
                 )
@@ -332,7 +356,10 @@ class EpisodeStore:
                     notifications.c.notifier == notifier,
                     notifications.c.kind == kind,
                 )
-                .values(attempts=notifications.c.attempts + 1, last_error=error[:500])
+                .values(
+                    attempts=notifications.c.attempts + 1,
+                    last_error=fit(error[:500], notifications.c.last_error),
+                )
             )
 
     def firing(self) -> list[AlertEpisode]:
@@ -369,9 +396,9 @@ class EpisodeStore:
         if until is not None:
             conds.append(episodes.c.started_at <= until)
         if alertname:
-            conds.append(episodes.c.alertname == alertname)
+            conds.append(episodes.c.alertname == fit(alertname, episodes.c.alertname))
         if engine:  # engines are keyed by instance (vLLM's engine label is "0" on every vLLM)
-            conds.append(episodes.c.instance == engine)
+            conds.append(episodes.c.instance == fit(engine, episodes.c.instance))
         query = select(episodes).order_by(episodes.c.started_at.desc(), episodes.c.id.desc()).limit(limit)
         if conds:
             query = query.where(and_(*conds))
@@ -380,7 +407,10 @@ class EpisodeStore:
 
     @staticmethod
     def _key(alertname: str, labels: EngineLabels):  # type: ignore[no-untyped-def]
-        return and_(episodes.c.alertname == alertname, episodes.c.instance == labels.instance)
+        return and_(
+            episodes.c.alertname == fit(alertname, episodes.c.alertname),
+            episodes.c.instance == fit(labels.instance, episodes.c.instance),
+        )
 
 
 def _finite(value: float | None) -> float | None:

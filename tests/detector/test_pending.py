@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event
+from sqlalchemy import create_engine, event, text
 
 from detector.api import create_app
 from detector.evaluator import Transition
@@ -237,3 +237,31 @@ def test_a_delivery_the_store_cannot_mark_sent_is_not_sent_again(
     assert disp.wait_idle(10)
     assert [p["status"] for p in http_server.posts] == ["firing", "resolved"]  # type: ignore[index]
     disp.close()
+
+
+@pytest.mark.postgres
+def test_a_transition_the_database_refuses_for_its_values_is_dropped_not_waited_on(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A LATIN1 database cannot hold a model name in another script: PostgreSQL refuses the
+    # write with a data exception on every try, which, waited on, would hold back every later
+    # transition and every notification.
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("CREATE DATABASE latin ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C'"
+                          " TEMPLATE template0"))  # fmt: skip
+    admin.dispose()
+    store = EpisodeStore(postgres_url.rsplit("/", 1)[0] + "/latin")
+    dropped: list[int] = []
+    pending = PendingWrites(store, on_drop=dropped.append)
+    refused = replace(_tr("firing", 100, "a"), labels=EngineLabels("0", "通义千问", "a"))
+    pending.add([refused, _tr("firing", 110, "b"), replace(refused, kind="resolved", at=150)])
+    landed = pending.flush()
+    # the rest land; the refused firing's resolution finds nothing open
+    assert [(t.labels.instance, t.kind, ep is None) for t, ep in landed] == [
+        ("b", "firing", False), ("a", "resolved", True)]  # fmt: skip
+    assert dropped == [1] and len(pending) == 0
+    dropping = "dropped VLLMMetastableRetryLoop on a (firing at 100): the database refuses its values"
+    assert dropping in caplog.text
+    assert [e.labels.instance for e in store.episodes()] == ["b"]
+    store.close()

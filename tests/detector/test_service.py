@@ -81,6 +81,11 @@ def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
     assert [p[0] for p in series_doc["points"]] == [t for t in times if fired_at - 30 <= t <= fired_at]
     assert series_doc["points"][-1][1] >= 1.0
     assert client.get("/signals", params={"name": "bogus"}).status_code == 404
+    # a time that is not a finite number is refused, not read as "every episode" or "none"
+    for route, param in (("/episodes", "since"), ("/episodes", "until"), ("/signals", "since")):
+        for bad in ("nan", "inf", "-inf", "1e400"):
+            got = client.get(route, params={"name": "creation_capacity_ratio", param: bad})
+            assert got.status_code == 422 and "finite" in got.text, (route, param, bad)
     assert client.get("/healthz").json() == {
         "status": "ok",
         "source": {"up": True, "last_scrape_at": fired_at},

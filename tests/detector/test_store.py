@@ -59,6 +59,29 @@ def _exercise(store: EpisodeStore) -> None:
     assert d["labels"] == LABELS.as_dict() and d["resolved_at"] == 300.0 and d["value"] == 2.5
 
 
+def _labels_beyond_the_columns(store: EpisodeStore) -> None:
+    # what an engine or Prometheus may send: a NUL, and values longer than their columns
+    # (a model served by its path; two instances alike in their first 512 characters)
+    long_a, long_b = "http://" + "a" * 600 + "/1", "http://" + "a" * 600 + "/2"
+    odd = EngineLabels("0\x00", "/models/" + "m" * 300, long_a)
+    ep = store.record(_tr("firing", 100.0, labels=odd), ["webhook0"])
+    assert ep is not None and ep.labels.engine == "0\ufffd"
+    assert ep.labels.model.startswith("/models/mmm") and len(ep.labels.model) == 256
+    assert ep.labels.instance.startswith("http://aaa") and len(ep.labels.instance) == 512
+    other = store.record(_tr("firing", 110.0, labels=EngineLabels("0", "m", long_b)))
+    assert other is not None and other.id != ep.id and other.labels.instance != ep.labels.instance
+    nul_labels = EngineLabels("0", "m", "a\x00b")
+    nul = store.record(_tr("firing", 120.0, "VLLMBacklogBeyondDeadline\x00", nul_labels))
+    assert nul is not None and nul.labels.instance == "a\ufffdb"
+    # looked up, resolved and filtered by the values as they came
+    assert [e.id for e in store.episodes(engine=long_a)] == [ep.id]
+    assert [e.id for e in store.episodes(engine="a\x00b")] == [nul.id]
+    assert [e.id for e in store.episodes(alertname="VLLMBacklogBeyondDeadline\x00")] == [nul.id]
+    done = store.record(_tr("resolved", 300.0, labels=odd))
+    assert done is not None and done.id == ep.id and done.resolved_at == 300.0
+    assert [e.id for e in store.firing()] == [other.id, nul.id]
+
+
 def test_sqlite_episodes_and_notifications(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'd.db'}"
     store = EpisodeStore(url)
@@ -86,4 +109,14 @@ def test_postgresql_episodes_and_notifications(postgres_url: str) -> None:
     store = EpisodeStore(postgres_url)
     assert store.engine.dialect.name == "postgresql"
     _exercise(store)
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_label_values_beyond_the_columns_are_stored_and_found(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    url = f"sqlite:///{tmp_path / 'd.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    store = EpisodeStore(url)
+    _labels_beyond_the_columns(store)
     store.close()
