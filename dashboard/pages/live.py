@@ -273,9 +273,8 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
     range it opens on the smallest one that shows the engine's data whole."""
     query = query or {}
     options, value = engine_options(ctx, query.get("engine"))
-    range_value = int(query["range"]) if query.get("range", "").isdigit() else 0
-    if range_value not in {s for _, s in RANGES}:
-        range_value = fitting_range(ctx, value)
+    asked = {str(s): s for _, s in RANGES}.get(query.get("range", ""))
+    range_value = asked if asked is not None else fitting_range(ctx, value)
     # The first view is rendered with the layout (one round trip to the first paint); the
     # refresh callback then only runs on the timer or a new selection.
     banner_children, banner_style, chips, tile_divs, *figs, status = update(ctx, value, range_value)

@@ -236,6 +236,8 @@ def test_the_live_page_opens_on_the_smallest_range_that_shows_the_data_whole(
     assert _find(live.layout(ctx, {"engine": ENGINE_A}), "live-range").value == 3600
     asked = live.layout(ctx, {"engine": ENGINE_A, "range": "900"})
     assert _find(asked, "live-range").value == 900  # a range asked for in the link is kept
+    for odd in ("²", "٩٠٠", "901", "-900", "0900", "9" * 5000):  # not one of the ranges: the fitting one
+        assert _find(live.layout(ctx, {"engine": ENGINE_A, "range": odd}), "live-range").value == 3600
 
 
 def _find(component: Any, ident: str) -> Any:
