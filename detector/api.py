@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from detector.runbook import runbook_html
 from detector.service import SIGNAL_NAMES, Detector
-from detector.signals import SIGNALS_BY_NAME
+from detector.signals import MAX_INSTANCE_CHARS, SIGNALS_BY_NAME
 
 MAX_EPISODES = 1000
 #: A ``since``/``until`` parameter: finite (``nan`` or ``inf`` gets a 422, not every episode).
@@ -62,7 +62,7 @@ def create_app(detector: Detector) -> FastAPI:
         since: UnixTime = None,
         until: UnixTime = None,
         alertname: str | None = Query(default=None, max_length=128),
-        engine: str | None = Query(default=None, max_length=256),
+        engine: str | None = Query(default=None, max_length=MAX_INSTANCE_CHARS),
         limit: int = Query(default=MAX_EPISODES, ge=1, le=MAX_EPISODES),
     ) -> dict[str, object]:
         found = detector.store.episodes(
@@ -76,7 +76,7 @@ def create_app(detector: Detector) -> FastAPI:
     def signals(
         name: str | None = Query(default=None, max_length=64),
         since: UnixTime = None,
-        engine: str | None = Query(default=None, max_length=256),
+        engine: str | None = Query(default=None, max_length=MAX_INSTANCE_CHARS),
     ) -> dict[str, object]:
         if name is None:
             # Engines are keyed by instance: vLLM's engine label is "0" on every vLLM.

@@ -334,6 +334,10 @@ def recording_rules() -> list[tuple[str, str]]:
 # --- Python computation ------------------------------------------------------------------
 
 
+#: The longest engine key (``instance``) the store keeps whole and the API takes as ``engine=``.
+MAX_INSTANCE_CHARS = 512
+
+
 @dataclass(frozen=True)
 class EngineLabels:
     engine: str

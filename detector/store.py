@@ -52,7 +52,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from detector.episodes import AlertEpisode
 from detector.evaluator import Transition
-from detector.signals import EngineLabels
+from detector.signals import MAX_INSTANCE_CHARS, EngineLabels
 from exporter.redact import redact_text, redact_url
 
 SCHEMA_VERSION = 1
@@ -87,7 +87,7 @@ episodes = Table(
     Column("severity", String(16), nullable=False),
     Column("engine", String(256), nullable=False, default=""),
     Column("model", String(256), nullable=False, default=""),
-    Column("instance", String(512), nullable=False, default=""),
+    Column("instance", String(MAX_INSTANCE_CHARS), nullable=False, default=""),
     Column("started_at", Float, nullable=False, index=True),
     Column("resolved_at", Float, nullable=True),
     Column("summary", Text, nullable=False),

@@ -4,9 +4,11 @@ routes to them in this order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from detector.signals import MAX_INSTANCE_CHARS
 
 if TYPE_CHECKING:
     import dash
@@ -21,6 +23,21 @@ class Page:
     name: str
     layout: Callable[[Context, dict[str, str]], Any]  # (context, URL query) -> layout
     register: Callable[[dash.Dash, Context], None]
+
+
+def text_choice(value: object) -> str | None:
+    """A selection as a callback receives it: a string the page could have offered (an engine, an
+    alert, a run), else None. A stale or forged request is answered like an empty selection."""
+    return value if isinstance(value, str) and len(value) <= MAX_INSTANCE_CHARS else None
+
+
+def range_choice(value: object, ranges: Sequence[tuple[str, int]]) -> int | None:
+    """A time range as a callback (an int) or a link's ``?range=`` (its digits) gives it: one of
+    ``ranges``' seconds, else None."""
+    for _, seconds in ranges:
+        if (type(value) is int and value == seconds) or value == str(seconds):
+            return seconds
+    return None
 
 
 def _pages() -> tuple[Page, ...]:

@@ -17,7 +17,7 @@ from dashboard.figures import (
     pulse_marks,
     run_shades,
 )
-from dashboard.pages import Page
+from dashboard.pages import Page, text_choice
 from dashboard.runs import run_key, run_label, run_signals
 from detector.rundir import RunDirError
 
@@ -131,8 +131,8 @@ def register(app: dash.Dash, ctx: Context) -> None:
         Output("experiments-run-summary", "children"),
         Input("experiments-run", "value"),
     )
-    def _run(run_id: str | None) -> tuple[Any, ...]:
-        figs, summary = run_figures(ctx, run_id)
+    def _run(run_id: object) -> tuple[Any, ...]:
+        figs, summary = run_figures(ctx, text_choice(run_id))
         return (*figs, summary)
 
 

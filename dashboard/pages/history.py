@@ -15,7 +15,7 @@ from dash import Input, Output, dcc, html
 from dashboard import style
 from dashboard.data import DetectorError, Episode
 from dashboard.figures import episodes_timeline_figure
-from dashboard.pages import Page
+from dashboard.pages import Page, range_choice, text_choice
 
 if TYPE_CHECKING:
     from dashboard.app import Context
@@ -175,8 +175,8 @@ def register(app: dash.Dash, ctx: Context) -> None:
         Input("history-engine", "value"),
         Input("history-range", "value"),
     )
-    def _update(alertname: str | None, engine: str | None, range_s: int | None) -> tuple[Any, ...]:
-        return update(ctx, alertname, engine, range_s)
+    def _update(alertname: object, engine: object, range_s: object) -> tuple[Any, ...]:
+        return update(ctx, text_choice(alertname), text_choice(engine), range_choice(range_s, RANGES))
 
 
 PAGE = Page(key="history", path="/history", name="History", layout=layout, register=register)

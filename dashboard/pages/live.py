@@ -19,7 +19,7 @@ from dash import Input, Output, State, dcc, html
 from dashboard import figures, style
 from dashboard.data import Alert, DetectorError, Episode, instance_label, signals_for_engine
 from dashboard.figures import Shade
-from dashboard.pages import Page
+from dashboard.pages import Page, range_choice, text_choice
 from dashboard.tiles import Tile, tiles
 from detector.thresholds import SEVERITIES
 
@@ -273,7 +273,7 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
     range it opens on the smallest one that shows the engine's data whole."""
     query = query or {}
     options, value = engine_options(ctx, query.get("engine"))
-    asked = {str(s): s for _, s in RANGES}.get(query.get("range", ""))
+    asked = range_choice(query.get("range"), RANGES)
     range_value = asked if asked is not None else fitting_range(ctx, value)
     # The first view is rendered with the layout (one round trip to the first paint); the
     # refresh callback then only runs on the timer or a new selection.
@@ -345,8 +345,8 @@ def register(app: dash.Dash, ctx: Context) -> None:
         Input("live-range", "value"),
         prevent_initial_call=True,
     )
-    def _refresh(_n: int | None, engine: str | None, range_s: int | None) -> tuple[Any, ...]:
-        return update(ctx, engine, range_s)
+    def _refresh(_n: int | None, engine: object, range_s: object) -> tuple[Any, ...]:
+        return update(ctx, text_choice(engine), range_choice(range_s, RANGES))
 
     @app.callback(
         Output("live-engine", "options"),
@@ -355,8 +355,8 @@ def register(app: dash.Dash, ctx: Context) -> None:
         State("live-engine", "value"),
         prevent_initial_call=True,
     )
-    def _engines(_n: int | None, current: str | None) -> tuple[Any, ...]:
-        options, value = engine_options(ctx, current)
+    def _engines(_n: int | None, current: object) -> tuple[Any, ...]:
+        options, value = engine_options(ctx, text_choice(current))
         if value == current:
             return options, dash.no_update
         return options, value

@@ -250,3 +250,42 @@ def _find(component: Any, ident: str) -> Any:
             if found is not None:
                 return found
     return None
+
+
+# a value the page never offers, as a stale page or a hand-made request may send it
+ODD_VALUES = ("abc", -5, 1e308, [1], {"a": 1}, 10**30, True, "x" * 100_000, "\x00", 900)
+# an output of each callback -> its inputs, with the values the page sends first
+CALLBACKS = {
+    "live-status.children": {
+        "live-refresh.n_intervals": 1,
+        "live-engine.value": None,
+        "live-range.value": None,
+    },
+    "history-count.children": {
+        "history-alert.value": None,
+        "history-engine.value": None,
+        "history-range.value": 0,
+    },
+    "experiments-run-summary.children": {"experiments-run.value": None},
+}
+
+
+def _prop(key: str, value: object = None) -> dict[str, object]:
+    ident, prop = key.rsplit(".", 1)
+    return {"id": ident, "property": prop, "value": value}
+
+
+def test_a_callback_sent_a_value_the_page_never_offers_answers_as_if_nothing_were_selected(
+    api: StaticDetectorAPI, runs_dir: Path
+) -> None:
+    client = create_app(DashboardConfig(detector_url=api.url, runs_dir=runs_dir)).server.test_client()
+    callback_map = client.get("/_dash-dependencies").get_json()
+    for output, inputs in CALLBACKS.items():
+        (spec,) = [c for c in callback_map if output in c["output"]]
+        outputs = [_prop(o) for o in spec["output"].strip(".").split("...")]
+        for changed in inputs:
+            for odd in ODD_VALUES:
+                sent = [_prop(k, odd if k == changed else v) for k, v in inputs.items()]
+                body = {"output": spec["output"], "outputs": outputs, "inputs": sent}
+                got = client.post("/_dash-update-component", json={**body, "changedPropIds": [changed]})
+                assert got.status_code == 200, (changed, repr(odd)[:40], got.status_code)
