@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
+from detector.signals import MAX_INSTANCES
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
 
@@ -91,6 +92,15 @@ def _env(name: str) -> str:
     envvar=_env("DEADLINE"),
     help="Client deadline in s (default: the proxy's gauge).",
 )
+@click.option(
+    "--max-engines",
+    type=click.IntRange(min=1),
+    default=MAX_INSTANCES,
+    show_default=True,
+    envvar=_env("MAX_ENGINES"),
+    help="Engines followed at most; past it a new one is left out, with a warning and "
+    "retrywatch_detector_engines_left_out. An engine the source stops naming is forgotten.",
+)
 @runbook_option(default=None, help_default="this detector's own /runbook page")
 @click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=_env("HOST"))
 @click.option(
@@ -109,6 +119,7 @@ def detect(
     alertmanager: str | None,
     capacity: float | None,
     deadline: float | None,
+    max_engines: int,
     runbook_pattern: str | None,
     host: str,
     port: int,
@@ -176,7 +187,9 @@ def detect(
             notifier.close()
         raise click.BadParameter(str(exc), param_hint="--db") from None
     config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
-    detector = Detector(source, store, notifiers=notifiers, config=config, runbook_pattern=pattern)
+    detector = Detector(
+        source, store, notifiers=notifiers, config=config, runbook_pattern=pattern, max_engines=max_engines
+    )
     app = create_app(detector)
     announce(
         f"retrywatch detector on http://{host}:{port} (/alerts, /episodes, /runbook, /metrics) "

@@ -23,7 +23,7 @@ from detector.evaluator import Evaluator, Transition
 from detector.notify import AlertmanagerNotifier, Dispatcher, Notifier
 from detector.pending import DEFAULT_MAX_PENDING, PendingWrites
 from detector.runbook import DEFAULT_PATTERN, runbook_url
-from detector.signals import SIGNALS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
+from detector.signals import MAX_INSTANCES, SIGNALS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.sources import Source
 from detector.store import EpisodeStore, store_error
 from detector.thresholds import ALERTS, AlertRule
@@ -37,7 +37,8 @@ _SIGNAL_INDEX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 class SignalHistory:
     """A ring buffer of signal values per engine: ``points`` evaluations, ``max_engines`` engines
     (e.g. 4320 points = 6 h at 5 s; about 1.3 MB per engine). Engines are keyed by ``instance``
-    (vLLM's ``engine`` label is "0" on every vLLM); each keeps its latest labels."""
+    (vLLM's ``engine`` label is "0" on every vLLM); each keeps its latest labels. When it is full,
+    a new engine takes the place of the one with the oldest newest point, if that one has left."""
 
     def __init__(self, points: int = 4320, max_engines: int = 64) -> None:
         if points < 2:
@@ -55,7 +56,7 @@ class SignalHistory:
         with self._lock:
             key = frame.labels.instance
             if key not in self._data:
-                if len(self._data) >= self.max_engines:
+                if len(self._data) >= self.max_engines and not self._evict_stalest(before=frame.t):
                     return
                 self._data[key] = np.full((self.points, len(SIGNAL_NAMES)), np.nan)
                 self._times[key] = np.full(self.points, np.nan)
@@ -71,6 +72,20 @@ class SignalHistory:
             self._times[key][i] = frame.t
             self._next[key] = (i + 1) % self.points
             self._count[key] = min(self._count[key] + 1, self.points)
+
+    def _evict_stalest(self, before: float) -> bool:
+        """Make room: drop the engine whose newest point is the oldest, if older than ``before``
+        (one that left the fleet); False when every engine is current."""
+
+        def newest(key: str) -> float:
+            return float(self._times[key][(self._next[key] - 1) % self.points])
+
+        stalest = min(self._data, key=newest)
+        if not newest(stalest) < before:
+            return False
+        for table in (self._labels, self._data, self._times, self._next, self._count):
+            del table[stalest]
+        return True
 
     def engines(self) -> list[EngineLabels]:
         """Every engine's latest labels (one per instance)."""
@@ -121,6 +136,11 @@ class DetectorMetrics:
             "retrywatch_detector_source_up", "1 when the last fetch succeeded.", registry=r
         )
         self.engines = Gauge("retrywatch_detector_engines", "Engines followed.", registry=r)
+        self.engines_left_out = Gauge(
+            "retrywatch_detector_engines_left_out",
+            "Engines the source named in the last fetch that are not followed (past --max-engines).",
+            registry=r,
+        )
         self.eval_seconds = Gauge(
             "retrywatch_detector_evaluation_duration_seconds", "Duration of the last evaluation.", registry=r
         )
@@ -172,13 +192,15 @@ class Detector:
         alertmanager_refresh_s: float = 60.0,
         max_pending_writes: int = DEFAULT_MAX_PENDING,
         runbook_pattern: str = DEFAULT_PATTERN,
+        max_engines: int = MAX_INSTANCES,
     ) -> None:
         self.source = source
         self.runbook_pattern = runbook_pattern
         self.store = store
         self.rules = tuple(rules)
         self.clock = clock
-        self.signals = SignalEngine(config)
+        self.signals = SignalEngine(config, max_instances=max_engines)
+        self._left_out = 0  # engines left out at the last fetch (a warning on each change)
         self.evaluator = Evaluator(self.rules, time_scale=self.signals.config.time_scale)
         self.history = SignalHistory(history_points)
         self.metrics = DetectorMetrics(self.rules)
@@ -216,10 +238,11 @@ class Detector:
             start = time.perf_counter()
             now = self.clock() if now is None else now
             result = self.source.fetch(now)
-            for snap in result.snapshots:
-                self.signals.add(snap)
-            for instance in result.down:
-                self.signals.mark_down(instance)
+            left_out = 0
+            for snap in result.snapshots:  # several in a backfill: the last says who is left out
+                left_out = self.signals.add(snap)
+            left_out += sum(not self.signals.mark_down(instance, now) for instance in result.down)
+            self._engines_left_out(left_out)
             if result.error:
                 self.metrics.source_errors.inc()
                 self.status.last_error = result.error
@@ -227,6 +250,10 @@ class Detector:
             self._source_changed(not result.down and result.error is None, result.error, result.down)
             if result.snapshots:
                 self.status.last_scrape_at = max(s.t for s in result.snapshots)
+            gone = self.signals.forget_departed(now)
+            if gone:
+                log.info("%d engines the source no longer names are forgotten (their alerts resolve): %s",
+                         len(gone), ", ".join(gone[:10]) + (", ..." if len(gone) > 10 else ""))  # fmt: skip
             frames = self.signals.compute(now)
             for frame in frames:
                 self.history.add(frame)
@@ -246,6 +273,19 @@ class Detector:
                 self.metrics.firing.labels(alertname=rule_name).set(n)
             self.metrics.eval_seconds.set(time.perf_counter() - start)
             return transitions
+
+    def _engines_left_out(self, n: int) -> None:
+        """Set the gauge; warn when the number of engines left out changes."""
+        self.metrics.engines_left_out.set(n)
+        if n != self._left_out:
+            if n:
+                log.warning(
+                    "following %d engines, the most there may be: %d more the source names are not"
+                    " watched (raise --max-engines)", self.signals.max_instances, n,
+                )  # fmt: skip
+            else:
+                log.warning("every engine the source names is followed again")
+            self._left_out = n
 
     def _source_changed(self, up: bool, error: str | None, down: Sequence[str]) -> None:
         """Record the source's state; one warning per change (down, back up), not per failure,

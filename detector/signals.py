@@ -61,6 +61,7 @@ def check_time_scale(time_scale: float) -> float:
 
 PROMETHEUS_JOB = "retrywatch"
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
+#: Engines one detector follows at most (``retrywatch detect --max-engines``).
 MAX_INSTANCES = 256
 
 # --- raw quantities: sums of samples per instance ---------------------------------------
@@ -386,14 +387,11 @@ class _EngineHistory:
     engine: str = ""
     model: str = ""
     source_up: bool = True
+    last_report: float = -math.inf  # the last scrape or down mark that named this instance
     capacity_samples: list[tuple[float, float]] = field(default_factory=list)
     # counters are stored reset-adjusted (monotonic), so a rate is one subtraction
     last_raw: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
     last_adj: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
-
-
-class TooManyInstances(ValueError):
-    """More distinct instances than the detector keeps (a label-cardinality bound)."""
 
 
 def split_snapshot(snapshot: Snapshot, default_instance: str = "") -> dict[str, tuple[list[float], str, str]]:
@@ -424,7 +422,14 @@ class SignalEngine:
     """Keeps a bounded raw history per instance and computes :class:`SignalFrame` s.
 
     ``retention_s`` bounds the raw history (enough for the longest window); ``max_instances``
-    bounds the number of engines followed.
+    bounds the number of engines followed: past it a new instance is not followed (:meth:`add`
+    and :meth:`mark_down` say how many they left out).
+
+    An instance the source stops naming (neither scraped nor marked down) for the gauge
+    lookback while it names others has left the fleet (a replica scaled away, a pod replaced):
+    it is forgotten, as Prometheus forgets a target that service discovery dropped, and its
+    alerts resolve. A source that names no instance at all for that long is a silent source, not
+    an empty fleet: every instance stays and reports missing data.
     """
 
     def __init__(
@@ -439,22 +444,21 @@ class SignalEngine:
         self.retention_s = retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s) + 30.0
         self.max_instances = max_instances
         self._engines: dict[str, _EngineHistory] = {}
+        self._last_report = -math.inf  # the last time the source named any instance
 
     @property
     def instances(self) -> list[str]:
         return list(self._engines)
 
-    def add(self, snapshot: Snapshot, default_instance: str = "") -> None:
-        """Record one scrape (samples grouped by their ``instance`` label)."""
+    def add(self, snapshot: Snapshot, default_instance: str = "") -> int:
+        """Record one scrape (samples grouped by their ``instance`` label); returns how many of
+        its instances were left out (new ones past ``max_instances``)."""
+        left_out = 0
         for instance, (row, engine, model) in split_snapshot(snapshot, default_instance).items():
-            hist = self._engines.get(instance)
+            hist = self._follow(instance, snapshot.t)
             if hist is None:
-                if len(self._engines) >= self.max_instances:
-                    raise TooManyInstances(
-                        f"more than {self.max_instances} instances;"
-                        " raise max_instances or scrape fewer targets"
-                    )
-                hist = self._engines[instance] = _EngineHistory()
+                left_out += 1
+                continue
             if engine or model:
                 hist.engine, hist.model = engine, model
             if hist.times and snapshot.t <= hist.times[-1]:
@@ -472,15 +476,36 @@ class SignalEngine:
             hist.rows.append(row)
             hist.source_up = True
             self._trim(hist, snapshot.t)
+        return left_out
 
-    def mark_down(self, instance: str) -> None:
-        """The source could not reach ``instance``: its signals report missing data."""
+    def mark_down(self, instance: str, at: float) -> bool:
+        """At ``at`` the source could not reach ``instance``: its signals report missing data.
+        False when it is left out (new, past ``max_instances``)."""
+        hist = self._follow(instance, at)
+        if hist is not None:
+            hist.source_up = False
+        return hist is not None
+
+    def _follow(self, instance: str, at: float) -> _EngineHistory | None:
+        """``instance``'s history, named by the source at ``at``; None past the bound."""
         hist = self._engines.get(instance)
         if hist is None:
             if len(self._engines) >= self.max_instances:
-                return
+                return None
             hist = self._engines[instance] = _EngineHistory()
-        hist.source_up = False
+        hist.last_report = max(hist.last_report, at)
+        self._last_report = max(self._last_report, at)
+        return hist
+
+    def forget_departed(self, now: float) -> list[str]:
+        """Forget the instances that left the fleet by ``now`` (see the class); returns them."""
+        horizon = now - self.windows.gauge_lookback_s
+        if self._last_report < horizon:
+            return []  # a silent source: nothing has left
+        gone = [inst for inst, hist in self._engines.items() if hist.last_report < horizon]
+        for inst in gone:
+            del self._engines[inst]
+        return gone
 
     def _trim(self, hist: _EngineHistory, now: float) -> None:
         cut = bisect.bisect_left(hist.times, now - self.retention_s)
@@ -492,7 +517,8 @@ class SignalEngine:
             hist.capacity_samples = [s for s in hist.capacity_samples if s[0] >= horizon]
 
     def compute(self, now: float) -> list[SignalFrame]:
-        """Every followed engine's signals at ``now``."""
+        """Every followed engine's signals at ``now``, once those that left are forgotten."""
+        self.forget_departed(now)
         return [self._compute_one(inst, hist, now) for inst, hist in self._engines.items()]
 
     # -- internals --

@@ -74,6 +74,7 @@ class PrometheusSource:
             error = f"{self.display_url}: {redact_text(str(exc), [self.url])}"
             return FetchResult(down=sorted(self.known) or [self.display_url], error=error)
         down: set[str] = set()
+        named: set[str] = set()
         for snap in snapshots:
             keep: list[Sample] = []
             for name, labels, value in snap.samples:
@@ -84,9 +85,10 @@ class PrometheusSource:
                     elif snap is snapshots[-1]:
                         down.discard(inst)
                     continue
-                self.known.add(inst)
+                named.add(inst)
                 keep.append((name, labels, value))
             snap.samples = keep
+        self.known = named  # the engines with data now: those a failed fetch marks down
         return FetchResult(snapshots=[s for s in snapshots if s.samples], down=sorted(down))
 
     def _instant(self, now: float) -> Snapshot:

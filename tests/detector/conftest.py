@@ -115,18 +115,23 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str], str]]:
-    """Start a real Prometheus scraping ``target`` (host:port) every second as job retrywatch."""
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str | Path], str]]:
+    """Start a real Prometheus scraping every second, as job retrywatch, ``target`` (host:port)
+    or the targets a file-based service discovery file lists (a Path; rewrite it to move them)."""
     binary = need("prometheus")
     procs: list[ManagedProcess] = []
 
-    def start(target: str) -> str:
+    def start(target: str | Path) -> str:
         port = free_port()
         cfg = tmp_path / "prometheus.yml"
+        targets = (
+            f"    file_sd_configs:\n      - files: ['{target}']\n        refresh_interval: 1s\n"
+            if isinstance(target, Path)
+            else f"    static_configs:\n      - targets: ['{target}']\n"
+        )
         cfg.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: retrywatch\n    static_configs:\n"
-            f"      - targets: ['{target}']\n"
+            f"scrape_configs:\n  - job_name: retrywatch\n{targets}"
         )
         argv = [binary, f"--web.listen-address=127.0.0.1:{port}",
                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--config.file={cfg}"]  # fmt: skip

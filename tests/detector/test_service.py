@@ -3,18 +3,22 @@ notifications once across a restart, and the JSON shapes of docs/architecture.md
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 
 from detector.api import create_app
 from detector.notify import WebhookNotifier
 from detector.service import Detector, SignalHistory
 from detector.signals import EngineLabels, SignalFrame
+from detector.sources import FetchResult
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
-from exporter.timeseries import write_series
+from exporter.timeseries import Snapshot, write_series
 from tests.detector.conftest import TestServer
+from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim
 
 T0 = 1_800_000_000.0  # the replayed run is shifted to Unix time
@@ -145,10 +149,72 @@ def test_signal_history_is_a_bounded_ring() -> None:
     labels = EngineLabels("0", "m", "a")
     for i in range(25):
         hist.add(SignalFrame(float(i), labels, {"capacity": float(i), "vllm_waiting": None}))
-    hist.add(SignalFrame(0.0, EngineLabels("1", "m", "b"), {"capacity": 1.0}))  # over the engine bound
+    hist.add(SignalFrame(24.0, EngineLabels("1", "m", "b"), {"capacity": 1.0}))  # over the engine bound
     ((key, pts),) = hist.series("capacity")
     assert key == labels and [p[0] for p in pts] == [float(i) for i in range(15, 25)]
     assert hist.series("vllm_waiting", since=20.0)[0][1] == [(float(i), None) for i in range(20, 25)]
+    # an engine whose newest point is older than a newcomer's has left: the newcomer takes its place
+    hist.add(SignalFrame(25.0, EngineLabels("1", "m", "b"), {"capacity": 1.0}))
+    assert [e.instance for e in hist.engines()] == ["b"]
+
+
+class ScriptedFleet:
+    """A source naming, at each fetch, the instances ``names(now)`` gives."""
+
+    name = "prometheus"
+
+    def __init__(self, names: Callable[[float], list[str]], omit: tuple[str, ...] = ()) -> None:
+        self.names, self.omit = names, omit
+
+    def fetch(self, now: float) -> FetchResult:
+        samples = [
+            s for i in self.names(now) for s in snapshot(now, first=now, instance=i, omit=self.omit).samples
+        ]
+        return FetchResult(snapshots=[Snapshot(t=now, samples=samples)])
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_replica_that_leaves_the_fleet_is_forgotten_and_its_alerts_resolve(tmp_path: Path) -> None:
+    # a rollout replaces "a" with "c" at T0 + 600; "a" and "c" miss a series vLLM exports, so
+    # the detector has no data for them (VLLMRetrywatchNoData) while they are there
+    fleet = ScriptedFleet(lambda t: ["b", "a" if t < T0 + 600 else "c"])
+    fleet_missing = ScriptedFleet(fleet.names, omit=("vllm:num_requests_waiting",))
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(fleet_missing, store)
+    for i in range(0, 1500, 5):
+        det.tick(T0 + i)
+        nodata = {
+            a["labels"]["instance"] for a in det.firing_alerts() if a["alertname"] == "VLLMRetrywatchNoData"
+        }
+        if 60 <= i < 600:
+            assert nodata == {"b", "a"}
+    assert nodata == {"b", "c"}  # "a" resolved once it was forgotten, and never fires again
+    assert det.signals.instances == ["b", "c"]
+    (a_episode,) = store.episodes(engine="a")
+    assert a_episode.resolved_at is not None and a_episode.resolved_at < T0 + 1500
+    store.close()
+
+
+def test_a_fleet_larger_than_max_engines_is_followed_up_to_it_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fleet = ScriptedFleet(lambda t: [f"10.0.{i // 200}.{i % 200}:8000" for i in range(12)])
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(fleet, store, max_engines=10)
+    for i in range(0, 30, 5):
+        det.tick(T0 + i)  # an evaluation of the ten followed, not an error for all twelve
+    assert len(det.signals.instances) == 10 and len(det.signals.compute(T0 + 25)) == 10
+    metrics = TestClient(create_app(det)).get("/metrics").text
+    assert "retrywatch_detector_engines 10.0" in metrics
+    assert "retrywatch_detector_engines_left_out 2.0" in metrics
+    warnings = [r.getMessage() for r in caplog.records if "--max-engines" in r.getMessage()]
+    assert warnings == [
+        "following 10 engines, the most there may be: 2 more the source names are not watched"
+        " (raise --max-engines)"
+    ]
+    store.close()
 
 
 def test_scheduler_runs_evaluations_on_the_interval(tmp_path: Path, http_server: TestServer) -> None:

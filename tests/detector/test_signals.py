@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from detector.signals import SignalConfig, SignalEngine, TooManyInstances
+from detector.signals import SignalConfig, SignalEngine
 from tests.detector.factories import snapshot, steady
 
 
@@ -90,7 +90,7 @@ def test_missing_series_and_source_down_are_reported_not_taken_as_healthy() -> N
         eng.add(snap, "x")
     f = _frame(eng, 60.0)
     assert f.values["data_missing"] == 1.0 and "vllm:num_requests_waiting" in f.missing
-    eng.mark_down("x")
+    eng.mark_down("x", 65.0)
     assert "source" in _frame(eng, 65.0).missing
     # data older than the lookback counts as missing too
     assert _frame(eng, 60.0 + 400.0).values["data_missing"] == 1.0
@@ -101,8 +101,32 @@ def test_engines_are_grouped_by_instance_and_bounded() -> None:
     eng.add(snapshot(0.0, instance="a", model="m1"))
     eng.add(snapshot(0.0, instance="b", model="m2"))
     assert sorted(f.labels.model for f in eng.compute(0.0)) == ["m1", "m2"]
-    with pytest.raises(TooManyInstances):
-        eng.add(snapshot(5.0, instance="c"))
+    # past the bound a new instance is left out, and counted, not an error for the others
+    both = snapshot(5.0, instance="a")
+    both.samples += snapshot(5.0, instance="c").samples
+    assert eng.add(both) == 1 and not eng.mark_down("d", 5.0) and eng.mark_down("b", 5.0)
+    assert sorted(f.labels.instance for f in eng.compute(5.0)) == ["a", "b"]
+
+
+def test_an_instance_the_source_stops_naming_is_forgotten_unless_the_source_went_silent() -> None:
+    lookback = SignalConfig().scaled_windows.gauge_lookback_s
+    eng = SignalEngine(max_instances=2)
+    named: dict[float, set[str]] = {}
+    left_out: dict[float, int] = {}
+    for t in range(0, 1000, 5):  # a replica replaced at 300 s: "a" leaves, "c" comes
+        fleet = snapshot(float(t), instance="b", first=t * 1.0)
+        fleet.samples += snapshot(float(t), instance="a" if t < 300 else "c", first=t * 1.0).samples
+        left_out[t] = eng.add(fleet)
+        named[t] = {f.labels.instance for f in eng.compute(float(t))}
+    # "a" keeps its place (its data going stale) for the lookback, then is forgotten ...
+    assert named[295 + lookback] == {"a", "b"} and left_out[295 + lookback] == 1
+    assert named[300 + lookback] == {"b"}
+    # ... and the place it held goes to "c": the bound is not used up by engines that left
+    assert named[305 + lookback] == {"b", "c"} and left_out[305 + lookback] == 0
+    assert eng.instances == ["b", "c"]
+    # a source that names nobody (a wrong job, every series gone) is silent, not an empty fleet
+    silent = {f.labels.instance: f for f in eng.compute(995.0 + 2 * lookback)}
+    assert sorted(silent) == ["b", "c"] and all(f.values["data_missing"] == 1.0 for f in silent.values())
 
 
 def test_history_is_trimmed_to_the_retention() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from detector.signals import SignalEngine
+from detector.signals import SignalConfig, SignalEngine
 from detector.sources.prometheus import PrometheusSource
 from detector.sources.scrape import ScrapeSource
 from tests.detector.conftest import TestServer, exposition, wait_until
@@ -27,7 +29,7 @@ def test_scrape_source_labels_the_instance_and_reports_a_down_target(http_server
     engine = SignalEngine()
     engine.add(snap)
     for instance in result.down:
-        engine.mark_down(instance)
+        engine.mark_down(instance, 1000.0)
     frames = {f.labels.instance: f for f in engine.compute(1000.0)}
     assert frames[url].labels.model == "qwen" and frames[url].values["data_missing"] == 0.0
     assert "source" in frames["http://127.0.0.1:9/metrics"].missing
@@ -40,7 +42,7 @@ def test_scrape_source_labels_the_instance_and_reports_a_down_target(http_server
 
 @pytest.mark.promtool  # needs Debian's prometheus package (promtool's package)
 def test_prometheus_source_reads_windows_through_the_http_api(
-    http_server: TestServer, prometheus_factory: Callable[[str], str]
+    http_server: TestServer, prometheus_factory: Callable[[str | Path], str]
 ) -> None:
     t0 = time.time()
 
@@ -79,3 +81,36 @@ def test_prometheus_source_reads_windows_through_the_http_api(
     gone = PrometheusSource("http://127.0.0.1:9", timeout_s=1.0)
     res = gone.fetch(time.time())
     assert res.down == ["http://127.0.0.1:9"] and res.error
+
+
+@pytest.mark.promtool  # needs Debian's prometheus package (promtool's package)
+def test_a_target_service_discovery_drops_is_forgotten_and_the_one_that_stays_is_not(
+    tmp_path: Path, prometheus_factory: Callable[[str | Path], str]
+) -> None:
+    stays, leaves = TestServer(), TestServer()
+    for server in (stays, leaves):
+        server.body = exposition(snapshot(0.0, first=1.0, model="qwen").samples)
+    sd = tmp_path / "targets.json"
+    both = [f"127.0.0.1:{s.port}" for s in (stays, leaves)]
+    sd.write_text(json.dumps([{"targets": both}]))
+    source = PrometheusSource(prometheus_factory(sd), backfill_s=10.0, step_s=1.0)
+    engine = SignalEngine(SignalConfig(time_scale=60.0))  # the 5-min lookback in 5 s
+
+    def named() -> set[str]:
+        result = source.fetch(time.time())
+        for snap in result.snapshots:
+            engine.add(snap)
+        return {labels["instance"] for s in result.snapshots for _, labels, _ in s.samples} | set(result.down)
+
+    wait_until(lambda: named() == set(both), 30, "Prometheus to scrape both targets")
+    assert sorted(f.labels.instance for f in engine.compute(time.time())) == sorted(both)
+    sd.write_text(json.dumps([{"targets": both[:1]}]))  # a rollout replaced the second replica
+    wait_until(lambda: named() == set(both[:1]), 30, "the dropped target's series to go stale")
+    dropped_at = time.time()
+    wait_until(lambda: named() and [f.labels.instance for f in engine.compute(time.time())] == both[:1],
+               30, "the detector to forget the dropped target")  # fmt: skip
+    assert time.time() - dropped_at >= engine.windows.gauge_lookback_s - 1.0
+    # should Prometheus stop answering, what it named last is down, not every target it ever named
+    assert source.known == set(both[:1])
+    stays.close()
+    leaves.close()
