@@ -203,7 +203,8 @@ def detect(
     try:
         # The proxy's server, with its client-side bounds at their defaults: the API answers
         # dashboards and scripts, and a slow or endless request must not hold its memory.
-        serve(app, HttpBounds(host=host, port=port, max_connections=API_MAX_CONNECTIONS), None, log_level)
+        bounds = HttpBounds(host=host, port=port, max_connections=API_MAX_CONNECTIONS)
+        serve(app, bounds, None, log_level, fds_per_connection=1)
     finally:
         detector.stop()
         store.close()

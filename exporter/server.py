@@ -80,7 +80,7 @@ log = logging.getLogger("retrywatch.server")
 LINGER_S = 1.0  # after a 4xx the server sent itself: read and discard this long, then close
 FINAL_WRITE_S = 2.0  # after the drain bound: for the last error events and answers to be written
 SWEEP_MAX_S = 0.5  # the deadline sweep runs at least this often (more often for short timeouts)
-FD_HEADROOM = 64  # descriptors beyond two per client connection (one client, one upstream)
+FD_HEADROOM = 64  # descriptors beyond those the connections hold (listeners, logs, the database)
 
 # A connection's phase: what the deadline, if any, bounds.
 IDLE = 0  # waiting for a request to start (--keep-alive-timeout)
@@ -559,10 +559,11 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def make_room_for(max_connections: int) -> None:
-    """Raise the soft limit on open descriptors to fit the connection cap (two descriptors per
-    client connection: its own and an upstream one), as far as the hard limit allows."""
-    need = 2 * max_connections + FD_HEADROOM
+def make_room_for(max_connections: int, fds_per_connection: int) -> None:
+    """Raise the soft limit on open descriptors to fit the connection cap (``fds_per_connection``
+    each: the proxy's two, a client's and an upstream one; a server without an upstream's one), as
+    far as the hard limit allows."""
+    need = fds_per_connection * max_connections + FD_HEADROOM
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
@@ -571,16 +572,24 @@ def make_room_for(max_connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     if target < need:
         log.warning(
-            "open-file limit %d is below the %d that --max-connections %d needs; lower it or raise the limit",
+            "open-file limit %d is below the %d that %d connections need; lower the cap or raise the limit",
             target,
             need,
             max_connections,
         )
 
 
-def serve(app: Any, bounds: HttpBounds, on_drain_expired: Callable[[], None] | None, log_level: str) -> None:
-    """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module)."""
-    make_room_for(bounds.max_connections)
+def serve(
+    app: Any,
+    bounds: HttpBounds,
+    on_drain_expired: Callable[[], None] | None,
+    log_level: str,
+    *,
+    fds_per_connection: int = 2,
+) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module); the open-file limit is
+    raised to fit ``bounds.max_connections`` of ``fds_per_connection`` descriptors each."""
+    make_room_for(bounds.max_connections, fds_per_connection)
     # log_config=None: uvicorn's loggers propagate to the command's handler (exporter.logs).
     config = ServerConfig(app, bounds, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
     DrainingServer(config).run()

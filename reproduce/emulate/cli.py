@@ -7,7 +7,6 @@ SIGTERM drains it for 2 s.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import click
@@ -84,7 +83,7 @@ def emulate(
 ) -> None:
     """Serve the engine model with vLLM's OpenAI API and /metrics, stepped in wall time."""
     from exporter.bounds import HttpBounds
-    from exporter.server import DrainingServer, ServerConfig
+    from exporter.server import serve
     from reproduce.emulate.server import build_app
 
     check_port(host, port)
@@ -102,26 +101,11 @@ def emulate(
         )
     except (KeyError, ValueError) as exc:
         raise click.BadParameter(str(exc.args[0] if exc.args else exc), param_hint="--model") from None
-    _raise_open_files_limit()
     # The proxy's server (request heads, slow and idle clients bounded): a live request holds a
     # connection, so --max-live bounds both; SIGTERM gives the streams in flight 2 s.
     bounds = HttpBounds(host=host, port=port, max_connections=max_live, drain_timeout_s=2.0)
-    # log_config=None: uvicorn logs through the command's handler (exporter.logs).
-    config = ServerConfig(app, bounds, log_level=log_level, log_config=None)
     announce(
         f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on http://{host}:{port} "
         "(OpenAI API, /metrics, /health); state: in memory only"
     )
-    # ``run`` sets up uvicorn's event loop (uvloop when installed) before serving.
-    DrainingServer(config).run()
-
-
-def _raise_open_files_limit() -> None:
-    """Every live request holds a connection: allow as many open files as the system lets us."""
-    with contextlib.suppress(ImportError, ValueError, OSError):
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = max(soft, 65_536) if hard == resource.RLIM_INFINITY else hard
-        if soft != resource.RLIM_INFINITY and soft < target:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    serve(app, bounds, None, log_level, fds_per_connection=1)

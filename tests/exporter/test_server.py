@@ -12,6 +12,8 @@ import json
 import select
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -540,3 +542,26 @@ def test_a_second_signal_cuts_the_drain_short(upstream: Upstream) -> None:
         t.join(timeout=10)
     status, raw = out["s"]  # the client saw its attempt end, with an error
     assert status == 503 and json.loads(raw)["error"]["code"] == "proxy_shutting_down"
+
+
+_LIMITS = """
+import logging, resource, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+from exporter.server import FD_HEADROOM, make_room_for
+make_room_for(int(sys.argv[1]), int(sys.argv[2]))
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_HEADROOM)
+"""
+
+
+@pytest.mark.parametrize(
+    ("connections", "per_connection", "room", "warned"),
+    [(1000, 2, 2000, False), (1000, 1, 1000, False), (3000, 2, 4096 - 64, True), (10, 2, 256 - 64, False)],
+)
+def test_the_open_file_limit_is_raised_to_fit_the_connection_cap(
+    connections: int, per_connection: int, room: int, warned: bool
+) -> None:
+    argv = [sys.executable, "-c", _LIMITS, str(connections), str(per_connection)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    assert int(done.stdout) == room  # a soft limit already large enough is left as it is
+    assert ("open-file limit 4096 is below the 6064 that 3000 connections need" in done.stderr) is warned
