@@ -10,7 +10,6 @@ detector.
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import UTC, datetime
 
@@ -27,7 +26,11 @@ from exporter.redact import redact_text, redact_url
 MAX_POINTS_PER_QUERY = 2000  # the step grows with the range so one query stays bounded
 MIN_STEP_S = 5.0
 DEFAULT_LOOKBACK_S = 3600.0
-_LABEL_VALUE = re.compile(r"^[^\"\\\n]{1,256}$")
+
+
+def promql_string(value: str) -> str:
+    """``value`` as a PromQL string literal: any label value selects itself, quotes and all."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 class PrometheusSignals:
@@ -70,9 +73,7 @@ class PrometheusSignals:
         step = max(MIN_STEP_S, (end - start) / MAX_POINTS_PER_QUERY)
         query = spec.record
         if engine:
-            if not _LABEL_VALUE.match(engine):
-                raise ValueError(f"bad engine (instance label value) {engine!r}")
-            query = f'{spec.record}{{instance="{engine}"}}'  # the detector's engine key
+            query = f"{spec.record}{{instance={promql_string(engine)}}}"  # the detector's engine key
         result = self._call(
             query,
             self._client.custom_query_range,

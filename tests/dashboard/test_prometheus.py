@@ -155,6 +155,9 @@ def test_prometheus_signals_feed_the_live_page(prometheus: str, fleet: list[Coun
         )
         assert source.signal("capacity", engine=instance)[0].points[-1, 1] == pytest.approx(CAPACITY)
     assert source.signal("vllm_waiting", engine="0") == []  # vLLM's engine label selects nothing
+    # any label value is a selector, never a PromQL error or a refusal (a stale page may send one)
+    for odd in ('a"} or vector(1) or {x="', "back\\slash", "new\nline", "x" * 512):
+        assert source.signal("vllm_waiting", engine=odd) == []
 
     # The live page reads each engine's panels from Prometheus (alerts, episodes: the detector API).
     with StaticDetectorAPI() as api:
