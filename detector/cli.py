@@ -157,7 +157,7 @@ def detect(
         elif prometheus:
             from detector.sources.prometheus import PrometheusSource
 
-            source = PrometheusSource(prometheus, step_s=interval)
+            source = PrometheusSource(prometheus, step_s=interval, max_engines=max_engines)
         else:
             assert replay is not None
             probe = ReplaySource(replay)

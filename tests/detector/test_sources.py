@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from detector.signals import SignalConfig, SignalEngine
-from detector.sources.prometheus import PrometheusSource
+from detector.sources.prometheus import SERIES_PER_ENGINE, PrometheusSource
 from detector.sources.scrape import ScrapeSource
 from tests.detector.conftest import TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
@@ -74,6 +74,12 @@ def test_prometheus_source_reads_windows_through_the_http_api(
     time.sleep(1.1)
     later = source.fetch(time.time())
     assert len(later.snapshots) == 1
+    # an answer beyond the series bound is refused as a failed fetch (the bound follows --max-engines)
+    bounded = PrometheusSource(prom, step_s=1.0, max_engines=1)
+    assert bounded.max_series == SERIES_PER_ENGINE
+    bounded.max_series = 3
+    refused = bounded.fetch(time.time())
+    assert refused.error and "series match; at most 3" in refused.error and not refused.snapshots
     # the target goes down: Prometheus' up == 0 marks the instance down
     http_server.status = 500
     wait_until(lambda: bool(source.fetch(time.time()).down), 15, "Prometheus to see the target down")
