@@ -53,35 +53,45 @@ class SignalHistory:
         self._lock = threading.Lock()
 
     def add(self, frame: SignalFrame) -> None:
-        with self._lock:
-            key = frame.labels.instance
-            if key not in self._data:
-                if len(self._data) >= self.max_engines and not self._evict_stalest(before=frame.t):
-                    return
-                self._data[key] = np.full((self.points, len(SIGNAL_NAMES)), np.nan)
-                self._times[key] = np.full(self.points, np.nan)
-                self._next[key] = 0
-                self._count[key] = 0
-            self._labels[key] = frame.labels
-            i = self._next[key]
-            row = self._data[key][i]
-            for name, value in frame.values.items():
-                j = _SIGNAL_INDEX.get(name)
-                if j is not None:
-                    row[j] = np.nan if value is None else value
-            self._times[key][i] = frame.t
-            self._next[key] = (i + 1) % self.points
-            self._count[key] = min(self._count[key] + 1, self.points)
+        self.add_evaluation([frame])
 
-    def _evict_stalest(self, before: float) -> bool:
-        """Make room: drop the engine whose newest point is the oldest, if older than ``before``
-        (one that left the fleet); False when every engine is current."""
+    def add_evaluation(self, frames: Sequence[SignalFrame]) -> None:
+        """One evaluation's frames. Room for a new engine is made only from an engine this
+        evaluation does not name and whose newest point is older than it."""
+        named = {frame.labels.instance for frame in frames}
+        with self._lock:
+            for frame in frames:
+                self._add(frame, named)
+
+    def _add(self, frame: SignalFrame, named: set[str]) -> None:
+        key = frame.labels.instance
+        if key not in self._data:
+            if len(self._data) >= self.max_engines and not self._evict_stalest(frame.t, named):
+                return
+            self._data[key] = np.full((self.points, len(SIGNAL_NAMES)), np.nan)
+            self._times[key] = np.full(self.points, np.nan)
+            self._next[key] = 0
+            self._count[key] = 0
+        self._labels[key] = frame.labels
+        i = self._next[key]
+        row = self._data[key][i]
+        for name, value in frame.values.items():
+            j = _SIGNAL_INDEX.get(name)
+            if j is not None:
+                row[j] = np.nan if value is None else value
+        self._times[key][i] = frame.t
+        self._next[key] = (i + 1) % self.points
+        self._count[key] = min(self._count[key] + 1, self.points)
+
+    def _evict_stalest(self, before: float, named: set[str]) -> bool:
+        """Make room: drop the engine whose newest point is the oldest, if it is older than
+        ``before`` and not ``named`` (one that left the fleet); False when there is none."""
 
         def newest(key: str) -> float:
             return float(self._times[key][(self._next[key] - 1) % self.points])
 
-        stalest = min(self._data, key=newest)
-        if not newest(stalest) < before:
+        stalest = min((key for key in self._data if key not in named), key=newest, default=None)
+        if stalest is None or not newest(stalest) < before:
             return False
         for table in (self._labels, self._data, self._times, self._next, self._count):
             del table[stalest]
@@ -255,8 +265,7 @@ class Detector:
                 log.info("%d engines the source no longer names are forgotten (their alerts resolve): %s",
                          len(gone), ", ".join(gone[:10]) + (", ..." if len(gone) > 10 else ""))  # fmt: skip
             frames = self.signals.compute(now)
-            for frame in frames:
-                self.history.add(frame)
+            self.history.add_evaluation(frames)
             transitions = self.evaluator.evaluate(now, frames)
             for tr in transitions:
                 self.metrics.transitions.labels(kind=tr.kind).inc()

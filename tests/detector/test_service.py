@@ -158,6 +158,19 @@ def test_signal_history_is_a_bounded_ring() -> None:
     assert [e.instance for e in hist.engines()] == ["b"]
 
 
+def test_signal_history_makes_room_only_from_engines_an_evaluation_does_not_name() -> None:
+    hist = SignalHistory(points=10, max_engines=2)
+
+    def evaluation(t: float, *instances: str) -> list[str]:
+        hist.add_evaluation([SignalFrame(t, EngineLabels("0", "m", i), {"capacity": 1.0}) for i in instances])
+        return sorted(e.instance for e in hist.engines())
+
+    assert evaluation(0.0, "a", "b") == ["a", "b"]
+    # a newcomer listed before the engines it would displace: they are live, it waits
+    assert evaluation(5.0, "c", "a", "b") == ["a", "b"]
+    assert evaluation(10.0, "a", "c") == ["a", "c"]  # "b" has left: "c" takes its place
+
+
 class ScriptedFleet:
     """A source naming, at each fetch, the instances ``names(now)`` gives."""
 
