@@ -26,21 +26,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.dashboard
 
 from dashboard.app import Context, DashboardConfig
+from dashboard.data import instance_label
 from dashboard.pages import live
 from exporter.processes import ManagedProcess, free_port
 from tests.dashboard.conftest import CHROMIUM, CHROMIUM_FLAGS
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
-GRAPHS_DRAWN = """(engine) => {
+# The argument: [the engine's instance, its chip's label (instance_label)].
+GRAPHS_DRAWN = """([engine, label]) => {
     const ids = ['graph-attempts', 'graph-fates', 'graph-queue', 'graph-prompt'];
     const chip = document.querySelector('#engine-states');
     return ids.every(id => {
         const gd = document.querySelector('#' + id + ' .js-plotly-plot');
         if (!gd || !gd._fullData || !gd.querySelector('.main-svg')) return false;
         return gd._fullData.some(t => t.x && t.x.length >= 600);
-    }) && chip && chip.innerText.includes(engine)
+    }) && chip && chip.innerText.includes(label)
       && document.querySelector('#graph-attempts .js-plotly-plot').layout.uirevision.startsWith(engine + ':');
 }"""
+
+
+def drawn(engine: str) -> list[str]:
+    """GRAPHS_DRAWN's argument for ``engine``."""
+    return [engine, instance_label(engine)]
 
 
 def instance_url(i: int) -> str:
@@ -48,7 +55,7 @@ def instance_url(i: int) -> str:
     return f"http://10.0.0.{i + 1}:8100/metrics"
 
 
-def serve_history(n_engines: int, hours: float, ready: mp.Queue, commands: mp.Queue) -> None:
+def serve_history(n_engines: int, hours: float, ready: mp.Queue[str], commands: mp.Queue[float]) -> None:
     """Serve ``n_engines`` x ``hours`` of 5-s history until terminated (a child process)."""
     now = time.time()
     api = StaticDetectorAPI().start()
@@ -77,8 +84,8 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     # The history server runs in its own process, like the detector does.
-    ready: mp.Queue = mp.Queue()
-    commands: mp.Queue = mp.Queue()
+    ready: mp.Queue[str] = mp.Queue()
+    commands: mp.Queue[float] = mp.Queue()
     server = mp.Process(target=serve_history, args=(args.engines, args.hours, ready, commands), daemon=True)
     server.start()
     api_url = ready.get(timeout=120)
@@ -107,7 +114,7 @@ def main() -> None:
                     page = context.new_page()
                     t0 = time.perf_counter()
                     page.goto(url)
-                    page.wait_for_function(GRAPHS_DRAWN, arg=first, timeout=60_000, polling="raf")
+                    page.wait_for_function(GRAPHS_DRAWN, arg=drawn(first), timeout=60_000, polling="raf")
                     times.append(time.perf_counter() - t0)
                     if visit == 0:
                         page.close()  # its refresh timer would compete with the next visit
@@ -115,8 +122,8 @@ def main() -> None:
                 time.sleep(0.2)
                 page.click("#live-engine")
                 t1 = time.perf_counter()
-                page.get_by_role("option", name=other, exact=True).click()
-                page.wait_for_function(GRAPHS_DRAWN, arg=other, timeout=60_000, polling="raf")
+                page.get_by_role("option", name=instance_label(other), exact=True).click()
+                page.wait_for_function(GRAPHS_DRAWN, arg=drawn(other), timeout=60_000, polling="raf")
                 if r > 0:
                     cold.append(times[0])
                     warm.append(times[1])
