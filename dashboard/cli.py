@@ -1,7 +1,9 @@
 """``retrywatch dashboard``: serve the operators' Dash app (127.0.0.1 by default).
 
-The app is served by waitress, a production WSGI server (never Flask's development server), with
-no access log: a port already in use is a usage error (exit 2) before anything is announced.
+The Flask app under Dash is served through a2wsgi (WSGI in a thread pool under ASGI) by the
+server the proxy and the detector use (``exporter.server``: request heads, slow and idle clients
+and connections bounded, SIGTERM drained), never by Flask's development server, with no access
+log: a port already in use is a usage error (exit 2) before anything is announced.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from detector.runbook import DEFAULT_HOST, DEFAULT_PORT
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
 
-#: waitress's worker threads: each serves one request (a page or a callback) at a time.
+#: Worker threads: each serves one request (a page or a callback) at a time.
 THREADS = 8
-#: Bounds on a request (waitress's defaults are 256 KiB and 1 GiB; a callback sends small JSON).
-MAX_HEADER_BYTES = 64 * 1024
+#: Connections at once (a browser tab holds a few).
+MAX_CONNECTIONS = 100
+#: A request body's bound (Flask answers 413 past it; a callback sends small JSON).
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -73,9 +76,11 @@ def dashboard(
     log_format: str,
 ) -> None:
     """Run the operators' Dash dashboard."""
-    import waitress
+    from a2wsgi import WSGIMiddleware
 
     from dashboard.app import DashboardConfig, create_app  # lazy: Dash is heavy
+    from exporter.bounds import HttpBounds
+    from exporter.server import serve
 
     setup_logging(log_level, log_format, [detector_url, prometheus_url])
     try:
@@ -91,12 +96,6 @@ def dashboard(
         source += f", Prometheus {redact_url(prometheus_url)}"
     runs = f"; runs from {runs_dir}" if runs_dir else ""
     announce(f"retrywatch dashboard on http://{host}:{port}/ ({source}){runs}; state: none of its own")
-    waitress.serve(
-        app.server,
-        host=host,
-        port=port,
-        threads=THREADS,
-        ident="retrywatch",
-        max_request_header_size=MAX_HEADER_BYTES,
-        max_request_body_size=MAX_BODY_BYTES,
-    )
+    app.server.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    bounds = HttpBounds(host=host, port=port, max_connections=MAX_CONNECTIONS)
+    serve(WSGIMiddleware(app.server, workers=THREADS), bounds, None, log_level, fds_per_connection=1)

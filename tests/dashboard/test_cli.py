@@ -3,6 +3,8 @@ itself is exercised as a real process in test_real_detector.py)."""
 
 from __future__ import annotations
 
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from click.testing import CliRunner
 
 from exporter.processes import free_port
 from retrywatch.cli import main
+from tests.exporter.support import endless_head
 
 
 def test_help_lists_the_options() -> None:
@@ -79,7 +82,7 @@ def test_it_is_served_by_a_production_server_quietly(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(10)
     assert page.status_code == 200 and layout.status_code == 200
-    assert page.headers["server"] == "retrywatch"  # waitress, named so; never Werkzeug's server
+    assert page.headers["server"] == "uvicorn"  # the bounded server; never Werkzeug's development one
     # One start line; no development-server warning, no Dash banner, no line per request.
     assert log.read_text().splitlines() == [
         f"retrywatch dashboard on {url}/ (detector http://127.0.0.1:{detector}); state: none of its own"
@@ -99,3 +102,45 @@ def test_a_taken_port_is_one_line_before_the_app_is_announced() -> None:
     assert result.stderr.strip().splitlines() == [
         f"Error: cannot listen on 127.0.0.1:{port} (Address already in use): pick another with --port"
     ]
+
+
+def test_it_bounds_its_clients_and_sigterm_ends_it_cleanly(tmp_path: Path) -> None:
+    """On waitress a head sent a byte at a time held its connection as long as it kept coming."""
+    port = free_port()
+    log = tmp_path / "dashboard.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retrywatch", "dashboard", "--port", str(port), "--detector", "http://127.0.0.1:9"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while not _answers(url + "/"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert endless_head(port, "/").split(b" ", 2)[1] == b"431"
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as slow:
+            slow.sendall(b"GET / HTTP/1.1\r\nhost: x\r\nx-slow: ")
+            started, answer = time.monotonic(), b""
+            while not answer and time.monotonic() - started < 25:
+                slow.sendall(b"a")  # a byte a second: never idle, never complete
+                readable, _, _ = select.select([slow], [], [], 1.0)
+                answer = slow.recv(4096) if readable else b""
+            assert answer.split(b" ", 2)[1:2] == [b"408"], answer[:200]
+        # a callback's body past the bound: 413 (Flask's MAX_CONTENT_LENGTH), not read whole
+        json_type = {"content-type": "application/json"}
+        callback = f"{url}/_dash-update-component"
+        big = httpx.post(callback, content=b"x" * (5 << 20), headers=json_type, timeout=30)
+        assert big.status_code == 413
+        assert _answers(url + "/")  # and it goes on serving
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0, log.read_text()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
