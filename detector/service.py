@@ -52,9 +52,6 @@ class SignalHistory:
         self._count: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add(self, frame: SignalFrame) -> None:
-        self.add_evaluation([frame])
-
     def add_evaluation(self, frames: Sequence[SignalFrame]) -> None:
         """One evaluation's frames. Room for a new engine is made only from an engine this
         evaluation does not name and whose newest point is older than it."""

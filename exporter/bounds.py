@@ -3,7 +3,8 @@ listens, and how large a request head, how slow a client, how many connections a
 drained shutdown it allows.
 
 ``retrywatch proxy`` makes each bound a flag (``exporter.settings``, whose defaults are these);
-the detector's API and the emulated engine serve with the defaults.
+the detector's API, the emulated engine and the dashboard serve with the defaults (each with a
+connection cap of its own).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""retrywatch's HTTP server (the proxy's, and the detector's API): uvicorn with every
-client-side bound (``exporter.bounds``), and a drained shutdown.
+"""retrywatch's HTTP server (the proxy's, the detector's API, the emulated engine's and the
+dashboard's): uvicorn with every client-side bound (``exporter.bounds``), and a drained shutdown.
 
 uvicorn's httptools protocol bounds neither the size of a request head nor its number of header
 fields, and times out neither a request head or body that stops arriving nor a connection that
 never sends a request. ``BoundedProtocol``, a subclass of it passed to uvicorn as ``http=``,
-adds per connection (the flags are ``retrywatch proxy``'s; the detector's API has their
+adds per connection (the flags are ``retrywatch proxy``'s; the other servers have their
 defaults):
 
 * head bounds: a head over ``--max-head-bytes`` (request line and header fields, counted as the

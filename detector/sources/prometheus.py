@@ -53,6 +53,7 @@ class PrometheusSource:
         self.backfill_s = backfill_s
         self.step_s = step_s
         self.query = _selector(job)
+        self.max_engines = max_engines
         self.max_series = SERIES_PER_ENGINE * max_engines  # an answer beyond it is refused
         self._client = PrometheusConnect(
             url=url,
@@ -118,7 +119,7 @@ class PrometheusSource:
         if len(data) > self.max_series:
             raise ValueError(
                 f"{len(data)} series match; at most {self.max_series}"
-                f" ({SERIES_PER_ENGINE} an engine for --max-engines {self.max_series // SERIES_PER_ENGINE})"
+                f" ({SERIES_PER_ENGINE} an engine for --max-engines {self.max_engines})"
             )
 
     def close(self) -> None:

@@ -148,13 +148,13 @@ def test_signal_history_is_a_bounded_ring() -> None:
     hist = SignalHistory(points=10, max_engines=1)
     labels = EngineLabels("0", "m", "a")
     for i in range(25):
-        hist.add(SignalFrame(float(i), labels, {"capacity": float(i), "vllm_waiting": None}))
-    hist.add(SignalFrame(24.0, EngineLabels("1", "m", "b"), {"capacity": 1.0}))  # over the engine bound
+        hist.add_evaluation([SignalFrame(float(i), labels, {"capacity": float(i), "vllm_waiting": None})])
+    hist.add_evaluation([SignalFrame(24.0, EngineLabels("1", "m", "b"), {"capacity": 1.0})])  # over the bound
     ((key, pts),) = hist.series("capacity")
     assert key == labels and [p[0] for p in pts] == [float(i) for i in range(15, 25)]
     assert hist.series("vllm_waiting", since=20.0)[0][1] == [(float(i), None) for i in range(20, 25)]
     # an engine whose newest point is older than a newcomer's has left: the newcomer takes its place
-    hist.add(SignalFrame(25.0, EngineLabels("1", "m", "b"), {"capacity": 1.0}))
+    hist.add_evaluation([SignalFrame(25.0, EngineLabels("1", "m", "b"), {"capacity": 1.0})])
     assert [e.instance for e in hist.engines()] == ["b"]
 
 
