@@ -19,7 +19,8 @@ with Prometheus' own PromQL engine, this module:
 Step 4 is the only part not done by Prometheus itself: it is the documented, ten-line state
 machine, while every value it consumes comes from the real engine over the real TSDB.
 :func:`evaluate_rules` also places the run's scrapes on the rule group's own evaluation grid
-(Prometheus offsets it by a hash of the group) and emulates staleness markers with a lookback
+(Prometheus offsets it by a hash of the group), inside one TSDB block where promtool backfills
+every evaluation of it (:func:`skipped_evaluations`), and emulates staleness markers with a lookback
 under one interval, so that the evaluation at run time ``t`` sees exactly the scrape taken at
 ``t``, as the Python detector's replay does (rules/README.md explains the choices).
 """
@@ -62,13 +63,43 @@ def _run(cmd: Sequence[str], *, timeout: float) -> str:
     return proc.stdout
 
 
-def aligned_start(duration_s: float, step_s: float, *, now: float | None = None) -> float:
-    """A Unix start time for a backfilled run: recent (inside retention), in the past by more
-    than the head block's span (so blocks never overlap the live head), aligned to ``step_s``
-    so that query steps land on the run's own snapshot times."""
+# Prometheus' TSDB block span (``tsdb.DefaultBlockDuration``): blocks are aligned to the epoch.
+BLOCK_S = 2 * 3600.0
+# How far in the past a loaded run ends: beyond the span of the head block, which would overlap it.
+_PAST_S = 4 * 3600.0
+
+
+def skipped_evaluations(start_unix_s: float, duration_s: float, step_s: float) -> list[float]:
+    """The evaluation times of a grid over [start, start + duration] that
+    ``promtool tsdb create-blocks-from rules`` never evaluates.
+
+    NOTE: the tool queries block by block; it ends each block's query at the whole second before
+    the next block begins (``endOfBlock / 1000``, truncated) and starts the next block's query at
+    its first evaluation at or after that block's start, so an evaluation time in the last second
+    before a block boundary is evaluated by neither, and every recorded series has a one-step hole
+    there (in Prometheus 2.42; the tool has no flag for its block span)."""
+    block_ms, step_ms, first_ms = round(BLOCK_S * 1000), round(step_s * 1000), round(start_unix_s * 1000)
+    last_ms = first_ms + math.floor(duration_s / step_s + 1e-9) * step_ms
+    skipped: list[float] = []
+    for boundary in range((first_ms // block_ms + 1) * block_ms, last_ms + 1, block_ms):
+        t = first_ms + (boundary - 1 - first_ms) // step_ms * step_ms  # the last one before it
+        while t > boundary - 1000 and t >= first_ms:
+            skipped.append(t / 1000.0)
+            t -= step_ms
+    return sorted(skipped)
+
+
+def run_start(duration_s: float, step_s: float, offset_s: float, *, now: float | None = None) -> float | None:
+    """Where to place a run whose rules evaluate on a grid offset by ``offset_s``: a Unix time on
+    that grid, inside retention and in the past by more than the head block's span.
+
+    The run starts where a TSDB block starts (plus the offset), so a run shorter than a block
+    crosses no block boundary and every evaluation of it is backfilled. ``None`` when a longer
+    run's grid has an evaluation :func:`skipped_evaluations` names; another grid offset (another
+    rule file, :func:`place_run`) avoids it."""
     now = time.time() if now is None else now
-    start = now - duration_s - 4 * 3600.0
-    return math.floor(start / step_s) * step_s
+    start = math.floor((now - duration_s - step_s - _PAST_S) / BLOCK_S) * BLOCK_S + offset_s
+    return None if skipped_evaluations(start, duration_s, step_s) else start
 
 
 def write_blocks(
@@ -307,6 +338,42 @@ def evaluation_offset(
     return (min(stamps) / 1000.0) % step_s
 
 
+_RULE_FILE_TRIES = 8
+
+
+def place_run(
+    prom: Prometheus,
+    *,
+    rule_dir: Path,
+    group_name: str,
+    duration_s: float,
+    step_s: float,
+    promtool: str = "promtool",
+    timeout: float = 60.0,
+) -> tuple[Path, float]:
+    """A rule file under ``rule_dir`` for :func:`backfill_recording_rules` and the Unix time to
+    place a run at, such that every evaluation of the run's grid is backfilled
+    (:func:`run_start`). The grid's offset is a hash of the group's name and file, so a run longer
+    than a block whose grid would fall in a gap tries the next file name."""
+    for attempt in range(_RULE_FILE_TRIES):
+        rule_file = rule_dir / f"retrywatch-{attempt}.rules.yml"
+        offset = evaluation_offset(
+            prom,
+            rule_file=rule_file,
+            group_name=group_name,
+            step_s=step_s,
+            promtool=promtool,
+            timeout=timeout,
+        )
+        start = run_start(duration_s, step_s, offset)
+        if start is not None:
+            return rule_file, start
+    raise BackfillError(
+        f"no evaluation grid of {step_s:g} s found whose {duration_s:g}-s run promtool backfills "
+        f"without a gap at a {BLOCK_S:g}-s block boundary ({_RULE_FILE_TRIES} rule file names tried)"
+    )
+
+
 def backfill_recording_rules(
     prom: Prometheus,
     rules: Sequence[Mapping[str, Any]],
@@ -452,8 +519,8 @@ def evaluate_rules(
 
     Every run is loaded as its own ``instance`` into one TSDB, all starting at the same moment
     (the rules aggregate ``by (instance)``, so runs do not mix), and evaluated in one pass. The
-    runs are placed on the rule group's own evaluation grid (start aligned to its interval, plus
-    the group's evaluation offset), so Prometheus evaluates at exactly the snapshots' times: the
+    runs are placed on the rule group's own evaluation grid (:func:`place_run`, where promtool
+    backfills every evaluation), so Prometheus evaluates at exactly the snapshots' times: the
     evaluation at run time ``t`` sees the scrape taken at ``t``, as the Python detector's replay
     does. Each scrape also records ``up{job, instance} = 1``.
 
@@ -470,14 +537,17 @@ def evaluate_rules(
         lookback_delta_s = max(1.0, step_s - 1.0)
     duration = max(snaps[-1].t for snaps in runs.values())
     with tempfile.TemporaryDirectory(prefix="rw-prom-") as tmp:
-        rule_file = Path(tmp) / "retrywatch.rules.yml"
         data = Path(tmp) / "data"
         data.mkdir()
         with Prometheus(data, lookback_delta_s=lookback_delta_s, binary=prometheus) as prom:
-            offset = evaluation_offset(
-                prom, rule_file=rule_file, group_name=group_name, step_s=step_s, promtool=promtool
+            rule_file, start = place_run(
+                prom,
+                rule_dir=Path(tmp),
+                group_name=group_name,
+                duration_s=duration,
+                step_s=step_s,
+                promtool=promtool,
             )
-            start = aligned_start(duration, step_s) + offset
             prom.stop()
             # One OpenMetrics file for every run: each sample carries its run's instance label.
             scraped = [

@@ -20,9 +20,8 @@ from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
 from rules.backfill import (
     Prometheus,
-    aligned_start,
     backfill_recording_rules,
-    evaluation_offset,
+    place_run,
     write_blocks,
 )
 from rules.generate import RULES_PATH
@@ -108,14 +107,17 @@ def test_every_panel_query_returns_data_from_a_simulated_run_in_prometheus(tmp_p
         "replica-b": fluid_run(2, pulse=1.5, cancellation=True, duration_s=600.0),
     }
     duration = 600.0
-    rule_file = tmp_path / "retrywatch.rules.yml"
     data = tmp_path / "data"
     data.mkdir()
     with Prometheus(data, binary=prometheus) as prom:
-        offset = evaluation_offset(
-            prom, rule_file=rule_file, group_name=group["name"], step_s=STEP_S, promtool=promtool
+        rule_file, start = place_run(
+            prom,
+            rule_dir=tmp_path,
+            group_name=group["name"],
+            duration_s=duration,
+            step_s=STEP_S,
+            promtool=promtool,
         )
-        start = aligned_start(duration, STEP_S) + offset
         prom.stop()
         scraped = [s for instance, snaps in runs.items() for s in _scraped(instance, snaps)]
         write_blocks(scraped, data, start_unix_s=start, extra_labels={"job": "retrywatch"}, promtool=promtool)

@@ -1,20 +1,27 @@
-"""The pieces of the Prometheus backfill pipeline that need no Prometheus: the alerting state
-machine (Prometheus' rules/alerting.go), rule layering and the grid."""
+"""The pieces of the Prometheus backfill pipeline: the alerting state machine (Prometheus'
+rules/alerting.go), rule layering and the grid, which need no Prometheus; loading a series and
+backfilling a rule across a TSDB block boundary, with a real one."""
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
 
 from exporter.timeseries import Snapshot
 from rules.backfill import (
+    BLOCK_S,
     BackfillError,
     Prometheus,
     alert_episodes,
-    aligned_start,
+    backfill_recording_rules,
+    evaluation_offset,
+    place_run,
     recording_layers,
+    run_start,
+    skipped_evaluations,
     write_blocks,
 )
 
@@ -80,10 +87,28 @@ def test_recording_layers_reject_cycles() -> None:
         recording_layers(rules)
 
 
-def test_aligned_start_is_on_the_grid_and_hours_in_the_past() -> None:
-    start = aligned_start(1800.0, 5.0, now=1_800_000_003.0)
-    assert start % 5 == 0
-    assert 1_800_000_003.0 - start - 1800.0 >= 4 * 3600
+BOUNDARY = 250_000 * BLOCK_S  # a TSDB block boundary (blocks are aligned to the epoch)
+
+
+def test_the_evaluation_in_the_last_second_before_a_block_is_the_one_skipped() -> None:
+    assert skipped_evaluations(BOUNDARY - 30 + 4.5, 120.0, 5.0) == [BOUNDARY - 0.5]
+    # the whole second before the boundary is the previous block's query's end, and is evaluated
+    assert skipped_evaluations(BOUNDARY - 30 + 4.0, 120.0, 5.0) == []
+    assert skipped_evaluations(BOUNDARY - 30 + 3.2, 120.0, 5.0) == []
+    assert skipped_evaluations(BOUNDARY + 0.5, 3000.0, 5.0) == []  # inside one block
+    across_two = skipped_evaluations(BOUNDARY - 30 + 4.5, BLOCK_S + 60, 5.0)
+    assert across_two == [BOUNDARY - 0.5, BOUNDARY + BLOCK_S - 0.5]
+
+
+def test_a_run_starts_with_a_block_on_its_grid_hours_in_the_past() -> None:
+    now = BOUNDARY + 5 * 3600 + 3
+    start = run_start(1800.0, 5.0, 4.5, now=now)
+    assert start is not None and start - BOUNDARY == 4.5
+    assert now - start - 1800.0 >= 4 * 3600
+    assert skipped_evaluations(start, 1800.0, 5.0) == []
+    # longer than a block: it crosses a boundary, which this offset's grid falls just before
+    assert run_start(3 * 3600.0, 5.0, 4.5, now=now) is None
+    assert run_start(3 * 3600.0, 5.0, 3.2, now=now) is not None
 
 
 @pytest.mark.promtool
@@ -100,7 +125,8 @@ def test_a_series_loads_into_a_real_prometheus(promtool: str, prometheus_binary:
         )
         for t in range(0, 125, 5)
     ]
-    start = aligned_start(120.0, 5.0)
+    start = run_start(120.0, 5.0, 0.0)
+    assert start is not None
     data = tmp_path / "data"
     labels = {"instance": "run-1", "job": "retrywatch"}
     write_blocks(snaps, data, start_unix_s=start, extra_labels=labels, promtool=promtool)
@@ -114,3 +140,64 @@ def test_a_series_loads_into_a_real_prometheus(promtool: str, prometheus_binary:
         # a NaN sample is left out: with a lookback under one scrape, the series is absent then
         assert prom.query("retrywatch_capacity_calls_per_second", start + 30) == []
         assert prom.query("retrywatch_capacity_calls_per_second", start + 35) != []
+
+
+def _recorded_times(prom: Prometheus, name: str, start: float, duration: float) -> list[float]:
+    (series,) = prom.query_range(name, start, start + duration, 5.0)
+    return [round(float(t), 3) for t, _ in series["values"]]
+
+
+@pytest.mark.promtool
+def test_promtool_skips_the_evaluation_before_a_block_and_a_placed_run_loses_none(
+    promtool: str, prometheus_binary: str, tmp_path: Path
+) -> None:
+    """The gap ``skipped_evaluations`` names is the one promtool's rule backfill leaves, and a run
+    placed by ``place_run`` (longer than a block, so it crosses boundaries) has no evaluation
+    missing: a hole there made the equivalence test flaky."""
+    rule = [{"record": "retrywatch_backfill:across", "expr": "vector(1)"}]
+    first = tmp_path / "retrywatch-0.rules.yml"  # the name place_run tries first
+    # a lookback under a second: an evaluation time either has its own sample or none
+    with Prometheus(tmp_path / "data", binary=prometheus_binary, lookback_delta_s=1) as prom:
+        for i in range(60):  # the grid's offset is a hash: find a group whose grid falls in the gap
+            group = f"group-{i}"
+            offset = evaluation_offset(prom, rule_file=first, group_name=group, step_s=5.0, promtool=promtool)
+            if offset > 4.0:
+                break
+        else:
+            pytest.fail("no group name gave an offset in the last second of the step")
+        boundary = math.floor((time.time() - 5 * 3600) / BLOCK_S) * BLOCK_S
+        start = boundary - 60 + offset
+        backfill_recording_rules(
+            prom,
+            rule,
+            rule_file=first,
+            group_name=group,
+            start_unix_s=start,
+            end_unix_s=start + 120,
+            step_s=5.0,
+            promtool=promtool,
+        )
+        grid = [round(start + 5 * k, 3) for k in range(25)]
+        assert skipped_evaluations(start, 120.0, 5.0) == [boundary - 60 + 55 + offset]
+        assert _recorded_times(prom, "retrywatch_backfill:across", start, 120.0) == [
+            t for t in grid if t not in skipped_evaluations(start, 120.0, 5.0)
+        ]
+
+        duration = BLOCK_S + 600
+        rule_file, placed = place_run(
+            prom, rule_dir=tmp_path, group_name=group, duration_s=duration, step_s=5.0, promtool=promtool
+        )
+        backfill_recording_rules(
+            prom,
+            [{"record": "retrywatch_backfill:placed", "expr": "vector(1)"}],
+            rule_file=rule_file,
+            group_name=group,
+            start_unix_s=placed,
+            end_unix_s=placed + duration,
+            step_s=5.0,
+            promtool=promtool,
+        )
+        assert _recorded_times(prom, "retrywatch_backfill:placed", placed, duration) == [
+            round(placed + 5 * k, 3) for k in range(int(duration / 5) + 1)
+        ]
+        assert rule_file != first  # its grid falls in the gap before every boundary
