@@ -113,6 +113,11 @@ notifications = Table(
 
 
 PG_CONNECT_TIMEOUT_S = 10  # a PostgreSQL server that drops packets fails a connect in this time
+#: A statement PostgreSQL has not finished in this time is cancelled (``statement_timeout``): the
+#: writes run inside an evaluation, and one waiting on a lock another session holds would
+#: otherwise stall evaluation for as long; cancelled, the transition waits in ``PendingWrites``
+#: and is tried again.
+PG_STATEMENT_TIMEOUT_S = 5
 
 
 class SchemaError(RuntimeError):
@@ -177,8 +182,11 @@ def make_engine(url: str) -> Engine:
             folder = Path(path).absolute().parent
             if not folder.is_dir():
                 raise _refused(url, f"directory {folder} does not exist")
-    elif backend == "postgresql" and "connect_timeout" not in parsed.query and _libpq(parsed.drivername):
-        connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+    elif backend == "postgresql" and _libpq(parsed.drivername):
+        if "connect_timeout" not in parsed.query:
+            connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+        if "options" not in parsed.query:  # the URL's own ``options`` win
+            connect_args["options"] = f"-c statement_timeout={PG_STATEMENT_TIMEOUT_S * 1000}"
     try:
         engine = create_engine(url, future=True, pool_pre_ping=True, connect_args=connect_args)
     except NoSuchModuleError:

@@ -265,3 +265,38 @@ def test_a_transition_the_database_refuses_for_its_values_is_dropped_not_waited_
     assert dropping in caplog.text
     assert [e.labels.instance for e in store.episodes()] == ["b"]
     store.close()
+
+
+@pytest.mark.postgres
+def test_a_database_that_hangs_does_not_stall_evaluation(postgres_url: str, tmp_path: Path) -> None:
+    # Another session holds the episodes table (a migration, a VACUUM FULL): the write waits on
+    # it. Evaluation must go on, the transition wait and land once the database answers again.
+    import threading
+
+    series = tmp_path / "metrics.jsonl"
+    write_series(series, MiniSim(seed=3, cancellation=False).run())
+    store = EpisodeStore(postgres_url)
+    det = Detector(ReplaySource(series, instance="proxy-a", offset=T0), store)
+    times = [s.t for s in det.source.snapshots]  # type: ignore[attr-defined]
+    holder = create_engine(postgres_url).connect()
+    locked = holder.begin()
+    holder.execute(text("LOCK TABLE episodes IN ACCESS EXCLUSIVE MODE"))
+    done = threading.Event()
+
+    def evaluate() -> None:
+        for t in times:
+            det.tick(t)
+            if len(det.pending):
+                break
+        done.set()
+
+    threading.Thread(target=evaluate, daemon=True).start()
+    try:
+        assert done.wait(60), "an evaluation waited on the locked table"
+        assert len(det.pending) >= 1  # it waits for the database
+    finally:
+        locked.rollback()
+        holder.close()
+    assert det.write_pending() == 0
+    assert store.firing()
+    store.close()
