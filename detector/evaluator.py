@@ -182,6 +182,17 @@ class Evaluator:
         )
         self._active[(rule_name, labels.instance)] = AlertState(rule, labels, machine, value)
 
+    def shift_time(self, delta: float) -> None:
+        """Move the last evaluation and every active alert's times by ``delta`` seconds (the
+        caller's clock stepped), so that ``for`` and ``keep_firing_for`` keep counting."""
+        if self.last_eval is not None:
+            self.last_eval += delta
+        for alert in self._active.values():
+            m = alert.machine
+            m.active_at = None if m.active_at is None else m.active_at + delta
+            m.fired_at = None if m.fired_at is None else m.fired_at + delta
+            m.keep_firing_since = None if m.keep_firing_since is None else m.keep_firing_since + delta
+
     def evaluate(self, now: float, frames: Sequence[SignalFrame]) -> list[Transition]:
         if self.last_eval is not None and now < self.last_eval:
             raise ValueError(f"evaluation time went backwards: {now} < {self.last_eval}")

@@ -195,6 +195,7 @@ class Detector:
         config: SignalConfig | None = None,
         rules: Sequence[AlertRule] = ALERTS,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         history_points: int = 4320,
         alertmanager_refresh_s: float = 60.0,
         max_pending_writes: int = DEFAULT_MAX_PENDING,
@@ -206,6 +207,8 @@ class Detector:
         self.store = store
         self.rules = tuple(rules)
         self.clock = clock
+        self.monotonic = monotonic
+        self._last_tick_mono: float | None = None  # ``monotonic`` at the last clock reading
         self.signals = SignalEngine(config, max_instances=max_engines)
         self._left_out = 0  # engines left out at the last fetch (a warning on each change)
         self.evaluator = Evaluator(self.rules, time_scale=self.signals.config.time_scale)
@@ -243,7 +246,7 @@ class Detector:
         """One evaluation: fetch, compute, evaluate, record, notify."""
         with self._lock:
             start = time.perf_counter()
-            now = self.clock() if now is None else now
+            now = self._read_clock() if now is None else now
             result = self.source.fetch(now)
             left_out = 0
             for snap in result.snapshots:  # several in a backfill: the last says who is left out
@@ -279,6 +282,23 @@ class Detector:
                 self.metrics.firing.labels(alertname=rule_name).set(n)
             self.metrics.eval_seconds.set(time.perf_counter() - start)
             return transitions
+
+    def _read_clock(self) -> float:
+        """The clock's time for this evaluation. When the wall clock went back past the last
+        evaluation (an NTP step, a VM restored), every time held in memory is moved back by the
+        step (measured against the monotonic clock), so evaluation goes on: windows, ``for`` and
+        ``keep_firing_for`` keep their lengths, and no alert fires, resolves or goes silent for
+        it (the evaluator refuses a time before its last one)."""
+        now, mono = self.clock(), self.monotonic()
+        last, last_mono = self.evaluator.last_eval, self._last_tick_mono
+        self._last_tick_mono = mono
+        if last is not None and last_mono is not None and now < last:
+            step = now - (last + max(0.0, mono - last_mono))  # < 0: how far the clock went back
+            self.signals.shift_time(step)
+            self.evaluator.shift_time(step)
+            self._am_last_refresh += step
+            log.warning("the clock went back %.1f s; the detector's times are moved back with it", -step)
+        return now
 
     def _engines_left_out(self, n: int) -> None:
         """Set the gauge; warn when the number of engines left out changes."""

@@ -507,6 +507,16 @@ class SignalEngine:
             del self._engines[inst]
         return gone
 
+    def shift_time(self, delta: float) -> None:
+        """Move every recorded time by ``delta`` seconds (the detector's clock stepped: see
+        :meth:`detector.service.Detector.tick`), so that windows and lookbacks keep their
+        lengths and the next scrape is not taken for a late one."""
+        for hist in self._engines.values():
+            hist.times = [t + delta for t in hist.times]
+            hist.capacity_samples = [(t + delta, v) for t, v in hist.capacity_samples]
+            hist.last_report += delta
+        self._last_report += delta
+
     def _trim(self, hist: _EngineHistory, now: float) -> None:
         cut = bisect.bisect_left(hist.times, now - self.retention_s)
         if cut > 64:  # trim in chunks: amortised O(1)

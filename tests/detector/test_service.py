@@ -250,3 +250,42 @@ def test_scheduler_runs_evaluations_on_the_interval(tmp_path: Path, http_server:
     assert det.status.up and det.status.last_scrape_at is not None
     assert det.signals.instances == [http_server.url + "/metrics"]
     store.close()
+
+
+def test_the_wall_clock_going_back_does_not_stop_evaluation(tmp_path: Path) -> None:
+    # An NTP step or a restored VM sets the wall clock back an hour: evaluation goes on at once,
+    # the firing alert neither resolves nor fires again for it, and its hysteresis counts the
+    # seconds that really pass (the monotonic clock's).
+    backlog = {"waiting": 1000.0}
+
+    class Proxy:
+        name = "exporter"
+
+        def fetch(self, now: float) -> FetchResult:
+            return FetchResult(snapshots=[snapshot(now, first=3 * now, instance="p", **backlog)])
+
+        def close(self) -> None:
+            return None
+
+    wall, mono = [T0], [100.0]
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(Proxy(), store, clock=lambda: wall[0], monotonic=lambda: mono[0])
+
+    def ticks(n: int) -> list[tuple[str, str, float]]:
+        out = []
+        for _ in range(n):
+            wall[0] += 5.0
+            mono[0] += 5.0
+            out += [(tr.alertname, tr.kind, mono[0]) for tr in det.tick()]
+        return out
+
+    assert [t[:2] for t in ticks(20)] == [("VLLMBacklogBeyondDeadline", "firing")]
+    wall[0] -= 3600.0
+    assert ticks(10) == []
+    (frame,) = det.signals.compute(det.evaluator.last_eval or 0.0)
+    assert frame.values["vllm_waiting"] == 1000.0 and not frame.missing
+    backlog["waiting"] = 0.0  # the backlog clears: resolved after keep_firing_for (60 s) of steady time
+    cleared_at = mono[0] + 5.0
+    resolved = [t for t in ticks(20) if t[:2] == ("VLLMBacklogBeyondDeadline", "resolved")]
+    assert resolved == [("VLLMBacklogBeyondDeadline", "resolved", cleared_at + 60.0)]
+    store.close()
