@@ -6,6 +6,7 @@ with any credentials in it masked (the instance is stored, shown and sent in not
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import httpx
@@ -37,9 +38,13 @@ class ScrapeSource:
                 raise ValueError(f"exporter URL must be http(s)://.../metrics, got {redact_url(url)!r}")
         self.urls = list(urls)
         self.instances = {url: redact_url(url) for url in self.urls}
+        self.timeout_s = timeout_s
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
 
     def _scrape(self, url: str) -> str:
+        # httpx's timeout bounds each read, not the answer: a target that drips its body would
+        # hold the evaluation (and every other target's scrape) for as long as it drips.
+        deadline = time.monotonic() + self.timeout_s
         with self._client.stream("GET", url, headers={"Accept": "text/plain;version=0.0.4"}) as resp:
             if resp.status_code != 200:
                 raise httpx.HTTPStatusError(f"HTTP {resp.status_code}", request=resp.request, response=resp)
@@ -50,6 +55,8 @@ class ScrapeSource:
                 if size > MAX_BODY_BYTES:
                     raise ValueError(f"{self.instances[url]}: /metrics larger than {MAX_BODY_BYTES} bytes")
                 chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    raise ValueError(f"/metrics not read whole within {self.timeout_s:g} s")
         return b"".join(chunks).decode("utf-8", errors="replace")
 
     def fetch(self, now: float) -> FetchResult:

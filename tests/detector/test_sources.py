@@ -120,3 +120,39 @@ def test_a_target_service_discovery_drops_is_forgotten_and_the_one_that_stays_is
     assert source.known == set(both[:1])
     stays.close()
     leaves.close()
+
+
+def test_a_target_that_drips_its_answer_is_down_after_the_timeout(http_server: TestServer) -> None:
+    # A proxy that sends its headers and then a byte now and then (each within the read
+    # timeout) would hold the evaluation, and every other target's, for as long as it drips.
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000000\r\n\r\n")
+            while not stop.wait(0.2):  # well within the 1-s read timeout, for up to 20 s
+                conn.sendall(b"\n")
+                if stop.wait(0) or time.monotonic() - started > 20:
+                    return
+
+    started = time.monotonic()
+    threading.Thread(target=drip, daemon=True).start()
+    http_server.body = exposition(snapshot(0.0, first=10.0).samples)
+    slow = f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+    source = ScrapeSource([slow, http_server.url + "/metrics"], timeout_s=1.0)
+    try:
+        result = source.fetch(1000.0)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        listener.close()
+        source.close()
+    assert took < 5, f"the fetch took {took:.1f} s"
+    assert result.down == [slow] and "1 s" in str(result.error)
+    assert [s.value("retrywatch_attempts_total", kind="first") for s in result.snapshots] == [10.0]
