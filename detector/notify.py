@@ -1,8 +1,9 @@
 """Notifiers (webhook, Alertmanager API v2) and the dispatcher that delivers each once.
 
 The store queues one row per (episode, notifier, firing|resolved) in the transaction that
-opens or resolves the episode; the :class:`Dispatcher` delivers them from a bounded queue on a
-worker thread, with a timeout per request and retries with exponential backoff, and marks each
+opens or resolves the episode; the :class:`Dispatcher` delivers them from a bounded queue per
+notifier, each on a worker thread of its own (a receiver that hangs or fails delays only its own
+deliveries), with a timeout per request and retries with exponential backoff, and marks each
 row sent. A restart picks up what was not sent (``Dispatcher.requeue_unsent``); nothing sent
 is sent again. A delivery the database refuses to mark sent is remembered and marked on the
 next round, and not sent again meanwhile.
@@ -151,7 +152,8 @@ class AlertmanagerNotifier:
 
 
 class Dispatcher:
-    """Delivers queued notifications on one worker thread; bounded queue, retries, backoff."""
+    """Delivers queued notifications: per notifier a bounded queue and a worker thread of its
+    own (so one receiver's timeouts and retries never hold back another's), retries, backoff."""
 
     def __init__(
         self,
@@ -174,12 +176,14 @@ class Dispatcher:
         self.max_backoff_s = max_backoff_s
         self.on_result = on_result
         self._sleep = sleep
-        self._queue: queue.Queue[tuple[AlertEpisode, str, str] | None] = queue.Queue(maxsize=max_queue)
+        self._queues: dict[str, queue.Queue[tuple[AlertEpisode, str, str] | None]] = {
+            name: queue.Queue(maxsize=max_queue) for name in self.notifiers
+        }
         self._inflight: set[tuple[int, str, str]] = set()
         self._unmarked: set[tuple[int, str, str]] = set()  # delivered; the store refused to mark it
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.dropped = 0
 
     @property
@@ -187,19 +191,26 @@ class Dispatcher:
         return list(self.notifiers)
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="retrywatch-notify", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            for name, q in self._queues.items():
+                thread = threading.Thread(
+                    target=self._run, args=(q,), name=f"retrywatch-notify-{name}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
 
     def submit(self, episode: AlertEpisode, notifier: str, kind: str) -> bool:
         """Queue one delivery; False when the queue is full (it stays unsent in the store and is
         picked up again by :meth:`requeue_unsent`)."""
         key = (episode.id or 0, notifier, kind)
+        q = self._queues.get(notifier)
+        if q is None:
+            raise ValueError(f"no notifier named {notifier!r}")
         with self._lock:
             if key in self._inflight or key in self._unmarked:
                 return True
             try:
-                self._queue.put_nowait((episode, notifier, kind))
+                q.put_nowait((episode, notifier, kind))
             except queue.Full:
                 self.dropped += 1
                 return False
@@ -235,17 +246,19 @@ class Dispatcher:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
+        for q in self._queues.values():
             with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(None)
-            self._thread.join(timeout_s)
-            self._thread = None
+                q.put_nowait(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads = []
         for n in self.notifiers.values():
             n.close()
 
-    def _run(self) -> None:
+    def _run(self, q: queue.Queue[tuple[AlertEpisode, str, str] | None]) -> None:
         while not self._stop.is_set():
-            item = self._queue.get()
+            item = q.get()
             if item is None:
                 return
             episode, notifier, kind = item

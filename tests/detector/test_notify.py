@@ -155,3 +155,34 @@ def test_alertmanager_receives_firing_then_resolved(tmp_path: Path, alertmanager
     wait_until(lambda: active() == [], 10, "the alert to resolve in Alertmanager")
     disp.close()
     store.close()
+
+
+def test_a_webhook_that_hangs_does_not_hold_back_the_other_notifiers(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    # A receiver that takes the connection and never answers: each delivery to it waits out its
+    # timeout on every try. The other notifiers (the pager behind Alertmanager) must not wait
+    # behind it, alert after alert.
+    import socket
+
+    hung = socket.create_server(("127.0.0.1", 0))  # connections wait in its backlog, unanswered
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    hooks = [
+        WebhookNotifier(f"http://127.0.0.1:{hung.getsockname()[1]}/x", timeout_s=1.0, name="webhook0"),
+        WebhookNotifier(http_server.url, name="webhook1"),
+    ]
+    disp = Dispatcher(store, hooks, retries=2, backoff_s=0.05)
+    disp.start()
+    try:
+        for i in range(3):  # as the detector submits them: each episode to every notifier in turn
+            tr = Transition(kind="firing", alertname=f"Alert{i}", severity="warning", labels=LABELS,
+                            at=1.0, started_at=1.0, value=1.0, summary="s", description="d")  # fmt: skip
+            ep = store.record(tr, disp.names)
+            assert ep is not None
+            for name in disp.names:
+                disp.submit(ep, name, "firing")
+        wait_until(lambda: len(http_server.posts) == 3, 3.0, "webhook1's three deliveries")
+    finally:
+        disp.close(timeout_s=0.1)
+        hung.close()
+        store.close()
