@@ -2,21 +2,26 @@
 
 The embedded default: no Prometheus needed. Each target's samples get ``instance`` = its URL,
 with any credentials in it masked (the instance is stored, shown and sent in notifications).
+Targets are read at the same time, so a target that does not answer costs an evaluation one
+timeout, not one per target.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
 from detector.sources import FetchResult
 from exporter.redact import redact_text, redact_url
-from exporter.timeseries import Snapshot, parse_exposition
+from exporter.timeseries import Sample, Snapshot, parse_exposition
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_TARGETS = 64
+# Targets read at once; with MAX_BODY_BYTES, it bounds what a fetch holds in memory.
+_READERS = 8
 
 
 class ScrapeSource:
@@ -39,7 +44,12 @@ class ScrapeSource:
         self.urls = list(urls)
         self.instances = {url: redact_url(url) for url in self.urls}
         self.timeout_s = timeout_s
-        self._client = httpx.Client(timeout=timeout_s, transport=transport)
+        self._client = httpx.Client(
+            timeout=timeout_s, transport=transport, limits=httpx.Limits(max_connections=_READERS)
+        )
+        self._readers = ThreadPoolExecutor(
+            max_workers=min(len(self.urls), _READERS), thread_name_prefix="retrywatch-scrape"
+        )
 
     def _scrape(self, url: str) -> str:
         # httpx's timeout bounds each read, not the answer: a target that drips its body would
@@ -59,19 +69,24 @@ class ScrapeSource:
                     raise ValueError(f"/metrics not read whole within {self.timeout_s:g} s")
         return b"".join(chunks).decode("utf-8", errors="replace")
 
+    def _read(self, url: str) -> list[Sample] | Exception:
+        try:
+            return parse_exposition(self._scrape(url))
+        except (httpx.HTTPError, ValueError) as exc:
+            return exc
+
     def fetch(self, now: float) -> FetchResult:
         result = FetchResult()
-        for url in self.urls:
-            try:
-                samples = parse_exposition(self._scrape(url))
-            except (httpx.HTTPError, ValueError) as exc:
-                instance = self.instances[url]
+        for url, read in zip(self.urls, self._readers.map(self._read, self.urls), strict=True):
+            instance = self.instances[url]
+            if isinstance(read, Exception):
                 result.down.append(instance)
-                result.error = f"{instance}: {redact_text(str(exc), [url])}"
+                result.error = f"{instance}: {redact_text(str(read), [url])}"
                 continue
-            labelled = [(n, {**lb, "instance": self.instances[url]}, v) for n, lb, v in samples]
+            labelled = [(n, {**lb, "instance": instance}, v) for n, lb, v in read]
             result.snapshots.append(Snapshot(t=now, samples=labelled))
         return result
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True, cancel_futures=True)
         self._client.close()

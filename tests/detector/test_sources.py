@@ -156,3 +156,25 @@ def test_a_target_that_drips_its_answer_is_down_after_the_timeout(http_server: T
     assert took < 5, f"the fetch took {took:.1f} s"
     assert result.down == [slow] and "1 s" in str(result.error)
     assert [s.value("retrywatch_attempts_total", kind="first") for s in result.snapshots] == [10.0]
+
+
+def test_targets_that_do_not_answer_cost_one_timeout_not_one_each(http_server: TestServer) -> None:
+    # Three proxies whose connections are taken and never answered (a hung process, a full
+    # backlog): read one after another, they held the evaluation for three timeouts.
+    import socket
+
+    hung = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    http_server.body = exposition(snapshot(0.0, first=10.0).samples)
+    silent = [f"http://127.0.0.1:{s.getsockname()[1]}/metrics" for s in hung]
+    source = ScrapeSource([*silent, http_server.url + "/metrics"], timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        result = source.fetch(1000.0)
+        took = time.monotonic() - started
+    finally:
+        source.close()
+        for s in hung:
+            s.close()
+    assert result.down == silent  # in the order given
+    assert [s.value("retrywatch_attempts_total", kind="first") for s in result.snapshots] == [10.0]
+    assert took < 2.5, f"the fetch took {took:.1f} s"
