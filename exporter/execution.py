@@ -43,7 +43,7 @@ _CONNECT, _HEAD, _ERROR_BODY, _FIRST_EVENT, _BODY, _DONE = range(6)
 def _upstream_message(raw: bytes, default: str) -> str:
     try:
         parsed = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the interpreter's limit: not a message
         return default
     if isinstance(parsed, dict):
         err = parsed.get("error", parsed)

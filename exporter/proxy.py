@@ -156,7 +156,7 @@ def _error_event(event: bytes) -> Mapping[str, Any] | None:
         return None
     try:
         return sse.error_of(sse.event_json(payload))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the interpreter's limit: no error object
         return None
 
 
@@ -798,7 +798,7 @@ class SubscriberResponse(Response):
             return
         status, body = relay.error or ENDED_WITHOUT_ANSWER
         if headers_sent:  # mid-stream: an SSE error event, then the end of the stream
-            event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+            event = relay.error_end(body)
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:
             await send(self._start(status, _JSON, len(body)))

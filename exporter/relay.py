@@ -94,6 +94,7 @@ class Relay:
         self._stored = 0  # bytes held: compressed blocks + tail
         self._tail = bytearray()
         self._tail_start = 0
+        self._sealed_end = b""  # the last bytes of the last sealed block (the tail may be empty)
 
     # --- the upstream side ------------------------------------------------------------
 
@@ -120,6 +121,7 @@ class Relay:
 
     def _seal_tail(self) -> None:
         raw = bytes(self._tail)
+        self._sealed_end = raw[-4:]
         block = zlib.compress(raw, 1)
         self._blocks.append(block)
         self._block_starts.append(self._tail_start)
@@ -185,6 +187,17 @@ class Relay:
             await sub.waiter
         finally:
             sub.waiter = None
+
+    def error_end(self, error: bytes) -> bytes:
+        """What ends a stream already begun with ``error`` (an OpenAI-style error body): an SSE
+        error event, then ``data: [DONE]``.
+
+        NOTE: an upstream that broke off in the middle of an event left its subscribers that
+        event's first bytes; the error event written right after them joined that unfinished
+        line, and no client could read it. The unfinished event is ended first."""
+        end = (self._sealed_end + bytes(self._tail[-4:]))[-4:]
+        between = self.end == 0 or end.endswith((b"\n\n", b"\r\r", b"\r\n\r\n"))
+        return (b"" if between else b"\n\n") + b"data: " + error + b"\n\ndata: [DONE]\n\n"
 
     def stored_bytes(self) -> int:
         return self._stored

@@ -21,7 +21,9 @@ defaults):
   server switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1);
 * a transfer coding other than chunked alone (``Transfer-Encoding: gzip, chunked``) gets 400:
-  httptools would undo only the chunking and hand the body on still coded.
+  httptools would undo only the chunking and hand the body on still coded;
+* the trailer fields of a chunked body are dropped (never request headers: neither the app nor
+  the upstream sees them) and bounded as a head is: over ``--max-head-bytes`` gets 431.
 
 In the proxy, a generation POST is taken over when its head is complete (``exporter.exchange``: the request
 and its answer carried by callbacks, no ASGI cycle and no task); the exchange stands in for
@@ -205,6 +207,9 @@ class BoundedProtocol(HttpToolsProtocol):
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
         self._received = 0  # bytes received since the last head ended (bounds a head in progress)
+        # A chunk header was parsed and none of that chunk's data yet: a whole read through which
+        # this holds was the last chunk's trailer section (a chunk with data would have ended it).
+        self._chunk_without_data = False
         self._refusal: tuple[int, str, str, bool] = (400, "", "", True)  # sent once REFUSING ends
         # Generation POSTs are served in callbacks by the proxy (``exporter.exchange``); the
         # exchange in progress, if any, also stands in for uvicorn's request cycle (``cycle``).
@@ -233,6 +238,7 @@ class BoundedProtocol(HttpToolsProtocol):
             return
         if self.phase <= HEAD:
             self._received += len(data)
+        trailers = self._chunk_without_data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -248,6 +254,15 @@ class BoundedProtocol(HttpToolsProtocol):
             return
         if self.phase <= HEAD and self._received > self.max_head_bytes:
             self.refuse(431, f"the request head is over {self.max_head_bytes} bytes", "head_too_large")
+        elif trailers and self._chunk_without_data:
+            # NOTE: trailer fields are not counted while the head is, and httptools buffers one
+            # field until it ends (concatenating as it grows): an endless trailer filled the
+            # memory and stalled the loop for the whole --body-timeout. Counted from the first
+            # read after the last chunk's header on (the read that carries that header is not).
+            self._received += len(data)
+            if self._received > self.max_head_bytes:
+                message = f"the trailer fields of the request body are over {self.max_head_bytes} bytes"
+                self.refuse(431, message, "head_too_large")
 
     def check_deadline(self, now: float) -> None:
         """Called by the sweep: act on a phase that outlived its deadline."""
@@ -306,6 +321,23 @@ class BoundedProtocol(HttpToolsProtocol):
         self.headers = []
         self.phase = HEAD
         self.deadline = self.loop.time() + self.head_timeout_s
+        self._chunk_without_data = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.phase == BODY:
+            # NOTE: a trailer field of a chunked body (httptools reports them as header fields).
+            # uvicorn appended them to the request's headers, with no bound on their number, after
+            # the proxy had read the head: the upstream received them as request headers the
+            # proxy never saw (an ``x-call-id``, credentials). A recipient may drop trailers
+            # (RFC 9110, 6.5.1); here they are dropped, and bounded in ``data_received``.
+            return
+        super().on_header(name, value)
+
+    def on_chunk_header(self) -> None:
+        self._chunk_without_data = True
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_without_data = False
 
     def on_headers_complete(self) -> None:
         # Checked before uvicorn starts the app on the request. The bytes received bound the
@@ -402,6 +434,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self.on_response_complete()
 
     def on_body(self, body: bytes) -> None:
+        self._chunk_without_data = False
         exchange = self.exchange
         if exchange is not None and self._serving(exchange):
             exchange.on_body(body)

@@ -158,6 +158,7 @@ class _Connection(asyncio.Protocol):
         self.interim = False  # the message being parsed is an interim (1xx) response
         self.headers_done = False
         self.keep_alive = False
+        self.ends_at_close = False  # the final response has no length: its body ends at the close
         self.complete = False
         self.extra = False  # bytes came after the final response: never reuse
         self.error: UpstreamError | None = None
@@ -215,6 +216,12 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.ends_at_close and exc is None and not self.complete and self.error is None:
+            # NOTE: a response with neither Content-Length nor chunked coding ends where the
+            # upstream closes the connection (RFC 9112, 6.3); httptools cannot be told of the end
+            # of the stream, so it never completes such a message itself. Taken for broken, a
+            # whole answer was failed with a 502 (and a /metrics fetch counted as down).
+            self.complete = True
         if not self.complete and self.error is None:
             self.error = UpstreamBroken("the upstream closed the connection before the end of the response")
         self._wake()
@@ -247,6 +254,7 @@ class _Connection(asyncio.Protocol):
         self.status = status
         # NOTE: read here; llhttp forgets it once the message is complete.
         self.keep_alive = self.parser.should_keep_alive()
+        self.ends_at_close = status not in (204, 304) and not _framed(self.headers)
         self.headers_done = True
         self._wake()
 
@@ -275,6 +283,15 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _framed(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a response's head says where its body ends (Content-Length, or chunked as the last
+    transfer coding) rather than leaving it to the end of the connection."""
+    codings = b",".join(value for name, value in headers if name == b"transfer-encoding")
+    if codings:
+        return codings.rsplit(b",", 1)[-1].strip(b" \t").lower() == b"chunked"
+    return any(name == b"content-length" for name, _ in headers)
 
 
 class StreamedResponse:

@@ -135,9 +135,13 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_forwarded_path(path: str) -> None:
-    """A path passed through to the upstream holds no control character (the upstream client
-    cannot send one) and no ``.`` or ``..`` segment (resolved on the way, it would reach another
-    route than the one allowed); else a 400."""
+    """A path passed through to the upstream begins with ``/`` (not the asterisk form of
+    ``OPTIONS *``, which names no resource: appended to the upstream's URL it made no URL at all,
+    and the proxy failed with a 500), holds no control character (the upstream client cannot send
+    one) and no ``.`` or ``..`` segment (resolved on the way, it would reach another route than the
+    one allowed); else a 400."""
+    if not path.startswith("/"):
+        raise RequestError(400, "the request path must begin with '/'", "invalid_path")
     if _CONTROL.search(path):
         raise RequestError(400, "the request path holds a control character", "invalid_path")
     if "/." in path and any(s in (".", "..") for s in path.split("/")):

@@ -8,11 +8,12 @@ wrong client shows up as an id that is not its own call's."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -313,3 +314,145 @@ def test_a_fault_in_the_proxy_on_a_passed_through_route_is_an_openai_style_500(
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json()["error"]["code"] == "proxy_error"
     assert httpx.get(f"{p.url}/metrics", timeout=10).status_code == 200  # still serving
+
+
+# --- upstreams that answer in odd but possible ways ----------------------------------------------
+
+
+class RawUpstream:
+    """A bare HTTP/1.1 server in a thread that answers every request with ``answer(path)``'s
+    bytes, written as they are, then closes the connection: for answers the test upstream (a real
+    uvicorn, as vLLM's) never gives."""
+
+    def __init__(self, answer: Callable[[bytes], bytes]) -> None:
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                got = conn.recv(65536)
+                if not got:
+                    return
+                data += got
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(self.answer(head.split(b" ")[1]))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def raw_upstream() -> Iterator[Callable[[Callable[[bytes], bytes]], RawUpstream]]:
+    started: list[RawUpstream] = []
+
+    def start(answer: Callable[[bytes], bytes]) -> RawUpstream:
+        started.append(RawUpstream(answer))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.close()
+
+
+METRICS_TEXT = b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 7\n"
+METRICS_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(METRICS_TEXT), METRICS_TEXT)
+
+
+def test_an_answer_without_a_length_ends_where_the_upstream_closes_the_connection(
+    start_proxy: StartProxy, raw_upstream: Callable[[Callable[[bytes], bytes]], RawUpstream]
+) -> None:
+    """A response with neither Content-Length nor chunked coding ends when the server closes the
+    connection (RFC 9112, 6.3). The proxy's client never took such a body as complete: a whole
+    answer was failed with a 502 ``upstream_broken``, and the upstream's /metrics counted it down."""
+    completion = b'{"id": "cmpl-close", "object": "text_completion", "choices": []}'
+
+    def answer(path: bytes) -> bytes:
+        body = METRICS_TEXT if path == b"/metrics" else completion
+        return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n" + body
+
+    p = start_proxy(raw_upstream(answer).url)
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2), timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.content == completion
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
+    assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 0
+    assert m[("retrywatch_upstream_up", ())] == 1
+    assert httpx.get(f"{p.url}/metrics", timeout=10).text.endswith(METRICS_TEXT.decode())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_error_nested_past_the_recursion_limit_is_the_upstreams_not_a_fault(
+    start_proxy: StartProxy,
+    raw_upstream: Callable[[Callable[[bytes], bytes]], RawUpstream],
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
+) -> None:
+    """The proxy reads the message of an upstream's error body, and looks for vLLM's refusal in a
+    stream's first event. JSON nested deeper than the interpreter's recursion limit raised
+    RecursionError there, not ValueError: the refusal became a fault in the proxy (a traceback,
+    a 502 ``proxy_error``, the execution counted failed instead of refused)."""
+    nested = b"[" * 20_000 + b"]" * 20_000
+    if stream:
+        event = b'data: {"error": {"code": 503, "message": "full", "detail": ' + nested + b"}}\n\n"
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        answer = head + b"content-length: %d\r\n\r\n" % len(event) + event
+    else:
+        body = b'{"error": ' + nested + b"}"
+        head = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        answer = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    p = start_proxy(raw_upstream(lambda path: METRICS_ANSWER if path == b"/metrics" else answer).url)
+    with caplog.at_level(logging.ERROR, logger="retrywatch.proxy"):
+        r = httpx.post(f"{p.url}/v1/completions", json=_body(2, stream=stream), timeout=10)
+    assert not [rec for rec in caplog.records if "failed in the proxy" in rec.message]
+    m = p.metrics()
+    balance(m)
+    if stream:  # no error object the proxy can read: relayed as the engine sent it
+        assert r.status_code == 200 and r.content == event
+    else:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_refused"
+        assert m[("retrywatch_executions_finished_total", (("fate", "refused"),))] == 1
+
+
+@pytest.mark.parametrize("path", ["callbacks", "asgi"])
+def test_an_upstream_breaking_off_mid_event_still_ends_the_stream_with_a_readable_error_event(
+    start_proxy: StartProxy, raw_upstream: Callable[[Callable[[bytes], bytes]], RawUpstream], path: str
+) -> None:
+    """An upstream that closes the connection in the middle of an SSE event left the client that
+    event's first bytes, and the proxy's error event was written straight after them: it joined
+    the unfinished ``data:`` line, and the stream ended with no error event a client could read.
+    (``Expect: 100-continue`` takes a generation request off the callback path, to the ASGI one.)"""
+    whole = b'data: {"id": "cmpl-raw", "choices": [{"text": " t0"}]}\n\n'
+    cut = b'data: {"id": "cmpl-raw", "cho'
+    stream = b"".join(b"%x\r\n%b\r\n" % (len(part), part) for part in (whole, cut))
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    p = start_proxy(
+        raw_upstream(lambda target: METRICS_ANSWER if target == b"/metrics" else head + stream).url
+    )
+    headers = {"expect": "100-continue"} if path == "asgi" else {}
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2, stream=True), headers=headers, timeout=10)
+    assert r.status_code == 200 and r.content.startswith(whole + cut)
+    events = r.content.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    assert json.loads(events[-3].removeprefix(b"data: "))["error"]["code"] == "upstream_broken"
+    balance(p.metrics())

@@ -8,6 +8,7 @@ runs on, so the same tests hold any server that replaces it to these behaviours.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import select
 import signal
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httptools
@@ -25,7 +27,7 @@ import httpx
 import pytest
 
 from exporter.validation import MAX_JSON_DEPTH
-from tests.exporter.support import ProxyProcess, Upstream, proxy_process
+from tests.exporter.support import ProxyProcess, Upstream, errors_logged, proxy_process
 
 SHORT = ("--head-timeout", "1", "--body-timeout", "1", "--keep-alive-timeout", "1")
 MAX_HEAD_BYTES = 16384
@@ -359,6 +361,64 @@ def test_a_chunked_body_is_served(bounded: ProxyProcess, coding: bytes) -> None:
     assert response.startswith(b"HTTP/1.1 200 "), response[:300]
 
 
+def chunked_head(path: str, *headers: bytes) -> bytes:
+    return request_head(
+        "POST",
+        path,
+        b"content-type: application/json\r\n",
+        b"transfer-encoding: chunked\r\n",
+        *headers,
+        b"\r\n",
+    )
+
+
+def test_trailer_fields_are_dropped_not_forwarded_as_request_headers(
+    bounded: ProxyProcess, upstream: Upstream
+) -> None:
+    """httptools reports a chunked body's trailer fields as header fields, and they were appended
+    to the request's headers after the proxy had read the head: the engine received them as
+    request headers the proxy never saw (here a call id; as well credentials)."""
+    call = uuid.uuid4().hex
+    body = completion()
+    trailer = b"x-call-id: %b\r\nx-test-tag: %b\r\n\r\n" % (call.encode(), call.encode())
+    chunked = b"%x\r\n%b\r\n0\r\n%b" % (len(body), body, trailer)
+    response = exchange(bounded.port, [chunked_head("/v1/completions", b"connection: close\r\n") + chunked])
+    assert response.startswith(b"HTTP/1.1 200 "), response[:300]
+    assert upstream.requests(call_id=call) == [] and upstream.requests(tag=call) == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("shape", ["one endless field", "endless fields"])
+def test_trailer_fields_over_the_head_bound_get_431(bounded: ProxyProcess, path: str, shape: str) -> None:
+    """Trailer fields were counted by no bound: one endless field was buffered (and concatenated
+    as it grew, stalling every other request) and endless fields were kept, until the body
+    timeout. They are bounded as a head is."""
+    body = completion()
+    start = chunked_head(path) + b"%x\r\n%b\r\n0\r\n" % (len(body), body)
+    if shape == "one endless field":
+        more = (b"x-junk: " if i == 0 else b"a" * 4096 for i in range(16384))  # up to 64 MiB
+    else:
+        more = (b"x-junk-%d: %b\r\n" % (i, b"a" * 100) for i in range(655360))
+    status, error = status_and_error(exchange(bounded.port, itertools.chain([start], more)))
+    assert status == 431 and error["code"] == "head_too_large", error
+    assert "trailer" in error["message"]
+
+
+def test_a_body_in_tiny_chunks_is_held_at_its_size(upstream: Upstream) -> None:
+    """A generation request's body was kept as the list of the pieces the parser handed over: a
+    4 MiB body sent in 2-byte chunks took 276 MiB (within the 8 MiB body bound, per connection)."""
+    with proxy_process(upstream.url, "--drain-timeout", "0") as p:
+        before = p.peak_rss_kib()
+        body = b'{"model": "test-model", "prompt": "' + b"ab" * (2 * 1024 * 1024) + b'", "max_tokens": 1}'
+        pieces = [body[i : i + 2] for i in range(0, len(body), 2)]
+        framed = b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+        head = chunked_head("/v1/completions", b"connection: close\r\n")
+        response = exchange(p.port, [head, *(framed[i : i + 65536] for i in range(0, len(framed), 65536))])
+        assert response.startswith(b"HTTP/1.1 200 "), response[:300]
+        growth_mib = (p.peak_rss_kib() - before) / 1024
+        assert growth_mib < 48, f"a 4 MiB body took {growth_mib:.0f} MiB"
+
+
 def test_a_request_without_a_body_that_asks_to_switch_protocols_is_served_as_http_1_1(
     bounded: ProxyProcess,
 ) -> None:
@@ -454,6 +514,22 @@ def test_the_forwarded_routes_are_configurable(upstream: Upstream) -> None:
         r = httpx.post(f"{p.url}/sleep", timeout=10)  # forwarded: the upstream's own 404
         assert r.status_code == 404 and r.json()["error"]["code"] == 404
         assert httpx.get(f"{p.url}/retrywatch/nope", timeout=10).json()["error"]["code"] == "route_not_found"
+
+
+@pytest.mark.parametrize("passthrough", ["*", "default"])
+def test_an_asterisk_request_target_gets_400_whatever_is_forwarded(
+    upstream: Upstream, tmp_path: Path, passthrough: str
+) -> None:
+    """``OPTIONS *`` (HTTP's asterisk form) names no path. With every path forwarded, the proxy
+    appended it to the upstream's URL, which made no URL at all: a 500 and a traceback for what a
+    client sent."""
+    log = tmp_path / "proxy.log"
+    with proxy_process(upstream.url, "--passthrough", passthrough, "--drain-timeout", "0", log=log) as p:
+        for method in ("OPTIONS", "GET"):
+            request = request_head(method, "*", b"connection: close\r\n\r\n")
+            status, error = status_and_error(exchange(p.port, [request]))
+            assert status == 400 and error["code"] == "invalid_path", (method, error)
+    assert errors_logged(log) == []
 
 
 # --- the drained shutdown ----------------------------------------------------------------------
