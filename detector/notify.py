@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -151,6 +152,18 @@ class AlertmanagerNotifier:
         self._client.close()
 
 
+@dataclass(frozen=True)
+class _Refresh:
+    """A worker's job: re-post the alerts still firing to one Alertmanager."""
+
+    target: AlertmanagerNotifier
+    firing: list[AlertEpisode]
+
+
+# What a notifier's worker takes: one delivery (episode, notifier, kind), a refresh, or None to stop.
+_Job = tuple[AlertEpisode, str, str] | _Refresh | None
+
+
 class Dispatcher:
     """Delivers queued notifications: per notifier a bounded queue and a worker thread of its
     own (so one receiver's timeouts and retries never hold back another's), retries, backoff."""
@@ -176,11 +189,12 @@ class Dispatcher:
         self.max_backoff_s = max_backoff_s
         self.on_result = on_result
         self._sleep = sleep
-        self._queues: dict[str, queue.Queue[tuple[AlertEpisode, str, str] | None]] = {
+        self._queues: dict[str, queue.Queue[_Job]] = {
             name: queue.Queue(maxsize=max_queue) for name in self.notifiers
         }
         self._inflight: set[tuple[int, str, str]] = set()
         self._unmarked: set[tuple[int, str, str]] = set()  # delivered; the store refused to mark it
+        self._refreshing: set[str] = set()  # Alertmanagers with a refresh queued or in progress
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -256,11 +270,35 @@ class Dispatcher:
         for n in self.notifiers.values():
             n.close()
 
-    def _run(self, q: queue.Queue[tuple[AlertEpisode, str, str] | None]) -> None:
+    def refresh(self, firing: Sequence[AlertEpisode]) -> None:
+        """Re-post the alerts still firing to every Alertmanager, each on its own worker (one
+        that hangs delays nothing else); skipped for one whose last refresh is still queued."""
+        for name, target in self.notifiers.items():
+            if not isinstance(target, AlertmanagerNotifier) or not firing:
+                continue
+            with self._lock:
+                if name in self._refreshing:
+                    continue
+                try:
+                    self._queues[name].put_nowait(_Refresh(target, list(firing)))
+                except queue.Full:
+                    continue
+                self._refreshing.add(name)
+
+    def _run(self, q: queue.Queue[_Job]) -> None:
         while not self._stop.is_set():
             item = q.get()
             if item is None:
                 return
+            if isinstance(item, _Refresh):
+                try:
+                    item.target.refresh(item.firing)
+                except Exception as exc:  # the next refresh tries again
+                    log.warning("alertmanager refresh failed: %s", exc)
+                finally:
+                    with self._lock:
+                        self._refreshing.discard(item.target.name)
+                continue
             episode, notifier, kind = item
             try:
                 self._deliver(episode, notifier, kind)

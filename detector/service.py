@@ -350,11 +350,7 @@ class Detector:
         except Exception as exc:  # a database that is down must not stop evaluation
             log.warning("alertmanager refresh: reading the firing episodes failed: %s", store_error(exc))
             return
-        for am in self._alertmanagers:
-            try:
-                am.refresh(firing)
-            except Exception as exc:  # a refresh failure must not stop evaluation
-                log.warning("alertmanager refresh failed: %s", exc)
+        self.dispatcher.refresh(firing)  # posted by each Alertmanager's worker, not in the evaluation
 
     def runbook_url(self, alertname: str) -> str:
         """The link to ``alertname``'s runbook section (``detector.runbook``)."""

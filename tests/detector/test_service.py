@@ -17,7 +17,7 @@ from detector.sources import FetchResult
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
 from exporter.timeseries import Snapshot, write_series
-from tests.detector.conftest import TestServer
+from tests.detector.conftest import TestServer, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim
 
@@ -289,3 +289,41 @@ def test_the_wall_clock_going_back_does_not_stop_evaluation(tmp_path: Path) -> N
     resolved = [t for t in ticks(20) if t[:2] == ("VLLMBacklogBeyondDeadline", "resolved")]
     assert resolved == [("VLLMBacklogBeyondDeadline", "resolved", cleared_at + 60.0)]
     store.close()
+
+
+def test_a_slow_alertmanager_does_not_hold_the_evaluation(http_server: TestServer, tmp_path: Path) -> None:
+    # The detector re-posts the alerts still firing to Alertmanager every refresh interval. It did
+    # so inside the evaluation: an Alertmanager slow to answer held every engine's evaluation for
+    # as long, once a refresh interval. Its worker posts it now.
+    import time
+
+    from detector.notify import AlertmanagerNotifier
+
+    class Proxy:
+        name = "exporter"
+
+        def fetch(self, now: float) -> FetchResult:
+            return FetchResult(snapshots=[snapshot(now, first=3 * now, instance="p", waiting=1000.0)])
+
+        def close(self) -> None:
+            return None
+
+    http_server.delay_s = 2.0
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    am = AlertmanagerNotifier(http_server.url, timeout_s=10.0)
+    det = Detector(Proxy(), store, notifiers=[am], alertmanager_refresh_s=30.0)
+    det.dispatcher.start()
+    try:
+        took = []
+        for i in range(40):  # fires at the 20th, then refreshes every 30 s
+            started = time.monotonic()
+            det.tick(T0 + 5.0 * i)
+            took.append(time.monotonic() - started)
+        assert store.firing()
+        assert max(took) < 1.0, f"an evaluation took {max(took):.1f} s"
+        # the refreshes were posted all the same: the firing alert, then its re-posts
+        wait_until(lambda: len(http_server.posts) >= 2, 20.0, "a refresh to reach Alertmanager")
+        assert all(p[0]["labels"]["alertname"] == "VLLMBacklogBeyondDeadline" for p in http_server.posts)  # type: ignore[index]
+    finally:
+        det.dispatcher.close(timeout_s=0.1)
+        store.close()
