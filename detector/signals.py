@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from exporter import metricnames as mn
@@ -128,16 +129,18 @@ def _r(name: str) -> str:
     return f"instance:retrywatch_{name}"
 
 
-def _data_missing_promql() -> str:
-    # 1 where the target is down, or scraped without the retrywatch or vLLM series; 0 elsewhere.
-    # Only ``instance`` labels here: without vLLM's series there are no engine/model labels.
+def _data_missing_promql(records: Mapping[str, str]) -> str:
+    """1 where the target is down, or scraped without the retrywatch or vLLM series, or Ĉ or the
+    deadline is unknown (``records``: the base signals' recording rules); 0 elsewhere, as the
+    detector's ``data_missing``. Only ``instance`` labels here: without vLLM's series there are
+    no engine/model labels."""
     up = f'up{{job="{PROMETHEUS_JOB}"}}'
     one = f"(count by (instance) ({up}) * 0 + 1)"
+    needed = (mn.EXECUTIONS_CREATED, mn.VLLM_NUM_WAITING, records["capacity"], records["deadline"])
     return (
         f"(max by (instance) ({up}) == 0) + 1"
-        f" or ({one} unless on (instance) count by (instance) ({mn.EXECUTIONS_CREATED}))"
-        f" or ({one} unless on (instance) count by (instance) ({mn.VLLM_NUM_WAITING}))"
-        f" or max by (instance) ({up}) * 0"
+        + "".join(f" or ({one} unless on (instance) count by (instance) ({series}))" for series in needed)
+        + f" or max by (instance) ({up}) * 0"
     )
 
 
@@ -296,7 +299,7 @@ SIGNALS: tuple[SignalSpec, ...] = (
         "bool",
         "1 when the source is down or a needed series is missing.",
         _r("data_missing:bool"),
-        _data_missing_promql(),
+        _data_missing_promql({spec.name: spec.record for spec in _BASE_SIGNALS}),
     ),
 )
 

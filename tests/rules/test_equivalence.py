@@ -133,6 +133,12 @@ def _runs(sim_dir: Path) -> dict[str, list[Snapshot]]:
         Snapshot(s.t, [x for x in s.samples if not (300 <= s.t < 800 and x[0].startswith("vllm:"))])
         for s in lost
     ]
+    # The proxy stops exporting the clients' deadline (restarted without --deadline) for 500 s:
+    # the alerts that need it cannot be evaluated, and both evaluators say so with NoData.
+    runs[DEADLINE_UNKNOWN] = [
+        Snapshot(s.t, [x for x in s.samples if not (300 <= s.t < 800 and x[0] == mn.CLIENT_DEADLINE)])
+        for s in lost
+    ]
     runs["fluid-collapse-cancel-off"] = fluid_run(1, pulse=2.7, cancellation=False)
     runs["fluid-collapse-cancel-on"] = fluid_run(2, pulse=2.7, cancellation=True)
     runs["fluid-small-pulse"] = fluid_run(3, pulse=1.5, cancellation=False)
@@ -163,6 +169,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory, promtool: str, prometheus
 
 
 LOST = "scenario-vllm-series-lost"
+DEADLINE_UNKNOWN = "scenario-deadline-unknown"
 
 
 def _only(keys: list[Key], name: str) -> list[Key]:
@@ -181,6 +188,12 @@ def test_python_and_prometheus_fire_and_resolve_together(verdicts: dict) -> None
 def test_nodata_when_vllm_series_vanish(verdicts: dict) -> None:
     py = _only(verdicts["python"][LOST], "VLLMRetrywatchNoData")
     pr = _only(verdicts["prometheus"][LOST], "VLLMRetrywatchNoData")
+    assert py and _match(py, pr) == []
+
+
+def test_nodata_when_the_deadline_is_unknown(verdicts: dict) -> None:
+    py = _only(verdicts["python"][DEADLINE_UNKNOWN], "VLLMRetrywatchNoData")
+    pr = _only(verdicts["prometheus"][DEADLINE_UNKNOWN], "VLLMRetrywatchNoData")
     assert py and _match(py, pr) == []
 
 
