@@ -7,7 +7,8 @@ then on runs in the connection's ``data_received`` (``_Connection.listener``, ca
 bytes received are parsed): the response head; an error body (read up to ``ERROR_BODY_LIMIT``);
 a stream's first event, inspected for vLLM's in-stream refusal; then every chunk goes from the
 parser's callback straight into the relay (``_Connection.sink``), which writes it to each
-subscriber in the same callback (``exporter.exchange``). At the end the connection goes back to
+subscriber in the same callback (``exporter.exchange``); a non-streaming answer, held whole until
+its end, up to ``--max-answer-bytes``. At the end the connection goes back to
 the pool if its response was read to the end, else it is closed.
 
 Cancelling (``abort``) closes the connection before the end of the response: the engine sees the
@@ -38,6 +39,20 @@ ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
 
 # What the execution waits for.
 _CONNECT, _HEAD, _ERROR_BODY, _FIRST_EVENT, _BODY, _DONE = range(6)
+
+
+def _first_event_end(data: bytes) -> int:
+    """Where the first SSE event in ``data`` ends (the first line end of the blank line after
+    it), or -1 while it is incomplete.
+
+    SSE ends a line with LF, CR or CRLF, so an event ends at ``\n\n``, ``\r\r``,
+    ``\r\n\r\n`` or a mix of them: a line end directly followed by another always shows as
+    LF LF, LF CR or CR CR (a CRLF holds none of these)."""
+    end = data.find(b"\n\n")
+    if b"\r" not in data:  # what vLLM sends: nothing more to look for
+        return end
+    found = [i for i in (end, data.find(b"\n\r"), data.find(b"\r\r")) if i >= 0]
+    return min(found, default=-1)
 
 
 def _upstream_message(raw: bytes, default: str) -> str:
@@ -179,7 +194,25 @@ class Execution:
             self.state = _FIRST_EVENT
             return
         self.state = _BODY
-        self._forward(conn, proxy._sink(relay))
+        self._forward(conn, self._bounded(proxy._sink(relay)))
+
+    def _bounded(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """``sink`` for a non-streaming answer, held whole until its end: one past
+        ``--max-answer-bytes`` is not an engine's (a broken upstream, an endless body), and the
+        execution fails before holding more."""
+        relay = self.relay
+        limit = self.proxy.settings.max_answer_bytes
+
+        def bounded(data: bytes) -> None:
+            if self.state == _DONE:
+                return
+            if relay.end + len(data) > limit:
+                message = f"upstream broken: its answer is over the proxy's limit of {limit} bytes"
+                self._fail(Outcome.FAILED, 502, message, "upstream_broken")
+                return
+            sink(data)
+
+        return bounded
 
     def _forward(self, conn: _Connection, sink: Callable[[bytes], None]) -> None:
         """From now on each body chunk goes from the parser's callback straight to ``sink``.
@@ -226,7 +259,8 @@ class Execution:
         self._take(conn)
         pending = b"".join(self._pending) if len(self._pending) != 1 else self._pending[0]
         self._pending = [pending] if pending else []
-        if b"\n\n" not in pending and len(pending) < FIRST_EVENT_LIMIT and not conn.complete:
+        cut = _first_event_end(pending)
+        if cut < 0 and len(pending) < FIRST_EVENT_LIMIT and not conn.complete:
             if conn.error is not None:
                 self._broken(conn.error)
             return
@@ -234,7 +268,6 @@ class Execution:
         proxy, relay = self.proxy, self.relay
         sink = proxy._sink(relay)
         if pending:
-            cut = pending.find(b"\n\n")
             if proxy._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
                 self._finish()
                 return

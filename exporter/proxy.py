@@ -673,8 +673,11 @@ class Proxy:
     async def admin_executions(self, request: Request) -> Response:
         token = self.settings.admin_token
         if token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # The header's bytes as they came (Starlette decodes them as Latin-1); the token is
+            # visible ASCII (``ProxySettings``), so the two compare byte for byte. The scheme's
+            # name is case-insensitive (RFC 9110, 11.1).
+            scheme, _, given = request.headers.get("authorization", "").encode("latin-1").partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given, token.encode("ascii"))):
                 body = error_body("a valid bearer token is required", "authentication_error", "unauthorized")
                 return _json_response(401, body, {"www-authenticate": "Bearer"})
         try:

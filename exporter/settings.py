@@ -24,6 +24,13 @@ class SettingsError(ValueError):
 
 
 AUTO_DEADLINE_PLACEHOLDER_S = 1e9
+
+
+def _visible_ascii(text: str) -> bool:
+    """Whether ``text`` is one or more visible ASCII characters (``!`` to ``~``)."""
+    return bool(text) and all("!" <= c <= "~" for c in text)
+
+
 _ENUMS = {"cancellation": Cancellation, "budget_order": BudgetOrder, "queue_order": QueueOrder}
 
 
@@ -75,6 +82,18 @@ class ProxySettings(PolicyConfig):
         4 * 1024 * 1024,
         flag="replay-limit-bytes",
         help="Replay buffer stored per execution; past it the execution takes no new subscribers.",
+        minimum=1024,
+    )
+    # NOTE: a non-streaming answer is held whole until its end (its length goes in the head the
+    # client gets): past this, an endless or runaway answer from a broken upstream fails the
+    # execution instead of growing the proxy's memory. A stream is relayed as it arrives.
+    max_answer_bytes: int = knob(
+        256 * 1024 * 1024,
+        flag="max-answer-bytes",
+        help=(
+            "Limit on a non-streaming answer from the engine, held whole until its end; past it the "
+            "execution fails (502 upstream_broken)."
+        ),
         minimum=1024,
     )
     window_s: float = knob(
@@ -181,6 +200,14 @@ class ProxySettings(PolicyConfig):
             raise SettingsError("--deadline is either a number of seconds or 'auto', not both")
         if self.deadline_check and self.deadline_s is None and not self.deadline_auto:
             raise SettingsError("--deadline-check needs --deadline S or --deadline auto")
+        if self.admin_token is not None and not _visible_ascii(self.admin_token):
+            # The token travels in an HTTP header (RFC 9110 field values are visible ASCII for
+            # interoperability); another one could never be compared byte for byte with what a
+            # client sends. The value is not echoed: it is a credential.
+            raise SettingsError(
+                "--admin-token must be one or more visible ASCII characters (no spaces, no control or "
+                "non-ASCII characters): it is sent in an HTTP header"
+            )
         if not self.call_id_header.strip():
             raise SettingsError("--call-id-header must be a header name")
         try:

@@ -55,6 +55,9 @@ _IDENTITY = (b"accept-encoding", b"identity")  # on every upstream request: the 
 # close a connection just as a request is written on it. Both clients use it; the proxy's
 # --upstream-max-idle sets it.
 DEFAULT_MAX_IDLE_S = 2.0
+# Largest /metrics answer read (``UpstreamPool.get_text``), as the detector reads one: a real
+# engine's is a few hundred KiB; past it the fetch fails as an unreachable endpoint's would.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 # Response headers never relayed to a client.
 DROP_RESPONSE_HEADERS = frozenset(
@@ -452,15 +455,20 @@ class UpstreamPool:
             raise
         return StreamedResponse(self, conn)
 
-    async def get_text(self, path: str, timeout_s: float) -> str:
+    async def get_text(self, path: str, timeout_s: float, max_bytes: int = MAX_METRICS_BYTES) -> str:
         """GET ``path`` on a pooled connection and return its body as text (the upstream's
-        ``/metrics``), within ``timeout_s`` in all. Raises ``UpstreamError`` for a failure or a
-        status other than 200, ``TimeoutError`` past the bound."""
+        ``/metrics``), within ``timeout_s`` in all. Raises ``UpstreamError`` for a failure, a
+        status other than 200 or a body over ``max_bytes`` (read no further: a connection whose
+        answer was not read to its end is closed), ``TimeoutError`` past the bound."""
         async with asyncio.timeout(timeout_s):
             response = await self.open("GET", path, b"", [])
             try:
                 parts: list[bytes] = []
+                size = 0
                 while (chunk := await response.read_chunk()) is not None:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise UpstreamBroken(f"the upstream's answer to GET {path} is over {max_bytes} bytes")
                     parts.append(chunk)
             finally:
                 await response.aclose()

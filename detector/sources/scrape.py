@@ -17,8 +17,10 @@ import httpx
 from detector.sources import FetchResult
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot, parse_exposition
+from exporter.upstream import MAX_METRICS_BYTES
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
+# A proxy's /metrics: vLLM's, which the proxy reads up to MAX_METRICS_BYTES, and its own families.
+MAX_BODY_BYTES = 2 * MAX_METRICS_BYTES
 MAX_TARGETS = 64
 # Targets read at once; with MAX_BODY_BYTES, it bounds what a fetch holds in memory.
 _READERS = 8

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from click.testing import CliRunner
 
 from exporter.cli import proxy
 from exporter.processes import ManagedProcess, free_port
+from exporter.settings import ProxySettings, SettingsError
 from tests.exporter.support import ROOT, ProxyProcess, Upstream, env_without_retrywatch, proxy_process
 
 
@@ -254,3 +256,37 @@ def test_every_command_has_the_same_log_options() -> None:
         assert "--log-level [critical|error|warning|info|debug]" in out, name
         assert "[env var: RETRYWATCH_LOG_LEVEL; default: warning]" in out, name
         assert "--log-format [text|json]" in out and "RETRYWATCH_LOG_FORMAT" in out, name
+
+
+@pytest.mark.parametrize("token", ["pässwörd", "two words", "tab\there", "newline\n", ""])
+def test_an_admin_token_that_is_not_visible_ascii_is_refused_at_start_up(token: str) -> None:
+    """The admin token is compared with the ``Authorization`` header, read as Latin-1 and then
+    encoded as UTF-8: a non-ASCII token could never match what a client sends (the UTF-8 bytes of
+    ``Bearer pässwörd`` got a 401), and a space or a control character cannot travel in a header
+    as it is. Such a token is refused at start-up, by the flag and by the variable, without
+    echoing it."""
+    with pytest.raises(SettingsError, match="--admin-token must be") as refused:
+        ProxySettings(upstream="http://127.0.0.1:1", admin_token=token)
+    if token:
+        assert token not in str(refused.value)
+    if token in ("", "newline\n"):
+        return  # an empty variable is unset to click; a newline is awkward on a command line
+    cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", "http://127.0.0.1:1"]
+    cmd += ["--port", str(free_port())]
+    for how in ("flag", "variable"):
+        args = ["--admin-token", token] if how == "flag" else []
+        env = env_without_retrywatch() | ({"RETRYWATCH_ADMIN_TOKEN": token} if how == "variable" else {})
+        result = subprocess.run(
+            cmd + args,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env=env,
+        )
+        assert result.returncode == 2 and "--admin-token must be" in result.stderr, (how, result.stderr)
+        assert token not in result.stdout + result.stderr
+
+
+def test_a_visible_ascii_admin_token_is_taken() -> None:
+    token = "Abc-._~+/=!#$%&'*^`|0123456789"
+    assert ProxySettings(upstream="http://127.0.0.1:1", admin_token=token).admin_token == token

@@ -493,6 +493,8 @@ def test_admin_lists_live_executions_behind_a_token(start_proxy: StartProxy, ups
     t = _post_async(f"{p.url}/v1/completions", body, _headers(call, hold=hold), out)
     _wait_for(lambda: bool(upstream.requests(call_id=call)))
     r = httpx.get(admin, headers={"authorization": "Bearer s3cret"}, timeout=5)
+    assert httpx.get(admin, headers={"authorization": "bearer s3cret"}, timeout=5).status_code == 200
+    assert httpx.get(admin, headers={"authorization": "Basic s3cret"}, timeout=5).status_code == 401
     upstream.release(hold)
     t.join()
     assert r.status_code == 200

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -319,13 +319,18 @@ def test_a_fault_in_the_proxy_on_a_passed_through_route_is_an_openai_style_500(
 # --- upstreams that answer in odd but possible ways ----------------------------------------------
 
 
+RawAnswer = Callable[[bytes], "bytes | Iterable[bytes]"]
+
+
 class RawUpstream:
     """A bare HTTP/1.1 server in a thread that answers every request with ``answer(path)``'s
-    bytes, written as they are, then closes the connection: for answers the test upstream (a real
-    uvicorn, as vLLM's) never gives."""
+    bytes, written as they are (or each piece an iterable yields, as it yields them), then closes
+    the connection: for answers the test upstream (a real uvicorn, as vLLM's) never gives.
+    ``cut_short`` lists the paths whose answer the proxy closed before it was all written."""
 
-    def __init__(self, answer: Callable[[bytes], bytes]) -> None:
+    def __init__(self, answer: RawAnswer) -> None:
         self.answer = answer
+        self.cut_short: list[bytes] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -354,17 +359,26 @@ class RawUpstream:
                     length = int(value)
             while len(body) < length:
                 body += conn.recv(65536)
-            conn.sendall(self.answer(head.split(b" ")[1]))
+            target = head.split(b" ")[1]
+            answer = self.answer(target)
+            try:
+                for piece in [answer] if isinstance(answer, bytes) else answer:
+                    conn.sendall(piece)
+            except OSError:  # the proxy closed the connection
+                self.cut_short.append(target)
 
     def close(self) -> None:
         self.listener.close()
 
 
+StartRaw = Callable[[RawAnswer], RawUpstream]
+
+
 @pytest.fixture
-def raw_upstream() -> Iterator[Callable[[Callable[[bytes], bytes]], RawUpstream]]:
+def raw_upstream() -> Iterator[StartRaw]:
     started: list[RawUpstream] = []
 
-    def start(answer: Callable[[bytes], bytes]) -> RawUpstream:
+    def start(answer: RawAnswer) -> RawUpstream:
         started.append(RawUpstream(answer))
         return started[-1]
 
@@ -378,7 +392,7 @@ METRICS_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(METRI
 
 
 def test_an_answer_without_a_length_ends_where_the_upstream_closes_the_connection(
-    start_proxy: StartProxy, raw_upstream: Callable[[Callable[[bytes], bytes]], RawUpstream]
+    start_proxy: StartProxy, raw_upstream: StartRaw
 ) -> None:
     """A response with neither Content-Length nor chunked coding ends when the server closes the
     connection (RFC 9112, 6.3). The proxy's client never took such a body as complete: a whole
@@ -404,7 +418,7 @@ def test_an_answer_without_a_length_ends_where_the_upstream_closes_the_connectio
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_upstream_error_nested_past_the_recursion_limit_is_the_upstreams_not_a_fault(
     start_proxy: StartProxy,
-    raw_upstream: Callable[[Callable[[bytes], bytes]], RawUpstream],
+    raw_upstream: StartRaw,
     caplog: pytest.LogCaptureFixture,
     stream: bool,
 ) -> None:
@@ -436,7 +450,7 @@ def test_an_upstream_error_nested_past_the_recursion_limit_is_the_upstreams_not_
 
 @pytest.mark.parametrize("path", ["callbacks", "asgi"])
 def test_an_upstream_breaking_off_mid_event_still_ends_the_stream_with_a_readable_error_event(
-    start_proxy: StartProxy, raw_upstream: Callable[[Callable[[bytes], bytes]], RawUpstream], path: str
+    start_proxy: StartProxy, raw_upstream: StartRaw, path: str
 ) -> None:
     """An upstream that closes the connection in the middle of an SSE event left the client that
     event's first bytes, and the proxy's error event was written straight after them: it joined
@@ -456,3 +470,163 @@ def test_an_upstream_breaking_off_mid_event_still_ends_the_stream_with_a_readabl
     assert events[-1] == b"" and events[-2] == b"data: [DONE]"
     assert json.loads(events[-3].removeprefix(b"data: "))["error"]["code"] == "upstream_broken"
     balance(p.metrics())
+
+
+# --- bounds on what the upstream sends ---------------------------------------------------------
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("path", ["callbacks", "asgi"])
+def test_a_non_streaming_answer_over_the_limit_fails_the_execution_and_closes_the_connection(
+    start_proxy: StartProxy, raw_upstream: StartRaw, path: str
+) -> None:
+    """A non-streaming answer is held whole until its end, and nothing bounded it: a broken
+    upstream answering an endless body grew the proxy's memory without limit (600 MiB held 1.9 GB
+    of RSS), ``--replay-limit-bytes`` only stopping new retries from attaching. Past
+    ``--max-answer-bytes`` the execution fails with a 502 and its connection is closed; an answer
+    of the limit exactly is whole."""
+    limit = MIB
+    answers: list[int] = []
+
+    def answer(target: bytes) -> bytes | Iterable[bytes]:
+        if target == b"/metrics":
+            return METRICS_ANSWER
+        answers.append(len(answers))
+        size = limit if len(answers) == 1 else 64 * MIB  # far more than the sockets' buffers hold
+        return _json_answer(size)
+
+    up = raw_upstream(answer)
+    p = start_proxy(up.url, max_answer_bytes=limit)
+    headers = {"expect": "100-continue"} if path == "asgi" else {}
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2), headers=headers, timeout=30)
+    assert r.status_code == 200 and len(r.content) == limit
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2), headers=headers, timeout=30)
+    assert r.status_code == 502 and r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert error["code"] == "upstream_broken" and f"limit of {limit} bytes" in error["message"]
+    assert _until(lambda: up.cut_short == [b"/v1/completions"])  # closed, not read to its end
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
+    assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 1
+    assert m[("retrywatch_executions_live", ())] == 0
+
+
+def _json_answer(size: int) -> Iterator[bytes]:
+    yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % size
+    piece = b"x" * 65536
+    for _ in range(size // len(piece)):
+        yield piece
+    yield piece[: size % len(piece)]
+
+
+def test_a_stream_is_relayed_as_it_arrives_even_one_endless_line(
+    start_proxy: StartProxy, raw_upstream: StartRaw
+) -> None:
+    """A stream is not held: past its first event (inspected for vLLM's refusal, up to 64 KiB)
+    every chunk goes to the client as it arrives, a line that never ends too, and the bound on a
+    non-streaming answer does not apply to it."""
+    release = threading.Event()
+
+    def answer(target: bytes) -> bytes | Iterable[bytes]:
+        if target == b"/metrics":
+            return METRICS_ANSWER
+        return endless_line()
+
+    def endless_line() -> Iterator[bytes]:
+        yield b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        yield b'data: {"text": "'
+        while not release.is_set():
+            yield b"a" * 65536
+            time.sleep(0.001)
+        yield b'"}\n\ndata: [DONE]\n\n'
+
+    p = start_proxy(raw_upstream(answer).url, max_answer_bytes=MIB)
+    got = 0
+    with httpx.stream("POST", f"{p.url}/v1/completions", json=_body(2, stream=True), timeout=30) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            got += len(chunk)
+            if got > 4 * MIB:
+                release.set()
+    assert release.is_set() and got > 4 * MIB
+    balance(p.metrics())
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+@pytest.mark.parametrize("refusal", [False, True], ids=["token", "refusal"])
+def test_a_first_event_ended_by_cr_or_crlf_reaches_the_client_at_once(
+    start_proxy: StartProxy, raw_upstream: StartRaw, eol: bytes, refusal: bool
+) -> None:
+    """SSE ends lines with LF, CRLF or CR. The look at a stream's first event (for vLLM's
+    refusal) waited for ``\\n\\n`` only: an upstream ending its lines with CRLF or CR had its
+    first token (or its refusal) held until 64 KiB had come, or the end of the answer; and a
+    refusal read together with the events after it was not one (relayed as a 200 stream)."""
+    release, rest_sent = threading.Event(), threading.Event()
+    if refusal:
+        first = b'data: {"error": {"message": "queue full", "code": 503}}' + eol + eol
+    else:
+        first = b'data: {"id": "cmpl-raw", "choices": [{"text": " t0"}]}' + eol + eol
+
+    def answer(target: bytes) -> bytes | Iterable[bytes]:
+        if target == b"/metrics":
+            return METRICS_ANSWER
+        return stream()
+
+    def stream() -> Iterator[bytes]:
+        yield b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + first
+        release.wait(5)  # the rest comes once the client has had the first event
+        rest_sent.set()
+        yield b"data: [DONE]" + eol + eol
+
+    p = start_proxy(raw_upstream(answer).url)
+    with httpx.stream("POST", f"{p.url}/v1/completions", json=_body(2, stream=True), timeout=30) as r:
+        chunks = r.iter_raw()
+        head = next(chunks)
+        held = rest_sent.is_set()
+        release.set()
+        rest = b"".join(chunks)
+    assert not held  # it came while the upstream was still holding the rest
+    if refusal:
+        assert r.status_code == 503 and json.loads(head + rest)["error"]["code"] == "engine_refused"
+    else:
+        assert r.status_code == 200 and head == first and rest == b"data: [DONE]" + eol + eol
+    m = p.metrics()
+    balance(m)
+    fate = "refused" if refusal else "completed"
+    assert m[("retrywatch_executions_finished_total", (("fate", fate),))] == 1
+
+
+def test_an_upstream_metrics_answer_over_the_bound_counts_as_a_failed_fetch(
+    start_proxy: StartProxy, raw_upstream: StartRaw
+) -> None:
+    """The proxy's fetch of the upstream's /metrics read its whole answer, however large: a broken
+    upstream answering an endless /metrics grew the proxy's memory (300 MiB held 1.2 GB of RSS)
+    and had it served on the proxy's /metrics. Past 16 MiB (as the detector reads a /metrics) the
+    fetch fails as an unreachable endpoint's would: the upstream is down, its families are not
+    served, and the connection is closed."""
+
+    def answer(target: bytes) -> bytes | Iterable[bytes]:
+        if target == b"/metrics":
+            return endless_metrics()
+        return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+
+    def endless_metrics() -> Iterator[bytes]:
+        yield b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n\r\n" + METRICS_TEXT
+        for _ in range(64 * 16):  # 64 MiB of comments
+            yield b"#" * 65535 + b"\n"
+
+    up = raw_upstream(answer)
+    p = start_proxy(up.url)
+    assert _until(lambda: b"/metrics" in up.cut_short)  # closed, not read to its end
+    text = httpx.get(f"{p.url}/metrics", timeout=30).text
+    assert "retrywatch_upstream_up 0.0" in text and "vllm:" not in text
+    assert len(text) < MIB

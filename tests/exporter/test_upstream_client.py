@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from exporter.processes import free_port
-from exporter.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from exporter.upstream import MAX_METRICS_BYTES, UpstreamBroken, UpstreamPool, UpstreamUnreachable
 from tests.exporter.support import Upstream
 
 BODY = json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 3, "stream": True}).encode()
@@ -219,3 +219,22 @@ def test_a_connection_that_receives_bytes_while_idle_is_not_reused() -> None:
 
     first, second = asyncio.run(scenario())
     assert second is not first
+
+
+def test_a_text_answer_over_its_bound_is_a_broken_exchange_and_the_connection_is_closed(
+    upstream: Upstream,
+) -> None:
+    """``get_text`` (the upstream's /metrics) read a whole answer, however large; past its bound
+    (``MAX_METRICS_BYTES`` unless told) it raises ``UpstreamBroken`` (a connection whose answer
+    was not read to its end is closed: ``test_proxy_upstream.py`` has an endless one)."""
+
+    async def scenario() -> None:
+        pool = UpstreamPool(upstream.url)
+        whole = await pool.get_text("/metrics", 5)
+        assert "vllm:" in whole and len(whole) < MAX_METRICS_BYTES
+        with pytest.raises(UpstreamBroken, match=f"over {len(whole) - 1} bytes"):
+            await pool.get_text("/metrics", 5, max_bytes=len(whole) - 1)
+        assert await pool.get_text("/metrics", 5, max_bytes=len(whole)) == whole
+        pool.close()
+
+    asyncio.run(scenario())
