@@ -10,8 +10,10 @@ relay (``exporter.relay``) in the relay's own callback (``Subscription.notify``)
 upstream appends is framed and written to the client's transport in the upstream's callback.
 
 Flow control: while the client's transport has paused writing, the subscriber lags in the relay's
-buffer and catches up when the transport resumes (``resume``). A client that goes away is the
-connection's ``connection_lost`` (``client_gone``), noticed at once, with no watcher task.
+buffer and catches up when the transport resumes (``resume``); one that lags past the relay's
+bound (``Relay.overrun``) has its connection closed at once (``_drop``) and ends as a disconnect.
+A client that goes away is the connection's ``connection_lost`` (``client_gone``), noticed at
+once, with no watcher task.
 
 The exchange stands in for uvicorn's request cycle on the connection (``self.cycle``): it has the
 attributes uvicorn's protocol and ``BoundedProtocol`` read of one (``response_started``,
@@ -73,6 +75,8 @@ class Connection(Protocol):
 
     def close(self) -> None: ...
 
+    def abort(self) -> None: ...
+
     def default_headers(self) -> list[tuple[bytes, bytes]]: ...
 
     def exchange_done(self, exchange: Exchange) -> None: ...
@@ -87,6 +91,9 @@ class _Gone:
         pass
 
     def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
         pass
 
     def default_headers(self) -> list[tuple[bytes, bytes]]:
@@ -116,6 +123,7 @@ class Exchange:
     """One generation request on one client connection, from its head to the end of its answer."""
 
     message_event = _NO_EVENT
+    _dropped = False  # closed for lagging past the replay bound (``_drop``)
 
     def __init__(
         self,
@@ -259,7 +267,11 @@ class Exchange:
             return
         if not sub.left:
             if not self.connection.writable:
-                return  # paused: the subscriber lags in the relay and catches up on resume
+                # paused: the subscriber lags in the relay and catches up on resume, unless it
+                # lags past the bound (a client that is not reading): then it is dropped
+                if relay.overrun(sub) and not self._dropped:
+                    self._drop(relay, sub)
+                return
             if relay.stream:
                 data = relay.read(sub)
                 if data:
@@ -270,6 +282,15 @@ class Exchange:
             if relay.outcome is None:
                 return
         self._end(relay, sub)
+
+    def _drop(self, relay: Relay, sub: Subscription) -> None:
+        """Close the connection of a client that lags past the bound at once (its unsent bytes
+        dropped); the connection's loss (``client_gone``) then ends the attempt as any
+        disconnect's, outside the upstream's callback this runs in."""
+        self._dropped = True
+        self.keep_alive = False
+        self.proxy.log_overrun(relay, sub)
+        self.connection.abort()
 
     def _end(self, relay: Relay, sub: Subscription) -> None:
         """The subscriber's end: account the attempt and write the end of its answer."""

@@ -85,6 +85,11 @@ from exporter.validation import (
 
 log = logging.getLogger("retrywatch.proxy")
 
+# The ASGI scope extension under which ``exporter.server`` gives the app a callable that closes the
+# client's connection at once (its transport's ``abort``): a subscriber dropped for lagging has a
+# paused send that only the connection's loss ends.
+ABORT_EXTENSION = "retrywatch.abort"
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -563,6 +568,17 @@ class Proxy:
         self.metrics.observe_attempt("disconnected", now - started)
         self.apply(self.policy.on_subscriber_left(now, subscription.subscriber_id))
 
+    def log_overrun(self, relay: Relay, subscription: Subscription) -> None:
+        """One line for a subscriber dropped for lagging (``Relay.overrun``); its attempt is then
+        accounted as a client's that disconnected (``subscriber_left``)."""
+        log.warning(
+            "closed a client %d bytes behind the stream of execution %d (stored compressed, over "
+            "--replay-limit-bytes, %d): it is not reading; counted as disconnected",
+            relay.end - subscription.offset,
+            relay.execution_id,
+            relay.limit_bytes,
+        )
+
     def subscriber_delivered(self, subscription: Subscription, started: float) -> None:
         now = self.now()
         self.metrics.observe_attempt("delivered", now - started)
@@ -739,9 +755,12 @@ class SubscriberResponse(Response):
         self.started = started
         self.background = None
         self._accounted = False  # the attempt's end was reported to the policy and the metrics
+        self._abort: Callable[[], None] | None = None  # closes the client's connection at once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay, sub = self.relay, self.subscription
+        self._abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+        sub.lagging = self._lagging  # from here it reads at once whatever it is woken for
         watcher = asyncio.create_task(self._watch_disconnect(receive))
         headers_sent = False
         self._accounted = False
@@ -760,10 +779,25 @@ class SubscriberResponse(Response):
                 await relay.wait(sub)
             await self._finish(send, headers_sent)
         finally:
+            sub.lagging = None
+            self._abort = None
             watcher.cancel()
             relay.unsubscribe(sub.subscriber_id)
             if not self._accounted:  # e.g. the server's send raised: the client is gone
                 self.proxy.subscriber_left(sub, self.started)
+
+    def _lagging(self) -> None:
+        """New bytes while the task is writing (its transport paused): a client that lags past
+        the bound is dropped as one that went away. Closing its connection ends the paused send
+        (the server hears the connection lost); the loop then sees ``left``."""
+        relay, sub = self.relay, self.subscription
+        if sub.left or not relay.overrun(sub):
+            return
+        self.proxy.log_overrun(relay, sub)
+        sub.left = True
+        sub.lagging = None
+        if self._abort is not None:
+            self._abort()
 
     async def _watch_disconnect(self, receive: Receive) -> None:
         while True:

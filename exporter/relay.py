@@ -11,6 +11,13 @@ JSON skeleton, so blocks compress about tenfold and a thousand live executions h
 400-token replays fit in a few megabytes. Once the stored bytes pass ``limit_bytes`` the
 execution stops taking new subscribers (``on_overflow``) and blocks every current subscriber has
 read are released.
+
+A streaming subscriber whose unread bytes take more than ``limit_bytes`` to store (compressed, as
+the replay is counted) is not reading: it is dropped (``Relay.overrun``), its connection closed as
+a client's that went away.
+Lag is checked only for a subscriber whose writes are paused (the callback path's ``Exchange``
+when its transport is not writable; the ASGI path's ``Subscription.lagging``, run when new bytes
+arrive while its task is not waiting for them): one that keeps up costs nothing more per chunk.
 """
 
 from __future__ import annotations
@@ -46,20 +53,27 @@ class UpstreamRequest:
 @dataclass(eq=False)
 class Subscription:
     """One subscriber's read position and how it is woken: a future its task awaits (the ASGI
-    path), or a callback run at once (``notify``, the callback path of ``exporter.exchange``)."""
+    path), or a callback run at once (``notify``, the callback path of ``exporter.exchange``).
+
+    ``lagging`` (the ASGI path) is run instead when there is no future to wake: the task is not
+    waiting for new bytes but writing ones it read (its transport paused), so it may be lagging."""
 
     subscriber_id: int
     offset: int = 0
     left: bool = False  # the client disconnected
     waiter: asyncio.Future[None] | None = field(default=None, repr=False)
     notify: Callable[[], None] | None = field(default=None, repr=False)
+    lagging: Callable[[], None] | None = field(default=None, repr=False)
 
     def wake(self) -> None:
         if self.notify is not None:
             self.notify()
             return
         w = self.waiter
-        if w is not None and not w.done():
+        if w is None:
+            if self.lagging is not None:
+                self.lagging()
+        elif not w.done():
             w.set_result(None)
 
 
@@ -91,6 +105,8 @@ class Relay:
         self.subscriptions: dict[int, Subscription] = {}
         self._blocks: list[bytes | None] = []  # compressed; None once released
         self._block_starts: list[int] = []
+        self._stored_before: list[int] = []  # compressed bytes sealed before each block
+        self._sealed_stored = 0  # compressed bytes of every block sealed, released ones too
         self._stored = 0  # bytes held: compressed blocks + tail
         self._tail = bytearray()
         self._tail_start = 0
@@ -125,6 +141,8 @@ class Relay:
         block = zlib.compress(raw, 1)
         self._blocks.append(block)
         self._block_starts.append(self._tail_start)
+        self._stored_before.append(self._sealed_stored)
+        self._sealed_stored += len(block)
         self._stored += len(block) - len(raw)
         self._tail_start += len(raw)
         self._tail = bytearray()
@@ -155,6 +173,18 @@ class Relay:
 
     def unsubscribe(self, subscriber_id: int) -> None:
         self.subscriptions.pop(subscriber_id, None)
+
+    def overrun(self, sub: Subscription) -> bool:
+        """Whether what ``sub`` has yet to read takes more than ``limit_bytes`` to store (the
+        compressed blocks from its offset on, and the tail): a client that is not reading, to be
+        dropped (the relay would otherwise keep every block from its offset on, and send them all
+        at once when it resumed). O(log blocks); run only for a subscriber whose writes are
+        paused."""
+        offset = sub.offset
+        if not self.stream or offset >= self._tail_start:
+            return False  # within the tail: less than a block behind
+        i = bisect.bisect_right(self._block_starts, offset) - 1
+        return self._sealed_stored - self._stored_before[i] + len(self._tail) > self.limit_bytes
 
     def read(self, sub: Subscription) -> bytes:
         """Everything from the subscriber's offset to the end; advances the offset."""

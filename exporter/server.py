@@ -74,7 +74,7 @@ from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
 from exporter.bounds import HttpBounds
 from exporter.exchange import Exchange, takes_over
-from exporter.proxy import PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
+from exporter.proxy import ABORT_EXTENSION, PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
 from exporter.validation import error_body, error_type
 
 log = logging.getLogger("retrywatch.server")
@@ -409,6 +409,7 @@ class BoundedProtocol(HttpToolsProtocol):
             "root_path": self.root_path,
             "headers": self.headers,
             "state": self.app_state.copy(),
+            "extensions": {ABORT_EXTENSION: self.transport.abort},
         }
 
     # --- what an exchange needs of its connection (``exporter.exchange.Connection``) ------------
@@ -422,6 +423,9 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def close(self) -> None:
         self.transport.close()
+
+    def abort(self) -> None:
+        self.transport.abort()
 
     def default_headers(self) -> list[tuple[bytes, bytes]]:
         return self.server_state.default_headers

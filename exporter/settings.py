@@ -81,7 +81,10 @@ class ProxySettings(PolicyConfig):
     replay_limit_bytes: int = knob(
         4 * 1024 * 1024,
         flag="replay-limit-bytes",
-        help="Replay buffer stored per execution; past it the execution takes no new subscribers.",
+        help=(
+            "Replay buffer stored per execution; past it the execution takes no new subscribers, "
+            "and a streaming client whose unread bytes take more than this is closed (not reading)."
+        ),
         minimum=1024,
     )
     # NOTE: a non-streaming answer is held whole until its end (its length goes in the head the

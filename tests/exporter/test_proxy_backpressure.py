@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import h11
+import httpx
+import pytest
 
-from tests.exporter.support import RunningProxy, balance
+from tests.exporter.support import RunningProxy, Upstream, balance, proxy_process, scrape
 
 StartProxy = Callable[..., RunningProxy]
 
@@ -71,3 +74,93 @@ def test_a_slow_reader_gets_every_event_once_and_in_order(start_proxy: StartProx
     balance(m)
     assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
     assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] == 1
+
+
+def _stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
+    """Send a streaming completion on a socket with a tiny receive buffer and read nothing: a
+    client that stopped reading. The caller closes it."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.settimeout(30)
+    sock.connect((parts.hostname, parts.port))
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
+    head += f"content-length: {len(payload)}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    sock.sendall(head.encode() + b"\r\n" + payload)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, bool]:
+    """What the socket still receives, and whether the server closed it within ``timeout_s``."""
+    sock.settimeout(timeout_s)
+    got = bytearray()
+    try:
+        while data := sock.recv(1 << 20):
+            got += data
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return bytes(got), False
+    return bytes(got), True
+
+
+@pytest.mark.parametrize("stalled_path", ["callback", "asgi"])
+def test_a_client_that_stops_reading_is_dropped_past_the_replay_limit(
+    upstream: Upstream, stalled_path: str
+) -> None:
+    """A subscriber lagging the stream by more than --replay-limit-bytes is closed and counted as
+    disconnected; the reader coalesced on the same execution gets its whole stream, and the
+    proxy does not keep (nor later decompress at once) the stalled client's backlog."""
+    n = 60_000  # about 12 MB of SSE: far past the limit, the client's window and the socket buffers
+    limit = 64 * 1024
+    with proxy_process(upstream.url, "--replay-limit-bytes", str(limit), "--drain-timeout", "0") as p:
+        warm = {"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 2000, "stream": True}
+        httpx.post(f"{p.url}/v1/completions", json=warm, timeout=10).raise_for_status()
+        peak_before = p.peak_rss_kib()
+        call, hold = uuid.uuid4().hex, uuid.uuid4().hex
+        body = {"model": "test-model", "prompt": [1, 2, 3], "max_tokens": n, "stream": True}
+        stalled_headers = {"x-call-id": call, "x-test-hold": hold}
+        if stalled_path == "asgi":  # the callback path leaves these to the ASGI app
+            stalled_headers["expect"] = "100-continue"
+        stalled = _stalled_client(p.url, body, stalled_headers)
+        try:
+            deadline = time.monotonic() + 10
+            while not upstream.requests(call_id=call) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            got: dict[str, bytes] = {}
+
+            def read() -> None:
+                headers = {"x-call-id": call}
+                r = httpx.post(f"{p.url}/v1/completions", json=body, headers=headers, timeout=60)
+                got["reader"] = r.content
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            while scrape(p.url)[("retrywatch_attempts_attached_total", ())] < 1:
+                assert time.monotonic() < deadline, "the reader did not attach"
+                time.sleep(0.02)
+            upstream.release(hold)
+            reader.join(60)
+            events = [e for e in got["reader"].split(b"\n\n") if e.strip()]
+            texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+            assert texts == [f" t{i}" for i in range(n)]
+            assert events[-1] == b"data: [DONE]"
+            rest, closed = _read_until_closed(stalled, timeout_s=10)
+        finally:
+            stalled.close()
+        assert closed, "the stalled client's connection was left open"
+        assert b"data: [DONE]" not in rest  # dropped: its backlog was not sent
+        peak_growth_kib = p.peak_rss_kib() - peak_before
+        assert peak_growth_kib < 16 * 1024, peak_growth_kib
+        deadline = time.monotonic() + 5
+        while scrape(p.url)[("retrywatch_subscribers", ())] != 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        m = scrape(p.url)
+        balance(m)
+        assert len(upstream.requests(call_id=call)) == 1  # one execution served both
+        assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 2
+        assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "disconnected"),))] == 1
+        assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] == 2
+        print(f"peak RSS growth: {peak_growth_kib} KiB")
