@@ -213,8 +213,15 @@ def test_the_envoy_configuration_parses_against_envoys_schema() -> None:
     headers = [(p.header.header_name, p.terminal) for p in action.hash_policy]
     assert headers == [(DEFAULT_CALL_ID_HEADER, True), (IDEMPOTENCY_KEY_HEADER, False)]
     assert action.timeout.ToSeconds() == 0  # no route timeout: Envoy's default 15 s would cut calls
-    blocked = {r.match.path or r.match.prefix for r in routes if r.HasField("direct_response")}
-    assert blocked == {"/metrics", "/retrywatch/"}
+    blocked = [r.match for r in routes if r.HasField("direct_response")]
+    assert {m.path or m.safe_regex.regex for m in blocked} == {"/metrics", "/retrywatch(/|%2[Ff]).*"}
+    # Matched on the normalized path, as the proxy routes the decoded one: without normalize_path
+    # /%6Detrics would pass the /metrics route and reach the proxy's /metrics.
+    assert hcm.normalize_path.value is True
+    (regex,) = [m.safe_regex.regex for m in blocked if m.safe_regex.regex]
+    for path in ("/retrywatch/executions", "/retrywatch%2Fexecutions", "/retrywatch%2fx"):
+        assert re.fullmatch(regex, path), path  # Envoy's safe_regex must match the whole path
+    assert not re.fullmatch(regex, "/v1/retrywatch/x")
 
 
 def test_a_misspelt_envoy_field_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -492,3 +499,85 @@ def test_a_lost_replica_moves_only_its_own_calls(balanced: Balanced) -> None:
         if first == lost.address
     }
     assert moved and all(len(where) == 1 for where in moved.values()), moved
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[Replica]:
+    """A real ``retrywatch proxy`` in front of a test upstream: a replica with the proxy's own routes."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        upstream_port, proxy_port = _free_port(), _free_port()
+        with open(tmp_path / "upstream.log", "wb") as log:
+            upstream = subprocess.Popen(
+                [sys.executable, "-m", "tests.exporter.upstream", "--port", str(upstream_port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        procs.append(upstream)
+        _wait_http(f"http://127.0.0.1:{upstream_port}/health", upstream)
+        with open(tmp_path / "proxy.log", "wb") as log:
+            options = ["--port", str(proxy_port), "--upstream", f"http://127.0.0.1:{upstream_port}"]
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "retrywatch", "proxy", *options],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        procs.append(proxy)
+        _wait_http(f"http://127.0.0.1:{proxy_port}/health", proxy)
+        yield Replica(proxy_port, proxy)
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+# The proxy routes the decoded path: each of these is its /metrics or /retrywatch/executions.
+_OWN_ROUTES_SPELT = (
+    "/metrics",
+    "/metrics?x=1",
+    "/%6Detrics",
+    "/%6detrics",
+    "/retrywatch/executions",
+    "/%72etrywatch/executions",
+    "/retrywatch%2Fexecutions",
+    "/retrywatch%2fexecutions",
+)
+
+
+@pytest.mark.balancer
+@pytest.mark.parametrize("kind", ["nginx", "haproxy"])
+def test_the_proxys_own_routes_stay_off_the_balancer_however_the_path_is_spelt(
+    kind: str, proxied: Replica, render: ModuleType, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Each proxy's /metrics and /retrywatch/ are kept off the public address: a balancer that
+    matched the raw path let a percent-encoded spelling through to the proxy, which decodes it."""
+    binary = request.getfixturevalue(kind)
+    fleet = Fleet([proxied])
+    with httpx.Client(timeout=10) as client:
+        for path in _OWN_ROUTES_SPELT:  # each spelling is one of the proxy's own routes
+            direct = client.get(f"http://{proxied.address}{path}")
+            assert direct.status_code == 200, (path, direct.status_code)
+        with _balancer(kind, fleet, render, binary, tmp_path, [proxied]) as url:
+            assert client.get(f"{url}/v1/models").status_code == 200  # the API still passes
+            leaked = {p: client.get(f"{url}{p}").status_code for p in _OWN_ROUTES_SPELT}
+    assert leaked == dict.fromkeys(_OWN_ROUTES_SPELT, 404), leaked
+
+
+@pytest.mark.balancer
+def test_an_idempotency_key_with_commas_reaches_the_proxy_whole(balanced: Balanced) -> None:
+    """HAProxy copies Idempotency-Key into X-Call-Id (nginx leaves both as they are): the whole
+    value, or two calls whose keys end alike would reach the proxy as one call id."""
+    fleet = balanced.fleet
+    keys = ["k1,shared", "k2,shared"]
+    with balanced.start(fleet.replicas), httpx.Client(timeout=30) as client:
+        for n, key in enumerate(keys):
+            fleet.attempt(client, f"comma-{n}", {IDEMPOTENCY_KEY_HEADER: key})
+    rows = [
+        r
+        for replica in fleet.replicas
+        for r in httpx.get(f"http://{replica.address}/test/requests?tag_prefix=comma-", timeout=10).json()[
+            "requests"
+        ]
+    ]
+    seen = {r["tag"]: r["call_id"] for r in rows}  # the X-Call-Id that reached the replica
+    expected = keys if balanced.kind == "haproxy" else [None, None]
+    assert seen == {f"comma-{n}": e for n, e in enumerate(expected)}, seen
