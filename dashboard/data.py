@@ -7,6 +7,8 @@ Everything the pages show comes through ``DetectorClient`` (alerts, episodes, he
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +22,10 @@ from exporter.redact import redact_text, redact_url
 
 FETCH_WORKERS = 3  # more threads only contend for the GIL on both sides
 MAX_ENGINES = 64  # engines listed in the selector; the detector bounds its own label sets too
+# One answer's bound: the detector's largest (every engine's 6-h history of one signal) is ~12 MB.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# Unix times a page can show (gmtime and Plotly's dates): year 1970 to 9999.
+MAX_UNIX_TIME = 253402300799.0
 # Signals that are levels or ratios: several series of one engine are averaged, not summed.
 NON_ADDITIVE = frozenset(
     {
@@ -165,6 +171,24 @@ def _opt_float(value: Any, key: str, where: str) -> float | None:
     return None if value is None else _float(value, key, where)
 
 
+def _time(value: Any, key: str, where: str) -> float:
+    t = _float(value, key, where)
+    if not 0.0 <= t <= MAX_UNIX_TIME:  # NaN too
+        raise ShapeError(f"detector {where}: field {key!r} is not a Unix time ({value!r})")
+    return t
+
+
+def _opt_time(value: Any, key: str, where: str) -> float | None:
+    return None if value is None else _time(value, key, where)
+
+
+def _list(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    value = _field(obj, key, where)
+    if not isinstance(value, list):
+        raise ShapeError(f"detector {where}: field {key!r} must be a list")
+    return value
+
+
 def _labels(obj: Mapping[str, Any], where: str) -> dict[str, str]:
     labels = obj.get("labels") or {}
     if not isinstance(labels, Mapping):
@@ -175,19 +199,19 @@ def _labels(obj: Mapping[str, Any], where: str) -> dict[str, str]:
 def parse_alerts(payload: Any) -> list[Alert]:
     where = "/alerts"
     alerts = []
-    for item in _field(payload, "alerts", where):
+    for item in _list(payload, "alerts", where):
         alerts.append(
             Alert(
                 alertname=str(_field(item, "alertname", where)),
                 severity=str(item.get("severity") or "warning"),
                 labels=_labels(item, where),
                 state=str(item.get("state") or "firing"),
-                started_at=_float(_field(item, "started_at", where), "started_at", where),
+                started_at=_time(_field(item, "started_at", where), "started_at", where),
                 value=_opt_float(item.get("value"), "value", where),
                 summary=str(item.get("summary") or ""),
                 description=str(item.get("description") or ""),
-                resolving_since=_opt_float(item.get("resolving_since"), "resolving_since", where),
-                resolves_at=_opt_float(item.get("resolves_at"), "resolves_at", where),
+                resolving_since=_opt_time(item.get("resolving_since"), "resolving_since", where),
+                resolves_at=_opt_time(item.get("resolves_at"), "resolves_at", where),
                 runbook_url=_http_url(item.get("runbook_url")),
             )
         )
@@ -207,15 +231,15 @@ def _http_url(value: Any) -> str:
 def parse_episodes(payload: Any) -> list[Episode]:
     where = "/episodes"
     episodes = []
-    for item in _field(payload, "episodes", where):
+    for item in _list(payload, "episodes", where):
         episodes.append(
             Episode(
                 id=str(item.get("id", "")),
                 alertname=str(_field(item, "alertname", where)),
                 severity=str(item.get("severity") or "warning"),
                 labels=_labels(item, where),
-                started_at=_float(_field(item, "started_at", where), "started_at", where),
-                resolved_at=_opt_float(item.get("resolved_at"), "resolved_at", where),
+                started_at=_time(_field(item, "started_at", where), "started_at", where),
+                resolved_at=_opt_time(item.get("resolved_at"), "resolved_at", where),
                 summary=str(item.get("summary") or ""),
                 description=str(item.get("description") or ""),
             )
@@ -234,13 +258,15 @@ def parse_points(points: Any, where: str) -> np.ndarray:
         raise ShapeError(f"detector {where}: points must be [t, v] number pairs ({exc})") from exc
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ShapeError(f"detector {where}: points must be [t, v] number pairs, got shape {arr.shape}")
+    if np.any(np.abs(arr[:, 0]) > MAX_UNIX_TIME):  # a null t (NaN) is dropped where it is drawn
+        raise ShapeError(f"detector {where}: a point's t is not a Unix time")
     return arr
 
 
 def parse_signal(payload: Any, name: str) -> list[SignalSeries]:
     where = f"/signals?name={name}"
     series = []
-    for item in _field(payload, "series", where):
+    for item in _list(payload, "series", where):
         series.append(
             SignalSeries(
                 labels=_labels(item, where), points=parse_points(_field(item, "points", where), where)
@@ -251,18 +277,20 @@ def parse_signal(payload: Any, name: str) -> list[SignalSeries]:
 
 def parse_signal_index(payload: Any) -> SignalIndex:
     where = "/signals"
-    names = [str(n) for n in _field(payload, "signals", where)]
-    engines = sorted({str(e) for e in _field(payload, "engines", where)})[:MAX_ENGINES]
+    names = [str(n) for n in _list(payload, "signals", where)]
+    engines = sorted({str(e) for e in _list(payload, "engines", where)})[:MAX_ENGINES]
     return SignalIndex(names=names, engines=engines)
 
 
 def parse_health(payload: Any) -> Health:
     where = "/healthz"
     source = payload.get("source") or {} if isinstance(payload, Mapping) else {}
+    if not isinstance(source, Mapping):
+        raise ShapeError(f"detector {where}: source must be an object")
     return Health(
         status=str(_field(payload, "status", where)),
         source_up=bool(source.get("up", False)),
-        last_scrape_at=_opt_float(source.get("last_scrape_at"), "last_scrape_at", where),
+        last_scrape_at=_opt_time(source.get("last_scrape_at"), "last_scrape_at", where),
     )
 
 
@@ -280,6 +308,7 @@ class DetectorClient:
             raise ValueError(f"detector URL must start with http:// or https://, got {shown!r}")
         self.base_url = base_url.rstrip("/")
         self.display_url = redact_url(self.base_url)  # its credentials masked: shown on the pages
+        self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
 
     def close(self) -> None:
@@ -287,14 +316,24 @@ class DetectorClient:
 
     def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
         clean = {k: v for k, v in (params or {}).items() if v is not None and v != ""}
+        # httpx's timeout bounds each read, not the answer: a detector that trickles its answer
+        # would hold a worker thread forever. The whole answer gets timeout_s, and a bounded size.
+        deadline = time.monotonic() + self.timeout_s
+        body = bytearray()
         try:
-            response = self._http.get(path, params=clean)
-            response.raise_for_status()
+            with self._http.stream("GET", path, params=clean) as response:
+                response.raise_for_status()
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if len(body) > MAX_ANSWER_BYTES:
+                        raise ShapeError(f"detector {path}: answer exceeds {MAX_ANSWER_BYTES} bytes")
+                    if time.monotonic() > deadline:
+                        raise httpx.ReadTimeout(f"answer not complete after {self.timeout_s:g} s")
         except httpx.HTTPError as exc:
             reason = f"detector at {self.display_url} did not answer {path}: {exc}"
             raise DetectorUnavailable(redact_text(reason, [self.base_url])) from exc
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError as exc:
             raise ShapeError(f"detector {path}: answer is not JSON") from exc
 
@@ -362,11 +401,25 @@ def signals_for_engine(
         if len(series) == 1:
             out[name] = series[0].points
             continue
-        base = series[0].points.copy()
-        for other in series[1:]:
-            if other.points.shape[0] and base.shape[0]:
-                base[:, 1] += np.interp(base[:, 0], other.points[:, 0], other.points[:, 1])
-        if name in NON_ADDITIVE:
-            base[:, 1] /= len(series)
-        out[name] = base
+        out[name] = _combine([s.points for s in series], average=name in NON_ADDITIVE)
     return out
+
+
+def _combine(arrays: Sequence[np.ndarray], *, average: bool) -> np.ndarray:
+    """Several series of one engine on the union of their times: summed (or averaged) over the
+    series that exist at each time, so one that stopped (e.g. before the engine's model changed)
+    or has not started yet neither hides the others' times nor is stretched over them; a gap
+    (NaN) inside a series stays a gap."""
+    arrays = [a[np.isfinite(a[:, 0])] for a in arrays]
+    arrays = [a[np.argsort(a[:, 0], kind="stable")] for a in arrays if a.shape[0]]
+    if not arrays:
+        return np.empty((0, 2))
+    times = np.unique(np.concatenate([a[:, 0] for a in arrays]))
+    total, count = np.zeros(times.size), np.zeros(times.size)
+    for a in arrays:
+        present = (times >= a[0, 0]) & (times <= a[-1, 0])
+        total[present] += np.interp(times[present], a[:, 0], a[:, 1])
+        count += present
+    if average:
+        total /= count  # every time is inside at least one series' span
+    return np.column_stack([times, total])

@@ -24,6 +24,8 @@ from detector.rundir import RunDirError
 if TYPE_CHECKING:
     from dashboard.app import Context
 
+# What a hand-edited or corrupt reproduce output raises while it is read: shown, never a 500.
+BROKEN = (RunDirError, ValueError, TypeError, KeyError, AttributeError, OSError)
 RUN_GRAPH_IDS: tuple[str, ...] = (
     "graph-run-attempts",
     "graph-run-fates",
@@ -43,38 +45,43 @@ def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]
         return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], str(exc)
     try:
         signals = run_signals(runs_dir, run)
-    except (RunDirError, ValueError) as exc:
+    except BROKEN as exc:
         return [
             figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS
         ], f"cannot read run: {exc}"
     try:
         alerts, origin = runs_dir.run_alerts(run)
-    except (RunDirError, ValueError) as exc:
-        alerts, origin = [], f"no alerts ({exc})"
-    shades = run_shades(alerts)
+        shades = run_shades(alerts)
+        fired = (
+            ", ".join(f"{a['alertname']} at {float(a['fired_at_s']):.0f} s" for a in alerts) or "no alerts"
+        )
+    except BROKEN as exc:
+        alerts, origin, shades, fired = [], f"no alerts ({exc!r})", [], "no alerts"
     end = max((float(p[-1, 0]) for p in signals.values() if p.shape[0]), default=None)
     figs = [
-        pulse_marks(
-            build(
-                signals,
-                shades,
-                now=end,
-                x_kind="seconds",
-                uirevision=run_id,
-                x_range=None if end is None else (0.0, end),
-            ),
-            run.get("pulse"),
+        build(
+            signals,
+            shades,
+            now=end,
+            x_kind="seconds",
+            uirevision=run_id,
+            x_range=None if end is None else (0.0, end),
         )
         for build in figures.LIVE_PANELS
     ]
-    recovered = run.get("recovered")
-    rt = run.get("recovery_time_s")
-    state = (
-        f"recovered {float(rt):.0f} s after the pulse" if recovered and rt is not None else "not recovered"
-    )
-    if recovered and rt is None:
-        state = "recovered"
-    fired = ", ".join(f"{a['alertname']} at {float(a['fired_at_s']):.0f} s" for a in alerts) or "no alerts"
+    try:
+        figs = [pulse_marks(fig, run.get("pulse")) for fig in figs]
+        recovered = run.get("recovered")
+        rt = run.get("recovery_time_s")
+        state = (
+            f"recovered {float(rt):.0f} s after the pulse"
+            if recovered and rt is not None
+            else "not recovered"
+        )
+        if recovered and rt is None:
+            state = "recovered"
+    except BROKEN as exc:
+        state = f"summary entry unreadable ({exc!r})"
     return figs, f"{run_label(run)}: {state}; detector ({origin}): {fired}"
 
 
@@ -93,7 +100,7 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
             raise RunDirError("no runs directory configured")
         delivery = delivery_by_cohort_figure(runs_dir.runs)
         creation = creation_rate_vs_recovery_figure(runs_dir.runs)
-    except (RunDirError, ValueError) as exc:
+    except BROKEN as exc:
         return html.Div(f"Cannot open {ctx.config.runs_dir}: {exc}", style=style.NOTE, id="experiments-note")
     options = [{"label": run_label(r), "value": run_key(r)} for r in runs_dir.runs]
     return html.Div(

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
 import httpx
 import numpy as np
 import pytest
 
+from dashboard import data
 from dashboard.data import (
     DetectorClient,
     DetectorUnavailable,
@@ -161,3 +167,104 @@ def test_static_api_advances_like_a_new_scrape(api: StaticDetectorAPI) -> None:
     assert client.health().last_scrape_at == before + 5.0
     assert client.alerts()[0].started_at == NOW - 1100.0 + 5.0
     client.close()
+
+
+def test_a_detector_that_trickles_its_answer_is_cut_off_at_the_timeout() -> None:
+    """httpx's timeout bounds each read: one byte every 0.2 s would hold a worker for a minute."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            body = b'{"alerts": []}' + b" " * 300
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+            for byte in body:
+                if stop.wait(0.2):
+                    return
+                conn.sendall(bytes([byte]))
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    client = DetectorClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DetectorUnavailable, match="not complete after 1 s"):
+            client.alerts()
+        assert time.monotonic() - started < 3.0
+    finally:
+        stop.set()
+        client.close()
+        thread.join(timeout=5)
+        listener.close()
+
+
+def test_an_answer_over_the_bound_is_refused_without_reading_it_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "MAX_ANSWER_BYTES", 1000)
+    sent: list[int] = []
+
+    class Endless(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            while len(sent) < 10_000:  # 10 MB if read to the end
+                sent.append(1)
+                yield b" " * 1000
+
+    client = DetectorClient(
+        "http://d", transport=httpx.MockTransport(lambda r: httpx.Response(200, stream=Endless()))
+    )
+    with pytest.raises(ShapeError, match="exceeds 1000 bytes"):
+        client.alerts()
+    assert len(sent) <= 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "match"),
+    [
+        ("/healthz", '{"status": "ok", "source": "up"}', "source must be an object"),
+        ("/healthz", '{"status": "ok", "source": {"up": true, "last_scrape_at": NaN}}', "not a Unix time"),
+        ("/alerts", '{"alerts": 5}', "'alerts' must be a list"),
+        ("/alerts", '{"alerts": [{"alertname": "A", "started_at": 1e300}]}', "not a Unix time"),
+        ("/alerts", '{"alerts": [{"alertname": "A", "started_at": Infinity}]}', "not a Unix time"),
+        ("/episodes", '{"episodes": [{"alertname": "A", "started_at": NaN}]}', "not a Unix time"),
+        ("/signals", '{"signals": 5, "engines": []}', "'signals' must be a list"),
+        ("/signals?name=x", '{"series": [{"labels": {}, "points": [[1e300, 1]]}]}', "not a Unix time"),
+    ],
+)
+def test_answers_the_pages_cannot_show_are_shape_errors(path: str, body: str, match: str) -> None:
+    """Each used to raise AttributeError, TypeError, ValueError or OverflowError in a page: a 500."""
+    client = DetectorClient(
+        "http://d", transport=httpx.MockTransport(lambda r: httpx.Response(200, text=body))
+    )
+    call = {
+        "/healthz": client.health,
+        "/alerts": client.alerts,
+        "/episodes": client.episodes,
+        "/signals": client.signal_index,
+        "/signals?name=x": lambda: client.signal("x"),
+    }[path]
+    with pytest.raises(ShapeError, match=match):
+        call()
+
+
+def test_series_of_one_engine_over_different_spans_are_combined_on_their_union() -> None:
+    """An engine's series before and after its model changed (Prometheus: a new label set) are
+    both shown; neither is stretched over the other's times."""
+
+    class ModelChanged:
+        def signal_index(self):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def signal(self, name, *, since=None, engine=None):  # type: ignore[no-untyped-def]
+            before = np.array([[NOW, 1.0], [NOW + 5, 1.0], [NOW + 10, 1.0]])
+            after = np.array([[NOW + 15, 3.0], [NOW + 20, np.nan], [NOW + 25, 3.0]])
+            return [
+                SignalSeries({"instance": "e", "model": "a"}, before),
+                SignalSeries({"instance": "e", "model": "b"}, after),
+            ]
+
+    out = signals_for_engine(ModelChanged(), ["execution_creation_rate", "capacity"], engine="e", since=None)
+    for name in ("execution_creation_rate", "capacity"):
+        assert out[name][:, 0].tolist() == [NOW + dt for dt in (0, 5, 10, 15, 20, 25)]
+        values = out[name][:, 1]
+        assert values[[0, 1, 2, 3, 5]].tolist() == [1.0, 1.0, 1.0, 3.0, 3.0] and np.isnan(values[4])

@@ -3,15 +3,19 @@ API shapes and a reproduce output written in the real formats."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from dashboard import figures
 from dashboard.app import Context, DashboardConfig, create_app
+from dashboard.data import DetectorClient
 from dashboard.figures import MAX_POINTS
 from dashboard.pages import experiments, history, live
+from dashboard.runs import run_key
 from exporter.processes import free_port
 from tests.dashboard.staticapi import StaticDetectorAPI
 
@@ -289,3 +293,64 @@ def test_a_callback_sent_a_value_the_page_never_offers_answers_as_if_nothing_wer
                 body = {"output": spec["output"], "outputs": outputs, "inputs": sent}
                 got = client.post("/_dash-update-component", json={**body, "changedPropIds": [changed]})
                 assert got.status_code == 200, (changed, repr(odd)[:40], got.status_code)
+
+
+def test_a_detector_answering_what_no_page_can_show_is_no_data_not_a_500() -> None:
+    """A time no clock can format (a detector bug, a proxy in between) used to be a 500."""
+    answers = {
+        "/healthz": {"status": "ok", "source": {"up": True, "last_scrape_at": NOW}},
+        "/alerts": {"alerts": [{**loop_alert(), "started_at": 1e300}]},
+        "/episodes": {"episodes": []},
+        "/signals": {"signals": [], "engines": [], "series": []},
+    }
+    app = create_app(DashboardConfig(detector_url="http://detector"))
+    ctx = app.server.config["RETRYWATCH_CONTEXT"]
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, json=answers[r.url.path]))
+    ctx.detector = ctx.signals = DetectorClient("http://detector", transport=transport)
+    body = {
+        "output": "page.children",
+        "outputs": _prop("page.children"),
+        "inputs": [_prop("url.pathname", "/")],
+        "state": [_prop("url.search", "")],
+        "changedPropIds": ["url.pathname"],
+    }
+    got = app.server.test_client().post("/_dash-update-component", json=body)
+    assert got.status_code == 200
+    assert "NO DATA" in got.get_data(as_text=True) and "not a Unix time" in got.get_data(as_text=True)
+
+
+@pytest.mark.parametrize(
+    ("run_index", "change"),
+    [
+        (1, {"validation_alert": {"alertname": "VLLMMetastableRetryLoop"}}),  # no fired_at_s
+        (0, {"recovery_time_s": "soon"}),
+        (0, {"pulse": "start"}),
+        (0, {"series": "runs/diagnostic__retries-off__qwen2.5-7b__r1/metrics.d"}),  # a directory
+    ],
+)
+def test_a_hand_edited_run_is_shown_with_what_is_wrong_not_a_500(
+    api: StaticDetectorAPI, runs_dir: Path, run_index: int, change: dict[str, Any]
+) -> None:
+    summary = json.loads((runs_dir / "summary.json").read_text())
+    run = summary["runs"][run_index]
+    if "validation_alert" in change:
+        validation = json.loads((runs_dir / "validation.json").read_text())
+        validation["runs"][0]["alerts"] = [change["validation_alert"]]
+        (runs_dir / "validation.json").write_text(json.dumps(validation))
+    else:
+        run.update(change)
+        (runs_dir / "runs/diagnostic__retries-off__qwen2.5-7b__r1/metrics.d").mkdir()
+        (runs_dir / "summary.json").write_text(json.dumps(summary))
+    figs, text = experiments.run_figures(context(api, runs_dir), run_key(run))
+    assert len(figs) == 4
+    assert any(word in text for word in ("unreadable", "cannot read run: [Errno 21]", "no alerts (KeyError"))
+
+
+@pytest.mark.parametrize("change", [{"delivery": {"pulse": 5}}, {"rates_x_capacity": 5}])
+def test_a_hand_edited_summary_is_a_note_not_a_500(
+    api: StaticDetectorAPI, runs_dir: Path, change: dict[str, Any]
+) -> None:
+    summary = json.loads((runs_dir / "summary.json").read_text())
+    summary["runs"][0].update(change)
+    (runs_dir / "summary.json").write_text(json.dumps(summary))
+    assert "Cannot open" in str(experiments.layout(context(api, runs_dir)))
