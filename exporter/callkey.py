@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
@@ -24,8 +25,9 @@ DEFAULT_CALL_ID_HEADER = "x-call-id"
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
 # The official OpenAI SDKs send this on their own automatic retries (0 on the first attempt).
 SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
-# Where a caller's credentials travel: Authorization, else an API-key header (Azure OpenAI's
-# ``api-key``, ``x-api-key``). The first one present scopes the caller's keys.
+# Where a caller's credentials travel: Authorization and the API-key headers (Azure OpenAI's
+# ``api-key``, ``x-api-key``). Every one present scopes the caller's keys: the OpenAI SDK always
+# sends Authorization, often with a placeholder key, beside the API-key header a gateway checks.
 CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
 
 # A call id is an opaque client token; anything longer is refused rather than hashed.
@@ -50,6 +52,11 @@ def _digest(data: bytes) -> str:
     two thirds of SHA-256's time when the process has just woken (9.6 against 13.9 us on the
     benchmark machine, 2 ms after a sleep)."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+# A float of 1e16 or more in the canonical form (orjson writes them ``1.8446744073709552e+19``):
+# it may be an integer beyond 64 bits that orjson read as the nearest float.
+_BIG_FLOAT = re.compile(rb"e\+[0-9]")
 
 
 def canonical_body(body: Mapping[str, Any]) -> bytes:
@@ -98,17 +105,18 @@ def sdk_says_retry(headers: Mapping[str, str]) -> bool | None:
 
 
 def caller_scope(headers: Mapping[str, str]) -> str | None:
-    """A hash of the caller's credentials (the first of ``CREDENTIAL_HEADERS`` present), or None
+    """A hash of the caller's credentials (every one of ``CREDENTIAL_HEADERS`` present), or None
     for a caller without any. Keys are scoped by it, so callers never share an execution; the
     credentials themselves go nowhere but into this hash.
 
     ``headers`` must be case-insensitive or lower-cased (Starlette's are).
     """
-    for name in CREDENTIAL_HEADERS:
-        value = headers.get(name)
-        if value:
-            return _digest(b"%b\0%b" % (name.encode(), value.encode("utf-8", "surrogatepass")))
-    return None
+    parts = [
+        b"%b\0%d\0%b" % (name.encode(), len(value), value.encode("utf-8", "surrogatepass"))
+        for name in CREDENTIAL_HEADERS
+        if (value := headers.get(name))
+    ]
+    return _digest(b"\0".join(parts)) if parts else None
 
 
 def call_key(
@@ -117,18 +125,28 @@ def call_key(
     body: Mapping[str, Any],
     without_id: KeyWithoutId = KeyWithoutId.BODY,
     caller: str | None = None,
+    raw: bytes | None = None,
 ) -> str | None:
     """The key under which attempts of one call coalesce; None means "never coalesce".
 
     ``caller`` is ``caller_scope`` of the attempt's headers (None: a caller without credentials).
+    ``raw`` is the request body as it came, of which ``body`` was parsed (``parse_body``).
+
+    NOTE: orjson reads an integer beyond 64 bits as the nearest float, while the engine (Python's
+    json) reads it exactly: two bodies that differ only in such integers parse alike. When the
+    canonical form may hold one (a float of 1e16 or more), the key takes the body's bytes as they
+    came (a retry resends them); the check is a ``memchr`` for ``+`` on every other body.
     """
     if call_id is None and without_id is KeyWithoutId.NONE:
         return None
-    parts = (
+    canonical = canonical_body(body)
+    parts = [
         b"caller:%b\0" % (caller or "").encode(),
         b"id:%b\0" % call_id.encode() if call_id is not None else b"body:\0",
         route.encode(),
         b"\0",
-        canonical_body(body),
-    )
+        canonical,
+    ]
+    if raw is not None and b"+" in canonical and _BIG_FLOAT.search(canonical):
+        parts += (b"\0raw:", raw)
     return _digest(b"".join(parts))

@@ -395,7 +395,7 @@ class Proxy:
             return Answer(exc.status, exc.body())
         except CallIdError as exc:
             return Answer(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
-        key = call_key(call_id, route, body, self.settings.key_without_id, caller_scope(headers))
+        key = call_key(call_id, route, body, self.settings.key_without_id, caller_scope(headers), raw)
         stream = bool(body.get("stream", False))
         attempt = Attempt(
             key,

@@ -13,6 +13,7 @@ from exporter.callkey import (
     find_call_id,
     sdk_says_retry,
 )
+from exporter.validation import parse_body
 
 BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True}
 
@@ -87,8 +88,22 @@ def test_the_api_key_headers_scope_a_caller_without_authorization() -> None:
     assert caller_scope({"api-key": "k1"}) is not None
     assert caller_scope({"api-key": "k1"}) != caller_scope({"api-key": "k2"})
     assert caller_scope({"x-api-key": "k1"}) not in (None, caller_scope({"x-api-key": "k2"}))
-    # Authorization wins over an API-key header.
-    assert caller_scope({**ALICE, "api-key": "k1"}) == caller_scope(ALICE)
+    # Beside Authorization, an API-key header still tells callers apart.
+    assert caller_scope({**ALICE, "api-key": "k1"}) not in (
+        caller_scope(ALICE),
+        caller_scope({"api-key": "k1"}),
+    )
+
+
+@pytest.mark.parametrize("name", ["api-key", "x-api-key"])
+def test_callers_that_differ_in_any_credential_header_never_share_a_scope(name: str) -> None:
+    # The OpenAI SDK always sends Authorization, often with a placeholder key ("EMPTY"), while a
+    # gateway in front authenticates by an API-key header.
+    placeholder = {"authorization": "Bearer EMPTY"}
+    scopes = {caller_scope({**placeholder, name: "k1"}), caller_scope({**placeholder, name: "k2"})}
+    assert len(scopes | {caller_scope(placeholder)}) == 3
+    # Each header's name counts: the same value in another header is another caller.
+    assert caller_scope({"api-key": "k1"}) != caller_scope({"x-api-key": "k1"})
 
 
 def test_credentials_appear_nowhere_but_inside_the_hash() -> None:
@@ -96,3 +111,28 @@ def test_credentials_appear_nowhere_but_inside_the_hash() -> None:
     assert scope is not None and len(scope) == 32 and "alice" not in scope and "sk-" not in scope
     key = call_key("c1", "/v1/completions", BODY, caller=scope)
     assert key is not None and "alice" not in key
+
+
+def _key(raw: bytes) -> str | None:
+    return call_key("c1", "/v1/completions", parse_body(raw), raw=raw)
+
+
+def test_integers_beyond_64_bits_that_parse_alike_give_other_keys() -> None:
+    # The parser (orjson) reads an integer beyond 64 bits as the nearest float: these bodies read
+    # alike, while the engine (Python's json) reads each exactly, a schema allowing only its number.
+    template = (
+        b'{"model":"m","prompt":"p",'
+        b'"response_format":{"type":"json_schema","json_schema":{"schema":{"const":%b}}}}'
+    )
+    a, b = template % b"18446744073709551616", template % b"18446744073709551617"
+    assert parse_body(a) == parse_body(b)
+    assert _key(a) != _key(b)
+    assert _key(a) == _key(a)  # a retry resends the same bytes
+    negative = b'{"model":"m","prompt":"p","logit_bias":{"5":%b}}'
+    assert _key(negative % b"-9223372036854775809") != _key(negative % b"-9223372036854775810")
+
+
+def test_an_ordinary_body_keys_the_same_whatever_its_key_order_or_spacing() -> None:
+    raw = b'{"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "stream": true}'
+    reordered = b'{"stream":true,"max_tokens":16,"prompt":[1,2,3],"model":"m"}'
+    assert _key(raw) == _key(reordered) == call_key("c1", "/v1/completions", BODY)

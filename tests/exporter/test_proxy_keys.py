@@ -40,16 +40,22 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def _held_together(
-    p: RunningProxy, upstream: Upstream, hold: str, requests: list[dict[str, str]]
+    p: RunningProxy,
+    upstream: Upstream,
+    hold: str,
+    requests: list[dict[str, str]],
+    bodies: list[bytes] | None = None,
 ) -> list[httpx.Response]:
-    """Send non-streaming ``SAMPLE`` requests with these headers at once, all held by the upstream
-    before their first token until the proxy has decided every one of them; then release them."""
+    """Send non-streaming requests (``SAMPLE``, or these bodies) with these headers at once, all
+    held by the upstream before their first token until the proxy has decided every one of them;
+    then release them."""
     before = _attempts(p)
     out: list[httpx.Response | None] = [None] * len(requests)
+    raw = bodies or [json.dumps(SAMPLE).encode()] * len(requests)
 
     def send(i: int) -> None:
-        headers = {**requests[i], "x-test-hold": hold}
-        out[i] = httpx.post(f"{p.url}/v1/completions", json=SAMPLE, headers=headers, timeout=20)
+        headers = {**requests[i], "x-test-hold": hold, "content-type": "application/json"}
+        out[i] = httpx.post(f"{p.url}/v1/completions", content=raw[i], headers=headers, timeout=20)
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
     for t in threads:
@@ -200,3 +206,48 @@ def test_the_same_caller_with_the_same_call_id_attaches_whatever_the_sdk_counter
     assert m[("retrywatch_attempts_total", (("kind", "first"),))] == 1
     assert m[("retrywatch_attempts_total", (("kind", "retry"),))] == 1
     assert m[("retrywatch_attempts_attached_total", ())] == 1
+
+
+def test_callers_that_differ_only_in_an_api_key_header_never_share_an_execution(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    # The OpenAI SDK always sends Authorization (vLLM's docs use the placeholder key "EMPTY"); a
+    # gateway in front that authenticates by an API-key header tells the callers apart by it.
+    p = start_proxy()
+    tag, call = uuid.uuid4().hex, uuid.uuid4().hex
+    same = {"x-test-tag": tag, "x-call-id": call, "authorization": "Bearer EMPTY"}
+    answers = _held_together(p, upstream, tag, [{**same, "api-key": "k-alice"}, {**same, "api-key": "k-bob"}])
+    assert len({_answer_id(r) for r in answers}) == 2  # each caller its own answer
+    assert len(upstream.requests(tag=tag)) == 2
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_attempts_attached_total", ())] == 0
+
+
+def test_a_call_id_reused_with_another_integer_beyond_64_bits_gets_its_own_execution(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    # The parser reads integers beyond 64 bits as floats: these two schemas (each allows only its
+    # own number) read alike, and the engine, which reads them exactly, answers each differently.
+    p = start_proxy()
+    tag, call = uuid.uuid4().hex, uuid.uuid4().hex
+    schema = (
+        b'"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"const": %b}}}'
+    )
+    bodies = [
+        b'{"model": "test-model", "prompt": [7, 8, 9], "max_tokens": 4, %b}' % (schema % number)
+        for number in (b"18446744073709551616", b"18446744073709551617")
+    ]
+    headers = {"x-test-tag": tag, "x-call-id": call}
+    answers = _held_together(p, upstream, tag, [headers, headers], bodies)
+    assert len({_answer_id(r) for r in answers}) == 2
+    assert len(upstream.requests(tag=tag)) == 2
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_attempts_attached_total", ())] == 0
+    # The same bytes again (held under a fresh name) are retries of the first, and share one
+    # execution.
+    again = uuid.uuid4().hex
+    answers = _held_together(p, upstream, again, [headers, headers], [bodies[0], bodies[0]])
+    assert len({_answer_id(r) for r in answers}) == 1
+    balance(p.metrics())
