@@ -101,7 +101,7 @@ class Core:
         except CallIdError as exc:
             conn.respond(400, error_body(str(exc), "invalid_request_error", "invalid_call_id"))
             return
-        key = call_key(call_id, route, body, settings.key_without_id, caller_scope(headers))
+        key = call_key(call_id, route, body, settings.key_without_id, caller_scope(headers), raw)
         attempt = Attempt(
             key,
             identified=call_id is not None,
