@@ -33,6 +33,7 @@ from sqlalchemy import (
     Engine,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -55,7 +56,7 @@ from detector.evaluator import Transition
 from detector.signals import MAX_INSTANCE_CHARS, EngineLabels
 from exporter.redact import redact_text, redact_url
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: The default database's file, under :func:`state_dir`.
 DEFAULT_DB_FILE = "detector.db"
 
@@ -95,6 +96,12 @@ episodes = Table(
     Column("value", Float, nullable=True),
     Column("extra", Text, nullable=False, default="{}"),
 )
+# Schema version 2: without them, ``GET /episodes?since=`` and ``?engine=``, ``firing()`` and the
+# lookup of an alert's open episode on every transition read the whole table (it only grows).
+EPISODE_INDEXES = (
+    Index("ix_episodes_resolved_at", episodes.c.resolved_at),
+    Index("ix_episodes_instance_started_at", episodes.c.instance, episodes.c.started_at),
+)
 
 # One row per (episode, notifier, firing|resolved), written in the transaction that opens or
 # resolves the episode; ``sent`` turns true once that notifier accepted it.
@@ -132,8 +139,13 @@ def _create_v1(conn: Connection) -> None:
     metadata.create_all(conn, tables=[episodes, notifications])
 
 
-# version reached -> step from the previous version (a new column or index goes here as 2, 3, ...)
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+def _add_v2_indexes(conn: Connection) -> None:
+    for index in EPISODE_INDEXES:  # a database created at version 2 has them already
+        index.create(conn, checkfirst=True)
+
+
+# version reached -> step from the previous version (a new column or index goes here as 3, 4, ...)
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _add_v2_indexes}
 
 
 def current_version(conn: Connection) -> int:

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, insert, inspect, text
 
 from detector.evaluator import Transition
 from detector.signals import EngineLabels
 from detector.store import SCHEMA_VERSION, EpisodeStore, SchemaError, current_version, migrate
+from detector.store import episodes as episodes_table
 
 LABELS = EngineLabels("0", "qwen", "http://proxy:8000/metrics")
 
@@ -120,3 +121,80 @@ def test_label_values_beyond_the_columns_are_stored_and_found(
     store = EpisodeStore(url)
     _labels_beyond_the_columns(store)
     store.close()
+
+
+def _plans(store: EpisodeStore) -> dict[str, str]:
+    """The query plan of each query the API and the evaluation run, as the store emits it."""
+    sql: list[tuple[str, object]] = []
+
+    def grab(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        sql.append((statement, parameters))
+
+    event.listen(store.engine, "before_cursor_execute", grab)
+    queries = {
+        "since": lambda: store.episodes(since=1000.0),
+        "engine": lambda: store.episodes(engine=LABELS.instance),
+        "firing": store.firing,
+    }
+    plans = {}
+    for name, run in queries.items():
+        sql.clear()
+        run()
+        statement, parameters = sql[-1]
+        with store.engine.connect() as conn:
+            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            if store.engine.dialect.name == "postgresql":
+                cursor.execute("SET enable_seqscan = off")  # would it use an index at all?
+                cursor.execute("EXPLAIN " + statement, parameters)
+            else:
+                cursor.execute("EXPLAIN QUERY PLAN " + statement, parameters)
+            plans[name] = "\n".join(str(row[-1] if len(row) > 1 else row[0]) for row in cursor.fetchall())
+    event.remove(store.engine, "before_cursor_execute", grab)
+    return plans
+
+
+def _fill(store: EpisodeStore, n: int) -> None:
+    rows = [
+        {"alertname": "VLLMBacklogBeyondDeadline", "severity": "warning", "engine": "0", "model": "m",
+         "instance": f"http://10.0.{i % 200}.1/metrics", "started_at": float(i), "resolved_at": i + 60.0,
+         "summary": "s", "description": "d", "value": 1.0, "extra": "{}"}
+        for i in range(n)
+    ]  # fmt: skip
+    with store.engine.begin() as conn:
+        conn.execute(insert(episodes_table), rows)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_episode_queries_use_their_indexes(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # the tables only grow: a filter without an index reads every episode ever recorded, on each
+    # refresh of the dashboard and on each alert transition
+    url = f"sqlite:///{tmp_path / 'd.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    store = EpisodeStore(url)
+    _fill(store, 2000)
+    plans = _plans(store)
+    assert "ix_episodes_instance_started_at" in plans["engine"], plans["engine"]
+    assert "ix_episodes_resolved_at" in plans["firing"], plans["firing"]
+    if backend == "postgresql":  # SQLite's planner prefers the ordered scan of started_at for it
+        assert "ix_episodes_resolved_at" in plans["since"], plans["since"]
+    store.close()
+
+
+def test_an_older_schema_gains_the_episode_indexes(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    store = EpisodeStore(url)
+    ep = store.record(_tr("firing", 100.0), ["webhook0"])
+    with store.engine.begin() as conn:  # the schema as version 1 left it
+        conn.execute(text("DROP INDEX ix_episodes_resolved_at"))
+        conn.execute(text("DROP INDEX ix_episodes_instance_started_at"))
+        conn.execute(text("UPDATE schema_version SET version = 1"))
+    store.close()
+    again = EpisodeStore(url)
+    with again.engine.connect() as conn:
+        assert current_version(conn) == SCHEMA_VERSION == 2
+        names = {ix["name"] for ix in inspect(conn).get_indexes("episodes")}
+    assert {"ix_episodes_resolved_at", "ix_episodes_instance_started_at"} <= names
+    assert ep is not None and [e.id for e in again.firing()] == [ep.id]  # nothing lost
+    assert [(n, k) for _, n, k in again.unsent()] == [("webhook0", "firing")]
+    again.close()
