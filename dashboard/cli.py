@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT
+from exporter.cli import FiniteFloatRange
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
 
@@ -59,7 +60,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 @click.option(
     "--refresh",
     "refresh_s",
-    type=click.FloatRange(min=1.0),
+    type=FiniteFloatRange(min=1.0),
     default=5.0,
     show_default=True,
     help="Live page auto-refresh interval in seconds.",

@@ -20,6 +20,7 @@ import click
 
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
 from detector.signals import MAX_INSTANCES
+from exporter.cli import FiniteFloatRange
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
 
@@ -48,7 +49,7 @@ def _env(name: str) -> str:
 )
 @click.option(
     "--replay-speed",
-    type=float,
+    type=FiniteFloatRange(min=0.0),
     default=0.0,
     show_default=True,
     envvar=_env("REPLAY_SPEED"),
@@ -63,13 +64,13 @@ def _env(name: str) -> str:
 )
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1),
+    type=FiniteFloatRange(min=0.1),
     envvar=_env("INTERVAL"),
     help="Seconds between evaluations [default: 5 / --time-scale, at least 0.1].",
 )
 @click.option(
     "--time-scale",
-    type=click.FloatRange(min=0.0, min_open=True),
+    type=FiniteFloatRange(min=0.0, min_open=True),
     default=1.0,
     show_default=True,
     envvar=_env("TIME_SCALE"),
@@ -82,13 +83,13 @@ def _env(name: str) -> str:
 @click.option("--alertmanager", envvar=_env("ALERTMANAGER"), help="Alertmanager base URL (API v2).")
 @click.option(
     "--capacity",
-    type=click.FloatRange(min=0.0, min_open=True),
+    type=FiniteFloatRange(min=0.0, min_open=True),
     envvar=_env("CAPACITY"),
     help="Ĉ in calls/s (default: the proxy's gauge, else estimated online).",
 )
 @click.option(
     "--deadline",
-    type=click.FloatRange(min=0.0, min_open=True),
+    type=FiniteFloatRange(min=0.0, min_open=True),
     envvar=_env("DEADLINE"),
     help="Client deadline in s (default: the proxy's gauge).",
 )
@@ -141,8 +142,6 @@ def detect(
     chosen = [bool(exporters), bool(prometheus), replay is not None]
     if sum(chosen) != 1:
         raise click.UsageError("give exactly one of --exporter URL, --prometheus URL or --replay FILE")
-    if replay_speed < 0:
-        raise click.BadParameter("must be >= 0", param_hint="--replay-speed")
     if interval is None:
         interval = max(0.1, 5.0 / time_scale)
     check_port(host, port)

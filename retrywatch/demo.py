@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import click
 import httpx
 
+from exporter.cli import FiniteFloatRange
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.metricnames import VLLM_NUM_WAITING
 from exporter.policy import Cancellation, PolicyConfig
@@ -364,7 +365,7 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
 @click.command("demo")
 @click.option(
     "--duration",
-    type=click.FloatRange(min=5.0),
+    type=FiniteFloatRange(min=5.0, allow_inf=True),
     default=300.0,
     show_default=True,
     help="Seconds to run before stopping everything (Ctrl-C stops it earlier).",

@@ -43,7 +43,9 @@ import click
 import httpx
 import yaml
 
-from exporter.processes import ManagedProcess, log_tail, port_taken
+from exporter.cli import FiniteFloatRange
+from exporter.logs import check_port
+from exporter.processes import ManagedProcess, log_tail
 from exporter.settings import ProxySettings
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_capacity
@@ -202,10 +204,10 @@ class FleetPorts:
 
 
 def check_ports_free(plan: FleetPlan, ports: FleetPorts, host: str) -> None:
-    """ClickException naming the option to change for the first port taken on ``host``."""
+    """Exit 2 with one line naming the option to change for the first port taken on ``host``, as
+    the single-engine demo and every serving command do (:func:`exporter.logs.check_port`)."""
     for port, (what, option) in ports.by_option(plan).items():
-        if port_taken(host, port) is not None:
-            raise click.ClickException(f"port {port} on {host} ({what}) is taken; pick another with {option}")
+        check_port(host, port, option, what=what)
 
 
 # --- configuration files ------------------------------------------------------------------------
@@ -642,7 +644,7 @@ FLEET_OPTIONS: tuple[click.Option, ...] = (
     click.Option(["--alertmanager-port"], type=click.IntRange(1, 65535), default=9093, show_default=True),
     click.Option(
         ["--time-scale"],
-        type=click.FloatRange(1.0, 16.0),
+        type=FiniteFloatRange(1.0, 16.0),
         default=None,
         help="With --fleet: engine seconds per wall second [default: the single-engine demo's, 4].",
     ),

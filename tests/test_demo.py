@@ -87,6 +87,24 @@ def test_a_taken_port_fails_with_a_clear_message() -> None:
     ]
 
 
+def test_a_duration_that_is_not_a_number_is_a_usage_error() -> None:
+    # NaN passes click.FloatRange's bound: the demo used to start every service, run no pulse at
+    # all and exit 0 with "done: of 0 calls".
+    engine, proxy, detector, dashboard = free_ports(4)
+    result = subprocess.run(
+        [sys.executable, "-m", "retrywatch", "demo", "--no-browser", "--duration", "nan",
+         "--engine-port", str(engine), "--proxy-port", str(proxy),
+         "--detector-port", str(detector), "--dashboard-port", str(dashboard)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: Invalid value for '--duration': nan is not a finite number."
+    )
+
+
 def _port_closed(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0

@@ -37,6 +37,23 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
     assert env.exit_code == 2 and "0.5" in env.output
 
 
+def test_a_refresh_that_is_not_a_number_is_a_usage_error() -> None:
+    # NaN passes click.FloatRange's bound: the dashboard used to start with a NaN refresh.
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "retrywatch", "dashboard", "--port", str(port), "--refresh", "nan"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == "Error: Invalid value for '--refresh': nan is not a finite number."
+    )
+    assert result.stdout == ""
+
+
 def test_the_startup_line_masks_credentials(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "dashboard.log"

@@ -74,6 +74,27 @@ def test_usage_errors_are_clear(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "capacity" in res.output.lower()
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--interval", "nan"), ("--interval", "inf"), ("--time-scale", "nan"), ("--time-scale", "inf"),
+     ("--capacity", "nan"), ("--deadline", "inf"), ("--replay-speed", "nan")],
+)  # fmt: skip
+def test_a_number_that_is_not_finite_is_a_one_line_usage_error(
+    tmp_path: Path, option: str, value: str
+) -> None:
+    # NaN passes every bound of click.FloatRange: --interval nan used to end in a traceback after
+    # the database was opened, --capacity nan ran the detector against no capacity at all.
+    args = [sys.executable, "-m", "retrywatch", "detect", "--exporter", "http://127.0.0.1:1/metrics"]
+    args += ["--db", f"sqlite:///{tmp_path / 'd.db'}", "--port", str(free_port()), option, value]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: Invalid value for '{option}': {value} is not a finite number."
+    )
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not (tmp_path / "d.db").exists()
+
+
 SECRETS = ("DBSECRETpw", "SCRAPESECRET", "HOOKSECRET", "HOOKTOKEN", "QUERYTOKEN", "AMSECRET")
 
 

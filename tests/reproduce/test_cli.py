@@ -80,6 +80,18 @@ def test_clear_errors(tmp_path: Path) -> None:
     assert result.exit_code != 0 and "summary.json" in result.output
 
 
+def test_numbers_that_are_not_finite_are_usage_errors(tmp_path: Path) -> None:
+    runner = CliRunner()
+    base = ["reproduce", "run", "--out", str(tmp_path / "out"), "--no-progress", "--block", "diagnostic"]
+    for extra in (["--time-scale", "nan"], ["--time-scale", "inf"], ["--pulse-multiple", "nan"]):
+        result = runner.invoke(main, [*base, *extra])
+        assert result.exit_code == 2, result.output
+        assert f"Invalid value for '{extra[0]}': {extra[1]} is not a finite number." in result.output
+    result = runner.invoke(main, ["reproduce", "calibrate", "--start-rate", "nan"])
+    assert result.exit_code == 2 and "'--start-rate': nan is not a finite number." in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
     runner = CliRunner()
     args = [
