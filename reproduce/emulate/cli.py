@@ -11,6 +11,7 @@ import logging
 
 import click
 
+from exporter.cli import FiniteFloatRange
 from exporter.logs import announce, check_port, log_options, setup_logging
 
 __all__ = ["emulate"]
@@ -32,7 +33,7 @@ DEFAULT_VOCAB_SIZE = 152_064
 @click.option("--served-model-name", default=None, help="Model name clients send (default: the preset).")
 @click.option(
     "--time-scale",
-    type=click.FloatRange(min=0.001, max=1000.0),
+    type=FiniteFloatRange(min=0.001, max=1000.0),
     default=1.0,
     show_default=True,
     help="Engine seconds per wall second (K > 1 runs faster than the real engine).",

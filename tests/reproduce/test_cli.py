@@ -90,6 +90,8 @@ def test_numbers_that_are_not_finite_are_usage_errors(tmp_path: Path) -> None:
     result = runner.invoke(main, ["reproduce", "calibrate", "--start-rate", "nan"])
     assert result.exit_code == 2 and "'--start-rate': nan is not a finite number." in result.output
     assert not (tmp_path / "out").exists()
+    result = runner.invoke(main, ["emulate", "--time-scale", "nan"])  # it named --model
+    assert result.exit_code == 2 and "'--time-scale': nan is not a finite number." in result.output
 
 
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
