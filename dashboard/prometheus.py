@@ -19,8 +19,16 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests.exceptions import RequestException
 from urllib3.util.retry import Retry
 
-from dashboard.data import MAX_ENGINES, DetectorUnavailable, ShapeError, SignalIndex, SignalSeries
+from dashboard.data import (
+    MAX_ANSWER_BYTES,
+    MAX_ENGINES,
+    DetectorUnavailable,
+    ShapeError,
+    SignalIndex,
+    SignalSeries,
+)
 from detector.signals import ENGINE_INFO_RECORD, SIGNALS_BY_NAME
+from detector.sources.prometheus import WholeAnswerSession
 from exporter.redact import redact_text, redact_url
 
 MAX_POINTS_PER_QUERY = 2000  # the step grows with the range so one query stays bounded
@@ -43,7 +51,7 @@ class PrometheusSignals:
         self.display_url = redact_url(url)  # its credentials masked: shown on the pages
         self._client = PrometheusConnect(
             url=url,
-            disable_ssl=True,
+            session=WholeAnswerSession(timeout_s, MAX_ANSWER_BYTES),
             timeout=int(max(1, timeout_s)),
             retry=Retry(total=1, backoff_factor=0.1),
         )

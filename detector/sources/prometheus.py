@@ -3,17 +3,21 @@
 Uses ``prometheus-api-client``. The first fetch backfills the windows with one range query
 (so verdicts are available at once); later fetches take one instant query per evaluation.
 Only the raw series the signals need are asked for (plus ``up``, to see a target that is down).
+Every answer must arrive whole within the timeout and a size bound (:class:`WholeAnswerSession`).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections import defaultdict
 from datetime import UTC, datetime
+from typing import Any
 
+import requests
 from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
-from requests.exceptions import RequestException
+from requests.exceptions import RequestException, Timeout
 from urllib3.util.retry import Retry
 
 from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, RAW
@@ -24,6 +28,42 @@ from exporter.timeseries import Sample, Snapshot
 #: Series one engine may have under the selector: about three times the 25 that a proxy and its
 #: vLLM export there (attempts by kind, executions by fate, ..., vLLM's four gauges and counters, up).
 SERIES_PER_ENGINE = 80
+#: The largest answer read: the first fetch's 10-minute backfill of SERIES_PER_ENGINE series for
+#: 256 engines is about 75 MB of JSON.
+MAX_ANSWER_BYTES = 256 * 1024 * 1024
+
+
+class WholeAnswerSession(requests.Session):
+    """A ``requests`` session (for ``PrometheusConnect``) whose every answer must arrive whole
+    within ``timeout_s`` and ``max_bytes``, else ``Timeout`` or ``RequestException``.
+
+    NOTE: requests' own timeout bounds each read, not the answer: a Prometheus (or a proxy before
+    it) that trickles its answer held the caller, the detector's evaluation or a dashboard worker,
+    for as long as it trickled. TLS certificates are not verified, as ``disable_ssl=True`` did."""
+
+    def __init__(self, timeout_s: float, max_bytes: int) -> None:
+        super().__init__()
+        self.verify = False
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+
+    def request(self, method: str, url: Any, *args: Any, **kwargs: Any) -> requests.Response:
+        kwargs["stream"] = True
+        deadline = time.monotonic() + self.timeout_s
+        response = super().request(method, url, *args, **kwargs)
+        body = bytearray()
+        try:
+            # read1: whatever has arrived (decoded), where iter_content waits for a whole chunk
+            while chunk := response.raw.read1(64 * 1024, decode_content=True):
+                body += chunk
+                if len(body) > self.max_bytes:
+                    raise RequestException(f"the answer is over {self.max_bytes} bytes")
+                if time.monotonic() > deadline:
+                    raise Timeout(f"the answer was not complete after {self.timeout_s:g} s")
+        finally:
+            response.close()
+        response._content = bytes(body)  # read whole: .json() and .content use it
+        return response
 
 
 def _selector(job: str | None) -> str:
@@ -57,7 +97,7 @@ class PrometheusSource:
         self.max_series = SERIES_PER_ENGINE * max_engines  # an answer beyond it is refused
         self._client = PrometheusConnect(
             url=url,
-            disable_ssl=True,
+            session=WholeAnswerSession(timeout_s, MAX_ANSWER_BYTES),
             timeout=int(max(1, timeout_s)),
             retry=Retry(total=1, backoff_factor=0.1),
         )

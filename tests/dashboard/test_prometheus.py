@@ -3,6 +3,7 @@ a real HTTP server serving the proxy's counters and runs ``rules/retrywatch.rule
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -15,12 +16,14 @@ import numpy as np
 import pytest
 
 from dashboard.app import DashboardConfig, create_app
+from dashboard.data import DetectorUnavailable
 from dashboard.pages import live
 from dashboard.prometheus import PrometheusSignals
 from exporter import metricnames as mn
 from exporter.processes import ManagedProcess, free_port
 from exporter.timeseries import format_sample
 from tests.dashboard.staticapi import StaticDetectorAPI
+from tests.detector.conftest import trickling_server
 
 pytestmark = pytest.mark.promtool
 
@@ -174,3 +177,16 @@ def test_prometheus_signals_feed_the_live_page(prometheus: str, fleet: list[Coun
             figs = view.figures()
             trace = next(t for t in figs[0].data if t.name == "executions created")
             assert len(trace.x) >= 1
+
+
+def test_a_prometheus_that_trickles_its_answer_is_no_data_after_the_timeout() -> None:
+    # A Prometheus sending its answer a byte at a time held a dashboard worker (one of 8) for as
+    # long as it did: requests' timeout bounds each read, not the answer.
+    answer = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}}).encode()
+    with trickling_server(answer) as url:
+        signals = PrometheusSignals(url, timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(DetectorUnavailable, match="not complete after 1 s"):
+            signals.signal_index()
+        took = time.monotonic() - started
+    assert took < 5, f"the query took {took:.1f} s"

@@ -4,9 +4,11 @@ by its PID. A tool that is missing fails the test (CI installs them), it is neve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -31,6 +33,43 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def trickling_server(body: bytes, *, every_s: float = 0.2, for_s: float = 20.0) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 that answers every request with ``body`` (JSON, 200) a byte
+    every ``every_s`` seconds (each read well within a client's read timeout), for at most
+    ``for_s``; yields its base URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                conn.sendall(head % len(body))
+                started = time.monotonic()
+                for i in range(len(body)):
+                    if stop.wait(every_s) or time.monotonic() - started > for_s:
+                        break
+                    try:
+                        conn.sendall(body[i : i + 1])
+                    except OSError:
+                        break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
 
 
 def need(binary: str) -> str:

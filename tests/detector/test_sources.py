@@ -12,7 +12,7 @@ import pytest
 from detector.signals import SignalConfig, SignalEngine
 from detector.sources.prometheus import SERIES_PER_ENGINE, PrometheusSource
 from detector.sources.scrape import ScrapeSource
-from tests.detector.conftest import TestServer, exposition, wait_until
+from tests.detector.conftest import TestServer, exposition, trickling_server, wait_until
 from tests.detector.factories import snapshot
 
 
@@ -178,3 +178,16 @@ def test_targets_that_do_not_answer_cost_one_timeout_not_one_each(http_server: T
     assert result.down == silent  # in the order given
     assert [s.value("retrywatch_attempts_total", kind="first") for s in result.snapshots] == [10.0]
     assert took < 2.5, f"the fetch took {took:.1f} s"
+
+
+def test_a_prometheus_that_trickles_its_answer_is_down_after_the_timeout() -> None:
+    # requests' timeout bounds each read, not the answer: a Prometheus (or a proxy before it)
+    # sending its answer a byte at a time held the detector's evaluation for as long as it did.
+    answer = json.dumps({"status": "success", "data": {"resultType": "vector", "result": []}}).encode()
+    with trickling_server(answer) as url:
+        source = PrometheusSource(url, timeout_s=1.0)
+        started = time.monotonic()
+        result = source.fetch(time.time())
+        took = time.monotonic() - started
+    assert result.down and "not complete after 1 s" in str(result.error)
+    assert took < 5, f"the fetch took {took:.1f} s"
