@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from detector.sources import AnswerTooLarge, AnswerTooSlow, read_whole
 from exporter.redact import redact_text, redact_url
 
 FETCH_WORKERS = 3  # more threads only contend for the GIL on both sides
@@ -316,20 +317,19 @@ class DetectorClient:
 
     def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
         clean = {k: v for k, v in (params or {}).items() if v is not None and v != ""}
-        # httpx's timeout bounds each read, not the answer: a detector that trickles its answer
-        # would hold a worker thread forever. The whole answer gets timeout_s, and a bounded size.
-        deadline = time.monotonic() + self.timeout_s
-        body = bytearray()
+        started = time.monotonic()
         try:
             with self._http.stream("GET", path, params=clean) as response:
                 response.raise_for_status()
-                for chunk in response.iter_bytes():
-                    body += chunk
-                    if len(body) > MAX_ANSWER_BYTES:
-                        raise ShapeError(f"detector {path}: answer exceeds {MAX_ANSWER_BYTES} bytes")
-                    if time.monotonic() > deadline:
-                        raise httpx.ReadTimeout(f"answer not complete after {self.timeout_s:g} s")
-        except httpx.HTTPError as exc:
+                body = read_whole(
+                    response.iter_bytes(),
+                    started=started,
+                    timeout_s=self.timeout_s,
+                    max_bytes=MAX_ANSWER_BYTES,
+                )
+        except AnswerTooLarge as exc:
+            raise ShapeError(f"detector {path}: {exc}") from exc
+        except (httpx.HTTPError, AnswerTooSlow) as exc:
             reason = f"detector at {self.display_url} did not answer {path}: {exc}"
             raise DetectorUnavailable(redact_text(reason, [self.base_url])) from exc
         try:

@@ -7,6 +7,8 @@ reach its target reports it in :attr:`FetchResult.down` (never an empty "healthy
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,3 +32,28 @@ class Source(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class AnswerTooLarge(ValueError):
+    """An HTTP answer over its size bound (:func:`read_whole`)."""
+
+
+class AnswerTooSlow(ValueError):
+    """An HTTP answer not complete within its time bound (:func:`read_whole`)."""
+
+
+def read_whole(chunks: Iterable[bytes], *, started: float, timeout_s: float, max_bytes: int) -> bytes:
+    """An answer's body from ``chunks`` (each what has arrived), at most ``max_bytes`` and complete
+    ``timeout_s`` after ``started`` (``time.monotonic()`` before the request).
+
+    NOTE: an HTTP client's timeout (httpx's, requests') bounds each read, not the answer: a server
+    that trickles its answer held the reader, an evaluation or a dashboard worker, for as long as
+    it trickled. The scrape source, the Prometheus source and the dashboard read through this."""
+    body = bytearray()
+    for chunk in chunks:
+        body += chunk
+        if len(body) > max_bytes:
+            raise AnswerTooLarge(f"the answer exceeds {max_bytes} bytes")
+        if time.monotonic() - started > timeout_s:
+            raise AnswerTooSlow(f"the answer was not complete after {timeout_s:g} s")
+    return bytes(body)

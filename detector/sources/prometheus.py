@@ -21,7 +21,7 @@ from requests.exceptions import RequestException, Timeout
 from urllib3.util.retry import Retry
 
 from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, RAW
-from detector.sources import FetchResult
+from detector.sources import AnswerTooLarge, AnswerTooSlow, FetchResult, read_whole
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot
 
@@ -35,11 +35,8 @@ MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 class WholeAnswerSession(requests.Session):
     """A ``requests`` session (for ``PrometheusConnect``) whose every answer must arrive whole
-    within ``timeout_s`` and ``max_bytes``, else ``Timeout`` or ``RequestException``.
-
-    NOTE: requests' own timeout bounds each read, not the answer: a Prometheus (or a proxy before
-    it) that trickles its answer held the caller, the detector's evaluation or a dashboard worker,
-    for as long as it trickled. TLS certificates are not verified, as ``disable_ssl=True`` did."""
+    within ``timeout_s`` and ``max_bytes`` (:func:`detector.sources.read_whole`), else ``Timeout``
+    or ``RequestException``. TLS certificates are not verified, as ``disable_ssl=True`` did."""
 
     def __init__(self, timeout_s: float, max_bytes: int) -> None:
         super().__init__()
@@ -49,20 +46,19 @@ class WholeAnswerSession(requests.Session):
 
     def request(self, method: str, url: Any, *args: Any, **kwargs: Any) -> requests.Response:
         kwargs["stream"] = True
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
         response = super().request(method, url, *args, **kwargs)
-        body = bytearray()
+        # read1: whatever has arrived (decoded), where iter_content waits for a whole chunk
+        arrived = iter(lambda: response.raw.read1(64 * 1024, decode_content=True), b"")
         try:
-            # read1: whatever has arrived (decoded), where iter_content waits for a whole chunk
-            while chunk := response.raw.read1(64 * 1024, decode_content=True):
-                body += chunk
-                if len(body) > self.max_bytes:
-                    raise RequestException(f"the answer is over {self.max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise Timeout(f"the answer was not complete after {self.timeout_s:g} s")
+            body = read_whole(arrived, started=started, timeout_s=self.timeout_s, max_bytes=self.max_bytes)
+        except AnswerTooSlow as exc:
+            raise Timeout(str(exc)) from exc
+        except AnswerTooLarge as exc:
+            raise RequestException(str(exc)) from exc
         finally:
             response.close()
-        response._content = bytes(body)  # read whole: .json() and .content use it
+        response._content = body  # read whole: .json() and .content use it
         return response
 
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from detector.sources import FetchResult
+from detector.sources import FetchResult, read_whole
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot, parse_exposition
 from exporter.upstream import MAX_METRICS_BYTES
@@ -54,22 +54,14 @@ class ScrapeSource:
         )
 
     def _scrape(self, url: str) -> str:
-        # httpx's timeout bounds each read, not the answer: a target that drips its body would
-        # hold the evaluation (and every other target's scrape) for as long as it drips.
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
         with self._client.stream("GET", url, headers={"Accept": "text/plain;version=0.0.4"}) as resp:
             if resp.status_code != 200:
                 raise httpx.HTTPStatusError(f"HTTP {resp.status_code}", request=resp.request, response=resp)
-            chunks: list[bytes] = []
-            size = 0
-            for chunk in resp.iter_bytes():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise ValueError(f"{self.instances[url]}: /metrics larger than {MAX_BODY_BYTES} bytes")
-                chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    raise ValueError(f"/metrics not read whole within {self.timeout_s:g} s")
-        return b"".join(chunks).decode("utf-8", errors="replace")
+            body = read_whole(
+                resp.iter_bytes(), started=started, timeout_s=self.timeout_s, max_bytes=MAX_BODY_BYTES
+            )
+        return body.decode("utf-8", errors="replace")
 
     def _read(self, url: str) -> list[Sample] | Exception:
         try:
