@@ -495,7 +495,8 @@ class Proxy:
     def _sink(self, relay: Relay) -> Callable[[bytes], None]:
         """The per-chunk path of an execution's response body from its first bytes on: append
         to the relay (which writes a stream's chunk to its subscribers); after the first, account
-        the first token; in a stream, at ``data: [DONE]`` complete the execution at once.
+        the first token; in a stream, at ``data: [DONE]`` (any of ``sse.DONE_ENDINGS``) complete
+        the execution at once.
 
         NOTE: the first token is accounted after it was written to the subscribers, not before:
         the accounting is off the time to first token.
@@ -508,7 +509,7 @@ class Proxy:
         read it."""
         append = relay.append
         stream = relay.stream
-        n = len(sse.DONE_EVENT)
+        ends, n = sse.DONE_ENDINGS, max(map(len, sse.DONE_ENDINGS))
         last = b""  # the stream's last bytes, enough to see a [DONE] split across chunks
         first = True
 
@@ -521,7 +522,7 @@ class Proxy:
             if not stream:
                 return
             last = data if len(data) >= n else (last + data)[-n:]
-            if last.endswith(sse.DONE_EVENT) and relay.outcome is None:
+            if last.endswith(ends) and relay.outcome is None:
                 self._complete(relay)
 
         return sink

@@ -14,10 +14,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DONE", "DONE_EVENT", "error_code", "error_of", "event_json", "event_payload"]
+__all__ = ["DONE", "DONE_ENDINGS", "DONE_EVENT", "error_code", "error_of", "event_json", "event_payload"]
 
 DONE = "[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"  # the end of an OpenAI-style stream, as sent
+#: The last bytes of a stream that has ended, as any SSE writer may send its ``[DONE]`` event: the
+#: space after ``data:`` is optional, and a line ends with LF, CRLF or CR.
+DONE_ENDINGS = tuple(
+    b"data:" + space + b"[DONE]" + eol + eol for space in (b" ", b"") for eol in (b"\n", b"\r\n", b"\r")
+)
 
 
 def event_payload(event: bytes | str) -> str | None:

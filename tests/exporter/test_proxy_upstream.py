@@ -630,3 +630,44 @@ def test_an_upstream_metrics_answer_over_the_bound_counts_as_a_failed_fetch(
     text = httpx.get(f"{p.url}/metrics", timeout=30).text
     assert "retrywatch_upstream_up 0.0" in text and "vllm:" not in text
     assert len(text) < MIB
+
+
+@pytest.mark.parametrize(
+    "done", [b"data: [DONE]\r\n\r\n", b"data: [DONE]\r\r", b"data:[DONE]\n\n"], ids=["crlf", "cr", "no-space"]
+)
+def test_a_stream_completes_at_done_whatever_ends_its_lines(
+    start_proxy: StartProxy, raw_upstream: StartRaw, done: bytes
+) -> None:
+    """An execution completes when ``[DONE]`` arrives, not when the upstream's answer ends: the
+    client closes at ``[DONE]``. It was recognised only as vLLM writes it (``data: [DONE]`` and LF
+    LF): from an upstream ending its lines with CRLF or CR, or leaving out the optional space, the
+    execution was still running when its client closed, and was counted orphaned."""
+    release = threading.Event()
+
+    def answer(target: bytes) -> bytes | Iterable[bytes]:
+        if target == b"/metrics":
+            return METRICS_ANSWER
+        return stream()
+
+    def stream() -> Iterator[bytes]:
+        yield b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        yield b'data: {"id": "cmpl-raw", "choices": [{"text": " t0"}]}\n\n' + done
+        release.wait(5)  # the answer ends only after the client has gone
+
+    p = start_proxy(raw_upstream(answer).url)
+    got = b""
+    with httpx.stream("POST", f"{p.url}/v1/completions", json=_body(2, stream=True), timeout=30) as r:
+        for chunk in r.iter_raw():
+            got += chunk
+            if got.endswith(done):
+                break  # leaving the block closes the connection mid-answer
+    try:
+        assert got.endswith(done)
+        deadline = time.monotonic() + 10
+        while p.metrics()[("retrywatch_executions_live", ())] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = p.metrics()
+        balance(m)
+        assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
+    finally:
+        release.set()
