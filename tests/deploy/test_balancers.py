@@ -23,7 +23,7 @@ import pytest
 import yaml
 from google.protobuf import json_format
 
-from exporter.callkey import DEFAULT_CALL_ID_HEADER, IDEMPOTENCY_KEY_HEADER
+from exporter.callkey import DEFAULT_CALL_ID_HEADER, IDEMPOTENCY_KEY_HEADER, find_call_id
 from tests.deploy.conftest import DEPLOY, KUSTOMIZE, args_map, container, find
 
 NGINX_DIR = DEPLOY / "nginx"
@@ -209,10 +209,10 @@ def test_the_envoy_configuration_parses_against_envoys_schema() -> None:
     hcm = HttpConnectionManager()
     listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
     routes = hcm.route_config.virtual_hosts[0].routes
-    action = next(r.route for r in routes if r.HasField("route"))
-    headers = [(p.header.header_name, p.terminal) for p in action.hash_policy]
-    assert headers == [(DEFAULT_CALL_ID_HEADER, True), (IDEMPOTENCY_KEY_HEADER, False)]
-    assert action.timeout.ToSeconds() == 0  # no route timeout: Envoy's default 15 s would cut calls
+    forwarding = [r.route for r in routes if r.HasField("route")]
+    assert forwarding and all(a.cluster == cluster.name for a in forwarding)
+    # No route timeout (Envoy's default 15 s would cut calls), no retry policy (a second execution).
+    assert all(a.timeout.ToSeconds() == 0 and not a.HasField("retry_policy") for a in forwarding)
     blocked = [r.match for r in routes if r.HasField("direct_response")]
     assert {m.path or m.safe_regex.regex for m in blocked} == {"/metrics", "/retrywatch(/|%2[Ff]).*"}
     # Matched on the normalized path, as the proxy routes the decoded one: without normalize_path
@@ -222,6 +222,66 @@ def test_the_envoy_configuration_parses_against_envoys_schema() -> None:
     for path in ("/retrywatch/executions", "/retrywatch%2Fexecutions", "/retrywatch%2fx"):
         assert re.fullmatch(regex, path), path  # Envoy's safe_regex must match the whole path
     assert not re.fullmatch(regex, "/v1/retrywatch/x")
+
+
+def _envoy_hash_input(routes: Any, headers: dict[str, str]) -> tuple[str, str] | None:
+    """The (header, value) Envoy hashes for a POST to /v1/completions with ``headers``, or None
+    when it makes no hash (a host at random): the first route whose match holds, then its hash
+    policies as Envoy's HeaderHashMethod evaluates them: a header that is present is hashed, even
+    with an empty value; a terminal policy that made a hash ends the list."""
+    for route in routes:
+        match = route.match
+        if match.path and match.path != "/v1/completions":
+            continue
+        if match.safe_regex.regex and not re.fullmatch(match.safe_regex.regex, "/v1/completions"):
+            continue
+        if match.prefix and not "/v1/completions".startswith(match.prefix):
+            continue
+        if not all(
+            h.name in headers and re.fullmatch(h.string_match.safe_regex.regex, headers[h.name])
+            for h in match.headers
+        ):
+            continue
+        assert route.HasField("route"), route
+        found: tuple[str, str] | None = None
+        for policy in route.route.hash_policy:
+            name = policy.header.header_name
+            if name in headers and found is None:
+                found = (name, headers[name])  # Envoy combines later hashes in: none is expected
+            elif name in headers:
+                pytest.fail(f"two headers hashed for {headers}")
+            if policy.terminal and found is not None:
+                break
+        return found
+    pytest.fail(f"no route for {headers}")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {DEFAULT_CALL_ID_HEADER: "call-1"},
+        {DEFAULT_CALL_ID_HEADER: "call-1", IDEMPOTENCY_KEY_HEADER: "key-1"},
+        {IDEMPOTENCY_KEY_HEADER: "key-1"},
+        {DEFAULT_CALL_ID_HEADER: "", IDEMPOTENCY_KEY_HEADER: "key-1"},
+        {DEFAULT_CALL_ID_HEADER: ""},
+        {IDEMPOTENCY_KEY_HEADER: ""},
+        {},
+    ],
+)
+def test_envoy_hashes_the_call_id_as_the_proxy_reads_it(headers: dict[str, str]) -> None:
+    """Envoy hashes what the proxy takes as the call id (exporter/callkey.py: X-Call-Id, else
+    Idempotency-Key, an empty value counting as absent), and makes no hash without one: hashing
+    an empty X-Call-Id would send every such call to one host and ignore its Idempotency-Key."""
+    from envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 import (
+        HttpConnectionManager,
+    )
+
+    hcm = HttpConnectionManager()
+    _envoy_bootstrap().static_resources.listeners[0].filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    routes = hcm.route_config.virtual_hosts[0].routes
+    call_id = find_call_id(headers)
+    expected = None if call_id is None else next((h, v) for h, v in headers.items() if v == call_id)
+    assert _envoy_hash_input(routes, headers) == expected
 
 
 def test_a_misspelt_envoy_field_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -581,3 +641,19 @@ def test_an_idempotency_key_with_commas_reaches_the_proxy_whole(balanced: Balanc
     seen = {r["tag"]: r["call_id"] for r in rows}  # the X-Call-Id that reached the replica
     expected = keys if balanced.kind == "haproxy" else [None, None]
     assert seen == {f"comma-{n}": e for n, e in enumerate(expected)}, seen
+
+
+@pytest.mark.balancer
+def test_an_empty_call_id_falls_back_to_the_idempotency_key_as_the_proxy_does(balanced: Balanced) -> None:
+    """The proxy takes an empty (or blank) X-Call-Id as absent and keys the call by its
+    Idempotency-Key (exporter/callkey.py): the balancer must hash that key too, or each attempt
+    of such a call is balanced on its own and its retries create executions on other replicas."""
+    fleet = balanced.fleet
+    with balanced.start(fleet.replicas), httpx.Client(timeout=30) as client:
+        for call in range(20):
+            for attempt in range(3):
+                headers = {DEFAULT_CALL_ID_HEADER: "", IDEMPOTENCY_KEY_HEADER: f"key-{call}"}
+                fleet.attempt(client, f"blank-{call}-{attempt}", headers)
+    by_key = _by_call(fleet.placement(), "blank-")
+    assert len(by_key) == 20 and all(len(where) == 1 for where in by_key.values()), by_key
+    assert len(set().union(*by_key.values())) > 1  # the calls still spread

@@ -3,12 +3,18 @@ checked by Prometheus' and Alertmanager's own tools against the rules they serve
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
+from exporter.processes import free_port
 from rules.generate import RULES_PATH
 from tests.deploy.conftest import DEPLOY, tool
 
@@ -16,6 +22,8 @@ PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
 ALERTMANAGER_YML = DEPLOY / "alertmanager" / "alertmanager.yml"
 RULES = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
 ALERTS = [r for r in RULES["groups"][0]["rules"] if "alert" in r]
+LOOP = "VLLMMetastableRetryLoop"
+NO_DATA = "VLLMRetrywatchNoData"
 
 
 @pytest.mark.promtool
@@ -58,3 +66,62 @@ def test_alertmanager_groups_by_replica_and_routes_each_alert_by_severity() -> N
     for alert in ALERTS:
         labels = {"alertname": alert["alert"], "instance": "retrywatch-engine-0", **alert["labels"]}
         assert _route(amtool, labels) == receivers[alert["labels"]["severity"]], alert["alert"]
+
+
+@pytest.fixture
+def shipped_alertmanager(tmp_path: Path) -> Iterator[str]:
+    """A real Alertmanager running the shipped configuration (its webhooks never called: every
+    alert below waits out its group_wait long after the test has read the inhibitions)."""
+    binary = tool("prometheus-alertmanager", "prometheus-alertmanager")
+    port = free_port()
+    argv = [binary, f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+            f"--storage.path={tmp_path / 'am'}", f"--config.file={ALERTMANAGER_YML}"]  # fmt: skip
+    with open(tmp_path / "am.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "am.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "Alertmanager did not become ready"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_the_retry_loop_inhibits_its_replicas_warnings_but_not_its_missing_data(
+    shipped_alertmanager: str,
+) -> None:
+    """While a replica is in the retry loop its other warnings are inhibited (one page), but not
+    VLLMRetrywatchNoData: that one says the loop alert itself no longer rests on data (a proxy
+    killed mid-loop keeps the loop alert firing for its keep_firing_for), and nothing of another
+    replica is inhibited."""
+    severity = {a["alert"]: a["labels"]["severity"] for a in ALERTS}
+    firing = [("replica-1", name) for name in severity] + [
+        ("replica-2", name) for name in severity if name != LOOP
+    ]
+    alerts = [
+        {"labels": {"alertname": name, "instance": instance, "severity": severity[name]}}
+        for instance, name in firing
+    ]
+    assert httpx.post(f"{shipped_alertmanager}/api/v2/alerts", json=alerts, timeout=10).status_code == 200
+    deadline = time.monotonic() + 20
+    while True:
+        got = httpx.get(f"{shipped_alertmanager}/api/v2/alerts", timeout=10).json()
+        inhibited = {
+            (a["labels"]["instance"], a["labels"]["alertname"]) for a in got if a["status"]["inhibitedBy"]
+        }
+        if (len(got) == len(alerts) and inhibited) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    expected = {("replica-1", name) for name, sev in severity.items() if sev == "warning" and name != NO_DATA}
+    assert inhibited == expected
