@@ -129,6 +129,7 @@ def detect(
 ) -> None:
     """Run the detector: signals, alerts, episodes, notifications, and its HTTP API."""
     from detector.api import create_app
+    from detector.lease import lease_for
     from detector.notify import AlertmanagerNotifier, Notifier, WebhookNotifier
     from detector.service import Detector
     from detector.signals import SignalConfig
@@ -185,9 +186,25 @@ def detect(
         for notifier in notifiers:
             notifier.close()
         raise click.BadParameter(str(exc), param_hint="--db") from None
+    try:
+        lease = lease_for(store.engine)
+    except OSError as exc:  # a SQLite file's lock file cannot be made beside it
+        source.close()
+        for notifier in notifiers:
+            notifier.close()
+        store.close()
+        raise click.BadParameter(
+            f"the writer lease's file {exc.filename}: {exc.strerror}", param_hint="--db"
+        ) from None
     config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
     detector = Detector(
-        source, store, notifiers=notifiers, config=config, runbook_pattern=pattern, max_engines=max_engines
+        source,
+        store,
+        notifiers=notifiers,
+        config=config,
+        runbook_pattern=pattern,
+        max_engines=max_engines,
+        lease=lease,
     )
     app = create_app(detector)
     announce(

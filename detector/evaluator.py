@@ -217,7 +217,7 @@ class Evaluator:
                 alert.value = value
                 alert.missing = frame.missing
                 if alert.machine.step(now, True) == "firing":
-                    out.append(self._transition("firing", alert, now))
+                    out.append(self.transition("firing", alert, now))
             for key, alert in list(self._active.items()):
                 if key[0] != rule.name or key[1] in seen:
                     continue
@@ -225,11 +225,12 @@ class Evaluator:
                 if alert.state is None:
                     del self._active[key]
                 if kind == "resolved":
-                    out.append(self._transition("resolved", alert, now))
+                    out.append(self.transition("resolved", alert, now))
         return out
 
     @staticmethod
-    def _transition(kind: TransitionKind, alert: AlertState, now: float) -> Transition:
+    def transition(kind: TransitionKind, alert: AlertState, now: float) -> Transition:
+        """``alert`` fired or resolved at ``now``."""
         return Transition(
             kind=kind,
             alertname=alert.rule.name,

@@ -75,6 +75,13 @@ class PendingWrites:
         with self._lock:
             return list(self._queue)
 
+    def clear(self) -> int:
+        """Forget every waiting transition (another detector writes now); returns how many."""
+        with self._lock:
+            n = len(self._queue)
+            self._queue.clear()
+        return n
+
     def add(self, transitions: Iterable[Transition]) -> None:
         """Queue ``transitions`` (in the order given) behind those already waiting."""
         with self._lock:
@@ -85,7 +92,8 @@ class PendingWrites:
 
     def flush(self) -> list[tuple[Transition, AlertEpisode | None]]:
         """Write the waiting transitions oldest first until one fails; returns those that landed
-        with the episode each opened or resolved (None: a resolution with no open episode)."""
+        with the episode each opened or resolved (None: nothing was written, so nothing to notify:
+        a firing whose episode was open already, or a resolution with none open)."""
         landed: list[tuple[Transition, AlertEpisode | None]] = []
         with self._lock:
             refused: tuple[Transition, Exception] | None = None

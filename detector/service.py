@@ -5,6 +5,11 @@ directly with their own ``now``). It keeps a bounded in-memory history of every 
 signals for the API and the dashboard, and its own Prometheus metrics in a private registry.
 A transition the database refuses waits in :class:`~detector.pending.PendingWrites` and is
 written, in order, once the database takes writes again; its notifications follow it.
+
+Only the detector that holds its database's writer lease (``detector.lease``) writes transitions
+and notifies; another one on the same database evaluates and serves its API, and takes over when
+the lease comes free: it first brings the stored episodes in line with its own alerts
+(:meth:`Detector._take_over`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from detector.evaluator import Evaluator, Transition
+from detector.lease import LeaseState, WriterLease, lease_for
 from detector.notify import AlertmanagerNotifier, Dispatcher, Notifier
 from detector.pending import DEFAULT_MAX_PENDING, PendingWrites
 from detector.runbook import DEFAULT_PATTERN, runbook_url
@@ -183,6 +189,12 @@ class DetectorMetrics:
             " or refused for their values.",
             registry=r,
         )
+        self.writer = Gauge(
+            "retrywatch_detector_writer",
+            "1 while this detector holds its database's writer lease (it writes episodes and"
+            " notifies); 0 while another detector does.",
+            registry=r,
+        )
 
 
 class Detector:
@@ -201,6 +213,7 @@ class Detector:
         max_pending_writes: int = DEFAULT_MAX_PENDING,
         runbook_pattern: str = DEFAULT_PATTERN,
         max_engines: int = MAX_INSTANCES,
+        lease: WriterLease | None = None,
     ) -> None:
         self.source = source
         self.runbook_pattern = runbook_pattern
@@ -234,6 +247,12 @@ class Detector:
         self._am_last_refresh = 0.0
         self._lock = threading.Lock()
         self._scheduler: BackgroundScheduler | None = None
+        self.lease = lease_for(store.engine) if lease is None else lease
+        self.writer = False  # holds the writer lease (as of the last evaluation)
+        # The stored episodes match the evaluator's alerts: restored from them just below, they do
+        # until the lease is seen taken, or lost, and then taken by this detector again.
+        self._in_line = True
+        self._first_hold = True
         self._restore()
 
     def _restore(self) -> None:
@@ -269,9 +288,12 @@ class Detector:
             transitions = self.evaluator.evaluate(now, frames)
             for tr in transitions:
                 self.metrics.transitions.labels(kind=tr.kind).inc()
-            self.pending.add(transitions)
-            self._write_pending()
-            self._refresh_alertmanagers(now)
+            if self._hold_lease():
+                self.pending.add(transitions)
+                self._write_pending()
+                if not self._in_line:
+                    self._take_over(now)
+                self._refresh_alertmanagers(now)
             self.metrics.evaluations.inc()
             self.metrics.source_up.set(1.0 if self.status.up else 0.0)
             self.metrics.engines.set(len(frames))
@@ -299,6 +321,64 @@ class Detector:
             self._am_last_refresh += step
             log.warning("the clock went back %.1f s; the detector's times are moved back with it", -step)
         return now
+
+    def _hold_lease(self) -> bool:
+        """Whether this detector writes: take or confirm the writer lease, and say when that
+        changes. While the database does not answer, a writer stays one (its transitions wait
+        for the database); a detector that finds the lease taken drops what waits (the holder
+        writes its own)."""
+        try:
+            state = self.lease.hold()
+        except Exception as exc:  # a lease that fails (a broken lock file) writes nothing
+            log.error("the writer lease (%s) failed: %s", self.lease.description, exc)
+            state = LeaseState.TAKEN
+        was, first = self.writer, self._first_hold
+        self._first_hold = False
+        if state is LeaseState.ACQUIRED:
+            self.writer = True
+            self._in_line = self._in_line and first  # another detector may have written meanwhile
+        elif state is LeaseState.TAKEN:
+            self.writer = False
+            dropped = self.pending.clear()
+            if was or first or dropped:
+                log.warning(
+                    "another detector holds the writer lease (%s) of %s: this one evaluates but writes"
+                    " no episode and sends no notification until it comes free%s",
+                    self.lease.description, self.store.display_url,
+                    f"; {dropped} transitions that waited are dropped" if dropped else "",
+                )  # fmt: skip
+        if self.writer and not was:
+            log.info("this detector writes the episodes of %s and notifies (%s)",
+                     self.store.display_url, self.lease.description)  # fmt: skip
+        self.metrics.writer.set(1.0 if self.writer else 0.0)
+        return self.writer
+
+    def _take_over(self, now: float) -> None:
+        """Once the lease is taken after another detector held it (one that stopped or died), or
+        taken again after it was lost, bring the stored episodes in line with this detector's
+        alerts: re-arm each open episode it does not have firing (it resolves through the usual
+        hysteresis, and notifies then), and write a firing at ``now`` (and notify it) for each
+        alert firing here that has no open episode. (At start the alerts come from the store.)"""
+        try:
+            open_episodes = self.store.firing()
+        except Exception as exc:  # the database refuses reads: tried again next evaluation
+            log.warning("reading the open episodes on taking the writer lease failed: %s", store_error(exc))
+            return
+        known = {r.name for r in self.rules}
+        stored = {(ep.alertname, ep.labels.instance) for ep in open_episodes}
+        firing = {(a.alertname, a.labels.instance): a for a in self.evaluator.firing()}
+        for ep in open_episodes:
+            if ep.alertname in known and (ep.alertname, ep.labels.instance) not in firing:
+                self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
+        missing = [
+            self.evaluator.transition("firing", a, now) for key, a in firing.items() if key not in stored
+        ]
+        if missing:
+            log.warning("%d alerts firing here had no open episode when this detector took the writer"
+                        " lease: written now", len(missing))  # fmt: skip
+            self.pending.add(missing)
+            self._write_pending()
+        self._in_line = True
 
     def _engines_left_out(self, n: int) -> None:
         """Set the gauge; warn when the number of engines left out changes."""
@@ -336,9 +416,10 @@ class Detector:
 
     def write_pending(self) -> int:
         """Retry the waiting transitions now (a replay's scheduler and :meth:`stop` call it; an
-        evaluation does it by itself); returns how many still wait."""
+        evaluation does it by itself); returns how many still wait. Only the writer writes."""
         with self._lock:
-            self._write_pending()
+            if self.writer:
+                self._write_pending()
         return len(self.pending)
 
     def _refresh_alertmanagers(self, now: float) -> None:
@@ -368,6 +449,8 @@ class Detector:
         if interval_s <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval_s}")
         self.dispatcher.start()
+        with self._lock:
+            self._hold_lease()
         self._safe_requeue()
         sched = BackgroundScheduler(timezone="UTC")
         if evaluate:
@@ -381,6 +464,8 @@ class Detector:
         self._scheduler = sched
 
     def _safe_requeue(self) -> None:
+        if not self.writer:  # the writer sends what is unsent
+            return
         try:
             self.dispatcher.requeue_unsent()
         except Exception as exc:  # the database is down: the next round picks them up
@@ -403,4 +488,5 @@ class Detector:
             log.error("stopping with %d transitions the store never took (they are lost; an alert "
                       "still true fires again after a restart): %s", len(self.pending), lost)  # fmt: skip
         self.dispatcher.close()
+        self.lease.release()
         self.source.close()

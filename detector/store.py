@@ -289,20 +289,27 @@ class EpisodeStore:
 
     def record(self, transition: Transition, notifiers: Sequence[str] = ()) -> AlertEpisode | None:
         """Open an episode on ``firing``, close the open one on ``resolved`` (queueing a
-        notification for each of ``notifiers`` in the same transaction); returns it."""
+        notification for each of ``notifiers`` in the same transaction); returns it, or None when
+        there was nothing to write (the alert's episode was already open, or none was open to
+        resolve), and so nothing to notify."""
         if transition.kind == "firing":
-            return self.open_episode(transition, notifiers)
+            episode, opened = self._open(transition, notifiers)
+            return episode if opened else None
         return self.resolve_episode(
             transition.alertname, transition.labels, transition.at, transition.value, notifiers
         )
 
     def open_episode(self, tr: Transition, notifiers: Sequence[str] = ()) -> AlertEpisode:
+        """The alert's open episode: opened now (its notifications queued), or the one already open."""
+        return self._open(tr, notifiers)[0]
+
+    def _open(self, tr: Transition, notifiers: Sequence[str]) -> tuple[AlertEpisode, bool]:
         with self._lock, self.engine.begin() as conn:
             existing = conn.execute(
                 select(episodes).where(self._key(tr.alertname, tr.labels), episodes.c.resolved_at.is_(None))
             ).first()
-            if existing is not None:  # already open (a restart re-armed it): keep the first record
-                return _row_to_episode(existing)
+            if existing is not None:  # already open (by a detector before this one): keep the first record
+                return _row_to_episode(existing), False
             result = conn.execute(
                 episodes.insert().values(
                     alertname=fit(tr.alertname, episodes.c.alertname),
@@ -323,7 +330,7 @@ class EpisodeStore:
             new_id = int(result.inserted_primary_key[0])
             self._queue(conn, new_id, "firing", notifiers)
             row = conn.execute(select(episodes).where(episodes.c.id == new_id)).one()
-            return _row_to_episode(row)
+            return _row_to_episode(row), True
 
     @staticmethod
     def _queue(conn: Connection, episode_id: int, kind: str, notifiers: Sequence[str]) -> None:

@@ -182,6 +182,26 @@ def test_a_bad_db_is_a_one_line_usage_error_with_the_password_masked(tmp_path: P
     assert not (tmp_path / "no").exists()  # a mistyped path is refused, not created
 
 
+def test_a_writer_lease_file_that_cannot_be_made_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "detector.db-writer").mkdir()  # where the lock file of detector.db goes
+    db = f"sqlite:///{tmp_path / 'detector.db'}"
+    args = [
+        sys.executable,
+        "-m",
+        "retrywatch",
+        "detect",
+        "--exporter",
+        "http://127.0.0.1:9/metrics",
+        "--db",
+        db,
+    ]
+    res = subprocess.run(args, env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("Error:")]
+    lock = tmp_path / "detector.db-writer"
+    assert line == f"Error: Invalid value for --db: the writer lease's file {lock}: Is a directory"
+
+
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETRYWATCH_")}
     return env | {"XDG_STATE_HOME": str(tmp_path / "state")}
