@@ -1,6 +1,6 @@
 """The client-side bounds of retrywatch's HTTP servers (``exporter.server``): where a server
-listens, and how large a request head, how slow a client, how many connections and how long a
-drained shutdown it allows.
+listens, and how large a request head, how slow a client (sending, or taking its answer), how many
+connections and how long a drained shutdown it allows.
 
 ``retrywatch proxy`` makes each bound a flag (``exporter.settings``, whose defaults are these);
 the detector's API, the emulated engine and the dashboard serve with the defaults (each with a
@@ -25,5 +25,8 @@ class HttpBounds:
     # NOTE: longer than the idle timeout of the usual load balancers (60 s), so that they, not
     # the server, close a kept-alive connection (no request races a close).
     keep_alive_s: float = 75.0
+    # A connection whose writes stay paused this long (the client takes none of its answer's
+    # bytes) is closed, as nginx's send_timeout does (its default, 60 s).
+    send_timeout_s: float = 60.0
     max_connections: int = 10_000  # past it a new one gets 503 (as many as the proxy's --max-queued)
     drain_timeout_s: float = 25.0  # inside Kubernetes' default 30-s grace period

@@ -69,6 +69,7 @@ from exporter.upstream import (
     UpstreamClient,
     UpstreamError,
     UpstreamPool,
+    connection_listed,
     forwardable_headers,
 )
 from exporter.validation import (
@@ -536,7 +537,12 @@ class Proxy:
         if code == 503:
             self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
         else:
-            self._end_with_error(relay, Outcome.FAILED, 502, message, "upstream_error")
+            # NOTE: as the same error's HTTP form is answered (``exporter.execution``): the
+            # engine's 4xx is the client's (vLLM checks a stream's input as it begins: a prompt
+            # over the context is a 200 whose first event carries code 400), anything else a 502.
+            # All answered 502, a client's own mistake read as a broken upstream, and retried.
+            status = code if code is not None and 400 <= code < 500 else 502
+            self._end_with_error(relay, Outcome.FAILED, status, message, "upstream_error")
         return True
 
     def _first_token(self, relay: Relay) -> None:
@@ -737,7 +743,10 @@ class Proxy:
             await response.aclose()
             message = f"the upstream answered an interim HTTP {response.status_code} as its response"
             return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
+        # The fields the upstream's Connection header names are hop-by-hop as well (RFC 9110, 7.6.1).
+        listed = connection_listed(v.encode("latin-1") for v in response.headers.get_list("connection"))
+        drop = DROP_RESPONSE_HEADERS | {name.decode("latin-1") for name in listed}
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in drop}
         return StreamingResponse(
             response.aiter_raw(),
             status_code=response.status_code,

@@ -16,6 +16,9 @@ defaults):
   connection is closed if the answer has begun;
 * an idle timeout: a connection that starts no request for ``--keep-alive-timeout`` is closed,
   from its opening as after each answer (uvicorn's own keep-alive timer arms only after one);
+* a send timeout: a connection whose writes stay paused for ``--send-timeout`` (its client takes
+  none of the answer's bytes) is closed at once, its unsent bytes dropped, whatever its phase
+  (a close waiting for such a client's buffer to empty never ends);
 * a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once;
 * a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
   server switches to none, and httptools would hand the body to the new protocol (one without a
@@ -202,10 +205,12 @@ class BoundedProtocol(HttpToolsProtocol):
         self.head_timeout_s = bounds.head_timeout_s
         self.body_timeout_s = bounds.body_timeout_s
         self.keep_alive_s = bounds.keep_alive_s
+        self.send_timeout_s = bounds.send_timeout_s
         self.max_connections = bounds.max_connections
         self.scheme = "http"  # no TLS is served
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
+        self.write_deadline = math.inf  # loop time by which paused writes must have resumed
         self._received = 0  # bytes received since the last head ended (bounds a head in progress)
         # A chunk header was parsed and none of that chunk's data yet: a whole read through which
         # this holds was the last chunk's trailer section (a chunk with data would have ended it).
@@ -265,7 +270,16 @@ class BoundedProtocol(HttpToolsProtocol):
                 self.refuse(431, message, "head_too_large")
 
     def check_deadline(self, now: float) -> None:
-        """Called by the sweep: act on a phase that outlived its deadline."""
+        """Called by the sweep: act on a phase that outlived its deadline, or on writes paused
+        past the send timeout."""
+        if now >= self.write_deadline:
+            # NOTE: a client that takes none of its answer's bytes. No phase deadline applies to an
+            # answer being written, and a stream that ends before the replay bound is passed
+            # (``Relay.overrun``) never drops it: it held its connection, its subscriber and the
+            # unsent bytes for good; a closing connection waiting for it to read held them too.
+            self.write_deadline = math.inf
+            self.transport.abort()
+            return
         if now < self.deadline or self.transport.is_closing():
             return
         self.deadline = math.inf
@@ -449,8 +463,13 @@ class BoundedProtocol(HttpToolsProtocol):
         """Whether the request being read is the exchange's (not one pipelined behind it)."""
         return cast(object, self.cycle) is exchange
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.write_deadline = self.loop.time() + self.send_timeout_s
+
     def resume_writing(self) -> None:
         super().resume_writing()
+        self.write_deadline = math.inf
         if self.exchange is not None:
             self.exchange.resume()
 
@@ -520,7 +539,8 @@ class DrainingServer(uvicorn.Server):
 
     async def _sweep(self) -> None:
         s = self.config.bounds
-        interval = max(0.01, min(SWEEP_MAX_S, min(s.head_timeout_s, s.body_timeout_s, s.keep_alive_s) / 10))
+        shortest = min(s.head_timeout_s, s.body_timeout_s, s.keep_alive_s, s.send_timeout_s)
+        interval = max(0.01, min(SWEEP_MAX_S, shortest / 10))
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)

@@ -164,6 +164,13 @@ class ProxySettings(PolicyConfig):
         minimum=0,
         exclusive=True,
     )
+    send_timeout_s: float = knob(
+        HttpBounds.send_timeout_s,
+        flag="send-timeout",
+        help="Seconds a client may take none of its answer's bytes (writes paused) before it is closed.",
+        minimum=0,
+        exclusive=True,
+    )
     max_connections: int = knob(
         HttpBounds.max_connections,
         flag="max-connections",

@@ -20,7 +20,7 @@ import select
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -74,10 +74,26 @@ DROP_RESPONSE_HEADERS = frozenset(
 )
 
 
+def connection_listed(values: Iterable[bytes]) -> frozenset[bytes]:
+    """The field names a message's Connection header values list (lower case): hop-by-hop
+    fields, meant for the next hop only (RFC 9110, 7.6.1)."""
+    return frozenset(
+        token for value in values for part in value.split(b",") if (token := part.strip(b" \t").lower())
+    )
+
+
 def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The client's request headers that go to the upstream (ASGI's byte pairs, names in lower
-    case), as they came."""
-    return [(name, value) for name, value in headers if name.lower() not in _DROP_REQUEST_HEADERS]
+    case), as they came: neither the hop-by-hop ones nor those its Connection header names.
+
+    NOTE: a field the Connection header names is hop-by-hop too, and a proxy removes it (RFC
+    9110, 7.6.1); dropping only a fixed list of names sent on to the engine what a client
+    marked as meant for the proxy alone."""
+    drop = _DROP_REQUEST_HEADERS
+    listed = [value for name, value in headers if name.lower() == b"connection"]
+    if listed:
+        drop = drop | connection_listed(listed)
+    return [(name, value) for name, value in headers if name.lower() not in drop]
 
 
 class UpstreamClient:

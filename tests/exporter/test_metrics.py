@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 
-from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample, scan_vllm
+from exporter.metrics import (
+    DeadlineEstimator,
+    ProxyMetrics,
+    SlidingWindow,
+    WindowSample,
+    is_exposition,
+    scan_vllm,
+)
 from exporter.policy import Attempt, Policy, PolicyConfig
 
 VLLM_TEXT = """# HELP vllm:num_requests_waiting x
@@ -99,6 +107,29 @@ def test_the_last_good_upstream_text_is_served_until_it_is_too_stale() -> None:
     metrics.upstream_fetched(116.0, VLLM_TEXT)
     assert metrics.registry.get_sample_value("retrywatch_upstream_up") == 1
     assert metrics.exposition(passthrough=True, now=116.0).decode().endswith(VLLM_TEXT)
+
+
+def test_only_an_exposition_is_passed_through_and_checking_one_is_linear() -> None:
+    """Every line the detector's parser and Prometheus read passes; a text one of them would
+    refuse does not (``test_proxy_upstream.py`` holds a real proxy to it), and a hostile text of
+    blanks or one endless name is refused in one pass, not by backtracking."""
+    from tests.exporter.upstream import Counters, metrics_text
+
+    assert is_exposition(VLLM_TEXT) and is_exposition(metrics_text(Counters()))
+    for text in ("", "\n", "a 1", 'a{b="c\\"d",} +Inf -12\n', "a NaN\r\n# EOF\n", "# TYPE a gauge\na 1\n"):
+        assert is_exposition(text), text
+    refused = ("<html>\n", '{"a": 1}\n', "a seven\n", "# TYPE a gauges\n", 'a{b="c" d="e"} 1\n', "a 1 2 3\n")
+    for text in refused:
+        assert not is_exposition(text), text
+    metrics = ProxyMetrics(Policy(), window_s=60.0, capacity=None)
+    metrics.upstream_fetched(1.0, VLLM_TEXT + "<html>\n")
+    assert "vllm:" not in metrics.exposition(passthrough=True, now=1.0).decode()
+    metrics.upstream_fetched(2.0, VLLM_TEXT)
+    assert metrics.exposition(passthrough=True, now=2.0).decode().endswith(VLLM_TEXT)
+    started = time.perf_counter()
+    for hostile in (" " * (4 << 20) + "x", "a" * (4 << 20), 'a{b="' + "c" * (4 << 20)):
+        assert not is_exposition(hostile)
+    assert time.perf_counter() - started < 5.0
 
 
 def test_the_prompt_token_gap_skips_samples_without_the_upstream_counters() -> None:

@@ -76,7 +76,7 @@ def test_a_slow_reader_gets_every_event_once_and_in_order(start_proxy: StartProx
     assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] == 1
 
 
-def _stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
+def stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
     """Send a streaming completion on a socket with a tiny receive buffer and read nothing: a
     client that stopped reading. The caller closes it."""
     parts = urlsplit(url)
@@ -92,7 +92,7 @@ def _stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) 
     return sock
 
 
-def _read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, bool]:
+def read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, bool]:
     """What the socket still receives, and whether the server closed it within ``timeout_s``."""
     sock.settimeout(timeout_s)
     got = bytearray()
@@ -124,7 +124,7 @@ def test_a_client_that_stops_reading_is_dropped_past_the_replay_limit(
         stalled_headers = {"x-call-id": call, "x-test-hold": hold}
         if stalled_path == "asgi":  # the callback path leaves these to the ASGI app
             stalled_headers["expect"] = "100-continue"
-        stalled = _stalled_client(p.url, body, stalled_headers)
+        stalled = stalled_client(p.url, body, stalled_headers)
         try:
             deadline = time.monotonic() + 10
             while not upstream.requests(call_id=call) and time.monotonic() < deadline:
@@ -147,7 +147,7 @@ def test_a_client_that_stops_reading_is_dropped_past_the_replay_limit(
             texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
             assert texts == [f" t{i}" for i in range(n)]
             assert events[-1] == b"data: [DONE]"
-            rest, closed = _read_until_closed(stalled, timeout_s=10)
+            rest, closed = read_until_closed(stalled, timeout_s=10)
         finally:
             stalled.close()
         assert closed, "the stalled client's connection was left open"
@@ -164,3 +164,38 @@ def test_a_client_that_stops_reading_is_dropped_past_the_replay_limit(
         assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "disconnected"),))] == 1
         assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] == 2
         print(f"peak RSS growth: {peak_growth_kib} KiB")
+
+
+@pytest.mark.parametrize("path", ["callback", "asgi"])
+def test_a_client_that_takes_no_bytes_for_the_send_timeout_is_closed(
+    start_proxy: StartProxy, upstream: Upstream, path: str
+) -> None:
+    """A client that stops reading before the replay bound is reached (its answer ends first)
+    held its connection, its subscriber and the answer's unsent bytes for good: no timeout
+    applies once a request is in, and the bytes bound is never passed. Past --send-timeout with
+    its writes paused, its connection is closed and the attempt counts as disconnected. (A
+    whole JSON answer left unread: ``test_proxy_upstream.py``.)"""
+    p = start_proxy(send_timeout_s=1.0)
+    # About 8 MB of SSE: more than the client's window and the proxy's socket buffers, far less
+    # than --replay-limit-bytes once compressed.
+    body = {"model": "test-model", "prompt": [1, 2, 3], "max_tokens": 40_000, "stream": True}
+    headers = {"x-call-id": uuid.uuid4().hex}
+    if path == "asgi":
+        headers["expect"] = "100-continue"
+    stalled = stalled_client(p.url, body, headers)
+    try:
+        deadline = time.monotonic() + 30
+        while p.metrics()[("retrywatch_executions_finished_total", (("fate", "completed"),))] < 1:
+            assert time.monotonic() < deadline, "the execution did not complete"
+            time.sleep(0.05)
+        while p.metrics()[("retrywatch_subscribers", ())] != 0:
+            assert time.monotonic() < deadline, "the stalled client is still held"
+            time.sleep(0.05)
+        _, closed = read_until_closed(stalled, timeout_s=10)
+    finally:
+        stalled.close()
+    assert closed
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "disconnected"),))] == 1
+    assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] == 0

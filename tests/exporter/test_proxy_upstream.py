@@ -20,7 +20,10 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from exporter.timeseries import parse_exposition
+from exporter.validation import error_type
 from tests.exporter.support import RunningProxy, Upstream, balance
+from tests.exporter.test_proxy_backpressure import read_until_closed, stalled_client
 
 StartProxy = Callable[..., RunningProxy]
 MIB = 1024 * 1024
@@ -331,6 +334,7 @@ class RawUpstream:
     def __init__(self, answer: RawAnswer) -> None:
         self.answer = answer
         self.cut_short: list[bytes] = []
+        self.heads: list[bytes] = []  # the head of every request received, as it came
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -352,6 +356,7 @@ class RawUpstream:
                     return
                 data += got
             head, _, body = data.partition(b"\r\n\r\n")
+            self.heads.append(head)
             length = 0
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
@@ -671,3 +676,165 @@ def test_a_stream_completes_at_done_whatever_ends_its_lines(
         assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
     finally:
         release.set()
+
+
+# --- hop-by-hop fields ---------------------------------------------------------------------------
+
+
+def _head_fields(head: bytes) -> dict[bytes, bytes]:
+    fields = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip()
+    return fields
+
+
+@pytest.mark.parametrize("route", ["callback", "asgi", "passthrough"])
+def test_fields_the_connection_header_names_are_not_forwarded_either_way(
+    start_proxy: StartProxy, raw_upstream: StartRaw, route: str
+) -> None:
+    """A field the Connection header names is hop-by-hop (RFC 9110, 7.6.1): a proxy removes it
+    with the Connection field itself. The proxy dropped only a fixed list of names, so a field a
+    client (or the upstream, on a passed-through answer) marked as meant for the next hop alone
+    travelled on to the engine (or to the client)."""
+    completion = b'{"id": "cmpl-hop", "object": "text_completion", "choices": []}'
+
+    def answer(target: bytes) -> bytes:
+        body = METRICS_TEXT if target == b"/metrics" else completion
+        return (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close, X-Up-Hop\r\nx-up-hop: 1\r\nx-up-kept: 1\r\n\r\n%b" % (len(body), body)
+        )
+
+    up = raw_upstream(answer)
+    p = start_proxy(up.url)
+    headers = {
+        "connection": "keep-alive, X-Hop,Another-Hop",
+        "x-hop": "secret",
+        "another-hop": "1",
+        "x-kept": "1",
+    }
+    if route == "asgi":
+        headers["expect"] = "100-continue"
+    if route == "passthrough":
+        r = httpx.get(f"{p.url}/v1/models", headers=headers, timeout=10)
+        assert "x-up-hop" not in r.headers and r.headers["x-up-kept"] == "1"
+    else:
+        r = httpx.post(f"{p.url}/v1/completions", json=_body(2), headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.content == completion
+    sent = [_head_fields(head) for head in up.heads if not head.startswith(b"GET /metrics ")]
+    assert len(sent) == 1
+    assert sent[0][b"x-kept"] == b"1"
+    assert b"x-hop" not in sent[0] and b"another-hop" not in sent[0], sent[0]
+    balance(p.metrics())
+
+
+# --- the upstream's /metrics --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"<!doctype html><html><body>sign in</body></html>\n",  # a gateway's page, answered 200
+        b'{"status": "ok"}\n',
+        b"vllm:num_requests_waiting 7\nvllm:num_requests_running seven\n",
+        b"# TYPE vllm:num_requests_waiting gauges\nvllm:num_requests_waiting 7\n",
+    ],
+)
+def test_an_upstream_metrics_answer_that_is_no_exposition_leaves_the_proxys_own_metrics_readable(
+    start_proxy: StartProxy, raw_upstream: StartRaw, text: bytes
+) -> None:
+    """The proxy appends the upstream's /metrics text to its own. A text that is not a
+    Prometheus exposition (a gateway's sign-in page answered 200, JSON, a value that is no
+    number) was appended as it came, and a scrape of the proxy failed whole: Prometheus and the
+    detector lost every ``retrywatch_`` counter with it. Such a text is not passed through."""
+    completion = b'{"id": "cmpl-m", "object": "text_completion", "choices": []}'
+
+    def answer(target: bytes) -> bytes:
+        if target == b"/metrics":
+            return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(text), text)
+        return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+            len(completion),
+            completion,
+        )
+
+    p = start_proxy(raw_upstream(answer).url)
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2), timeout=10)
+    assert r.status_code == 200, r.text
+    exposition = httpx.get(f"{p.url}/metrics", timeout=10).text
+    samples = parse_exposition(exposition)  # the detector's parser: raises on a malformed line
+    assert text.decode() not in exposition
+    names = {name for name, _, _ in samples}
+    assert "retrywatch_executions_created_total" in names
+    assert not any(name.startswith("vllm:") for name in names)
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_upstream_up", ())] == 1  # it answered: reachable, its text unusable
+
+
+# --- an engine's error inside a stream ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["callback", "asgi"])
+@pytest.mark.parametrize(
+    ("code", "status"), [(400, 400), ("422", 422), (500, 502), (None, 502)], ids=["400", "422", "500", "none"]
+)
+def test_an_engine_error_as_a_streams_first_event_keeps_its_client_error_status(
+    start_proxy: StartProxy, raw_upstream: StartRaw, path: str, code: int | str | None, status: int
+) -> None:
+    """vLLM checks a streaming request's input as its stream begins: a prompt over the model's
+    context, say, is an HTTP 200 whose first event is ``data: {"error": {..., "code": 400}}``.
+    The proxy answered every such error but the refusal (503) with a 502, though the HTTP form
+    of the same error reaches the client as its 400: a client's own mistake read as a broken
+    upstream, which the OpenAI SDKs retry (each retry a new execution, refused the same way)."""
+    message = "This model's maximum context length is 8 tokens"
+    error = {"message": message, "type": "BadRequestError", "code": code}
+    first = b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
+
+    def answer(target: bytes) -> bytes:
+        if target == b"/metrics":
+            return METRICS_ANSWER
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + first
+
+    p = start_proxy(raw_upstream(answer).url)
+    headers = {"expect": "100-continue"} if path == "asgi" else {}
+    r = httpx.post(f"{p.url}/v1/completions", json=_body(2, stream=True), headers=headers, timeout=10)
+    assert r.status_code == status, r.text
+    got = r.json()["error"]
+    assert got["code"] == "upstream_error" and got["message"] == error["message"]
+    assert got["type"] == error_type(status)
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_executions_finished_total", (("fate", "failed"),))] == 1
+
+
+def test_a_whole_answer_its_client_never_reads_is_not_held_past_the_send_timeout(
+    start_proxy: StartProxy, raw_upstream: StartRaw
+) -> None:
+    """A non-streaming answer is written whole at once; a client that never reads it left it
+    in the connection's buffer, and closing the idle connection waited for that buffer to empty:
+    the connection and the answer were held for good. Past --send-timeout they are not."""
+    completion = b'{"id": "cmpl-big", "object": "text_completion", "choices": [{"text": "%b"}]}' % (
+        b"x" * (12 * MIB)
+    )
+
+    def answer(target: bytes) -> bytes:
+        if target == b"/metrics":
+            return METRICS_ANSWER
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        return head % len(completion) + completion
+
+    p = start_proxy(raw_upstream(answer).url, send_timeout_s=1.0, keep_alive_s=1.0)
+    stalled = stalled_client(p.url, _body(2), {})
+    try:
+        deadline = time.monotonic() + 30
+        while p.metrics()[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] < 1:
+            assert time.monotonic() < deadline, "the answer was not written"
+            time.sleep(0.05)
+        time.sleep(3)  # past the keep-alive and send timeouts
+        got, closed = read_until_closed(stalled, timeout_s=10)
+    finally:
+        stalled.close()
+    assert closed and len(got) < len(completion)  # closed, not flushed after all
+    balance(p.metrics())
