@@ -7,7 +7,8 @@ sequence of :class:`exporter.timeseries.Snapshot` s.
 Engines are grouped by the ``instance`` label, which every source adds (the scraped URL, the
 Prometheus target, or the replayed run's slug): the proxy's series carry no engine label, so
 ``engine`` and ``model`` come from vLLM's ``engine`` / ``model_name`` labels within the same
-instance (one engine per proxy instance).
+instance (one vLLM per proxy instance; a data-parallel vLLM's engines are summed, and named
+``engine="all"``).
 
 NOTE: rates follow Prometheus' ``rate()`` over a range that includes both ends ([now-W, now]):
 the increase between the first and last sample in the window (counter resets handled) divided
@@ -62,6 +63,8 @@ def check_time_scale(time_scale: float) -> float:
 
 PROMETHEUS_JOB = "retrywatch"
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
+#: The ``engine`` label of an instance whose vLLM runs several engines (data parallel).
+ALL_ENGINES = "all"
 #: Engines one detector follows at most (``retrywatch detect --max-engines``).
 MAX_INSTANCES = 256
 
@@ -245,7 +248,8 @@ _BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "calls/s",
         "Ĉ: configured, exported by the proxy, or estimated online.",
         _r("capacity:calls_per_second"),
-        _j(f"max by (instance) ({mn.CAPACITY} > 0) or {_r('capacity_estimate:avg1h')}"),
+        # An estimate of 0 (a hung engine: its queue full, nothing finishing) is no estimate.
+        _j(f"max by (instance) ({mn.CAPACITY} > 0) or ({_r('capacity_estimate:avg1h')} > 0)"),
     ),
     SignalSpec(
         "deadline",
@@ -304,15 +308,24 @@ SIGNALS: tuple[SignalSpec, ...] = (
 )
 
 SIGNALS_BY_NAME: dict[str, SignalSpec] = {s.name: s for s in SIGNALS}
+
+
+def _engine_info_promql() -> str:
+    """One series per instance, labelled with its engine and model, for :func:`_j`'s joins. A
+    data-parallel vLLM has one ``engine`` label per engine under one instance: that instance gets
+    ``engine=ALL_ENGINES`` (its signals are sums over them), as :func:`split_snapshot` names it."""
+    info = (
+        f'max by (instance, engine, model) (label_replace({mn.VLLM_NUM_WAITING} * 0 + 1, "model", "$1", '
+        '"model_name", "(.*)"))'
+    )
+    several = f"count by (instance) ({info}) > 1"
+    joined = f'label_replace(max by (instance, model) ({info}), "engine", "{ALL_ENGINES}", "", "")'
+    return f"({info} unless on (instance) ({several})) or ({joined} and on (instance) ({several}))"
 RECORD_NAMES: dict[str, str] = {s.name: s.record for s in SIGNALS}
 
 # Helper recording rules some signals read (record, expression), in evaluation order.
 HELPER_RECORDS: tuple[tuple[str, str], ...] = (
-    (
-        ENGINE_INFO_RECORD,
-        f'max by (instance, engine, model) (label_replace({mn.VLLM_NUM_WAITING} * 0 + 1, "model", "$1", '
-        '"model_name", "(.*)"))',
-    ),
+    (ENGINE_INFO_RECORD, _engine_info_promql()),
     (
         _r("saturated_completion:rate5m"),
         # Ĉ estimate: the engine's completion rate over 5 minutes in which its queue never emptied.
@@ -410,8 +423,12 @@ def split_snapshot(snapshot: Snapshot, default_instance: str = "") -> dict[str, 
             entry = ([math.nan] * len(RAW_KEYS), "", "")
             out[instance] = entry
         row = entry[0]
-        if name.startswith("vllm:") and not entry[1] and ("engine" in labels or "model_name" in labels):
-            out[instance] = entry = (row, labels.get("engine", ""), labels.get("model_name", ""))
+        if name.startswith("vllm:") and ("engine" in labels or "model_name" in labels):
+            engine = labels.get("engine", "")
+            if not entry[1] and not entry[2]:
+                out[instance] = entry = (row, engine, labels.get("model_name", ""))
+            elif engine != entry[1] and entry[1] != ALL_ENGINES:  # data parallel: several engines
+                out[instance] = entry = (row, ALL_ENGINES, entry[2])
         if math.isnan(value):
             continue
         for idx, flt in targets:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from detector.signals import SignalConfig, SignalEngine
+from detector.signals import ALL_ENGINES, RAW_KEYS, SignalConfig, SignalEngine, split_snapshot
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot
 from tests.detector.factories import snapshot, steady
 
 
@@ -164,3 +166,16 @@ def test_queue_littles_law_counts_the_proxy_queue_and_only_created_executions() 
     assert v["waiting_littles_law_ratio"] == pytest.approx(80 / (6.0 * 120))
     assert v["queue_littles_law_ratio"] == pytest.approx(480 / (4.0 * 120))
     assert v["cancelled_fraction"] == pytest.approx(0.75)
+
+
+def test_a_data_parallel_vllm_is_one_engine_named_all_its_series_summed() -> None:
+    """One instance whose vLLM labels its series with several engines (data parallel) is one
+    engine named ``all`` (as the recording rules name it), its series summed; one engine keeps
+    its label."""
+    base = snapshot(0.0, waiting=3.0, model="m")
+    second = [(n, {**lb, "engine": "1"}, 4.0) for n, lb, _ in base.samples if n == mn.VLLM_NUM_WAITING]
+    ((row, engine, model),) = split_snapshot(Snapshot(0.0, [*base.samples, *second]), "dp").values()
+    assert (engine, model) == (ALL_ENGINES, "m")
+    assert row[list(RAW_KEYS).index("waiting")] == 7.0
+    ((_, engine, _),) = split_snapshot(base, "one").values()
+    assert engine == "0"

@@ -59,3 +59,75 @@ def test_the_unit_tests_catch_a_for_window_one_evaluation_longer(promtool: str, 
     assert proc.returncode != 0
     assert "FAILED" in proc.stdout + proc.stderr
     assert "VLLMBacklogBeyondDeadline" in proc.stdout + proc.stderr
+
+
+_EDGE_CASES = """\
+rule_files: [{rules}]
+evaluation_interval: 5s
+tests:
+  - interval: 5s
+    input_series:
+      # "dp": a data-parallel vLLM, two engines under one instance, 4 calls/s, Ĉ 2 given.
+      - series: 'up{{job="retrywatch",instance="dp"}}'
+        values: '1x200'
+      - series: 'vllm:num_requests_waiting{{job="retrywatch",instance="dp",engine="0",model_name="m"}}'
+        values: '3x200'
+      - series: 'vllm:num_requests_waiting{{job="retrywatch",instance="dp",engine="1",model_name="m"}}'
+        values: '4x200'
+      - series: 'retrywatch_executions_created_total{{job="retrywatch",instance="dp"}}'
+        values: '0+20x200'
+      - series: 'retrywatch_capacity_calls_per_second{{job="retrywatch",instance="dp"}}'
+        values: '2x200'
+      - series: 'retrywatch_client_deadline_seconds{{job="retrywatch",instance="dp"}}'
+        values: '120x200'
+      # "hung": its queue never empties and nothing finishes: no Ĉ to estimate from.
+      - series: 'up{{job="retrywatch",instance="hung"}}'
+        values: '1x200'
+      - series: 'vllm:num_requests_waiting{{job="retrywatch",instance="hung",engine="0",model_name="m"}}'
+        values: '50x200'
+      - series: 'retrywatch_executions_created_total{{job="retrywatch",instance="hung"}}'
+        values: '0+1x200'
+      - series: 'retrywatch_executions_finished_total{{job="retrywatch",instance="hung",fate="completed"}}'
+        values: '0x200'
+      - series: 'retrywatch_client_deadline_seconds{{job="retrywatch",instance="hung"}}'
+        values: '120x200'
+    promql_expr_test:
+      - expr: instance:retrywatch_engine:info
+        eval_time: 10m
+        exp_samples:
+          - {{labels: 'instance:retrywatch_engine:info{{instance="dp",engine="all",model="m"}}', value: 1}}
+          - {{labels: 'instance:retrywatch_engine:info{{instance="hung",engine="0",model="m"}}', value: 1}}
+      - expr: instance:retrywatch_creation_capacity:ratio1m{{instance="dp"}}
+        eval_time: 10m
+        exp_samples:
+          - labels: 'instance:retrywatch_creation_capacity:ratio1m{{instance="dp",engine="all",model="m"}}'
+            value: 2
+      - expr: instance:retrywatch_vllm_waiting:sum{{instance="dp"}}
+        eval_time: 10m
+        exp_samples:
+          - labels: 'instance:retrywatch_vllm_waiting:sum{{instance="dp",engine="all",model="m"}}'
+            value: 7
+      - expr: instance:retrywatch_capacity:calls_per_second{{instance="hung"}}
+        eval_time: 10m
+        exp_samples: []
+      - expr: instance:retrywatch_data_missing:bool
+        eval_time: 10m
+        exp_samples:
+          - {{labels: 'instance:retrywatch_data_missing:bool{{instance="dp"}}', value: 0}}
+          - {{labels: 'instance:retrywatch_data_missing:bool{{instance="hung"}}', value: 1}}
+"""
+
+
+def test_a_data_parallel_vllm_is_one_engine_and_a_hung_one_has_no_capacity_estimate(
+    promtool: str, tmp_path: Path
+) -> None:
+    """A data-parallel vLLM labels its series with one ``engine`` per engine under one instance:
+    the engine-info record had one series per engine, every ``group_left`` join failed (many to
+    many), and no alert but NoData could be evaluated for it; it is now one engine named
+    ``all``, as the Python detector names it. And an engine whose queue never empties while
+    nothing finishes had a Ĉ estimate of 0 (its backlog +Inf deadlines, the backlog alert
+    firing) where the Python detector has none (NoData): now neither has one."""
+    test = tmp_path / "edges.test.yml"
+    test.write_text(_EDGE_CASES.format(rules=generate.RULES_PATH), encoding="utf-8")
+    proc = _promtool(promtool, "test", "rules", str(test))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
