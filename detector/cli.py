@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
 from detector.signals import MAX_INSTANCES
 from exporter.cli import FiniteFloatRange
@@ -102,6 +103,15 @@ def _env(name: str) -> str:
     help="Engines followed at most; past it a new one is left out, with a warning and "
     "retrywatch_detector_engines_left_out. An engine the source stops naming is forgotten.",
 )
+@click.option(
+    "--retention",
+    "retention_days",
+    type=FiniteFloatRange(min=0.0),
+    default=DEFAULT_RETENTION_DAYS,
+    show_default=True,
+    envvar=_env("RETENTION"),
+    help="Days a resolved episode is kept (with its notification rows); 0 keeps every one.",
+)
 @runbook_option(default=None, help_default="this detector's own /runbook page")
 @click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=_env("HOST"))
 @click.option(
@@ -121,6 +131,7 @@ def detect(
     capacity: float | None,
     deadline: float | None,
     max_engines: int,
+    retention_days: float,
     runbook_pattern: str | None,
     host: str,
     port: int,
@@ -205,6 +216,7 @@ def detect(
         runbook_pattern=pattern,
         max_engines=max_engines,
         lease=lease,
+        retention_days=retention_days,
     )
     app = create_app(detector)
     announce(

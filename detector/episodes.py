@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from detector.evaluator import Transition
 from detector.signals import EngineLabels
 
+#: A resolved episode is kept this many days, then deleted with its notification rows
+#: (``retrywatch detect --retention``; 0 keeps every one).
+DEFAULT_RETENTION_DAYS = 90.0
+
 
 @dataclass
 class AlertEpisode:

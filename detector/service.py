@@ -24,6 +24,7 @@ import numpy as np
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.evaluator import Evaluator, Transition
 from detector.lease import LeaseState, WriterLease, lease_for
 from detector.notify import AlertmanagerNotifier, Dispatcher, Notifier
@@ -37,6 +38,7 @@ from detector.thresholds import ALERTS, AlertRule
 log = logging.getLogger("retrywatch.detector")
 
 SIGNAL_NAMES: tuple[str, ...] = tuple(s.name for s in SIGNALS)
+PRUNE_EVERY_S = 3_600.0  # how often the writer deletes the episodes past the retention
 _SIGNAL_INDEX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 
 
@@ -189,6 +191,11 @@ class DetectorMetrics:
             " or refused for their values.",
             registry=r,
         )
+        self.episodes_pruned = Counter(
+            "retrywatch_detector_episodes_pruned_total",
+            "Resolved episodes deleted, with their notification rows, past the retention.",
+            registry=r,
+        )
         self.writer = Gauge(
             "retrywatch_detector_writer",
             "1 while this detector holds its database's writer lease (it writes episodes and"
@@ -214,8 +221,10 @@ class Detector:
         runbook_pattern: str = DEFAULT_PATTERN,
         max_engines: int = MAX_INSTANCES,
         lease: WriterLease | None = None,
+        retention_days: float = DEFAULT_RETENTION_DAYS,
     ) -> None:
         self.source = source
+        self.retention_s = retention_days * 86_400.0  # 0: every episode is kept
         self.runbook_pattern = runbook_pattern
         self.store = store
         self.rules = tuple(rules)
@@ -460,6 +469,9 @@ class Detector:
             sched.add_job(self.write_pending, "interval", seconds=interval_s, max_instances=1, coalesce=True)
         sched.add_job(self._safe_requeue, "interval", seconds=max(30.0, interval_s * 6),
                       max_instances=1, coalesce=True)  # fmt: skip
+        if self.retention_s > 0:
+            self._safe_prune()
+            sched.add_job(self._safe_prune, "interval", seconds=PRUNE_EVERY_S, max_instances=1, coalesce=True)
         sched.start()
         self._scheduler = sched
 
@@ -470,6 +482,24 @@ class Detector:
             self.dispatcher.requeue_unsent()
         except Exception as exc:  # the database is down: the next round picks them up
             log.warning("reading unsent notifications failed: %s", store_error(exc))
+
+    def prune(self, now: float | None = None) -> int:
+        """Delete the episodes resolved more than the retention before ``now`` (the writer does,
+        at start and every :data:`PRUNE_EVERY_S`); returns how many."""
+        if self.retention_s <= 0 or not self.writer:
+            return 0
+        now = self.clock() if now is None else now
+        deleted = self.store.prune(now - self.retention_s)
+        if deleted:
+            self.metrics.episodes_pruned.inc(deleted)
+            log.info("deleted %d episodes resolved more than %g days ago", deleted, self.retention_s / 86_400)
+        return deleted
+
+    def _safe_prune(self) -> None:
+        try:
+            self.prune()
+        except Exception as exc:  # the database is down: the next round deletes them
+            log.warning("deleting episodes past the retention failed: %s", store_error(exc))
 
     def _safe_tick(self) -> None:
         try:

@@ -321,6 +321,8 @@ def _engine_info_promql() -> str:
     several = f"count by (instance) ({info}) > 1"
     joined = f'label_replace(max by (instance, model) ({info}), "engine", "{ALL_ENGINES}", "", "")'
     return f"({info} unless on (instance) ({several})) or ({joined} and on (instance) ({several}))"
+
+
 RECORD_NAMES: dict[str, str] = {s.name: s.record for s in SIGNALS}
 
 # Helper recording rules some signals read (record, expression), in evaluation order.

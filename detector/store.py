@@ -389,6 +389,27 @@ class EpisodeStore:
                 )
             )
 
+    def prune(self, resolved_before: float, batch: int = 1000) -> int:
+        """Delete the episodes resolved before ``resolved_before`` (never an open one) and their
+        notification rows, ``batch`` episodes to a transaction (a large backlog holds no lock for
+        long); returns how many episodes were deleted."""
+        deleted = 0
+        while True:
+            with self._lock, self.engine.begin() as conn:
+                ids = list(
+                    conn.scalars(
+                        select(episodes.c.id)
+                        .where(episodes.c.resolved_at < resolved_before)
+                        .order_by(episodes.c.id)
+                        .limit(batch)
+                    )
+                )
+                if not ids:
+                    return deleted
+                conn.execute(notifications.delete().where(notifications.c.episode_id.in_(ids)))
+                conn.execute(episodes.delete().where(episodes.c.id.in_(ids)))
+            deleted += len(ids)
+
     def firing(self) -> list[AlertEpisode]:
         with self.engine.connect() as conn:
             rows = conn.execute(

@@ -4,12 +4,14 @@ notifications once across a restart, and the JSON shapes of docs/architecture.md
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from detector.api import create_app
+from detector.evaluator import Transition
 from detector.notify import WebhookNotifier
 from detector.service import Detector, SignalHistory
 from detector.signals import EngineLabels, SignalFrame
@@ -327,3 +329,43 @@ def test_a_slow_alertmanager_does_not_hold_the_evaluation(http_server: TestServe
     finally:
         det.dispatcher.close(timeout_s=0.1)
         store.close()
+
+
+def test_the_writer_deletes_episodes_resolved_past_the_retention_at_start_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    class Quiet:
+        name = "exporter"
+
+        def fetch(self, now: float) -> FetchResult:
+            return FetchResult()
+
+        def close(self) -> None:
+            return None
+
+    day = 86_400.0
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    labels = EngineLabels("0", "m", "proxy-a")
+    for name, fired, resolved in (
+        ("VLLMMetastableRetryLoop", -100 * day, -95 * day),  # past 30 days: deleted
+        ("VLLMBacklogBeyondDeadline", -40 * day, -day),  # resolved yesterday: kept
+        ("VLLMRetrywatchNoData", -200 * day, None),  # still open: kept, however old
+    ):
+        tr = Transition(kind="firing", alertname=name, severity="warning", labels=labels, at=T0 + fired,
+                        started_at=T0 + fired, value=1.0, summary="s", description="d")  # fmt: skip
+        store.record(tr, ["webhook0"])
+        if resolved is not None:
+            store.record(replace(tr, kind="resolved", at=T0 + resolved), ["webhook0"])
+    det = Detector(Quiet(), store, clock=lambda: T0, retention_days=30)
+    assert det.prune() == 0  # not the writer until its lease is taken
+    det.start(interval_s=60)  # takes the lease at its first evaluation, then deletes
+    det.stop()
+    assert {e.alertname for e in store.episodes()} == {"VLLMBacklogBeyondDeadline", "VLLMRetrywatchNoData"}
+    assert det.metrics.registry.get_sample_value("retrywatch_detector_episodes_pruned_total") == 1
+    assert {(e.alertname, kind) for e, _, kind in store.unsent()} == {
+        ("VLLMBacklogBeyondDeadline", "firing"), ("VLLMBacklogBeyondDeadline", "resolved"),
+        ("VLLMRetrywatchNoData", "firing")}  # fmt: skip
+    keep_all = Detector(Quiet(), store, clock=lambda: T0 + 1000 * day, retention_days=0)
+    keep_all.tick()
+    assert keep_all.prune() == 0 and len(store.episodes()) == 2
+    store.close()

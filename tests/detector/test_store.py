@@ -60,6 +60,12 @@ def _exercise(store: EpisodeStore) -> None:
     assert store.episodes(engine="0") == [] and store.episodes(engine="9") == []
     d = store.episodes(alertname="VLLMMetastableRetryLoop")[0].as_dict()
     assert d["labels"] == LABELS.as_dict() and d["resolved_at"] == 300.0 and d["value"] == 2.5
+    # past the retention: a resolved episode goes with its notification rows, an open one stays
+    assert store.prune(300.0) == 0  # resolved at 300, not before
+    assert store.prune(300.5, batch=1) == 1
+    assert [e.alertname for e in store.episodes()] == ["VLLMBacklogBeyondDeadline"]
+    assert store.unsent() == [] and store.prune(1e12) == 0
+    assert len(store.firing()) == 1
 
 
 def _labels_beyond_the_columns(store: EpisodeStore) -> None:
@@ -91,7 +97,7 @@ def test_sqlite_episodes_and_notifications(tmp_path: Path) -> None:
     _exercise(store)
     store.close()
     again = EpisodeStore(url)  # reopening keeps everything and does not migrate twice
-    assert len(again.episodes()) == 2
+    assert len(again.episodes()) == 1
     again.close()
 
 
