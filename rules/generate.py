@@ -46,8 +46,9 @@ HEADER = """\
 # Comments for helper recording rules, which carry no help text of their own.
 _HELPER_COMMENTS: dict[str, str] = {
     "instance:retrywatch_engine:info": (
-        "1 per (instance, engine, model): vLLM's engine and model_name labels, joined onto the proxy's "
-        "series (which carry none) with `* on (instance) group_left (engine, model)`."
+        "1 per instance, labelled with vLLM's engine and model_name (engine=\"all\" for a "
+        "data-parallel vLLM's several engines), joined onto the proxy's series (which carry none) "
+        "with `* on (instance) group_left (engine, model)`."
     ),
     "instance:retrywatch_saturated_completion:rate5m": (
         "The engine's completion rate over 5 minutes in which its waiting queue never emptied: "
