@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from detector.runbook import runbook_html
 from detector.service import SIGNAL_NAMES, Detector
 from detector.signals import MAX_INSTANCE_CHARS, SIGNALS_BY_NAME
+from detector.thresholds import PROMETHEUS_ALERTS
 
 MAX_EPISODES = 1000
 #: A ``since``/``until`` parameter: finite (``nan`` or ``inf`` gets a 422, not every episode).
@@ -39,7 +40,8 @@ INDEX = (
 def create_app(detector: Detector) -> FastAPI:
     app = FastAPI(title="retrywatch detector", version="1")
     # Rendered once, so a missing runbook fails at start.
-    runbook_page = runbook_html(frozenset(rule.name for rule in detector.rules))
+    names = [rule.name for rule in detector.rules] + [alert.name for alert in PROMETHEUS_ALERTS]
+    runbook_page = runbook_html(frozenset(names))
 
     @app.get("/", response_class=HTMLResponse)
     def index() -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from detector.runbook import DEFAULT_PATTERN, runbook_url
-from detector.signals import RECORD_NAMES, check_time_scale
+from detector.signals import PROMETHEUS_JOB, RECORD_NAMES, check_time_scale
 
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
@@ -336,6 +336,38 @@ ALERTS: tuple[AlertRule, ...] = (
 )
 
 ALERTS_BY_NAME: dict[str, AlertRule] = {rule.name: rule for rule in ALERTS}
+
+
+@dataclass(frozen=True)
+class PrometheusAlert:
+    """An alert on Prometheus' own view of the fleet, which only Prometheus evaluates (the
+    detector's counterpart is named in its runbook section); ``expr`` is its PromQL."""
+
+    name: str
+    severity: Severity
+    summary: str
+    description: str
+    expr: str
+    for_s: float
+
+    def runbook_url(self, pattern: str = DEFAULT_PATTERN) -> str:
+        return runbook_url(pattern, self.name)
+
+
+TARGETS_ABSENT = PrometheusAlert(
+    name="VLLMRetrywatchTargetsAbsent",
+    severity="warning",
+    summary="Prometheus scrapes no retrywatch proxy: no other retrywatch alert can fire.",
+    description=(
+        f'No target of job "{PROMETHEUS_JOB}" has been scraped for 10 minutes (a ServiceMonitor '
+        "not selected, a scrape job renamed, every proxy gone): every other retrywatch alert is "
+        "silent, NoData included, whatever the engines do."
+    ),
+    # NoData fires per target; with no target at all there is no series to fire on.
+    expr=f'absent(up{{job="{PROMETHEUS_JOB}"}})',
+    for_s=600.0,
+)
+PROMETHEUS_ALERTS: tuple[PrometheusAlert, ...] = (TARGETS_ABSENT,)
 
 
 def scale_rules(rules: Iterable[AlertRule], time_scale: float) -> tuple[AlertRule, ...]:

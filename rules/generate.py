@@ -7,8 +7,9 @@ asserts the same, so the rules and the Python detector can never drift apart).
 
 Sources: recording rules (name, PromQL) from ``detector.signals.recording_rules()`` with their
 help text as comments; alerts from ``detector.thresholds.ALERTS`` with their PromQL from
-``detector.thresholds.alert_expr``. Everything sits in one rule group, recording rules first:
-Prometheus evaluates a group's rules in order at one timestamp, so each alert reads the
+``detector.thresholds.alert_expr``, then ``detector.thresholds.PROMETHEUS_ALERTS`` (alerts on
+Prometheus' own scrapes, which only Prometheus evaluates). Everything sits in one rule group,
+recording rules first: Prometheus evaluates a group's rules in order at one timestamp, so each alert reads the
 recorded signals of the same evaluation, exactly like the Python evaluator does.
 
 Each alert's ``runbook_url`` annotation comes from ``--runbook-url`` (``RETRYWATCH_RUNBOOK_URL``,
@@ -46,7 +47,7 @@ HEADER = """\
 # Comments for helper recording rules, which carry no help text of their own.
 _HELPER_COMMENTS: dict[str, str] = {
     "instance:retrywatch_engine:info": (
-        "1 per instance, labelled with vLLM's engine and model_name (engine=\"all\" for a "
+        '1 per instance, labelled with vLLM\'s engine and model_name (engine="all" for a '
         "data-parallel vLLM's several engines), joined onto the proxy's series (which carry none) "
         "with `* on (instance) group_left (engine, model)`."
     ),
@@ -97,7 +98,7 @@ def rule_documents(runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
     """The rules as data (what ``yaml.safe_load`` of the generated file must return), each alert's
     ``runbook_url`` from ``runbook_pattern`` (``detector.runbook``)."""
     from detector.signals import recording_rules
-    from detector.thresholds import ALERTS, alert_expr, promql_template
+    from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, alert_expr, promql_template
 
     rules: list[dict[str, Any]] = [{"record": name, "expr": expr} for name, expr in recording_rules()]
     for alert in ALERTS:
@@ -111,6 +112,20 @@ def rule_documents(runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
             "runbook_url": alert.runbook_url(runbook_pattern),
         }
         rules.append(rule)
+    for extra in PROMETHEUS_ALERTS:  # on Prometheus' own scrapes: no Python counterpart
+        rules.append(
+            {
+                "alert": extra.name,
+                "expr": extra.expr,
+                "for": duration(extra.for_s),
+                "labels": {"severity": extra.severity},
+                "annotations": {
+                    "summary": extra.summary,
+                    "description": extra.description,
+                    "runbook_url": extra.runbook_url(runbook_pattern),
+                },
+            }
+        )
     return {"groups": [{"name": GROUP_NAME, "interval": duration(EVALUATION_INTERVAL_S), "rules": rules}]}
 
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.store import EpisodeStore
-from detector.thresholds import ALERTS
+from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
 from exporter.processes import free_port
 from exporter.timeseries import write_series
 from tests.detector.conftest import TestServer, exposition, wait_until
@@ -304,8 +304,8 @@ def test_runbook_links_follow_the_option_and_the_detector_serves_its_runbook_and
     for path in ("/alerts", "/episodes", "/runbook", "/metrics"):
         assert f'href="{path}"' in index.text
     assert runbook.status_code == 200 and runbook.headers["content-type"].startswith("text/html")
-    for rule in ALERTS:
-        assert f'<h2 id="{rule.name}">{rule.name}</h2>' in runbook.text
+    for name in [rule.name for rule in ALERTS] + [alert.name for alert in PROMETHEUS_ALERTS]:
+        assert f'<h2 id="{name}">{name}</h2>' in runbook.text  # the rules' links land on it
     assert "runbook links https://wiki.example/rw#{alert}" in log.read_text()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detector.thresholds import ALERTS, alert_expr
+from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, alert_expr
 from rules import generate, unittests
 from rules.backfill import parse_duration
 
@@ -41,7 +41,11 @@ def test_the_file_parses_to_the_rule_documents() -> None:
 
 def test_every_alert_once_with_the_detector_thresholds() -> None:
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
-    assert list(by_name) == [a.name for a in ALERTS]
+    assert list(by_name) == [a.name for a in (*ALERTS, *PROMETHEUS_ALERTS)]
+    for extra in PROMETHEUS_ALERTS:
+        rule = by_name[extra.name]
+        assert (rule["expr"], parse_duration(rule["for"])) == (extra.expr, extra.for_s)
+        assert rule["labels"] == {"severity": extra.severity}
     for alert in ALERTS:
         rule = by_name[alert.name]
         assert rule["expr"] == alert_expr(alert)
@@ -60,7 +64,8 @@ def test_alert_naming_and_annotations_follow_the_mixin_conventions() -> None:
         ann = rule["annotations"]
         assert set(ann) == {"summary", "description", "runbook_url"}
         assert "{{" not in ann["summary"] and ann["summary"].endswith(".")
-        assert "{{ $labels.instance }}" in ann["description"]
+        if name not in {a.name for a in PROMETHEUS_ALERTS}:  # those have no instance to name
+            assert "{{ $labels.instance }}" in ann["description"]
         # Absolute: the detector's runbook page at its default address, the section by its name.
         assert ann["runbook_url"] == f"http://127.0.0.1:8200/runbook#{name}"
         assert name in headings, f"detector/runbook.md has no section for {name}"
@@ -144,7 +149,9 @@ def test_the_runbook_links_follow_the_one_option(tmp_path: Path) -> None:
     links = {
         r["alert"]: r["annotations"]["runbook_url"] for r in documents["groups"][0]["rules"] if "alert" in r
     }
-    assert links == {a.name: f"https://wiki.example/retrywatch#{a.name}" for a in ALERTS}
+    assert links == {
+        a.name: f"https://wiki.example/retrywatch#{a.name}" for a in (*ALERTS, *PROMETHEUS_ALERTS)
+    }
     tests = "".join(unittests.unit_test_files(wiki).values())  # promtool expects the same links
     assert tests.count("runbook_url: https://wiki.example/retrywatch#") > len(ALERTS)
     stale = CliRunner().invoke(generate.main, ["--check", "--runbook-url", wiki])

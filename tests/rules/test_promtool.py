@@ -131,3 +131,49 @@ def test_a_data_parallel_vllm_is_one_engine_and_a_hung_one_has_no_capacity_estim
     test.write_text(_EDGE_CASES.format(rules=generate.RULES_PATH), encoding="utf-8")
     proc = _promtool(promtool, "test", "rules", str(test))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+_TARGETS_ABSENT = """\
+rule_files: [{rules}]
+evaluation_interval: 5s
+tests:
+  - interval: 15s
+    input_series:
+      - series: 'up{{job="retrywatch",instance="a"}}'
+        values: '1x40 _x100'
+      - series: 'up{{job="node",instance="n"}}'
+        values: '1x140'
+    alert_rule_test:
+      - alertname: VLLMRetrywatchTargetsAbsent
+        eval_time: 9m
+      - alertname: VLLMRetrywatchTargetsAbsent
+        eval_time: 25m
+      - alertname: VLLMRetrywatchTargetsAbsent
+        eval_time: 31m
+        exp_alerts:
+          - exp_labels: {{severity: warning, job: retrywatch}}
+            exp_annotations:
+              summary: "{summary}"
+              description: '{description}'
+              runbook_url: "{runbook}"
+"""
+
+
+def test_no_retrywatch_target_at_all_fires_after_ten_minutes(promtool: str, tmp_path: Path) -> None:
+    """NoData fires per target: with no target of job retrywatch left (every proxy gone, a
+    ServiceMonitor not selected) nothing could fire. A target of another job does not count; the
+    last one gone at 10 min (its samples stale 5 min later), the alert fires 10 min after that."""
+    from detector.thresholds import TARGETS_ABSENT
+
+    test = tmp_path / "absent.test.yml"
+    test.write_text(
+        _TARGETS_ABSENT.format(
+            rules=generate.RULES_PATH,
+            summary=TARGETS_ABSENT.summary,
+            description=TARGETS_ABSENT.description,
+            runbook=TARGETS_ABSENT.runbook_url(),
+        ),
+        encoding="utf-8",
+    )
+    proc = _promtool(promtool, "test", "rules", str(test))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
