@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT
-from exporter.cli import FiniteFloatRange
+from exporter.cli import FiniteFloatRange, listen_host
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
 
@@ -23,6 +23,17 @@ THREADS = 8
 MAX_CONNECTIONS = 100
 #: A request body's bound (Flask answers 413 past it; a callback sends small JSON).
 MAX_BODY_BYTES = 4 * 1024 * 1024
+#: The live page's refresh bounds, in seconds.
+MIN_REFRESH_S = 1.0
+MAX_REFRESH_S = 3600.0
+
+
+def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An http:// or https:// URL (or none): anything else is a usage error naming the option,
+    the URL's credentials masked."""
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise click.BadParameter(f"must start with http:// or https://, got {redact_url(value)!r}")
+    return value
 
 
 @click.command("dashboard")
@@ -32,6 +43,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
     envvar="RETRYWATCH_DETECTOR_URL",
     default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}",
     show_default=True,
+    callback=_http_url,
     help="Base URL of the detector API (alerts, episodes, signals).",
 )
 @click.option(
@@ -39,6 +51,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
     "prometheus_url",
     envvar="RETRYWATCH_PROMETHEUS_URL",
     default=None,
+    callback=_http_url,
     help="Read the time series from this Prometheus API instead of the detector's /signals.",
 )
 @click.option(
@@ -49,7 +62,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
     default=None,
     help="A `retrywatch reproduce run` output directory for the Experiments page.",
 )
-@click.option("--host", envvar="RETRYWATCH_DASHBOARD_HOST", default="127.0.0.1", show_default=True)
+@click.option(
+    "--host", envvar="RETRYWATCH_DASHBOARD_HOST", default="127.0.0.1", show_default=True, callback=listen_host
+)
 @click.option(
     "--port",
     envvar="RETRYWATCH_DASHBOARD_PORT",
@@ -60,7 +75,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 @click.option(
     "--refresh",
     "refresh_s",
-    type=FiniteFloatRange(min=1.0),
+    type=FiniteFloatRange(min=MIN_REFRESH_S, max=MAX_REFRESH_S),
     default=5.0,
     show_default=True,
     help="Live page auto-refresh interval in seconds.",

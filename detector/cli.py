@@ -21,7 +21,7 @@ import click
 from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
 from detector.signals import MAX_INSTANCES
-from exporter.cli import FiniteFloatRange
+from exporter.cli import FiniteFloatRange, listen_host
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
 
@@ -113,7 +113,7 @@ def _env(name: str) -> str:
     help="Days a resolved episode is kept (with its notification rows); 0 keeps every one.",
 )
 @runbook_option(default=None, help_default="this detector's own /runbook page")
-@click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=_env("HOST"))
+@click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=_env("HOST"), callback=listen_host)
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, envvar=_env("PORT")
 )

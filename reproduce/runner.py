@@ -3,7 +3,9 @@
 Parallel backends (the simulator) run in ``jobs`` worker processes; the others run one at a
 time. A progress bar (tqdm) counts runs. The summary is rewritten after every finished run, so
 an interrupted invocation keeps what it finished; entries of other runs already in ``DIR``
-(another block run into the same folder) are kept, and a rerun replaces its own by slug.
+(another block run into the same folder) are kept, and a rerun replaces its own by slug; a
+summary there that cannot be read is an error, never replaced. Nothing is created before the
+backend's ``prepare`` accepts the runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from detector.rundir import RunDirError, read_summary
+from detector.rundir import SUMMARY, read_summary
 from reproduce.conditions import RunSpec
 from reproduce.registry import Backend, RunJob
 from reproduce.summary import write_summary
@@ -29,10 +31,11 @@ def _execute(backend: Backend, job: RunJob) -> dict[str, Any]:
 
 
 def _existing(out: Path) -> list[dict[str, Any]]:
-    try:
-        return [r for r in read_summary(out)["runs"] if isinstance(r, dict)]
-    except RunDirError:
+    """The runs of ``out/summary.json``, or none if there is none; a summary that cannot be read
+    raises ``RunDirError`` (its runs would be lost if it were replaced)."""
+    if not (out / SUMMARY).exists():
         return []
+    return [r for r in read_summary(out)["runs"] if isinstance(r, dict)]
 
 
 def run_many(
@@ -50,7 +53,6 @@ def run_many(
         raise ValueError(f"jobs must be >= 1, got {jobs!r}")
     if not runs:
         raise ValueError("no runs to execute")
-    out.mkdir(parents=True, exist_ok=True)
     own = {r.slug for r in runs}
     kept = [r for r in _existing(out) if r.get("slug") not in own]
     done: dict[str, dict[str, Any]] = {}
@@ -61,8 +63,9 @@ def run_many(
         ordered = [done[r.slug] for r in runs if r.slug in done]
         write_summary(out, [*kept, *ordered], full_meta)
 
-    backend.prepare(runs, time_scale)
+    backend.prepare(runs, time_scale)  # before anything is created: it checks the runs' models
     try:
+        out.mkdir(parents=True, exist_ok=True)
         bar = tqdm(total=len(runs), unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True)
         with bar:
             if backend.parallel and jobs > 1 and len(runs) > 1:

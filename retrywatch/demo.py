@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import click
 import httpx
 
-from exporter.cli import FiniteFloatRange
+from exporter.cli import FiniteFloatRange, listen_host
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.metricnames import VLLM_NUM_WAITING
 from exporter.policy import Cancellation, PolicyConfig
@@ -378,8 +378,10 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
 @click.option("--proxy-port", type=click.IntRange(1, 65535), default=8100, show_default=True)
 @click.option("--detector-port", type=click.IntRange(1, 65535), default=8200, show_default=True)
 @click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8050, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload trace.")
+@click.option("--host", default="127.0.0.1", show_default=True, callback=listen_host)
+@click.option(
+    "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the workload trace."
+)
 @log_options
 def demo(
     duration: float,

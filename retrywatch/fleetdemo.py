@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import webbrowser
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -42,9 +42,10 @@ from typing import Any
 import click
 import httpx
 import yaml
+from click.core import ParameterSource
 
 from exporter.cli import FiniteFloatRange
-from exporter.logs import check_port
+from exporter.logs import announce, check_port, setup_logging
 from exporter.processes import ManagedProcess, log_tail
 from exporter.settings import ProxySettings
 from reproduce.client import ClientConfig
@@ -62,6 +63,7 @@ __all__ = [
     "drive",
     "missing_binaries",
     "run_fleet_demo",
+    "serving",
     "with_fleet",
 ]
 
@@ -255,6 +257,9 @@ class FleetDemo:
     host: str
     workdir: Path
     services: list[Service] = field(default_factory=list)
+    #: ``--log-level LEVEL --log-format FORMAT`` of the demo, given to each retrywatch process
+    #: (Prometheus and Alertmanager get their equivalents, :func:`binary_log_args`).
+    log_args: tuple[str, ...] = ()
 
     def url(self, port: int) -> str:
         return f"http://{self.host}:{port}"
@@ -289,6 +294,15 @@ class FleetDemo:
         return next(s for s in self.services if s.name == name)
 
     def _plan_services(self) -> list[Service]:
+        out = self._plan_commands()
+        for service in out:
+            if service.argv[:3] == [sys.executable, "-m", "retrywatch"]:
+                service.argv += self.log_args
+            elif service.name in ("prometheus", "alertmanager"):
+                service.argv += binary_log_args(self.log_args)
+        return out
+
+    def _plan_commands(self) -> list[Service]:
         plan, ports, host, work = self.plan, self.ports, self.host, self.workdir
         exe = [sys.executable, "-m", "retrywatch"]
         vocab = str(single.VOCAB_SIZE)
@@ -447,6 +461,18 @@ class FleetDemo:
         )
 
 
+def binary_log_args(log_args: Sequence[str]) -> list[str]:
+    """Prometheus' and Alertmanager's flags for the demo's ``--log-level`` and ``--log-format``."""
+    options = dict(zip(log_args[::2], log_args[1::2], strict=True))
+    out: list[str] = []
+    if "--log-level" in options:
+        level = {"critical": "error", "warning": "warn"}.get(options["--log-level"].lower())
+        out.append(f"--log.level={level or options['--log-level'].lower()}")
+    if "--log-format" in options:
+        out.append(f"--log.format={'json' if options['--log-format'] == 'json' else 'logfmt'}")
+    return out
+
+
 @contextlib.contextmanager
 def running_fleet(
     plan: FleetPlan,
@@ -455,11 +481,13 @@ def running_fleet(
     *,
     timeout_s: float = 90.0,
     announce: Callable[[FleetDemo], None] | None = None,
+    log_args: Sequence[str] = (),
 ) -> Iterator[FleetDemo]:
     """The fleet started in a temporary folder, stopped and the folder removed on exit;
-    ``announce(fleet)`` is called before anything starts."""
+    ``announce(fleet)`` is called before anything starts; ``log_args``: ``--log-level`` and
+    ``--log-format`` for every process."""
     with tempfile.TemporaryDirectory(prefix="retrywatch-fleet-") as tmp:
-        fleet = FleetDemo(plan, ports, host, Path(tmp))
+        fleet = FleetDemo(plan, ports, host, Path(tmp), log_args=tuple(log_args))
         if announce is not None:
             announce(fleet)
         try:
@@ -577,6 +605,22 @@ def _what_to_watch(fleet: FleetDemo) -> str:
     return "\n".join(lines)
 
 
+def serving(fleet: FleetDemo) -> str:
+    """The fleet demo's start line, as the single-engine demo's: every service's URL, and where
+    their logs, configurations and the detector's database live."""
+    replicas = ", ".join(
+        f"{r.name} engine {fleet.engine_url(r)} proxy {fleet.proxy_url(r)}" for r in fleet.plan.replicas
+    )
+    detector = fleet.detector_url
+    return (
+        f"nginx {fleet.nginx_url} (clients' address), {replicas}, Prometheus {fleet.prometheus_url} "
+        f"(alerts {fleet.prometheus_url}/alerts), Alertmanager {fleet.alertmanager_url}, detector "
+        f"{detector} (alerts {detector}/alerts, runbook {detector}/runbook), dashboard "
+        f"{fleet.dashboard_url}; logs, configurations and the detector's database in {fleet.workdir} "
+        "(removed at the end)"
+    )
+
+
 def run_fleet_demo(
     n: int,
     *,
@@ -587,6 +631,8 @@ def run_fleet_demo(
     seed: int,
     ports: FleetPorts,
     time_scale: float | None = None,
+    log_level: str = "warning",
+    log_format: str = "text",
 ) -> None:
     """The ``retrywatch demo --fleet N`` command: check, start, drive, stop."""
     missing = missing_binaries()
@@ -596,12 +642,17 @@ def run_fleet_demo(
         )
     plan = fleet_plan(n, with_controls=with_controls, time_scale=time_scale)
     check_ports_free(plan, ports, host)
+    setup_logging(log_level, log_format)
+    log_args = ("--log-level", log_level, "--log-format", log_format)  # each process's, in its log
 
     previous = single.take_stop_signals()
     lagged = False
     try:
-        with running_fleet(plan, ports, host, announce=lambda f: click.echo(_what_to_watch(f))) as fleet:
+        with running_fleet(
+            plan, ports, host, announce=lambda f: click.echo(_what_to_watch(f)), log_args=log_args
+        ) as fleet:
             try:
+                announce(serving(fleet))
                 click.echo("every process is ready: the pulse starts now")
                 if not no_browser:
                     with contextlib.suppress(Exception):
@@ -636,17 +687,30 @@ FLEET_OPTIONS: tuple[click.Option, ...] = (
     click.Option(
         ["--nginx-port"],
         type=click.IntRange(1, 65535),
-        default=8080,
+        default=FleetPorts().nginx,
         show_default=True,
         help="With --fleet: the balancer's port.",
     ),
-    click.Option(["--prometheus-port"], type=click.IntRange(1, 65535), default=9090, show_default=True),
-    click.Option(["--alertmanager-port"], type=click.IntRange(1, 65535), default=9093, show_default=True),
+    click.Option(
+        ["--prometheus-port"],
+        type=click.IntRange(1, 65535),
+        default=FleetPorts().prometheus,
+        show_default=True,
+        help="With --fleet: Prometheus' port.",
+    ),
+    click.Option(
+        ["--alertmanager-port"],
+        type=click.IntRange(1, 65535),
+        default=FleetPorts().alertmanager,
+        show_default=True,
+        help="With --fleet: Alertmanager's port.",
+    ),
     click.Option(
         ["--time-scale"],
         type=FiniteFloatRange(1.0, 16.0),
         default=None,
-        help="With --fleet: engine seconds per wall second [default: the single-engine demo's, 4].",
+        help="With --fleet: engine seconds per wall second [default: the single-engine demo's, "
+        f"{single.DEMO_TIME_SCALE:g}].",
     ),
 )
 
@@ -658,9 +722,13 @@ def with_fleet(command: click.Command) -> click.Command:
     fleet_names = [str(option.name) for option in FLEET_OPTIONS]
 
     def callback(**kwargs: Any) -> None:
+        ctx = click.get_current_context()
         fleet = {name: kwargs.pop(name) for name in fleet_names}
         if fleet["fleet"] is None:
-            click.get_current_context().invoke(command, **kwargs)
+            for option in FLEET_OPTIONS[1:]:  # given without --fleet: never silently ignored
+                if ctx.get_parameter_source(str(option.name)) not in (None, ParameterSource.DEFAULT):
+                    raise click.UsageError(f"{option.opts[0]} needs --fleet")
+            ctx.invoke(command, **kwargs)
             return
         ports = FleetPorts(
             nginx=fleet["nginx_port"],
@@ -680,6 +748,8 @@ def with_fleet(command: click.Command) -> click.Command:
             seed=kwargs["seed"],
             ports=ports,
             time_scale=fleet["time_scale"],
+            log_level=kwargs["log_level"],
+            log_format=kwargs["log_format"],
         )
 
     return click.Command(

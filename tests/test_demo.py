@@ -105,6 +105,23 @@ def test_a_duration_that_is_not_a_number_is_a_usage_error() -> None:
     )
 
 
+def test_a_negative_seed_is_a_usage_error_before_anything_starts() -> None:
+    # It started every service, then ended in a traceback from the workload's generator.
+    engine, proxy, detector, dashboard = free_ports(4)
+    result = subprocess.run(
+        [sys.executable, "-m", "retrywatch", "demo", "--no-browser", "--duration", "5", "--seed", "-1",
+         "--engine-port", str(engine), "--proxy-port", str(proxy),
+         "--detector-port", str(detector), "--dashboard-port", str(dashboard)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: Invalid value for '--seed': -1 is not in the range x>=0."
+    )
+
+
 def _port_closed(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0

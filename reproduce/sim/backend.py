@@ -7,17 +7,19 @@ deterministic for their seed, so they run in parallel worker processes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from reproduce.client import ClientConfig
-from reproduce.conditions import RunSpec
-from reproduce.engine.presets import preset_capacity
+from reproduce.conditions import PRIMARY_MODEL, RunSpec
+from reproduce.engine.presets import PRESET_NAMES, PresetError, preset_capacity
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry, write_run_files
+from reproduce.workload import WorkloadSpec, paper_phases
 
 __all__ = ["SimBackend"]
 
@@ -36,7 +38,36 @@ class SimBackend(Backend):
     name = "sim"
     parallel = True
 
+    def __post_init__(self) -> None:
+        """Refuse options (``--backend-option``'s JSON) that would fail only inside a run, in a
+        worker process, as a traceback: a ValueError naming the option."""
+        capacity = self.capacity
+        if capacity is not None:
+            if isinstance(capacity, bool) or not isinstance(capacity, int | float):
+                raise ValueError(f"capacity must be a number of calls per second, not {capacity!r}")
+            if not (math.isfinite(capacity) and capacity > 0):
+                raise ValueError(f"capacity must be a positive number of calls per second, got {capacity!r}")
+            self.capacity = float(capacity)
+        if isinstance(self.client, Mapping):
+            try:
+                self.client = ClientConfig(**self.client)
+            except TypeError as exc:
+                raise ValueError(f"client: {exc}") from None
+        if not isinstance(self.client, ClientConfig):
+            raise ValueError(f"client must be a JSON object of client settings, not {self.client!r}")
+        for name in ("workload", "engine"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise ValueError(f"{name} must be a JSON object, not {getattr(self, name)!r}")
+        try:
+            WorkloadSpec(capacity=1.0, **{"phases": paper_phases(), **self.workload})
+            engine_link.Engine.for_preset(PRIMARY_MODEL, overrides=self.engine)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
     def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
+        for model in dict.fromkeys(r.model for r in runs):
+            if model not in PRESET_NAMES:  # before any run: a PresetError, not a worker's failure
+                raise PresetError(f"unknown engine preset {model!r}; choose one of {', '.join(PRESET_NAMES)}")
         for r in runs:
             key = (r.model, r.condition.mixed_prompts)
             if key in self.capacities:

