@@ -68,7 +68,7 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option(
     "--port",
     envvar="RETRYWATCH_DASHBOARD_PORT",
-    type=click.IntRange(0, 65535),
+    type=click.IntRange(1, 65535),
     default=8050,
     show_default=True,
 )

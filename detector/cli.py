@@ -115,7 +115,7 @@ def _env(name: str) -> str:
 @runbook_option(default=None, help_default="this detector's own /runbook page")
 @click.option("--host", default=DEFAULT_HOST, show_default=True, envvar=_env("HOST"), callback=listen_host)
 @click.option(
-    "--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True, envvar=_env("PORT")
+    "--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT, show_default=True, envvar=_env("PORT")
 )
 @log_options
 def detect(

@@ -43,7 +43,7 @@ class ProxySettings(PolicyConfig):
 
     upstream: str = knob(flag="upstream", help="Base URL of the engine (vLLM), e.g. http://127.0.0.1:8000.")
     host: str = knob(HttpBounds.host, flag="host", help="Address to listen on.")
-    port: int = knob(8100, flag="port", help="Port to listen on.", minimum=0, maximum=65535)
+    port: int = knob(8100, flag="port", help="Port to listen on.", minimum=1, maximum=65535)
     call_id_header: str = knob(
         DEFAULT_CALL_ID_HEADER,
         flag="call-id-header",

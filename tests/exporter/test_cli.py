@@ -280,6 +280,19 @@ def test_an_empty_host_is_a_usage_error_in_every_command_that_serves() -> None:
         )
 
 
+def test_port_zero_is_refused_by_every_command_that_serves() -> None:
+    # Any free port would be taken, and the start line would announce http://HOST:0.
+    from retrywatch.cli import main
+
+    for command in (
+        ["proxy", "--upstream", "http://127.0.0.1:9"],
+        ["detect", "--exporter", "http://x/m"],
+        ["dashboard"],
+    ):
+        result = CliRunner().invoke(main, [*command, "--port", "0"])
+        assert result.exit_code == 2 and "--port" in result.output, (command, result.output)
+
+
 @pytest.mark.parametrize("token", ["pässwörd", "two words", "tab\there", "newline\n", ""])
 def test_an_admin_token_that_is_not_visible_ascii_is_refused_at_start_up(token: str) -> None:
     """The admin token is compared with the ``Authorization`` header, read as Latin-1 and then
