@@ -14,8 +14,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DERIVED",
+    "REPORT_HTML",
+    "REPORT_MD",
     "SUMMARY",
     "VALIDATION",
+    "VALIDATION_MD",
     "RunDirError",
     "read_summary",
     "read_validation",
@@ -25,6 +29,12 @@ __all__ = [
 
 SUMMARY = "summary.json"
 VALIDATION = "validation.json"
+VALIDATION_MD = "validation.md"
+REPORT_MD = "report.md"
+REPORT_HTML = "report.html"
+#: What ``reproduce validate`` and ``reproduce report`` derive from the runs of a DIR: stale once
+#: its runs change, so ``reproduce run`` removes them.
+DERIVED = (VALIDATION, VALIDATION_MD, REPORT_MD, REPORT_HTML)
 
 
 class RunDirError(ValueError):

@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from detector.rundir import SUMMARY, RunDirError, read_summary, series_path
+from detector.rundir import SUMMARY, VALIDATION, VALIDATION_MD, RunDirError, read_summary, series_path
 from detector.signals import WINDOWS, Windows
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
@@ -540,8 +540,8 @@ def validate_dir(
             raise RunDirError(f"{out_dir / SUMMARY}: no run of block {block!r}")
     results = [RunResult(info, replayer(info)) for info in infos]
     report = build_report(results, list(alertnames) if alertnames is not None else all_alertnames())
-    (out_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "validation.md").write_text(render_markdown(report), encoding="utf-8")
+    (out_dir / VALIDATION).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out_dir / VALIDATION_MD).write_text(render_markdown(report), encoding="utf-8")
     return report
 
 

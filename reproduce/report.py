@@ -19,7 +19,7 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from detector.rundir import read_summary
+from detector.rundir import REPORT_HTML, REPORT_MD, read_summary
 
 __all__ = ["group_runs", "recovery_times_figure", "render_markdown", "trace_figure", "write_report"]
 
@@ -298,8 +298,8 @@ def write_report(out: Path) -> tuple[Path, Path]:
     summary = read_summary(out)
     runs = [r for r in summary["runs"] if isinstance(r, dict)]
     markdown = render_markdown(runs, summary.get("meta"))
-    md_path = out / "report.md"
+    md_path = out / REPORT_MD
     md_path.write_text(markdown + "\n", encoding="utf-8")
-    html_path = out / "report.html"
+    html_path = out / REPORT_HTML
     html_path.write_text(render_html(runs, markdown), encoding="utf-8")
     return md_path, html_path

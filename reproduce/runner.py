@@ -5,7 +5,8 @@ time. A progress bar (tqdm) counts runs. The summary is rewritten after every fi
 an interrupted invocation keeps what it finished; entries of other runs already in ``DIR``
 (another block run into the same folder) are kept, and a rerun replaces its own by slug; a
 summary there that cannot be read is an error, never replaced. Nothing is created before the
-backend's ``prepare`` accepts the runs.
+backend's ``prepare`` accepts the runs; a validation or report there (``detector.rundir.DERIVED``)
+is removed, as it describes the runs before.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from detector.rundir import SUMMARY, read_summary
+from detector.rundir import DERIVED, SUMMARY, read_summary
 from reproduce.conditions import RunSpec
 from reproduce.registry import Backend, RunJob
 from reproduce.summary import write_summary
@@ -66,6 +67,8 @@ def run_many(
     backend.prepare(runs, time_scale)  # before anything is created: it checks the runs' models
     try:
         out.mkdir(parents=True, exist_ok=True)
+        for name in DERIVED:  # a validation or report of the runs before these would be stale
+            (out / name).unlink(missing_ok=True)
         bar = tqdm(total=len(runs), unit="run", disable=not progress, file=sys.stderr, dynamic_ncols=True)
         with bar:
             if backend.parallel and jobs > 1 and len(runs) > 1:

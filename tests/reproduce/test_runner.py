@@ -123,3 +123,16 @@ def test_nothing_is_created_before_the_backend_accepts_the_runs(tmp_path: Path) 
     with pytest.raises(PresetError, match="gpt-9"):
         run_many(get_backend("sim"), runs, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_validation_and_a_report_of_earlier_runs_are_removed_with_them(tmp_path: Path) -> None:
+    # They described the runs before, and the dashboard's Experiments page showed them beside the new.
+    from detector.rundir import DERIVED
+
+    for name in DERIVED:
+        (tmp_path / name).write_text("of the runs before\n")
+    (tmp_path / "notes.txt").write_text("the operator's\n")
+    runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)[:1]
+    run_many(get_backend("sim", **SMALL), runs, tmp_path, time_scale=10, progress=False)
+    assert not any((tmp_path / name).exists() for name in DERIVED)
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "summary.json").exists()
