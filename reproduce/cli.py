@@ -22,6 +22,10 @@ from reproduce.conditions import MODELS, Condition, ConditionError, RunSpec, blo
 #: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
 TIME_SCALE = FiniteFloatRange(min=0.001, max=1000.0)
 #: ``--pulse-multiple``: the pulse's rate as a multiple of Ĉ (the study's sweep: 1.5 to 2.7).
+#: Bounds of ``reproduce run``: runs per condition (the study's counts are 3 to 5), and worker
+#: processes (each a simulator of its own).
+MAX_RUNS = 1000
+MAX_JOBS = 256
 PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: A condition's own pulse (the study's), unless it says otherwise.
 _DEFAULT_PULSE_MULTIPLE = Condition("default").pulse_multiple
@@ -157,7 +161,9 @@ def calibrate(
 @click.option("--model", default="all", show_default=True, help=f"A preset ({', '.join(MODELS)}) or all.")
 @click.option("--block", "block_slug", required=True, type=click.Choice(block_slugs()), help="Block to run.")
 @click.option("--condition", "conditions", multiple=True, help="Only these conditions (repeatable).")
-@click.option("--runs", type=click.IntRange(min=1), default=None, help="Runs per condition [study's counts].")
+@click.option(
+    "--runs", type=click.IntRange(1, MAX_RUNS), default=None, help="Runs per condition [study's counts]."
+)
 @click.option(
     "--seed",
     type=click.IntRange(min=0),
@@ -165,7 +171,9 @@ def calibrate(
     show_default=True,
     help="Run r uses seed S + r: seeds closer than a condition's number of runs share traces.",
 )
-@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Parallel processes.")
+@click.option(
+    "--jobs", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True, help="Parallel processes."
+)
 @click.option(
     "--out",
     type=OutputPath(path_type=Path, file_okay=False),

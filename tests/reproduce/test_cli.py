@@ -129,8 +129,11 @@ def _one_line_usage_error(result: Any, option: str) -> None:
 def test_usage_mistakes_of_run_exit_2_naming_the_option_and_create_nothing(tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "out"
-    base = ["reproduce", "run", "--out", str(out), "--no-progress", "--block", "diagnostic", "--runs", "1"]
+    base = ["reproduce", "run", "--out", str(out), "--no-progress", "--block", "diagnostic"]
     one = ["--condition", "retries-off-cancel-off"]
+    # unbounded: ten million runs' specs were built before the first ran
+    _one_line_usage_error(runner.invoke(main, [*base, *one, "--runs", "10000000"]), "--runs")
+    base += ["--runs", "1"]
     for extra, option in (
         (["--model", "gpt-9"], "--model"),  # it created DIR, then exited 1
         (["--model", "gpt-9", "--backend-option", "capacity=2"], "--model"),  # a worker's failure
@@ -141,6 +144,7 @@ def test_usage_mistakes_of_run_exit_2_naming_the_option_and_create_nothing(tmp_p
         (["--gpu"], "--gpu"),
         (["--engine-url", "http://127.0.0.1:9"], "--engine-url"),
         (["--seed", "-1"], "--seed"),  # it exited 1 after creating DIR
+        (["--jobs", "100000"], "--jobs"),  # unbounded: a process per run
         (["--time-scale", "1e308"], "--time-scale"),  # it ran, with overflows, to 0 recoveries
         (["--time-scale", "1e-300"], "--time-scale"),
         (["--pulse-multiple", "1e308"], "--pulse-multiple"),  # a traceback
