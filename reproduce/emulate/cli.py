@@ -23,6 +23,13 @@ log = logging.getLogger(__name__)
 DEFAULT_VOCAB_SIZE = 152_064
 
 
+def _model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An empty name would be taken for none (the preset's): a usage error instead."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("an empty name: give the name clients send, or leave the option out")
+    return value
+
+
 @click.command("emulate")
 @click.option(
     "--model",
@@ -31,7 +38,12 @@ DEFAULT_VOCAB_SIZE = 152_064
     show_default=True,
     help="Engine preset (reproduce.engine.presets); also the served model name.",
 )
-@click.option("--served-model-name", default=None, help="Model name clients send (default: the preset).")
+@click.option(
+    "--served-model-name",
+    default=None,
+    callback=_model_name,
+    help="Model name clients send (default: the preset).",
+)
 @click.option(
     "--time-scale",
     type=TIME_SCALE,

@@ -240,6 +240,9 @@ def test_emulate_names_the_option_its_value_is_wrong_for() -> None:
     result = runner.invoke(main, ["emulate", *port, "--max-num-batched-tokens", "1"])
     _one_line_usage_error(result, "--max-num-batched-tokens")
     _one_line_usage_error(runner.invoke(main, ["emulate", *port, "--model", "gpt-9"]), "--model")
+    # An empty served name was taken for none: the engine answered to the preset's name instead.
+    result = runner.invoke(main, ["emulate", *port, "--served-model-name", ""])
+    _one_line_usage_error(result, "--served-model-name")
 
 
 def test_a_condition_named_twice_runs_once(tmp_path: Path) -> None:
