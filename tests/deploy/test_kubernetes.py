@@ -256,7 +256,15 @@ def test_the_postgresql_component_reads_the_url_from_a_secret(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     objects = rendered["postgresql"]
-    detector = container(find(objects, "Deployment", "retrywatch-detector"), "detector")
+    deployment = find(objects, "Deployment", "retrywatch-detector")
+    detector = container(deployment, "detector")
+    # No volume to hand over: the new detector starts first and stands by until the old one stops.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    base = find(rendered["ingress-nginx"], "Deployment", "retrywatch-detector")["spec"]["strategy"]
+    assert base == {"type": "Recreate"}  # SQLite on a ReadWriteOnce volume: one pod at a time
     env = {e["name"]: e for e in detector["env"]}
     assert env["RETRYWATCH_DB"] == {
         "name": "RETRYWATCH_DB",
