@@ -312,6 +312,15 @@ class Subscriber:
     started_at: float
     call_started_at: float  # when the call's first attempt was seen
     departure_key: str | None = None  # key without a call id: its leaving licenses one retry
+    call_key: str | None = None  # key with a call id: the call is delivered once, whoever gets it
+
+
+@dataclass
+class SeenCall:
+    """A call with a call id, as remembered for classifying its attempts."""
+
+    started_at: float  # when its first attempt was seen
+    delivered: bool = False  # counted in ``delivered`` already (by another of its attempts)
 
 
 @dataclass
@@ -444,10 +453,11 @@ class Policy:
         self._queue: deque[int] = deque()
         self._subscribers: dict[int, Subscriber] = {}
         memory_s, max_keys = self.config.retry_memory_s, self.config.max_remembered_calls
-        # keys with a call id -> when the call's first attempt was seen
-        self._calls_seen: KeyMemory[float] = KeyMemory(memory_s, max_keys)
-        # keys without a call id -> the call start of each departure not yet used by a retry
-        self._departures: KeyMemory[tuple[float, ...]] = KeyMemory(memory_s, max_keys)
+        # keys with a call id -> when the call's first attempt was seen, and whether it was delivered
+        self._calls_seen: KeyMemory[SeenCall] = KeyMemory(memory_s, max_keys)
+        # keys without a call id -> (when it left, its call's start) of each departure not yet
+        # used by a retry, oldest first; the key is remembered from its latest departure
+        self._departures: KeyMemory[tuple[tuple[float, float], ...]] = KeyMemory(memory_s, max_keys)
         self._in_engine = 0  # dispatched and not finished
         self._awaiting_first_token_tokens = 0  # prompt tokens dispatched without a first token yet
         self._awaiting_first_token = 0
@@ -474,10 +484,13 @@ class Policy:
         return iter(list(self._executions.values()))
 
     def estimated_first_token_wait_s(self, prompt_tokens: int) -> float:
-        """The wait a new execution would see now: everything queued or prefilling goes first."""
-        ahead = self._awaiting_first_token_tokens + sum(
-            self._executions[e].prompt_tokens for e in self._queue
-        )
+        """The wait a new execution would see now: everything prefilling goes first, and
+        everything queued unless LIFO would serve the new one first (``_next_from_queue``: more
+        than ``lifo_threshold`` queued with it)."""
+        ahead = self._awaiting_first_token_tokens
+        lifo = self.config.queue_order is QueueOrder.LIFO
+        if not (lifo and len(self._queue) + 1 > self.config.lifo_threshold):
+            ahead += sum(self._executions[e].prompt_tokens for e in self._queue)
         return self._estimator.wait_s(ahead, prompt_tokens)
 
     def stop_attaching(self, execution_id: int) -> None:
@@ -500,10 +513,13 @@ class Policy:
         the top of this module)."""
         key, says = attempt.key, attempt.client_says_retry
         if key is not None and attempt.identified:
-            first_seen = self._calls_seen.get(now, key)
-            if first_seen is not None:
-                return AttemptKind.RETRY, first_seen
-            self._calls_seen.set(now, key, now)
+            seen = self._calls_seen.get(now, key)
+            if seen is not None:
+                # Remembered from its latest attempt ("seen within retry_memory_s"), still
+                # counted from its first: a call whose retries go on is not forgotten mid-call.
+                self._calls_seen.set(now, key, seen)
+                return AttemptKind.RETRY, seen.started_at
+            self._calls_seen.set(now, key, SeenCall(now))
             if key in self._live_by_key:  # seen longer ago than remembered: still the same call
                 return AttemptKind.RETRY, now
         elif key is not None and says is not False:
@@ -513,22 +529,31 @@ class Policy:
         return (AttemptKind.RETRY if says else AttemptKind.FIRST), now
 
     def _use_departure(self, now: float, key: str) -> float | None:
-        """Use up the oldest departure under ``key`` not yet used by a retry; its call's start."""
-        starts = self._departures.get(now, key)
-        if not starts:
+        """Use up the oldest departure under ``key`` not yet used by a retry nor forgotten; its
+        call's start."""
+        pending = self._pending_departures(now, key)
+        if not pending:
+            self._departures.discard(key)
             return None
-        if len(starts) == 1:
+        if len(pending) == 1:
             self._departures.discard(key)
         else:
-            self._departures.replace(key, starts[1:])
-        return starts[0]
+            self._departures.replace(key, pending[1:])
+        return pending[0][1]
+
+    def _pending_departures(self, now: float, key: str) -> tuple[tuple[float, float], ...]:
+        """The departures under ``key`` left within ``retry_memory_s``: each is forgotten that long
+        after it happened, whatever departed after it."""
+        departures = self._departures.get(now, key) or ()
+        horizon = now - self.config.retry_memory_s
+        return tuple(d for d in departures if d[0] >= horizon)
 
     def _depart(self, now: float, key: str | None, call_started_at: float) -> None:
         """An attempt without a call id left before its answer: it licenses one retry."""
         if key is None:
             return
-        starts = self._departures.get(now, key) or ()
-        self._departures.set(now, key, (*starts, call_started_at)[-MAX_DEPARTURES_PER_KEY:])
+        pending = (*self._pending_departures(now, key), (now, call_started_at))
+        self._departures.set(now, key, pending[-MAX_DEPARTURES_PER_KEY:])
 
     def on_attempt(self, now: float, attempt: Attempt) -> AttemptResult:
         """Decide an attempt: attach to its call's live execution, shed it, or create one."""
@@ -538,6 +563,7 @@ class Policy:
             self._budget.record_first(now)
 
         departure_key = None if attempt.identified else attempt.key
+        call_key = attempt.key if attempt.identified else None
         budget_first = self.config.budget_order is BudgetOrder.BUDGET_FIRST
         if budget_first and kind is AttemptKind.RETRY and not self._budget_admits(now):
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
@@ -545,7 +571,8 @@ class Policy:
 
         live = self._attach_target(attempt, kind)
         if live is not None:
-            return AttemptResult(self._attach(now, kind, live, call_started_at, departure_key), [])
+            attached = self._attach(now, kind, live, call_started_at, departure_key, call_key)
+            return AttemptResult(attached, [])
 
         if not budget_first and kind is AttemptKind.RETRY and not self._budget_admits(now):
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
@@ -577,7 +604,7 @@ class Policy:
         if execution.key is not None:
             self._live_by_key.setdefault(execution.key, []).append(execution.execution_id)
         self.counters.created += 1
-        subscriber = self._subscribe(now, kind, execution, call_started_at, departure_key)
+        subscriber = self._subscribe(now, kind, execution, call_started_at, departure_key, call_key)
         effects: list[Effect] = []
         if must_queue:
             self._queue.append(execution.execution_id)
@@ -623,10 +650,11 @@ class Policy:
         execution: Execution,
         call_started_at: float,
         departure_key: str | None,
+        call_key: str | None,
     ) -> Attached:
         self.counters.attached += 1
         execution.cancel_at = None  # a retry arrived in time: the deferred cancellation is off
-        subscriber = self._subscribe(now, kind, execution, call_started_at, departure_key)
+        subscriber = self._subscribe(now, kind, execution, call_started_at, departure_key, call_key)
         return Attached(kind, subscriber.subscriber_id, execution.execution_id)
 
     def _subscribe(
@@ -636,9 +664,16 @@ class Policy:
         execution: Execution,
         call_started_at: float,
         departure_key: str | None,
+        call_key: str | None,
     ) -> Subscriber:
         subscriber = Subscriber(
-            self._next_subscriber_id, execution.execution_id, kind, now, call_started_at, departure_key
+            self._next_subscriber_id,
+            execution.execution_id,
+            kind,
+            now,
+            call_started_at,
+            departure_key,
+            call_key,
         )
         self._next_subscriber_id += 1
         self._subscribers[subscriber.subscriber_id] = subscriber
@@ -705,10 +740,25 @@ class Policy:
             within = now - subscriber.call_started_at <= self.deadline_s
         else:  # no known deadline: a call answered by its first attempt counts as on time
             within = subscriber.kind is AttemptKind.FIRST
-        self.counters.delivered[within] += 1
+        if self._first_delivery(now, subscriber):
+            self.counters.delivered[within] += 1
         execution = self._executions.get(subscriber.execution_id)
         if execution is not None:
             execution.subscribers.discard(subscriber_id)
+
+    def _first_delivery(self, now: float, subscriber: Subscriber) -> bool:
+        """Whether this delivery is its call's first. Two attempts of one call can both be
+        answered (the first one still connected when its retry attached, or created, e.g. behind
+        a gateway that has not passed its client's disconnect on): the call counts once."""
+        if subscriber.call_key is None:  # without a call id, each delivered attempt is a call
+            return True
+        seen = self._calls_seen.get(now, subscriber.call_key)
+        if seen is None:
+            return True
+        if seen.delivered:
+            return False
+        seen.delivered = True
+        return True
 
     def on_timer(self, now: float, execution_id: int) -> list[Effect]:
         """A deferred cancellation is due; it applies only if nobody attached meanwhile."""

@@ -473,3 +473,92 @@ def test_the_retry_budget_sees_only_real_retries() -> None:
     kinds = [policy.on_attempt(2.0, attempt("body", identified=False)).decision for _ in range(4)]
     assert [type(d) for d in kinds] == [Created, Created, Shed, Shed]
     assert all(d.kind is AttemptKind.RETRY for d in kinds)
+
+
+def test_with_a_call_id_the_key_is_remembered_from_its_latest_attempt() -> None:
+    # A call whose attempts span more than the retry memory (long deadlines, several retries):
+    # its key was seen by the previous attempt, well within the memory, so the next is a retry
+    # of the same call, counted from its first attempt.
+    policy = create_policy(retry_memory_s=100.0, deadline_s=50.0, cancellation=Cancellation.ON)
+    for t, kind in ((0.0, AttemptKind.FIRST), (60.0, AttemptKind.RETRY)):
+        decision = policy.on_attempt(t, attempt()).decision
+        assert isinstance(decision, Created) and decision.kind is kind
+        policy.on_subscriber_left(t + 50.0, decision.subscriber_id)  # timed out: cancelled
+    late = policy.on_attempt(150.0, attempt()).decision  # 90 s after the key was last seen
+    assert isinstance(late, Created) and late.kind is AttemptKind.RETRY
+    policy.on_completed(160.0, late.execution_id)
+    policy.on_subscriber_delivered(160.0, late.subscriber_id)
+    assert policy.counters.delivered == {True: 0, False: 1}  # late: 160 s after the call began
+    # Once the key has gone unseen for the whole memory, it is forgotten.
+    assert policy.on_attempt(251.0, attempt()).decision.kind is AttemptKind.FIRST
+
+
+def test_without_a_call_id_each_departure_is_forgotten_after_the_retry_memory() -> None:
+    # A departure licenses a retry for the retry memory from when it happened; a later departure
+    # under the same key does not keep an older one alive.
+    policy = create_policy(
+        retry_memory_s=100.0, deadline_s=120.0, coalesce=False, cancellation=Cancellation.ON
+    )
+    old = policy.on_attempt(0.0, attempt("body", identified=False)).decision
+    assert isinstance(old, Created)
+    policy.on_subscriber_left(10.0, old.subscriber_id)  # departs at 10: forgotten after 110
+    fresh = policy.on_attempt(50.0, attempt("body", identified=False, says=False)).decision
+    assert isinstance(fresh, Created) and fresh.kind is AttemptKind.FIRST  # the counter at 0
+    policy.on_subscriber_left(90.0, fresh.subscriber_id)  # departs at 90
+    retry = policy.on_attempt(150.0, attempt("body", identified=False)).decision
+    assert isinstance(retry, Created) and retry.kind is AttemptKind.RETRY  # of the call begun at 50
+    policy.on_completed(160.0, retry.execution_id)
+    policy.on_subscriber_delivered(160.0, retry.subscriber_id)
+    assert policy.counters.delivered == {True: 1, False: 0}  # 110 s after its call began
+    # The departure at 10 was forgotten: nothing is left to license another retry.
+    assert policy.on_attempt(151.0, attempt("body", identified=False)).decision.kind is AttemptKind.FIRST
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_a_call_answered_to_two_of_its_attempts_is_delivered_once(coalesce: bool) -> None:
+    # The first attempt still waits (a gateway that has not passed its client's disconnect on,
+    # a hedged request) when a retry of its call arrives: both are answered, the call once.
+    policy = create_policy(deadline_s=120.0, coalesce=coalesce)
+    first = policy.on_attempt(0.0, attempt()).decision
+    retry = policy.on_attempt(1.0, attempt()).decision
+    assert isinstance(first, Created) and retry.kind is AttemptKind.RETRY
+    assert isinstance(retry, Attached if coalesce else Created)
+    for decision in (first, retry):
+        policy.on_completed(5.0, decision.execution_id)
+        policy.on_subscriber_delivered(5.0, decision.subscriber_id)
+    assert policy.counters.delivered == {True: 1, False: 0}
+    assert policy.gauges().subscribers == 0
+    # Another call with the same body, sent without a call id, is delivered on its own.
+    other = policy.on_attempt(6.0, attempt("body", identified=False)).decision
+    assert isinstance(other, Created)
+    policy.on_completed(7.0, other.execution_id)
+    policy.on_subscriber_delivered(7.0, other.subscriber_id)
+    assert policy.counters.delivered == {True: 2, False: 0}
+
+
+def test_under_lifo_the_deadline_check_does_not_count_the_queue_a_new_attempt_skips() -> None:
+    # LIFO over its threshold serves the newest first: the queue is behind a new attempt, not
+    # ahead of it. Counting it ahead shed exactly the fresh attempts LIFO is there to serve.
+    policy = create_policy(
+        max_outstanding=1,
+        queue_order=QueueOrder.LIFO,
+        lifo_threshold=2,
+        deadline_check=True,
+        deadline_s=10.0,
+        prefill_tokens_per_s=1000.0,
+    )
+    running = policy.on_attempt(0.0, attempt("run", prompt_tokens=1000)).decision
+    assert isinstance(running, Created) and not running.queued
+    queued = [policy.on_attempt(0.1, attempt(f"q{i}", prompt_tokens=2500)).decision for i in range(4)]
+    assert all(isinstance(d, Created) and d.queued for d in queued)
+    # Within two queued (FIFO still) the queue is ahead: 1,000 + 2 × 2,500 + 2,500 tokens.
+    fifo = create_policy(max_outstanding=1, prefill_tokens_per_s=1000.0)
+    fifo.on_attempt(0.0, attempt("run", prompt_tokens=1000))
+    for i in range(2):
+        fifo.on_attempt(0.1, attempt(f"q{i}", prompt_tokens=2500))
+    assert fifo.estimated_first_token_wait_s(2500) == pytest.approx(8.5)
+    # Over the threshold a new attempt goes next: only the prefill in the engine is ahead.
+    assert policy.estimated_first_token_wait_s(2500) == pytest.approx(3.5)
+    newest = queued[-1]
+    assert isinstance(newest, Created)
+    assert policy.on_completed(3.0, running.execution_id) == [Dispatch(newest.execution_id)]

@@ -141,6 +141,11 @@ def test_an_attached_retry_gets_the_replay_then_the_live_chunks(
     balance(m)
     assert m[("retrywatch_attempts_attached_total", ())] == 1
     assert m[("retrywatch_attempts_total", (("kind", "retry"),))] == 1
+    # Both attempts were answered, but they are one call: it is delivered once.
+    delivered = {
+        w: _value(p, "retrywatch_calls_delivered_total", within_deadline=w) for w in ("true", "false")
+    }
+    assert delivered == {"true": 1, "false": 0}
 
 
 def test_without_coalescing_a_retry_creates_its_own_execution(
@@ -464,6 +469,35 @@ def test_the_deadline_check_sheds_an_attempt_that_would_miss_it(
 
 
 # --- metrics and admin ----------------------------------------------------------------------
+
+
+def test_under_lifo_the_deadline_check_admits_a_new_attempt_served_before_the_queue(
+    start_proxy: StartProxy, upstream: Upstream
+) -> None:
+    p = start_proxy(
+        max_outstanding=1, queue_order="lifo", lifo_threshold=0, deadline_check=True, deadline_s=1.0
+    )
+    url = f"{p.url}/v1/completions"
+    busy, old, new = (uuid.uuid4().hex for _ in range(3))
+    out: dict[str, httpx.Response] = {}
+    hold = uuid.uuid4().hex
+    threads = [_post_async(url, _body(2), _headers(busy, hold=hold), out)]
+    _wait_for(lambda: bool(upstream.requests(call_id=busy)))
+    # At the prior of 20,000 prefill tokens/s: 15,000 tokens queued (0.75 s, admitted), then
+    # 10,000 more, which LIFO sends before them: 0.5 s, not 1.25 s, to its first token.
+    threads.append(_post_async(url, _body(2, prompt=[1] * 15_000), _headers(old), out))
+    _wait_for(lambda: p.proxy.policy.gauges().executions_queued == 1)
+    threads.append(_post_async(url, _body(2, prompt=[1] * 10_000), _headers(new), out))
+    _wait_for(lambda: p.proxy.policy.gauges().executions_queued == 2 or new in out)
+    upstream.release(hold)
+    for t in threads:
+        t.join()
+    assert out[new].status_code == 200 and _tokens(out[new].content) == _expected(2)
+    received = {c: upstream.requests(call_id=c)[0]["received_at"] for c in (old, new)}
+    assert received[new] < received[old]  # served first, as LIFO does
+    m = p.metrics()
+    balance(m)
+    assert m[("retrywatch_attempts_shed_total", (("reason", "deadline"),))] == 0
 
 
 def test_metrics_are_plain_text_with_every_label_and_the_vllm_passthrough(start_proxy: StartProxy) -> None:
