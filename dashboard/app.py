@@ -84,8 +84,15 @@ class Context:
             return self._runs
 
     def now(self) -> float:
-        """The reference "now" of the live views: the detector's last scrape (so a replayed or
-        stalled source still shows its latest window), else the wall clock."""
+        """The reference "now" of the views: the detector's last evaluation (so a replay shows its
+        latest window, and while the source is down an alert firing now is drawn up to now, past
+        the last scrape), else its last scrape, else the wall clock."""
+        try:
+            _, evaluated_at = self.detector.alerts_at()
+        except DetectorError:
+            evaluated_at = None  # e.g. an alert no page can show: the last scrape will do
+        if evaluated_at is not None:
+            return evaluated_at
         try:
             health = self.detector.health()
         except DetectorError:

@@ -219,6 +219,12 @@ def parse_alerts(payload: Any) -> list[Alert]:
     return alerts
 
 
+def parse_evaluated_at(payload: Any) -> float | None:
+    """When the detector evaluated the alerts of an ``/alerts`` answer (None when it does not say:
+    an older detector, or none yet)."""
+    return _opt_time(payload.get("evaluated_at"), "evaluated_at", "/alerts")
+
+
 def _http_url(value: Any) -> str:
     """A link the page may show: an http(s) URL or a relative one (resolved against the
     detector's URL by the page); anything else (``javascript:``, ``file:``) is dropped."""
@@ -339,6 +345,12 @@ class DetectorClient:
 
     def alerts(self) -> list[Alert]:
         return parse_alerts(self._get("/alerts"))
+
+    def alerts_at(self) -> tuple[list[Alert], float | None]:
+        """The firing alerts and the time of the evaluation they are as of (it goes on past the
+        last scrape while the source is down), when the detector says."""
+        payload = self._get("/alerts")
+        return parse_alerts(payload), parse_evaluated_at(payload)
 
     def episodes(
         self,

@@ -11,6 +11,7 @@ are chosen to stay readable at 1280x720.
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,13 @@ class Shade:
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def plotly_text(value: object) -> str:
+    """``value`` as text Plotly shows as written: Plotly reads tags (``<a href>``, ``<b>``,
+    ``<br>``) and entities in tick labels and hover text, so a label value (a model name, an
+    instance, a run's condition) is escaped and never becomes a link or markup."""
+    return html.escape(str(value), quote=False)
 
 
 def as_array(points: Points | None) -> np.ndarray:
@@ -480,7 +488,7 @@ def episodes_timeline_figure(
         # One row per engine: keyed by instance, as the detector does (vLLM's engine label is "0"),
         # named as people read it (host:port and model).
         engine = engine_name(labels)
-        row = f"{ep['alertname']} · {engine}" if engine else str(ep["alertname"])
+        row = plotly_text(f"{ep['alertname']} · {engine}" if engine else ep["alertname"])
         if row not in rows:
             rows.append(row)
         start = float(ep["started_at"])
@@ -549,7 +557,7 @@ def _group_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         if variant and variant not in condition:  # e.g. the trigger sweep's pulse multiple
             condition = f"{condition} ({variant})"
         parts.append(condition)
-        labels.append(" · ".join(parts))
+        labels.append(plotly_text(" · ".join(parts)))
     return labels
 
 
@@ -703,7 +711,7 @@ def creation_rate_vs_recovery_figure(runs: list[dict[str, Any]]) -> go.Figure:
                 ys.append(label)
                 rt = run.get("recovery_time_s")
                 rt_text = f"recovered after {float(rt):.0f} s" if recovered and rt is not None else name
-                hover.append(f"run {run.get('run', '?')}: {rt_text}")
+                hover.append(plotly_text(f"run {run.get('run', '?')}: {rt_text}"))
             xmax = max([xmax, *xs])
             fig.add_trace(
                 go.Scatter(

@@ -57,7 +57,10 @@ def create_app(detector: Detector) -> FastAPI:
 
     @app.get("/alerts")
     def alerts() -> dict[str, object]:
-        return {"alerts": detector.firing_alerts()}
+        # As of the last evaluation, which goes on past the last scrape while the source is down:
+        # a page draws what fires now up to then, and knows how old the source's data is.
+        evaluated_at = detector.evaluator.last_eval
+        return {"alerts": detector.firing_alerts(), "evaluated_at": evaluated_at}
 
     @app.get("/episodes")
     def episodes(

@@ -6,7 +6,7 @@ tokens), with alert episodes shaded, refreshed on a timer, over a chosen time ra
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin
@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, dcc, html
 
 from dashboard import figures, style
-from dashboard.data import Alert, DetectorError, Episode, instance_label, signals_for_engine
+from dashboard.data import Alert, DetectorError, Episode, engine_of, instance_label, signals_for_engine
 from dashboard.figures import Shade
 from dashboard.pages import Page, range_choice, text_choice
 from dashboard.tiles import Tile, tiles
@@ -57,7 +57,11 @@ class LiveView:
         return [Shade(e.started_at, e.resolved_at, e.alertname, e.severity) for e in self.episodes]
 
     def tiles(self) -> list[Tile]:
-        return tiles(self.signals, {a.alertname for a in self.engine_alerts})
+        # The last minute only, for a tile and the parts it falls back on alike: a value from
+        # before an outage is no value now.
+        since = self.now - figures.TILE_LOOKBACK_S
+        recent = {name: points[points[:, 0] >= since] for name, points in self.signals.items()}
+        return tiles(recent, {a.alertname for a in self.engine_alerts})
 
     def figures(self) -> list[go.Figure]:
         rev = f"{self.engine}:{self.range_s:g}"  # a new engine or range resets any zoom
@@ -77,7 +81,12 @@ def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | No
     """Fetch what the live page needs for ``engine`` over the last ``range_s`` seconds."""
     try:
         health = ctx.detector.health()
-        ref_now = now if now is not None else (health.last_scrape_at or time.time())
+        alerts, evaluated_at = ctx.detector.alerts_at()
+        # The detector's last evaluation: past its last scrape while the source is down, so the
+        # tiles' last minute holds no value then (never the minute before the outage as healthy).
+        known = [t for t in (health.last_scrape_at, evaluated_at) if t is not None]
+        data_at = max(known) if known else None
+        ref_now = now if now is not None else (data_at or time.time())
         view = LiveView(
             engine=engine,
             now=ref_now,
@@ -85,7 +94,7 @@ def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | No
             detector_url=ctx.detector.display_url,
             source_up=health.source_up and health.status == "ok",
         )
-        view.alerts = ctx.detector.alerts()
+        view.alerts = alerts
         since = ref_now - range_s
         view.episodes = ctx.detector.episodes(since=since, engine=engine or None)
 
@@ -95,10 +104,10 @@ def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | No
             out.update(signals_for_engine(ctx.signals, figures.TILE_SIGNALS, engine=engine, since=tile_since))
             return out
 
-        if now is None and health.last_scrape_at is not None and ctx.signals is ctx.detector:
-            # The detector's history changes only with a scrape: several tabs on the same engine
-            # and range share one fetch per scrape.
-            view.signals = dict(ctx.memo(("live", engine, range_s, health.last_scrape_at), fetch))
+        if now is None and data_at is not None and ctx.signals is ctx.detector:
+            # The detector's history changes only with an evaluation (one per scrape, and on while
+            # the source is down): several tabs on the same engine and range share one fetch.
+            view.signals = dict(ctx.memo(("live", engine, range_s, data_at), fetch))
         else:
             view.signals = fetch()
         if now is None:
@@ -173,9 +182,22 @@ def render_banner(view: LiveView) -> tuple[list[Any], dict[str, str]]:
     return items, style.banner(alerts[0].severity, resolving=all(a.resolving for a in alerts))
 
 
-def render_engine_states(view: LiveView, engines: Sequence[str]) -> list[Any]:
+def recent_engines(ctx: Context, now: float) -> set[str] | None:
+    """The engines with a point (a value or none) in the minute before ``now``. The detector adds
+    one at each evaluation for every engine it follows, so an engine without one has left (a
+    replica scaled down: its history stays listed, its alerts resolved). None when unknown."""
+    try:
+        series = ctx.signals.signal(SPAN_SIGNAL, since=now - figures.TILE_LOOKBACK_S)
+    except DetectorError:
+        return None
+    return {engine_of(s.labels) for s in series if s.points.shape[0]}
+
+
+def render_engine_states(
+    view: LiveView, engines: Sequence[str], recent: Collection[str] | None = None
+) -> list[Any]:
     """One chip per engine (host:port, as people read it): its worst firing alert and severity,
-    or "ok"."""
+    "no data" when it is not in ``recent`` (it left, or its source answers nothing), or "ok"."""
     chips: list[Any] = [html.Span("Engines: ", style=style.LABEL)]
     for engine in engines:
         firing = sorted((a for a in view.alerts if a.engine == engine), key=_alert_order)
@@ -186,6 +208,8 @@ def render_engine_states(view: LiveView, engines: Sequence[str]) -> list[Any]:
             if len(firing) > 1:
                 text += f" +{len(firing) - 1}"
             chips.append(html.Span(text, style=style.chip(firing[0].severity)))
+        elif recent is not None and engine not in recent:
+            chips.append(html.Span(f"{name}: no data in the last minute", style=style.chip("nodata")))
         else:
             chips.append(html.Span(f"{name}: ok", style=style.chip(None)))
     return chips
@@ -226,11 +250,12 @@ def update(ctx: Context, engine: str | None, range_s: int | None) -> tuple[Any, 
         engines = ctx.signals.signal_index().engines if view.error is None else []
     except DetectorError:
         engines = []
+    recent = recent_engines(ctx, view.now) if engines else None
     banner_children, banner_style = render_banner(view)
     return (
         banner_children,
         banner_style,
-        render_engine_states(view, engines),
+        render_engine_states(view, engines, recent),
         render_tiles(view),
         *view.figures(),
         render_status(view),
@@ -259,7 +284,7 @@ def range_for_span(span_s: float | None) -> int:
 def fitting_range(ctx: Context, engine: str | None) -> int:
     """The range the page opens on: the smallest preset covering the engine's data."""
     try:
-        now = ctx.detector.health().last_scrape_at or ctx.now()
+        now = ctx.now()
         got = signals_for_engine(ctx.signals, (SPAN_SIGNAL,), engine=engine, since=now - RANGES[-1][1])
     except DetectorError:
         return DEFAULT_RANGE_S

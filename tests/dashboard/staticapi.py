@@ -41,6 +41,8 @@ class StaticDetectorAPI:
         self._signals: dict[str, dict[str, np.ndarray]] = {}
         self._labels: dict[str, dict[str, str]] = {}  # instance -> {engine, model, instance}
         self._up = True
+        self._last_scrape: float | None = None  # set by outage(); else the newest point
+        self._evaluated_at: float | None = None  # set by outage(); else the last scrape
         self.requests: dict[str, int] = {}  # path -> requests answered (for tests)
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
@@ -80,6 +82,27 @@ class StaticDetectorAPI:
         with self._lock:
             self._up = up
 
+    def outage(self, seconds: float, step_s: float = 5.0) -> None:
+        """The source goes down for ``seconds``, as a real detector sees it: it goes on
+        evaluating every ``step_s`` (its history gets points without a value, its alerts are as
+        of its last evaluation) while its last scrape stays where it was."""
+        with self._lock:
+            self._up = False
+            last = self._newest() or 0.0
+            self._last_scrape = last
+            times = last + np.arange(step_s, seconds + step_s / 2, step_s)
+            gap = np.column_stack([times, np.full(times.size, np.nan)])
+            for sig in self._signals.values():
+                for name, arr in sig.items():
+                    sig[name] = np.vstack([arr, gap])
+            self._evaluated_at = last + seconds
+
+    def _newest(self) -> float | None:
+        return max(
+            (float(a[-1, 0]) for sig in self._signals.values() for a in sig.values() if a.shape[0]),
+            default=None,
+        )
+
     def advance(self, dt: float) -> None:
         """Move every series, alert and episode ``dt`` seconds later, as the next scrape would."""
         with self._lock:
@@ -95,17 +118,15 @@ class StaticDetectorAPI:
     def answer(self, path: str, query: Mapping[str, str]) -> tuple[int, Any]:
         with self._lock:
             self.requests[path] = self.requests.get(path, 0) + 1
+            last = self._last_scrape if self._last_scrape is not None else self._newest()
             if path == "/alerts":
-                return 200, {"alerts": list(self._alerts)}
+                evaluated = self._evaluated_at if self._evaluated_at is not None else last
+                return 200, {"alerts": list(self._alerts), "evaluated_at": evaluated}
             if path == "/episodes":
                 return 200, {"episodes": self._filter_episodes(query)}
             if path == "/signals":
                 return self._signal_answer(query)
             if path == "/healthz":
-                last = max(
-                    (float(a[-1, 0]) for sig in self._signals.values() for a in sig.values() if a.shape[0]),
-                    default=None,
-                )
                 status = "ok" if self._up else "degraded"
                 return 200, {"status": status, "source": {"up": self._up, "last_scrape_at": last}}
         return 404, {"detail": "Not Found"}

@@ -295,3 +295,34 @@ def test_cohorts_without_calls_are_left_out_and_variants_kept_apart() -> None:
     hold = {t.name: list(t.y) for t in fig.data if t.xaxis == "x2"}
     assert hold["within the deadline"] == ["sweep (pulse 1.5)", "sweep (pulse 2.7)"]
     assert cohort_shares(empty, "pulse") is None
+
+
+HOSTILE = '<a href="https://evil.example/">click</a><b>B</b>&amp;'
+
+
+def test_label_values_are_shown_as_text_never_as_plotly_markup() -> None:
+    # Plotly renders <a>, <b>, <br> and entities in tick labels and hover text: a model name or
+    # instance (any label value the source passes on) must show as written, never as a link.
+    episode = {
+        "alertname": "VLLMRetrywatchNoData",
+        "severity": "warning",
+        "labels": {"engine": "0", "model": HOSTILE, "instance": "http://10.0.0.1:8100/metrics"},
+        "started_at": 100.0,
+        "resolved_at": None,
+    }
+    fig = episodes_timeline_figure([episode], now=1000.0)
+    (row,) = {y for t in fig.data for y in t.y}
+    assert "<" not in row and ">" not in row
+    assert row == (
+        'VLLMRetrywatchNoData · 10.0.0.1:8100 (&lt;a href="https://evil.example/"&gt;click&lt;/a&gt;'
+        "&lt;b&gt;B&lt;/b&gt;&amp;amp;)"
+    )
+    assert list(fig.layout.yaxis.categoryarray) == [row]
+    # the experiments' rows and hover text, from a hand-edited summary, are text too
+    runs = [
+        {**make_run("retries-on", 1, recovered=False, created=2.3, attempts=2.4), "condition": HOSTILE},
+        {**make_run("retries-off", 1, recovered=True, created=0.6, attempts=0.6), "run": "<b>1</b>"},
+    ]
+    for fig in (delivery_by_cohort_figure(runs), creation_rate_vs_recovery_figure(runs)):
+        texts = [str(v) for t in fig.data for v in [*t.y, *(t.customdata or ())]]
+        assert texts and not any("<" in v for v in texts), texts

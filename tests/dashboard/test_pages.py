@@ -17,9 +17,9 @@ from dashboard.figures import MAX_POINTS
 from dashboard.pages import experiments, history, live
 from dashboard.runs import run_key
 from exporter.processes import free_port
-from tests.dashboard.staticapi import StaticDetectorAPI
+from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
-from .conftest import ENGINE_A, ENGINE_B, NOW, loop_alert
+from .conftest import ENGINE_A, ENGINE_B, NOW, episode, loop_alert
 
 
 def context(api: StaticDetectorAPI, runs_dir: Path | None = None) -> Context:
@@ -354,3 +354,43 @@ def test_a_hand_edited_summary_is_a_note_not_a_500(
     summary["runs"][0].update(change)
     (runs_dir / "summary.json").write_text(json.dumps(summary))
     assert "Cannot open" in str(experiments.layout(context(api, runs_dir)))
+
+
+def test_an_outage_is_drawn_up_to_the_detectors_last_evaluation_not_its_last_scrape(
+    api: StaticDetectorAPI,
+) -> None:
+    """While its source is down the detector goes on evaluating past its last scrape: an alert
+    that fires now is drawn up to its last evaluation (it used to be a 1-s sliver at the last
+    scrape), and the tiles say "no data" rather than the last minute before the outage as healthy."""
+    outage = 600.0
+    api.outage(outage)
+    nodata = {
+        **episode("VLLMRetrywatchNoData", ENGINE_B, NOW + 15.0, None, ident=9),
+        "summary": "The detector has no data for this engine.",
+    }
+    api.set_episodes([nodata])
+    api.set_alerts([{**nodata, "state": "firing", "value": 1.0}])
+    ctx = context(api)
+    assert ctx.now() == NOW + outage
+    fig, *_ = history.update(ctx, None, None, 3600)
+    (bar,) = fig.data
+    assert list(bar.base) == [(NOW + 15.0) * 1000.0]
+    assert list(bar.x) == [pytest.approx((outage - 15.0) * 1000.0)]
+    for _ in range(2):  # the first refresh and the next (remembered) one alike
+        view = live.live_view(ctx, ENGINE_B, 900)
+        assert view.now == NOW + outage
+        assert [(t.key, t.status, t.text) for t in view.tiles() if t.status != "nodata"] == []
+        assert all(r.x1 == (NOW + outage) * 1000.0 for fig in view.figures() for r in rects(fig))
+
+
+def test_an_engine_that_left_is_never_shown_ok(api: StaticDetectorAPI) -> None:
+    """The detector keeps an engine's history after it leaves (a replica scaled down: the source
+    stops naming it, its alerts resolve): its chip says it has no recent data, never "ok"."""
+    api.set_signals(ENGINE_B, synthetic_history(end=NOW - 600.0, duration_s=3000, seed=2), model="llama")
+    api.set_alerts([loop_alert()])
+    ctx = context(api)
+    _, _, chips, *_ = live.update(ctx, ENGINE_A, 900)
+    text = str(chips)
+    assert "10.0.0.2:8100: ok" not in text
+    assert "10.0.0.2:8100: no data in the last minute" in text
+    assert "VLLMMetastableRetryLoop (critical)" in text  # the engine still reporting as before

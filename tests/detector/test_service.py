@@ -369,3 +369,24 @@ def test_the_writer_deletes_episodes_resolved_past_the_retention_at_start_and_ke
     keep_all.tick()
     assert keep_all.prune() == 0 and len(store.episodes()) == 2
     store.close()
+
+
+def test_alerts_say_when_they_were_evaluated_which_goes_on_while_the_source_is_down(tmp_path: Path) -> None:
+    """``/alerts`` carries the time of the evaluation it is as of: past the last scrape while the
+    source is down, so a page can draw an alert that fires now up to now, not to the last scrape."""
+    series = _series(tmp_path)
+    source = ReplaySource(series, instance="proxy-a", offset=T0)
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(source, store)
+    client = TestClient(create_app(det))
+    assert client.get("/alerts").json() == {"alerts": [], "evaluated_at": None}  # none yet
+    first = source.snapshots[0].t
+    det.tick(first)
+    assert client.get("/alerts").json()["evaluated_at"] == first
+    det.source = type("Down", (), {"name": "exporter", "fetch": lambda self, now: FetchResult(
+        down=["proxy-a"], error="connection refused"), "close": lambda self: None})()  # fmt: skip
+    det.tick(first + 600.0)
+    answer = client.get("/alerts").json()
+    assert answer["evaluated_at"] == first + 600.0
+    assert client.get("/healthz").json()["source"]["last_scrape_at"] == first
+    store.close()
