@@ -414,7 +414,7 @@ class FirstTokenWaitEstimator:
     wait ≈ (prompt tokens of the executions ahead of it that have not reached their first token
     + its own prompt) / prefill throughput. The throughput starts at a configured prior and is
     learned online from first-token events observed while a backlog existed (an EWMA of prompt
-    tokens per second between consecutive first tokens).
+    tokens per second between consecutive first tokens, or from the backlog's start).
     """
 
     ALPHA = 0.2
@@ -422,6 +422,15 @@ class FirstTokenWaitEstimator:
     def __init__(self, prior_tokens_per_s: float) -> None:
         self.tokens_per_s = prior_tokens_per_s
         self._last_event_at: float | None = None
+
+    def start_backlog(self, now: float) -> None:
+        """An execution enters an empty prefill backlog: the engine's prefill work starts now.
+
+        NOTE: the interval to the next first token is measured from here, not from the last
+        first token before the backlog emptied: that one took the idle time between for prefill
+        time (one call 100 s after another, and the rate learned fell from 20,000 to 16,000
+        tokens/s), and the deadline check shed attempts that would have made it."""
+        self._last_event_at = now
 
     def observe_first_token(self, now: float, prompt_tokens: int, backlog_before: int) -> None:
         if self._last_event_at is not None and backlog_before > 1 and prompt_tokens > 0:
@@ -686,6 +695,8 @@ class Policy:
         execution.state = ExecutionState.DISPATCHED
         execution.dispatched_at = now
         self._in_engine += 1
+        if self._awaiting_first_token == 0:
+            self._estimator.start_backlog(now)
         self._awaiting_first_token += 1
         self._awaiting_first_token_tokens += execution.prompt_tokens
         self.counters.dispatched += 1

@@ -306,6 +306,21 @@ def test_first_token_wait_estimate_learns_the_prefill_rate() -> None:
     assert policy.estimated_first_token_wait_s(1000) > 5 * (1000 / 1_000_000)
 
 
+def test_the_prefill_rate_is_learned_from_busy_time_not_from_the_idle_time_before() -> None:
+    # The interval of a first token was measured from the last first token, even across an idle
+    # engine: one call, 100 s of nothing, then two at once whose first token came 0.6 s later
+    # gave a sample of 120 tokens/s, and the rate learned fell from 20,000 to 16,024.
+    policy = create_policy(prefill_tokens_per_s=20_000.0)
+    alone = policy.on_attempt(0.0, attempt("alone", prompt_tokens=12_000)).decision
+    assert isinstance(alone, Created)
+    policy.on_first_token(0.6, alone.execution_id)
+    pair = [policy.on_attempt(100.0, attempt(f"k{i}", prompt_tokens=12_000)).decision for i in range(2)]
+    assert all(isinstance(d, Created) for d in pair)
+    policy.on_first_token(100.6, pair[0].execution_id)  # type: ignore[union-attr]
+    # 12,000 tokens in the 0.6 s since the backlog began: the rate learned is the prior's.
+    assert policy.estimated_first_token_wait_s(0) == pytest.approx((12_000 + 1) / 20_000)
+
+
 @pytest.mark.parametrize(
     "bad",
     [
