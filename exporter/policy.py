@@ -315,12 +315,12 @@ class Subscriber:
     call_key: str | None = None  # key with a call id: the call is delivered once, whoever gets it
 
 
-@dataclass
-class SeenCall:
-    """A call with a call id, as remembered for classifying its attempts."""
-
-    started_at: float  # when its first attempt was seen
-    delivered: bool = False  # counted in ``delivered`` already (by another of its attempts)
+#: A call with a call id, as remembered for classifying its attempts: (when its first attempt was
+#: seen, whether it was counted in ``delivered`` already, by another of its attempts).
+#: NOTE: a plain tuple of a float and a bool, which the garbage collector stops tracking: up to
+#: ``max_remembered_calls`` of them live for ``retry_memory_s``, and instances of a class (a named
+#: tuple too) would each be walked by every collection that reached them.
+SeenCall = tuple[float, bool]
 
 
 @dataclass
@@ -527,8 +527,8 @@ class Policy:
                 # Remembered from its latest attempt ("seen within retry_memory_s"), still
                 # counted from its first: a call whose retries go on is not forgotten mid-call.
                 self._calls_seen.set(now, key, seen)
-                return AttemptKind.RETRY, seen.started_at
-            self._calls_seen.set(now, key, SeenCall(now))
+                return AttemptKind.RETRY, seen[0]
+            self._calls_seen.set(now, key, (now, False))
             if key in self._live_by_key:  # seen longer ago than remembered: still the same call
                 return AttemptKind.RETRY, now
         elif key is not None and says is not False:
@@ -766,9 +766,10 @@ class Policy:
         seen = self._calls_seen.get(now, subscriber.call_key)
         if seen is None:
             return True
-        if seen.delivered:
+        started_at, delivered = seen
+        if delivered:
             return False
-        seen.delivered = True
+        self._calls_seen.replace(subscriber.call_key, (started_at, True))
         return True
 
     def on_timer(self, now: float, execution_id: int) -> list[Effect]:
