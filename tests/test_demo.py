@@ -87,12 +87,20 @@ def test_a_taken_port_fails_with_a_clear_message() -> None:
     ]
 
 
-def test_a_duration_that_is_not_a_number_is_a_usage_error() -> None:
-    # NaN passes click.FloatRange's bound: the demo used to start every service, run no pulse at
-    # all and exit 0 with "done: of 0 calls".
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        # NaN passes click.FloatRange's bound: the demo used to start every service, run no pulse
+        # at all and exit 0 with "done: of 0 calls".
+        ("--duration", "nan", "nan is not a finite number."),
+        # It started every service, then ended in a traceback from the workload's generator.
+        ("--seed", "-1", "-1 is not in the range x>=0."),
+    ],
+)
+def test_a_bad_number_is_a_usage_error_before_anything_starts(option: str, value: str, error: str) -> None:
     engine, proxy, detector, dashboard = free_ports(4)
     result = subprocess.run(
-        [sys.executable, "-m", "retrywatch", "demo", "--no-browser", "--duration", "nan",
+        [sys.executable, "-m", "retrywatch", "demo", "--no-browser", "--duration", "5", option, value,
          "--engine-port", str(engine), "--proxy-port", str(proxy),
          "--detector-port", str(detector), "--dashboard-port", str(dashboard)],
         capture_output=True,
@@ -100,26 +108,7 @@ def test_a_duration_that_is_not_a_number_is_a_usage_error() -> None:
         timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "Error: Invalid value for '--duration': nan is not a finite number."
-    )
-
-
-def test_a_negative_seed_is_a_usage_error_before_anything_starts() -> None:
-    # It started every service, then ended in a traceback from the workload's generator.
-    engine, proxy, detector, dashboard = free_ports(4)
-    result = subprocess.run(
-        [sys.executable, "-m", "retrywatch", "demo", "--no-browser", "--duration", "5", "--seed", "-1",
-         "--engine-port", str(engine), "--proxy-port", str(proxy),
-         "--detector-port", str(detector), "--dashboard-port", str(dashboard)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "Error: Invalid value for '--seed': -1 is not in the range x>=0."
-    )
+    assert result.stderr.strip().splitlines()[-1] == f"Error: Invalid value for '{option}': {error}"
 
 
 def _port_closed(port: int) -> bool:

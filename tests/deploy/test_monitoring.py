@@ -3,7 +3,6 @@ checked by Prometheus' and Alertmanager's own tools against the rules they serve
 
 from __future__ import annotations
 
-import contextlib
 import re
 import subprocess
 import time
@@ -14,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from exporter.processes import free_port
+from exporter.processes import ManagedProcess, free_port
 from rules.generate import RULES_PATH
 from tests.deploy.conftest import DEPLOY, tool
 
@@ -76,26 +75,10 @@ def shipped_alertmanager(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     argv = [binary, f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
             f"--storage.path={tmp_path / 'am'}", f"--config.file={ALERTMANAGER_YML}"]  # fmt: skip
-    with open(tmp_path / "am.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (tmp_path / "am.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "Alertmanager did not become ready"
-            time.sleep(0.1)
+    with ManagedProcess(argv, log_path=tmp_path / "am.log", bound_s=120, name="Alertmanager") as proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{url}/-/ready", timeout_s=30, poll_s=0.1)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def test_the_retry_loop_inhibits_its_replicas_warnings_but_not_its_missing_data(
