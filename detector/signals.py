@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from exporter import metricnames as mn
 from exporter.ratios import RATIOS
-from exporter.timeseries import Snapshot
+from exporter.timeseries import Sample, Snapshot
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ PROMETHEUS_JOB = "retrywatch"
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
 #: The ``engine`` label of an instance whose vLLM runs several engines (data parallel).
 ALL_ENGINES = "all"
+#: Prometheus' ``up`` series: a sample of it with a value other than 0 names an instance whose
+#: target answered (the scrape source adds one per answer), with or without the raw series.
+UP = "up"
 #: Engines one detector follows at most (``retrywatch detect --max-engines``).
 MAX_INSTANCES = 256
 
@@ -97,6 +100,7 @@ for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
     _BY_NAME.setdefault(_name, []).append((_i, _flt))
 
 _COUNTER_IDX: tuple[int, ...] = tuple(i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith("_total"))
+_COUNTER_NAMES: frozenset[str] = frozenset(RAW[RAW_KEYS[i]][0] for i in _COUNTER_IDX)
 
 # Series without which no verdict is possible (NoData fires when one is missing).
 NEEDED_RAW: tuple[str, ...] = ("attempts_first", "created", "waiting")
@@ -407,9 +411,23 @@ class _EngineHistory:
     source_up: bool = True
     last_report: float = -math.inf  # the last scrape or down mark that named this instance
     capacity_samples: list[tuple[float, float]] = field(default_factory=list)
-    # counters are stored reset-adjusted (monotonic), so a rate is one subtraction
-    last_raw: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
+    # counters are stored as the sum of their series' increases (monotonic), so a rate is one
+    # subtraction; each series' reset is told apart from the others (see :meth:`SignalEngine.add`)
     last_adj: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
+    # each counter series' last value and when it was last seen
+    counters: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = field(default_factory=dict)
+
+
+def _by_instance(snapshot: Snapshot, default_instance: str) -> dict[str, list[Sample]]:
+    """The samples of the raw series, grouped by their ``instance`` label (``default_instance``
+    where they have none); an instance whose target answered (``up`` not 0) without any has none."""
+    out: dict[str, list[Sample]] = {}
+    for sample in snapshot.samples:
+        if sample[0] == UP and sample[2] != 0:
+            out.setdefault(sample[1].get("instance", default_instance), [])
+        elif sample[0] in _BY_NAME:
+            out.setdefault(sample[1].get("instance", default_instance), []).append(sample)
+    return out
 
 
 def split_snapshot(snapshot: Snapshot, default_instance: str = "") -> dict[str, tuple[list[float], str, str]]:
@@ -474,31 +492,68 @@ class SignalEngine:
 
     def add(self, snapshot: Snapshot, default_instance: str = "") -> int:
         """Record one scrape (samples grouped by their ``instance`` label); returns how many of
-        its instances were left out (new ones past ``max_instances``)."""
+        its instances were left out (new ones past ``max_instances``). An ``up`` sample (not 0)
+        names an instance whose target answered: without its raw series, they are stale (missing
+        data), and it has not left the fleet.
+
+        A counter is the sum of its series' increases, each series' reset told apart, as
+        ``sum by (instance) (rate(...))`` rates each series before summing: one of several series
+        under an instance (a data-parallel vLLM's engines, several proxies behind one
+        ``instance``) that restarts, vanishes or first appears is no jump of the sum. A value
+        that is not finite is skipped."""
         left_out = 0
-        for instance, (row, engine, model) in split_snapshot(snapshot, default_instance).items():
+        for instance, samples in _by_instance(snapshot, default_instance).items():
             hist = self._follow(instance, snapshot.t)
             if hist is None:
                 left_out += 1
                 continue
+            late = bool(hist.times) and snapshot.t <= hist.times[-1]
+            if not late:
+                samples = self._increases(hist, samples, snapshot.t)
+            # a target that answered without the series: they are stale at once, as in Prometheus
+            row, engine, model = split_snapshot(Snapshot(t=snapshot.t, samples=samples), instance).get(
+                instance, ([math.nan] * len(RAW_KEYS), "", "")
+            )
             if engine or model:
                 hist.engine, hist.model = engine, model
-            if hist.times and snapshot.t <= hist.times[-1]:
+            if late:
                 continue  # a repeated or late scrape: the first one at a time stands
             for idx in _COUNTER_IDX:
-                raw = row[idx]
-                if math.isnan(raw):
+                increase = row[idx]
+                if math.isnan(increase):
                     continue
-                prev = hist.last_raw[idx]
-                # a counter that went down was reset: it restarted from zero (like rate())
-                adj = raw if math.isnan(prev) else hist.last_adj[idx] + (raw - prev if raw >= prev else raw)
-                hist.last_raw[idx], hist.last_adj[idx] = raw, adj
-                row[idx] = adj
+                prev = hist.last_adj[idx]
+                hist.last_adj[idx] = row[idx] = increase if math.isnan(prev) else prev + increase
             hist.times.append(snapshot.t)
             hist.rows.append(row)
             hist.source_up = True
             self._trim(hist, snapshot.t)
         return left_out
+
+    def _increases(self, hist: _EngineHistory, samples: list[Sample], t: float) -> list[Sample]:
+        """``samples`` with each counter's value replaced by its series' increase since the
+        series' previous sample (a value below it: a reset, the series restarted from zero; a
+        series not seen before: 0, as ``rate()`` counts from a series' first sample); NaN for a
+        value that is not finite. Series unseen for the retention are forgotten."""
+        out: list[Sample] = []
+        counters = hist.counters
+        for name, labels, value in samples:
+            if name in _COUNTER_NAMES:
+                key = (name, tuple(sorted(labels.items())))
+                if not math.isfinite(value):
+                    value = math.nan
+                else:
+                    prev = counters.get(key)
+                    counters[key] = (value, t)
+                    if prev is None:
+                        value = 0.0
+                    elif value >= prev[0]:
+                        value -= prev[0]
+            out.append((name, labels, value))
+        horizon = t - self.retention_s
+        if any(seen < horizon for _, seen in counters.values()):
+            hist.counters = {k: v for k, v in counters.items() if v[1] >= horizon}
+        return out
 
     def mark_down(self, instance: str, at: float) -> bool:
         """At ``at`` the source could not reach ``instance``: its signals report missing data.

@@ -20,7 +20,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests.exceptions import RequestException, Timeout
 from urllib3.util.retry import Retry
 
-from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, RAW
+from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, RAW, UP
 from detector.sources import AnswerTooLarge, AnswerTooSlow, FetchResult, read_whole
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot
@@ -63,7 +63,7 @@ class WholeAnswerSession(requests.Session):
 
 
 def _selector(job: str | None) -> str:
-    names = sorted({name for name, _ in RAW.values()} | {"up"})
+    names = sorted({name for name, _ in RAW.values()} | {UP})
     pattern = "|".join(re.escape(n) for n in names)
     job_part = f',job="{job}"' if job else ""
     return f'{{__name__=~"{pattern}"{job_part}}}'
@@ -120,11 +120,14 @@ class PrometheusSource:
             keep: list[Sample] = []
             for name, labels, value in snap.samples:
                 inst = labels.get("instance", "")
-                if name == "up":
+                if name == UP:
                     if value == 0:
                         down.add(inst)
-                    elif snap is snapshots[-1]:
+                        continue
+                    if snap is snapshots[-1]:
                         down.discard(inst)
+                    named.add(inst)
+                    keep.append((name, labels, value))  # answered: named, with or without series
                     continue
                 named.add(inst)
                 keep.append((name, labels, value))

@@ -1,7 +1,9 @@
 """Direct scrape of retrywatch proxies' ``/metrics`` (which carry vLLM's series too).
 
 The embedded default: no Prometheus needed. Each target's samples get ``instance`` = its URL,
-with any credentials in it masked (the instance is stored, shown and sent in notifications).
+with any credentials in it masked (the instance is stored, shown and sent in notifications), and
+each answer adds ``up`` = 1, as Prometheus does: a target that answers without the series (an
+empty body) is missing data, not a target that left.
 Targets are read at the same time, so a target that does not answer costs an evaluation one
 timeout, not one per target.
 """
@@ -14,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from detector.signals import UP
 from detector.sources import FetchResult, read_whole
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot, parse_exposition
@@ -77,7 +80,9 @@ class ScrapeSource:
                 result.down.append(instance)
                 result.error = f"{instance}: {redact_text(str(read), [url])}"
                 continue
-            labelled = [(n, {**lb, "instance": instance}, v) for n, lb, v in read]
+            # up: the target answered, if without the series (an empty body): Prometheus' own
+            labelled = [(n, {**lb, "instance": instance}, v) for n, lb, v in read if n != UP]
+            labelled.append((UP, {"instance": instance}, 1.0))
             result.snapshots.append(Snapshot(t=now, samples=labelled))
         return result
 

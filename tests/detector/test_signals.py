@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from detector.signals import ALL_ENGINES, RAW_KEYS, SignalConfig, SignalEngine, split_snapshot
@@ -179,3 +181,29 @@ def test_a_data_parallel_vllm_is_one_engine_named_all_its_series_summed() -> Non
     assert row[list(RAW_KEYS).index("waiting")] == 7.0
     ((_, engine, _),) = split_snapshot(base, "one").values()
     assert engine == "0"
+
+
+def test_a_counter_reset_among_several_series_of_an_instance_is_that_series_alone() -> None:
+    """Two proxies behind one ``instance`` (told apart by another label): one restarts. Like
+    ``sum by (instance) (rate(...))``, only its own counter restarts from zero; the other's value
+    is no increase."""
+    eng = SignalEngine()
+    for t in range(0, 181, 5):
+        a = 2.0 * t
+        b = 2.0 * t if t < 125 else 2.0 * (t - 125)  # proxy b restarts at t=125
+        samples = [
+            *((n, {**lb, "pod": "a"}, a if n == mn.ATTEMPTS and lb.get("kind") == "first" else v)
+              for n, lb, v in snapshot(float(t), waiting=1.0).samples),
+            (mn.ATTEMPTS, {"kind": "first", "pod": "b"}, b),
+        ]  # fmt: skip
+        eng.add(Snapshot(float(t), samples), "x")
+    # a: 2/s over the window; b: 2/s, one 5-s step lost to its reset
+    assert _frame(eng, 180.0).values["attempt_rate_first"] == pytest.approx(2.0 + 2.0 * 55 / 60)
+
+
+def test_a_non_finite_counter_sample_does_not_poison_later_rates() -> None:
+    eng = SignalEngine()
+    for t in range(0, 201, 5):
+        first = math.inf if t == 50 else 2.0 * t
+        eng.add(snapshot(float(t), first=first, waiting=1.0), "x")
+    assert _frame(eng, 200.0).values["attempt_rate_first"] == pytest.approx(2.0)

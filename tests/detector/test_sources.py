@@ -12,6 +12,7 @@ import pytest
 from detector.signals import SignalConfig, SignalEngine
 from detector.sources.prometheus import SERIES_PER_ENGINE, PrometheusSource
 from detector.sources.scrape import ScrapeSource
+from exporter import metricnames as mn
 from tests.detector.conftest import TestServer, exposition, trickling_server, wait_until
 from tests.detector.factories import snapshot
 
@@ -191,3 +192,60 @@ def test_a_prometheus_that_trickles_its_answer_is_down_after_the_timeout() -> No
         took = time.monotonic() - started
     assert result.down and "not complete after 1 s" in str(result.error)
     assert took < 5, f"the fetch took {took:.1f} s"
+
+
+def test_a_target_that_answers_without_the_series_is_missing_data_not_gone(http_server: TestServer) -> None:
+    """A target that answers 200 with an empty body (or without the retrywatch and vLLM series)
+    was reached: its series are stale at once, as in Prometheus, and it reports missing data
+    (NoData) for as long as it answers so; it has not left the fleet."""
+    other = TestServer()
+    try:
+        other.body = http_server.body = exposition(snapshot(0.0, first=10.0, waiting=7.0).samples)
+        urls = [http_server.url + "/metrics", other.url + "/metrics"]
+        source = ScrapeSource(urls)
+        engine = SignalEngine()
+        for t in range(0, 601, 5):
+            if t == 100:
+                other.body = ""
+            result = source.fetch(float(t))
+            for snap in result.snapshots:
+                engine.add(snap)
+            for instance in result.down:
+                engine.mark_down(instance, float(t))
+            frames = {f.labels.instance: f for f in engine.compute(float(t))}
+            assert sorted(frames) == sorted(source.instances.values()), t
+            emptied = frames[source.instances[urls[1]]]
+            assert emptied.values["data_missing"] == (1.0 if t >= 100 else 0.0), t
+            assert frames[source.instances[urls[0]]].values["data_missing"] == 0.0
+        source.close()
+    finally:
+        other.close()
+
+
+@pytest.mark.promtool  # needs Debian's prometheus package (promtool's package)
+def test_a_target_prometheus_scrapes_without_the_series_is_missing_data(
+    http_server: TestServer, prometheus_factory: Callable[[str | Path], str]
+) -> None:
+    """Prometheus scrapes the target (``up`` 1), which answers without the series: they go stale
+    at once, and the detector says missing data at once, as the recording rule does."""
+    http_server.body = exposition(snapshot(0.0, first=10.0, waiting=7.0).samples)
+    source = PrometheusSource(
+        prometheus_factory(f"127.0.0.1:{http_server.port}"), backfill_s=10.0, step_s=1.0
+    )
+    engine = SignalEngine()
+
+    def feed() -> set[str]:
+        now = time.time()
+        result = source.fetch(now)
+        for snap in result.snapshots:
+            engine.add(snap)
+        return {name for snap in result.snapshots[-1:] for name, _, _ in snap.samples}
+
+    wait_until(lambda: mn.VLLM_NUM_WAITING in feed(), 30, "Prometheus to scrape the series")
+    (frame,) = engine.compute(time.time())
+    assert frame.values["data_missing"] == 0.0
+    http_server.body = ""
+    wait_until(lambda: mn.VLLM_NUM_WAITING not in feed(), 30, "the series to go stale")
+    (frame,) = engine.compute(time.time())
+    assert frame.labels.instance == f"127.0.0.1:{http_server.port}"
+    assert frame.values["data_missing"] == 1.0 and frame.values["vllm_waiting"] is None
