@@ -12,9 +12,13 @@ The lease is something the database or the kernel releases when its holder dies,
 - PostgreSQL: a session-level advisory lock (``pg_try_advisory_lock``) held on a connection of
   its own and checked at every evaluation; a lost session is a lost lock, which the server has
   released (another detector may have it by now).
-- A SQLite file: an exclusive POSIX lock (``fcntl.lockf``) on ``<file>-writer`` beside the
-  database, as SQLite keeps its ``-wal`` and ``-shm`` files there. A POSIX lock belongs to the
-  process: detectors in one process share it.
+- A SQLite file: an exclusive lock on ``<file>-writer`` beside the database, as SQLite keeps its
+  ``-wal`` and ``-shm`` files there: an open file description lock (Linux's ``F_OFD_SETLK``, which
+  conflicts with a POSIX ``lockf`` lock of another process; ``flock`` elsewhere). It belongs to
+  the lease's own open file, not to the process, so two detectors in one process exclude each
+  other like two processes, and closing another descriptor of the file (a second lease released)
+  leaves it held, where a process's POSIX lock would be silently released. A child forked without
+  ``exec`` shares the open file and so the lock (``exec`` closes it: ``O_CLOEXEC``).
 - An in-memory SQLite database belongs to its process, and other databases have no lease here:
   the detector takes itself for the only writer.
 """
@@ -26,6 +30,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import struct
 from pathlib import Path
 from typing import Protocol
 
@@ -119,8 +124,19 @@ class AdvisoryLease:
         self._drop()
 
 
+def _try_lock(fd: int) -> None:
+    """Take an exclusive lock on the whole of ``fd``'s file without waiting, owned by ``fd``'s
+    open file description; OSError (EAGAIN or EACCES) when another holds one."""
+    if hasattr(fcntl, "F_OFD_SETLK"):
+        # struct flock: l_type, l_whence, l_start, l_len, l_pid (0, as OFD locks require)
+        lock = struct.pack("hhqqi0q", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 class FileLease:
-    """An exclusive POSIX lock on ``path`` (created when missing), held by this process."""
+    """An exclusive lock on ``path`` (created when missing), held by this lease's open file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -135,7 +151,7 @@ class FileLease:
         if self._held:
             return LeaseState.HELD
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _try_lock(self._fd)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EAGAIN):
                 return LeaseState.TAKEN

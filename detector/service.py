@@ -258,8 +258,13 @@ class Detector:
         self._scheduler: BackgroundScheduler | None = None
         self.lease = lease_for(store.engine) if lease is None else lease
         self.writer = False  # holds the writer lease (as of the last evaluation)
+        # The lease was confirmed at the last check: a writer whose database did not answer for its
+        # lease keeps its transitions waiting but writes none (another detector may hold it by now).
+        self._confirmed = False
         # The stored episodes match the evaluator's alerts: restored from them just below, they do
-        # until the lease is seen taken, or lost, and then taken by this detector again.
+        # until the lease is seen taken, or lost, and then taken by this detector again. Taken at
+        # the first check, they match but for the episodes opened since the restore (by a writer
+        # that stopped just then): those are re-armed then (:meth:`_rearm_open`).
         self._in_line = True
         self._first_hold = True
         self._restore()
@@ -299,6 +304,7 @@ class Detector:
                 self.metrics.transitions.labels(kind=tr.kind).inc()
             if self._hold_lease():
                 self.pending.add(transitions)
+            if self._may_write():
                 self._write_pending()
                 if not self._in_line:
                     self._take_over(now)
@@ -334,8 +340,9 @@ class Detector:
     def _hold_lease(self) -> bool:
         """Whether this detector writes: take or confirm the writer lease, and say when that
         changes. While the database does not answer, a writer stays one (its transitions wait
-        for the database); a detector that finds the lease taken drops what waits (the holder
-        writes its own)."""
+        for the database) but writes nothing until the lease is confirmed (:meth:`_may_write`):
+        its lease's session may be gone, and another detector may hold the lease by now; a
+        detector that finds the lease taken drops what waits (the holder writes its own)."""
         try:
             state = self.lease.hold()
         except Exception as exc:  # a lease that fails (a broken lock file) writes nothing
@@ -343,9 +350,16 @@ class Detector:
             state = LeaseState.TAKEN
         was, first = self.writer, self._first_hold
         self._first_hold = False
+        confirmed, self._confirmed = self._confirmed, state in (LeaseState.ACQUIRED, LeaseState.HELD)
+        if state is LeaseState.UNREACHABLE and was and confirmed:
+            log.warning("the writer lease (%s) cannot be confirmed: the database does not answer;"
+                        " transitions wait until it is", self.lease.description)  # fmt: skip
         if state is LeaseState.ACQUIRED:
             self.writer = True
-            self._in_line = self._in_line and first  # another detector may have written meanwhile
+            if not first:
+                self._in_line = False  # another detector may have written meanwhile
+            elif self._in_line:
+                self._rearm_open()
         elif state is LeaseState.TAKEN:
             self.writer = False
             dropped = self.pending.clear()
@@ -362,23 +376,20 @@ class Detector:
         self.metrics.writer.set(1.0 if self.writer else 0.0)
         return self.writer
 
+    def _may_write(self) -> bool:
+        """Whether this detector writes now: the writer, with its lease confirmed at the last check."""
+        return self.writer and self._confirmed
+
     def _take_over(self, now: float) -> None:
         """Once the lease is taken after another detector held it (one that stopped or died), or
         taken again after it was lost, bring the stored episodes in line with this detector's
         alerts: re-arm each open episode it does not have firing (it resolves through the usual
         hysteresis, and notifies then), and write a firing at ``now`` (and notify it) for each
         alert firing here that has no open episode. (At start the alerts come from the store.)"""
-        try:
-            open_episodes = self.store.firing()
-        except Exception as exc:  # the database refuses reads: tried again next evaluation
-            log.warning("reading the open episodes on taking the writer lease failed: %s", store_error(exc))
-            return
-        known = {r.name for r in self.rules}
-        stored = {(ep.alertname, ep.labels.instance) for ep in open_episodes}
         firing = {(a.alertname, a.labels.instance): a for a in self.evaluator.firing()}
-        for ep in open_episodes:
-            if ep.alertname in known and (ep.alertname, ep.labels.instance) not in firing:
-                self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
+        stored = self._rearm_open()
+        if stored is None:  # the database refuses reads: tried again next evaluation
+            return
         missing = [
             self.evaluator.transition("firing", a, now) for key, a in firing.items() if key not in stored
         ]
@@ -388,6 +399,24 @@ class Detector:
             self.pending.add(missing)
             self._write_pending()
         self._in_line = True
+
+    def _rearm_open(self) -> set[tuple[str, str]] | None:
+        """Re-arm each open episode this detector does not have firing (it resolves through the
+        usual hysteresis, and notifies then); returns the open episodes' (alertname, instance),
+        None when the database refuses the read. Also on taking the lease at the first check: the
+        alerts came from the store when the detector was made, and the writer before it (one
+        that stopped just then) may have opened an episode since, which would stay open."""
+        try:
+            open_episodes = self.store.firing()
+        except Exception as exc:
+            log.warning("reading the open episodes on taking the writer lease failed: %s", store_error(exc))
+            return None
+        known = {r.name for r in self.rules}
+        firing = {(a.alertname, a.labels.instance) for a in self.evaluator.firing()}
+        for ep in open_episodes:
+            if ep.alertname in known and (ep.alertname, ep.labels.instance) not in firing:
+                self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
+        return {(ep.alertname, ep.labels.instance) for ep in open_episodes}
 
     def _engines_left_out(self, n: int) -> None:
         """Set the gauge; warn when the number of engines left out changes."""
@@ -427,7 +456,7 @@ class Detector:
         """Retry the waiting transitions now (a replay's scheduler and :meth:`stop` call it; an
         evaluation does it by itself); returns how many still wait. Only the writer writes."""
         with self._lock:
-            if self.writer:
+            if self._may_write():
                 self._write_pending()
         return len(self.pending)
 
@@ -476,7 +505,7 @@ class Detector:
         self._scheduler = sched
 
     def _safe_requeue(self) -> None:
-        if not self.writer:  # the writer sends what is unsent
+        if not self._may_write():  # the writer sends what is unsent
             return
         try:
             self.dispatcher.requeue_unsent()
@@ -486,7 +515,7 @@ class Detector:
     def prune(self, now: float | None = None) -> int:
         """Delete the episodes resolved more than the retention before ``now`` (the writer does,
         at start and every :data:`PRUNE_EVERY_S`); returns how many."""
-        if self.retention_s <= 0 or not self.writer:
+        if self.retention_s <= 0 or not self._may_write():
             return 0
         now = self.clock() if now is None else now
         deleted = self.store.prune(now - self.retention_s)

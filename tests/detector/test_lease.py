@@ -250,3 +250,130 @@ def test_a_standby_that_takes_over_writes_what_fired_meanwhile_and_rearms_what_i
     assert [p["status"] for p in http_server.posts if p["alert"]["alertname"] == NODATA] == ["resolved"]  # type: ignore[index]
     det.dispatcher.close()
     store.close()
+
+
+_TRY = """
+import sys
+from pathlib import Path
+from detector.lease import FileLease
+print(FileLease(Path(sys.argv[1])).hold().value, flush=True)
+"""
+
+
+def test_a_lock_file_lease_is_its_own_in_a_process_and_survives_another_lease_released(
+    tmp_path: Path,
+) -> None:
+    """Two leases on one file in one process exclude each other (as two processes do), and the
+    second one released (its descriptor closed) leaves the first one's lock held: a process's
+    POSIX lock would be released by any close of the file, and another process would take it."""
+    path = tmp_path / "detector.db-writer"
+    first, second = FileLease(path), FileLease(path)
+    try:
+        assert first.hold() is LeaseState.ACQUIRED
+        assert second.hold() is LeaseState.TAKEN
+        second.release()
+        assert first.hold() is LeaseState.HELD
+        other = subprocess.run(
+            [sys.executable, "-c", _TRY, str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert other.stdout.strip() == LeaseState.TAKEN.value, other.stderr
+    finally:
+        first.release()
+        second.release()
+    other = subprocess.run(
+        [sys.executable, "-c", _TRY, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert other.stdout.strip() == LeaseState.ACQUIRED.value, other.stderr
+
+
+@pytest.mark.postgres
+def test_a_writer_whose_lease_session_is_lost_writes_nothing_until_it_takes_the_lease_again(
+    tmp_path: Path, http_server: TestServer, postgres_url: str
+) -> None:
+    """The lease's session ends (the server killed it) and the detector cannot open another one
+    while its pooled connections still work: another detector may hold the lock by now, so this
+    one queues its transitions and neither writes nor notifies until it has the lease again."""
+    import psycopg
+
+    from detector.lease import LEASE_KEY
+
+    series = tmp_path / "metrics.jsonl"
+    write_series(series, MiniSim(seed=3, cancellation=False).run())
+    store = EpisodeStore(postgres_url)
+    lease = AdvisoryLease(make_engine(postgres_url))
+    source = ReplaySource(series, instance="proxy-a", offset=T0)
+    det = Detector(source, store, notifiers=[WebhookNotifier(http_server.url, name="webhook0")], lease=lease)
+    det.dispatcher.start()
+    times = sorted({s.t for s in source.snapshots})
+    det.tick(times[0])
+    assert det.writer and lease._conn is not None
+    pid = lease._conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    dsn = postgres_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as admin, psycopg.connect(dsn, autocommit=True) as other:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        # the other detector takes the lease once the killed session has gone (which takes a moment)
+        wait_until(
+            lambda: other.execute("SELECT pg_try_advisory_lock(%s)", (LEASE_KEY,)).fetchone() == (True,),
+            10,
+            "the killed session to release the lock",
+        )
+        reachable, lease.engine = (
+            lease.engine,
+            make_engine("postgresql+psycopg://u@127.0.0.1:1/none?connect_timeout=2"),
+        )
+        fired_at = None
+        for t in times[1:]:
+            det.tick(t)
+            if any(a["alertname"] == LOOP for a in det.firing_alerts()):
+                fired_at = t
+                break
+        assert fired_at is not None
+        assert det.dispatcher.wait_idle(10)
+        assert store.episodes(alertname=LOOP) == [] and http_server.posts == []
+        assert det.write_pending() > 0  # they wait, unwritten
+        assert store.episodes(alertname=LOOP) == []
+    lease.engine = reachable  # the other detector stopped: this one takes the lease again
+    det.tick(next(t for t in times if t > fired_at))
+    assert det.writer and det.dispatcher.wait_idle(10)
+    (loop,) = store.episodes(alertname=LOOP)
+    assert loop.started_at == fired_at
+    told = [(p["status"], p["alert"]["alertname"]) for p in http_server.posts]  # type: ignore[index]
+    assert told.count(("firing", LOOP)) == 1
+    det.dispatcher.close()
+    lease.release()
+    store.close()
+
+
+def test_an_episode_opened_between_start_up_and_the_first_hold_is_rearmed(tmp_path: Path) -> None:
+    """A detector restores its alerts from the store when it is made, and takes the lease a
+    moment later: an episode the writer before it opened in between (and left open as it
+    stopped) is re-armed too, so it resolves instead of staying open for good."""
+    series = tmp_path / "metrics.jsonl"
+    write_series(series, MiniSim(seed=3, cancellation=False).run())
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    lease = _Scripted()
+    lease.state = LeaseState.ACQUIRED
+    source = ReplaySource(series, instance="proxy-a", offset=T0)
+    det = Detector(source, store, lease=lease)
+    other = EngineLabels("0", "m", "proxy-b")
+    store.record(
+        Transition(
+            kind="firing",
+            alertname=NODATA,
+            severity="warning",
+            labels=other,
+            at=T0,
+            started_at=T0,
+            value=1.0,
+            summary="s",
+            description="d",
+        )
+    )
+    times = sorted({s.t for s in source.snapshots})
+    det.tick(times[0])
+    assert det.writer
+    assert (NODATA, "proxy-b") in {(a.alertname, a.labels.instance) for a in det.evaluator.firing()}
+    det.tick(times[1])
+    (nodata,) = [ep for ep in store.episodes(alertname=NODATA) if ep.labels.instance == "proxy-b"]
+    assert nodata.resolved_at is not None
+    store.close()

@@ -101,6 +101,7 @@ def test_detector_ticks_records_serves_and_notifies_once_across_a_restart(
     assert 'retrywatch_detector_alerts_firing{alertname="VLLMMetastableRetryLoop"} 1.0' in metrics.text
 
     # a crash (no clean stop) and a restart on the same database: no second "firing"
+    det.lease.release()  # the crash: the kernel releases the dead process's lock
     store2 = EpisodeStore(db)
     source2 = ReplaySource(series, instance="proxy-a", offset=T0)
     source2.fetch(fired_at)  # the new process starts where the old one stopped
