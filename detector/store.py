@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -45,10 +46,11 @@ from sqlalchemy import (
     event,
     inspect,
     select,
+    text,
     update,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.sql.elements import ColumnElement
 
 from detector.episodes import AlertEpisode
@@ -155,9 +157,37 @@ def current_version(conn: Connection) -> int:
     return int(row[0]) if row else 0
 
 
+#: PostgreSQL's advisory lock that one migration at a time holds (detectors opening a new
+#: database together would each create the schema, and all but one fail).
+MIGRATION_KEY = int.from_bytes(
+    hashlib.blake2b(b"retrywatch schema", digest_size=8).digest(), "big", signed=True
+)
+MIGRATION_TRIES = 5
+
+
 def migrate(engine: Engine) -> int:
-    """Bring the database to :data:`SCHEMA_VERSION`; returns the version found before."""
+    """Bring the database to :data:`SCHEMA_VERSION`; returns the version found before.
+
+    Detectors opening a new database at once each create the schema: on PostgreSQL one migration
+    waits for another's (an advisory lock for the transaction), and then finds the schema made;
+    SQLite commits each table as it is created, so one that another process made between the
+    check and the create is tried again (every step checks first)."""
+    tries = 1
+    while True:
+        try:
+            return _migrate(engine)
+        except OperationalError as exc:
+            raced = engine.dialect.name == "sqlite" and "already exists" in str(exc.orig)
+            if not raced or tries == MIGRATION_TRIES:
+                raise
+        time.sleep(0.05 * tries)
+        tries += 1
+
+
+def _migrate(engine: Engine) -> int:
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_KEY})
         found = current_version(conn)
         if found > SCHEMA_VERSION:
             raise SchemaError(
@@ -346,9 +376,15 @@ class EpisodeStore:
         notifiers: Sequence[str] = (),
     ) -> AlertEpisode | None:
         with self._lock, self.engine.begin() as conn:
+            # NOTE: never an episode that started after the resolution: a resolution that waited
+            # (its database unreachable) must not close an episode another detector opened since.
             row = conn.execute(
                 select(episodes)
-                .where(self._key(alertname, labels), episodes.c.resolved_at.is_(None))
+                .where(
+                    self._key(alertname, labels),
+                    episodes.c.resolved_at.is_(None),
+                    episodes.c.started_at <= at,
+                )
                 .order_by(episodes.c.id.desc())
             ).first()
             if row is None:

@@ -44,6 +44,8 @@ def _exercise(store: EpisodeStore) -> None:
     store.mark_sent(ep.id, "webhook0", "firing")
     store.mark_failed(ep.id, "alertmanager", "firing", "HTTP 500")
     assert [(n, k) for _, n, k in store.unsent()] == [("alertmanager", "firing")]
+    # a resolution from before the episode began (one that waited) is not this episode's
+    assert store.record(_tr("resolved", 99.0), ["webhook0"]) is None
     done = store.record(_tr("resolved", 300.0), ["webhook0", "alertmanager"])
     assert done is not None and done.resolved_at == 300.0 and done.started_at == 100.0
     assert store.record(_tr("resolved", 310.0), ["webhook0"]) is None  # nothing open any more
@@ -206,3 +208,52 @@ def test_an_older_schema_gains_the_episode_indexes(tmp_path: Path) -> None:
     assert ep is not None and [e.id for e in again.firing()] == [ep.id]  # nothing lost
     assert [(n, k) for _, n, k in again.unsent()] == [("webhook0", "firing")]
     again.close()
+
+
+_OPEN_AT = """
+import sys, time
+from detector.store import EpisodeStore
+start = float(sys.argv[2])
+while time.time() < start:
+    pass
+try:
+    EpisodeStore(sys.argv[1]).close()
+    print("ok")
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def test_detectors_opening_a_new_database_at_once_all_start(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Two detectors started together on a new database (a second replica kept for availability)
+    each created the schema: all but one stopped with "table ... already exists"."""
+    import subprocess
+    import sys
+    import time
+
+    from sqlalchemy import create_engine
+
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'd.db'}"
+    else:
+        server: str = request.getfixturevalue("postgres_url")
+        admin = create_engine(server, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text("CREATE DATABASE fresh"))
+        admin.dispose()
+        url = server.rsplit("/", 1)[0] + "/fresh"
+    start = time.time() + 3  # every process imported and waiting, then all at once
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _OPEN_AT, url, str(start)], stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outcomes = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert outcomes == ["ok"] * 4, outcomes
+    store = EpisodeStore(url)
+    with store.engine.connect() as conn:
+        assert current_version(conn) == SCHEMA_VERSION
+        assert conn.execute(text("SELECT count(*) FROM schema_version")).scalar_one() == 1
+    store.close()
