@@ -171,13 +171,15 @@ def migrate(engine: Engine) -> int:
     Detectors opening a new database at once each create the schema: on PostgreSQL one migration
     waits for another's (an advisory lock for the transaction), and then finds the schema made;
     SQLite commits each table as it is created, so one that another process made between the
-    check and the create is tried again (every step checks first)."""
+    check and the create, or a file another process holds locked (switching it to WAL), is tried
+    again (every step checks first)."""
     tries = 1
     while True:
         try:
             return _migrate(engine)
         except OperationalError as exc:
-            raced = engine.dialect.name == "sqlite" and "already exists" in str(exc.orig)
+            message = str(exc.orig)
+            raced = engine.dialect.name == "sqlite" and ("already exists" in message or "locked" in message)
             if not raced or tries == MIGRATION_TRIES:
                 raise
         time.sleep(0.05 * tries)
