@@ -177,6 +177,12 @@ def test_an_advisory_lease_is_taken_held_lost_with_its_session_and_unreachable_w
     assert nobody.hold() is LeaseState.UNREACHABLE
 
 
+def _nodata_firing(labels: EngineLabels) -> Transition:
+    """NoData fired at ``T0`` for ``labels``' engine: an episode another detector left open."""
+    return Transition(kind="firing", alertname=NODATA, severity="warning", labels=labels, at=T0,
+                      started_at=T0, value=1.0, summary="s", description="d")  # fmt: skip
+
+
 class _Scripted:
     """A lease whose states the test sets: the detector's side of the lease, without a second
     process."""
@@ -204,17 +210,7 @@ def test_a_standby_that_takes_over_writes_what_fired_meanwhile_and_rearms_what_i
     store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
     other = EngineLabels("0", "m", "proxy-b")  # an episode the detector that died left open
     store.record(
-        Transition(
-            kind="firing",
-            alertname=NODATA,
-            severity="warning",
-            labels=other,
-            at=T0,
-            started_at=T0,
-            value=1.0,
-            summary="s",
-            description="d",
-        ),
+        _nodata_firing(other),
         ["webhook0"],
     )
     store.mark_sent(1, "webhook0", "firing")
@@ -356,19 +352,7 @@ def test_an_episode_opened_between_start_up_and_the_first_hold_is_rearmed(tmp_pa
     source = ReplaySource(series, instance="proxy-a", offset=T0)
     det = Detector(source, store, lease=lease)
     other = EngineLabels("0", "m", "proxy-b")
-    store.record(
-        Transition(
-            kind="firing",
-            alertname=NODATA,
-            severity="warning",
-            labels=other,
-            at=T0,
-            started_at=T0,
-            value=1.0,
-            summary="s",
-            description="d",
-        )
-    )
+    store.record(_nodata_firing(other))
     times = sorted({s.t for s in source.snapshots})
     det.tick(times[0])
     assert det.writer
