@@ -1,6 +1,7 @@
 """The client-side bounds of retrywatch's HTTP servers (``exporter.server``): where a server
 listens, and how large a request head, how slow a client (sending, or taking its answer), how many
-connections and how long a drained shutdown it allows.
+connections (and how many more for GET and HEAD requests only) and how long a drained shutdown it
+allows.
 
 ``retrywatch proxy`` makes each bound a flag (``exporter.settings``, whose defaults are these);
 the detector's API, the emulated engine and the dashboard serve with the defaults (each with a
@@ -38,4 +39,14 @@ class HttpBounds:
     # bytes) is closed, as nginx's send_timeout does (its default, 60 s).
     send_timeout_s: float = 60.0
     max_connections: int = 10_000  # past it a new one gets 503 (as many as the proxy's --max-queued)
+    # NOTE: connections past ``max_connections`` kept for GET and HEAD requests (a scrape of
+    # /metrics, a readiness probe of /health): at the cap, in the very overload the metrics exist
+    # to show, they went missing and the pod went unready. Fixed and small; past it a new
+    # connection gets 503.
+    reserved_connections: int = 32
     drain_timeout_s: float = 25.0  # inside Kubernetes' default 30-s grace period
+
+    @property
+    def connection_limit(self) -> int:
+        """Every connection a server holds at once: the cap and the reserve above it."""
+        return self.max_connections + self.reserved_connections

@@ -332,7 +332,7 @@ class Exchange:
             self.connection.write(b"%x\r\n%b\r\n" % (len(event), event) + _LAST_CHUNK)
             self._finished()
         else:
-            self._write_answer(status, body, no_cache=True)
+            self._write_answer(status, body, relay.error_headers(), no_cache=True)
 
     # --- writing -----------------------------------------------------------------------------
 

@@ -21,9 +21,11 @@ with a 502 its subscribers read, and is logged.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from exporter.relay import Outcome, Relay
@@ -36,6 +38,10 @@ log = logging.getLogger("retrywatch.proxy")
 
 FIRST_EVENT_LIMIT = 64 * 1024  # bytes read before the first SSE event must be complete
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an upstream error body kept
+# The answers whose Retry-After is passed on to every subscriber (RFC 9110, 10.2.3; RFC 6585, 4):
+# an engine's or a gateway's "come back later".
+RETRY_AFTER_STATUSES = frozenset({429, 503})
+RETRY_AFTER_MAX_BYTES = 64  # a longer Retry-After is not one (an HTTP-date takes 29 bytes)
 
 # What the execution waits for.
 _CONNECT, _HEAD, _ERROR_BODY, _FIRST_EVENT, _BODY, _DONE = range(6)
@@ -65,6 +71,33 @@ def _upstream_message(raw: bytes, default: str) -> str:
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             return str(err["message"])[:500]
     return default
+
+
+def retry_after(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The upstream answer's ``Retry-After``, if it has one valid field (RFC 9110, 10.2.3):
+    delta-seconds or an HTTP-date, at most ``RETRY_AFTER_MAX_BYTES``. An invalid one, or several,
+    is ignored: what is passed on is a value a client can act on."""
+    found: bytes | None = None
+    for name, value in headers:
+        if name != b"retry-after":
+            continue
+        if found is not None:
+            return None  # two fields: which to believe is not the proxy's to guess
+        found = value.strip(b" \t")
+    if found is None or not 0 < len(found) <= RETRY_AFTER_MAX_BYTES:
+        return None
+    if found.isdigit():
+        return found
+    # An HTTP-date (RFC 9110, 5.6.7), in any of its three forms, passed on as IMF-fixdate.
+    try:
+        when = email.utils.parsedate_to_datetime(found.decode("ascii"))
+    except (ValueError, TypeError, IndexError):  # not a date, or no such day or time (31 Feb)
+        return None
+    if when.tzinfo is None:  # asctime's form carries no zone: GMT, as every HTTP-date
+        when = when.replace(tzinfo=datetime.UTC)
+    elif when.utcoffset() != datetime.timedelta(0):
+        return None  # not an HTTP-date: those are GMT
+    return email.utils.format_datetime(when, usegmt=True).encode("ascii")
 
 
 class Execution:
@@ -247,6 +280,10 @@ class Execution:
             return
         raw = b"".join(self._pending)[:ERROR_BODY_LIMIT]
         status = self.relay.status
+        if status in RETRY_AFTER_STATUSES:
+            # NOTE: an engine's or a gateway's Retry-After is every subscriber's: lost, clients
+            # that honour it retried at their own backoff, sooner, feeding the retry loop.
+            self.relay.retry_after = retry_after(conn.headers)
         if status == 503:
             message = _upstream_message(raw, "the engine refused the request (queue full)")
             self._fail(Outcome.REFUSED, 503, message, "engine_refused")

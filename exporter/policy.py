@@ -399,12 +399,20 @@ class RetryBudget:
         self._prune(now)
         self._firsts.append(now)
 
+    def has_room(self, now: float) -> bool:
+        """Whether the window has room for one more retry (nothing is recorded)."""
+        self._prune(now)
+        return len(self._retries) + 1 <= self.ratio * len(self._firsts)
+
+    def spend(self, now: float) -> None:
+        """Record one retry admitted."""
+        self._retries.append(now)
+
     def try_spend(self, now: float) -> bool:
         """Admit one retry if the window still has room for it, and record it."""
-        self._prune(now)
-        if len(self._retries) + 1 > self.ratio * len(self._firsts):
+        if not self.has_room(now):
             return False
-        self._retries.append(now)
+        self.spend(now)
         return True
 
 
@@ -583,7 +591,11 @@ class Policy:
             attached = self._attach(now, kind, live, call_started_at, departure_key, call_key)
             return AttemptResult(attached, [])
 
-        if not budget_first and kind is AttemptKind.RETRY and not self._budget_admits(now):
+        # NOTE: lookup-first, the budget limits the retries that create an execution: it is
+        # checked here but spent only once the retry gets past the deadline check and the proxy
+        # queue. Spent here, a retry those shed used up the budget of one that would have run.
+        budget = None if budget_first or kind is not AttemptKind.RETRY else self._budget
+        if budget is not None and not budget.has_room(now):
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
             return self._shed(now, kind, ShedReason.RETRY_BUDGET, wait, departure_key, call_started_at)
 
@@ -602,6 +614,8 @@ class Policy:
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
             return self._shed(now, kind, ShedReason.PROXY_QUEUE, wait, departure_key, call_started_at)
 
+        if budget is not None:
+            budget.spend(now)
         execution = Execution(
             execution_id=self._next_execution_id,
             key=attempt.key if self.config.coalesce else None,

@@ -848,7 +848,11 @@ class SubscriberResponse(Response):
             event = relay.error_end(body)
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:
-            await send(self._start(status, _JSON, len(body)))
+            start = self._start(status, _JSON, len(body))
+            extra = relay.error_headers()
+            if extra is not None:
+                start["headers"].extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+            await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -101,6 +101,9 @@ class Relay:
         self.end = 0  # raw bytes received
         self.outcome: Outcome | None = None
         self.error: tuple[int, bytes] | None = None  # (status, OpenAI-style body) for REFUSED/FAILED
+        # The upstream's Retry-After on its 429 or 503 (``exporter.execution``): every subscriber's
+        # error answer carries it.
+        self.retry_after: bytes | None = None
         self.attachable = True
         self.subscriptions: dict[int, Subscription] = {}
         self._blocks: list[bytes | None] = []  # compressed; None once released
@@ -134,6 +137,11 @@ class Relay:
         self.request = None
         for sub in list(self.subscriptions.values()):
             sub.wake()
+
+    def error_headers(self) -> dict[str, str] | None:
+        """The header fields of the error answer besides the server's own (None: no more)."""
+        value = self.retry_after
+        return None if value is None else {"retry-after": value.decode("ascii")}
 
     def _seal_tail(self) -> None:
         raw = bytes(self._tail)

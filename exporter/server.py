@@ -19,7 +19,9 @@ defaults):
 * a send timeout: a connection whose writes stay paused for ``--send-timeout`` (its client takes
   none of the answer's bytes) is closed at once, its unsent bytes dropped, whatever its phase
   (a close waiting for such a client's buffer to empty never ends);
-* a connection cap: a connection past ``--max-connections`` gets 503 and is closed at once;
+* a connection cap: a connection past ``--max-connections`` is kept for GET and HEAD requests
+  (a scrape of /metrics, a readiness probe: ``--reserved-connections`` more; any other request on
+  it gets 503 once its head is in), and one past both gets 503 and is closed at once;
 * a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
   server switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1);
@@ -86,6 +88,7 @@ LINGER_S = 1.0  # after a 4xx the server sent itself: read and discard this long
 FINAL_WRITE_S = 2.0  # after the drain bound: for the last error events and answers to be written
 SWEEP_MAX_S = 0.5  # the deadline sweep runs at least this often (more often for short timeouts)
 FD_HEADROOM = 64  # descriptors beyond those the connections hold (listeners, logs, the database)
+RESERVE_METHODS = frozenset({b"GET", b"HEAD"})  # what a connection past --max-connections serves
 
 # A connection's phase: what the deadline, if any, bounds.
 IDLE = 0  # waiting for a request to start (--keep-alive-timeout)
@@ -169,6 +172,10 @@ class ServerConfig(uvicorn.Config):
 class BoundedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with head bounds, timeouts and a connection cap."""
 
+    # Opened past --max-connections, within the reserve: serves RESERVE_METHODS only. A class
+    # attribute, set on the few connections that are: a new connection's set-up is unchanged.
+    reserved = False
+
     def __init__(
         self,
         config: uvicorn.Config,
@@ -231,10 +238,21 @@ class BoundedProtocol(HttpToolsProtocol):
         self.transport = transport
         self.flow = FlowControl(transport)
         if len(self.connections) > self.max_connections:
-            message = f"the server holds its limit of {self.max_connections} connections; retry later"
-            self.transport.write(error_response(503, message, "too_many_connections"))
-            self.transport.close()
-            return
+            # NOTE: past the cap, a connection within the reserve is kept for a scrape or a probe
+            # (checked once its request head is in, ``on_headers_complete``), and it idles no
+            # longer than a head may take, so idle connections do not hold the reserve long.
+            bounds = cast(ServerConfig, self.config).bounds
+            if len(self.connections) > bounds.connection_limit:
+                reserve = bounds.reserved_connections
+                more = f" and the {reserve} past it for GET and HEAD requests" if reserve else ""
+                message = (
+                    f"the server holds its limit of {self.max_connections} connections{more}; retry later"
+                )
+                self.transport.write(error_response(503, message, "too_many_connections"))
+                self.transport.close()
+                return
+            self.reserved = True
+            self.keep_alive_s = min(self.keep_alive_s, self.head_timeout_s)
         self.phase = IDLE
         self.deadline = self.loop.time() + self.keep_alive_s
 
@@ -380,6 +398,12 @@ class BoundedProtocol(HttpToolsProtocol):
                 "the server decodes no transfer coding but chunked: send 'Transfer-Encoding: chunked' or none"
             )
             raise _Refused(400, message, "unsupported_transfer_encoding")
+        if self.reserved and self.parser.get_method() not in RESERVE_METHODS:
+            message = (
+                f"the server holds its limit of {self.max_connections} connections (the connections "
+                "past it serve GET and HEAD requests only); retry later"
+            )
+            raise _Refused(503, message, "too_many_connections")
         if not self._take_over():
             self.scope = self._asgi_scope()
             super().on_headers_complete()
@@ -616,11 +640,12 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def make_room_for(max_connections: int, fds_per_connection: int) -> None:
-    """Raise the soft limit on open descriptors to fit the connection cap (``fds_per_connection``
-    each: the proxy's two, a client's and an upstream one; a server without an upstream's one), as
-    far as the hard limit allows."""
-    need = fds_per_connection * max_connections + FD_HEADROOM
+def make_room_for(connection_limit: int, fds_per_connection: int) -> None:
+    """Raise the soft limit on open descriptors to fit every connection the server holds (the cap
+    and the reserve, ``HttpBounds.connection_limit``; ``fds_per_connection`` each: the proxy's
+    two, a client's and an upstream one; a server without an upstream's one), as far as the hard
+    limit allows."""
+    need = fds_per_connection * connection_limit + FD_HEADROOM
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
@@ -632,7 +657,7 @@ def make_room_for(max_connections: int, fds_per_connection: int) -> None:
             "open-file limit %d is below the %d that %d connections need; lower the cap or raise the limit",
             target,
             need,
-            max_connections,
+            connection_limit,
         )
 
 
@@ -645,8 +670,8 @@ def serve(
     fds_per_connection: int = 2,
 ) -> None:
     """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module); the open-file limit is
-    raised to fit ``bounds.max_connections`` of ``fds_per_connection`` descriptors each."""
-    make_room_for(bounds.max_connections, fds_per_connection)
+    raised to fit ``bounds.connection_limit`` of ``fds_per_connection`` descriptors each."""
+    make_room_for(bounds.connection_limit, fds_per_connection)
     # log_config=None: uvicorn's loggers propagate to the command's handler (exporter.logs).
     config = ServerConfig(app, bounds, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
     DrainingServer(config).run()

@@ -177,6 +177,15 @@ class ProxySettings(PolicyConfig):
         help="Client connections open at once; past it a new one gets 503 and is closed.",
         minimum=1,
     )
+    reserved_connections: int = knob(
+        HttpBounds.reserved_connections,
+        flag="reserved-connections",
+        help=(
+            "Connections past --max-connections kept for GET and HEAD requests (/metrics, /health); "
+            "past both a new one gets 503."
+        ),
+        minimum=0,
+    )
     drain_timeout_s: float = knob(
         HttpBounds.drain_timeout_s,
         flag="drain-timeout",

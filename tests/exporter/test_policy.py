@@ -191,6 +191,23 @@ def test_retry_budget_orders(order: BudgetOrder) -> None:
         assert isinstance(policy.on_attempt(6.0, attempt("a")).decision, Shed)
 
 
+def test_lookup_first_spends_no_budget_on_a_retry_another_control_sheds() -> None:
+    # Lookup first, the budget limits the retries that create an execution (docs/protocol.md):
+    # one the proxy queue sheds creates none and leaves the budget to the next.
+    policy = create_policy(retry_budget=0.5, max_outstanding=1, max_queued=1, cancellation=Cancellation.ON)
+    running = policy.on_attempt(0.0, attempt("a")).decision
+    queued = policy.on_attempt(0.0, attempt("b")).decision  # two first attempts fund one retry
+    assert isinstance(running, Created) and isinstance(queued, Created) and queued.queued
+    shed = policy.on_attempt(1.0, attempt("c", says=True)).decision
+    assert isinstance(shed, Shed) and shed.kind is AttemptKind.RETRY
+    assert shed.reason is ShedReason.PROXY_QUEUE
+    policy.on_completed(2.0, running.execution_id)  # "b" goes to the engine: the queue is empty
+    created = policy.on_attempt(3.0, attempt("d", says=True)).decision
+    assert isinstance(created, Created) and created.kind is AttemptKind.RETRY
+    refused = policy.on_attempt(4.0, attempt("e", says=True)).decision  # the budget is spent now
+    assert isinstance(refused, Shed) and refused.reason is ShedReason.RETRY_BUDGET
+
+
 def test_budget_first_refuses_a_retry_that_could_attach() -> None:
     policy = create_policy(retry_budget=0.1, budget_order=BudgetOrder.BUDGET_FIRST)
     policy.on_attempt(0.0, attempt("a"))

@@ -189,7 +189,10 @@ def test_idle_connections_are_closed(bounded: ProxyProcess) -> None:
 
 
 def test_connections_past_the_cap_get_503(upstream: Upstream) -> None:
-    with proxy_process(upstream.url, "--max-connections", "3", "--drain-timeout", "0") as p:
+    # No reserve: past the cap, every new connection is refused (test_proxy_overload.py has the
+    # reserve kept for scrapes and probes).
+    args = ("--max-connections", "3", "--reserved-connections", "0", "--drain-timeout", "0")
+    with proxy_process(upstream.url, *args) as p:
         held = [socket.create_connection(("127.0.0.1", p.port), timeout=WAIT_S) for _ in range(3)]
         try:
             time.sleep(0.3)  # the server has taken them

@@ -6,12 +6,16 @@ It stands in for vLLM where the proxy is tested or benchmarked, and can be told 
 * ``x-test-ttft``: seconds to the first token; ``x-test-token-interval``: seconds between tokens;
   the number of tokens is the request's ``max_tokens`` (default 16); a ``max_tokens`` over
   ``MAX_MODEL_LEN`` gets a 400, as from a vLLM with that ``--max-model-len``.
-* ``x-test-mode``: ``normal``; ``refuse-http`` (HTTP 503, vLLM's queue cap); ``refuse-stream``
+* ``x-test-mode``: ``normal``; ``refuse-http`` (HTTP 503, vLLM's queue cap); ``refuse-429``
+  (HTTP 429, a gateway's rate limit in front of the engine); ``refuse-stream``
   (HTTP 200 whose stream carries ``data: {"error": {..., "code": 503}}`` then ``data: [DONE]``);
   ``crash`` (the connection closes after ``x-test-crash-after`` tokens: mid-stream when
   streaming, before any response byte when not, as an engine dying mid-generation);
   ``close`` (the request is read and recorded, then after ``x-test-ttft`` seconds the
   connection closes without a byte of answer); ``error-500``.
+* ``x-test-retry-after: VALUE``: sent as the ``Retry-After`` field of a ``refuse-http`` or
+  ``refuse-429`` answer, exactly as given (a valid value or not); with ``x-test-hold`` such a
+  refusal waits for its release, so that retries can attach to the execution it ends.
 * Stalls: ``x-test-ttft`` (before the first token, or before ``close`` hangs up);
   ``x-test-stall-after`` / ``x-test-stall`` (pause that many seconds after that many tokens);
   ``x-test-hold: NAME`` (wait before the first token until ``POST /test/release?name=NAME``);
@@ -25,7 +29,8 @@ On every route:
   ``100 Continue`` itself when the app first reads the body of a request that sent
   ``Expect: 100-continue``; a ``101`` nobody asked for is a broken upstream).
 * ``x-test-mode: close`` on any other route: the request is read, then the connection closes
-  without an answer.
+  without an answer; ``x-test-mode: refuse-http`` there is a 503 (with ``x-test-retry-after``'s
+  ``Retry-After``, if given).
 * ``x-test-keep-alive: S``: from the end of this response on, the connection's keep-alive
   timeout is S seconds (the server hangs up once it is idle that long; uvicorn's default, which
   vLLM keeps, is 5 s; this server's own is 30 s).
@@ -75,7 +80,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-MODES = ("normal", "refuse-http", "refuse-stream", "crash", "close", "error-500")
+MODES = ("normal", "refuse-http", "refuse-429", "refuse-stream", "crash", "close", "error-500")
 MAX_RECORDS = 50_000  # generation requests remembered (the oldest are forgotten)
 MAX_HOLDS = 10_000
 MAX_INTERIM = 8  # interim responses one request may ask for
@@ -254,6 +259,10 @@ class TestUpstream:
             await _read_body(receive)
             _connection(scope).hang_up()
             await receive()  # the server has seen the connection go
+        elif headers.get(b"x-test-mode") == b"refuse-http":
+            await _read_body(receive)
+            error = {"error": {"message": "unavailable", "type": "ServiceUnavailableError", "code": 503}}
+            await _respond_json(send, 503, error, _retry_after(headers))
         elif method == "GET" and path == "/metrics":
             self.metrics_scrapes += 1
             if self.metrics_delay > 0:
@@ -372,10 +381,18 @@ class TestUpstream:
             error = {"error": {"message": message, "type": "BadRequestError", "code": 400}}
             await _respond_json(send, 400, error)
             return
+        hold = headers.get(b"x-test-hold")
+        if hold and behaviour.mode in ("refuse-http", "refuse-429"):
+            await self._hold(hold.decode()).wait()
         if behaviour.mode == "refuse-http":
             record.ended_at = time.time()
             error = {"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}}
-            await _respond_json(send, 503, error)
+            await _respond_json(send, 503, error, _retry_after(headers))
+            return
+        if behaviour.mode == "refuse-429":
+            record.ended_at = time.time()
+            error = {"error": {"message": "rate limited", "type": "RateLimitError", "code": 429}}
+            await _respond_json(send, 429, error, _retry_after(headers))
             return
         if behaviour.mode == "error-500":
             record.ended_at = time.time()
@@ -394,7 +411,6 @@ class TestUpstream:
         self.counters.prefix_cache_queries += record.prompt_tokens
         self.counters.waiting += 1
         state = {"waiting": True, "running": False}
-        hold = headers.get(b"x-test-hold")
         try:
             if hold:
                 released = asyncio.create_task(self._hold(hold.decode()).wait())
@@ -583,14 +599,24 @@ async def _send_body(send: Send, body: bytes, more: bool) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": more})
 
 
-async def _respond(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+def _retry_after(headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    """The ``Retry-After`` field ``x-test-retry-after`` asks for, if any."""
+    value = headers.get(b"x-test-retry-after")
+    return [] if value is None else [(b"retry-after", value)]
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, content_type: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
     await _send_body(send, body, more=False)
 
 
-async def _respond_json(send: Send, status: int, obj: Any) -> None:
-    await _respond(send, status, json.dumps(obj).encode(), b"application/json")
+async def _respond_json(
+    send: Send, status: int, obj: Any, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await _respond(send, status, json.dumps(obj).encode(), b"application/json", extra)
 
 
 def metrics_text(counters: Counters) -> str:
