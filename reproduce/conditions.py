@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, replace
 
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
+from reproduce.engine.presets import preset_serving
 
 __all__ = [
     "BLOCKS",
@@ -273,7 +274,9 @@ def expand(
             chosen = dict(b.runs)
         else:
             assert isinstance(models, list)
-            chosen = {m: b.runs.get(m, 2) for m in models}
+            # A real engine's model (``qwen2.5-7b-instruct``) runs as often as the study ran the
+            # architecture its preset stands for; a model the study never ran, twice.
+            chosen = {m: b.runs.get(m, b.runs.get(preset_serving(m) or "", 2)) for m in models}
         selected = b.conditions if conditions is None else tuple(b.condition(k) for k in conditions)
         for model, n in chosen.items():
             count = n if runs is None else runs

@@ -27,6 +27,7 @@ __all__ = [
     "fitted_step_times",
     "preset",
     "preset_capacity",
+    "preset_serving",
     "prior_step_time",
 ]
 
@@ -58,6 +59,18 @@ MODELS: dict[str, ModelSpec] = {
 
 PRESET_NAMES = ("qwen2.5-7b-h100", "qwen3-14b-h100", "llama3.1-8b-h100")
 _PRESET_MODEL = dict(zip(PRESET_NAMES, MODELS, strict=True))
+
+
+
+def preset_serving(model: str) -> str | None:
+    """The preset whose architecture a model served by a real engine is, by its Hugging Face
+    name's last part as ``reproduce/models/`` names it (``qwen2.5-7b-instruct`` is
+    ``qwen2.5-7b-h100``'s); None for any other."""
+    for name, key in _PRESET_MODEL.items():
+        if MODELS[key].name.rsplit("/", 1)[-1].lower() == model:
+            return name
+    return None
+
 
 #: Ĉ of each preset in calls per second: the study's calibration (docs/protocol.md §5), the target
 #: that ``python -m reproduce.fit_presets`` fits each preset's step time to reproduce (within ±3%).

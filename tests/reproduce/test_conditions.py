@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.policy import BudgetOrder, Cancellation, QueueOrder
-from reproduce.conditions import BLOCKS, ConditionError, block, engine_cap_for, expand
+from reproduce.conditions import BLOCKS, PAPER, ConditionError, block, engine_cap_for, expand
 
 
 def test_paper_has_the_studys_137_runs() -> None:
@@ -97,3 +97,19 @@ def test_expand_overrides_and_errors() -> None:
         "budget-cancel",
         "paper",
     }
+
+
+def test_a_real_engines_model_runs_as_often_as_the_study_ran_its_architecture() -> None:
+    """A shipped model (what a real engine serves) runs each condition as often as the study ran
+    the architecture its preset stands for; it ran twice, so the GPU diagnostic block was 8 runs
+    where the study's is 12."""
+    for served, preset_name in (
+        ("qwen2.5-7b-instruct", "qwen2.5-7b-h100"),
+        ("qwen3-14b", "qwen3-14b-h100"),
+        ("llama-3.1-8b-instruct", "llama3.1-8b-h100"),
+    ):
+        for slug in ("diagnostic", PAPER):
+            runs = [(s.condition, s.run) for s in expand(slug, models=served)]
+            assert runs == [(s.condition, s.run) for s in expand(slug, models=preset_name)]
+    assert len(expand("diagnostic", models="qwen2.5-7b-instruct")) == 12
+    assert {s.run for s in expand("diagnostic", models="small")} == {0, 1}  # no study architecture
