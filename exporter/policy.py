@@ -749,7 +749,12 @@ class Policy:
             self._finish(now, execution, Fate.DROPPED)
             return [Drop(execution.execution_id)]
         mode = self.config.cancellation
-        if mode is Cancellation.ON or (mode is Cancellation.DEFERRED and self.config.cancel_after_s == 0):
+        # NOTE: deferring keeps an execution alive for a retry to attach to; one no retry can
+        # (coalescing off, or an attempt without a key) is cancelled at once, not W s of work later.
+        deferred = (
+            mode is Cancellation.DEFERRED and self.config.cancel_after_s > 0 and execution.key is not None
+        )
+        if mode is Cancellation.ON or (mode is Cancellation.DEFERRED and not deferred):
             return self._cancel(now, execution)
         if mode is Cancellation.DEFERRED:
             execution.cancel_at = now + self.config.cancel_after_s

@@ -144,6 +144,19 @@ def test_deferred_cancellation_is_called_off_when_a_retry_attaches() -> None:
     assert policy.counters.finished[Fate.CANCELLED] == 0
 
 
+@pytest.mark.parametrize(("coalesce", "key"), [(False, "call-1"), (True, None)])
+def test_deferred_cancellation_of_an_execution_no_retry_can_attach_to_is_at_once(
+    coalesce: bool, key: str | None
+) -> None:
+    """Deferring keeps an execution alive for a retry to attach to: with coalescing off, or for an
+    attempt without a key, none can, and the engine ran W more seconds of work nobody would get."""
+    policy = create_policy(cancellation=Cancellation.DEFERRED, cancel_after_s=10.0, coalesce=coalesce)
+    created = policy.on_attempt(0.0, attempt(key)).decision
+    assert isinstance(created, Created)
+    assert policy.on_subscriber_left(120.0, created.subscriber_id) == [Cancel(created.execution_id)]
+    assert policy.counters.finished[Fate.CANCELLED] == 1
+
+
 def test_cancellation_on_leaves_nothing_to_attach_to() -> None:
     policy = create_policy(cancellation=Cancellation.ON)
     created = policy.on_attempt(0.0, attempt()).decision
