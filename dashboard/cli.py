@@ -95,7 +95,7 @@ def dashboard(
     from a2wsgi import WSGIMiddleware
 
     from dashboard.app import DashboardConfig, create_app  # lazy: Dash is heavy
-    from exporter.bounds import HttpBounds
+    from exporter.bounds import HttpBounds, base_url
     from exporter.server import serve
 
     setup_logging(log_level, log_format, [detector_url, prometheus_url])
@@ -111,7 +111,7 @@ def dashboard(
     if prometheus_url:
         source += f", Prometheus {redact_url(prometheus_url)}"
     runs = f"; runs from {runs_dir}" if runs_dir else ""
-    announce(f"retrywatch dashboard on http://{host}:{port}/ ({source}){runs}; state: none of its own")
+    announce(f"retrywatch dashboard on {base_url(host, port)}/ ({source}){runs}; state: none of its own")
     app.server.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     bounds = HttpBounds(host=host, port=port, max_connections=MAX_CONNECTIONS)
     serve(WSGIMiddleware(app.server, workers=THREADS), bounds, None, log_level, fds_per_connection=1)

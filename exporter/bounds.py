@@ -22,6 +22,11 @@ def host_is_usable(host: str) -> bool:
     return bool(host.strip())
 
 
+def base_url(host: str, port: int) -> str:
+    """The URL of a server listening on ``host``:``port`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class HttpBounds:
     """Where to listen and the bounds, each with its default."""

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
-from exporter.bounds import EMPTY_HOST, host_is_usable
+from exporter.bounds import EMPTY_HOST, base_url, host_is_usable
 from exporter.knobs import Knob, env_var, knobs
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.policy import PolicyConfigError
@@ -131,7 +131,7 @@ def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any)
     setup_logging(log_level, log_format, [settings.upstream])
     app = Proxy(settings)
     announce(
-        f"retrywatch proxy on http://{settings.host}:{settings.port} (metrics /metrics) in front of "
+        f"retrywatch proxy on {base_url(settings.host, settings.port)} (metrics /metrics) in front of "
         f"{redact_url(settings.upstream_base)}; state: in memory only"
     )
     serve(app.app, settings.bounds(), app.end_executions, log_level)

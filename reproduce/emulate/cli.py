@@ -96,7 +96,7 @@ def emulate(
     log_format: str,
 ) -> None:
     """Serve the engine model with vLLM's OpenAI API and /metrics, stepped in wall time."""
-    from exporter.bounds import HttpBounds
+    from exporter.bounds import HttpBounds, base_url
     from exporter.server import serve
     from reproduce.emulate.server import build_app
 
@@ -122,7 +122,7 @@ def emulate(
     # connection, so --max-live bounds both; SIGTERM gives the streams in flight 2 s.
     bounds = HttpBounds(host=host, port=port, max_connections=max_live, drain_timeout_s=2.0)
     announce(
-        f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on http://{host}:{port} "
+        f"emulated engine {app.settings.served_model} (time scale {time_scale:g}) on {base_url(host, port)} "
         "(OpenAI API, /metrics, /health); state: in memory only"
     )
     serve(app, bounds, None, log_level, fds_per_connection=1)

@@ -61,7 +61,6 @@ PRESET_NAMES = ("qwen2.5-7b-h100", "qwen3-14b-h100", "llama3.1-8b-h100")
 _PRESET_MODEL = dict(zip(PRESET_NAMES, MODELS, strict=True))
 
 
-
 def preset_serving(model: str) -> str | None:
     """The preset whose architecture a model served by a real engine is, by its Hugging Face
     name's last part as ``reproduce/models/`` names it (``qwen2.5-7b-instruct`` is

@@ -325,3 +325,16 @@ def test_an_admin_token_that_is_not_visible_ascii_is_refused_at_start_up(token: 
 def test_a_visible_ascii_admin_token_is_taken() -> None:
     token = "Abc-._~+/=!#$%&'*^`|0123456789"
     assert ProxySettings(upstream="http://127.0.0.1:1", admin_token=token).admin_token == token
+
+
+def test_an_ipv6_listener_announces_a_url_that_reaches_it(tmp_path: Path) -> None:
+    """On an IPv6 address the start line said ``http://::1:PORT``, which no client parses."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", "http://127.0.0.1:9"]
+    cmd += ["--host", "::1", "--port", str(port)]
+    log = tmp_path / "proxy.log"
+    with ManagedProcess(cmd, log_path=log, bound_s=None, env=env_without_retrywatch(), name="proxy") as proc:
+        proc.wait_ready(f"http://[::1]:{port}/metrics", timeout_s=20, poll_s=0.05, ready=lambda s: s < 500)
+    announced = log.read_text().split("retrywatch proxy on ", 1)[1].split(" ", 1)[0]
+    assert announced == f"http://[::1]:{port}"
+    assert httpx.URL(announced).host == "::1"
