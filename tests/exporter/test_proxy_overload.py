@@ -131,8 +131,9 @@ def test_a_passed_through_route_keeps_the_upstreams_retry_after(proxy: ProxyProc
     [
         ([(b"retry-after", b"120")], b"120"),
         ([(b"retry-after", b" 0 ")], b"0"),
+        # the obsolete forms are passed on as IMF-fixdate
         ([(b"retry-after", HTTP_DATE.encode())], HTTP_DATE.encode()),
-        ([(b"retry-after", b"Wednesday, 21-Oct-15 07:28:00 GMT")], HTTP_DATE.encode()),  # passed on as IMF-fixdate
+        ([(b"retry-after", b"Wednesday, 21-Oct-15 07:28:00 GMT")], HTTP_DATE.encode()),
         ([(b"retry-after", b"Wed Oct 21 07:28:00 2015")], HTTP_DATE.encode()),
         ([], None),
         ([(b"retry-after", b"")], None),
