@@ -18,12 +18,14 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from detector.signals import MAX_INSTANCES
 from detector.sources import AnswerTooLarge, AnswerTooSlow, read_whole
 from exporter.redact import redact_text, redact_url
 
 FETCH_WORKERS = 3  # more threads only contend for the GIL on both sides
-MAX_ENGINES = 64  # engines listed in the selector; the detector bounds its own label sets too
-# One answer's bound: the detector's largest (every engine's 6-h history of one signal) is ~12 MB.
+MAX_ENGINES = MAX_INSTANCES  # engines listed in the selector: as many as a detector follows
+# One answer's bound: the detector's largest (every engine's 6-h history of one signal) is ~12 MB per
+# 64 engines (~48 MB at its 256).
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
 # Unix times a page can show (gmtime and Plotly's dates): year 1970 to 9999.
 MAX_UNIX_TIME = 253402300799.0

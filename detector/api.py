@@ -6,19 +6,24 @@ Times are Unix seconds. Engines are keyed by their ``instance`` label (the scrap
 Prometheus target, the replayed run's slug): ``GET /signals`` lists instances, and the
 ``engine=`` parameter of ``/signals`` and ``/episodes`` selects one by it; ``engine`` and
 ``model`` stay labels. Each alert and episode carries its ``runbook_url`` (``detector.runbook``).
+``engine=`` or ``since=`` on ``/signals`` without ``name=`` is a 400, not ignored (which would
+return every engine's list); ``/episodes`` while the database does not answer is a 503.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
+import orjson
 from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy.exc import SQLAlchemyError
 
 from detector.runbook import runbook_html
 from detector.service import SIGNAL_NAMES, Detector
 from detector.signals import MAX_INSTANCE_CHARS, SIGNALS_BY_NAME
+from detector.store import store_error
 from detector.thresholds import PROMETHEUS_ALERTS
 
 MAX_EPISODES = 1000
@@ -70,31 +75,46 @@ def create_app(detector: Detector) -> FastAPI:
         engine: str | None = Query(default=None, max_length=MAX_INSTANCE_CHARS),
         limit: int = Query(default=MAX_EPISODES, ge=1, le=MAX_EPISODES),
     ) -> dict[str, object]:
-        found = detector.store.episodes(
-            since=since, until=until, alertname=alertname, engine=engine, limit=limit
-        )
+        try:
+            found = detector.store.episodes(
+                since=since, until=until, alertname=alertname, engine=engine, limit=limit
+            )
+        except SQLAlchemyError as exc:  # a database that does not answer: a 503 that says so
+            raise HTTPException(
+                status_code=503, detail=f"the episodes' database does not answer: {store_error(exc)}"
+            ) from None
         return {
             "episodes": [{**ep.as_dict(), "runbook_url": detector.runbook_url(ep.alertname)} for ep in found]
         }
 
-    @app.get("/signals")
+    @app.get("/signals", response_model=None)
     def signals(
         name: str | None = Query(default=None, max_length=64),
         since: UnixTime = None,
         engine: str | None = Query(default=None, max_length=MAX_INSTANCE_CHARS),
-    ) -> dict[str, object]:
+    ) -> dict[str, object] | Response:
         if name is None:
+            given = [f"{k}=" for k, v in (("engine", engine), ("since", since)) if v is not None]
+            if given:  # a filter of points without the signal they are points of: not ignored
+                raise HTTPException(
+                    status_code=400,
+                    detail=f"{' and '.join(given)} select the points of one signal: give name= too"
+                    " (GET /signals lists the signals and the engines)",
+                )
             # Engines are keyed by instance: vLLM's engine label is "0" on every vLLM.
             engines = sorted({e.instance for e in detector.history.engines()})
             return {"signals": list(SIGNAL_NAMES), "engines": engines}
         if name not in SIGNALS_BY_NAME:
             raise HTTPException(status_code=404, detail=f"unknown signal {name!r}; GET /signals lists them")
         series = detector.history.series(name, since=since, engine=engine)
-        return {
+        # NOTE: serialised by orjson from the arrays (NaN as null): FastAPI's encoder walked every
+        # point in Python, 4.7 s of CPU for 256 engines' 6 h of one signal, against 0.1 s.
+        body = {
             "name": name,
             "unit": SIGNALS_BY_NAME[name].unit,
             "series": [{"labels": labels.as_dict(), "points": points} for labels, points in series],
         }
+        return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
     @app.get("/healthz")
     def healthz() -> dict[str, object]:

@@ -20,6 +20,7 @@ __all__ = [
     "SUMMARY",
     "VALIDATION",
     "VALIDATION_MD",
+    "NotARunDir",
     "RunDirError",
     "read_summary",
     "read_validation",
@@ -42,6 +43,11 @@ class RunDirError(ValueError):
     message names the file (and the run) and what is wrong."""
 
 
+class NotARunDir(RunDirError):
+    """The directory is not a reproduce output directory (it or its ``summary.json`` is missing):
+    a usage mistake, which a command reports as one (exit 2) before it creates anything."""
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -52,10 +58,10 @@ def _read_json(path: Path) -> Any:
 def read_summary(out: Path) -> dict[str, Any]:
     """``out/summary.json``: ``{"runs": [...], ...}``."""
     if not out.is_dir():
-        raise RunDirError(f"runs directory {out} does not exist")
+        raise NotARunDir(f"runs directory {out} does not exist")
     path = out / SUMMARY
     if not path.is_file():
-        raise RunDirError(
+        raise NotARunDir(
             f"{path}: not found; {SUMMARY} does not exist until `retrywatch reproduce run ... --out {out}`"
             " writes it"
         )

@@ -6,6 +6,13 @@ signals for the API and the dashboard, and its own Prometheus metrics in a priva
 A transition the database refuses waits in :class:`~detector.pending.PendingWrites` and is
 written, in order, once the database takes writes again; its notifications follow it.
 
+The database work of an evaluation (the writer lease's check, the writes of its transitions) runs
+on a worker thread of its own, one piece at a time, and the evaluation waits for it at most
+:data:`DB_WAIT_S`: a database that stops answering (a network partition) holds up no evaluation
+past that, nor the API. The stuck work ends within the connections' own bounds
+(:func:`detector.store.pg_connection_parameters`); meanwhile the evaluations' transitions wait,
+and the next evaluation's database work takes them.
+
 Only the detector that holds its database's writer lease (``detector.lease``) writes transitions
 and notifies; another one on the same database evaluates and serves its API, and takes over when
 the lease comes free: it first brings the stored episodes in line with its own alerts
@@ -18,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,16 +47,21 @@ log = logging.getLogger("retrywatch.detector")
 
 SIGNAL_NAMES: tuple[str, ...] = tuple(s.name for s in SIGNALS)
 PRUNE_EVERY_S = 3_600.0  # how often the writer deletes the episodes past the retention
+#: How long an evaluation waits for its database work (the lease's check, the writes) before it
+#: goes on without it; the work goes on in the background (see the module's docstring).
+DB_WAIT_S = 2.0
 _SIGNAL_INDEX = {name: i for i, name in enumerate(SIGNAL_NAMES)}
 
 
 class SignalHistory:
     """A ring buffer of signal values per engine: ``points`` evaluations, ``max_engines`` engines
-    (e.g. 4320 points = 6 h at 5 s; about 1.3 MB per engine). Engines are keyed by ``instance``
-    (vLLM's ``engine`` label is "0" on every vLLM); each keeps its latest labels. When it is full,
-    a new engine takes the place of the one with the oldest newest point, if that one has left."""
+    (e.g. 4320 points = 6 h at 5 s; about 1.2 MB per engine, taken when the engine is first seen).
+    The detector keeps one for every engine it follows (its ``max_engines``). Engines are keyed by
+    ``instance`` (vLLM's ``engine`` label is "0" on every vLLM); each keeps its latest labels. When
+    it is full, a new engine takes the place of the one with the oldest newest point, if that one
+    has left; else the new one is not kept (:meth:`add_evaluation` says which)."""
 
-    def __init__(self, points: int = 4320, max_engines: int = 64) -> None:
+    def __init__(self, points: int = 4320, max_engines: int = MAX_INSTANCES) -> None:
         if points < 2:
             raise ValueError("signal history needs at least 2 points")
         self.points = points
@@ -60,19 +73,19 @@ class SignalHistory:
         self._count: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add_evaluation(self, frames: Sequence[SignalFrame]) -> None:
-        """One evaluation's frames. Room for a new engine is made only from an engine this
-        evaluation does not name and whose newest point is older than it."""
+    def add_evaluation(self, frames: Sequence[SignalFrame]) -> list[str]:
+        """One evaluation's frames; returns the instances whose history is not kept (no room).
+        Room for a new engine is made only from an engine this evaluation does not name and whose
+        newest point is older than it."""
         named = {frame.labels.instance for frame in frames}
         with self._lock:
-            for frame in frames:
-                self._add(frame, named)
+            return [frame.labels.instance for frame in frames if not self._add(frame, named)]
 
-    def _add(self, frame: SignalFrame, named: set[str]) -> None:
+    def _add(self, frame: SignalFrame, named: set[str]) -> bool:
         key = frame.labels.instance
         if key not in self._data:
             if len(self._data) >= self.max_engines and not self._evict_stalest(frame.t, named):
-                return
+                return False
             self._data[key] = np.full((self.points, len(SIGNAL_NAMES)), np.nan)
             self._times[key] = np.full(self.points, np.nan)
             self._next[key] = 0
@@ -87,6 +100,7 @@ class SignalHistory:
         self._times[key][i] = frame.t
         self._next[key] = (i + 1) % self.points
         self._count[key] = min(self._count[key] + 1, self.points)
+        return True
 
     def _evict_stalest(self, before: float, named: set[str]) -> bool:
         """Make room: drop the engine whose newest point is the oldest, if it is older than
@@ -109,8 +123,9 @@ class SignalHistory:
 
     def series(
         self, name: str, since: float | None = None, engine: str | None = None
-    ) -> list[tuple[EngineLabels, list[tuple[float, float | None]]]]:
-        """``name``'s points per engine; ``engine`` selects one engine by its key (``instance``)."""
+    ) -> list[tuple[EngineLabels, np.ndarray]]:
+        """``name``'s points per engine, oldest first, as rows of (time, value) with NaN where the
+        value could not be computed; ``engine`` selects one engine by its key (``instance``)."""
         j = _SIGNAL_INDEX[name]
         out = []
         with self._lock:
@@ -119,14 +134,10 @@ class SignalHistory:
                     continue
                 n, nxt = self._count[key], self._next[key]
                 order = np.arange(nxt - n, nxt) % self.points
-                times = self._times[key][order]
-                values = data[order, j]
-                mask = np.ones(n, dtype=bool) if since is None else times >= since
-                pts = [
-                    (float(t), None if np.isnan(v) else float(v))
-                    for t, v in zip(times[mask], values[mask], strict=True)
-                ]
-                out.append((self._labels[key], pts))
+                points = np.column_stack((self._times[key][order], data[order, j]))
+                if since is not None:
+                    points = points[points[:, 0] >= since]
+                out.append((self._labels[key], points))
         return out
 
 
@@ -154,6 +165,12 @@ class DetectorMetrics:
         self.engines_left_out = Gauge(
             "retrywatch_detector_engines_left_out",
             "Engines the source named in the last fetch that are not followed (past --max-engines).",
+            registry=r,
+        )
+        self.history_left_out = Gauge(
+            "retrywatch_detector_history_engines_left_out",
+            "Engines evaluated at the last evaluation whose signal history the API does not keep"
+            " (no room in it).",
             registry=r,
         )
         self.eval_seconds = Gauge(
@@ -234,7 +251,8 @@ class Detector:
         self.signals = SignalEngine(config, max_instances=max_engines)
         self._left_out = 0  # engines left out at the last fetch (a warning on each change)
         self.evaluator = Evaluator(self.rules, time_scale=self.signals.config.time_scale)
-        self.history = SignalHistory(history_points)
+        self.history = SignalHistory(history_points, max_engines=max_engines)  # every engine followed
+        self._history_left_out: list[str] = []
         self.metrics = DetectorMetrics(self.rules)
         self.status = SourceStatus()
         self._source_seen: bool | None = None  # the source's last state (None: not fetched yet)
@@ -250,11 +268,17 @@ class Detector:
             on_failure=self.metrics.store_write_failures.inc,
             on_drop=self.metrics.store_writes_dropped.inc,
         )
-        self.metrics.store_writes_pending.set_function(lambda: float(len(self.pending)))
+        # Evaluated, not yet taken by the database work (which checks the lease first).
+        self._unsettled: list[Transition] = []
+        self.metrics.store_writes_pending.set_function(lambda: float(self.writes_waiting()))
         self._alertmanagers = [n for n in notifiers if isinstance(n, AlertmanagerNotifier)]
         self._am_refresh_s = alertmanager_refresh_s
         self._am_last_refresh = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the evaluation's state; never held across database work
+        self._db_lock = threading.Lock()  # one piece of database work at a time
+        self._db_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrywatch-db")
+        self._db_job: Future[None] | None = None
+        self._db_late = False  # the last database work outlasted :data:`DB_WAIT_S` (one warning)
         self._scheduler: BackgroundScheduler | None = None
         self.lease = lease_for(store.engine) if lease is None else lease
         self.writer = False  # holds the writer lease (as of the last evaluation)
@@ -276,9 +300,10 @@ class Detector:
                 self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
 
     def tick(self, now: float | None = None) -> list[Transition]:
-        """One evaluation: fetch, compute, evaluate, record, notify."""
+        """One evaluation: fetch, compute, evaluate; then record and notify (the database work,
+        waited for at most :data:`DB_WAIT_S`)."""
+        start = time.perf_counter()
         with self._lock:
-            start = time.perf_counter()
             now = self._read_clock() if now is None else now
             result = self.source.fetch(now)
             left_out = 0
@@ -298,17 +323,11 @@ class Detector:
                 log.info("%d engines the source no longer names are forgotten (their alerts resolve): %s",
                          len(gone), ", ".join(gone[:10]) + (", ..." if len(gone) > 10 else ""))  # fmt: skip
             frames = self.signals.compute(now)
-            self.history.add_evaluation(frames)
+            self._history_kept(self.history.add_evaluation(frames))
             transitions = self.evaluator.evaluate(now, frames)
             for tr in transitions:
                 self.metrics.transitions.labels(kind=tr.kind).inc()
-            if self._hold_lease():
-                self.pending.add(transitions)
-            if self._may_write():
-                self._write_pending()
-                if not self._in_line:
-                    self._take_over(now)
-                self._refresh_alertmanagers(now)
+            self._unsettled.extend(transitions)
             self.metrics.evaluations.inc()
             self.metrics.source_up.set(1.0 if self.status.up else 0.0)
             self.metrics.engines.set(len(frames))
@@ -317,8 +336,48 @@ class Detector:
                 counts[alert.alertname] += 1
             for rule_name, n in counts.items():
                 self.metrics.firing.labels(alertname=rule_name).set(n)
-            self.metrics.eval_seconds.set(time.perf_counter() - start)
-            return transitions
+        self._sync_database(now)
+        self.metrics.eval_seconds.set(time.perf_counter() - start)
+        return transitions
+
+    def _sync_database(self, now: float) -> None:
+        """Start the database work for the evaluation at ``now`` and wait for it at most
+        :data:`DB_WAIT_S`; while earlier work is still stuck, start none and wait for none (the
+        transitions wait for the next evaluation's work)."""
+        job = self._db_job
+        if job is not None and not job.done():
+            return
+        job = self._db_job = self._db_worker.submit(self._database_work, now)
+        try:
+            job.result(timeout=DB_WAIT_S)
+        except TimeoutError:
+            if not self._db_late:
+                log.warning("the database (%s) has not answered in %.0f s: evaluation goes on; alert"
+                            " transitions wait, unwritten and unnotified, until it does",
+                            self.store.display_url, DB_WAIT_S)  # fmt: skip
+            self._db_late = True
+            return
+        if self._db_late:
+            log.warning("the database (%s) answers in time again", self.store.display_url)
+            self._db_late = False
+
+    def _database_work(self, now: float) -> None:
+        """Check the lease; as the writer, queue the transitions evaluated since the last check,
+        write what waits, and notify what landed (on the database worker's thread)."""
+        try:
+            with self._db_lock:
+                writer = self._hold_lease()
+                with self._lock:
+                    settled, self._unsettled = self._unsettled, []
+                if writer:
+                    self.pending.add(settled)
+                if self._may_write():
+                    self._write_pending()
+                    if not self._in_line:
+                        self._take_over(now)
+                    self._refresh_alertmanagers(now)
+        except Exception:  # keep the worker alive; the next evaluation tries again
+            log.exception("the evaluation's database work failed")
 
     def _read_clock(self) -> float:
         """The clock's time for this evaluation. When the wall clock went back past the last
@@ -386,13 +445,15 @@ class Detector:
         alerts: re-arm each open episode it does not have firing (it resolves through the usual
         hysteresis, and notifies then), and write a firing at ``now`` (and notify it) for each
         alert firing here that has no open episode. (At start the alerts come from the store.)"""
-        firing = {(a.alertname, a.labels.instance): a for a in self.evaluator.firing()}
+        with self._lock:
+            firing = {(a.alertname, a.labels.instance): a for a in self.evaluator.firing()}
         stored = self._rearm_open()
         if stored is None:  # the database refuses reads: tried again next evaluation
             return
-        missing = [
-            self.evaluator.transition("firing", a, now) for key, a in firing.items() if key not in stored
-        ]
+        with self._lock:
+            missing = [
+                self.evaluator.transition("firing", a, now) for key, a in firing.items() if key not in stored
+            ]
         if missing:
             log.warning("%d alerts firing here had no open episode when this detector took the writer"
                         " lease: written now", len(missing))  # fmt: skip
@@ -412,10 +473,11 @@ class Detector:
             log.warning("reading the open episodes on taking the writer lease failed: %s", store_error(exc))
             return None
         known = {r.name for r in self.rules}
-        firing = {(a.alertname, a.labels.instance) for a in self.evaluator.firing()}
-        for ep in open_episodes:
-            if ep.alertname in known and (ep.alertname, ep.labels.instance) not in firing:
-                self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
+        with self._lock:
+            firing = {(a.alertname, a.labels.instance) for a in self.evaluator.firing()}
+            for ep in open_episodes:
+                if ep.alertname in known and (ep.alertname, ep.labels.instance) not in firing:
+                    self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
         return {(ep.alertname, ep.labels.instance) for ep in open_episodes}
 
     def _engines_left_out(self, n: int) -> None:
@@ -430,6 +492,18 @@ class Detector:
             else:
                 log.warning("every engine the source names is followed again")
             self._left_out = n
+
+    def _history_kept(self, left_out: list[str]) -> None:
+        """Set the gauge; warn when the engines whose history is not kept change."""
+        self.metrics.history_left_out.set(len(left_out))
+        if left_out != self._history_left_out:
+            if left_out:
+                log.warning("the signal history (/signals) keeps %d engines, all live: %d evaluated are"
+                            " not kept: %s", self.history.max_engines, len(left_out),
+                            ", ".join(left_out[:10]) + (", ..." if len(left_out) > 10 else ""))  # fmt: skip
+            else:
+                log.warning("the signal history keeps every engine evaluated again")
+            self._history_left_out = left_out
 
     def _source_changed(self, up: bool, error: str | None, down: Sequence[str]) -> None:
         """Record the source's state; one warning per change (down, back up), not per failure,
@@ -452,10 +526,20 @@ class Detector:
                 for notifier in self.dispatcher.names:
                     self.dispatcher.submit(episode, notifier, tr.kind)
 
+    def writes_waiting(self) -> int:
+        """Transitions not written yet: those waiting for the database to take them, and those
+        evaluated since the database work last checked the lease."""
+        return len(self.pending) + len(self._unsettled)
+
     def write_pending(self) -> int:
         """Retry the waiting transitions now (a replay's scheduler and :meth:`stop` call it; an
-        evaluation does it by itself); returns how many still wait. Only the writer writes."""
-        with self._lock:
+        evaluation does it by itself), after any database work in progress; returns how many
+        still wait. Only the writer writes (as of its last lease check)."""
+        with self._db_lock:
+            with self._lock:
+                settled, self._unsettled = self._unsettled, []
+            if self.writer:
+                self.pending.add(settled)
             if self._may_write():
                 self._write_pending()
         return len(self.pending)
@@ -487,7 +571,7 @@ class Detector:
         if interval_s <= 0:
             raise ValueError(f"interval must be positive seconds, got {interval_s}")
         self.dispatcher.start()
-        with self._lock:
+        with self._db_lock:
             self._hold_lease()
         self._safe_requeue()
         sched = BackgroundScheduler(timezone="UTC")
@@ -546,6 +630,7 @@ class Detector:
                              for t in self.pending.waiting())  # fmt: skip
             log.error("stopping with %d transitions the store never took (they are lost; an alert "
                       "still true fires again after a restart): %s", len(self.pending), lost)  # fmt: skip
+        self._db_worker.shutdown(wait=True)
         self.dispatcher.close()
         self.lease.release()
         self.source.close()

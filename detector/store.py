@@ -121,12 +121,44 @@ notifications = Table(
 )
 
 
-PG_CONNECT_TIMEOUT_S = 10  # a PostgreSQL server that drops packets fails a connect in this time
-#: A statement PostgreSQL has not finished in this time is cancelled (``statement_timeout``): the
-#: writes run inside an evaluation, and one waiting on a lock another session holds would
-#: otherwise stall evaluation for as long; cancelled, the transition waits in ``PendingWrites``
-#: and is tried again.
+#: How both ends of a connection to PostgreSQL give up on a peer that stops answering (a network
+#: partition, a host that drops packets), instead of after the kernel's retransmission timeout
+#: (about 15 min) or its keepalive time (2 h): data unacknowledged for ``user_timeout_s``, or a
+#: connection silent for ``idle_s`` whose peer then answers none of ``count`` probes ``interval_s``
+#: apart, is closed by the kernel. The detector's end fails its statement (the transition waits in
+#: ``PendingWrites``); the server's end ends the session, and with it the writer lease's advisory
+#: lock, which another detector can then take.
+PG_KEEPALIVE = {"idle_s": 10, "interval_s": 5, "count": 3, "user_timeout_s": 10}
+#: A connect to PostgreSQL that has not completed in this time fails.
+PG_CONNECT_TIMEOUT_S = 10
+#: A statement PostgreSQL has not finished in this time is cancelled (``statement_timeout``): one
+#: waiting on a lock another session holds would otherwise hold the detector's writes for as long;
+#: cancelled, the transition waits in ``PendingWrites`` and is tried again.
 PG_STATEMENT_TIMEOUT_S = 5
+
+
+def pg_connection_parameters() -> dict[str, int | str]:
+    """libpq's connection parameters for every connection the detector makes to PostgreSQL (its
+    store's and its writer lease's, which share :func:`make_engine`'s engine): the client's
+    keepalives and ``tcp_user_timeout``, and in ``options`` the server's same settings for the
+    session, with its ``statement_timeout``. A URL's own parameter (its own ``options``) wins."""
+    k = PG_KEEPALIVE
+    server = {
+        "statement_timeout": PG_STATEMENT_TIMEOUT_S * 1000,
+        "tcp_keepalives_idle": k["idle_s"],
+        "tcp_keepalives_interval": k["interval_s"],
+        "tcp_keepalives_count": k["count"],
+        "tcp_user_timeout": k["user_timeout_s"] * 1000,
+    }
+    return {
+        "connect_timeout": PG_CONNECT_TIMEOUT_S,
+        "keepalives": 1,
+        "keepalives_idle": k["idle_s"],
+        "keepalives_interval": k["interval_s"],
+        "keepalives_count": k["count"],
+        "tcp_user_timeout": k["user_timeout_s"] * 1000,
+        "options": " ".join(f"-c {name}={value}" for name, value in server.items()),
+    }
 
 
 class SchemaError(RuntimeError):
@@ -227,10 +259,7 @@ def make_engine(url: str) -> Engine:
             if not folder.is_dir():
                 raise _refused(url, f"directory {folder} does not exist")
     elif backend == "postgresql" and _libpq(parsed.drivername):
-        if "connect_timeout" not in parsed.query:
-            connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
-        if "options" not in parsed.query:  # the URL's own ``options`` win
-            connect_args["options"] = f"-c statement_timeout={PG_STATEMENT_TIMEOUT_S * 1000}"
+        connect_args.update({k: v for k, v in pg_connection_parameters().items() if k not in parsed.query})
     try:
         engine = create_engine(url, future=True, pool_pre_ping=True, connect_args=connect_args)
     except NoSuchModuleError:
@@ -254,7 +283,7 @@ def _refused(url: str, reason: str) -> StoreOpenError:
 
 
 def _libpq(drivername: str) -> bool:
-    """True for the drivers that pass libpq's ``connect_timeout`` through (psycopg 3 and 2)."""
+    """True for the drivers that pass libpq's connection parameters through (psycopg 3 and 2)."""
     return drivername in ("postgresql", "postgresql+psycopg", "postgresql+psycopg2")
 
 

@@ -28,7 +28,15 @@ from typing import Any
 
 import click
 
-from detector.rundir import SUMMARY, VALIDATION, VALIDATION_MD, RunDirError, read_summary, series_path
+from detector.rundir import (
+    SUMMARY,
+    VALIDATION,
+    VALIDATION_MD,
+    NotARunDir,
+    RunDirError,
+    read_summary,
+    series_path,
+)
 from detector.signals import WINDOWS, Windows
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
@@ -552,6 +560,8 @@ def validate(out_dir: Path, block: str | None) -> None:
     """Replay every run of a reproduce output DIR through the detector and score each alert."""
     try:
         report = validate_dir(out_dir, block=block)
+    except NotARunDir as exc:  # a usage mistake: exit 2, and nothing was written
+        raise click.BadParameter(str(exc), param_hint="'DIR'") from None
     except RunDirError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(render_markdown(report).split("\n## Targets")[0])

@@ -277,11 +277,13 @@ def run(
 @click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def report(out_dir: Path) -> None:
     """Write DIR/report.md (tables) and DIR/report.html (plotly figures)."""
-    from detector.rundir import RunDirError
+    from detector.rundir import NotARunDir, RunDirError
     from reproduce.report import write_report
 
     try:
         md, html = write_report(out_dir)
+    except NotARunDir as exc:  # a usage mistake: exit 2, and nothing was written
+        raise click.BadParameter(str(exc), param_hint="'DIR'") from None
     except RunDirError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {md} and {html}")

@@ -286,14 +286,14 @@ def test_a_database_that_hangs_does_not_stall_evaluation(postgres_url: str, tmp_
     def evaluate() -> None:
         for t in times:
             det.tick(t)
-            if len(det.pending):
+            if det.writes_waiting():
                 break
         done.set()
 
     threading.Thread(target=evaluate, daemon=True).start()
     try:
         assert done.wait(60), "an evaluation waited on the locked table"
-        assert len(det.pending) >= 1  # it waits for the database
+        assert det.writes_waiting() >= 1  # it waits for the database
     finally:
         locked.rollback()
         holder.close()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -152,10 +153,12 @@ def test_signal_history_is_a_bounded_ring() -> None:
     labels = EngineLabels("0", "m", "a")
     for i in range(25):
         hist.add_evaluation([SignalFrame(float(i), labels, {"capacity": float(i), "vllm_waiting": None})])
-    hist.add_evaluation([SignalFrame(24.0, EngineLabels("1", "m", "b"), {"capacity": 1.0})])  # over the bound
+    # over the bound, and "a" is not older: "b" is not kept, and the evaluation says so
+    assert hist.add_evaluation([SignalFrame(24.0, EngineLabels("1", "m", "b"), {"capacity": 1.0})]) == ["b"]
     ((key, pts),) = hist.series("capacity")
     assert key == labels and [p[0] for p in pts] == [float(i) for i in range(15, 25)]
-    assert hist.series("vllm_waiting", since=20.0)[0][1] == [(float(i), None) for i in range(20, 25)]
+    points = hist.series("vllm_waiting", since=20.0)[0][1]
+    assert points[:, 0].tolist() == [float(i) for i in range(20, 25)] and np.isnan(points[:, 1]).all()
     # an engine whose newest point is older than a newcomer's has left: the newcomer takes its place
     hist.add_evaluation([SignalFrame(25.0, EngineLabels("1", "m", "b"), {"capacity": 1.0})])
     assert [e.instance for e in hist.engines()] == ["b"]
@@ -230,6 +233,42 @@ def test_a_fleet_larger_than_max_engines_is_followed_up_to_it_and_says_so(
         "following 10 engines, the most there may be: 2 more the source names are not watched"
         " (raise --max-engines)"
     ]
+    store.close()
+
+
+def test_the_api_keeps_the_signal_history_of_every_engine_the_detector_follows(tmp_path: Path) -> None:
+    """A fleet of more engines than the history once kept (64): every engine evaluated has its
+    history on ``/signals``, and none is left out (``retrywatch_detector_history_engines_left_out``)."""
+    fleet = ScriptedFleet(lambda t: [f"10.0.0.{i}:8000" for i in range(70)])
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(fleet, store)
+    for i in range(0, 15, 5):
+        det.tick(T0 + i)
+    client = TestClient(create_app(det))
+    followed = sorted(det.signals.instances)
+    assert len(followed) == 70 and client.get("/signals").json()["engines"] == followed
+    series = client.get("/signals", params={"name": "capacity"}).json()["series"]
+    assert sorted(s["labels"]["instance"] for s in series) == followed
+    assert all(len(s["points"]) == 3 for s in series)
+    last = client.get("/signals", params={"name": "capacity", "engine": followed[-1]}).json()["series"]
+    assert [s["labels"]["instance"] for s in last] == [followed[-1]]
+    assert "retrywatch_detector_history_engines_left_out 0.0" in client.get("/metrics").text
+    store.close()
+
+
+def test_signals_filters_without_a_signal_name_are_refused_not_ignored(tmp_path: Path) -> None:
+    fleet = ScriptedFleet(lambda t: ["a:8000", "b:8000"])
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    det = Detector(fleet, store)
+    det.tick(T0)
+    client = TestClient(create_app(det))
+    for params in ({"engine": "a:8000"}, {"since": T0}, {"engine": "a:8000", "since": T0}):
+        response = client.get("/signals", params=params)
+        assert response.status_code == 400, params
+        assert "give name= too" in response.json()["detail"]
+    assert client.get("/signals").json()["engines"] == ["a:8000", "b:8000"]
+    one = client.get("/signals", params={"name": "capacity", "engine": "a:8000"}).json()["series"]
+    assert [s["labels"]["instance"] for s in one] == ["a:8000"]
     store.close()
 
 

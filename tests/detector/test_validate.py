@@ -271,3 +271,16 @@ def test_reachable_as_retrywatch_reproduce_validate(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["reproduce", "validate", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "| VLLMMetastableRetryLoop | 1 |" in result.output
+
+
+def test_a_directory_without_summary_json_is_a_usage_mistake_and_nothing_is_written(tmp_path: Path) -> None:
+    from retrywatch.cli import main
+
+    empty = _mkdir(tmp_path / "empty")
+    result = CliRunner().invoke(main, ["reproduce", "validate", str(empty)])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert (
+        len(errors) == 1 and "Invalid value for 'DIR'" in errors[0] and "summary.json: not found" in errors[0]
+    )
+    assert "Traceback" not in result.output and list(empty.iterdir()) == []
