@@ -722,6 +722,8 @@ class Proxy:
             body = await self._read_body(request)
         except RequestError as exc:
             return _json_response(exc.status, exc.body())
+        except ClientDisconnect:  # gone before its body arrived (the server answered a 408)
+            return Response(status_code=400)
         headers = forwardable_headers(request.scope["headers"])
         # NOTE: the path exactly as the client wrote it (percent-escapes kept), not rebuilt: a URL
         # rebuilt from the request takes its authority from the Host header, which older

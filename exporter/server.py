@@ -21,7 +21,8 @@ defaults):
   (a close waiting for such a client's buffer to empty never ends);
 * a connection cap: a connection past ``--max-connections`` is kept for GET and HEAD requests
   (a scrape of /metrics, a readiness probe: ``--reserved-connections`` more; any other request on
-  it gets 503 once its head is in), and one past both gets 503 and is closed at once;
+  it gets 503 once its head is in, unless a place below the cap is free by then: it takes it),
+  and one past both gets 503 and is closed at once;
 * a request with a body that asks to switch protocols (``Connection: upgrade``) gets 400: the
   server switches to none, and httptools would hand the body to the new protocol (one without a
   body goes on as plain HTTP/1.1);
@@ -169,6 +170,16 @@ class ServerConfig(uvicorn.Config):
         )
 
 
+class _Reserve:
+    """How many of one server's connections are of its reserve (opened past --max-connections):
+    shared by its connections, which count apart those below the cap and those of the reserve."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = 0
+
+
 class BoundedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with head bounds, timeouts and a connection cap."""
 
@@ -214,6 +225,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self.keep_alive_s = bounds.keep_alive_s
         self.send_timeout_s = bounds.send_timeout_s
         self.max_connections = bounds.max_connections
+        self.reserve = _Reserve()  # one per server: the template's is every connection's
         self.scheme = "http"  # no TLS is served
         self.phase = IDLE
         self.deadline = math.inf  # loop time by which the phase must end
@@ -237,12 +249,12 @@ class BoundedProtocol(HttpToolsProtocol):
         self.connections.add(self)
         self.transport = transport
         self.flow = FlowControl(transport)
-        if len(self.connections) > self.max_connections:
+        if len(self.connections) > self.max_connections and not self._within_the_cap():
             # NOTE: past the cap, a connection within the reserve is kept for a scrape or a probe
             # (checked once its request head is in, ``on_headers_complete``), and it idles no
             # longer than a head may take, so idle connections do not hold the reserve long.
             bounds = cast(ServerConfig, self.config).bounds
-            if len(self.connections) > bounds.connection_limit:
+            if self.reserve.open >= bounds.reserved_connections:
                 reserve = bounds.reserved_connections
                 more = f" and the {reserve} past it for GET and HEAD requests" if reserve else ""
                 message = (
@@ -252,9 +264,27 @@ class BoundedProtocol(HttpToolsProtocol):
                 self.transport.close()
                 return
             self.reserved = True
+            self.reserve.open += 1
             self.keep_alive_s = min(self.keep_alive_s, self.head_timeout_s)
         self.phase = IDLE
         self.deadline = self.loop.time() + self.keep_alive_s
+
+    def _within_the_cap(self) -> bool:
+        """Whether there is a place below the cap for this connection (taken already unless it
+        is of the reserve).
+
+        NOTE: the connections of the reserve count apart. Counted with the others, one still open
+        (a client's pool, a dashboard polling) once some below the cap had closed left the next
+        connections past the cap: their POSTs were refused with places free below it."""
+        below = len(self.connections) - self.reserve.open  # this one included unless reserved
+        return below < self.max_connections if self.reserved else below <= self.max_connections
+
+    def _leave_the_reserve(self) -> None:
+        """The connection is of the reserve no more: it closed, or it takes a place below the cap
+        (serving any request, and idling as long as any connection there)."""
+        self.reserved = False
+        self.reserve.open -= 1
+        self.keep_alive_s = cast(ServerConfig, self.config).bounds.keep_alive_s
 
     def data_received(self, data: bytes) -> None:
         if self.phase >= LINGER:
@@ -398,12 +428,17 @@ class BoundedProtocol(HttpToolsProtocol):
                 "the server decodes no transfer coding but chunked: send 'Transfer-Encoding: chunked' or none"
             )
             raise _Refused(400, message, "unsupported_transfer_encoding")
-        if self.reserved and self.parser.get_method() not in RESERVE_METHODS:
-            message = (
-                f"the server holds its limit of {self.max_connections} connections (the connections "
-                "past it serve GET and HEAD requests only); retry later"
-            )
-            raise _Refused(503, message, "too_many_connections")
+        if self.reserved:
+            if self._within_the_cap():
+                # A connection below the cap has closed since this one opened (a client's pool
+                # sends its next POST on it): it takes that place.
+                self._leave_the_reserve()
+            elif self.parser.get_method() not in RESERVE_METHODS:
+                message = (
+                    f"the server holds its limit of {self.max_connections} connections (the "
+                    "connections past it serve GET and HEAD requests only); retry later"
+                )
+                raise _Refused(503, message, "too_many_connections")
         if not self._take_over():
             self.scope = self._asgi_scope()
             super().on_headers_complete()
@@ -498,6 +533,8 @@ class BoundedProtocol(HttpToolsProtocol):
             self.exchange.resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.reserved:
+            self._leave_the_reserve()
         exchange = self.exchange
         super().connection_lost(exc)
         if exchange is not None:

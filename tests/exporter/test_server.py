@@ -170,6 +170,8 @@ def test_a_body_shorter_than_its_content_length_gets_408(bounded: ProxyProcess, 
     short = post_head(path, len(body) + 10, b"\r\n") + body
     status, error = status_and_error(exchange(bounded.port, [short]))
     assert status == 408 and error["code"] == "request_timeout"
+    # A route passed through logged the client's leaving as a fault of its own, with a traceback.
+    assert errors_logged(bounded.proc.log_path) == []
 
 
 def test_a_chunked_body_without_its_terminator_gets_408(bounded: ProxyProcess) -> None:
