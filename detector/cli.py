@@ -147,7 +147,7 @@ def detect(
     from detector.sources import Source
     from detector.sources.replay import ReplaySource
     from detector.store import EpisodeStore, SchemaError, StoreOpenError, default_url
-    from exporter.bounds import HttpBounds
+    from exporter.bounds import HttpBounds, base_url
     from exporter.server import serve
 
     setup_logging(log_level, log_format, [db, prometheus, alertmanager, *webhooks, *exporters])
@@ -220,7 +220,7 @@ def detect(
     )
     app = create_app(detector)
     announce(
-        f"retrywatch detector on http://{host}:{port} (/alerts, /episodes, /runbook, /metrics) "
+        f"retrywatch detector on {base_url(host, port)} (/alerts, /episodes, /runbook, /metrics) "
         f"reading {_source_text(source.name, exporters, prometheus, replay)}; "
         f"episodes in {redact_url(db)}; runbook links {pattern}"
     )

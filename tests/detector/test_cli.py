@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from detector.cli import detect
 from detector.store import EpisodeStore
 from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
-from exporter.processes import free_port
+from exporter.processes import ManagedProcess, free_port
 from exporter.timeseries import write_series
 from tests.detector.conftest import TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
@@ -347,3 +347,15 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_ipv6_listener_announces_a_url_that_reaches_it(tmp_path: Path) -> None:
+    """On an IPv6 address the start line said ``http://::1:PORT``, which no client parses."""
+    port = free_port()
+    args = [sys.executable, "-m", "retrywatch", "detect", "--exporter", "http://127.0.0.1:9/metrics"]
+    args += ["--db", f"sqlite:///{tmp_path / 'd.db'}", "--host", "::1", "--port", str(port)]
+    log = tmp_path / "detector.log"
+    with ManagedProcess(args, log_path=log, bound_s=None, name="detector") as proc:
+        proc.wait_ready(f"http://[::1]:{port}/healthz", timeout_s=30, poll_s=0.1)
+    announced = log.read_text().split("retrywatch detector on ", 1)[1].split(" ", 1)[0]
+    assert announced == f"http://[::1]:{port}"

@@ -78,7 +78,9 @@ def test_clear_errors(tmp_path: Path) -> None:
     result = runner.invoke(main, [*base, "--block", "diagnostic", "--backend-option", "bogus=1"])
     assert result.exit_code != 0 and "bogus" in result.output
     result = runner.invoke(main, ["reproduce", "report", str(tmp_path)])
-    assert result.exit_code != 0 and "summary.json" in result.output
+    # A directory no run wrote is a usage mistake (exit 2, as validate's), and nothing is written.
+    assert result.exit_code == 2 and "Invalid value for 'DIR'" in result.output, result.output
+    assert "summary.json" in result.output and not (tmp_path / "report.md").exists()
 
 
 def test_numbers_that_are_not_finite_are_usage_errors(tmp_path: Path) -> None:
