@@ -94,6 +94,15 @@ def blackholed(port: int) -> Iterator[None]:
         )
 
 
+@pytest.fixture(autouse=True)
+def quick_keepalives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same connection parameters with shorter times (the mechanism under test, not its
+    production values), so both ends give up in seconds rather than the default's ~25 s."""
+    monkeypatch.setattr(
+        "detector.store.PG_KEEPALIVE", {"idle_s": 2, "interval_s": 1, "count": 2, "user_timeout_s": 3}
+    )
+
+
 def returns(call: Callable[[], R], what: str) -> R:
     """``call()``'s result; fails the test when it has not returned after :data:`STUCK_S` (the
     call goes on in a daemon thread until its socket gives up)."""
