@@ -428,18 +428,18 @@ class Proxy:
         return Joined(relay, relay.subscribe(decision.subscriber_id))
 
     def _shed_answer(self, shed: Shed) -> Answer:
+        """A shed attempt's answer, with Retry-After: the estimated wait for a first token, which
+        clients that honour it (the OpenAI SDK, up to 60 s) wait instead of their own backoff."""
+        wait = shed.retry_after_s if shed.retry_after_s is not None else 1.0
+        headers = {"retry-after": str(max(1, math.ceil(wait)))}
         if shed.reason is ShedReason.RETRY_BUDGET:
-            wait = shed.retry_after_s if shed.retry_after_s is not None else 1.0
-            retry_after = str(max(1, math.ceil(wait)))
             message = "retry budget exhausted: retries exceed their share of first attempts; retry later"
-            return Answer(
-                429, error_body(message, error_type(429), shed.reason.value), {"retry-after": retry_after}
-            )
+            return Answer(429, error_body(message, error_type(429), shed.reason.value), headers)
         if shed.reason is ShedReason.DEADLINE:
             message = "the proxy estimates this attempt would miss the clients' deadline"
         else:
             message = "the proxy's queue is full"
-        return Answer(503, error_body(message, error_type(503), shed.reason.value))
+        return Answer(503, error_body(message, error_type(503), shed.reason.value), headers)
 
     # --- effects ----------------------------------------------------------------------------
 

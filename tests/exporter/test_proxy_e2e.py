@@ -421,6 +421,7 @@ def test_the_proxy_queue_serves_in_order_and_sheds_when_full(
         _wait_for(lambda: p.proxy.policy.gauges().executions_queued >= ids.index(call))  # noqa: B023
     shed = httpx.post(url, json=_body(3), headers=_headers(uuid.uuid4().hex), timeout=5)
     assert shed.status_code == 503 and shed.json()["error"]["code"] == "proxy_queue"
+    assert int(shed.headers["retry-after"]) >= 1  # the estimated wait, as a 429's: SDKs honour it
     upstream.release(hold)
     for t in threads:
         t.join()
@@ -460,6 +461,7 @@ def test_the_deadline_check_sheds_an_attempt_that_would_miss_it(
         f"{p.url}/v1/completions", json=_body(1, prompt=[1] * 40_000), headers={"x-test-tag": tag}, timeout=5
     )
     assert r.status_code == 503 and r.json()["error"]["code"] == "deadline"
+    assert r.headers["retry-after"] == "2"  # the estimated wait: come back when it can make it
     assert upstream.requests(tag=tag) == []
     assert httpx.post(f"{p.url}/v1/completions", json=_body(1), timeout=5).status_code == 200
     m = p.metrics()
