@@ -169,7 +169,9 @@ class Evaluator:
         return list(self._active.values())
 
     def firing(self) -> list[AlertState]:
-        return [a for a in self._active.values() if a.state == "firing"]
+        """The firing alerts; safe to call from another thread than the evaluation's (the API's):
+        the alerts are copied at once before they are looked at."""
+        return [a for a in list(self._active.values()) if a.state == "firing"]
 
     def restore_firing(
         self, rule_name: str, labels: EngineLabels, fired_at: float, value: float | None

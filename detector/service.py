@@ -276,6 +276,9 @@ class Detector:
         self._am_last_refresh = 0.0
         self._lock = threading.Lock()  # the evaluation's state; never held across database work
         self._db_lock = threading.Lock()  # one piece of database work at a time
+        # Held while transitions move from ``_unsettled`` to ``pending`` (taken inside ``_lock``,
+        # never across database work): :meth:`writes_waiting` counts them in one place or the other.
+        self._handover = threading.Lock()
         self._db_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrywatch-db")
         self._db_job: Future[None] | None = None
         self._db_late = False  # the last database work outlasted :data:`DB_WAIT_S` (one warning)
@@ -366,11 +369,7 @@ class Detector:
         write what waits, and notify what landed (on the database worker's thread)."""
         try:
             with self._db_lock:
-                writer = self._hold_lease()
-                with self._lock:
-                    settled, self._unsettled = self._unsettled, []
-                if writer:
-                    self.pending.add(settled)
+                self._settle(self._hold_lease())
                 if self._may_write():
                     self._write_pending()
                     if not self._in_line:
@@ -474,9 +473,14 @@ class Detector:
             return None
         known = {r.name for r in self.rules}
         with self._lock:
-            firing = {(a.alertname, a.labels.instance) for a in self.evaluator.firing()}
+            # Not re-armed: an alert firing here, and one whose transition waits unwritten (it
+            # resolved here, maybe while the store was read: its resolution closes the episode).
+            skip = {(a.alertname, a.labels.instance) for a in self.evaluator.firing()}
+            skip.update(
+                (tr.alertname, tr.labels.instance) for tr in (*self._unsettled, *self.pending.waiting())
+            )
             for ep in open_episodes:
-                if ep.alertname in known and (ep.alertname, ep.labels.instance) not in firing:
+                if ep.alertname in known and (ep.alertname, ep.labels.instance) not in skip:
                     self.evaluator.restore_firing(ep.alertname, ep.labels, ep.started_at, ep.value)
         return {(ep.alertname, ep.labels.instance) for ep in open_episodes}
 
@@ -528,18 +532,25 @@ class Detector:
 
     def writes_waiting(self) -> int:
         """Transitions not written yet: those waiting for the database to take them, and those
-        evaluated since the database work last checked the lease."""
-        return len(self.pending) + len(self._unsettled)
+        evaluated since the database work last checked the lease (read from any thread)."""
+        with self._handover:
+            return len(self.pending) + len(self._unsettled)
+
+    def _settle(self, writer: bool) -> None:
+        """Hand the transitions evaluated since the last lease check to the waiting writes, as the
+        writer (else they are dropped: the holder writes its own); in one step for
+        :meth:`writes_waiting`, which counts them in one place or the other."""
+        with self._lock, self._handover:
+            settled, self._unsettled = self._unsettled, []
+            if writer:
+                self.pending.add(settled)
 
     def write_pending(self) -> int:
         """Retry the waiting transitions now (a replay's scheduler and :meth:`stop` call it; an
         evaluation does it by itself), after any database work in progress; returns how many
         still wait. Only the writer writes (as of its last lease check)."""
         with self._db_lock:
-            with self._lock:
-                settled, self._unsettled = self._unsettled, []
-            if self.writer:
-                self.pending.add(settled)
+            self._settle(self.writer)
             if self._may_write():
                 self._write_pending()
         return len(self.pending)
