@@ -33,6 +33,9 @@ from detector.store import EpisodeStore, store_error
 from exporter.redact import redact_text, redact_url
 
 log = logging.getLogger("retrywatch.detector.notify")
+#: Deliveries a dispatcher remembers having made, so that a stale read of the store cannot queue
+#: one again (each episode's firing and resolution goes to each notifier once).
+SENT_MEMORY = 10_000
 
 
 class NotifyError(RuntimeError):
@@ -194,6 +197,9 @@ class Dispatcher:
         }
         self._inflight: set[tuple[int, str, str]] = set()
         self._unmarked: set[tuple[int, str, str]] = set()  # delivered; the store refused to mark it
+        # Delivered by this dispatcher, newest last (at most SENT_MEMORY): a row of one that
+        # :meth:`requeue_unsent` read just before it was marked sent is not queued again.
+        self._sent: dict[tuple[int, str, str], None] = {}
         self._refreshing: set[str] = set()  # Alertmanagers with a refresh queued or in progress
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -221,7 +227,7 @@ class Dispatcher:
         if q is None:
             raise ValueError(f"no notifier named {notifier!r}")
         with self._lock:
-            if key in self._inflight or key in self._unmarked:
+            if key in self._inflight or key in self._unmarked or key in self._sent:
                 return True
             try:
                 q.put_nowait((episode, notifier, kind))
@@ -325,7 +331,12 @@ class Dispatcher:
                 self._sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
                 continue
-            self._mark_sent((episode.id or 0, notifier, kind))
+            key = (episode.id or 0, notifier, kind)
+            self._mark_sent(key)
+            with self._lock:
+                self._sent[key] = None
+                if len(self._sent) > SENT_MEMORY:
+                    del self._sent[next(iter(self._sent))]
             if self.on_result:
                 self.on_result(notifier, "sent")
             return

@@ -86,6 +86,28 @@ def test_undelivered_notifications_survive_a_restart_and_are_sent_once(
     store2.close()
 
 
+def test_a_row_read_as_unsent_just_before_its_delivery_was_marked_is_not_sent_again(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    """``requeue_unsent`` reads the unsent rows, then queues each: a delivery that finished and was
+    marked sent in between was queued again, since nothing was in flight for it any more, and the
+    receiver was told twice."""
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    disp = Dispatcher(store, [WebhookNotifier(http_server.url, name="webhook0")])
+    disp.start()
+    ep = store.record(_tr("firing", 1000.0), disp.names)
+    assert ep is not None
+    stale = store.unsent()  # read while the delivery is still to come
+    disp.submit(ep, "webhook0", "firing")
+    assert disp.wait_idle(10) and store.unsent() == []
+    for episode, notifier, kind in stale:  # what requeue_unsent then does with its stale read
+        disp.submit(episode, notifier, kind)
+    assert disp.wait_idle(10)
+    assert [p["status"] for p in http_server.posts] == ["firing"]  # type: ignore[index]
+    disp.close()
+    store.close()
+
+
 def test_webhook_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="http"):
         WebhookNotifier("ftp://x")
