@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from detector.lease import LeaseState
 from exporter.processes import ManagedProcess, free_port
 
 
@@ -237,3 +238,22 @@ def exposition(snapshot_samples: list[tuple[str, dict[str, str], float]]) -> str
     from exporter.timeseries import format_sample
 
     return "\n".join(format_sample(n, lb, v) for n, lb, v in snapshot_samples) + "\n"
+
+
+class ScriptedLease:
+    """A lease whose states the test sets: the detector's side of the lease, without a second
+    process. ``ACQUIRED`` turns into ``HELD`` once read, as a real lease's does."""
+
+    description = "a scripted lease"
+
+    def __init__(self, state: LeaseState = LeaseState.TAKEN) -> None:
+        self.state = state
+
+    def hold(self) -> LeaseState:
+        state = self.state
+        if state is LeaseState.ACQUIRED:
+            self.state = LeaseState.HELD
+        return state
+
+    def release(self) -> None:
+        return None

@@ -20,28 +20,11 @@ from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
 from detector.thresholds import AlertRule, Cmp
 from exporter.timeseries import write_series
+from tests.detector.conftest import ScriptedLease
 from tests.detector.minisim import MiniSim
 
 LOOP = "VLLMMetastableRetryLoop"
 T0 = 1_800_000_000.0  # the replayed run is shifted to Unix time
-
-
-class _Scripted:
-    """A lease whose states the test sets (the detector's side of the lease)."""
-
-    description = "a scripted lease"
-
-    def __init__(self, state: LeaseState) -> None:
-        self.state = state
-
-    def hold(self) -> LeaseState:
-        state = self.state
-        if state is LeaseState.ACQUIRED:
-            self.state = LeaseState.HELD
-        return state
-
-    def release(self) -> None:
-        return None
 
 
 class _GatedStore(EpisodeStore):
@@ -77,7 +60,7 @@ def test_an_alert_that_resolves_while_a_take_over_reads_the_store_is_not_rearmed
     series = tmp_path / "metrics.jsonl"
     write_series(series, MiniSim(seed=3, cancellation=False).run())
     store = _GatedStore(f"sqlite:///{tmp_path / 'd.db'}")
-    lease = _Scripted(LeaseState.TAKEN)
+    lease = ScriptedLease(LeaseState.TAKEN)
     source = ReplaySource(series, instance="proxy-a", offset=T0)
     det = Detector(source, store, lease=lease)
     times = iter(sorted({s.t for s in source.snapshots}))

@@ -22,7 +22,7 @@ from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore, make_engine
 from exporter.processes import free_port
 from exporter.timeseries import write_series
-from tests.detector.conftest import TestServer, exposition, wait_until
+from tests.detector.conftest import ScriptedLease, TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim
 
@@ -183,25 +183,6 @@ def _nodata_firing(labels: EngineLabels) -> Transition:
                       started_at=T0, value=1.0, summary="s", description="d")  # fmt: skip
 
 
-class _Scripted:
-    """A lease whose states the test sets: the detector's side of the lease, without a second
-    process."""
-
-    description = "a scripted lease"
-
-    def __init__(self) -> None:
-        self.state = LeaseState.TAKEN
-
-    def hold(self) -> LeaseState:
-        state = self.state
-        if state is LeaseState.ACQUIRED:
-            self.state = LeaseState.HELD
-        return state
-
-    def release(self) -> None:
-        return None
-
-
 def test_a_standby_that_takes_over_writes_what_fired_meanwhile_and_rearms_what_is_open(
     tmp_path: Path, http_server: TestServer
 ) -> None:
@@ -214,7 +195,7 @@ def test_a_standby_that_takes_over_writes_what_fired_meanwhile_and_rearms_what_i
         ["webhook0"],
     )
     store.mark_sent(1, "webhook0", "firing")
-    lease = _Scripted()
+    lease = ScriptedLease()
     source = ReplaySource(series, instance="proxy-a", offset=T0)
     det = Detector(source, store, notifiers=[WebhookNotifier(http_server.url, name="webhook0")], lease=lease)
     det.dispatcher.start()
@@ -347,7 +328,7 @@ def test_an_episode_opened_between_start_up_and_the_first_hold_is_rearmed(tmp_pa
     series = tmp_path / "metrics.jsonl"
     write_series(series, MiniSim(seed=3, cancellation=False).run())
     store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
-    lease = _Scripted()
+    lease = ScriptedLease()
     lease.state = LeaseState.ACQUIRED
     source = ReplaySource(series, instance="proxy-a", offset=T0)
     det = Detector(source, store, lease=lease)
