@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 import click
 
+from exporter.bounds import base_url
+
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PATTERN",
@@ -53,9 +55,7 @@ def served_pattern(host: str, port: int) -> str:
         import socket
 
         host = socket.getfqdn()  # a wildcard bind: the machine's name, not an unroutable address
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}{PATH}#{{alert}}"
+    return f"{base_url(host, port)}{PATH}#{{alert}}"
 
 
 DEFAULT_PATTERN = served_pattern(DEFAULT_HOST, DEFAULT_PORT)

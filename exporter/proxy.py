@@ -315,9 +315,9 @@ class Proxy:
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body is over the limit of {limit} bytes", "body_too_large")
+        too_large = self.body_too_large(request.headers.get("content-length"))
+        if too_large is not None:
+            raise too_large
         parts: list[bytes] = []
         size = 0
         async for chunk in request.stream():
