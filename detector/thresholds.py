@@ -42,6 +42,11 @@ from detector.signals import PROMETHEUS_JOB, RECORD_NAMES, check_time_scale
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = typing.get_args(Severity)  # the most severe first
+# What an alert says (docs/protocol.md): a cause of a collapse (the loop, the backlog, orphaned
+# work...), its symptom (calls not delivered within the deadline, whatever the cause), or that the
+# detector lacks the data to say either. Validation scores each kind against the ground truth.
+AlertKind = Literal["cause", "symptom", "data"]
+ALERT_KINDS: tuple[AlertKind, ...] = typing.get_args(AlertKind)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class AlertRule:
     keep_firing_for_s: float
     value_signal: str
     unit: str = ""
+    kind: AlertKind = "cause"
 
     def runbook_url(self, pattern: str = DEFAULT_PATTERN) -> str:
         """The link to this alert's runbook section (``detector.runbook``)."""
@@ -323,6 +329,7 @@ NO_DATA = AlertRule(
     keep_firing_for_s=0.0,
     value_signal="data_missing",
     unit="",
+    kind="data",
 )
 
 ALERTS: tuple[AlertRule, ...] = (
