@@ -102,6 +102,14 @@ def test_the_metrics_passthrough_bounds_are_options_and_variables() -> None:
     assert "RETRYWATCH_METRICS_TIMEOUT" in help_text and "RETRYWATCH_METRICS_MAX_STALENESS" in help_text
 
 
+def test_the_answer_buffer_is_an_option_that_must_hold_an_answer_of_the_largest_size() -> None:
+    runner = CliRunner()
+    base = ["--upstream", "http://127.0.0.1:1", "--max-answer-bytes", "4096"]
+    result = runner.invoke(proxy, [*base, "--answer-buffer-bytes", "2048"])
+    assert result.exit_code == 2 and "--answer-buffer-bytes" in result.output
+    assert "RETRYWATCH_ANSWER_BUFFER_BYTES" in runner.invoke(proxy, ["--help"]).output
+
+
 def test_the_server_bounds_and_routes_are_options_and_variables() -> None:
     runner = CliRunner()
     base = ["--upstream", "http://127.0.0.1:1"]
