@@ -8,8 +8,8 @@ bytes received are parsed): the response head; an error body (read up to ``ERROR
 a stream's first event, inspected for vLLM's in-stream refusal; then every chunk goes from the
 parser's callback straight into the relay (``_Connection.sink``), which writes it to each
 subscriber in the same callback (``exporter.exchange``); a non-streaming answer, held whole until
-its end, up to ``--max-answer-bytes``. At the end the connection goes back to
-the pool if its response was read to the end, else it is closed.
+its end, up to ``--max-answer-bytes`` each and ``--answer-buffer-bytes`` together. At the end the
+connection goes back to the pool if its response was read to the end, else it is closed.
 
 Cancelling (``abort``) closes the connection before the end of the response: the engine sees the
 disconnect and aborts the request. What each outcome means for the policy and the relay is the
@@ -232,17 +232,35 @@ class Execution:
     def _bounded(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
         """``sink`` for a non-streaming answer, held whole until its end: one past
         ``--max-answer-bytes`` is not an engine's (a broken upstream, an endless body), and the
-        execution fails before holding more."""
-        relay = self.relay
-        limit = self.proxy.settings.max_answer_bytes
+        execution fails before holding more. One that would take the answers held at once past
+        ``--answer-buffer-bytes`` fails with a 503 (the others are untouched); what it held is
+        given back when its relay is done (``Relay._release``)."""
+        proxy, relay = self.proxy, self.relay
+        limit = proxy.settings.max_answer_bytes
+        total = proxy.settings.answer_buffer_bytes
 
         def bounded(data: bytes) -> None:
             if self.state == _DONE:
                 return
-            if relay.end + len(data) > limit:
+            size = len(data)
+            if relay.end + size > limit:
                 message = f"upstream broken: its answer is over the proxy's limit of {limit} bytes"
                 self._fail(Outcome.FAILED, 502, message, "upstream_broken")
                 return
+            if proxy.answers_held + size > total:
+                log.warning(
+                    "execution %d failed: its answer would take the answers held at once past "
+                    "--answer-buffer-bytes (%d)",
+                    relay.execution_id,
+                    total,
+                )
+                message = (
+                    "the proxy is holding as many whole answers as it may (--answer-buffer-bytes, "
+                    f"{total} bytes): this one was dropped; retry later"
+                )
+                self._fail(Outcome.FAILED, 503, message, "answer_buffer_full")
+                return
+            proxy.answers_held += size
             sink(data)
 
         return bounded

@@ -19,6 +19,7 @@ EXECUTIONS_CREATED: Final = "retrywatch_executions_created_total"
 EXECUTIONS_DISPATCHED: Final = "retrywatch_executions_dispatched_total"
 EXECUTIONS_FINISHED: Final = "retrywatch_executions_finished_total"  # {fate=...}
 CALLS_DELIVERED: Final = "retrywatch_calls_delivered_total"  # {within_deadline="true"|"false"}
+UPSTREAM_FAULTS: Final = "retrywatch_upstream_faults_total"  # {kind=UPSTREAM_FAULT_KINDS}
 
 # --- retrywatch gauges ---------------------------------------------------------------
 EXECUTIONS_LIVE: Final = "retrywatch_executions_live"
@@ -44,6 +45,11 @@ SHED_REASONS: Final = tuple(reason.value for reason in ShedReason)
 FATES: Final = tuple(fate.value for fate in Fate)
 DELIVERY_LABELS: Final = ("true", "false")
 ATTEMPT_OUTCOMES: Final = ("delivered", "disconnected", "shed", "refused", "failed")
+# What the upstream did that HTTP does not allow and the proxy guards against (exporter.upstream):
+# bytes past the end of an answer, which no request asked for; a response head over the bounds.
+STRAY_BYTES: Final = "stray_bytes"
+HEAD_TOO_LARGE: Final = "head_too_large"
+UPSTREAM_FAULT_KINDS: Final = (STRAY_BYTES, HEAD_TOO_LARGE)
 
 # --- vLLM's own names (served unchanged) ----------------------------------------------
 VLLM_PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"

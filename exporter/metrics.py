@@ -298,6 +298,24 @@ class PolicyCollector(Collector):
         )
 
 
+class UpstreamFaultsCollector(Collector):
+    """``retrywatch_upstream_faults_total``: what the upstream did that HTTP does not allow and
+    the proxy guarded against (``exporter.upstream``), by kind."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(mn.UPSTREAM_FAULT_KINDS, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        faults = CounterMetricFamily(
+            _base(mn.UPSTREAM_FAULTS),
+            "Faults of the upstream's the proxy guarded against (connection closed), by kind.",
+            labels=["kind"],
+        )
+        for kind, count in self.counts.items():
+            faults.add_metric([kind], count)
+        yield faults
+
+
 class ProxyMetrics:
     """Everything ``/metrics`` serves, on a registry of its own."""
 
@@ -338,6 +356,12 @@ class ProxyMetrics:
         self._duration_children = {o: self.attempt_duration.labels(outcome=o) for o in mn.ATTEMPT_OUTCOMES}
         self.policy = policy
         self.deadlines = DeadlineEstimator()
+        self.faults = UpstreamFaultsCollector()
+        self.registry.register(self.faults)
+
+    def upstream_fault(self, kind: str) -> None:
+        """Count one fault of the upstream's (``exporter.upstream`` logs it)."""
+        self.faults.counts[kind] += 1
 
     @property
     def upstream_up(self) -> bool:

@@ -65,12 +65,12 @@ from exporter.redact import redact_url
 from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
-    DROP_RESPONSE_HEADERS,
+    UpstreamBroken,
     UpstreamClient,
     UpstreamError,
     UpstreamPool,
-    connection_listed,
     forwardable_headers,
+    relayed_headers,
 )
 from exporter.validation import (
     CHAT_COMPLETIONS,
@@ -186,10 +186,14 @@ class Proxy:
             settings.upstream_connect_timeout_s,
             settings.upstream_max_idle_s,
         )
-        self.upstream = UpstreamClient(base, connect_s, max_idle_s=idle_s)
-        self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s)
+        fault = self.metrics.upstream_fault
+        self.upstream = UpstreamClient(base, connect_s, on_fault=fault)
+        self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s, on_fault=fault)
         self.relays: dict[int, Relay] = {}
         self.executions: dict[int, Execution] = {}  # the upstream requests in flight
+        # Bytes of the non-streaming answers held at once (``exporter.execution``), bounded by
+        # --answer-buffer-bytes; each relay gives its own back when done (``Relay._release``).
+        self.answers_held = 0
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._refresh: asyncio.Task[None] | None = None  # the one upstream /metrics fetch in flight
         self._sampler: asyncio.Task[None] | None = None
@@ -418,6 +422,7 @@ class Proxy:
                 started,
                 self.settings.replay_limit_bytes,
                 on_overflow=self.policy.stop_attaching,
+                on_release=None if stream else self._answer_released,
             )
             self.relays[decision.execution_id] = relay
         else:
@@ -426,6 +431,9 @@ class Proxy:
         # connection): the subscription is set up while the engine works on it.
         self.apply(result.effects)
         return Joined(relay, relay.subscribe(decision.subscriber_id))
+
+    def _answer_released(self, size: int) -> None:
+        self.answers_held -= size
 
     def _shed_answer(self, shed: Shed) -> Answer:
         """A shed attempt's answer, with Retry-After: the estimated wait for a first token, which
@@ -738,6 +746,9 @@ class Proxy:
             self.metrics.upstream_up = False
             message = f"upstream unreachable ({type(exc).__name__})"
             return _json_response(502, error_body(message, error_type(502), "upstream_unreachable"))
+        except UpstreamBroken as exc:  # its head over the bounds
+            message = f"upstream broken: {exc}"
+            return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
         except httpx.HTTPError as exc:
             message = f"the upstream broke the connection before the response ({type(exc).__name__})"
             return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
@@ -745,16 +756,11 @@ class Proxy:
             await response.aclose()
             message = f"the upstream answered an interim HTTP {response.status_code} as its response"
             return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
-        # The fields the upstream's Connection header names are hop-by-hop as well (RFC 9110, 7.6.1).
-        listed = connection_listed(v.encode("latin-1") for v in response.headers.get_list("connection"))
-        drop = DROP_RESPONSE_HEADERS | {name.decode("latin-1") for name in listed}
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in drop}
-        return StreamingResponse(
-            response.aiter_raw(),
-            status_code=response.status_code,
-            headers=out_headers,
-            background=BackgroundTask(response.aclose),
+        relayed = StreamingResponse(
+            response.aiter_raw(), status_code=response.status_code, background=BackgroundTask(response.aclose)
         )
+        relayed.raw_headers = relayed_headers(response.headers.raw)  # repeated fields stay lines
+        return relayed
 
 
 class SubscriberResponse(Response):

@@ -88,6 +88,7 @@ class Relay:
         created_at: float,
         limit_bytes: int,
         on_overflow: Callable[[int], None] | None = None,
+        on_release: Callable[[int], None] | None = None,
     ) -> None:
         self.execution_id = execution_id
         self.request = request
@@ -95,6 +96,10 @@ class Relay:
         self.created_at = created_at
         self.limit_bytes = limit_bytes
         self._on_overflow = on_overflow
+        # Told once how many bytes were appended (``end``) when they are no longer needed: the
+        # execution ended without an answer, or its answer was read by every subscriber (the
+        # proxy's bound on non-streaming answers held at once, ``exporter.execution``).
+        self._on_release = on_release
         self.content_type = b"text/event-stream; charset=utf-8" if stream else b"application/json"
         self.status = 200
         self.chunks = 0  # chunks received from the upstream
@@ -137,6 +142,13 @@ class Relay:
         self.request = None
         for sub in list(self.subscriptions.values()):
             sub.wake()
+        if outcome is not Outcome.COMPLETED or not self.subscriptions:
+            self._release()
+
+    def _release(self) -> None:
+        on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release(self.end)
 
     def error_headers(self) -> dict[str, str] | None:
         """The header fields of the error answer besides the server's own (None: no more)."""
@@ -181,6 +193,8 @@ class Relay:
 
     def unsubscribe(self, subscriber_id: int) -> None:
         self.subscriptions.pop(subscriber_id, None)
+        if self.outcome is not None and not self.subscriptions:
+            self._release()  # the last subscriber of a finished execution has what it needed
 
     def overrun(self, sub: Subscription) -> bool:
         """Whether what ``sub`` has yet to read takes more than ``limit_bytes`` to store (the

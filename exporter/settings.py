@@ -99,6 +99,18 @@ class ProxySettings(PolicyConfig):
         ),
         minimum=1024,
     )
+    # NOTE: --max-answer-bytes bounds each answer, not all of them together: four answers of
+    # 200 MB held at once took 1.36 GiB. Two answers of the largest size fit by default.
+    answer_buffer_bytes: int = knob(
+        512 * 1024 * 1024,
+        flag="answer-buffer-bytes",
+        help=(
+            "Limit on the non-streaming answers held at once, all together (each until its clients "
+            "have it); an answer that would take them past it fails (503 answer_buffer_full). At "
+            "least --max-answer-bytes."
+        ),
+        minimum=1024,
+    )
     window_s: float = knob(
         60.0, flag="window", help="Sliding window of the derived gauges, seconds.", minimum=0, exclusive=True
     )
@@ -215,6 +227,11 @@ class ProxySettings(PolicyConfig):
                 f"--upstream must be an http(s) URL like http://127.0.0.1:8000, not {self.upstream!r}"
             )
         check_bounds(self, SettingsError)
+        if self.answer_buffer_bytes < self.max_answer_bytes:
+            raise SettingsError(
+                "--answer-buffer-bytes must be at least --max-answer-bytes: an answer of the largest "
+                "size must fit"
+            )
         if not host_is_usable(self.host):
             raise SettingsError(f"--host: {EMPTY_HOST}")
         if self.deadline_auto and self.deadline_s is not None:

@@ -11,11 +11,20 @@ Neither client takes an interim (1xx) response for the final one, reuses a conne
 response was not read to its end, or sends a request twice: ``UpstreamUnreachable`` says no
 connection could be made (nothing was sent), ``UpstreamBroken`` that the upstream broke the
 exchange after the request was written.
+
+What the upstream sends is bounded as a trusted proxy bounds it: an answer ends where its framing
+says, and bytes past it (which no request asked for) close the connection, never reaching the
+answer or another request; a response head (with any interim responses before it and a chunked
+answer's trailer fields after it) is at most ``MAX_UPSTREAM_HEAD_BYTES`` and
+``MAX_UPSTREAM_HEAD_FIELDS`` (``UpstreamHeadTooLarge``); repeated fields stay separate lines.
+Each such fault is logged and reported to the client's ``on_fault`` (the proxy counts them in
+``retrywatch_upstream_faults_total``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import select
 import ssl
 import time
@@ -26,6 +35,10 @@ from urllib.parse import urlsplit
 
 import httptools
 import httpx
+
+from exporter.metricnames import HEAD_TOO_LARGE, STRAY_BYTES
+
+log = logging.getLogger("retrywatch.proxy")
 
 # Request headers never forwarded upstream: hop-by-hop ones, those httpx sets itself, and
 # Accept-Encoding (the proxy relays raw bytes and inspects the first SSE event: every request it
@@ -50,14 +63,22 @@ _DROP_REQUEST_HEADERS = frozenset(
     }
 )
 _IDENTITY = (b"accept-encoding", b"identity")  # on every upstream request: the body unencoded
+_CLOSE = (b"connection", b"close")  # on every request passed through (``UpstreamClient``)
 # Longest a kept-alive upstream connection is reused after its last response: below the
 # upstream's own keep-alive timeout (5 s in uvicorn, which serves vLLM), so the upstream does not
-# close a connection just as a request is written on it. Both clients use it; the proxy's
-# --upstream-max-idle sets it.
+# close a connection just as a request is written on it. The proxy's --upstream-max-idle sets it
+# (``UpstreamPool``; the routes passed through keep no connection alive).
 DEFAULT_MAX_IDLE_S = 2.0
 # Largest /metrics answer read (``UpstreamPool.get_text``), as the detector reads one: a real
 # engine's is a few hundred KiB; past it the fetch fails as an unreachable endpoint's would.
 MAX_METRICS_BYTES = 16 * 1024 * 1024
+# Largest response head read from the upstream, on every path (generation requests, routes passed
+# through, the /metrics fetch): the header fields of the final response, of any interim (1xx)
+# responses before it and of a chunked answer's trailer, together. nginx's proxy_buffer_size
+# (4-8 KiB) bounds the same; an engine's heads take a few hundred bytes. Past either bound the
+# answer fails as a broken upstream's (502) and the connection is closed.
+MAX_UPSTREAM_HEAD_BYTES = 64 * 1024
+MAX_UPSTREAM_HEAD_FIELDS = 100
 
 # Response headers never relayed to a client.
 DROP_RESPONSE_HEADERS = frozenset(
@@ -82,6 +103,36 @@ def connection_listed(values: Iterable[bytes]) -> frozenset[bytes]:
     )
 
 
+def relayed_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """An upstream answer's header fields that go on to the client (names in lower case, as ASGI
+    wants them), each line as it came: neither the hop-by-hop ones nor those its Connection header
+    names (RFC 9110, 7.6.1).
+
+    NOTE: a repeated field stays repeated lines: ``Set-Cookie`` may not be folded into one
+    (RFC 6265, 3), and the pass-through had merged every repeated field, comma-joined."""
+    fields = [(name.lower(), value) for name, value in raw]
+    drop = {name.encode("latin-1") for name in DROP_RESPONSE_HEADERS}
+    drop |= connection_listed(value for name, value in fields if name == b"connection")
+    return [(name, value) for name, value in fields if name not in drop]
+
+
+def head_over_bounds(fields: int, size: int) -> bool:
+    """Whether a response head of ``fields`` header fields taking ``size`` bytes is over the
+    proxy's bounds (``MAX_UPSTREAM_HEAD_FIELDS``, ``MAX_UPSTREAM_HEAD_BYTES``)."""
+    return fields > MAX_UPSTREAM_HEAD_FIELDS or size > MAX_UPSTREAM_HEAD_BYTES
+
+
+def _field_bytes(name: bytes, value: bytes) -> int:
+    """What a header field takes in a head: its name and value, ``: `` and the line's end."""
+    return len(name) + len(value) + 4
+
+
+HEAD_TOO_LARGE_MESSAGE = (
+    f"its response head is over the proxy's bound ({MAX_UPSTREAM_HEAD_BYTES} bytes, "
+    f"{MAX_UPSTREAM_HEAD_FIELDS} fields, interim responses and trailer fields included)"
+)
+
+
 def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The client's request headers that go to the upstream (ASGI's byte pairs, names in lower
     case), as they came: neither the hop-by-hop ones nor those its Connection header names.
@@ -96,27 +147,38 @@ def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes,
     return [(name, value) for name, value in headers if name.lower() not in drop]
 
 
+FaultHook = Callable[[str], None]  # told the kind of each fault of the upstream's (metricnames)
+
+
+def _fault(on_fault: FaultHook | None, kind: str, message: str) -> None:
+    log.warning("upstream fault (%s): %s", kind, message)
+    if on_fault is not None:
+        on_fault(kind)
+
+
 class UpstreamClient:
-    """An httpx AsyncClient bound to the engine's base URL."""
+    """An httpx AsyncClient bound to the engine's base URL, for the routes passed through: one
+    connection per request (see ``open``)."""
 
     def __init__(
         self,
         base_url: str,
         connect_timeout_s: float = 5.0,
         max_connections: int = 100_000,
-        max_idle_s: float = DEFAULT_MAX_IDLE_S,
+        on_fault: FaultHook | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.on_fault = on_fault
         # No read timeout: an execution may wait minutes in the engine's queue; the clients'
         # deadline, not the proxy, decides when to give up.
         timeout = httpx.Timeout(None, connect=connect_timeout_s, pool=None)
-        # httpx skips interim responses other than 101 (the proxy checks for that one), never
-        # reuses a connection whose response was not read to the end, and polls an idle one
-        # before reusing it; its default keep-alive expiry (5 s) equals uvicorn's own timeout,
-        # so it is kept below it here.
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=1_000, keepalive_expiry=max_idle_s
-        )
+        # httpx skips interim responses other than 101 (the proxy checks for that one).
+        # NOTE: no connection is kept alive. httpx (h11) keeps the bytes it read past the end of
+        # an answer and takes them for the answer to the next request on that connection: an
+        # upstream that wrote a second response in the same write as the first had it delivered
+        # to another client. One connection per request, as nginx's default toward an upstream
+        # (HTTP/1.0, no keepalive): the routes passed through are not the generation path.
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
 
     def url(self, path: str, query: bytes = b"") -> str:
@@ -125,15 +187,30 @@ class UpstreamClient:
     async def open(
         self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]], query: bytes = b""
     ) -> httpx.Response:
-        """Send a request (asking for ``_IDENTITY``) and return the response with its body still
-        unread (a stream)."""
+        """Send a request (asking for ``_IDENTITY``, on a connection closed after its answer) and
+        return the response with its body still unread (a stream). Raises
+        ``UpstreamHeadTooLarge`` for a head over the bounds (the connection closed), and httpx's
+        errors otherwise."""
         # NOTE: as bytes, as they arrived: httpx encodes str header values as ASCII, and a value
         # with obs-text (bytes 0x80-0xff, which HTTP allows and clients send) raised inside the
         # proxy, answering a client's header with a 500.
         request = self.client.build_request(
-            method, self.url(path, query), content=body, headers=[*headers, _IDENTITY]
+            method, self.url(path, query), content=body, headers=[*headers, _IDENTITY, _CLOSE]
         )
-        return await self.client.send(request, stream=True)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.RemoteProtocolError as exc:
+            # h11 reads at most 100 KiB of a head before giving up (its max_incomplete_event_size)
+            if "buffer too long" not in str(exc):
+                raise
+            _fault(self.on_fault, HEAD_TOO_LARGE, f"{method} {path}: {HEAD_TOO_LARGE_MESSAGE}")
+            raise UpstreamHeadTooLarge(HEAD_TOO_LARGE_MESSAGE) from None
+        raw = response.headers.raw
+        if head_over_bounds(len(raw), sum(_field_bytes(name, value) for name, value in raw)):
+            await response.aclose()
+            _fault(self.on_fault, HEAD_TOO_LARGE, f"{method} {path}: {HEAD_TOO_LARGE_MESSAGE}")
+            raise UpstreamHeadTooLarge(HEAD_TOO_LARGE_MESSAGE)
+        return response
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -155,20 +232,33 @@ class UpstreamBroken(UpstreamError):
     before the end of the response, or answered something that is not HTTP/1.1."""
 
 
+class UpstreamHeadTooLarge(UpstreamBroken):
+    """The upstream's response head is over ``MAX_UPSTREAM_HEAD_BYTES`` or
+    ``MAX_UPSTREAM_HEAD_FIELDS`` (interim responses and trailer fields included): the connection
+    is closed (nginx: "upstream sent too big header")."""
+
+
+class _StopParsing(Exception):
+    """Raised in a parser callback to stop httptools where it is in the bytes it was fed."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to the upstream, parsing responses with httptools.
 
     Interim (1xx) responses are skipped: only a final response (status >= 200) counts. A
     connection is reusable only once its final response was read to the end with nothing after
-    it; bytes arriving while it is idle, or an end of its stream, make it unusable for good.
+    it; bytes arriving after the end of the response, in the same read or while it is idle, or an
+    end of its stream, make it unusable for good. A head over the bounds
+    (``MAX_UPSTREAM_HEAD_BYTES``, ``MAX_UPSTREAM_HEAD_FIELDS``) is ``UpstreamHeadTooLarge``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_fault: FaultHook | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self._poller: select.poll | None = None  # polls the socket while the connection is idle
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since: float | None = None  # time.monotonic() when it went back to the pool
+        self.on_fault = on_fault
         self._reset()
 
     def _reset(self) -> None:
@@ -187,6 +277,14 @@ class _Connection(asyncio.Protocol):
         # Called once the bytes of each read are parsed, and when the connection is lost: how
         # an execution (``exporter.execution``) is driven without a task.
         self.listener: Callable[[], None] | None = None
+        # Header fields of this exchange so far (interim responses', the final one's, trailer
+        # fields), and the bytes they take: bounded by MAX_UPSTREAM_HEAD_FIELDS and _BYTES.
+        self.fields = 0
+        self.head_bytes = 0
+        # Bytes read since the last body byte: a head (or a trailer) still arriving. httptools
+        # holds an unfinished header line itself, unseen until it ends: counted here, so one
+        # endless line is bounded too.
+        self.unframed = 0
 
     def _wake(self) -> None:
         w = self.waiter
@@ -221,14 +319,24 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.idle_since is not None:  # nothing was asked: a stray response, or garbage
+            self._stray("while the connection was idle")
             self.close()
             return
+        self.unframed += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if self.error is None:
+            if self.complete:
+                # NOTE: bytes after the end of the final response, in the same read: the parser
+                # was stopped at them (``on_message_begin``), or refused them (after a
+                # ``Connection: close``). Nothing of them reached the answer.
+                self._stray("after the end of its answer")
+            elif self.error is None:
                 self.error = UpstreamBroken(f"malformed upstream response: {exc}")
             self.close()
+        else:
+            if self.unframed > MAX_UPSTREAM_HEAD_BYTES and not self.complete:
+                self._head_too_large()
         self._wake()
         if self.listener is not None:
             self.listener()
@@ -252,14 +360,40 @@ class _Connection(asyncio.Protocol):
         # byte is parsed after the connection is lost.
         del self.parser
 
+    def _stray(self, when: str) -> None:
+        """Bytes no request asked for: the connection is out of step, and never used again."""
+        self.extra = True
+        _fault(
+            self.on_fault,
+            STRAY_BYTES,
+            f"the upstream sent bytes {when}, which no request asked for (more than its answer's "
+            "framing said): they are dropped and the connection is closed",
+        )
+
+    def _head_too_large(self) -> None:
+        if self.error is None:
+            self.error = UpstreamHeadTooLarge(HEAD_TOO_LARGE_MESSAGE)
+            _fault(self.on_fault, HEAD_TOO_LARGE, HEAD_TOO_LARGE_MESSAGE)
+        self.close()
+
     # httptools callbacks
     def on_message_begin(self) -> None:
         if self.complete:
-            self.extra = True  # a second response to one request: the connection is out of step
+            # NOTE: a second response to one request. httptools parses every message in the bytes
+            # it is fed: going on, the next response's head and body were handed to this one's
+            # reader (a client got two JSON bodies in one, or another answer's events after
+            # [DONE]). Stopped here, nothing past the end of the answer reaches it.
+            raise _StopParsing()
         self.headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        self.fields += 1
+        self.head_bytes += _field_bytes(name, value)
+        if head_over_bounds(self.fields, self.head_bytes):
+            self._head_too_large()
+            raise _StopParsing()
+        if not self.headers_done:  # a trailer field is counted, and dropped (RFC 9110, 6.5.1)
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -278,6 +412,7 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self.unframed = 0
         if self.sink is not None:
             self.sink(body)  # forwarding mode: straight to the relay, no task switch
             return
@@ -320,7 +455,7 @@ class StreamedResponse:
         self._pool = pool
         self._conn = conn
         self.status_code = conn.status
-        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in conn.headers}
+        self.headers = httpx.Headers(conn.headers)  # every field line as it came, repeated ones too
         self._released = False
 
     async def read_chunk(self) -> bytes | None:
@@ -386,6 +521,7 @@ class UpstreamPool:
         connect_timeout_s: float = 5.0,
         max_idle: int = 1_000,
         max_idle_s: float = DEFAULT_MAX_IDLE_S,
+        on_fault: FaultHook | None = None,
     ) -> None:
         if not max_idle_s > 0:
             raise ValueError("max_idle_s must be > 0 seconds")
@@ -398,6 +534,7 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self.max_idle_s = max_idle_s
+        self.on_fault = on_fault
         self._idle: deque[_Connection] = deque()  # oldest on the left
 
     def release(self, conn: _Connection) -> None:
@@ -429,9 +566,10 @@ class UpstreamPool:
 
     async def connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
+        on_fault = self.on_fault
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl),
+                loop.create_connection(lambda: _Connection(on_fault), self.host, self.port, ssl=self.ssl),
                 self.connect_timeout_s,
             )
         except (OSError, TimeoutError) as exc:

@@ -20,6 +20,7 @@ from exporter.proxy import Proxy
 from tests.exporter.soak import Samples, balance_problems, scrape
 
 __all__ = [
+    "BadUpstream",
     "ProxyProcess",
     "RunningProxy",
     "Samples",
@@ -31,6 +32,7 @@ __all__ = [
     "free_port",
     "proxy_process",
     "scrape",
+    "start_bad_upstream",
     "start_upstream",
 ]
 
@@ -131,6 +133,36 @@ def start_upstream(log_dir: Path) -> Iterator[Upstream]:
         url = f"http://127.0.0.1:{port}"
         proc.wait_ready(f"{url}/health", timeout_s=20, poll_s=0.05)
         yield Upstream(url)
+
+
+@dataclass
+class BadUpstream:
+    """The misbehaving upstream (``tests.exporter.badupstream``): ``x-bad: MODE`` on a request
+    picks how it misbehaves."""
+
+    url: str
+
+    def log(self, path: str | None = None) -> list[dict[str, Any]]:
+        """What it served (path, mode, call id, bytes written, ``cut_short``), oldest first."""
+        served = httpx.get(f"{self.url}/bad/log", timeout=5).json()["requests"]
+        return [r for r in served if path is None or r["path"] == path]
+
+
+@contextlib.contextmanager
+def start_bad_upstream(log_dir: Path, *path_modes: str) -> Iterator[BadUpstream]:
+    """The misbehaving upstream as a process on a free loopback port; ``path_modes`` are its
+    ``--path-mode PATH=MODE`` arguments (the mode of every request to a path)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.exporter.badupstream", "--port", str(port)]
+    for path_mode in path_modes:
+        cmd += ["--path-mode", path_mode]
+    proc = ManagedProcess(
+        cmd, log_path=log_dir / "badupstream.log", bound_s=None, cwd=ROOT, name="misbehaving upstream"
+    )
+    with proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{url}/bad/log", timeout_s=20, poll_s=0.05)
+        yield BadUpstream(url)
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: ``python -m tests...`` runs from it

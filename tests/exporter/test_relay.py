@@ -90,3 +90,35 @@ def test_non_streaming_subscribers_wait_for_the_whole_body() -> None:
         return relay.read(sub)
 
     assert asyncio.run(scenario()) == b'{"partial":1}'
+
+
+def test_a_whole_answer_is_let_go_once_every_subscriber_has_it_or_at_once_when_it_fails() -> None:
+    """The proxy bounds the non-streaming answers held at once (--answer-buffer-bytes): a relay
+    tells it, once, how many bytes it held when they are no longer needed."""
+    released: list[int] = []
+    relay = Relay(3, None, stream=False, created_at=0.0, limit_bytes=2048, on_release=released.append)
+    first, second = relay.subscribe(1), relay.subscribe(2)
+    relay.append(b'{"id": ')
+    relay.append(b'"cmpl-x"}')
+    relay.finish(Outcome.COMPLETED)
+    assert released == []  # both still have it to read
+    relay.read(first)
+    relay.unsubscribe(1)
+    assert released == []
+    relay.read(second)
+    relay.unsubscribe(2)
+    assert released == [len(b'{"id": "cmpl-x"}')]
+    relay.unsubscribe(2)
+    assert len(released) == 1
+
+    failed: list[int] = []
+    broken = Relay(4, None, stream=False, created_at=0.0, limit_bytes=2048, on_release=failed.append)
+    broken.subscribe(1)
+    broken.append(b"x" * 100)
+    broken.finish(Outcome.FAILED, (502, b"{}"))
+    assert failed == [100]  # its subscriber reads the error, not the bytes
+    orphaned: list[int] = []
+    alone = Relay(5, None, stream=False, created_at=0.0, limit_bytes=2048, on_release=orphaned.append)
+    alone.append(b"y" * 10)
+    alone.finish(Outcome.COMPLETED)
+    assert orphaned == [10]  # nobody left to read it
