@@ -12,7 +12,7 @@ module owns what is kept of those departures, and its bounds:
   its oldest first, and counted in :attr:`DepartureMemory.evicted`.
 
 NOTE: compact on purpose. The bound per key alone let 200,000 keys hold 32 departures each,
-every one a tuple of two float objects inside a tuple per key: about 3.3 KB a key, 627 MiB in
+every one a tuple of two float objects inside a tuple per key: about 3.5 KB a key, 695 MiB in
 all (``bench/bench_policy_memory.py``). Here a key's departures are one ``array('d')`` of
 ``(left_at, call_started_at)`` pairs, oldest first: 16 bytes a departure, with no object the
 garbage collector walks, and the total bound caps the memory whatever the keys.

@@ -176,8 +176,10 @@ class PolicyConfig:
     )
     retry_memory_s: float = 900.0  # how long a call key is remembered for classifying retries
     max_remembered_calls: int = 200_000
-    # departures without a call id remembered in all (each 16 bytes, beside its key's ~250)
-    max_remembered_departures: int = 200_000
+    # Departures without a call id remembered in all (``exporter.departures``): 16 bytes each in
+    # its key's array, beside about 270 a key. 100,000 in 15 min is 110 a second left unanswered
+    # and not yet retried, far beyond what one engine serves (the study's: about 3 calls/s).
+    max_remembered_departures: int = 100_000
     prefill_tokens_per_s: float = 20_000.0  # prior for the first-token wait estimate; learned online
 
     def __post_init__(self) -> None:
@@ -378,9 +380,6 @@ class KeyMemory(Generic[T]):
         """Change the value of a remembered key without changing when it is forgotten."""
         at, _ = self._entries[key]
         self._entries[key] = (at, value)
-
-    def discard(self, key: str) -> None:
-        self._entries.pop(key, None)
 
 
 class RetryBudget:
