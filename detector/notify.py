@@ -3,10 +3,10 @@
 The store queues one row per (episode, notifier, firing|resolved) in the transaction that
 opens or resolves the episode; the :class:`Dispatcher` delivers them from a bounded queue per
 notifier, each on a worker thread of its own (a receiver that hangs or fails delays only its own
-deliveries), with a timeout per request and retries with exponential backoff, and marks each
-row sent. A restart picks up what was not sent (``Dispatcher.requeue_unsent``); nothing sent
-is sent again. A delivery the database refuses to mark sent is remembered and marked on the
-next round, and not sent again meanwhile.
+deliveries), with a deadline on each whole delivery (:data:`DELIVERY_DEADLINE_S`) and retries
+with exponential backoff, and marks each row sent. A restart picks up what was not sent
+(``Dispatcher.requeue_unsent``); nothing sent is sent again. A delivery the database refuses to
+mark sent is remembered and marked on the next round, and not sent again meanwhile.
 
 Alertmanager resolves an alert by itself ``resolve_timeout`` after the last time it heard of
 it, so :meth:`AlertmanagerNotifier.refresh` re-posts the firing alerts (Prometheus does the
@@ -15,9 +15,11 @@ same); Alertmanager deduplicates them, receivers are notified once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import queue
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,11 @@ log = logging.getLogger("retrywatch.detector.notify")
 #: Deliveries a dispatcher remembers having made, so that a stale read of the store cannot queue
 #: one again (each episode's firing and resolution goes to each notifier once).
 SENT_MEMORY = 10_000
+#: Seconds one delivery may take in all: connect, send the request, read the whole answer. Past it
+#: the delivery fails (logged, counted as an error) and is retried with the dispatcher's backoff.
+DELIVERY_DEADLINE_S = 10.0
+#: Bytes of a receiver's answer kept (for the error message of a refusal); the rest is read, not kept.
+ANSWER_KEPT_BYTES = 4096
 
 
 class NotifyError(RuntimeError):
@@ -54,14 +61,55 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).isoformat().replace("+00:00", "Z")
 
 
+def _positive(deadline_s: float) -> float:
+    if not deadline_s > 0 or deadline_s == float("inf"):
+        raise ValueError(f"a delivery's deadline must be a positive number of seconds, got {deadline_s!r}")
+    return deadline_s
+
+
+def post_json(
+    url: str, doc: object, *, timeout_s: float, deadline_s: float, what: str, tls: ssl.SSLContext
+) -> tuple[int, str]:
+    """POST ``doc`` as JSON to ``url``; the answer's status and the start of its body. Raises
+    :class:`NotifyError` (``what`` names the receiver) on a network error, or when connecting,
+    sending and reading the whole answer take more than ``deadline_s`` in all.
+
+    NOTE: an HTTP client's timeout (``timeout_s`` here, httpx's) bounds each read, not the answer: a
+    receiver that trickled its answer a byte every few seconds held its notifier's worker for as
+    long as it trickled, and every notification behind it. The exchange runs on an event loop of
+    its own under one ``asyncio.timeout``, which cancels it wherever it waits (connect, a write, a
+    read of the head or the body) and closes its connection; each delivery opens one (``tls``, made
+    once per notifier, keeps that cheap: httpx makes one for every client it creates otherwise)."""
+
+    async def exchange() -> tuple[int, str]:
+        async with (
+            asyncio.timeout(deadline_s),
+            httpx.AsyncClient(timeout=timeout_s, verify=tls) as client,
+            client.stream("POST", url, json=doc) as resp,
+        ):
+            kept = bytearray()
+            async for chunk in resp.aiter_bytes():
+                kept += chunk[: max(0, ANSWER_KEPT_BYTES - len(kept))]
+            return resp.status_code, kept.decode("utf-8", errors="replace")
+
+    try:
+        return asyncio.run(exchange())
+    except TimeoutError as exc:
+        raise NotifyError(f"{what}: no complete answer within {deadline_s:g} s") from exc
+    except httpx.HTTPError as exc:
+        raise NotifyError(f"{what}: {redact_text(repr(exc), [url])}") from exc
+
+
 class WebhookNotifier:
-    """POSTs one JSON document per firing or resolution."""
+    """POSTs one JSON document per firing or resolution; ``timeout_s`` bounds each network
+    operation, ``deadline_s`` the whole delivery (:func:`post_json`)."""
 
     def __init__(
         self,
         url: str,
         *,
         timeout_s: float = 5.0,
+        deadline_s: float = DELIVERY_DEADLINE_S,
         name: str = "webhook",
         runbook_pattern: str = DEFAULT_PATTERN,
     ) -> None:
@@ -71,7 +119,9 @@ class WebhookNotifier:
         self.runbook_pattern = runbook_pattern
         self.display_url = redact_url(url)  # its credentials masked, for messages
         self.name = name
-        self._client = httpx.Client(timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self.deadline_s = _positive(deadline_s)
+        self._tls = httpx.create_ssl_context()
 
     def payload(self, episode: AlertEpisode, kind: str) -> dict[str, object]:
         return {
@@ -84,25 +134,32 @@ class WebhookNotifier:
         }
 
     def send(self, episode: AlertEpisode, kind: str) -> None:
-        try:
-            resp = self._client.post(self.url, json=self.payload(episode, kind))
-        except httpx.HTTPError as exc:
-            raise NotifyError(f"webhook {self.display_url}: {redact_text(repr(exc), [self.url])}") from exc
-        if resp.status_code >= 300:
-            raise NotifyError(f"webhook {self.display_url}: HTTP {resp.status_code}")
+        what = f"webhook {self.display_url}"
+        status, _ = post_json(
+            self.url,
+            self.payload(episode, kind),
+            timeout_s=self.timeout_s,
+            deadline_s=self.deadline_s,
+            what=what,
+            tls=self._tls,
+        )
+        if status >= 300:
+            raise NotifyError(f"{what}: HTTP {status}")
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing to release: each delivery opens and closes its own connection."""
 
 
 class AlertmanagerNotifier:
-    """Posts alerts to Alertmanager's API v2 (``POST /api/v2/alerts``)."""
+    """Posts alerts to Alertmanager's API v2 (``POST /api/v2/alerts``); ``timeout_s`` bounds each
+    network operation, ``deadline_s`` each whole post (:func:`post_json`)."""
 
     def __init__(
         self,
         url: str,
         *,
         timeout_s: float = 5.0,
+        deadline_s: float = DELIVERY_DEADLINE_S,
         generator_url: str = "",
         name: str = "alertmanager",
         runbook_pattern: str = DEFAULT_PATTERN,
@@ -114,7 +171,9 @@ class AlertmanagerNotifier:
         self.display_url = redact_url(self.url)  # its credentials masked, for messages
         self.name = name
         self.generator_url = generator_url
-        self._client = httpx.Client(timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self.deadline_s = _positive(deadline_s)
+        self._tls = httpx.create_ssl_context()
 
     def alert(self, episode: AlertEpisode, kind: str) -> dict[str, object]:
         labels = {"alertname": episode.alertname, "severity": episode.severity, "source": "retrywatch"}
@@ -135,13 +194,12 @@ class AlertmanagerNotifier:
         return doc
 
     def _post(self, alerts: list[dict[str, object]]) -> None:
-        try:
-            resp = self._client.post(self.url, json=alerts)
-        except httpx.HTTPError as exc:
-            reason = redact_text(repr(exc), [self.url])
-            raise NotifyError(f"Alertmanager {self.display_url}: {reason}") from exc
-        if resp.status_code >= 300:
-            raise NotifyError(f"Alertmanager {self.display_url}: HTTP {resp.status_code} {resp.text[:200]}")
+        what = f"Alertmanager {self.display_url}"
+        status, text = post_json(
+            self.url, alerts, timeout_s=self.timeout_s, deadline_s=self.deadline_s, what=what, tls=self._tls
+        )
+        if status >= 300:
+            raise NotifyError(f"{what}: HTTP {status} {text[:200]}")
 
     def send(self, episode: AlertEpisode, kind: str) -> None:
         self._post([self.alert(episode, kind)])
@@ -152,7 +210,7 @@ class AlertmanagerNotifier:
             self._post([self.alert(ep, "firing") for ep in firing])
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing to release: each post opens and closes its own connection."""
 
 
 @dataclass(frozen=True)

@@ -36,16 +36,16 @@ retry budget and the signals built on them see real retries only.
   only when it is evident: the client says so (SDK retry counter > 0), or it says nothing and an
   attempt with the same key has left (disconnected before its answer, was shed, refused or
   failed) and that departure has not yet been used by another retry. Each departure licenses
-  one retry (at most ``MAX_DEPARTURES_PER_KEY`` pending per key, forgotten after
-  ``retry_memory_s``). A counter at 0 is a first attempt. Such a retry attaches only to an
-  execution nobody waits for (its predecessor left it): one that still has a subscriber serves
-  another attempt that may be a distinct call with the same body. So without a call id an
-  execution never serves two waiting clients at once, and a concurrent identical first attempt
-  always gets an execution of its own.
+  one retry (at most ``MAX_DEPARTURES_PER_KEY`` pending per key and ``max_remembered_departures``
+  in all, each forgotten after ``retry_memory_s``: ``exporter.departures``). A counter at 0 is
+  a first attempt. Such a retry attaches only to an execution nobody waits for (its predecessor
+  left it): one that still has a subscriber serves another attempt that may be a distinct call
+  with the same body. So without a call id an execution never serves two waiting clients at
+  once, and a concurrent identical first attempt always gets an execution of its own.
 
 Several live executions can share a key (concurrent identical first attempts without a call id);
 every per-key structure is bounded (live executions by ``max_live_executions``, remembered keys
-by ``max_remembered_calls`` and ``retry_memory_s``).
+by ``max_remembered_calls`` and ``retry_memory_s``, departures by ``max_remembered_departures``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+from exporter.departures import DepartureMemory
 from exporter.knobs import check_bounds, knob
 
 T = TypeVar("T")
@@ -175,6 +176,10 @@ class PolicyConfig:
     )
     retry_memory_s: float = 900.0  # how long a call key is remembered for classifying retries
     max_remembered_calls: int = 200_000
+    # Departures without a call id remembered in all (``exporter.departures``): 16 bytes each in
+    # its key's array, beside about 270 a key. 100,000 in 15 min is 110 a second left unanswered
+    # and not yet retried, far beyond what one engine serves (the study's: about 3 calls/s).
+    max_remembered_departures: int = 100_000
     prefill_tokens_per_s: float = 20_000.0  # prior for the first-token wait estimate; learned online
 
     def __post_init__(self) -> None:
@@ -183,8 +188,8 @@ class PolicyConfig:
             raise PolicyConfigError("deadline_s must be a positive number of seconds, or None")
         if self.deadline_check and self.deadline_s is None:
             raise PolicyConfigError("deadline_check needs deadline_s (the clients' deadline)")
-        if self.max_remembered_calls < 1:
-            raise PolicyConfigError("max_remembered_calls must be >= 1")
+        if self.max_remembered_calls < 1 or self.max_remembered_departures < 1:
+            raise PolicyConfigError("max_remembered_calls and max_remembered_departures must be >= 1")
         if self.retry_memory_s <= 0 or self.prefill_tokens_per_s <= 0:
             raise PolicyConfigError("retry_memory_s and prefill_tokens_per_s must be > 0")
 
@@ -376,9 +381,6 @@ class KeyMemory(Generic[T]):
         at, _ = self._entries[key]
         self._entries[key] = (at, value)
 
-    def discard(self, key: str) -> None:
-        self._entries.pop(key, None)
-
 
 class RetryBudget:
     """Retries may be at most ``ratio`` times the first attempts seen over a sliding window."""
@@ -474,7 +476,12 @@ class Policy:
         self._calls_seen: KeyMemory[SeenCall] = KeyMemory(memory_s, max_keys)
         # keys without a call id -> (when it left, its call's start) of each departure not yet
         # used by a retry, oldest first; the key is remembered from its latest departure
-        self._departures: KeyMemory[tuple[tuple[float, float], ...]] = KeyMemory(memory_s, max_keys)
+        self._departures = DepartureMemory(
+            memory_s,
+            per_key=MAX_DEPARTURES_PER_KEY,
+            max_total=self.config.max_remembered_departures,
+            max_keys=max_keys,
+        )
         self._in_engine = 0  # dispatched and not finished
         self._awaiting_first_token_tokens = 0  # prompt tokens dispatched without a first token yet
         self._awaiting_first_token = 0
@@ -548,29 +555,17 @@ class Policy:
     def _use_departure(self, now: float, key: str) -> float | None:
         """Use up the oldest departure under ``key`` not yet used by a retry nor forgotten; its
         call's start."""
-        pending = self._pending_departures(now, key)
-        if not pending:
-            self._departures.discard(key)
-            return None
-        if len(pending) == 1:
-            self._departures.discard(key)
-        else:
-            self._departures.replace(key, pending[1:])
-        return pending[0][1]
+        return self._departures.use(now, key)
 
-    def _pending_departures(self, now: float, key: str) -> tuple[tuple[float, float], ...]:
-        """The departures under ``key`` left within ``retry_memory_s``: each is forgotten that long
-        after it happened, whatever departed after it."""
-        departures = self._departures.get(now, key) or ()
-        horizon = now - self.config.retry_memory_s
-        return tuple(d for d in departures if d[0] >= horizon)
+    @property
+    def departures(self) -> DepartureMemory:
+        """The departures remembered (``total`` held, ``evicted`` at the bound)."""
+        return self._departures
 
     def _depart(self, now: float, key: str | None, call_started_at: float) -> None:
         """An attempt without a call id left before its answer: it licenses one retry."""
-        if key is None:
-            return
-        pending = (*self._pending_departures(now, key), (now, call_started_at))
-        self._departures.set(now, key, pending[-MAX_DEPARTURES_PER_KEY:])
+        if key is not None:
+            self._departures.depart(now, key, call_started_at)
 
     def on_attempt(self, now: float, attempt: Attempt) -> AttemptResult:
         """Decide an attempt: attach to its call's live execution, shed it, or create one."""

@@ -3,6 +3,9 @@ each resolution delivered once, retried with backoff, and not lost or repeated b
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -208,3 +211,153 @@ def test_a_webhook_that_hangs_does_not_hold_back_the_other_notifiers(
         disp.close(timeout_s=0.1)
         hung.close()
         store.close()
+
+
+class TricklingReceiver:
+    """A webhook receiver on a real loopback socket, a thread per connection: the first
+    ``trickle_first`` requests are answered a byte every ``every_s`` seconds (the status line, then
+    an endless header: each read well within the client's read timeout, the answer never
+    complete), the others at once with 200. Records every request's JSON document."""
+
+    def __init__(self, *, trickle_first: int, every_s: float = 0.2) -> None:
+        self.trickle_first = trickle_first
+        self.every_s = every_s
+        self.requests: list[dict[str, object]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)  # accept() looks at the stop flag this often
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data and len(data) < 65536:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return b""
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return b""
+            body += chunk
+        return body
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            body = self._read_request(conn)
+            with self._lock:
+                self.requests.append(json.loads(body))
+                trickle = len(self.requests) <= self.trickle_first
+            if not trickle:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                return
+            answer = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100_000
+            for i in range(len(answer)):
+                if self._stop.wait(self.every_s):
+                    return
+                try:
+                    conn.sendall(answer[i : i + 1])
+                except OSError:  # the client gave up and closed
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(5)
+
+
+def test_a_receiver_that_trickles_its_answer_fails_the_delivery_at_its_deadline_and_it_is_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver that answered a byte every few seconds never tripped the per-read timeout: the
+    delivery hung for as long as it trickled, nothing logged or counted, and every later
+    notification to it waited behind. Each delivery now has a deadline on the whole exchange."""
+    receiver = TricklingReceiver(trickle_first=1)
+    store = EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}")
+    results: list[tuple[str, str]] = []
+    hook = WebhookNotifier(receiver.url, timeout_s=2.0, deadline_s=1.0, name="webhook0")
+    disp = Dispatcher(store, [hook], retries=2, backoff_s=0.05, on_result=lambda n, r: results.append((n, r)))
+    disp.start()
+    try:
+        first = store.record(_tr("firing", 1000.0), disp.names)
+        other = Transition(
+            kind="firing", alertname="VLLMBacklogBeyondDeadline", severity="warning", labels=LABELS,
+            at=1.0, started_at=1.0, value=1.0, summary="s", description="d",
+        )  # fmt: skip
+        later = store.record(other, disp.names)
+        assert first is not None and later is not None
+        started = time.monotonic()
+        disp.submit(first, "webhook0", "firing")
+        disp.submit(later, "webhook0", "firing")  # queued behind the trickled delivery
+        # Within the deadline and a margin, not the trickle's many seconds (or forever).
+        assert disp.wait_idle(6.0), "the trickled delivery still holds the notifier"
+        elapsed = time.monotonic() - started
+        assert elapsed >= 1.0  # the first try waited out its deadline
+        # The trickled try failed and was counted, the retry and the later notification got through.
+        assert results == [("webhook0", "error"), ("webhook0", "sent"), ("webhook0", "sent")]
+        names = [r["alert"]["alertname"] for r in receiver.requests]  # type: ignore[index]
+        assert names == ["VLLMMetastableRetryLoop", "VLLMMetastableRetryLoop", "VLLMBacklogBeyondDeadline"]
+        assert store.unsent() == []
+        assert any("no complete answer within 1 s" in r.getMessage() for r in caplog.records)
+    finally:
+        disp.close(timeout_s=0.1)
+        receiver.close()
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["webhook", "alertmanager"])
+def test_every_kind_of_notification_has_a_deadline_on_the_whole_exchange(kind: str) -> None:
+    from detector.episodes import AlertEpisode
+
+    receiver = TricklingReceiver(trickle_first=2)
+    notifier: WebhookNotifier | AlertmanagerNotifier
+    if kind == "webhook":
+        notifier = WebhookNotifier(receiver.url, timeout_s=2.0, deadline_s=0.5)
+    else:
+        notifier = AlertmanagerNotifier(receiver.url, timeout_s=2.0, deadline_s=0.5)
+    ep = AlertEpisode("A", "warning", LABELS, 1.0, None, "s", "d", None, id=1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NotifyError, match=r"no complete answer within 0\.5 s"):
+            notifier.send(ep, "firing")
+        if isinstance(notifier, AlertmanagerNotifier):  # its refresh of the firing alerts too
+            with pytest.raises(NotifyError, match=r"no complete answer within 0\.5 s"):
+                notifier.refresh([ep])
+        else:
+            with pytest.raises(NotifyError, match=r"no complete answer within 0\.5 s"):
+                notifier.send(ep, "resolved")
+        assert time.monotonic() - started < 4.0  # two deadlines, not the trickle
+        notifier.send(ep, "firing")  # a receiver that answers is delivered to
+        assert len(receiver.requests) == 3
+    finally:
+        notifier.close()
+        receiver.close()
+    with pytest.raises(ValueError, match="deadline"):
+        WebhookNotifier(receiver.url, deadline_s=0.0)
