@@ -327,18 +327,24 @@ def _own(r: RunResult, alertname: str) -> list[Firing]:
     return sorted((f for f in r.firings if f.alertname == alertname), key=lambda f: f.fired_at_s)
 
 
+def _until(c: Collapse, tail: float = 0.0) -> float:
+    """Where a collapse stops counting: its end (plus ``tail``), or never if it had not ended."""
+    return c.end_s + tail if c.ended else math.inf
+
+
 def expected_stretches(r: RunResult) -> list[tuple[float, float]]:
     """Where a cause alert may start firing in a run: inside any collapse, and from the overload's
     start (the pulse's) to the end of the collapse it caused (the first one under way after the
-    pulse began), or to the pulse's end when it caused none. Without a ground truth over time:
-    from the pulse's start to the recovery (to the end when the run did not recover)."""
+    pulse began), or to the pulse's end when it caused none. A collapse that ran to the end of
+    the judged span had not ended there: it stretches to the run's end. Without a ground truth
+    over time: from the pulse's start to the recovery (to the end when the run did not recover)."""
     info = r.info
     if r.collapses is None:
         end = info.recovery_at_s if info.recovered else math.inf
         return [(info.pulse_start_s, math.inf if end is None else end)]
-    stretches = [(c.start_s, c.end_s) for c in r.collapses]
+    stretches = [(c.start_s, _until(c)) for c in r.collapses]
     caused = [c for c in r.collapses if c.end_s > info.pulse_start_s]
-    stretches.append((info.pulse_start_s, caused[0].end_s if caused else info.pulse_end_s))
+    stretches.append((info.pulse_start_s, _until(caused[0]) if caused else info.pulse_end_s))
     return stretches
 
 
@@ -429,13 +435,13 @@ def score_symptom(alertname: str, results: Sequence[RunResult]) -> dict[str, Any
     for r in judged:
         own = _own(r, alertname)
         grace = r.info.deadline_s  # a call's miss is known one deadline after it arrived
-        stretches = [(c.start_s, c.end_s + grace) for c in r.collapses or []]
+        stretches = [(c.start_s, _until(c, grace)) for c in r.collapses or []]
         outside = [f for f in own if not any(a - 1e-9 <= f.fired_at_s <= b + 1e-9 for a, b in stretches)]
         fp_runs += bool(outside)
         fp_firings += len(outside)
         for c in r.collapses or []:
             collapses += 1
-            during = [f for f in own if f.overlaps(c.start_s, c.end_s + grace)]
+            during = [f for f in own if f.overlaps(c.start_s, _until(c, grace))]
             if not during:
                 continue
             hits += 1
@@ -639,6 +645,7 @@ def build_report(
                 "recovered": r.info.recovered,
                 "pulse": {"start_s": r.info.pulse_start_s, "end_s": r.info.pulse_end_s},
                 "judged_end_s": r.info.judged_end_s,
+                "duration_s": r.info.duration_s,
                 "collapses": None if r.collapses is None else [c.to_dict() for c in r.collapses],
                 "alerts": [
                     {"alertname": f.alertname, "fired_at_s": f.fired_at_s, "resolved_at_s": f.resolved_at_s}
