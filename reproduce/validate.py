@@ -634,7 +634,11 @@ def build_report(
     return {
         "alerts": scores(results),
         "ground_truth": _ground_truth_summary(results),
-        "by_block": {b: scores([r for r in results if r.info.block == b]) for b in blocks},
+        "by_block": {
+            b: {"ground_truth": _ground_truth_summary(subset), "alerts": scores(subset)}
+            for b in blocks
+            if (subset := [r for r in results if r.info.block == b])
+        },
         "runs": [
             {
                 "block": r.info.block,
@@ -671,6 +675,11 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _share(value: float | None) -> str:
+    """A recall, to three significant digits."""
+    return NA if value is None else f"{value:.3g}"
+
+
 def _pair(stats: Mapping[str, Any]) -> str:
     return f"{_fmt(stats['median'])} / {_fmt(stats['max'])}"
 
@@ -689,8 +698,8 @@ def _cause_table(alerts: Mapping[str, Any]) -> list[str]:
     ]
     for name, a in alerts.items():
         lines.append(
-            f"| {name} | {_fmt(a['recall'])} | {a['runs_not_recovered']} | {a['false_positive_runs']} "
-            f"| {a['runs_recovered']} | {_pair(a['lead_time_s'])} | {_fmt(a['recall_metastable'])} "
+            f"| {name} | {_share(a['recall'])} | {a['runs_not_recovered']} | {a['false_positive_runs']} "
+            f"| {a['runs_recovered']} | {_pair(a['lead_time_s'])} | {_share(a['recall_metastable'])} "
             f"| {a['runs_metastable']} | {_pair(a['lead_after_metastable_s'])} "
             f"| {_pair(a['resolve_after_recovery_s'])} | {a['still_firing_after_recovery_runs']} |"
         )
@@ -726,7 +735,7 @@ def _symptom_table(alerts: Mapping[str, Any]) -> list[str]:
     ]
     for name, a in alerts.items():
         lines.append(
-            f"| {name} | {_fmt(a['recall'])} | {a['collapses']} | {a['held_to_collapse_end']} "
+            f"| {name} | {_share(a['recall'])} | {a['collapses']} | {a['held_to_collapse_end']} "
             f"of {a['collapses_detected']} | {a['false_positive_runs']} | {a['false_positive_firings']} "
             f"| {_pair(a['lead_time_s'])} | {_pair(a['resolve_after_collapse_s'])} "
             f"| {a['still_firing_after_collapse']} |"
@@ -784,6 +793,10 @@ def _alert_text(a: Mapping[str, Any]) -> str:
     return f"{a['alertname']} {_fmt(a['fired_at_s'])}–{end}"
 
 
+def _cell(a: Mapping[str, Any]) -> str:
+    return f"{_share(a['recall'])} · {a['false_positive_runs']} · {_pair(a['lead_time_s'])}"
+
+
 def summary_markdown(report: Mapping[str, Any]) -> list[str]:
     """The scores: the ground truth, a table per kind with its legend, and per block."""
     gt = report["ground_truth"]
@@ -819,25 +832,25 @@ def summary_markdown(report: Mapping[str, Any]) -> list[str]:
             lines += [f"No {kind} alert is defined.", ""]
             continue
         lines += [*table(alerts), "", *legend, ""]
+    scored = [n for n, a in report["alerts"].items() if a.get("kind") != "data"]
     lines += [
         "## By block",
         "",
-        "| block | alert | kind | recall | false-positive runs | lead, median / max (s) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| block | runs not recovered | collapses (metastable) | " + " | ".join(scored) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in scored) + " |",
     ]
-    for block, alerts in report["by_block"].items():
-        for name, a in alerts.items():
-            if a.get("kind") == "data":
-                continue
-            lines.append(
-                f"| {block} | {name} | {a['kind']} | {_fmt(a['recall'])} | {a['false_positive_runs']} "
-                f"| {_pair(a['lead_time_s'])} |"
-            )
+    for block, scores in report["by_block"].items():
+        alerts, truth = scores["alerts"], scores["ground_truth"]
+        not_recovered = next((a["runs_not_recovered"] for a in alerts.values()), NA)
+        collapses = f"{truth['collapses']} ({truth['metastable_collapses']})"
+        cells = " | ".join(_cell(alerts[n]) for n in scored)
+        lines.append(f"| {block} | {not_recovered} | {collapses} | {cells} |")
     lines += [
         "",
-        "- Cause alerts: recall over the block's runs that did not recover, lead after the pulse's "
-        "end. Symptom alerts: recall over the block's collapses, lead after each collapse began. "
-        f"False positives as in the tables above; {NA}: nothing to measure in that block.",
+        "- Each cell: recall · false-positive runs · lead, median / max (s), over the block's runs, "
+        "as in the tables above: a cause alert's recall is over the runs that did not recover and "
+        "its lead is after the pulse's end; a symptom alert's recall is over the collapses and its "
+        f"lead after each collapse began. {NA}: nothing to measure in that block.",
         "",
     ]
     return lines
