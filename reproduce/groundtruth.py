@@ -208,13 +208,15 @@ class Collapse:
     """A stretch of the run in which its calls were not delivered within the deadline.
     ``ended``: False when it ran to the end of the judged span (never recovered);
     ``metastable_at_s``: the first time inside it that first attempts arrived below Ĉ while
-    executions were created at or above Ĉ (None: never, or unknown)."""
+    executions were created at or above Ĉ (None: never, or unknown); ``metastable_for_s``: how
+    long that held in all (a control that breaks the loop soon after it forms holds it briefly)."""
 
     start_s: float
     end_s: float
     ended: bool
     metastable: bool | None = None
     metastable_at_s: float | None = None
+    metastable_for_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -223,6 +225,7 @@ class Collapse:
             "metastable": self.metastable,
             "ended": self.ended,
             "metastable_at_s": None if self.metastable_at_s is None else round(self.metastable_at_s, 3),
+            "metastable_for_s": None if self.metastable_for_s is None else round(self.metastable_for_s, 3),
         }
 
 
@@ -257,21 +260,27 @@ def _rate(snapshots: Sequence[Snapshot], name: str, t0: float, t1: float, **labe
     return (counter_at(snapshots, name, t1, labels) - counter_at(snapshots, name, t0, labels)) / (t1 - t0)
 
 
-def _metastable_at(collapse: Collapse, snapshots: Sequence[Snapshot], span: JudgedSpan) -> float | None:
-    """The first scrape inside the collapse at which, over the window before it, first attempts
-    arrived below Ĉ and executions were created at or above Ĉ."""
+def _metastable_times(
+    collapse: Collapse, snapshots: Sequence[Snapshot], span: JudgedSpan
+) -> tuple[float | None, float]:
+    """When, inside the collapse, first attempts over the window before a scrape first arrived
+    below Ĉ while executions were created at or above Ĉ; and for how long that held in all (the
+    scrape intervals it held at, summed)."""
     w = span.window_s
-    for snap in snapshots:
+    first_at: float | None = None
+    held = 0.0
+    inside = [s for s in snapshots if collapse.start_s <= s.t <= collapse.end_s + _EPS]
+    for i, snap in enumerate(inside):
         t = snap.t
-        if t < collapse.start_s or t - w < snapshots[0].t - _EPS:
+        if t - w < snapshots[0].t - _EPS:
             continue
-        if t > collapse.end_s + _EPS:
-            break
         first = _rate(snapshots, mn.ATTEMPTS, t - w, t, kind="first")
         created = _rate(snapshots, mn.EXECUTIONS_CREATED, t - w, t)
         if first < span.capacity and created >= span.capacity:
-            return t
-    return None
+            first_at = t if first_at is None else first_at
+            nxt = inside[i + 1].t if i + 1 < len(inside) else collapse.end_s
+            held += max(nxt - t, 0.0)
+    return first_at, held
 
 
 def _has_proxy_counters(snapshots: Sequence[Snapshot]) -> bool:
@@ -298,8 +307,13 @@ def ground_truth(calls: Iterable[CallTimes], snapshots: Iterable[Snapshot], span
     known = _has_proxy_counters(snapshots)
     marked = []
     for c in found:
-        at = _metastable_at(c, snapshots, span) if known else None
-        marked.append(Collapse(c.start_s, c.end_s, c.ended, (at is not None) if known else None, at))
+        if not known:
+            marked.append(c)
+            continue
+        at, held = _metastable_times(c, snapshots, span)
+        marked.append(
+            Collapse(c.start_s, c.end_s, c.ended, at is not None, at, held if at is not None else 0.0)
+        )
     return GroundTruth(span, windows, marked)
 
 

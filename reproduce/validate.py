@@ -780,7 +780,9 @@ def _collapse_text(c: Mapping[str, Any]) -> str:
     end = f"{_fmt(c['end_s'])}" if c.get("ended", True) else f"{_fmt(c['end_s'])} (to the end)"
     if c.get("metastable"):
         at = c.get("metastable_at_s")
+        held = c.get("metastable_for_s")
         kind = "metastable" + (f" from {_fmt(at)}" if at is not None else "")
+        kind += f" for {_fmt(held)} s" if held is not None else ""
     elif c.get("metastable") is None:
         kind = "metastable unknown"
     else:
@@ -924,8 +926,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         "- Collapses: start (the planned arrival of the first call that missed its deadline) – "
         "end (the end of the last window before two windows that meet the recovery rule); "
-        '"to the end": it ran to the end of the hold; "metastable from T": the first moment '
-        "first attempts arrived below Ĉ while executions were created at or above Ĉ.",
+        '"to the end": it ran to the end of the hold; "metastable from T for D s": the first '
+        "moment first attempts arrived below Ĉ while executions were created at or above Ĉ, and "
+        "how long that held in all.",
         f'- Alerts: fired – resolved; "{STILL_FIRING}": the episode had not resolved when the '
         "run's series ended.",
     ]

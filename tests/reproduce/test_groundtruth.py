@@ -119,11 +119,13 @@ def test_metastable_when_executions_are_created_at_capacity_while_first_attempts
     (collapse,) = ground_truth(calls, loop, SPAN).collapses
     assert collapse.metastable is True
     # created over the 60 s before 340 s: 15 s at 1/s and 45 s of the loop at 2.4/s = 123 >= 120
-    assert collapse.metastable_at_s == 340.0
+    assert (collapse.metastable_at_s, collapse.metastable_for_s) == (340.0, 260.0)  # to the end
+    brief = _snapshots(first_rate=1.0, created_rate=1.2, loop=(300.0, 360.0))
+    assert ground_truth(calls, brief, SPAN).collapses[0].metastable_for_s == 35.0  # 340 to 375
     drain = _snapshots(first_rate=1.0, created_rate=0.9, loop=(300.0, 600.0))
     assert ground_truth(calls, drain, SPAN).collapses[0].metastable is False
     unknown = ground_truth(calls, _snapshots(proxy=False), SPAN).collapses[0]
-    assert (unknown.metastable, unknown.metastable_at_s) == (None, None)
+    assert (unknown.metastable, unknown.metastable_at_s, unknown.metastable_for_s) == (None, None, None)
 
 
 def test_bad_call_records_get_a_clear_error(tmp_path: Path) -> None:
