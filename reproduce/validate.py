@@ -862,7 +862,18 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines = summary_markdown(report)
     targets = report["targets"]
     loop, backlog = targets[RETRY_LOOP], targets[BACKLOG]
-    lines += ["## Targets", "", f"### {RETRY_LOOP}: {'met' if loop['met'] else 'NOT met'}", ""]
+    lines += [
+        "## Targets",
+        "",
+        f"What the alerts are held to: {RETRY_LOOP} fires in every run that did not recover, at "
+        f"most {loop['lead_target_s']:g} s (study seconds) after the pulse's end, and never before "
+        f"the pulse, after a recovery or in a run whose retries were shed or attached; {BACKLOG} "
+        "fires before the pulse's end in every run that did not recover. Each line counts the runs "
+        "that break a target, and names them with the figures that explain why.",
+        "",
+        f"### {RETRY_LOOP}: {'met' if loop['met'] else 'NOT met'}",
+        "",
+    ]
     checks = [
         ("did not fire in a run that did not recover", loop["missed_runs"]),
         (f"fired later than {loop['lead_target_s']:g} s after the pulse's end", loop["late_runs"]),
@@ -887,7 +898,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 extra.append(r["why"])
             lines.append(f"  - {r['run']}" + (f": {'; '.join(extra)}" if extra else ""))
     between = loop["fired_between_pulse_and_recovery"]
-    lines += ["", f"Recovering runs in which it fired between the pulse and the recovery: {len(between)}", ""]
+    lines += [
+        "",
+        f"Recovering runs in which it fired between the pulse and the recovery: {len(between)} (no "
+        "target is broken: the loop's signature held for a while and a control or the drain broke "
+        "it; against the ground truth, a firing inside a collapse is no false positive)",
+        "",
+    ]
     if between:
         lines += ["| run | fired at | resolved at | recovered at | why |", "| --- | --- | --- | --- | --- |"]
         for b in between:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from reproduce.report import render_markdown, write_report
 from reproduce.runner import run_many
 from reproduce.summary import write_summary
 from reproduce.validate import validate_dir
+from tests.dashboard.conftest import Page, browser  # noqa: F401 (the fixture)
 from tests.reproduce.test_runner import SMALL
 
 
@@ -115,3 +117,41 @@ def test_report_survives_an_empty_cohort(tmp_path: Path) -> None:
     md_path, html_path = write_report(tmp_path)
     assert "| c | m | 0/1 | – | – | 33.3 / 33.3 / 33.3 |" in md_path.read_text()
     assert html_path.read_text().count('class="plotly-graph-div"') == 3
+
+
+@pytest.mark.browser
+def test_the_page_draws_offline_in_a_real_browser(out: Path, browser: Any) -> None:  # noqa: F811
+    """report.html in a headless Chromium that may fetch nothing but the file itself: every
+    figure is drawn (the runs' four, a validation timeline per block), without a console error."""
+    validate_dir(out)
+    try:
+        _, html_path = write_report(out)
+    finally:
+        for name in ("validation.json", "validation.md"):
+            (out / name).unlink()
+    tab = Page(browser)
+    fetched: list[str] = []
+
+    def only_the_file(route: Any) -> None:
+        url = route.request.url
+        if url.startswith("file:"):
+            route.continue_()
+        else:
+            fetched.append(url)
+            route.abort()
+
+    tab.page.route("**/*", only_the_file)
+    try:
+        tab.page.goto(html_path.as_uri())
+        tab.wait_graphs(4 + 3)
+        names = tab.page.evaluate(
+            "() => [...document.querySelectorAll('.js-plotly-plot')].map(g => g._fullData.map(t => t.name))"
+        )
+        assert any(
+            "collapse, metastable" in traces and "VLLMMetastableRetryLoop" in traces for traces in names
+        )
+        assert tab.page.locator("#validation").is_visible()
+        assert tab.page.locator("table").count() >= 8
+        assert fetched == [] and tab.errors == []
+    finally:
+        tab.close()
