@@ -321,9 +321,9 @@ def agrees_with_recovery(truth: GroundTruth, recovered: bool) -> bool:
     """The pulse protocol's check: a run is not recovered (docs/protocol.md §6) exactly when a
     collapse under way at or after the pulse's start runs to the end of the hold.
 
-    NOTE: "under way", not "started": the collapse a pulse causes can begin a second or two
-    before it, with a base call that the pulse's calls overtake in the running batch (four runs
-    of the paper block on seed 7321 begin 1.7 s early)."""
+    NOTE: "under way", not "started": the collapse a pulse causes can begin a few seconds before
+    it (up to 10 s on the paper block's seeds 7321 and 12421), with base calls still running when
+    the pulse arrives, slowed past their deadline by the pulse's prefills sharing every step."""
     pulse_start = truth.span.pulse_start_s if truth.span.pulse_start_s is not None else truth.span.start_s
     to_the_end = any(not c.ended and c.end_s > pulse_start for c in truth.collapses)
     return to_the_end == (not recovered)
