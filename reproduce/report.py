@@ -3,14 +3,18 @@
 ``DIR/report.md`` holds one table per block (per condition and model: runs, recovered, recovery
 time, delivery by cohort, rates over the primary window in multiples of Ĉ, the waiting queue
 over Little's law, the prompt-token gap) and, for tracing runs, the trace breakdown.
-``DIR/report.html`` holds plotly figures: delivery by cohort per condition (stacked within the
-deadline / late / undelivered) and execution creation rate vs recovery (both from the
-dashboard's pure figure builders), recovery times, and the trace breakdown.
+``DIR/report.html`` is one page that works offline (plotly.js embedded once, no CDN): the
+tables as HTML tables (rendered from the Markdown by markdown-it-py), plotly figures (delivery by
+cohort per condition, stacked within the deadline / late / undelivered, and execution creation
+rate vs recovery, both from the dashboard's pure figure builders; recovery times; the trace
+breakdown) and, once ``retrywatch reproduce validate DIR`` has run, the alert validation: its
+tables (``DIR/validation.md``) and, per block, a timeline of every run's collapses with each
+alert's firings over them.
 """
 
 from __future__ import annotations
 
-import html
+import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -18,10 +22,19 @@ from typing import Any
 
 import plotly.graph_objects as go
 import plotly.io as pio
+from markdown_it import MarkdownIt
 
-from detector.rundir import REPORT_HTML, REPORT_MD, read_summary
+from detector.rundir import REPORT_HTML, REPORT_MD, VALIDATION_MD, read_summary, read_validation
 
-__all__ = ["group_runs", "recovery_times_figure", "render_markdown", "trace_figure", "write_report"]
+__all__ = [
+    "group_runs",
+    "recovery_times_figure",
+    "render_html",
+    "render_markdown",
+    "trace_figure",
+    "validation_timeline_figure",
+    "write_report",
+]
 
 COHORTS = ("pulse", "hold", "primary")
 RATES = ("attempts", "executions_created", "executions_accepted", "executions_completed")
@@ -278,28 +291,167 @@ def _figures(runs: Sequence[Mapping[str, Any]]) -> list[go.Figure]:
     return figures
 
 
-def render_html(runs: Sequence[Mapping[str, Any]], markdown: str) -> str:
+# Okabe-Ito, as the dashboard's figures (colour-blind safe); one colour an alert, in order.
+ALERT_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442", "#000000", "#D55E00")
+COLLAPSE_COLOUR = "rgba(213, 94, 0, 0.22)"
+METASTABLE_COLOUR = "rgba(213, 94, 0, 0.5)"
+
+
+def _run_row(run: Mapping[str, Any]) -> str:
+    return f"{_condition_label(run)} · {run.get('model', '?')} · r{run.get('run', '?')}"
+
+
+def validation_timeline_figure(runs: Sequence[Mapping[str, Any]], title: str) -> go.Figure:
+    """One row a run (``validation.json``'s runs): its collapses shaded (darker when metastable)
+    and, over them, each alert's firings as a thin bar of its own colour; the pulse as dotted
+    lines. A firing still going at the end of the run is drawn to the run's end."""
+    rows = [_run_row(r) for r in runs]
+    names = list(dict.fromkeys(a["alertname"] for r in runs for a in r.get("alerts") or []))
+    fig = go.Figure()
+    for metastable, colour, label in (
+        (False, COLLAPSE_COLOUR, "collapse"),
+        (True, METASTABLE_COLOUR, "collapse, metastable"),
+    ):
+        xs, bases, ys, text = [], [], [], []
+        for run, row in zip(runs, rows, strict=True):
+            for c in run.get("collapses") or []:
+                if bool(c.get("metastable")) is not metastable:
+                    continue
+                bases.append(float(c["start_s"]))
+                xs.append(float(c["end_s"]) - float(c["start_s"]))
+                ys.append(row)
+                to_end = "" if c.get("ended", True) else ", to the end of the hold"
+                text.append(f"{label} {c['start_s']:g}–{c['end_s']:g} s{to_end}")
+        fig.add_trace(
+            go.Bar(
+                x=xs, base=bases, y=ys, orientation="h", name=label, width=0.9, offset=-0.45,
+                marker={"color": colour}, hovertext=text, hoverinfo="text",
+            )
+        )  # fmt: skip
+    band = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs, bases, ys, text = [], [], [], []
+        for run, row in zip(runs, rows, strict=True):
+            end_of_run = float(run.get("duration_s") or run.get("judged_end_s") or 0.0)
+            for a in run.get("alerts") or []:
+                if a["alertname"] != name:
+                    continue
+                start = float(a["fired_at_s"])
+                resolved = a.get("resolved_at_s")
+                end = max(end_of_run, start) if resolved is None else float(resolved)
+                bases.append(start)
+                xs.append(max(end - start, 0.0))
+                ys.append(row)
+                state = "still firing at the end" if resolved is None else f"resolved at {end:g} s"
+                text.append(f"{name}: fired at {start:g} s, {state}")
+        fig.add_trace(
+            go.Bar(
+                x=xs, base=bases, y=ys, orientation="h", name=name, width=band * 0.9,
+                offset=-0.4 + i * band, marker={"color": ALERT_COLOURS[i % len(ALERT_COLOURS)]},
+                hovertext=text, hoverinfo="text",
+            )
+        )  # fmt: skip
+    pulse = next((r.get("pulse") for r in runs if r.get("pulse")), None)
+    if pulse:
+        for key in ("start_s", "end_s"):
+            if pulse.get(key) is not None:
+                fig.add_vline(x=float(pulse[key]), line={"color": "#888888", "dash": "dot", "width": 1})
+    ends = [b + x for trace in fig.data for b, x in zip(trace.base, trace.x, strict=True)]
+    fig.update_layout(
+        title={"text": title, "x": 0.01},
+        barmode="overlay",
+        xaxis={
+            "title": "seconds from the run's start (dotted: the pulse)",
+            "range": [0, max(ends, default=1.0)],
+        },
+        template="plotly_white",
+        height=max(360, 200 + 26 * len(rows)),
+        margin={"t": 130},
+        legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0.0},
+    )
+    fig.update_yaxes(autorange="reversed", automargin=True, type="category", categoryarray=rows)
+    return fig
+
+
+def validation_figures(validation: Mapping[str, Any]) -> list[go.Figure]:
+    """A timeline per block of ``validation.json``'s runs."""
+    by_block: dict[str, list[Mapping[str, Any]]] = {}
+    for run in validation.get("runs") or []:
+        if isinstance(run, Mapping):
+            by_block.setdefault(str(run.get("block", "?")), []).append(run)
+    return [
+        validation_timeline_figure(runs, f"{block}: collapses (shaded) and each alert's firings")
+        for block, runs in by_block.items()
+    ]
+
+
+def _markdown_renderer() -> MarkdownIt:
+    # CommonMark with tables; raw HTML in the Markdown is escaped, never passed through.
+    return MarkdownIt("commonmark", {"html": False}).enable("table")
+
+
+def _demote(markdown: str) -> str:
+    """Every heading one level down, to sit under the page's own."""
+    return re.sub(r"^(#{1,5}) ", r"#\1 ", markdown, flags=re.MULTILINE)
+
+
+STYLE = (
+    "body{font-family:sans-serif;margin:2em;max-width:1400px}"
+    "section{overflow-x:auto;margin-bottom:1.5em}"
+    "table{border-collapse:collapse;margin:0.5em 0;font-size:0.9em}"
+    "th,td{border:1px solid #ccc;padding:3px 6px;text-align:left;vertical-align:top}"
+    "th{background:#f3f3f3}"
+)
+
+
+def render_html(
+    runs: Sequence[Mapping[str, Any]],
+    markdown: str,
+    validation: Mapping[str, Any] | None = None,
+    validation_md: str | None = None,
+) -> str:
+    """The whole page: the figures, the tables, and the validation (when there is one)."""
+    md = _markdown_renderer()
+    figures = _figures(runs)
+    checks = validation_figures(validation) if validation is not None else []
     parts = []
-    for i, fig in enumerate(_figures(runs)):
+    for i, fig in enumerate([*figures, *checks]):
+        # plotly.js embedded once, in the first figure: the page needs no network
         parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_width="100%"))
+    body = "".join(f"<section>{p}</section>" for p in parts[: len(figures)])
+    body += "<section>" + md.render(_demote(markdown)) + "</section>"
+    body += "<h2 id='validation'>Alert validation</h2>"
+    if validation_md is not None:
+        body += "".join(f"<section>{p}</section>" for p in parts[len(figures) :])
+        # under the page's own "Alert validation" heading, without the file's title
+        own = re.sub(r"\A# [^\n]*\n", "", validation_md)
+        body += "<section>" + md.render(_demote(own)) + "</section>"
+    else:
+        body += (
+            "<p>No validation yet: run <code>retrywatch reproduce validate DIR</code>, then "
+            "<code>retrywatch reproduce report DIR</code> again.</p>"
+        )
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>retrywatch reproduce report</title>"
-        "<style>body{font-family:sans-serif;margin:2em;max-width:1400px} pre{white-space:pre-wrap}</style>"
-        "</head><body><h1>retrywatch reproduce report</h1>"
-        + "".join(f"<section>{p}</section>" for p in parts)
-        + "<h2>Tables</h2><pre>"
-        + html.escape(markdown)
-        + "</pre></body></html>"
+        f"<style>{STYLE}</style></head><body><h1>retrywatch reproduce report</h1>{body}</body></html>"
     )
 
 
 def write_report(out: Path) -> tuple[Path, Path]:
-    """Write ``out/report.md`` and ``out/report.html`` from ``out/summary.json``."""
+    """Write ``out/report.md`` and ``out/report.html`` from ``out/summary.json`` (and the
+    validation, ``out/validation.json`` and ``.md``, when ``reproduce validate`` wrote them)."""
     summary = read_summary(out)
     runs = [r for r in summary["runs"] if isinstance(r, dict)]
     markdown = render_markdown(runs, summary.get("meta"))
     md_path = out / REPORT_MD
     md_path.write_text(markdown + "\n", encoding="utf-8")
+    validation = read_validation(out)
+    validation_md_path = out / VALIDATION_MD
+    validation_md = (
+        validation_md_path.read_text(encoding="utf-8")
+        if validation is not None and validation_md_path.is_file()
+        else None
+    )
     html_path = out / REPORT_HTML
-    html_path.write_text(render_html(runs, markdown), encoding="utf-8")
+    html_path.write_text(render_html(runs, markdown, validation, validation_md), encoding="utf-8")
     return md_path, html_path

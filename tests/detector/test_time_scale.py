@@ -21,13 +21,13 @@ from detector.evaluator import Evaluator
 from detector.replay import replay_run
 from detector.signals import WINDOWS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.thresholds import ALERTS, NO_DATA, scale_rules
-from detector.validate import RETRY_LOOP, RunInfo, replay_firings
 from exporter.processes import free_port
 from exporter.timeseries import read_series, write_series
 from reproduce.conditions import block
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.httpdriver.detectorproc import DetectorProcess
 from reproduce.sim import SimSpec, simulate
+from reproduce.validate import RETRY_LOOP, RunInfo, replay_firings
 from tests.detector.conftest import wait_until
 
 # A small simulated engine (Ĉ ≈ 9.77 calls/s at the study's scale), the diagnostic block's pulse.

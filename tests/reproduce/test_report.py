@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,8 @@ from reproduce.registry import get_backend
 from reproduce.report import render_markdown, write_report
 from reproduce.runner import run_many
 from reproduce.summary import write_summary
+from reproduce.validate import validate_dir
+from tests.dashboard.conftest import Page, browser  # noqa: F401 (the fixture)
 from tests.reproduce.test_runner import SMALL
 
 
@@ -44,6 +47,30 @@ def test_markdown_tables_per_block_and_trace_breakdown(out: Path) -> None:
     html = html_path.read_text()
     assert html.count('class="plotly-graph-div"') == 4
     assert "Delivery by cohort" in html and "Recovery time" in html and "Computed prompt tokens" in html
+    # the tables are HTML tables, not Markdown in a <pre>, and the missing validation is said so
+    assert html.count("<table>") == 4 and "<pre>" not in html and "| --- |" not in html
+    assert "<th>condition</th>" in html and "No validation yet" in html
+
+
+def test_the_page_shows_the_validation_with_a_timeline_per_block_and_needs_no_network(out: Path) -> None:
+    validate_dir(out)
+    try:
+        _, html_path = write_report(out)
+        html = html_path.read_text()
+    finally:
+        for name in ("validation.json", "validation.md"):
+            (out / name).unlink()
+    assert "id='validation'" in html and "No validation yet" not in html
+    # validation.md's tables, rendered
+    assert "<h3>Cause alerts</h3>" in html and "<th>recall over metastable collapses</th>" in html
+    assert "<td>VLLMMetastableRetryLoop</td>" in html and "<strong>recall</strong>" in html
+    assert html.count("<table>") >= 4 + 4  # the report's 4; cause, data, by block, runs
+    # 4 figures of the runs, then a timeline per block (diagnostic, tracing, trigger-sweep)
+    assert html.count('class="plotly-graph-div"') == 4 + 3
+    assert "diagnostic: collapses (shaded)" in html and "collapse, metastable" in html
+    # plotly.js is in the page once, and nothing is fetched from elsewhere
+    assert html.count("plotly.js v") == 1
+    assert "<script src=" not in html and 'src="http' not in html
 
 
 def test_markdown_from_hand_built_entries() -> None:
@@ -90,3 +117,41 @@ def test_report_survives_an_empty_cohort(tmp_path: Path) -> None:
     md_path, html_path = write_report(tmp_path)
     assert "| c | m | 0/1 | – | – | 33.3 / 33.3 / 33.3 |" in md_path.read_text()
     assert html_path.read_text().count('class="plotly-graph-div"') == 3
+
+
+@pytest.mark.browser
+def test_the_page_draws_offline_in_a_real_browser(out: Path, browser: Any) -> None:  # noqa: F811
+    """report.html in a headless Chromium that may fetch nothing but the file itself: every
+    figure is drawn (the runs' four, a validation timeline per block), without a console error."""
+    validate_dir(out)
+    try:
+        _, html_path = write_report(out)
+    finally:
+        for name in ("validation.json", "validation.md"):
+            (out / name).unlink()
+    tab = Page(browser)
+    fetched: list[str] = []
+
+    def only_the_file(route: Any) -> None:
+        url = route.request.url
+        if url.startswith("file:"):
+            route.continue_()
+        else:
+            fetched.append(url)
+            route.abort()
+
+    tab.page.route("**/*", only_the_file)
+    try:
+        tab.page.goto(html_path.as_uri())
+        tab.wait_graphs(4 + 3)
+        names = tab.page.evaluate(
+            "() => [...document.querySelectorAll('.js-plotly-plot')].map(g => g._fullData.map(t => t.name))"
+        )
+        assert any(
+            "collapse, metastable" in traces and "VLLMMetastableRetryLoop" in traces for traces in names
+        )
+        assert tab.page.locator("#validation").is_visible()
+        assert tab.page.locator("table").count() >= 8
+        assert fetched == [] and tab.errors == []
+    finally:
+        tab.close()

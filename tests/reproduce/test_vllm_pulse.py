@@ -32,7 +32,6 @@ from typing import Any
 import httpx
 import pytest
 
-from detector.validate import BACKLOG, RETRY_LOOP, validate_dir
 from exporter.policy import Cancellation, PolicyConfig
 from exporter.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
@@ -53,6 +52,7 @@ from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scal
 from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.registry import Backend, RunJob, get_backend
 from reproduce.summary import run_dir, write_summary
+from reproduce.validate import BACKLOG, RETRY_LOOP, validate_dir
 from tests.reproduce.vllm_helpers import running_vllm
 
 # Calibration, two runs and at most one rerun of each (``_run_while_the_client_keeps_up``).
@@ -167,7 +167,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     # after a 4.5 Ĉ pulse (a CI dry run: fired 4 s after the pulse's end, when the pulse's own
     # timed-out executions were being cancelled, and resolved 43 s before the recovery), never
     # before the pulse or past the recovery: the validation's own false positives
-    # (detector/validate.py).
+    # (reproduce/validate.py).
     recovered_at = recipe["pulse"]["end_s"] + recipe["recovery_time_s"]
     (replayed,) = [r["alerts"] for r in report["runs"] if r["condition"] == "deferred-cancellation"]
     for a in [*recipe["live_alerts"], *replayed]:

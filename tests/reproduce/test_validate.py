@@ -1,4 +1,5 @@
-"""``retrywatch reproduce validate DIR``: scoring of the alerts against run outcomes."""
+"""``retrywatch reproduce validate DIR``: scoring of the alerts, by kind, against run outcomes and
+the ground truth over time."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from detector.rundir import RunDirError
-from detector.thresholds import ALERTS_BY_NAME
-from detector.validate import (
+from detector.thresholds import ALERTS_BY_NAME, AlertRule
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot, write_series
+from reproduce.groundtruth import Collapse
+from reproduce.validate import (
     BACKLOG,
     RETRY_LOOP,
     Firing,
@@ -24,8 +28,6 @@ from detector.validate import (
     validate,
     validate_dir,
 )
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, write_series
 from rules import unittests
 
 
@@ -48,6 +50,7 @@ def _info(
         series=Path("unused"),
         shed_or_attached=controlled,
         hold_creation_x_capacity=0.85,
+        hold_end_s=947.0,
     )
 
 
@@ -138,7 +141,7 @@ def test_no_runs_of_a_kind_gives_nulls_not_errors() -> None:
     loop = report["alerts"][RETRY_LOOP]
     assert loop["recall"] is None
     assert loop["lead_time_s"] == {"median": None, "max": None}
-    assert "| VLLMMetastableRetryLoop | – | 0 | 0 | 1 |" in render_markdown(report)
+    assert "| VLLMMetastableRetryLoop | n/a | 0 | 0 | 1 | n/a / n/a |" in render_markdown(report)
 
 
 # --- end to end on a hand-made reproduce output, through the real detector replay ----------
@@ -184,8 +187,9 @@ def test_validate_dir_replays_every_run_and_writes_json_and_markdown(tmp_path: P
     saved = json.loads((tmp_path / "validation.json").read_text(encoding="utf-8"))
     assert saved == json.loads(json.dumps(report))
     assert set(saved["alerts"]) == set(ALERTS_BY_NAME)
-    for figures in saved["alerts"].values():
-        assert set(figures) == {
+    for name, figures in saved["alerts"].items():
+        assert figures["kind"] == ALERTS_BY_NAME[name].kind
+        assert set(figures) >= {
             "recall", "runs_not_recovered", "false_positive_runs", "runs_recovered",
             "lead_time_s", "resolve_after_recovery_s",
         }  # fmt: skip
@@ -284,3 +288,137 @@ def test_a_directory_without_summary_json_is_a_usage_mistake_and_nothing_is_writ
         len(errors) == 1 and "Invalid value for 'DIR'" in errors[0] and "summary.json: not found" in errors[0]
     )
     assert "Traceback" not in result.output and list(empty.iterdir()) == []
+
+
+# --- scoring by kind against the ground truth over time -------------------------------------
+
+SYMPTOM = "SyntheticCallsNotDeliveredInTime"
+DATA = "SyntheticNoData"
+KINDS = {RETRY_LOOP: "cause", BACKLOG: "cause", SYMPTOM: "symptom", DATA: "data"}
+
+
+def _symptom_rule() -> AlertRule:
+    """A symptom alert as another module may define one: scored by its kind alone."""
+    return dataclasses.replace(ALERTS_BY_NAME[RETRY_LOOP], name=SYMPTOM, kind="symptom")
+
+
+def test_a_symptom_alert_is_scored_against_every_collapse() -> None:
+    rule = _symptom_rule()
+    kinds = {**KINDS, rule.name: rule.kind}
+    results = [
+        # never recovers: fires 150 s into the collapse and stays firing to the end
+        RunResult(
+            _info(1, recovered=False),
+            [Firing(SYMPTOM, 270.0, None)],
+            [Collapse(120.0, 947.0, ended=False, metastable=True, metastable_at_s=300.0)],
+        ),
+        # recovers at 407 (collapse 125–287): fires at 250, gaps 300–310 (past the end: held),
+        # resolves 40 s after the collapse ended; then a firing outside any collapse at 700
+        RunResult(
+            _info(2, recovered=True, recovery_time_s=180.0),
+            [Firing(SYMPTOM, 250.0, 300.0), Firing(SYMPTOM, 310.0, 327.0), Firing(SYMPTOM, 700.0, 720.0)],
+            [Collapse(125.0, 287.0, ended=True, metastable=False)],
+        ),
+        # a short collapse named one deadline late (inside its tail), with a gap inside it
+        RunResult(
+            _info(3, recovered=True, recovery_time_s=120.0),
+            [Firing(SYMPTOM, 200.0, 210.0), Firing(SYMPTOM, 220.0, 260.0)],
+            [Collapse(150.0, 227.0, ended=True, metastable=False)],
+        ),
+        # missed
+        RunResult(_info(4, recovered=True, recovery_time_s=120.0), [], [Collapse(130.0, 227.0, ended=True)]),
+        # no call records: not judged
+        RunResult(_info(5, recovered=True, recovery_time_s=120.0), [Firing(SYMPTOM, 10.0, 20.0)], None),
+    ]
+    report = build_report(results, [SYMPTOM], kinds)
+    s = report["alerts"][SYMPTOM]
+    assert s["kind"] == "symptom"
+    assert (s["collapses"], s["collapses_detected"], s["recall"]) == (4, 3, 0.75)
+    assert s["held_to_collapse_end"] == 2  # run 3 has a gap inside its collapse
+    assert (s["false_positive_runs"], s["false_positive_firings"]) == (1, 1)
+    assert s["lead_time_s"] == {"median": 125.0, "max": 150.0}  # 150, 125, 50
+    assert s["resolve_after_collapse_s"] == {"median": 36.5, "max": 40.0}  # 40 and 33
+    assert s["still_firing_after_collapse"] == 0
+    md = render_markdown(report)
+    assert "## Symptom alerts" in md
+    assert f"| {SYMPTOM} | 0.75 | 4 | 2 of 3 | 1 | 1 | 125 / 150 | 36.5 / 40 | 0 |" in md
+    assert "**recall over collapses**" in md
+
+
+def test_a_symptom_alert_reaches_validation_json_through_the_replay(tmp_path: Path) -> None:
+    """``validate_dir`` scores whatever alerts it is given by their kind; a run without call
+    records has no collapses (null), and the symptom alert is not scored on it."""
+    _write_dir(tmp_path)
+    report = validate_dir(
+        tmp_path,
+        replayer=lambda info: [Firing(SYMPTOM, 400.0, None)] if not info.recovered else [],
+        alertnames=[SYMPTOM],
+        kinds={SYMPTOM: "symptom"},
+    )
+    assert [r["collapses"] for r in report["runs"]] == [None, None]
+    assert report["alerts"][SYMPTOM]["recall"] is None and report["alerts"][SYMPTOM]["collapses"] == 0
+
+
+def test_a_cause_alert_firing_outside_the_collapses_is_a_false_positive() -> None:
+    collapse = Collapse(125.0, 287.0, ended=True, metastable=True, metastable_at_s=240.0)
+    results = [
+        RunResult(
+            _info(1, recovered=True, recovery_time_s=180.0),
+            [
+                Firing(BACKLOG, 200.0, 260.0),  # the overload's own stretch
+                Firing(RETRY_LOOP, 250.0, 300.0),  # inside the collapse, 10 s after it turned metastable
+                Firing(RETRY_LOOP, 300.0, 320.0),  # after the collapse, before the recovery (407)
+            ],
+            [collapse],
+        ),
+        # no collapse at all: the overload's stretch is the pulse
+        RunResult(
+            _info(2, recovered=True, recovery_time_s=120.0),
+            [Firing(BACKLOG, 200.0, 230.0), Firing(RETRY_LOOP, 240.0, 260.0)],
+            [],
+        ),
+    ]
+    # a collapse that ran to the end of the hold had not ended: a firing after the hold is no false
+    # positive (the hold's last calls still time out and retry)
+    results.append(
+        RunResult(
+            _info(3, recovered=False),
+            [Firing(BACKLOG, 200.0, 300.0), Firing(BACKLOG, 1000.0, 1070.0)],
+            [Collapse(125.0, 947.0, ended=False, metastable=True, metastable_at_s=280.0)],
+        )
+    )
+    report = build_report(results, [RETRY_LOOP, BACKLOG], KINDS)
+    loop, backlog = report["alerts"][RETRY_LOOP], report["alerts"][BACKLOG]
+    assert (loop["false_positive_runs"], loop["false_positive_firings"]) == (2, 2)
+    assert backlog["false_positive_runs"] == 0
+    assert (loop["recall_metastable"], loop["runs_metastable"]) == (0.5, 2)
+    assert loop["lead_after_metastable_s"] == {"median": 10.0, "max": 10.0}
+    # without a ground truth over time, the recovery verdict decides, as it always did
+    old = [RunResult(r.info, r.firings, None) for r in results]
+    assert build_report(old, [RETRY_LOOP], KINDS)["alerts"][RETRY_LOOP]["false_positive_runs"] == 0
+
+
+def test_a_data_alert_is_reported_not_scored() -> None:
+    results = [RunResult(_info(1, recovered=False), [Firing(DATA, 10.0, 20.0), Firing(DATA, 30.0, None)], [])]
+    report = build_report(results, [DATA], KINDS)
+    data = report["alerts"][DATA]
+    assert (data["kind"], data["recall"], data["runs_fired"], data["firings"]) == ("data", None, 1, 2)
+    md = render_markdown(report)
+    assert "| SyntheticNoData | 1 | 2 | 1 |" in md and "not scored for recall" in md
+    # an episode still firing is said so, not drawn as a dash
+    assert "SyntheticNoData 30–still firing at the end" in md
+
+
+def test_every_table_has_its_legend_and_no_bare_dash(tmp_path: Path) -> None:
+    _write_dir(tmp_path)
+    md = render_markdown(validate_dir(tmp_path))
+    for heading in (
+        "## Ground truth",
+        "## Cause alerts",
+        "## Symptom alerts",
+        "## Data alerts",
+        "## By block",
+    ):
+        assert heading in md
+    assert "negative: it resolved before the run recovered" in md
+    assert "–|" not in md.replace(" ", "") and "| – |" not in md

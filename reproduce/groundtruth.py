@@ -1,0 +1,329 @@
+"""The ground truth of a run over time (docs/protocol.md, "Ground truth over time"): its
+collapses, and which of them are metastable.
+
+A *collapse* is a stretch in which the calls that arrive are not delivered within the deadline.
+Calls are grouped by planned arrival into the recovery rule's 60-s windows (study seconds,
+divided by the run's time scale); a window in which fewer than 98 % of its calls are delivered
+within the deadline is *bad*. A collapse starts in a bad window, at the planned arrival of the
+first of its calls that missed the deadline, and ends at the end of the last window before two
+consecutive *good* windows, good as the recovery rule counts a window (at least 98 % delivered
+within the deadline, and the executions waiting in the proxy and the engine averaging at most
+two and growing by at most 0.01/s); without two such windows it runs to the end of the run's
+judged span (for the pulse protocol, the end of the hold). The queue conditions hold a collapse
+open (a backlog that still waits is not over), but never start one: a queue whose calls are
+all delivered in time is not a collapse.
+
+A collapse is *metastable* when it outlasts the overload that started it: at some point inside
+it, first attempts arrive below Ĉ over a 60-s window while executions are still created at or
+above Ĉ (the proxy's counters in the run's series). Without the proxy's counters that is unknown
+(None).
+
+Windows are aligned to the pulse's end for the pulse protocol (as the recovery rule's, so that
+both judge the same windows and their verdicts agree), to the run's start otherwise.
+
+NOTE: every time here is in the run's own seconds, like summary.json's: with ``--time-scale K``
+the window and the deadline are already divided by K and Ĉ is in calls per run-second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from detector.rundir import RunDirError
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot
+from reproduce.outcomes import RecoveryRule, Timeline, counter_at, waiting_series
+
+__all__ = [
+    "CALLS_FILE",
+    "CallTimes",
+    "Collapse",
+    "GroundTruth",
+    "JudgedSpan",
+    "Window",
+    "agrees_with_recovery",
+    "find_collapses",
+    "ground_truth",
+    "judge_windows",
+    "read_calls",
+    "span_of",
+]
+
+#: The call records a run writes beside its metrics series (``reproduce/summary.py``).
+CALLS_FILE = "attempts.jsonl"
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class CallTimes:
+    """What the ground truth needs of one call: when it was planned to arrive, when its first
+    attempt was sent, and when it was delivered (None: never)."""
+
+    planned_at: float
+    first_sent_at: float
+    delivered_at: float | None
+
+    def within(self, deadline_s: float) -> bool:
+        """Delivered within the first attempt's deadline (docs/protocol.md §6)."""
+        return self.delivered_at is not None and self.delivered_at <= self.first_sent_at + deadline_s + _EPS
+
+
+@dataclass(frozen=True)
+class JudgedSpan:
+    """The part of a run that is judged, and the clock it is judged on (run seconds)."""
+
+    start_s: float
+    end_s: float
+    align_s: float  # a window boundary: the pulse's end, or the run's start
+    window_s: float
+    deadline_s: float
+    capacity: float  # Ĉ, calls per run-second
+    time_scale: float = 1.0
+    pulse_start_s: float | None = None
+    pulse_end_s: float | None = None
+
+    def windows(self) -> list[tuple[float, float]]:
+        """Windows of ``window_s`` covering [start_s, end_s), one boundary at ``align_s``; the
+        first (and a last, shorter one) are cut to the span."""
+        w = self.window_s
+        first = self.align_s - math.ceil((self.align_s - self.start_s) / w - _EPS) * w
+        out = []
+        a = first
+        while a < self.end_s - _EPS:
+            b = a + w
+            out.append((max(a, self.start_s), min(b, self.end_s)))
+            a = b
+        return out
+
+
+def span_of(run: Mapping[str, Any]) -> JudgedSpan:
+    """The judged span of one summary.json run entry: the run's start to the end of the hold
+    (``hold_end_s``; without one, ``duration_s``), windows aligned to the pulse's end when the
+    run had a pulse (``pulse.end_s``), at its time scale and deadline, against its Ĉ."""
+    k = float(run.get("time_scale") or 1.0)
+    pulse = run.get("pulse") if isinstance(run.get("pulse"), Mapping) else None
+    pulse_start = None if pulse is None or pulse.get("start_s") is None else float(pulse["start_s"])
+    pulse_end = None if pulse is None or pulse.get("end_s") is None else float(pulse["end_s"])
+    end = run.get("hold_end_s")
+    if end is None:
+        end = run.get("duration_s")
+    if end is None:
+        raise RunDirError(f"run {run.get('slug', '?')!r}: needs 'hold_end_s' or 'duration_s'")
+    return JudgedSpan(
+        start_s=0.0,
+        end_s=float(end),
+        align_s=pulse_end if pulse_end is not None else 0.0,
+        window_s=Timeline().window_s / k,
+        deadline_s=float(run["deadline_s"]),
+        capacity=float(run["capacity"]),
+        time_scale=k,
+        pulse_start_s=pulse_start,
+        pulse_end_s=pulse_end,
+    )
+
+
+def read_calls(path: Path) -> list[CallTimes]:
+    """The call records of ``attempts.jsonl`` (one call a line: ``planned_at``, ``attempts``
+    with each ``sent_at``, ``delivered_at``); a clear error names a bad line."""
+    calls = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                planned = float(obj["planned_at"])
+                attempts = obj.get("attempts") or []
+                sent = float(attempts[0]["sent_at"]) if attempts else planned
+                delivered = obj.get("delivered_at")
+                calls.append(CallTimes(planned, sent, None if delivered is None else float(delivered)))
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                raise RunDirError(f"{path}:{lineno}: not a call record ({exc})") from None
+    return calls
+
+
+@dataclass(frozen=True)
+class Window:
+    """One judged window: its calls (by planned arrival) and the waiting executions."""
+
+    start_s: float
+    end_s: float
+    calls: int
+    delivered_within_deadline: float  # share of its calls; 1.0 for a window without calls
+    waiting_mean: float  # NaN: no scrape in the window
+    waiting_slope_per_s: float
+    delivered_ok: bool
+    queue_ok: bool
+
+    @property
+    def ok(self) -> bool:
+        """Good as the recovery rule counts a window: delivered and drained."""
+        return self.delivered_ok and self.queue_ok
+
+
+def _mean_and_slope(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Mean and least-squares slope of (t, v) points, as the recovery rule measures growth."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var_t = sum((t - mean_t) ** 2 for t, _ in points)
+    if var_t <= 0:
+        return mean_v, 0.0
+    return mean_v, sum((t - mean_t) * (v - mean_v) for t, v in points) / var_t
+
+
+def judge_windows(
+    calls: Sequence[CallTimes],
+    snapshots: Sequence[Snapshot],
+    span: JudgedSpan,
+    rule: RecoveryRule | None = None,
+) -> list[Window]:
+    """Every window of the span, judged by the recovery rule's thresholds."""
+    rule = rule or RecoveryRule()
+    growth_limit = rule.max_growth_per_s * span.time_scale  # per run-second
+    waiting = waiting_series(snapshots)
+    out = []
+    for start, end in span.windows():
+        members = [c for c in calls if start <= c.planned_at < end]
+        share = sum(c.within(span.deadline_s) for c in members) / len(members) if members else 1.0
+        pts = [(t, v) for t, v in waiting if start <= t <= end]
+        if pts:
+            mean, slope = _mean_and_slope(pts)
+            queue_ok = mean <= rule.max_waiting and slope <= growth_limit
+        else:
+            mean, slope, queue_ok = math.nan, math.nan, False  # unknown is not healthy
+        out.append(
+            Window(start, end, len(members), share, mean, slope, share >= rule.min_delivered, queue_ok)
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """A stretch of the run in which its calls were not delivered within the deadline.
+    ``ended``: False when it ran to the end of the judged span (never recovered);
+    ``metastable_at_s``: the first time inside it that first attempts arrived below Ĉ while
+    executions were created at or above Ĉ (None: never, or unknown); ``metastable_for_s``: how
+    long that held in all (a control that breaks the loop soon after it forms holds it briefly)."""
+
+    start_s: float
+    end_s: float
+    ended: bool
+    metastable: bool | None = None
+    metastable_at_s: float | None = None
+    metastable_for_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start_s": round(self.start_s, 3),
+            "end_s": round(self.end_s, 3),
+            "metastable": self.metastable,
+            "ended": self.ended,
+            "metastable_at_s": None if self.metastable_at_s is None else round(self.metastable_at_s, 3),
+            "metastable_for_s": None if self.metastable_for_s is None else round(self.metastable_for_s, 3),
+        }
+
+
+def find_collapses(
+    windows: Sequence[Window], calls: Sequence[CallTimes], deadline_s: float
+) -> list[Collapse]:
+    """The collapses of judged windows (metastability not yet known)."""
+    out = []
+    i, n = 0, len(windows)
+    while i < n:
+        w = windows[i]
+        if w.delivered_ok:
+            i += 1
+            continue
+        missed = [
+            c.planned_at for c in calls if w.start_s <= c.planned_at < w.end_s and not c.within(deadline_s)
+        ]
+        start = min(missed) if missed else w.start_s
+        k = i + 1
+        while k + 1 < n and not (windows[k].ok and windows[k + 1].ok):
+            k += 1
+        if k + 1 < n:  # windows k and k+1 are good: the collapse ended where k begins
+            out.append(Collapse(start, windows[k].start_s, ended=True))
+            i = k
+        else:
+            out.append(Collapse(start, windows[-1].end_s, ended=False))
+            break
+    return out
+
+
+def _rate(snapshots: Sequence[Snapshot], name: str, t0: float, t1: float, **labels: str) -> float:
+    return (counter_at(snapshots, name, t1, labels) - counter_at(snapshots, name, t0, labels)) / (t1 - t0)
+
+
+def _metastable_times(
+    collapse: Collapse, snapshots: Sequence[Snapshot], span: JudgedSpan
+) -> tuple[float | None, float]:
+    """When, inside the collapse, first attempts over the window before a scrape first arrived
+    below Ĉ while executions were created at or above Ĉ; and for how long that held in all (the
+    scrape intervals it held at, summed)."""
+    w = span.window_s
+    first_at: float | None = None
+    held = 0.0
+    inside = [s for s in snapshots if collapse.start_s <= s.t <= collapse.end_s + _EPS]
+    for i, snap in enumerate(inside):
+        t = snap.t
+        if t - w < snapshots[0].t - _EPS:
+            continue
+        first = _rate(snapshots, mn.ATTEMPTS, t - w, t, kind="first")
+        created = _rate(snapshots, mn.EXECUTIONS_CREATED, t - w, t)
+        if first < span.capacity and created >= span.capacity:
+            first_at = t if first_at is None else first_at
+            nxt = inside[i + 1].t if i + 1 < len(inside) else collapse.end_s
+            held += max(nxt - t, 0.0)
+    return first_at, held
+
+
+def _has_proxy_counters(snapshots: Sequence[Snapshot]) -> bool:
+    return bool(snapshots) and all(
+        snapshots[-1].value(name) is not None for name in (mn.ATTEMPTS, mn.EXECUTIONS_CREATED)
+    )
+
+
+@dataclass(frozen=True)
+class GroundTruth:
+    """A run's judged windows and collapses."""
+
+    span: JudgedSpan
+    windows: list[Window]
+    collapses: list[Collapse]
+
+
+def ground_truth(calls: Iterable[CallTimes], snapshots: Iterable[Snapshot], span: JudgedSpan) -> GroundTruth:
+    """The collapses of one run, each marked metastable or not (None without proxy counters)."""
+    calls = list(calls)
+    snapshots = sorted(snapshots, key=lambda s: s.t)
+    windows = judge_windows(calls, snapshots, span)
+    found = find_collapses(windows, calls, span.deadline_s)
+    known = _has_proxy_counters(snapshots)
+    marked = []
+    for c in found:
+        if not known:
+            marked.append(c)
+            continue
+        at, held = _metastable_times(c, snapshots, span)
+        marked.append(
+            Collapse(c.start_s, c.end_s, c.ended, at is not None, at, held if at is not None else 0.0)
+        )
+    return GroundTruth(span, windows, marked)
+
+
+def agrees_with_recovery(truth: GroundTruth, recovered: bool) -> bool:
+    """The pulse protocol's check: a run is not recovered (docs/protocol.md §6) exactly when a
+    collapse under way at or after the pulse's start runs to the end of the hold.
+
+    NOTE: "under way", not "started": the collapse a pulse causes can begin a few seconds before
+    it (up to 10 s on the paper block's seeds 7321 and 12421), with base calls still running when
+    the pulse arrives, slowed past their deadline by the pulse's prefills sharing every step."""
+    pulse_start = truth.span.pulse_start_s if truth.span.pulse_start_s is not None else truth.span.start_s
+    to_the_end = any(not c.ended and c.end_s > pulse_start for c in truth.collapses)
+    return to_the_end == (not recovered)
