@@ -5,14 +5,8 @@ from __future__ import annotations
 import math
 import time
 
-from exporter.metrics import (
-    DeadlineEstimator,
-    ProxyMetrics,
-    SlidingWindow,
-    WindowSample,
-    is_exposition,
-    scan_vllm,
-)
+from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample
+from exporter.upstreamtext import is_exposition, scan_vllm
 from exporter.policy import Attempt, Policy, PolicyConfig
 
 VLLM_TEXT = """# HELP vllm:num_requests_waiting x
