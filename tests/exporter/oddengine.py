@@ -52,8 +52,9 @@ def big_exposition(series: int, own_families: bool = False) -> str:
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n",
         "# TYPE vllm:num_requests_waiting gauge\n",
     ]
+    model = "Qwen/Qwen2.5-7B-Instruct-lora"
     parts += [
-        f'vllm:num_requests_waiting{{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct-lora-{i:07d}"}} {WAITING_PER_SERIES}\n'
+        f'vllm:num_requests_waiting{{engine="0",model_name="{model}-{i:07d}"}} {WAITING_PER_SERIES}\n'
         for i in range(half)
     ]
     parts.append('vllm:num_requests_waiting{engine="1",model_name="odd} \\"name\\""} 0.0\n')
@@ -65,7 +66,7 @@ def big_exposition(series: int, own_families: bool = False) -> str:
     ]
     tokens = PROMPT_TOKENS_PER_SERIES
     parts += [
-        f'vllm:prompt_tokens_total{{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct-lora-{i:07d}"}} {tokens}\n'
+        f'vllm:prompt_tokens_total{{engine="0",model_name="{model}-{i:07d}"}} {tokens}\n'
         for i in range(series - half)
     ]
     return "".join(parts)

@@ -6,8 +6,8 @@ import math
 import time
 
 from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample
-from exporter.upstreamtext import is_exposition, scan_vllm
 from exporter.policy import Attempt, Policy, PolicyConfig
+from exporter.upstreamtext import is_exposition, scan_vllm
 
 VLLM_TEXT = """# HELP vllm:num_requests_waiting x
 # TYPE vllm:num_requests_waiting gauge
