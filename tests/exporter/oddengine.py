@@ -2,7 +2,8 @@
 sockets:
 
 * ``HungEngine`` (a thread of the test process): accepts every connection, reads what it is sent
-  and never answers, as a wedged engine does; it counts the connections its peers still hold open,
+  and never answers, as a wedged engine does (or answers the beginning of an answer, ``reply``,
+  and falls silent mid-answer); it counts the connections its peers still hold open,
   so a test sees whether the proxy let go of them.
 * ``heavy`` (a process: ``python -m tests.exporter.oddengine --port P --series N``): an engine
   whose ``/metrics`` carries ``N`` series, as a vLLM serving many LoRA adapters or models does
@@ -75,12 +76,14 @@ def big_exposition(series: int, own_families: bool = False) -> str:
 class HungEngine:
     """A socket server that accepts and never answers (see the module), in a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, reply: bytes = b"") -> None:
+        self.reply = reply  # written once, when a connection's first bytes arrive; then nothing more
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._open: set[socket.socket] = set()
+        self._replied: set[socket.socket] = set()
         self.accepted = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -113,6 +116,9 @@ class HungEngine:
                     continue
                 except OSError:
                     data = b""
+                if data and self.reply and sock not in self._replied:
+                    self._replied.add(sock)
+                    sock.sendall(self.reply)
                 if not data:  # the peer closed its end
                     selector.unregister(sock)
                     sock.close()

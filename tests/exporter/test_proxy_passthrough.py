@@ -79,6 +79,27 @@ def test_a_read_only_request_the_engine_never_answers_gets_504_after_the_read_ti
         )
 
 
+def test_an_answer_the_engine_falls_silent_in_is_cut_short_at_the_read_timeout(tmp_path: Path) -> None:
+    """Mid-answer, past the read timeout, the client's connection is closed (its answer must not
+    look whole), one line is logged, no traceback, and the engine connection is closed."""
+    log = tmp_path / "proxy.log"
+    head = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"status"'
+    with (
+        HungEngine(reply=head) as engine,
+        proxy_process(engine.url, *FAST_START, "--passthrough-read-timeout", "0.5", log=log) as p,
+    ):
+        time.sleep(0.5)
+        before = engine.open_connections()
+        with httpx.Client(timeout=WAIT_S) as client, client.stream("GET", p.url + "/v1/models") as r:
+            assert r.status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                r.read()
+        _until(lambda: engine.open_connections() <= max(before, 1), "the engine connection closed")
+    assert errors_logged(log) == []
+    lines = [line for line in log.read_text().splitlines() if "ended mid-answer" in line]
+    assert len(lines) == 1 and "/v1/models" in lines[0] and "ReadTimeout" in lines[0], lines
+
+
 def test_a_post_passed_through_is_bounded_by_its_client_not_the_read_timeout() -> None:
     """Engine work (a POST passed through, a generation request) may wait in the engine's queue
     for minutes: no read timeout; it ends when its client leaves."""
