@@ -6,9 +6,10 @@ upstream's ``/metrics`` every second and reads the families its window needs. Th
 engines (``tests/exporter/oddengine.py``: streaming completions, the first token at once, and a
 ``/metrics`` of ``--series`` series of the families the proxy reads, the worst case, or of 100),
 then for each proxy (this tree's, and the earlier commit's extracted with ``git archive``) and each
-engine, a proxy process in front of it and ``--clients`` streaming clients for ``--seconds``, one
-call after another on a new connection each. It prints the time to first token (median, p90,
-worst) and the calls completed, per proxy and engine. Phases run one after another; run it on a
+engine, a proxy process in front of it, ``--clients`` streaming clients for ``--seconds`` (one call
+after another, on a new connection each), and a probe call started every 50 ms whatever the
+answers. It prints the probes' time to first token (median, p90, worst) and the calls completed,
+per proxy and engine. Phases run one after another; run it on a
 quiet machine, and more than once.
 
     .venv/bin/python bench/bench_big_metrics.py --before HEAD~3 [--series 150000] [--clients 20]
@@ -18,22 +19,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
 from exporter.processes import ManagedProcess, free_port
-from tests.exporter.oddengine import heavy_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("exporter", "detector", "dashboard", "reproduce", "rules", "retrywatch")
+PROBE_EVERY_S = 0.05
 BODY = b'{"model":"m","prompt":"hello","max_tokens":8,"stream":true}'
+
+
+@contextlib.contextmanager
+def heavy_engine(logs: Path, series: int) -> Iterator[str]:
+    """``tests/exporter/oddengine.py``'s heavy engine as a process; its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.exporter.oddengine", "--port", str(port), "--series", str(series)]
+    log = logs / f"engine-{series}.log"
+    with ManagedProcess(cmd, log_path=log, bound_s=None, cwd=ROOT, name="engine") as proc:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{url}/health", timeout_s=60, poll_s=0.1)
+        yield url
 
 
 def extract(rev: str, into: Path) -> Path:
@@ -65,23 +81,41 @@ async def call(port: int) -> tuple[float | None, bool]:
         writer.close()
 
 
-async def load(port: int, clients: int, seconds: float) -> tuple[list[float], int]:
+async def load(port: int, clients: int, seconds: float, probe_every_s: float) -> tuple[list[float], int]:
+    """``clients`` streaming clients, each one call after another, and a probe that starts a call
+    every ``probe_every_s`` whatever the answers (open loop: a closed-loop client falls into step
+    with the proxy's stalls and starts its calls just after one, so its own time to first token
+    hides them); the probes' times to first token, the calls completed in all."""
     ttfts: list[float] = []
     completed = 0
     until = time.monotonic() + seconds
 
+    async def one() -> tuple[float | None, bool]:
+        try:
+            return await asyncio.wait_for(call(port), timeout=30)
+        except (OSError, TimeoutError):
+            return None, False
+
     async def client() -> None:
         nonlocal completed
         while time.monotonic() < until:
-            try:
-                first, done = await asyncio.wait_for(call(port), timeout=30)
-            except (OSError, TimeoutError):
-                continue
-            if first is not None:
-                ttfts.append(first)
+            _, done = await one()  # (read before adding: ``completed += await ...`` loses updates)
             completed += done
 
-    await asyncio.gather(*(client() for _ in range(clients)))
+    async def probe() -> None:
+        nonlocal completed
+        first, done = await one()
+        completed += done
+        ttfts.append(math.inf if first is None else first)
+
+    async def probes() -> None:
+        started: list[asyncio.Task[None]] = []
+        while time.monotonic() < until:
+            started.append(asyncio.ensure_future(probe()))
+            await asyncio.sleep(probe_every_s)
+        await asyncio.gather(*started)
+
+    await asyncio.gather(probes(), *(client() for _ in range(clients)))
     return ttfts, completed
 
 
@@ -91,16 +125,18 @@ def measure(code: Path | None, engine: str, clients: int, seconds: float, log: P
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", engine, "--port", str(port)]
-    with ManagedProcess(cmd, log_path=log, bound_s=None, cwd=ROOT, env=env, name="proxy") as proc:
+    # From the code's own directory: ``python -m`` puts the working directory first on sys.path.
+    cwd = ROOT if code is None else code
+    with ManagedProcess(cmd, log_path=log, bound_s=None, cwd=cwd, env=env, name="proxy") as proc:
         # Ready once it answers a route of its own (its /metrics may wait for the upstream's).
         proc.wait_ready(f"http://127.0.0.1:{port}/retrywatch/executions", timeout_s=180, poll_s=0.2)
-        asyncio.run(load(port, clients, 2.0))  # warm-up: connections, the first refreshes
-        ttfts, completed = asyncio.run(load(port, clients, seconds))
+        asyncio.run(load(port, clients, 2.0, PROBE_EVERY_S))  # warm-up: the first refreshes
+        ttfts, completed = asyncio.run(load(port, clients, seconds, PROBE_EVERY_S))
     if not ttfts:
         return "no call reached its first token"
     cuts = statistics.quantiles(ttfts, n=10)
     return (
-        f"TTFT median {statistics.median(ttfts) * 1e3:8.1f} ms  p90 {cuts[8] * 1e3:8.1f} ms  "
+        f"probe TTFT median {statistics.median(ttfts) * 1e3:7.1f} ms  p90 {cuts[8] * 1e3:7.1f} ms  "
         f"worst {max(ttfts) * 1e3:8.1f} ms  completed {completed:5d} calls"
     )
 
@@ -121,7 +157,10 @@ def main() -> None:
         with heavy_engine(work, args.series) as big, heavy_engine(work, 100) as small:
             size = len(httpx.get(big + "/metrics", timeout=30).content)
             print(f"engine /metrics: small 100 series; big {args.series} series, {size / 1e6:.1f} MB")
-            print(f"{args.clients} streaming clients, {args.seconds:g} s a phase")
+            print(
+                f"{args.clients} streaming clients and a probe call every {PROBE_EVERY_S * 1e3:g} ms,"
+                f" {args.seconds:g} s a phase"
+            )
             for name, code in trees:
                 for label, engine in (("small /metrics", small), ("big /metrics", big)):
                     result = measure(code, engine, args.clients, args.seconds, work / "proxy.log")
