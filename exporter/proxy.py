@@ -755,7 +755,11 @@ class Proxy:
 
         async def relay() -> None:
             response = await self.passthrough(request, body)
-            await response(scope, receive, send_on)
+            try:
+                await response(scope, receive, send_on)
+            finally:  # cancelled too (its client left): the upstream's answer is closed now
+                if response.background is not None:
+                    await response.background()
 
         relaying = asyncio.ensure_future(relay())
         gone = asyncio.ensure_future(_client_gone(receive))

@@ -100,12 +100,28 @@ def test_an_answer_the_engine_falls_silent_in_is_cut_short_at_the_read_timeout(t
     assert len(lines) == 1 and "/v1/models" in lines[0] and "ReadTimeout" in lines[0], lines
 
 
+def test_a_client_leaving_mid_answer_ends_the_request_to_the_engine() -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 100\r\n\r\npartial"
+    with HungEngine(reply=head) as engine, proxy_process(engine.url, *FAST_START) as p:
+        time.sleep(0.5)
+        before = engine.open_connections()
+        for _ in range(5):
+            with httpx.Client(timeout=WAIT_S) as client, client.stream("GET", p.url + "/v1/models") as r:
+                assert r.status_code == 200
+                assert next(r.iter_raw()) == b"partial"
+        _until(lambda: engine.accepted >= 5, "the requests reached the engine")
+        _until(lambda: engine.open_connections() <= max(before, 1), "the engine connections closed")
+
+
 def test_a_post_passed_through_is_bounded_by_its_client_not_the_read_timeout() -> None:
     """Engine work (a POST passed through, a generation request) may wait in the engine's queue
     for minutes: no read timeout; it ends when its client leaves."""
     with (
         HungEngine() as engine,
-        proxy_process(engine.url, *FAST_START, "--passthrough-read-timeout", "0.2") as p,
+        # (cancellation at once: the generation request's execution is not kept for a retry)
+        proxy_process(
+            engine.url, *FAST_START, "--passthrough-read-timeout", "0.2", "--cancellation", "on"
+        ) as p,
     ):
         time.sleep(0.5)
         before = engine.open_connections()
