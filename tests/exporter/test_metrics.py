@@ -39,6 +39,17 @@ def test_scan_sums_label_sets_and_ignores_other_families() -> None:
         "vllm:prompt_tokens_total": 1000.0,
         "vllm:prefix_cache_queries_total": 4000.0,
     }
+    # A wanted line first in the text, CRLF line ends, a brace in a label value; lines the format
+    # refuses and families that only begin with a wanted name are not counted.
+    odd = (
+        "vllm:num_requests_waiting 2\r\n"
+        'vllm:num_requests_waiting{model_name="a}b",x="\\"q\\""} 1e1 1700000000000\r\n'
+        'vllm:num_requests_waiting{engine="0"} seven\n'
+        "vllm:num_requests_waiting_by_reason 100\n"
+        " vllm:prompt_tokens_total 5\n"
+        "vllm:prompt_tokens_total +Inf"
+    )
+    assert scan_vllm(odd) == {"vllm:num_requests_waiting": 12.0, "vllm:prompt_tokens_total": math.inf}
 
 
 def _sample(
