@@ -1,10 +1,11 @@
 """What reading the upstream's ``/metrics`` costs the proxy: prometheus_client's parser over a
-whole vLLM-shaped exposition against ``exporter.metrics.scan_vllm``, which hands the parser only
-the lines of the three families the proxy reads.
+whole vLLM-shaped exposition against ``exporter.upstreamtext.scan_vllm``, which reads only the
+lines of the three families the proxy reads, each by one regular expression.
 
-The proxy scans the upstream's exposition on its event loop every second (and at every scrape of
-its own ``/metrics``), so what the scan takes, every stream waits. The exposition is built like
-vLLM 0.32's: its histograms (about 20 buckets each) and counters and gauges, for one model.
+The proxy scans the upstream's exposition every second, in slices between which its event loop
+runs (``bench/bench_big_metrics.py`` measures a huge one's effect on the time to first token).
+The exposition is built like vLLM 0.32's: its histograms (about 20 buckets each) and counters
+and gauges, for one model.
 
     .venv/bin/python bench/bench_scan.py [--repeat 200]
 """
@@ -18,8 +19,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from exporter.metrics import scan_vllm
 from exporter.timeseries import parse_exposition
+from exporter.upstreamtext import scan_vllm
 
 HISTOGRAMS = (
     "time_to_first_token_seconds",
@@ -82,7 +83,7 @@ def main() -> None:
     scan = per_call_ms(scan_vllm, text, args.repeat)
     print(f"exposition: {lines} lines, {len(text) / 1024:.1f} KiB (vLLM-shaped)")
     print(f"prometheus_client parser, whole text:        median {whole:.3f} ms")
-    print(f"scan_vllm (wanted lines to the same parser): median {scan:.3f} ms")
+    print(f"scan_vllm (the wanted lines, a regular expression): median {scan:.3f} ms")
     print(f"machine: {os.cpu_count()} CPUs, 1-min load average {os.getloadavg()[0]:.1f}")
 
 

@@ -1,7 +1,7 @@
 """The proxy's ``/metrics``: the policy's counters and gauges, histograms, derived gauges over a
 sliding window, and the upstream engine's own families passed through unchanged (the last good
-fetch, served until it is older than a staleness bound, and only if it is a Prometheus exposition:
-``is_exposition``).
+fetch, served until it is older than a staleness bound, only if it is a Prometheus exposition, and
+without the upstream's own ``retrywatch_`` families: ``exporter.upstreamtext``).
 
 The counters are read fresh from ``Policy.counters`` on every scrape by a custom collector, with
 every label value of ``exporter.metricnames`` present from the start. The response is the
@@ -11,9 +11,9 @@ Prometheus scrape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-import re
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -26,82 +26,19 @@ from prometheus_client.registry import Collector
 from exporter import metricnames as mn
 from exporter.policy import AttemptKind, Fate, Policy, PolicyCounters, ShedReason
 from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
-from exporter.timeseries import parse_exposition
+from exporter.upstreamtext import WINDOW_VLLM_FAMILIES as WINDOW_VLLM_FAMILIES
+from exporter.upstreamtext import Digest, digest, digest_sliced
+from exporter.upstreamtext import is_exposition as is_exposition
+from exporter.upstreamtext import scan_vllm as scan_vllm
 
 log = logging.getLogger("retrywatch.proxy")
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0)
 
-#: The upstream's families the window samples (summed over their label sets).
-WINDOW_VLLM_FAMILIES = (mn.VLLM_NUM_WAITING, mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES)
-
 
 def _base(name: str) -> str:
     return name.removesuffix("_total")
-
-
-def _family_lines(text: str, names: tuple[str, ...]) -> list[str]:
-    """The lines of ``text`` that begin with one of ``names``, found by name (``str.find``)
-    rather than by splitting every line of the text."""
-    found: dict[int, str] = {}
-    for name in names:
-        start = 0
-        while (pos := text.find(name, start)) >= 0:
-            end = text.find("\n", pos)
-            if end < 0:
-                end = len(text)
-            if pos == 0 or text[pos - 1] == "\n":
-                found[pos] = text[pos:end].rstrip("\r")
-            start = end
-    return [found[pos] for pos in sorted(found)]
-
-
-def scan_vllm(text: str, names: tuple[str, ...] = WINDOW_VLLM_FAMILIES) -> dict[str, float]:
-    """Sum the samples of a few families (over all label sets) from an exposition text.
-
-    NOTE: the proxy scans each fetched text once (``ProxyMetrics.upstream_fetched``), not on every
-    sample and scrape. Only the lines of the wanted families, found by name, are handed to
-    prometheus_client's parser: a whole vLLM exposition (hundreds of histogram lines) takes it
-    milliseconds, the few wanted lines microseconds (``bench/bench_scan.py``). A line the parser
-    refuses is skipped, as a scrape of it would be."""
-    wanted = set(names)
-    totals: dict[str, float] = {}
-    for line in _family_lines(text, names):
-        try:
-            samples = parse_exposition(line)
-        except ValueError:
-            continue
-        for name, _, value in samples:
-            if name in wanted:
-                totals[name] = totals.get(name, 0.0) + value
-    return totals
-
-
-# The Prometheus text format, line by line (a subset of what Prometheus and prometheus_client's
-# parser, the detector's, both read): a sample, a comment (a TYPE one with a known type), or blank.
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:[^"\\\n]|\\.)*+"'
-_LABELS = r"\{[ \t]*(?:" + _LABEL + r"[ \t]*(?:,[ \t]*" + _LABEL + r"[ \t]*)*+,?[ \t]*)?\}"
-_VALUE = r"[-+]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|(?i:infinity|inf|nan))"
-_SAMPLE = _NAME + "(?:" + _LABELS + r")?[ \t]+" + _VALUE + r"(?:[ \t]+-?[0-9]+)?"
-_TYPES = "counter|gauge|histogram|summary|untyped|unknown|info|stateset|gaugehistogram"
-_COMMENT = r"#(?:[ \t]+TYPE[ \t]+" + _NAME + r"[ \t]+(?:" + _TYPES + r")|(?![ \t]+TYPE[ \t])[^\n]*)"
-# Possessive wherever a line could be split two ways: no backtracking, linear in the text's size
-# (a hostile upstream's 16 MiB of blanks must not hold the event loop).
-_LINE = r"[ \t]*+(?:" + _SAMPLE + "|" + _COMMENT + r")?+[ \t]*+\r?"
-_EXPOSITION = re.compile(r"(?:" + _LINE + r"\n)*+" + _LINE)
-
-
-def is_exposition(text: str) -> bool:
-    """Whether every line of ``text`` is one of the Prometheus text format's.
-
-    NOTE: the upstream's /metrics text is appended to the proxy's own. One line that is not the
-    format's (a gateway's sign-in page answered 200, JSON, a value that is no number) made a
-    scrape of the proxy fail whole, and Prometheus and the detector lost every ``retrywatch_``
-    series with it. One regular expression over the text, linear in its size: about 0.6 ms for
-    vLLM's few hundred lines, against several for prometheus_client's parser."""
-    return _EXPOSITION.fullmatch(text) is not None
 
 
 def _none_if_nan(value: float) -> float | None:
@@ -336,8 +273,12 @@ class ProxyMetrics:
         self.upstream_vllm: dict[str, float] = {}  # its window families, scanned once per fetch
         self.upstream_good_at = -math.inf  # when it was fetched
         self.upstream_fetched_at = -math.inf  # when the last fetch ended, good or not
-        self._checked_text = ""  # the last upstream text checked by ``is_exposition``, and its verdict
+        # The last upstream text read by ``digest`` and what it found (its check's verdict and the
+        # text to pass through); the reading of a text in progress, if any.
+        self._digested: tuple[str, Digest] = ("", Digest(True, "", 0))
+        self._digesting: tuple[str, asyncio.Task[Digest]] | None = None
         self._upstream_text_usable = True
+        self._upstream_own_families = False  # the upstream's text carries retrywatch_ families
         self.collector = PolicyCollector(policy, self.window, capacity, lambda: self.upstream_up)
         self.registry.register(self.collector)
         self.ttft = Histogram(
@@ -384,11 +325,13 @@ class ProxyMetrics:
         if outcome == "disconnected":
             self.deadlines.observe(duration_s)
 
-    def upstream_fetched(self, now: float, text: str) -> None:
-        """The upstream answered its probe (``text``: its exposition, "" if not passed through)."""
+    def upstream_fetched(self, now: float, text: str, vllm: dict[str, float] | None = None) -> None:
+        """The upstream answered its probe (``text``: its exposition, "" if not passed through;
+        ``vllm``: its window families, ``scan_vllm`` of it, scanned here unless given: the proxy
+        scans in slices, ``upstream_text_scanned``)."""
         self.upstream_up = True
         self.upstream_text = text
-        self.upstream_vllm = scan_vllm(text) if text else {}
+        self.upstream_vllm = (scan_vllm(text) if text else {}) if vllm is None else vllm
         self.upstream_good_at = self.upstream_fetched_at = now
 
     def upstream_failed(self, now: float) -> None:
@@ -399,29 +342,59 @@ class ProxyMetrics:
     def _upstream_fresh(self, now: float) -> bool:
         return now - self.upstream_good_at <= self.max_staleness_s
 
+    async def digest_upstream_text(self) -> None:
+        """Read the current upstream text for the passthrough (``digest``) in slices, letting the
+        event loop run between them, unless it was read already; scrapes that arrive meanwhile
+        wait for the same reading."""
+        text = self.upstream_text
+        if text is self._digested[0]:
+            return
+        if self._digesting is None or self._digesting[0] is not text:
+            self._digesting = (text, asyncio.ensure_future(digest_sliced(text)))
+        task = self._digesting[1]
+        found = await asyncio.shield(task)
+        if self._digesting is not None and self._digesting[1] is task:
+            self._digesting = None
+        self._digested_as(text, found)
+
+    def _digested_as(self, text: str, found: Digest) -> None:
+        """Keep what ``digest`` found of ``text``; one warning per change of what it says."""
+        self._digested = (text, found)
+        if found.usable != self._upstream_text_usable:
+            self._upstream_text_usable = found.usable
+            if not found.usable:
+                log.warning(
+                    "upstream %s answered /metrics with text that is not a Prometheus exposition: "
+                    "its families are left out of the proxy's /metrics",
+                    self.upstream_name,
+                )
+        own = found.own_lines_dropped > 0
+        if own != self._upstream_own_families:
+            self._upstream_own_families = own
+            if own:
+                log.warning(
+                    "upstream %s serves retrywatch_ families of its own (a proxy in front of a proxy?): "
+                    "they are left out of the proxy's /metrics, which serves its own",
+                    self.upstream_name,
+                )
+
     def passthrough_text(self, now: float) -> str:
         """The last good upstream exposition, or "" once it is older than the staleness bound
         (so a dead or hung upstream shows as missing ``vllm:`` families, not as frozen values),
-        or when it is not an exposition at all (``is_exposition``; one warning per change).
+        or when it is not an exposition at all (``is_exposition``; one warning per change);
+        without the upstream's own ``retrywatch_`` families (one warning when they appear).
 
-        NOTE: checked here, at a scrape, once per text fetched, not at each fetch: the check
-        reads every byte (about 20 ns each), and the upstream is fetched every second while the
-        proxy is scraped every few."""
+        NOTE: read here, at a scrape, once per text fetched, not at each fetch: the check
+        reads every byte (about 15 ns each), and the upstream is fetched every second while the
+        proxy is scraped every few. The proxy reads it beforehand in slices
+        (``digest_upstream_text``); a text not read yet is read here at once."""
         if not self._upstream_fresh(now):
             return ""
         text = self.upstream_text
-        if text is not self._checked_text:
-            self._checked_text = text
-            usable = is_exposition(text)
-            if usable != self._upstream_text_usable:
-                self._upstream_text_usable = usable
-                if not usable:
-                    log.warning(
-                        "upstream %s answered /metrics with text that is not a Prometheus exposition: "
-                        "its families are left out of the proxy's /metrics",
-                        self.upstream_name,
-                    )
-        return text if self._upstream_text_usable else ""
+        if text is not self._digested[0]:
+            self._digested_as(text, digest(text))
+        found = self._digested[1]
+        return found.passthrough if found.usable else ""
 
     def sample(self, now: float) -> None:
         """Take one window sample (on a 1-s timer and at scrape time)."""

@@ -72,6 +72,7 @@ from exporter.upstream import (
     forwardable_headers,
     relayed_headers,
 )
+from exporter.upstreamtext import scan_vllm_sliced
 from exporter.validation import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -97,6 +98,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SAMPLE_INTERVAL_S = 1.0
+# The methods of the requests passed through that --passthrough-read-timeout bounds: read-only ones.
+READ_ONLY = frozenset({"GET", "HEAD"})
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
@@ -312,8 +315,15 @@ class Proxy:
             text = await self.pool.get_text(path, timeout)
         except (UpstreamError, OSError, TimeoutError, UnicodeDecodeError):
             self.metrics.upstream_failed(self.now())
-        else:
-            self.metrics.upstream_fetched(self.now(), text if self.settings.metrics_passthrough else "")
+            return
+        now = self.now()
+        if not self.settings.metrics_passthrough:
+            self.metrics.upstream_fetched(now, "", {})
+            return
+        # In slices, the event loop running between them: a vLLM with many models or adapters
+        # serves 100k series and more, and read at once they stalled every stream for seconds.
+        vllm = await scan_vllm_sliced(text)
+        self.metrics.upstream_fetched(now, text, vllm)
 
     # --- generation routes ----------------------------------------------------------------
 
@@ -684,13 +694,13 @@ class Proxy:
             response = _json_response(exc.status, exc.body())
         else:
             if self.forwarded.forwards(path):
-                response = await self.passthrough(request)
-            else:
-                message = (
-                    f"{request.method} {path[:200]} is not a route of the proxy and is not forwarded"
-                    " to the engine (see the proxy's --passthrough)"
-                )
-                response = _json_response(404, error_body(message, error_type(404), "route_not_found"))
+                await self._pass_through(request, send)
+                return
+            message = (
+                f"{request.method} {path[:200]} is not a route of the proxy and is not forwarded"
+                " to the engine (see the proxy's --passthrough)"
+            )
+            response = _json_response(404, error_body(message, error_type(404), "route_not_found"))
         await response(scope, receive, send)
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -698,6 +708,8 @@ class Proxy:
         if refresh is not None:  # wait a bounded time; past it, serve the last good text
             await asyncio.wait({refresh}, timeout=self.settings.upstream_metrics_timeout_s)
         self._sample()
+        if self.settings.metrics_passthrough:
+            await self.metrics.digest_upstream_text()  # in slices (see exporter.upstreamtext)
         body = self.metrics.exposition(self.settings.metrics_passthrough, self.now())
         return Response(body, headers={"content-type": CONTENT_TYPE_LATEST})
 
@@ -725,22 +737,81 @@ class Proxy:
         listing = executions_listing(self.policy, self.relays, self.now(), limit)
         return _json_response(200, json.dumps(listing).encode())
 
-    async def passthrough(self, request: Request) -> Response:
+    async def _pass_through(self, request: Request, send: Send) -> None:
+        """Forward a request and relay its answer for as long as its client stays.
+
+        NOTE: a client that leaves ends its request to the upstream (its connection closed), as
+        nginx does: a load balancer or kubelet probing a wedged engine every few seconds with a
+        1-s timeout otherwise left one upstream connection and two descriptors behind each time,
+        for as long as the engine stayed wedged. A drain that runs out of time (the server cancels
+        what is left) answers a request still waiting a 503, and logs one line, not a traceback."""
+        scope, receive = request.scope, request.receive
         try:
             body = await self._read_body(request)
         except RequestError as exc:
-            return _json_response(exc.status, exc.body())
+            await _send_json(send, exc.status, exc.body())
+            return
         except ClientDisconnect:  # gone before its body arrived (the server answered a 408)
-            return Response(status_code=400)
+            await Response(status_code=400)(scope, receive, send)
+            return
+        started = False
+
+        async def send_on(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        async def relay() -> None:
+            response = await self.passthrough(request, body)
+            try:
+                await response(scope, receive, send_on)
+            finally:  # cancelled too (its client left): the upstream's answer is closed now
+                if response.background is not None:
+                    await response.background()
+
+        relaying = asyncio.ensure_future(relay())
+        gone = asyncio.ensure_future(_client_gone(receive))
+        try:
+            await asyncio.wait((relaying, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            relaying.cancel()
+            gone.cancel()
+            await asyncio.wait((relaying, gone))
+            if not self.closing:
+                raise
+            log.warning(
+                "shutdown: %s %s, passed through, had no answer from the upstream by the end of the drain;"
+                " %s",
+                scope["method"],
+                scope["path"][:200],
+                "its client got 503" if not started else "its client's connection is closed",
+            )
+            if not started:
+                await _send_json(send, *SHUT_DOWN_UNANSWERED)
+            else:
+                _abort(scope)
+            return
+        if not relaying.done():  # its client left: so does the request to the upstream
+            relaying.cancel()
+            await asyncio.wait((relaying,))
+            return
+        gone.cancel()
+        relaying.result()  # a fault in the proxy is raised on (a 500, logged)
+
+    async def passthrough(self, request: Request, body: bytes) -> Response:
+        """The upstream's answer to a request passed through (its body read), or the error."""
         headers = forwardable_headers(request.scope["headers"])
         # NOTE: the path exactly as the client wrote it (percent-escapes kept), not rebuilt: a URL
         # rebuilt from the request takes its authority from the Host header, which older
         # Starlettes did not check (``Host: x/sleep?`` made the path /sleep), and decodes ``%2F``.
         scope = request.scope
         path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else quote(scope["path"])
+        # Read-only requests (health checks, model listings) are bounded by the read timeout; a
+        # POST is engine work, bounded by its client's deadline as a generation request is.
+        read_timeout = self.settings.passthrough_read_timeout_s if request.method in READ_ONLY else None
         try:
             response = await self.upstream.open(
-                request.method, path, body, headers, request.scope.get("query_string", b"")
+                request.method, path, body, headers, request.scope.get("query_string", b""), read_timeout
             )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.metrics.upstream_up = False
@@ -749,6 +820,12 @@ class Proxy:
         except UpstreamBroken as exc:  # its head over the bounds
             message = f"upstream broken: {exc}"
             return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
+        except httpx.TimeoutException:
+            message = (
+                f"the upstream did not answer {request.method} {request.scope['path'][:200]} within"
+                f" {read_timeout:g} s (the proxy's --passthrough-read-timeout)"
+            )
+            return _json_response(504, error_body(message, error_type(504), "upstream_timeout"))
         except httpx.HTTPError as exc:
             message = f"the upstream broke the connection before the response ({type(exc).__name__})"
             return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
@@ -757,10 +834,49 @@ class Proxy:
             message = f"the upstream answered an interim HTTP {response.status_code} as its response"
             return _json_response(502, error_body(message, error_type(502), "upstream_broken"))
         relayed = StreamingResponse(
-            response.aiter_raw(), status_code=response.status_code, background=BackgroundTask(response.aclose)
+            _relayed(response, request),
+            status_code=response.status_code,
+            background=BackgroundTask(response.aclose),
         )
         relayed.raw_headers = relayed_headers(response.headers.raw)  # repeated fields stay lines
         return relayed
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Return when the client of a request whose body was read has gone (or its answer ended)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _abort(scope: Scope) -> None:
+    """Close the client's connection at once (an answer cut short must not look whole)."""
+    abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+    if abort is not None:
+        abort()
+
+
+async def _relayed(response: httpx.Response, request: Request) -> AsyncIterator[bytes]:
+    """The body of an answer passed through, as it arrives. If the upstream breaks off or falls
+    silent past the read timeout mid-answer, the client's connection is closed (its answer cut
+    short, as nginx does) and one line is logged: an upstream's fault is no traceback."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning(
+            "%s %s, passed through, ended mid-answer (%s): its client's connection is closed",
+            request.method,
+            request.scope["path"][:200],
+            type(exc).__name__,
+        )
+        _abort(request.scope)
+        await asyncio.sleep(0)  # the server hears of the closed connection before the end is sent
 
 
 class SubscriberResponse(Response):

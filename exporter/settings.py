@@ -144,6 +144,17 @@ class ProxySettings(PolicyConfig):
         minimum=0,
         exclusive=True,
     )
+    passthrough_read_timeout_s: float = knob(
+        60.0,
+        flag="passthrough-read-timeout",
+        help=(
+            "Longest a GET or HEAD passed through (/health, /v1/models, ...) waits for the engine's next "
+            "bytes, seconds; past it the client gets 504 (upstream_timeout). Not the generation routes "
+            "nor a POST passed through: their clients' deadline decides."
+        ),
+        minimum=0,
+        exclusive=True,
+    )
     # The server's client-side bounds (exporter.bounds): request heads, slow or idle clients,
     # connections, the drain.
     max_head_bytes: int = knob(

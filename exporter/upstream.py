@@ -185,17 +185,31 @@ class UpstreamClient:
         return self.base_url + path + (("?" + query.decode("latin-1")) if query else "")
 
     async def open(
-        self, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]], query: bytes = b""
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        query: bytes = b"",
+        read_timeout_s: float | None = None,
     ) -> httpx.Response:
         """Send a request (asking for ``_IDENTITY``, on a connection closed after its answer) and
-        return the response with its body still unread (a stream). Raises
+        return the response with its body still unread (a stream). ``read_timeout_s`` bounds each
+        wait for the upstream's next bytes (``httpx.ReadTimeout``); None: no bound. Raises
         ``UpstreamHeadTooLarge`` for a head over the bounds (the connection closed), and httpx's
         errors otherwise."""
         # NOTE: as bytes, as they arrived: httpx encodes str header values as ASCII, and a value
         # with obs-text (bytes 0x80-0xff, which HTTP allows and clients send) raised inside the
         # proxy, answering a client's header with a 500.
+        timeout = self.client.timeout
+        if read_timeout_s is not None:
+            timeout = httpx.Timeout(None, connect=timeout.connect, read=read_timeout_s, pool=None)
         request = self.client.build_request(
-            method, self.url(path, query), content=body, headers=[*headers, _IDENTITY, _CLOSE]
+            method,
+            self.url(path, query),
+            content=body,
+            headers=[*headers, _IDENTITY, _CLOSE],
+            timeout=timeout,
         )
         try:
             response = await self.client.send(request, stream=True)

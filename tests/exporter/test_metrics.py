@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
-from exporter.metrics import (
-    DeadlineEstimator,
-    ProxyMetrics,
-    SlidingWindow,
-    WindowSample,
+from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample
+from exporter.policy import Attempt, Policy, PolicyConfig
+from exporter.timeseries import parse_exposition
+from exporter.upstreamtext import (
+    SLICE_CHARS,
+    digest,
+    digest_sliced,
     is_exposition,
     scan_vllm,
+    scan_vllm_sliced,
 )
-from exporter.policy import Attempt, Policy, PolicyConfig
+
+T = TypeVar("T")
 
 VLLM_TEXT = """# HELP vllm:num_requests_waiting x
 # TYPE vllm:num_requests_waiting gauge
@@ -32,6 +39,17 @@ def test_scan_sums_label_sets_and_ignores_other_families() -> None:
         "vllm:prompt_tokens_total": 1000.0,
         "vllm:prefix_cache_queries_total": 4000.0,
     }
+    # A wanted line first in the text, CRLF line ends, a brace in a label value; lines the format
+    # refuses and families that only begin with a wanted name are not counted.
+    odd = (
+        "vllm:num_requests_waiting 2\r\n"
+        'vllm:num_requests_waiting{model_name="a}b",x="\\"q\\""} 1e1 1700000000000\r\n'
+        'vllm:num_requests_waiting{engine="0"} seven\n'
+        "vllm:num_requests_waiting_by_reason 100\n"
+        " vllm:prompt_tokens_total 5\n"
+        "vllm:prompt_tokens_total +Inf"
+    )
+    assert scan_vllm(odd) == {"vllm:num_requests_waiting": 12.0, "vllm:prompt_tokens_total": math.inf}
 
 
 def _sample(
@@ -139,3 +157,48 @@ def test_the_prompt_token_gap_skips_samples_without_the_upstream_counters() -> N
     assert math.isnan(w.prompt_token_gap())
     w.add(_sample(2.0, 2, 150, 400))
     assert w.prompt_token_gap() == 0.75
+
+
+def test_a_huge_exposition_is_scanned_and_checked_right_in_slices_the_loop_runs_between() -> None:
+    """80k series of the families the window reads (a vLLM with many adapters): the sums are
+    right, the upstream's own retrywatch_ families are left out, and the work is cut into slices
+    with a turn of the event loop between each (a task beside it runs once a slice)."""
+    from tests.exporter.oddengine import PROMPT_TOKENS_PER_SERIES, WAITING_PER_SERIES, big_exposition
+
+    series = 80_000
+    text = big_exposition(series, own_families=True)
+    expected = {
+        "vllm:num_requests_waiting": WAITING_PER_SERIES * (series // 2),
+        "vllm:prompt_tokens_total": PROMPT_TOKENS_PER_SERIES * (series - series // 2),
+    }
+    assert scan_vllm(text) == expected
+    small = big_exposition(200, own_families=True)  # the same sums as prometheus_client's parser
+    parsed: dict[str, float] = {}
+    for name, _, value in parse_exposition(small):
+        parsed[name] = parsed.get(name, 0.0) + value
+    assert scan_vllm(small) == {k: v for k, v in parsed.items() if k.startswith("vllm:")}
+
+    async def beside(work: Coroutine[Any, Any, T]) -> tuple[T, int]:
+        turns = 0
+        done = False
+
+        async def count() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        counter = asyncio.ensure_future(count())
+        result = await work
+        done = True
+        await counter
+        return result, turns
+
+    slices = len(text) // SLICE_CHARS
+    scanned, turns = asyncio.run(beside(scan_vllm_sliced(text)))
+    assert scanned == expected and turns >= slices
+    found, turns = asyncio.run(beside(digest_sliced(text)))
+    assert turns >= slices
+    assert found.usable and found.own_lines_dropped == 7 and "retrywatch_" not in found.passthrough
+    assert found.passthrough.count("\n") == text.count("\n") - 7
+    assert digest(text) == found
