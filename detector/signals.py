@@ -68,7 +68,9 @@ def check_objective(objective: float) -> float:
     """Validate a delivery objective: a share strictly between 0 and 1."""
     o = float(objective)
     if not (math.isfinite(o) and 0.0 < o < 1.0):
-        raise ValueError(f"the delivery objective must be a share strictly between 0 and 1, got {objective!r}")
+        raise ValueError(
+            f"the delivery objective must be a share strictly between 0 and 1, got {objective!r}"
+        )
     return o
 
 
@@ -349,7 +351,7 @@ def _slo_specs() -> list[SignalSpec]:
             SignalSpec(
                 f"delivery_error_ratio_{span}",
                 "ratio",
-                f"Share of the calls judged over {window} that missed the deadline (the delivery SLI's errors).",
+                f"Share of the calls judged over {window} that missed the deadline (the SLI's errors).",
                 ratio_record,
                 _delivery_error_promql(window),
             )
@@ -560,7 +562,9 @@ class SignalEngine:
     ) -> None:
         self.config = config or SignalConfig()
         self.windows = w = self.config.scaled_windows
-        self.retention_s = retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s) + 30.0
+        self.retention_s = (
+            retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s) + 30.0
+        )
         self.max_instances = max_instances
         self._engines: dict[str, _EngineHistory] = {}
         self._last_report = -math.inf  # the last time the source named any instance
@@ -797,9 +801,9 @@ class SignalEngine:
         for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
             missed, good = rate("missed_deadline", width), rate("delivered_within", width)
             judged = None if missed is None or good is None else missed + good
-            ratio = missed / judged if missed is not None and judged is not None and judged > 0 else None
-            v[f"delivery_error_ratio_{span}"] = ratio
-            v[f"delivery_burn_rate_{span}"] = None if ratio is None else ratio / (1 - self.config.objective)
+            errors = missed / judged if missed is not None and judged is not None and judged > 0 else None
+            v[f"delivery_error_ratio_{span}"] = errors
+            v[f"delivery_burn_rate_{span}"] = None if errors is None else errors / (1 - self.config.objective)
 
         missing: list[str] = []
         if not hist.source_up:

@@ -213,7 +213,9 @@ def test_the_delivery_sli_over_its_two_windows_and_its_burn_rate() -> None:
     # calls judged at 1/s: 0.9/s delivered in time; from 300 s a quarter of them miss instead
     eng = SignalEngine()
     snaps = steady(300, within=0.9, missed=0.1)
-    snaps += [snapshot(t, within=270 + 0.75 * (t - 300), missed=30 + 0.25 * (t - 300)) for t in range(305, 361, 5)]
+    snaps += [
+        snapshot(t, within=270 + 0.75 * (t - 300), missed=30 + 0.25 * (t - 300)) for t in range(305, 361, 5)
+    ]
     for snap in snaps:
         eng.add(snap, "x")
     v = _frame(eng, 360.0).values

@@ -44,7 +44,19 @@ def fluid_run(seed: int, *, pulse: float, cancellation: bool, duration_s: float 
     rng = np.random.default_rng(seed)
     cap, deadline = 2.78, 120.0
     c = dict.fromkeys(
-        ("first", "retry", "created", "completed", "orphaned", "cancelled", "within", "late", "pt", "pq", "missed"),
+        (
+            "first",
+            "retry",
+            "created",
+            "completed",
+            "orphaned",
+            "cancelled",
+            "within",
+            "late",
+            "pt",
+            "pq",
+            "missed",
+        ),
         0.0,
     )
     waiting, retry_backlog = 0.0, 0.0
