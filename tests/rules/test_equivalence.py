@@ -251,6 +251,14 @@ def test_the_simulated_collapse_is_seen_by_both(verdicts: dict) -> None:
     collapsed = next(slug for slug in verdicts["python"] if "retries-on-cancel-off" in slug)
     assert "VLLMMetastableRetryLoop" in {k[0] for k in verdicts["python"][collapsed]}
     assert "VLLMMetastableRetryLoop" in {k[0] for k in verdicts["prometheus"][collapsed]}
+    # the symptom too, whatever the cause, in both, and in the fluid model's collapses
+    for slug in (collapsed, "fluid-collapse-cancel-off", "fluid-collapse-cancel-on"):
+        for evaluator in ("python", "prometheus"):
+            assert "VLLMCallsNotDeliveredInTime" in {k[0] for k in verdicts[evaluator][slug]}, (
+                slug,
+                evaluator,
+            )
+    assert "VLLMCallsNotDeliveredInTime" not in {k[0] for k in verdicts["prometheus"]["fluid-small-pulse"]}
 
 
 def test_prometheus_episodes_carry_the_engine_labels(verdicts: dict) -> None:
