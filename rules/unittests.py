@@ -267,35 +267,36 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
     AlertScenarios(
         "VLLMCallsNotDeliveredInTime",
         (
-            # Calls judged stay at 1/s; from 300 s 0.9/s of them miss the deadline (0.1/s delivered
-            # in time). The error ratio over W at 300 + x (x <= W) is 0.9 x / W: >= 0.1 (5 budgets
-            # at 98 %) over 60 s from x = 6.7 and over 300 s from x = 33.3: onset 335. After 600 the
-            # 60-s ratio is 0.9 (60 - y) / 60 < 0.1 from y = 53.3: clear 655, last value (y = 50) 0.15.
-            # The alert's value is the 60-s burn rate: the ratio over 1 - 0.98.
+            # Calls judged stay at 1/s; from 300 s 0.8/s of them miss the deadline (0.2/s delivered
+            # in time). The error ratio over W at 300 + x (x <= W) is 0.8 x / W: >= 0.06 (3 budgets
+            # at 98 %) over 60 s from x = 4.5 and over 300 s from x = 22.5: onset 325, and at the
+            # firing (x = 55) 0.8 x 55 / 60. After 600 the 60-s ratio is 0.8 (60 - y) / 60 < 0.06
+            # from y = 55.5: clear 660, last value (y = 55) 0.8 x 5 / 60. The alert's value is the
+            # 60-s burn rate: the ratio over 1 - 0.98.
             Case(
-                "90% of the calls miss the deadline, no cause alert firing",
+                "80% of the calls miss the deadline, no cause alert firing",
                 {
-                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1, 0.1),
-                    "retrywatch_calls_missed_deadline_total": counter(0, 0.9),
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1, 0.2),
+                    "retrywatch_calls_missed_deadline_total": counter(0, 0.8),
                 },
-                onset_s=335,
-                clear_s=655,
-                value_at_fire=0.9 / (1 - 0.98),
-                value_at_last=0.15 / (1 - 0.98),
+                onset_s=325,
+                clear_s=660,
+                value_at_fire=0.8 * 55 / 60 / (1 - 0.98),
+                value_at_last=0.8 * 5 / 60 / (1 - 0.98),
             ),
             # The same, with the waiting queue at 280 (1.25 deadlines of work at Ĉ, as in the
             # backlog's scenario): the description names the backlog alert firing beside it.
             Case(
-                "90% of the calls miss the deadline behind a backlog",
+                "80% of the calls miss the deadline behind a backlog",
                 {
-                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1, 0.1),
-                    "retrywatch_calls_missed_deadline_total": counter(0, 0.9),
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1, 0.2),
+                    "retrywatch_calls_missed_deadline_total": counter(0, 0.8),
                     "vllm:num_requests_waiting": gauge(2, 280),
                 },
-                onset_s=335,
-                clear_s=655,
-                value_at_fire=0.9 / (1 - 0.98),
-                value_at_last=0.15 / (1 - 0.98),
+                onset_s=325,
+                clear_s=660,
+                value_at_fire=0.8 * 55 / 60 / (1 - 0.98),
+                value_at_last=0.8 * 5 / 60 / (1 - 0.98),
                 causes=("VLLMBacklogBeyondDeadline",),
             ),
         ),
