@@ -24,7 +24,7 @@ from exporter.timeseries import Snapshot, write_series
 def synthetic_series(path: Path, capacity: float = 2.78, step: float = 5.0, end: float = 1435.0) -> None:
     """Counters of a run that tips: creation at 2.7 Ĉ in the pulse, 2.4 Ĉ of orphaned-loop after."""
     snaps = []
-    created = completed = orphaned = first = 0.0
+    created = completed = orphaned = first = missed = 0.0
     waiting = 0.0
     t = 0.0
     while t <= end:
@@ -33,6 +33,8 @@ def synthetic_series(path: Path, capacity: float = 2.78, step: float = 5.0, end:
         rate_created = rate_first * (4.0 if loop else 1.0)
         first += rate_first * step
         created += rate_created * step
+        if t >= 300 + 120:  # calls of the loop miss their deadline, judged one deadline later
+            missed += rate_first * step
         if loop:
             orphaned += capacity * step
         else:
@@ -45,6 +47,7 @@ def synthetic_series(path: Path, capacity: float = 2.78, step: float = 5.0, end:
             (mn.EXECUTIONS_FINISHED, {"fate": "completed"}, completed),
             (mn.EXECUTIONS_FINISHED, {"fate": "orphaned"}, orphaned),
             (mn.CALLS_DELIVERED, {"within_deadline": "true"}, completed),
+            (mn.CALLS_MISSED_DEADLINE, {}, missed),
             (mn.EXECUTIONS_QUEUED, {}, 0.0), (mn.CAPACITY, {}, capacity), (mn.CLIENT_DEADLINE, {}, 120.0),
             (mn.VLLM_NUM_WAITING, vl, waiting), (mn.VLLM_NUM_RUNNING, vl, 96.0),
         ]))  # fmt: skip

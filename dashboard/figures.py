@@ -23,7 +23,8 @@ from plotly.subplots import make_subplots
 
 from dashboard.data import engine_name
 from detector.rundir import RunDirError
-from detector.thresholds import ALERTS_BY_NAME, SEVERITIES
+from detector.signals import WINDOWS
+from detector.thresholds import ALERTS_BY_NAME, DELIVERY_BURN_THRESHOLD, SEVERITIES
 
 # --- palette (Okabe & Ito, 2008) -------------------------------------------------------
 BLACK = "#000000"
@@ -432,7 +433,39 @@ def prompt_tokens_figure(
     return fig
 
 
-LIVE_PANELS = (attempts_figure, fates_figure, queue_figure, prompt_tokens_figure)
+# The delivery SLO's burn rates, one trace per window (the symptom alert pages when both pass
+# the threshold line).
+BURN_TRACES: tuple[tuple[str, str, str], ...] = (
+    (f"burn rate, {WINDOWS.slo_short_s:.0f} s", "delivery_burn_rate_short", VERMILLION),
+    (f"burn rate, {WINDOWS.slo_long_s:.0f} s", "delivery_burn_rate_long", BLUE),
+)
+
+
+def delivery_figure(
+    signals: Mapping[str, Points | None],
+    shades: Iterable[Shade] = (),
+    *,
+    now: float | None = None,
+    x_kind: XKind = "date",
+    uirevision: str | None = None,
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """Calls missed over calls judged (missed, or delivered within the deadline) in error budgets
+    of the delivery objective, over the short and the long window, against the line where the
+    symptom alert (calls not delivered in time, whatever the cause) pages once both pass it."""
+    fig = go.Figure()
+    for name, signal, colour in BURN_TRACES:
+        _line(fig, signals.get(signal), name, colour, x_kind, hover_unit="× budget")
+    fig.add_hline(y=DELIVERY_BURN_THRESHOLD, line={"color": BLACK, "dash": "dash", "width": 1})
+    _add_shades(fig, shades, now, x_kind)
+    _time_layout(
+        fig, "Calls not delivered in time: error-budget burn", "× error budget", x_kind, uirevision, x_range
+    )
+    _no_data_note(fig, signals, {name: (signal,) for name, signal, _ in BURN_TRACES}, x_range)
+    return fig
+
+
+LIVE_PANELS = (attempts_figure, fates_figure, queue_figure, prompt_tokens_figure, delivery_figure)
 
 # Every signal the live panels draw, fetched over the whole time range at each refresh.
 LIVE_SIGNALS: tuple[str, ...] = (
@@ -454,6 +487,8 @@ LIVE_SIGNALS: tuple[str, ...] = (
     "attached_rate",
     "prompt_tokens_counted_rate",
     "prompt_tokens_admitted_rate",
+    "delivery_burn_rate_short",
+    "delivery_burn_rate_long",
 )
 # Ratios only the tiles read (their newest value): fetched over the last minute only.
 TILE_SIGNALS: tuple[str, ...] = (

@@ -10,7 +10,7 @@ What it holds, each fact from its one place:
 - a ``datasource`` variable (any Prometheus) and an ``instance`` variable (every replica scraped as
   job ``retrywatch``, ``detector.signals.PROMETHEUS_JOB``; several or all may be chosen);
 - one row per chosen instance (Grafana repeats it), with the live page's tiles
-  (``dashboard.tiles.TILE_SPECS``) and its four panels (``dashboard.figures.LIVE_PANELS``): each
+  (``dashboard.tiles.TILE_SPECS``) and its panels (``dashboard.figures.LIVE_PANELS``): each
   panel's title, axis label and every trace's name, colour, stacking and dash are read from the
   Dash figure itself; each trace's query reads the recording rules of the signals it draws
   (``detector.signals``), so the panels show what Prometheus' rules record;
@@ -75,6 +75,7 @@ PANEL_TRACES: dict[Callable[..., go.Figure], tuple[Trace, ...]] = {
         Trace("admitted", ("prompt_tokens_admitted_rate",)),
         Trace("counted", ("prompt_tokens_counted_rate",)),
     ),
+    figures.delivery_figure: tuple(Trace(name, (signal,)) for name, signal, _ in figures.BURN_TRACES),
 }
 
 
@@ -154,6 +155,22 @@ def timeseries_panel(build: Callable[..., go.Figure], panel_id: int, grid: dict[
         if trace.line.width and trace.line.width > 2:
             props.append({"id": "custom.lineWidth", "value": int(trace.line.width)})
         overrides.append(_override(name, props))
+    defaults: dict[str, Any] = {
+        "unit": "short",
+        "min": 0,
+        "custom": {"axisLabel": str(fig.layout.yaxis.title.text), "lineWidth": 2, "fillOpacity": 0},
+    }
+    # A horizontal line of the Dash figure (an alert's threshold) is a Grafana threshold line.
+    levels = [float(sh.y0) for sh in fig.layout.shapes if sh.type == "line" and sh.y0 == sh.y1]
+    if levels:
+        defaults["thresholds"] = {
+            "mode": "absolute",
+            "steps": [
+                {"color": "transparent", "value": None},
+                *({"color": "red", "value": y} for y in levels),
+            ],
+        }
+        defaults["custom"]["thresholdsStyle"] = {"mode": "dashed"}
     return {
         "id": panel_id,
         "type": "timeseries",
@@ -162,14 +179,7 @@ def timeseries_panel(build: Callable[..., go.Figure], panel_id: int, grid: dict[
         "datasource": _datasource(),
         "gridPos": grid,
         "targets": targets,
-        "fieldConfig": {
-            "defaults": {
-                "unit": "short",
-                "min": 0,
-                "custom": {"axisLabel": str(fig.layout.yaxis.title.text), "lineWidth": 2, "fillOpacity": 0},
-            },
-            "overrides": overrides,
-        },
+        "fieldConfig": {"defaults": defaults, "overrides": overrides},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
     }
 

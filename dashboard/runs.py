@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from detector.rundir import RunDirError, read_summary, read_validation, run_slug, series_path
+from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
 from exporter import metricnames as mn
 from exporter.ratios import PROMPT_TOKEN_GAP, Ratio
 from exporter.timeseries import Snapshot, read_series
@@ -133,9 +134,11 @@ def series_signals(
     capacity: float | None = None,
     deadline_s: float | None = None,
     window_s: float = RATE_WINDOW_S,
+    windows: Windows = WINDOWS,
 ) -> dict[str, np.ndarray]:
     """The live panels' signals (names of detector/signals.py) from a run's snapshots,
-    with ``t`` in seconds from the run's start. Rates are over ``window_s``."""
+    with ``t`` in seconds from the run's start. Rates are over ``window_s``; the delivery SLO's
+    burn rates over the detector's own two windows (``windows``), as its alert reads them."""
     if not snapshots:
         return {}
     t = np.array([s.t for s in snapshots], dtype=float)
@@ -172,6 +175,15 @@ def series_signals(
     out["prompt_tokens_counted_rate"] = pts(counted)
     out["prompt_tokens_admitted_rate"] = pts(admitted)
     out["prompt_token_gap"] = pts(_ratio_series(PROMPT_TOKEN_GAP, out))
+    missed, good = (
+        _column(snapshots, mn.CALLS_MISSED_DEADLINE),
+        _column(snapshots, mn.CALLS_DELIVERED, within_deadline="true"),
+    )
+    for span, width in (("short", windows.slo_short_s), ("long", windows.slo_long_s)):
+        bad, judged = _counter_rate(t, missed, width), _counter_rate(t, missed + good, width)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(judged > 0, bad / np.where(judged > 0, judged, 1.0), math.nan)
+        out[f"delivery_burn_rate_{span}"] = pts(ratio / (1 - DELIVERY_OBJECTIVE))
     # Drop signals the series does not carry at all, so panels say "no data" honestly.
     return {k: v for k, v in out.items() if np.isfinite(v[:, 1]).any()}
 
@@ -200,4 +212,5 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
         capacity=capacity,
         deadline_s=deadline,
         window_s=RATE_WINDOW_S / time_scale(run),  # a scaled run's durations are all divided by K
+        windows=WINDOWS.scaled(time_scale(run)),
     )

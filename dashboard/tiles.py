@@ -61,7 +61,7 @@ TILE_SPECS: tuple[TileSpec, ...] = (
         "calls delivered within the deadline",
         "of the calls delivered in the last minute; late ones arrived after their deadline",
         True,
-        ("VLLMBacklogBeyondDeadline", "VLLMMetastableRetryLoop"),
+        ("VLLMCallsNotDeliveredInTime", "VLLMBacklogBeyondDeadline", "VLLMMetastableRetryLoop"),
     ),
 )
 

@@ -92,7 +92,8 @@ def _env(name: str) -> str:
     "--deadline",
     type=FiniteFloatRange(min=0.0, min_open=True),
     envvar=_env("DEADLINE"),
-    help="Client deadline in s (default: the proxy's gauge).",
+    help="Client deadline in s (default: the proxy's gauge). Only a proxy given its deadline counts "
+    "the calls that miss it (the symptom alert's data).",
 )
 @click.option(
     "--max-engines",

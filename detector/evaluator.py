@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from detector.signals import EngineLabels, SignalFrame
-from detector.thresholds import ALERTS, AlertRule, engine_model, holds, scale_rules
+from detector.thresholds import ALERTS, AlertRule, causes_text, engine_model, holds, scale_rules
 
 State = Literal["pending", "firing"]
 TransitionKind = Literal["firing", "resolved"]
@@ -76,6 +76,7 @@ class AlertState:
     machine: AlertStateMachine
     value: float | None
     missing: tuple[str, ...] = ()
+    causes: tuple[str, ...] = ()  # a symptom alert's: the cause alerts firing on its engine
 
     @property
     def alertname(self) -> str:
@@ -95,7 +96,7 @@ class AlertState:
 
     @property
     def description(self) -> str:
-        return render_description(self.rule, self.labels, self.value, self.missing)
+        return render_description(self.rule, self.labels, self.value, self.missing, self.causes)
 
     @property
     def resolving_since(self) -> float | None:
@@ -139,12 +140,17 @@ class Transition:
 
 
 def render_description(
-    rule: AlertRule, labels: EngineLabels, value: float | None, missing: Sequence[str] = ()
+    rule: AlertRule,
+    labels: EngineLabels,
+    value: float | None,
+    missing: Sequence[str] = (),
+    causes: Sequence[str] = (),
 ) -> str:
     try:
         return rule.description.format(
             value=value if value is not None else float("nan"),
             missing=", ".join(missing) or "nothing",
+            causes=causes_text(causes),
             engine_model=engine_model(labels.engine, labels.model),
             **labels.as_dict(),
         )
@@ -218,6 +224,8 @@ class Evaluator:
                     alert.labels = frame.labels  # engine/model may appear after the first scrape
                 alert.value = value
                 alert.missing = frame.missing
+                if rule.kind == "symptom":  # the causes' rules come first: this evaluation's states
+                    alert.causes = self._causes_firing(instance)
                 if alert.machine.step(now, True) == "firing":
                     out.append(self.transition("firing", alert, now))
             for key, alert in list(self._active.items()):
@@ -229,6 +237,14 @@ class Evaluator:
                 if kind == "resolved":
                     out.append(self.transition("resolved", alert, now))
         return out
+
+    def _causes_firing(self, instance: str) -> tuple[str, ...]:
+        """The cause alerts firing on ``instance`` now."""
+        return tuple(
+            a.rule.name
+            for (_, inst), a in self._active.items()
+            if inst == instance and a.rule.kind == "cause" and a.state == "firing"
+        )
 
     @staticmethod
     def transition(kind: TransitionKind, alert: AlertState, now: float) -> Transition:

@@ -36,6 +36,10 @@ class Windows:
     prompt_gap_s: float = 300.0
     capacity_estimate_s: float = 3600.0
     gauge_lookback_s: float = 300.0  # like Prometheus' lookback delta
+    # The delivery SLO's two windows (multiwindow burn-rate alerting, as in the SRE workbook):
+    # the short one says the burn is still going on, the long one that it is not a blip.
+    slo_short_s: float = 60.0
+    slo_long_s: float = 300.0
 
     def scaled(self, time_scale: float) -> Windows:
         """Every window divided by ``time_scale`` (K); K = 1: itself."""
@@ -47,10 +51,27 @@ class Windows:
             prompt_gap_s=self.prompt_gap_s / k,
             capacity_estimate_s=self.capacity_estimate_s / k,
             gauge_lookback_s=self.gauge_lookback_s / k,
+            slo_short_s=self.slo_short_s / k,
+            slo_long_s=self.slo_long_s / k,
         )
 
 
 WINDOWS = Windows()
+
+#: The delivery objective: the share of calls to deliver within the clients' deadline, the
+#: protocol's recovery rule (docs/protocol.md §6: a window delivers at least 98 % of its calls
+#: within the deadline). The error budget is 1 − objective; a burn rate of 1 spends it exactly.
+DELIVERY_OBJECTIVE = 0.98
+
+
+def check_objective(objective: float) -> float:
+    """Validate a delivery objective: a share strictly between 0 and 1."""
+    o = float(objective)
+    if not (math.isfinite(o) and 0.0 < o < 1.0):
+        raise ValueError(
+            f"the delivery objective must be a share strictly between 0 and 1, got {objective!r}"
+        )
+    return o
 
 
 def check_time_scale(time_scale: float) -> float:
@@ -84,6 +105,7 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     **{f"finished_{fate}": (mn.EXECUTIONS_FINISHED, ("fate", fate)) for fate in mn.FATES},
     "delivered_within": (mn.CALLS_DELIVERED, ("within_deadline", "true")),
     "delivered_late": (mn.CALLS_DELIVERED, ("within_deadline", "false")),
+    "missed_deadline": (mn.CALLS_MISSED_DEADLINE, None),
     "waiting": (mn.VLLM_NUM_WAITING, None),
     "running": (mn.VLLM_NUM_RUNNING, None),
     "queued": (mn.EXECUTIONS_QUEUED, None),
@@ -102,8 +124,10 @@ for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
 _COUNTER_IDX: tuple[int, ...] = tuple(i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith("_total"))
 _COUNTER_NAMES: frozenset[str] = frozenset(RAW[RAW_KEYS[i]][0] for i in _COUNTER_IDX)
 
-# Series without which no verdict is possible (NoData fires when one is missing).
-NEEDED_RAW: tuple[str, ...] = ("attempts_first", "created", "waiting")
+# Series without which no verdict is possible (NoData fires when one is missing). The proxy
+# counts missed deadlines only while it knows the deadline (its --deadline): without that counter
+# the symptom alert is blind, so it is needed, as the deadline is.
+NEEDED_RAW: tuple[str, ...] = ("attempts_first", "created", "waiting", "missed_deadline")
 
 
 @dataclass(frozen=True)
@@ -143,7 +167,13 @@ def _data_missing_promql(records: Mapping[str, str]) -> str:
     no engine/model labels."""
     up = f'up{{job="{PROMETHEUS_JOB}"}}'
     one = f"(count by (instance) ({up}) * 0 + 1)"
-    needed = (mn.EXECUTIONS_CREATED, mn.VLLM_NUM_WAITING, records["capacity"], records["deadline"])
+    needed = (
+        mn.EXECUTIONS_CREATED,
+        mn.VLLM_NUM_WAITING,
+        mn.CALLS_MISSED_DEADLINE,
+        records["capacity"],
+        records["deadline"],
+    )
     return (
         f"(max by (instance) ({up}) == 0) + 1"
         + "".join(f" or ({one} unless on (instance) count by (instance) ({series}))" for series in needed)
@@ -292,9 +322,57 @@ def _ratio_specs() -> list[SignalSpec]:
     return specs
 
 
+def _delivery_error_promql(window: str) -> str:
+    """The delivery SLI's error ratio over ``window``: calls missed over calls judged (missed, or
+    delivered within the deadline), both counted when they are judged (see the policy's NOTE on
+    missed deadlines); absent when no call was judged in the window."""
+    missed = f"sum by (instance) (rate({mn.CALLS_MISSED_DEADLINE}[{window}]))"
+    good = f'sum by (instance) (rate({mn.CALLS_DELIVERED}{{within_deadline="true"}}[{window}]))'
+    return _j(f"{missed} / (({missed} + {good}) > 0)")
+
+
+def _range(seconds: float) -> str:
+    """A PromQL range: whole minutes as ``5m``, else seconds."""
+    whole = int(seconds)
+    return f"{whole // 60}m" if whole % 60 == 0 else f"{whole}s"
+
+
+_SLO_SHORT = _range(WINDOWS.slo_short_s)
+_SLO_LONG = _range(WINDOWS.slo_long_s)
+
+
+def _slo_specs() -> list[SignalSpec]:
+    """The delivery SLO's error ratios and burn rates (error ratio / (1 − objective)) over its
+    two windows."""
+    specs = []
+    for span, window in (("short", _SLO_SHORT), ("long", _SLO_LONG)):
+        ratio_record = _r(f"calls_missed_deadline:ratio_rate{window}")
+        specs.append(
+            SignalSpec(
+                f"delivery_error_ratio_{span}",
+                "ratio",
+                f"Share of the calls judged over {window} that missed the deadline (the SLI's errors).",
+                ratio_record,
+                _delivery_error_promql(window),
+            )
+        )
+        specs.append(
+            SignalSpec(
+                f"delivery_burn_rate_{span}",
+                "ratio",
+                f"The delivery error ratio over {window} in error budgets (1 − the {DELIVERY_OBJECTIVE:.0%} "
+                "objective): 1 spends the budget exactly.",
+                _r(f"calls_missed_deadline:burn_rate{window}"),
+                f"{ratio_record} / (1 - {DELIVERY_OBJECTIVE!r})",
+            )
+        )
+    return specs
+
+
 SIGNALS: tuple[SignalSpec, ...] = (
     *_BASE_SIGNALS,
     *_ratio_specs(),
+    *_slo_specs(),
     SignalSpec(
         "queue_growth_rate",
         "executions/s",
@@ -392,9 +470,12 @@ class SignalConfig:
     deadline: float | None = None
     windows: Windows = WINDOWS
     time_scale: float = 1.0
+    # the delivery SLO's objective (the Prometheus rules are rendered at the default)
+    objective: float = DELIVERY_OBJECTIVE
 
     def __post_init__(self) -> None:
         self.time_scale = check_time_scale(self.time_scale)
+        self.objective = check_objective(self.objective)
 
     @property
     def scaled_windows(self) -> Windows:
@@ -481,7 +562,9 @@ class SignalEngine:
     ) -> None:
         self.config = config or SignalConfig()
         self.windows = w = self.config.scaled_windows
-        self.retention_s = retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s) + 30.0
+        self.retention_s = (
+            retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s) + 30.0
+        )
         self.max_instances = max_instances
         self._engines: dict[str, _EngineHistory] = {}
         self._last_report = -math.inf  # the last time the source named any instance
@@ -715,6 +798,12 @@ class SignalEngine:
         for ratio in RATIOS:  # each reads signals computed above, or a ratio before it
             v[ratio.name] = ratio.value(v)
         v["queue_growth_rate"] = self._deriv(hist, ("waiting", "queued"), now, w.rate_s)
+        for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
+            missed, good = rate("missed_deadline", width), rate("delivered_within", width)
+            judged = None if missed is None or good is None else missed + good
+            errors = missed / judged if missed is not None and judged is not None and judged > 0 else None
+            v[f"delivery_error_ratio_{span}"] = errors
+            v[f"delivery_burn_rate_{span}"] = None if errors is None else errors / (1 - self.config.objective)
 
         missing: list[str] = []
         if not hist.source_up:

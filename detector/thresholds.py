@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from detector.runbook import DEFAULT_PATTERN, runbook_url
-from detector.signals import PROMETHEUS_JOB, RECORD_NAMES, check_time_scale
+from detector.signals import DELIVERY_OBJECTIVE, PROMETHEUS_JOB, RECORD_NAMES, WINDOWS, check_time_scale
 
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
@@ -79,7 +79,8 @@ Condition = Cmp | All | AnyOf
 class AlertRule:
     """One alert. ``description`` is a Python format string over ``value``, ``instance``,
     ``engine_model`` (the parenthesis "(engine E, model M)" naming only the labels the engine
-    has, empty when it has neither: a NoData alert often has none) and ``missing`` (NoData);
+    has, empty when it has neither: a NoData alert often has none), ``missing`` (NoData) and
+    ``causes`` (what the cause alerts firing on the same engine say: :func:`causes_text`);
     :func:`promql_template` turns it into Prometheus' template language."""
 
     name: str
@@ -314,6 +315,42 @@ PROMPT_TOKENS_UNCOUNTED = AlertRule(
     unit="ratio",
 )
 
+# NOTE: the symptom alert is the delivery SLO's multiwindow, multi-burn-rate page (the SRE
+# workbook's): the short window says the burn still goes on (so it resolves soon after service
+# returns), the long one that it is more than a blip. Both count calls when they are judged: a
+# call is missed when its first attempt's deadline passes undelivered, so a miss shows one
+# deadline after the call arrived, and no cause has to be understood for it to fire.
+# Tuned on a simulated training seed (not the reported one): 3 budgets (6 % of the calls judged
+# missed, at 98 %) over 1 and 5 minutes fired in every run that did not recover, in none before its
+# pulse, and started in none after its recovery; it stayed quiet only where a small pulse left a
+# few windows delivering 93-98 % in time (a slow burn, not a page). At 5 budgets it missed
+# recovering runs whose windows fell to 77 % for minutes.
+DELIVERY_BURN_THRESHOLD = 3.0
+
+CALLS_NOT_DELIVERED_IN_TIME = AlertRule(
+    name="VLLMCallsNotDeliveredInTime",
+    severity="critical",
+    summary="Calls are not delivered within the clients' deadline, whatever the cause.",
+    description=(
+        "Instance {instance}{engine_model} is not delivering the calls that arrive within the "
+        f"clients' deadline: over the last {WINDOWS.slo_short_s:.0f} s calls missed it "
+        "{value:.2f} times as often as the "
+        f"{DELIVERY_OBJECTIVE:.0%} delivery objective allows, and over {WINDOWS.slo_long_s:.0f} s "
+        "too. {causes}"
+    ),
+    condition=All(
+        (
+            Cmp("delivery_burn_rate_short", ">=", DELIVERY_BURN_THRESHOLD),
+            Cmp("delivery_burn_rate_long", ">=", DELIVERY_BURN_THRESHOLD),
+        )
+    ),
+    for_s=30.0,
+    keep_firing_for_s=60.0,
+    value_signal="delivery_burn_rate_short",
+    unit="ratio",
+    kind="symptom",
+)
+
 NO_DATA = AlertRule(
     name="VLLMRetrywatchNoData",
     severity="warning",
@@ -339,6 +376,8 @@ ALERTS: tuple[AlertRule, ...] = (
     RETRY_AMPLIFICATION,
     ORPHANED_EXECUTIONS,
     PROMPT_TOKENS_UNCOUNTED,
+    # after the cause alerts: its description names those firing at the same evaluation
+    CALLS_NOT_DELIVERED_IN_TIME,
     NO_DATA,
 )
 
@@ -400,6 +439,31 @@ ENGINE_MODEL_TEMPLATE = (
 )
 
 
+#: The alerts a symptom alert's description names when they fire on its engine.
+CAUSE_ALERT_NAMES: tuple[str, ...] = tuple(rule.name for rule in ALERTS if rule.kind == "cause")
+NO_CAUSE_TEXT = (
+    "No cause alert fires on it: look for an engine refusing or failing executions, an upstream "
+    "down, or an engine slower than its capacity (see the runbook)."
+)
+
+
+def causes_text(firing: Iterable[str]) -> str:
+    """A description's ``{causes}``: the cause alerts firing on the engine, by name."""
+    names = sorted(set(firing))
+    return f"Cause alerts firing on it: {', '.join(names)}." if names else NO_CAUSE_TEXT
+
+
+# causes_text() in Go's template language: the cause alerts firing on the same instance, read
+# from Prometheus' own ALERTS series (they come earlier in the group: same evaluation).
+CAUSES_TEMPLATE = (
+    '{{ with query (printf "ALERTS{alertstate=\\"firing\\",instance=%q,alertname=~\\"'
+    + "|".join(CAUSE_ALERT_NAMES)
+    + '\\"}" $labels.instance) }}Cause alerts firing on it: '
+    '{{ range $i, $a := sortByLabel "alertname" . }}{{ if $i }}, {{ end }}{{ $a.Labels.alertname }}{{ end }}.'
+    "{{ else }}" + NO_CAUSE_TEXT + "{{ end }}"
+)
+
+
 def promql_template(text: str) -> str:
     """Turn a rule's Python ``description`` into Prometheus' template language."""
     out = text.replace("{engine_model}", ENGINE_MODEL_TEMPLATE)
@@ -408,6 +472,7 @@ def promql_template(text: str) -> str:
     out = out.replace("{value:.2f}", '{{ $value | printf "%.2f" }}')
     out = out.replace("{value:.0%}", "{{ $value | humanizePercentage }}")
     out = out.replace("{missing}", "a needed series or the scrape target")
+    out = out.replace("{causes}", CAUSES_TEMPLATE)
     return out
 
 

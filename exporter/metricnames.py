@@ -20,6 +20,8 @@ EXECUTIONS_DISPATCHED: Final = "retrywatch_executions_dispatched_total"
 EXECUTIONS_FINISHED: Final = "retrywatch_executions_finished_total"  # {fate=...}
 CALLS_DELIVERED: Final = "retrywatch_calls_delivered_total"  # {within_deadline="true"|"false"}
 UPSTREAM_FAULTS: Final = "retrywatch_upstream_faults_total"  # {kind=UPSTREAM_FAULT_KINDS}
+# calls whose first attempt's deadline passed before delivery; only while the deadline is known
+CALLS_MISSED_DEADLINE: Final = "retrywatch_calls_missed_deadline_total"
 
 # --- retrywatch gauges ---------------------------------------------------------------
 EXECUTIONS_LIVE: Final = "retrywatch_executions_live"

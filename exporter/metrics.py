@@ -192,6 +192,12 @@ class PolicyCollector(Collector):
         for label in mn.DELIVERY_LABELS:
             delivered.add_metric([label], c.delivered[label == "true"])
         yield delivered
+        if self.policy.deadline_s is not None:  # without a deadline no call can miss it: no series
+            yield CounterMetricFamily(
+                _base(mn.CALLS_MISSED_DEADLINE),
+                "Calls whose first attempt's deadline passed before they were delivered.",
+                value=c.missed_deadline,
+            )
 
         g = self.policy.gauges()
         yield GaugeMetricFamily(mn.EXECUTIONS_LIVE, "Executions in the engine.", value=g.executions_live)
@@ -397,7 +403,9 @@ class ProxyMetrics:
         return found.passthrough if found.usable else ""
 
     def sample(self, now: float) -> None:
-        """Take one window sample (on a 1-s timer and at scrape time)."""
+        """Take one window sample (on a 1-s timer and at scrape time), once the calls whose
+        deadline has passed are counted."""
+        self.policy.sweep_deadlines(now)
         vllm = self.upstream_vllm if self.upstream_text and self._upstream_fresh(now) else {}
         self.window.add(window_sample(now, self.policy.counters, vllm))
 

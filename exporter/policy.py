@@ -339,6 +339,8 @@ class PolicyCounters:
     dispatched: int = 0
     finished: dict[Fate, int] = field(default_factory=lambda: dict.fromkeys(Fate, 0))
     delivered: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    # calls whose first attempt's deadline passed before they were delivered (``Policy.sweep_deadlines``)
+    missed_deadline: int = 0
 
 
 @dataclass(frozen=True)
@@ -482,6 +484,8 @@ class Policy:
             max_total=self.config.max_remembered_departures,
             max_keys=max_keys,
         )
+        # calls not yet delivered whose deadline has not passed, oldest first (``sweep_deadlines``)
+        self._awaiting_delivery: OrderedDict[tuple[str | None, float], int] = OrderedDict()
         self._in_engine = 0  # dispatched and not finished
         self._awaiting_first_token_tokens = 0  # prompt tokens dispatched without a first token yet
         self._awaiting_first_token = 0
@@ -529,6 +533,52 @@ class Policy:
         if deadline_s is not None and not (0 < deadline_s < math.inf):
             raise PolicyConfigError("deadline must be a positive number of seconds")
         self.deadline_s = deadline_s
+        if deadline_s is None:  # no deadline, no miss to tell
+            self._awaiting_delivery.clear()
+
+    # --- calls that miss their deadline ------------------------------------------------
+    # NOTE: the delivery SLI counts good and bad events on one clock: a call is good when it is
+    # delivered within the deadline (``counters.delivered[True]``, at delivery) and bad when its
+    # first attempt's deadline passes before that (``counters.missed_deadline``, at the deadline),
+    # so a burst delivered in time never reads as failure while its deliveries trail its arrivals.
+    # A call is remembered from its first attempt until it is delivered in time or its deadline
+    # passes: under its key and its first attempt's time, which every later attempt of the call
+    # carries (``Subscriber.call_started_at``), so at most a deadline's worth of arrivals, and at
+    # most ``max_remembered_calls`` (past it the oldest is forgotten uncounted). Only while the
+    # deadline is known: without one, nothing is counted.
+
+    def _await_delivery(self, now: float, key: str | None) -> None:
+        """A call's first attempt arrived: remember it until it is delivered or its deadline passes."""
+        if self.deadline_s is None:
+            return
+        pending = self._awaiting_delivery
+        token = (key, now)
+        pending[token] = pending.get(token, 0) + 1
+        if len(pending) > self.config.max_remembered_calls:
+            pending.popitem(last=False)
+
+    def _delivered_in_time(self, subscriber: Subscriber) -> None:
+        token = (subscriber.call_key or subscriber.departure_key, subscriber.call_started_at)
+        left = self._awaiting_delivery.get(token)
+        if left is None:
+            return
+        if left > 1:
+            self._awaiting_delivery[token] = left - 1
+        else:
+            del self._awaiting_delivery[token]
+
+    def sweep_deadlines(self, now: float) -> None:
+        """Count the calls whose deadline passed by ``now`` undelivered, once each (called on the
+        policy's events and by the drivers before each scrape)."""
+        pending = self._awaiting_delivery
+        if self.deadline_s is None or not pending:
+            return
+        cut = now - self.deadline_s
+        while pending:
+            token = next(iter(pending))
+            if token[1] >= cut:
+                break
+            self.counters.missed_deadline += pending.pop(token)
 
     # --- attempts ---------------------------------------------------------------------
 
@@ -569,8 +619,11 @@ class Policy:
 
     def on_attempt(self, now: float, attempt: Attempt) -> AttemptResult:
         """Decide an attempt: attach to its call's live execution, shed it, or create one."""
+        self.sweep_deadlines(now)
         kind, call_started_at = self._classify(now, attempt)
         self.counters.attempts[kind] += 1
+        if kind is AttemptKind.FIRST:
+            self._await_delivery(now, attempt.key)
         if kind is AttemptKind.FIRST and self._budget is not None:
             self._budget.record_first(now)
 
@@ -767,6 +820,8 @@ class Policy:
             within = subscriber.kind is AttemptKind.FIRST
         if self._first_delivery(now, subscriber):
             self.counters.delivered[within] += 1
+            if within:
+                self._delivered_in_time(subscriber)
         execution = self._executions.get(subscriber.execution_id)
         if execution is not None:
             execution.subscribers.discard(subscriber_id)

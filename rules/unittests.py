@@ -76,6 +76,7 @@ def baseline() -> dict[str, Curve]:
         'retrywatch_executions_finished_total{fate="cancelled"}': counter(0),
         'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1),
         'retrywatch_calls_delivered_total{within_deadline="false"}': counter(0),
+        "retrywatch_calls_missed_deadline_total": counter(0),
         "retrywatch_executions_queued": gauge(0),
         "retrywatch_capacity_calls_per_second": gauge(2),
         "retrywatch_client_deadline_seconds": gauge(120),
@@ -97,6 +98,7 @@ class Case:
     value_at_fire: float  # the alert's value at onset + for
     value_at_last: float  # its value at the last evaluation before clear_s
     engine_labels: bool = True  # NoData has only `instance`
+    causes: tuple[str, ...] = ()  # a symptom alert's: the cause alerts firing beside it
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,43 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
         ),
     ),
     AlertScenarios(
+        "VLLMCallsNotDeliveredInTime",
+        (
+            # Calls judged stay at 1/s; from 300 s 0.8/s of them miss the deadline (0.2/s delivered
+            # in time). The error ratio over W at 300 + x (x <= W) is 0.8 x / W: >= 0.06 (3 budgets
+            # at 98 %) over 60 s from x = 4.5 and over 300 s from x = 22.5: onset 325, and at the
+            # firing (x = 55) 0.8 x 55 / 60. After 600 the 60-s ratio is 0.8 (60 - y) / 60 < 0.06
+            # from y = 55.5: clear 660, last value (y = 55) 0.8 x 5 / 60. The alert's value is the
+            # 60-s burn rate: the ratio over 1 - 0.98.
+            Case(
+                "80% of the calls miss the deadline, no cause alert firing",
+                {
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1, 0.2),
+                    "retrywatch_calls_missed_deadline_total": counter(0, 0.8),
+                },
+                onset_s=325,
+                clear_s=660,
+                value_at_fire=0.8 * 55 / 60 / (1 - 0.98),
+                value_at_last=0.8 * 5 / 60 / (1 - 0.98),
+            ),
+            # The same, with the waiting queue at 280 (1.25 deadlines of work at Ĉ, as in the
+            # backlog's scenario): the description names the backlog alert firing beside it.
+            Case(
+                "80% of the calls miss the deadline behind a backlog",
+                {
+                    'retrywatch_calls_delivered_total{within_deadline="true"}': counter(1, 0.2),
+                    "retrywatch_calls_missed_deadline_total": counter(0, 0.8),
+                    "vllm:num_requests_waiting": gauge(2, 280),
+                },
+                onset_s=325,
+                clear_s=660,
+                value_at_fire=0.8 * 55 / 60 / (1 - 0.98),
+                value_at_last=0.8 * 5 / 60 / (1 - 0.98),
+                causes=("VLLMBacklogBeyondDeadline",),
+            ),
+        ),
+    ),
+    AlertScenarios(
         "VLLMRetrywatchNoData",
         (
             # The scrape of the proxy fails from 300 s to 600 s (up == 0).
@@ -349,13 +388,16 @@ def _go_percent(x: float) -> str:
     return f"{x * 100:.4g}%"
 
 
-def _annotations(alertname: str, value: float, engine_labels: bool, runbook_pattern: str) -> dict[str, str]:
-    from detector.thresholds import ALERTS_BY_NAME, engine_model
+def _annotations(
+    alertname: str, value: float, engine_labels: bool, runbook_pattern: str, causes: tuple[str, ...] = ()
+) -> dict[str, str]:
+    from detector.thresholds import ALERTS_BY_NAME, causes_text, engine_model
 
     rule = ALERTS_BY_NAME[alertname]
     text = rule.description
     text = text.replace("{value:.2f}", f"{value:.2f}").replace("{value:.0%}", _go_percent(value))
     text = text.replace("{missing}", "a needed series or the scrape target")
+    text = text.replace("{causes}", causes_text(causes))
     text = text.replace("{instance}", INSTANCE)
     text = text.replace("{engine_model}", engine_model(ENGINE, MODEL) if engine_labels else "")
     return {"summary": rule.summary, "description": text, "runbook_url": rule.runbook_url(runbook_pattern)}
@@ -398,7 +440,7 @@ def unit_test_document(scenarios: AlertScenarios, runbook_pattern: str = DEFAULT
                 {
                     "exp_labels": labels,
                     "exp_annotations": _annotations(
-                        scenarios.alertname, value, case.engine_labels, runbook_pattern
+                        scenarios.alertname, value, case.engine_labels, runbook_pattern, case.causes
                     ),
                 }
             ]

@@ -31,11 +31,12 @@ RUN_GRAPH_IDS: tuple[str, ...] = (
     "graph-run-fates",
     "graph-run-queue",
     "graph-run-prompt",
+    "graph-run-delivery",
 )
 
 
 def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]:
-    """The four time-series panels of one run (seconds from its start) and a one-line summary."""
+    """The time-series panels of one run (seconds from its start) and a one-line summary."""
     runs_dir = ctx.runs()
     if runs_dir is None or not run_id:
         return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], "no run selected"

@@ -1,6 +1,7 @@
-"""Live page: per engine, the alert state (a banner while anything fires), four tiles and four
+"""Live page: per engine, the alert state (a banner while anything fires), its tiles and five
 panels (attempts vs Ĉ, execution fates, queues vs executions created × deadline, prompt
-tokens), with alert episodes shaded, refreshed on a timer, over a chosen time range.
+tokens, the delivery SLO's burn), with alert episodes shaded, refreshed on a timer, over a
+chosen time range.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ RANGES: tuple[tuple[str, int], ...] = (("5 min", 300), ("15 min", 900), ("1 h", 
 DEFAULT_RANGE_S = 3600  # the callback's fallback; the page opens on fitting_range()
 # The signal whose first point dates an engine's data (every proxy scrape yields it).
 SPAN_SIGNAL = "attempt_rate"
-GRAPH_IDS: tuple[str, ...] = ("graph-attempts", "graph-fates", "graph-queue", "graph-prompt")
+GRAPH_IDS: tuple[str, ...] = (
+    "graph-attempts",
+    "graph-fates",
+    "graph-queue",
+    "graph-prompt",
+    "graph-delivery",
+)
 SEVERITY_ORDER: dict[str, int] = {severity: i for i, severity in enumerate(SEVERITIES)}  # most severe first
 
 

@@ -38,6 +38,7 @@ class Scraper:
 
     def snapshot(self, t: float) -> Snapshot:
         """One scrape at simulated time ``t``: the proxy's series, then the engine's passthrough."""
+        self.policy.sweep_deadlines(t)  # as the proxy does before each scrape
         engine = self.engine_samples()
         totals: dict[str, float] = {}
         for name, _, value in engine:

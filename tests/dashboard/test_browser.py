@@ -43,10 +43,10 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 def assert_panels_line_up(tab: Page) -> None:
-    """The four live panels' plot areas are equally wide and those in one column start at one x
+    """The live panels' plot areas are equally wide and those in one column start at one x
     (their x-axes line up); no title runs under its panel's toolbar."""
     boxes = tab.page.evaluate(PANEL_BOXES)
-    assert len(boxes) == 4
+    assert len(boxes) == 5
     widths = {round(b["plot"]["w"]) for b in boxes}
     assert max(widths) - min(widths) <= 1, boxes
     columns: dict[int, list[float]] = {}

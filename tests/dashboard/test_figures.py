@@ -21,6 +21,7 @@ from dashboard.figures import (
     run_shades,
 )
 from detector.rundir import RunDirError
+from detector.thresholds import ALERTS_BY_NAME
 
 
 def make_run(
@@ -135,10 +136,12 @@ SIGNALS = {
     "completion_rate_failed": series([0.0, 0.1, 0.2]),
     "prompt_tokens_counted_rate": series([12000.0, 5000.0, 1000.0]),
     "prompt_tokens_admitted_rate": series([12000.0, 20000.0, 30000.0]),
+    "delivery_burn_rate_short": series([0.0, 10.0, 45.0]),
+    "delivery_burn_rate_long": series([0.0, 2.0, 12.0]),
 }
 
 
-@pytest.mark.parametrize("builder", [attempts_figure, fates_figure, queue_figure, prompt_tokens_figure])
+@pytest.mark.parametrize("builder", figures.LIVE_PANELS)
 def test_live_panels_have_units_date_axis_and_palette_colours(builder) -> None:
     fig = builder(
         SIGNALS, [Shade(1_700_000_002.0, None, "VLLMMetastableRetryLoop", "critical")], now=1_700_000_010.0
@@ -178,6 +181,15 @@ def test_fates_panel_stacks_execution_fates_only_and_draws_attempts_apart() -> N
     assert list(by_name["orphaned"].y) == [0.0, 2.0, 2.8]
     assert list(by_name["dropped / refused / failed"].y) == pytest.approx([0.0, 0.2, 0.3])
     assert len(by_name["attempts shed"].y) == 0  # no data: an empty trace, not an invented zero
+
+
+def test_delivery_panel_draws_both_burn_rates_against_the_symptom_alerts_threshold() -> None:
+    fig = figures.delivery_figure(SIGNALS)
+    by_name = {t.name: list(t.y) for t in fig.data}
+    assert by_name == {"burn rate, 60 s": [0.0, 10.0, 45.0], "burn rate, 300 s": [0.0, 2.0, 12.0]}
+    (line,) = [s for s in fig.layout.shapes if s.type == "line"]
+    assert line.y0 == line.y1 == ALERTS_BY_NAME["VLLMCallsNotDeliveredInTime"].condition.terms[0].threshold  # type: ignore[union-attr]
+    assert figures.delivery_figure({}).layout.annotations[0].text.startswith("no data: burn rate")
 
 
 def test_panel_without_data_says_so_and_names_what_is_missing() -> None:

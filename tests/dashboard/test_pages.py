@@ -45,7 +45,7 @@ def test_live_update_for_a_collapsed_engine(api: StaticDetectorAPI) -> None:
     assert "VLLMPromptTokensUncounted (warning, 10.0.0.2:8100 (llama))" in text
     assert "10.0.0.1:8100 (qwen): VLLMMetastableRetryLoop (critical)" in str(chips)
     assert "10.0.0.2:8100 (llama): VLLMPromptTokensUncounted (warning)" in str(chips)
-    assert len(figs) == 4
+    assert len(figs) == len(figures.LIVE_PANELS) == 5
     attempts = figs[0]
     created = next(t for t in attempts.data if t.name == "executions created")
     assert len(created.x) == MAX_POINTS  # 1 h at 5 s is 721 points: averaged down to MAX_POINTS
@@ -151,7 +151,7 @@ def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: P
         assert fig.layout.xaxis.title.text == "time since run start (s)"
         rects = [s for s in fig.layout.shapes if s.type == "rect"]
         assert [r.x0 for r in rects] == [180.0, 260.0] and rects[0].x1 == 600.0
-        pulse = [s.x0 for s in fig.layout.shapes if s.type == "line"]
+        pulse = [s.x0 for s in fig.layout.shapes if s.type == "line" and s.x0 == s.x1]  # not a threshold line
         assert pulse == [120.0, 227.0]
     assert "detector (validation.json)" in summary
     figs, summary = experiments.run_figures(ctx, "diagnostic__retries-off__qwen2.5-7b__r1")
@@ -342,7 +342,7 @@ def test_a_hand_edited_run_is_shown_with_what_is_wrong_not_a_500(
         (runs_dir / "runs/diagnostic__retries-off__qwen2.5-7b__r1/metrics.d").mkdir()
         (runs_dir / "summary.json").write_text(json.dumps(summary))
     figs, text = experiments.run_figures(context(api, runs_dir), run_key(run))
-    assert len(figs) == 4
+    assert len(figs) == len(figures.LIVE_PANELS) == 5
     assert any(word in text for word in ("unreadable", "cannot read run: [Errno 21]", "no alerts (KeyError"))
 
 

@@ -84,6 +84,30 @@ def test_counter_reset_gives_nan_not_a_negative_rate() -> None:
     assert rate[1] == 2.0 and np.isnan(rate[3]) and rate[4] == 2.0
 
 
+def test_a_runs_burn_rates_are_the_detectors_over_its_two_windows() -> None:
+    # calls judged at 1/s, all in time until 300 s, then 30 % missed
+    def snap(t: float) -> Snapshot:
+        missed = 0.3 * max(0.0, t - 300)
+        return Snapshot(t=t, samples=[
+            (mn.CALLS_DELIVERED, {"within_deadline": "true"}, t - missed),
+            (mn.CALLS_MISSED_DEADLINE, {}, missed),
+        ])  # fmt: skip
+
+    signals = series_signals([snap(5.0 * i) for i in range(121)])
+    t, short = signals["delivery_burn_rate_short"].T
+    long = signals["delivery_burn_rate_long"][:, 1]
+    at = int(np.searchsorted(t, 420.0))
+    assert short[at] == pytest.approx(0.3 / 0.02)  # 60 s, all in the misses
+    assert long[at] == pytest.approx(0.3 * 120 / 300 / 0.02)  # 300 s, 120 of them with misses
+    assert short[int(np.searchsorted(t, 200.0))] == 0.0
+    # a series without the miss counter (no deadline at the proxy) draws no burn: no data
+    bare = [
+        Snapshot(s.t, [x for x in s.samples if x[0] != mn.CALLS_MISSED_DEADLINE])
+        for s in map(snap, (0.0, 5.0))
+    ]
+    assert "delivery_burn_rate_short" not in series_signals(bare)
+
+
 def test_bad_runs_dirs_get_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match="does not exist"):
         load_runs(tmp_path / "nope")

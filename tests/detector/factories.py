@@ -16,6 +16,7 @@ def snapshot(
     orphaned: float = 0.0,
     cancelled: float = 0.0,
     within: float = 0.0,
+    missed: float = 0.0,
     waiting: float = 0.0,
     running: float = 0.0,
     queued: float = 0.0,
@@ -48,8 +49,9 @@ def snapshot(
     ]
     if capacity is not None:
         samples.append((mn.CAPACITY, {}, capacity))
-    if deadline is not None:
+    if deadline is not None:  # the proxy counts missed deadlines only while it knows the deadline
         samples.append((mn.CLIENT_DEADLINE, {}, deadline))
+        samples.append((mn.CALLS_MISSED_DEADLINE, {}, missed))
     samples = [s for s in samples if s[0] not in omit]
     if instance is not None:
         samples = [(n, {**lb, "instance": instance}, v) for n, lb, v in samples]

@@ -77,10 +77,11 @@ class MiniSim:
                 n_calls += 1
         last_arrival = phases[-1][1]
         c: dict[str, float] = {
-            "first": 0, "retry": 0, "created": 0, "dispatched": 0, "within": 0, "late": 0,
+            "first": 0, "retry": 0, "created": 0, "dispatched": 0, "within": 0, "late": 0, "missed": 0,
             "prompt": 0, "queries": 0,
             **{f: 0 for f in mn.FATES},
         }  # fmt: skip
+        first_sent: dict[int, float] = {}  # calls not yet delivered -> their first attempt's time
         queue: deque[_Exec] = deque()
         n_queued = 0  # live executions in the queue (cancelled ones are removed lazily)
         running: set[int] = set()
@@ -113,6 +114,8 @@ class MiniSim:
                 call, attempt = data  # type: ignore[misc]
                 if attempt == 0:
                     outstanding += 1
+                    first_sent[call] = now
+                    push(now + self.deadline, "due", call)
                 c["first" if attempt == 0 else "retry"] += 1
                 c["created"] += 1
                 c["dispatched"] += 1
@@ -133,11 +136,15 @@ class MiniSim:
                 ex.state = "done"
                 if ex.subscribed:
                     c["completed"] += 1
-                    c["within"] += 1
+                    sent = first_sent.pop(ex.call, None)
+                    c["within" if sent is not None and now - sent <= self.deadline else "late"] += 1
                     outstanding -= 1
                 else:
                     c["orphaned"] += 1
                 start_next(now)
+            elif kind == "due":  # the call's first deadline passed: missed unless delivered
+                if data in first_sent:
+                    c["missed"] += 1
             elif kind == "timeout":
                 ex = data  # type: ignore[assignment]
                 if ex.state == "done":
@@ -169,6 +176,7 @@ class MiniSim:
             *((mn.EXECUTIONS_FINISHED, {"fate": f}, c[f]) for f in mn.FATES),
             (mn.CALLS_DELIVERED, {"within_deadline": "true"}, c["within"]),
             (mn.CALLS_DELIVERED, {"within_deadline": "false"}, c["late"]),
+            (mn.CALLS_MISSED_DEADLINE, {}, c["missed"]),
             (mn.EXECUTIONS_LIVE, {}, float(waiting + busy)),
             (mn.EXECUTIONS_QUEUED, {}, 0.0),
             (mn.CAPACITY, {}, self.capacity),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from detector.replay import replay_run
+from detector.thresholds import NO_CAUSE_TEXT
 from exporter.timeseries import write_series
 from tests.detector.factories import steady
 from tests.detector.minisim import MiniSim
@@ -45,6 +46,38 @@ def test_recovering_runs_never_fire_the_loop(tmp_path: Path, kwargs: dict[str, f
     episodes = replay_run(_series(tmp_path, MiniSim(seed=3, **kwargs)))  # type: ignore[arg-type]
     assert not _fired(episodes, "VLLMMetastableRetryLoop")
     assert not _fired(episodes, "VLLMRetryAmplification")
+
+
+SYMPTOM = "VLLMCallsNotDeliveredInTime"
+
+
+def test_the_symptom_pages_through_a_collapse_naming_its_causes(tmp_path: Path) -> None:
+    sim = MiniSim(retries=3, cancellation=False, seed=3)
+    episodes = replay_run(_series(tmp_path, sim))
+    (symptom,) = _fired(episodes, SYMPTOM)
+    assert symptom.severity == "critical"
+    # the first misses are judged one deadline after the calls that miss arrived, in the pulse
+    assert sim.t_base + sim.deadline < symptom.started_at < sim.pulse_end + sim.deadline + 120
+    hold_end = sim.pulse_end + sim.t_hold
+    assert symptom.resolved_at is None or symptom.resolved_at > hold_end  # firing to the hold's end
+    assert "Cause alerts firing on it: " in symptom.description
+    assert "VLLMBacklogBeyondDeadline" in symptom.description
+
+
+def test_the_symptom_stays_quiet_while_calls_are_delivered_in_time(tmp_path: Path) -> None:
+    # a pulse the engine absorbs within the deadline: every call delivered in time
+    sim = MiniSim(seed=3, pulse=1.5)
+    assert not _fired(replay_run(_series(tmp_path, sim)), SYMPTOM)
+
+
+def test_the_symptom_fires_whatever_the_cause_and_says_when_no_cause_alert_does(tmp_path: Path) -> None:
+    # an engine that answers 9 calls in 10 too late, with no backlog, no retries, nothing orphaned
+    path = tmp_path / "metrics.jsonl"
+    write_series(path, steady(600, first=1.0, completed=1.0, within=0.1, missed=0.9))
+    episodes = replay_run(path)
+    assert [e.alertname for e in episodes] == [SYMPTOM]
+    assert episodes[0].started_at == pytest.approx(5.0 + 30.0)  # a rate from the second scrape, then `for`
+    assert NO_CAUSE_TEXT in episodes[0].description
 
 
 def test_cancellation_on_signature_waiting_at_littles_law_with_no_completions(tmp_path: Path) -> None:

@@ -207,3 +207,43 @@ def test_a_non_finite_counter_sample_does_not_poison_later_rates() -> None:
         first = math.inf if t == 50 else 2.0 * t
         eng.add(snapshot(float(t), first=first, waiting=1.0), "x")
     assert _frame(eng, 200.0).values["attempt_rate_first"] == pytest.approx(2.0)
+
+
+def test_the_delivery_sli_over_its_two_windows_and_its_burn_rate() -> None:
+    # calls judged at 1/s: 0.9/s delivered in time; from 300 s a quarter of them miss instead
+    eng = SignalEngine()
+    snaps = steady(300, within=0.9, missed=0.1)
+    snaps += [
+        snapshot(t, within=270 + 0.75 * (t - 300), missed=30 + 0.25 * (t - 300)) for t in range(305, 361, 5)
+    ]
+    for snap in snaps:
+        eng.add(snap, "x")
+    v = _frame(eng, 360.0).values
+    assert v["delivery_error_ratio_short"] == pytest.approx(0.25)
+    assert v["delivery_burn_rate_short"] == pytest.approx(0.25 / 0.02)
+    # over 5 min: 240 s at 10 %, 60 s at 25 %
+    assert v["delivery_error_ratio_long"] == pytest.approx((240 * 0.1 + 60 * 0.25) / 300)
+    assert v["delivery_burn_rate_long"] == pytest.approx((240 * 0.1 + 60 * 0.25) / 300 / 0.02)
+    # the objective is a setting: at 90 % the same errors burn a fifth as fast
+    eng = SignalEngine(SignalConfig(objective=0.9))
+    for snap in snaps:
+        eng.add(snap, "x")
+    assert _frame(eng, 360.0).values["delivery_burn_rate_short"] == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="objective"):
+        SignalConfig(objective=1.0)
+
+
+def test_no_call_judged_is_no_verdict_and_a_proxy_without_the_miss_counter_is_missing_data() -> None:
+    eng = SignalEngine()
+    for snap in steady(120, first=1.0):  # nothing delivered, nothing missed: idle
+        eng.add(snap, "x")
+    f = _frame(eng, 120.0)
+    assert f.values["delivery_error_ratio_short"] is None and f.values["delivery_burn_rate_long"] is None
+    assert f.values["data_missing"] == 0.0
+    eng = SignalEngine(SignalConfig(deadline=120.0))  # the detector knows the deadline, the proxy not
+    for snap in steady(120, first=1.0, within=1.0):
+        snap.samples = [s for s in snap.samples if s[0] != mn.CALLS_MISSED_DEADLINE]
+        eng.add(snap, "x")
+    f = _frame(eng, 120.0)
+    assert f.values["data_missing"] == 1.0 and mn.CALLS_MISSED_DEADLINE in f.missing
+    assert f.values["delivery_error_ratio_short"] is None

@@ -53,6 +53,7 @@ CONDITIONS = ("retries-on-cancel-off", "retries-off-cancel-off")
 EXPECTED_K1 = [
     ("VLLMBacklogBeyondDeadline", 200.0, 1435.0, 8.984988058683042),
     ("VLLMMetastableRetryLoop", 330.0, 1330.0, 1.0235414534288638),
+    ("VLLMCallsNotDeliveredInTime", 345.0, 1190.0, 49.99999999999996),
     ("VLLMRetryAmplification", 385.0, 1070.0, 91.72727272727273),
     ("VLLMOrphanedExecutions", 385.0, None, 1.0),
     ("VLLMExecutionsAboveCapacity", 500.0, 1270.0, 1.0235414534288638),

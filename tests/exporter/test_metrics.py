@@ -111,6 +111,21 @@ def test_collector_reads_the_policy_fresh_with_every_label_up_front() -> None:
     assert "vllm:" not in metrics.exposition(passthrough=False, now=10.0).decode()
 
 
+def test_calls_missed_deadline_are_counted_at_a_sample_and_served_only_with_a_deadline() -> None:
+    policy = Policy(PolicyConfig())
+    metrics = ProxyMetrics(policy, window_s=60.0, capacity=2.0)
+    reg = metrics.registry
+    policy.on_attempt(0.0, Attempt(key="k", identified=True))
+    metrics.sample(1000.0)
+    # no deadline: no call can miss it, and a zero would claim every call was in time
+    assert reg.get_sample_value("retrywatch_calls_missed_deadline_total") is None
+    policy.set_deadline(30.0)
+    policy.on_attempt(1000.0, Attempt(key="j", identified=True))
+    assert reg.get_sample_value("retrywatch_calls_missed_deadline_total") == 0
+    metrics.sample(1030.5)  # a scrape's sample sweeps: the deadline passed with no event since
+    assert reg.get_sample_value("retrywatch_calls_missed_deadline_total") == 1
+
+
 def test_the_last_good_upstream_text_is_served_until_it_is_too_stale() -> None:
     metrics = ProxyMetrics(Policy(), window_s=60.0, capacity=None, max_staleness_s=15.0)
     metrics.upstream_fetched(100.0, VLLM_TEXT)

@@ -127,6 +127,26 @@ def test_counters_stay_balanced_and_names_are_the_contract() -> None:
     assert final.value(mn.CALLS_DELIVERED) == delivered
 
 
+def test_every_call_is_judged_once_on_the_proxys_clock_missed_or_delivered_in_time() -> None:
+    spec, result = run(DIAG.condition("retries-on-cancel-off"))
+    deadline = spec.timeline.deadline_s
+    missed = [s.value(mn.CALLS_MISSED_DEADLINE) for s in result.snapshots]
+    assert all(m is not None for m in missed) and missed == sorted(missed)  # a counter, in every scrape
+    before_pulse = [
+        m for s, m in zip(result.snapshots, missed, strict=True) if s.t < spec.timeline.pulse_start
+    ]
+    assert before_pulse[-1] == 0  # the base load is served in time
+    final = result.snapshots[-1]
+    in_time = sum(
+        c.delivered_at is not None and c.delivered_at <= c.first_sent_at + deadline + 1e-9
+        for c in result.calls
+    )
+    # every call is good (delivered within the deadline) or missed, never both, never neither
+    assert final.value(mn.CALLS_DELIVERED, within_deadline="true") == in_time
+    assert final.value(mn.CALLS_MISSED_DEADLINE) == len(result.calls) - in_time > 0
+    assert final.value(mn.ATTEMPTS, kind="first") == len(result.calls)
+
+
 def test_attempts_follow_the_client_rules() -> None:
     spec, result = run(DIAG.condition("retries-on-cancel-off"))
     deadline = spec.timeline.deadline_s

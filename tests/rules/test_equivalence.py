@@ -44,9 +44,24 @@ def fluid_run(seed: int, *, pulse: float, cancellation: bool, duration_s: float 
     rng = np.random.default_rng(seed)
     cap, deadline = 2.78, 120.0
     c = dict.fromkeys(
-        ("first", "retry", "created", "completed", "orphaned", "cancelled", "within", "late", "pt", "pq"), 0.0
+        (
+            "first",
+            "retry",
+            "created",
+            "completed",
+            "orphaned",
+            "cancelled",
+            "within",
+            "late",
+            "pt",
+            "pq",
+            "missed",
+        ),
+        0.0,
     )
     waiting, retry_backlog = 0.0, 0.0
+    # first attempts that will time out, each step's counted one deadline later (a missed deadline)
+    due = [0.0] * int(deadline / STEP_S)
     snaps: list[Snapshot] = []
     t = 0.0
     while t <= duration_s + 1e-9:
@@ -72,6 +87,8 @@ def fluid_run(seed: int, *, pulse: float, cancellation: bool, duration_s: float 
             c["within"] += served - timed_out
             waiting = max(0.0, waiting + created - served)
             c["first"] += first
+            due.append(late_share * first)
+            c["missed"] += due.pop(0)
             c["retry"] += retries
             c["created"] += created
             c["pt"] += served * 12000
@@ -87,6 +104,7 @@ def fluid_run(seed: int, *, pulse: float, cancellation: bool, duration_s: float 
             (mn.EXECUTIONS_FINISHED, {"fate": "cancelled"}, c["cancelled"]),
             (mn.CALLS_DELIVERED, {"within_deadline": "true"}, c["within"]),
             (mn.CALLS_DELIVERED, {"within_deadline": "false"}, c["late"]),
+            (mn.CALLS_MISSED_DEADLINE, {}, c["missed"]),
             (mn.EXECUTIONS_QUEUED, {}, 0.0),
             (mn.CAPACITY, {}, cap),
             (mn.CLIENT_DEADLINE, {}, deadline),
@@ -133,10 +151,18 @@ def _runs(sim_dir: Path) -> dict[str, list[Snapshot]]:
         Snapshot(s.t, [x for x in s.samples if not (300 <= s.t < 800 and x[0].startswith("vllm:"))])
         for s in lost
     ]
-    # The proxy stops exporting the clients' deadline (restarted without --deadline) for 500 s:
-    # the alerts that need it cannot be evaluated, and both evaluators say so with NoData.
+    # The proxy stops exporting the clients' deadline (restarted without --deadline) for 500 s, and
+    # with it the calls that missed it: the alerts that need them cannot be evaluated, and both
+    # evaluators say so with NoData.
+    without_deadline = (mn.CLIENT_DEADLINE, mn.CALLS_MISSED_DEADLINE)
     runs[DEADLINE_UNKNOWN] = [
-        Snapshot(s.t, [x for x in s.samples if not (300 <= s.t < 800 and x[0] == mn.CLIENT_DEADLINE)])
+        Snapshot(s.t, [x for x in s.samples if not (300 <= s.t < 800 and x[0] in without_deadline)])
+        for s in lost
+    ]
+    # A proxy that knows the deadline but does not count missed deadlines (an older one): the
+    # symptom alert is blind, and NoData says so.
+    runs[MISSED_UNKNOWN] = [
+        Snapshot(s.t, [x for x in s.samples if not (300 <= s.t < 800 and x[0] == mn.CALLS_MISSED_DEADLINE)])
         for s in lost
     ]
     runs["fluid-collapse-cancel-off"] = fluid_run(1, pulse=2.7, cancellation=False)
@@ -170,6 +196,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory, promtool: str, prometheus
 
 LOST = "scenario-vllm-series-lost"
 DEADLINE_UNKNOWN = "scenario-deadline-unknown"
+MISSED_UNKNOWN = "scenario-missed-deadlines-unknown"
 
 
 def _only(keys: list[Key], name: str) -> list[Key]:
@@ -197,6 +224,12 @@ def test_nodata_when_the_deadline_is_unknown(verdicts: dict) -> None:
     assert py and _match(py, pr) == []
 
 
+def test_nodata_when_missed_deadlines_are_not_counted(verdicts: dict) -> None:
+    py = _only(verdicts["python"][MISSED_UNKNOWN], "VLLMRetrywatchNoData")
+    pr = _only(verdicts["prometheus"][MISSED_UNKNOWN], "VLLMRetrywatchNoData")
+    assert py and _match(py, pr) == []
+
+
 def test_other_alerts_when_vllm_series_vanish(verdicts: dict) -> None:
     assert _match(verdicts["python"][LOST], verdicts["prometheus"][LOST]) == []
 
@@ -218,6 +251,14 @@ def test_the_simulated_collapse_is_seen_by_both(verdicts: dict) -> None:
     collapsed = next(slug for slug in verdicts["python"] if "retries-on-cancel-off" in slug)
     assert "VLLMMetastableRetryLoop" in {k[0] for k in verdicts["python"][collapsed]}
     assert "VLLMMetastableRetryLoop" in {k[0] for k in verdicts["prometheus"][collapsed]}
+    # the symptom too, whatever the cause, in both, and in the fluid model's collapses
+    for slug in (collapsed, "fluid-collapse-cancel-off", "fluid-collapse-cancel-on"):
+        for evaluator in ("python", "prometheus"):
+            assert "VLLMCallsNotDeliveredInTime" in {k[0] for k in verdicts[evaluator][slug]}, (
+                slug,
+                evaluator,
+            )
+    assert "VLLMCallsNotDeliveredInTime" not in {k[0] for k in verdicts["prometheus"]["fluid-small-pulse"]}
 
 
 def test_prometheus_episodes_carry_the_engine_labels(verdicts: dict) -> None:

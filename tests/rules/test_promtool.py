@@ -80,6 +80,8 @@ tests:
         values: '2x200'
       - series: 'retrywatch_client_deadline_seconds{{job="retrywatch",instance="dp"}}'
         values: '120x200'
+      - series: 'retrywatch_calls_missed_deadline_total{{job="retrywatch",instance="dp"}}'
+        values: '0x200'
       # "hung": its queue never empties and nothing finishes: no Ĉ to estimate from.
       - series: 'up{{job="retrywatch",instance="hung"}}'
         values: '1x200'
