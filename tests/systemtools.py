@@ -1,5 +1,6 @@
 """The system tools the tests run (Debian's Prometheus, Alertmanager, Chromium, PostgreSQL, nginx,
-HAProxy and tc; kubectl from the machine image): where each is found, which package brings it,
+HAProxy and tc; kubectl from the machine image; uv from PyPI, as the README's quick start installs
+it): where each is found, which package brings it,
 and what a missing one does to a test that needs it.
 
 On a developer's machine a missing tool skips the test with one line naming the tool and the
@@ -32,12 +33,15 @@ class Tool:
     # False only for a tool no package registry reachable here brings: CI cannot install it,
     # so even under CI=true a missing one skips (saying so).
     ci_installs: bool = True
+    # The command that installs it, where that is not Debian's apt-get.
+    installer: str | None = None
 
     @property
     def install(self) -> str:
         if not self.ci_installs:
             return f"{self.package}; bash .ci/run cannot install it"
-        return f"apt-get install -y --no-install-recommends {self.package} (or: bash .ci/run)"
+        command = self.installer or f"apt-get install -y --no-install-recommends {self.package}"
+        return f"{command} (or: bash .ci/run)"
 
 
 _SBIN = ("/usr/sbin", "/sbin")
@@ -57,6 +61,7 @@ TOOLS: dict[str, Tool] = {
         Tool("haproxy", "haproxy", _SBIN),
         Tool("tc", "iproute2", _SBIN),
         Tool("kubectl", "kubectl, from the Kubernetes project's packages (not Debian's)", ci_installs=False),
+        Tool("uv", "uv", installer="python3 -m pip install uv"),
     )
 }
 
