@@ -3,8 +3,8 @@
 ``python -m tests.dashboard.screenshots`` (from the repository root; Debian's Chromium, as the
 browser tests) starts the demo headless on free ports, waits until the retry-loop alert fires
 and has been firing a while, then photographs the live page through the demo's own dashboard
-link (15 min) and the history page at 1280 px wide, and stops the demo by its PID. About four
-minutes, bounded by ``--timeout``.
+link (on the range that fits the run) and the history page at 1280 px wide, and stops the demo
+by its PID. About four minutes, bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import httpx
 
 from exporter.processes import free_port
 from retrywatch.demo import dashboard_link
-from tests.dashboard.conftest import CHROMIUM, CHROMIUM_FLAGS, Page
+from tests.dashboard.conftest import CHROMIUM_FLAGS, Page
+from tests.systemtools import TOOLS, locate, missing_line
 
 ROOT = Path(__file__).resolve().parents[2]
 IMG = ROOT / "docs" / "img"
@@ -46,14 +47,17 @@ def _firing_since(detector_url: str) -> float | None:
     return None
 
 
-def _shoot(dashboard_url: str, out: Path) -> list[Path]:
+def _shoot(dashboard_url: str, duration_s: float, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
+    chromium = locate(TOOLS["chromium"].name)
+    if chromium is None:
+        raise SystemExit(missing_line("chromium"))
     shots = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
         tab = Page(browser)
-        tab.page.goto(dashboard_link(dashboard_url))
+        tab.page.goto(dashboard_link(dashboard_url, duration_s))
         tab.wait_graphs(4)
         tab.page.locator("#alert-banner").wait_for(state="visible", timeout=30_000)
         time.sleep(2)  # the first refresh settles
@@ -96,7 +100,7 @@ def main() -> None:
         else:
             raise SystemExit(f"{ALERT} did not fire for {args.firing_for:g} s within {args.timeout:g} s")
         args.out.mkdir(parents=True, exist_ok=True)
-        for path in _shoot(dashboard_url, args.out):
+        for path in _shoot(dashboard_url, args.timeout, args.out):
             print(f"wrote {path}")
     finally:
         if demo.poll() is None:
