@@ -23,7 +23,7 @@ import httpx
 from exporter.processes import free_port
 from retrywatch.demo import dashboard_link
 from tests.dashboard.conftest import CHROMIUM_FLAGS, Page
-from tests.systemtools import TOOLS, locate, missing_line
+from tests.systemtools import locate, missing_line
 
 ROOT = Path(__file__).resolve().parents[2]
 IMG = ROOT / "docs" / "img"
@@ -50,7 +50,7 @@ def _firing_since(detector_url: str) -> float | None:
 def _shoot(dashboard_url: str, duration_s: float, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
-    chromium = locate(TOOLS["chromium"].name)
+    chromium = locate("chromium")
     if chromium is None:
         raise SystemExit(missing_line("chromium"))
     shots = []
