@@ -169,8 +169,11 @@ def calibrate(
     click.echo(f"C = {result.capacity:.3f} calls/s ({model}; {result.method})")
     out = out if out is not None else Path("out") / f"calibration-{model}.json"
     body = {"capacity": result.capacity, "model": model, "mixed_prompts": mixed_prompts, **result.to_dict()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    except OSError as exc:  # Ĉ is printed above: nothing is lost
+        raise click.ClickException(f"cannot save {out}: {exc.strerror} (give --out FILE)") from None
     click.echo(f"saved to {out}; {_capacity_hint(model, result.capacity)}")
 
 
