@@ -329,6 +329,8 @@ def _undelivered(stats: LoadStats) -> str:
     return f", {pending} still in progress" if pending > 0 else ""
 
 
+#: How long the demo runs unless told (``--duration``), wall seconds.
+DEFAULT_DURATION_S = 300.0
 #: The longest range the demo's link opens on: a demo kept running longer (``--duration inf``)
 #: shows the last 15 min, the pulse and the loop that follows it, not a sliver of 6 h.
 LONGEST_LINK_RANGE_S = 900
@@ -387,7 +389,7 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str, duration_s: float) -> str
 @click.option(
     "--duration",
     type=FiniteFloatRange(min=5.0, allow_inf=True),
-    default=300.0,
+    default=DEFAULT_DURATION_S,
     show_default=True,
     help="Seconds to run before stopping everything, the dashboard with it ('inf': until Ctrl-C).",
 )

@@ -3,7 +3,7 @@
 ``python -m tests.dashboard.screenshots`` (from the repository root; Debian's Chromium, as the
 browser tests) starts the demo headless on free ports, waits until the retry-loop alert fires
 and has been firing a while, then photographs the live page through the demo's own dashboard
-link (on the range that fits the run) and the history page at 1280 px wide, and stops the demo
+link (a default 300-s demo's: 5 min) and the history page at 1280 px wide, and stops the demo
 by its PID. About four minutes, bounded by ``--timeout``.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from exporter.processes import free_port
-from retrywatch.demo import dashboard_link
+from retrywatch.demo import DEFAULT_DURATION_S, dashboard_link
 from tests.dashboard.conftest import CHROMIUM_FLAGS, Page
 from tests.systemtools import locate, missing_line
 
@@ -47,7 +47,7 @@ def _firing_since(detector_url: str) -> float | None:
     return None
 
 
-def _shoot(dashboard_url: str, duration_s: float, out: Path) -> list[Path]:
+def _shoot(dashboard_url: str, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
     chromium = locate("chromium")
@@ -57,7 +57,8 @@ def _shoot(dashboard_url: str, duration_s: float, out: Path) -> list[Path]:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
         tab = Page(browser)
-        tab.page.goto(dashboard_link(dashboard_url, duration_s))
+        # The link a default demo prints (the run here lasts up to --timeout, so it is not its own).
+        tab.page.goto(dashboard_link(dashboard_url, DEFAULT_DURATION_S))
         tab.wait_graphs(4)
         tab.page.locator("#alert-banner").wait_for(state="visible", timeout=30_000)
         time.sleep(2)  # the first refresh settles
@@ -100,7 +101,7 @@ def main() -> None:
         else:
             raise SystemExit(f"{ALERT} did not fire for {args.firing_for:g} s within {args.timeout:g} s")
         args.out.mkdir(parents=True, exist_ok=True)
-        for path in _shoot(dashboard_url, args.timeout, args.out):
+        for path in _shoot(dashboard_url, args.out):
             print(f"wrote {path}")
     finally:
         if demo.poll() is None:
