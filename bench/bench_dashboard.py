@@ -29,8 +29,9 @@ from dashboard.app import Context, DashboardConfig
 from dashboard.data import instance_label
 from dashboard.pages import live
 from exporter.processes import ManagedProcess, free_port
-from tests.dashboard.conftest import CHROMIUM, CHROMIUM_FLAGS
+from tests.dashboard.conftest import CHROMIUM_FLAGS
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
+from tests.systemtools import locate, missing_line
 
 # The argument: [the engine's instance, its chip's label (instance_label)].
 GRAPHS_DRAWN = """([engine, label]) => {
@@ -92,6 +93,9 @@ def main() -> None:
     engines = [instance_url(i) for i in range(args.engines)]
     points = int(args.hours * 3600 / 5) + 1
     port = free_port()
+    chromium = locate("chromium")
+    if chromium is None:
+        raise SystemExit(missing_line("chromium"))
     cmd = [sys.executable, "-m", "retrywatch", "dashboard", "--detector", api_url, "--port", str(port)]
     log = Path(tempfile.mkdtemp(prefix="bench-dashboard-")) / "dashboard.log"  # kept
     proc = ManagedProcess(cmd, log_path=log, bound_s=None, name="dashboard").start()
@@ -104,7 +108,7 @@ def main() -> None:
         first, other = engines[0], engines[1 % len(engines)]
         url = f"{base}/?{urllib.parse.urlencode({'engine': first, 'range': int(args.hours * 3600)})}"
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
             for r in range(args.repeat + 1):  # round 0 warms the server and is not counted
                 context = browser.new_context(viewport={"width": 1280, "height": 720})
                 times = []

@@ -107,6 +107,7 @@ class Episode(_EngineLabels):
     resolved_at: float | None
     summary: str
     description: str
+    runbook_url: str = ""  # the alert's runbook section, when the detector says
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -251,6 +252,7 @@ def parse_episodes(payload: Any) -> list[Episode]:
                 resolved_at=_opt_time(item.get("resolved_at"), "resolved_at", where),
                 summary=str(item.get("summary") or ""),
                 description=str(item.get("description") or ""),
+                runbook_url=_http_url(item.get("runbook_url")),
             )
         )
     return episodes

@@ -37,8 +37,9 @@ TILE_SPECS: tuple[TileSpec, ...] = (
     ),
     TileSpec(
         "queue_littles_law_ratio",
-        "queued / (executions created × deadline)",
-        "near 1 every execution waits out its client's deadline (vLLM waiting + proxy queue)",
+        "queue against the deadline",
+        "executions waiting (vLLM + proxy queue) over those created in one deadline: near 1 every "
+        "execution waits out its client's deadline",
         False,
         ("VLLMBacklogBeyondDeadline", "VLLMMetastableRetryLoop"),
     ),
@@ -107,10 +108,43 @@ def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
     raise KeyError(f"unknown tile {key!r}")
 
 
-def _none_delivered(signals: Mapping[str, Points | None]) -> bool:
-    within = latest(signals.get("delivered_rate_within_deadline"))
-    late = latest(signals.get("delivered_rate_late"))
-    return within is not None and late is not None and within + late <= 0
+# NOTE: a ratio with nothing to divide by (no executions created, no prompts admitted, nothing
+# completed or delivered in its window) is not missing data: its source answers, with zeros. The
+# tile says so, in words: "idle" when no attempt arrived in the last minute, else what is missing
+# (the loop: calls arriving, none delivered). "no data" is kept for a source that is down or a
+# series that is absent, so an idle engine and a broken one never look the same.
+IDLE_TEXT = "idle"
+IDLE_DETAIL = "no calls in the last minute"
+NOTHING_TO_DIVIDE: dict[str, tuple[tuple[str, ...], str]] = {
+    # tile: (the signals of its denominator, the first one required; what it says when they are 0)
+    "queue_littles_law_ratio": (("execution_creation_rate", "deadline"), "none created"),
+    "prompt_token_gap": (("prompt_tokens_admitted_rate",), "none admitted"),
+    "delivered_share": (("completion_rate_completed", "completion_rate_orphaned"), "none completed"),
+    "delivered_within_deadline": (("delivered_rate_within_deadline", "delivered_rate_late"), "none"),
+}
+
+
+def _nothing_to_divide(key: str, signals: Mapping[str, Points | None]) -> bool:
+    """Whether tile ``key`` has no value because its denominator is known and zero (the source
+    answers), not because a series is missing."""
+    if key not in NOTHING_TO_DIVIDE:
+        return False
+    names, _ = NOTHING_TO_DIVIDE[key]
+    ratio = RATIOS_BY_NAME.get(key)
+    if ratio is not None and "vllm_waiting" in ratio.inputs and latest(signals.get("vllm_waiting")) is None:
+        return False  # as in tile_value: without vLLM's waiting queue, no signal at all
+    values = [latest(signals.get(name)) for name in names]
+    if values[0] is None:
+        return False
+    if ratio is not None and ratio.product:  # a product: zero when a factor is, unknown when one is
+        return all(v is not None for v in values) and any(v is not None and v <= 0 for v in values)
+    return sum(v for v in values if v is not None) <= 0
+
+
+def _idle(signals: Mapping[str, Points | None]) -> bool:
+    """No attempt arrived at the proxy in the last minute (the rate is known, and zero)."""
+    attempts = latest(signals.get("attempt_rate"))
+    return attempts is not None and attempts <= 0
 
 
 def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[str]) -> list[Tile]:
@@ -121,9 +155,13 @@ def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[st
         firing = tuple(a for a in spec.alerts if a in firing_alertnames)
         status: Status
         detail = ""
-        if value is None and spec.key == "delivered_within_deadline" and _none_delivered(signals):
-            # rates that say nothing was delivered are not missing data
-            text, status = "none", ("alert" if firing else "ok")
+        if value is None and _nothing_to_divide(spec.key, signals):
+            # rates that say nothing was created, admitted, completed or delivered: not missing data
+            if _idle(signals):
+                text, detail = IDLE_TEXT, IDLE_DETAIL
+            else:
+                text = NOTHING_TO_DIVIDE[spec.key][1]
+            status = "alert" if firing else "ok"
         elif value is None:
             text, status = "no data", "nodata"
         else:

@@ -11,6 +11,7 @@ connection cap of its own).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 #: Why an empty ``--host`` is refused by every serving command.
 EMPTY_HOST = "an empty host would listen on every interface: give an address (0.0.0.0 for every one)"
@@ -20,6 +21,17 @@ def host_is_usable(host: str) -> bool:
     """Whether ``host`` names where to listen: an empty one listens on every interface, and
     makes the URLs a server announces unusable."""
     return bool(host.strip())
+
+
+#: The OpenAI API's root path: a client's base URL ends in it, a server's address does not.
+OPENAI_API_ROOT = "/v1"
+
+
+def ends_at_api_root(url: str) -> bool:
+    """Whether ``url`` is an OpenAI client's base URL (``http://HOST:PORT/v1``): the habit of
+    every OpenAI SDK, and a trap where retrywatch wants the server's address, since the
+    requests' own paths (``/v1/chat/completions``, ``/metrics``) would be appended to it."""
+    return urlsplit(url).path.rstrip("/").endswith(OPENAI_API_ROOT)
 
 
 def base_url(host: str, port: int) -> str:

@@ -134,4 +134,17 @@ def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any)
         f"retrywatch proxy on {base_url(settings.host, settings.port)} (metrics /metrics) in front of "
         f"{redact_url(settings.upstream_base)}; state: in memory only"
     )
-    serve(app.app, settings.bounds(), app.end_executions, log_level)
+    serve(app.app, settings.bounds(), app.end_executions, log_level, chosen_by=_chosen_cap())
+
+
+def _chosen_cap() -> str | None:
+    """The connection-cap options given on the command line or in the environment, if any:
+    a default cap is fitted to the open-file limit, a chosen one is kept (``make_room_for``)."""
+    ctx = click.get_current_context()
+    defaults = (None, click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP)
+    chosen = [
+        f"--{name.replace('_', '-')}"
+        for name in ("max_connections", "reserved_connections")
+        if ctx.get_parameter_source(name) not in defaults
+    ]
+    return " or ".join(chosen) or None

@@ -69,6 +69,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator
+from dataclasses import replace
 from types import FrameType
 from typing import Any, cast
 
@@ -677,25 +678,46 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def make_room_for(connection_limit: int, fds_per_connection: int) -> None:
+def make_room_for(bounds: HttpBounds, fds_per_connection: int, *, chosen_by: str | None = None) -> HttpBounds:
     """Raise the soft limit on open descriptors to fit every connection the server holds (the cap
     and the reserve, ``HttpBounds.connection_limit``; ``fds_per_connection`` each: the proxy's
     two, a client's and an upstream one; a server without an upstream's one), as far as the hard
-    limit allows."""
+    limit allows; the bounds to serve with.
+
+    NOTE: where the hard limit is too low, a cap the operator chose (``chosen_by`` names the
+    options that set it) is kept, with one warning naming those options; a default cap is lowered
+    to the connections that fit, said at info level: a default start never warns about a default
+    it could not have known to change."""
+    connection_limit = bounds.connection_limit
     need = fds_per_connection * connection_limit + FD_HEADROOM
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
-        return
+        return bounds
     target = need if hard == resource.RLIM_INFINITY else min(need, hard)
     if target > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < need:
+    if target >= need:
+        return bounds
+    if chosen_by is not None:
         log.warning(
-            "open-file limit %d is below the %d that %d connections need; lower the cap or raise the limit",
+            "open-file limit %d is below the %d that %d connections need: lower %s or raise the "
+            "hard limit (ulimit -Hn)",
             target,
             need,
             connection_limit,
+            chosen_by,
         )
+        return bounds
+    fitted = max(1, (target - FD_HEADROOM) // fds_per_connection - bounds.reserved_connections)
+    log.info(
+        "open-file limit %d fits %d connections: at most %d clients at once, not the default %d "
+        "(raise the hard limit, ulimit -Hn, for more)",
+        target,
+        fitted + bounds.reserved_connections,
+        fitted,
+        bounds.max_connections,
+    )
+    return replace(bounds, max_connections=fitted)
 
 
 def serve(
@@ -705,10 +727,12 @@ def serve(
     log_level: str,
     *,
     fds_per_connection: int = 2,
+    chosen_by: str | None = None,
 ) -> None:
     """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module); the open-file limit is
-    raised to fit ``bounds.connection_limit`` of ``fds_per_connection`` descriptors each."""
-    make_room_for(bounds.connection_limit, fds_per_connection)
+    raised to fit ``bounds.connection_limit`` of ``fds_per_connection`` descriptors each, or the
+    cap fitted to it (``make_room_for``; ``chosen_by``: the options that chose the cap, if any)."""
+    bounds = make_room_for(bounds, fds_per_connection, chosen_by=chosen_by)
     # log_config=None: uvicorn's loggers propagate to the command's handler (exporter.logs).
     config = ServerConfig(app, bounds, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
     DrainingServer(config).run()

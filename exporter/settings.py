@@ -11,10 +11,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from exporter.bounds import EMPTY_HOST, HttpBounds, host_is_usable
+from exporter.bounds import EMPTY_HOST, OPENAI_API_ROOT, HttpBounds, ends_at_api_root, host_is_usable
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.knobs import check_bounds, knob, to_argv
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
+from exporter.redact import redact_url
 from exporter.routes import DEFAULT_FORWARDED, DEFAULT_ROUTES, ForwardedRoutes
 from exporter.upstream import DEFAULT_MAX_IDLE_S
 
@@ -236,6 +237,12 @@ class ProxySettings(PolicyConfig):
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise SettingsError(
                 f"--upstream must be an http(s) URL like http://127.0.0.1:8000, not {self.upstream!r}"
+            )
+        if ends_at_api_root(self.upstream):
+            bare = self.upstream.rstrip("/")[: -len(OPENAI_API_ROOT)]
+            raise SettingsError(
+                f"--upstream is the engine's address without {OPENAI_API_ROOT} (the proxy forwards each "
+                f"request's own /v1/... path): give {redact_url(bare)}, not {redact_url(self.upstream)}"
             )
         check_bounds(self, SettingsError)
         if self.answer_buffer_bytes < self.max_answer_bytes:

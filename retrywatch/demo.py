@@ -329,17 +329,39 @@ def _undelivered(stats: LoadStats) -> str:
     return f", {pending} still in progress" if pending > 0 else ""
 
 
-# The demo's dashboard link opens the live page on 15 min (one of its preset ranges): the pulse
-# and the loop fill the panels instead of a sliver at the right of an hour.
-DASHBOARD_RANGE_S = 900
+#: How long the demo runs unless told (``--duration``), wall seconds.
+DEFAULT_DURATION_S = 300.0
+#: The longest range the demo's link opens on: a demo kept running longer (``--duration inf``)
+#: shows the last 15 min, the pulse and the loop that follows it, not a sliver of 6 h.
+LONGEST_LINK_RANGE_S = 900
 
 
-def dashboard_link(dashboard_url: str) -> str:
-    """The live page of ``dashboard_url`` on the demo's range."""
-    return f"{dashboard_url.rstrip('/')}/?range={DASHBOARD_RANGE_S}"
+def dashboard_range_s(duration_s: float) -> int:
+    """The live page's range (one of its presets) for a demo of ``duration_s``: the smallest that
+    holds the whole run, so the pulse and the loop fill the panels instead of a sliver at their
+    right (5 min for the default 300 s)."""
+    from dashboard.pages.live import RANGES
+
+    wanted = min(duration_s, LONGEST_LINK_RANGE_S)
+    return next(seconds for _, seconds in RANGES if seconds >= wanted)
 
 
-def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
+def dashboard_link(dashboard_url: str, duration_s: float) -> str:
+    """The live page of ``dashboard_url`` on the range that fits a demo of ``duration_s``."""
+    return f"{dashboard_url.rstrip('/')}/?range={dashboard_range_s(duration_s)}"
+
+
+def how_long(duration_s: float) -> str:
+    """The start banner's line on how long the demo runs, and how to keep it running."""
+    if duration_s == float("inf"):
+        return "It runs until Ctrl-C (--duration inf), then stops every service."
+    return (
+        f"It runs {duration_s:g} s, then stops every service, the dashboard and its history with "
+        "them: --duration SECONDS runs longer, --duration inf until Ctrl-C."
+    )
+
+
+def _what_to_watch(plan: DemoPlan, dashboard_url: str, duration_s: float) -> str:
     pulse = f"{120 / plan.time_scale:.0f}-{227 / plan.time_scale:.0f} s"
     if plan.with_controls:
         story = (
@@ -359,6 +381,7 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
         f"Time runs {plan.time_scale:g}x faster than the study's: capacity {plan.capacity:.2f} calls/s, "
         f"deadline {plan.deadline_s:g} s, pulse at {pulse} (2.7x capacity).\n{story}\n"
         "Watch executions created vs capacity, the engine's waiting queue, and the alerts.\n"
+        f"{how_long(duration_s)}\n"
     )
 
 
@@ -366,9 +389,9 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str) -> str:
 @click.option(
     "--duration",
     type=FiniteFloatRange(min=5.0, allow_inf=True),
-    default=300.0,
+    default=DEFAULT_DURATION_S,
     show_default=True,
-    help="Seconds to run before stopping everything (Ctrl-C stops it earlier).",
+    help="Seconds to run before stopping everything, the dashboard with it ('inf': until Ctrl-C).",
 )
 @click.option(
     "--with-controls", is_flag=True, help="Run the proxy with coalescing and deferred cancellation."
@@ -425,10 +448,11 @@ def demo(
                 _start(service, commands[service.name], workdir)
             wait_services_ready(services, time.monotonic() + 60.0)
             announce(_serving(urls, workdir))
-            click.echo(_what_to_watch(plan, dashboard_link(urls["dashboard"])))
+            link = dashboard_link(urls["dashboard"], duration)
+            click.echo(_what_to_watch(plan, link, duration))
             if not no_browser:
                 with contextlib.suppress(Exception):
-                    webbrowser.open(dashboard_link(urls["dashboard"]))
+                    webbrowser.open(link)
             asyncio.run(_run(plan, services, duration, seed))
         except KeyboardInterrupt:
             click.echo("\ninterrupted: stopping")

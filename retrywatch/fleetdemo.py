@@ -578,7 +578,7 @@ async def drive(
     return {k: sorted(v) for k, v in fired.items()}
 
 
-def _what_to_watch(fleet: FleetDemo) -> str:
+def _what_to_watch(fleet: FleetDemo, duration_s: float) -> str:
     plan = fleet.plan
     lines = [
         "",
@@ -596,10 +596,11 @@ def _what_to_watch(fleet: FleetDemo) -> str:
         f"  Prometheus   {fleet.prometheus_url}   (alerts: {fleet.prometheus_url}/alerts)",
         f"  Alertmanager {fleet.alertmanager_url}",
         f"  detector     {fleet.detector_url}",
-        f"  dashboard    {fleet.dashboard_url}",
+        f"  dashboard    {single.dashboard_link(fleet.dashboard_url, duration_s)}",
         f"The pulse ({pulse}) is spread over the replicas: {plan.replicas[0].name}, the slowest, gets "
         f"{PULSE_MULTIPLE:g}x its capacity and tips into the retry loop (VLLMMetastableRetryLoop for "
         f"instance={plan.replicas[0].name}); the others stay under theirs and stay healthy.",
+        single.how_long(duration_s),
         "",
     ]
     return "\n".join(lines)
@@ -649,14 +650,14 @@ def run_fleet_demo(
     lagged = False
     try:
         with running_fleet(
-            plan, ports, host, announce=lambda f: click.echo(_what_to_watch(f)), log_args=log_args
+            plan, ports, host, announce=lambda f: click.echo(_what_to_watch(f, duration_s)), log_args=log_args
         ) as fleet:
             try:
                 announce(serving(fleet))
                 click.echo("every process is ready: the pulse starts now")
                 if not no_browser:
                     with contextlib.suppress(Exception):
-                        webbrowser.open(fleet.dashboard_url)
+                        webbrowser.open(single.dashboard_link(fleet.dashboard_url, duration_s))
                 fired = asyncio.run(drive(fleet, duration_s, seed=seed))
                 summary = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(fired.items())) or "none"
                 click.echo(f"done: alerts fired (Prometheus) {summary}")

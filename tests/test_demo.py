@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from exporter.processes import free_port
-from retrywatch.demo import DASHBOARD_RANGE_S, closing_summary, dashboard_link, demo_commands, demo_plan
+from retrywatch.demo import closing_summary, dashboard_link, dashboard_range_s, demo_commands, demo_plan
 from retrywatch.demo_load import LoadStats
 
 
@@ -191,7 +191,9 @@ def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> 
     assert firing_amid_retries, output[-3000:]
     assert dashboard_answered, output[-3000:]
     assert process.returncode == 0, output[-3000:]
-    assert f"Dashboard: http://127.0.0.1:{dashboard}/?range=900" in output  # opens on 15 min
+    assert f"Dashboard: http://127.0.0.1:{dashboard}/?range=300" in output  # a 210-s demo: on 5 min
+    assert "It runs 210 s, then stops every service, the dashboard and its history with them" in output
+    assert "--duration inf until Ctrl-C" in output
     # One start line with every service's address and where their logs and database live.
     (start,) = [line for line in output.splitlines() if line.startswith("engine http://")]
     for port in (engine, proxy, detector, dashboard):
@@ -213,8 +215,32 @@ def test_the_closing_summary_shows_late_deliveries_beside_those_within_the_deadl
     )
 
 
-def test_the_dashboard_link_opens_the_live_page_on_one_of_its_ranges() -> None:
+def test_the_dashboard_link_opens_the_live_page_on_the_range_that_fits_the_demo() -> None:
+    """The default 300-s demo on 5 min (it opened on 15 min, squeezing the run into the right
+    fifth of every chart); a longer one on the smallest range that holds it, at most 15 min."""
     from dashboard.pages.live import RANGES
 
-    assert dashboard_link("http://127.0.0.1:8050") == "http://127.0.0.1:8050/?range=900"
-    assert DASHBOARD_RANGE_S in {seconds for _, seconds in RANGES}
+    assert dashboard_link("http://127.0.0.1:8050", 300.0) == "http://127.0.0.1:8050/?range=300"
+    assert [dashboard_range_s(d) for d in (5.0, 300.0, 301.0, 900.0, 5000.0, float("inf"))] == [
+        300,
+        300,
+        900,
+        900,
+        900,
+        900,
+    ]
+    assert {dashboard_range_s(d) for d in (5.0, 600.0, float("inf"))} <= {seconds for _, seconds in RANGES}
+
+
+def test_the_demo_says_how_long_it_runs_and_how_to_keep_it_running() -> None:
+    from click.testing import CliRunner
+
+    from retrywatch.demo import demo, how_long
+
+    assert how_long(300.0) == (
+        "It runs 300 s, then stops every service, the dashboard and its history with them: "
+        "--duration SECONDS runs longer, --duration inf until Ctrl-C."
+    )
+    assert how_long(float("inf")) == "It runs until Ctrl-C (--duration inf), then stops every service."
+    shown = " ".join(CliRunner().invoke(demo, ["--help"]).output.split())
+    assert "the dashboard with it ('inf': until Ctrl-C). [default: 300.0;" in shown

@@ -32,6 +32,7 @@ import yaml
 from exporter.processes import ManagedProcess, free_port, port_taken
 from retrywatch import fleetdemo
 from retrywatch.fleetdemo import FleetDemo, FleetPorts, fleet_plan, running_fleet
+from tests.systemtools import require
 
 LOOP = "VLLMMetastableRetryLoop"
 NO_DATA = "VLLMRetrywatchNoData"
@@ -99,7 +100,7 @@ def test_prometheus_scrapes_every_proxy_as_its_replica_and_loads_the_rules(tmp_p
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     check = subprocess.run(
-        ["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=60
+        [require("promtool"), "check", "config", str(path)], capture_output=True, text=True, timeout=60
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 1 rule files found" in check.stdout + check.stderr
@@ -111,7 +112,9 @@ def test_alertmanager_keeps_the_shipped_routes_without_webhooks(tmp_path: Path) 
     assert all(set(r) == {"name"} for r in config["receivers"])
     path = tmp_path / "alertmanager.yml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    check = subprocess.run(["amtool", "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    check = subprocess.run(
+        [require("amtool"), "check-config", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -131,7 +134,14 @@ def _port_args(ports: FleetPorts) -> list[str]:
     ]  # fmt: skip
 
 
+def _require_fleet_tools() -> None:
+    """The fleet's Debian binaries, each found (or the test skipped, failed under CI=true)."""
+    for name in fleetdemo.BINARIES:
+        require(name)
+
+
 def test_a_taken_port_fails_before_anything_starts_naming_the_option() -> None:
+    _require_fleet_tools()  # the command checks for them before its ports
     ports = free_fleet_ports(3)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", ports.proxy_base + 2))
@@ -233,6 +243,7 @@ def test_fleet_options_without_fleet_are_usage_errors() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_stops_every_process_and_removes_the_temporary_folder(tmp_path: Path) -> None:
+    _require_fleet_tools()
     ports = free_fleet_ports(2)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     command = _demo(["--fleet", "2", "--duration", "600", *_port_args(ports)])
@@ -345,9 +356,7 @@ def _pulse(fleet: FleetDemo, duration_s: float) -> Iterator[dict[str, list[str]]
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[FleetDemo]:
-    missing = fleetdemo.missing_binaries()
-    if missing:
-        pytest.fail(f"{', '.join(missing)} not found: {fleetdemo.APT_INSTALL} (.ci/run does)")
+    _require_fleet_tools()
     plan = fleet_plan(3, time_scale=E2E_TIME_SCALE)
     with running_fleet(plan, free_fleet_ports(3), timeout_s=120) as started:
         yield started

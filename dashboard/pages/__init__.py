@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urljoin
+
+from dash import html
 
 from detector.signals import MAX_INSTANCE_CHARS
 
@@ -38,6 +41,15 @@ def range_choice(value: object, ranges: Sequence[tuple[str, int]]) -> int | None
         if (type(value) is int and value == seconds) or value == str(seconds):
             return seconds
     return None
+
+
+def runbook_link(runbook_url: str, detector_url: str, class_name: str) -> html.A | None:
+    """A link to an alert's runbook section (a relative one resolved against the detector's URL),
+    or None when the detector gave none."""
+    if not runbook_url:
+        return None
+    href = urljoin(detector_url.rstrip("/") + "/", runbook_url)
+    return html.A("runbook", href=href, target="_blank", rel="noopener", className=class_name)
 
 
 def _pages() -> tuple[Page, ...]:

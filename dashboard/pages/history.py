@@ -15,7 +15,7 @@ from dash import Input, Output, dcc, html
 from dashboard import style
 from dashboard.data import DetectorError, Episode
 from dashboard.figures import episodes_timeline_figure
-from dashboard.pages import Page, range_choice, text_choice
+from dashboard.pages import Page, range_choice, runbook_link, text_choice
 
 if TYPE_CHECKING:
     from dashboard.app import Context
@@ -56,11 +56,12 @@ def history_view(
     return episodes, ref_now, None
 
 
-def episodes_table(episodes: Sequence[Episode]) -> html.Table:
+def episodes_table(episodes: Sequence[Episode], detector_url: str = "") -> html.Table:
+    """The episodes, newest first, each with a link to its alert's runbook section."""
     head = html.Tr(
         [
             html.Th(h, style=style.TH)
-            for h in ("alert", "severity", "engine (model)", "started (UTC)", "resolved (UTC)", "summary")
+            for h in ("alert", "severity", "engine (model)", "started (UTC)", "resolved (UTC)", "summary", "")
         ]
     )
     rows = [
@@ -72,6 +73,7 @@ def episodes_table(episodes: Sequence[Episode]) -> html.Table:
                 html.Td(_fmt(e.started_at), style=style.TD),
                 html.Td(_fmt(e.resolved_at), style=style.TD),
                 html.Td(e.summary, style=style.TD),
+                html.Td(runbook_link(e.runbook_url, detector_url, "episode-runbook"), style=style.TD),
             ],
             className="episode-row",
         )
@@ -90,7 +92,7 @@ def update(
     if len(episodes) > MAX_ROWS:
         count += f" (table shows the newest {MAX_ROWS})"
     alert_opts, engine_opts = filter_options(ctx)
-    return fig, episodes_table(episodes), count, alert_opts, engine_opts
+    return fig, episodes_table(episodes, ctx.detector.display_url), count, alert_opts, engine_opts
 
 
 def filter_options(ctx: Context) -> tuple[list[dict[str, str]], list[dict[str, str]]]:

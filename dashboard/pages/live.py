@@ -10,7 +10,6 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urljoin
 
 import dash
 import numpy as np
@@ -20,7 +19,7 @@ from dash import Input, Output, State, dcc, html
 from dashboard import figures, style
 from dashboard.data import Alert, DetectorError, Episode, engine_of, instance_label, signals_for_engine
 from dashboard.figures import Shade
-from dashboard.pages import Page, range_choice, text_choice
+from dashboard.pages import Page, range_choice, runbook_link, text_choice
 from dashboard.tiles import Tile, tiles
 from detector.thresholds import SEVERITIES
 
@@ -139,8 +138,7 @@ def _fmt_time(t: float) -> str:
 def _runbook(alert: Alert, detector_url: str) -> list[Any]:
     if not alert.runbook_url:
         return []
-    href = urljoin(detector_url.rstrip("/") + "/", alert.runbook_url)
-    return [" ", html.A("runbook", href=href, target="_blank", rel="noopener", className="banner-runbook")]
+    return [" ", runbook_link(alert.runbook_url, detector_url, "banner-runbook")]
 
 
 def _alert_order(alert: Alert) -> tuple[int, bool, float]:

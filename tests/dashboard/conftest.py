@@ -4,7 +4,6 @@ directory written in the real formats, and the app served by a real HTTP server 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from dashboard.app import DashboardConfig, create_app
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot, write_series
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
+from tests.systemtools import require
 
 NOW = 1_790_000_000.0  # a fixed "now" (Unix s) so tests do not depend on the wall clock
 
@@ -293,7 +293,6 @@ def write_episode_series(path: Path, *, capacity: float = 2.8, end_s: float = 48
 
 # --- a real headless Chromium (Debian's chromium, driven by Playwright) -------------------
 
-CHROMIUM = os.environ.get("RETRYWATCH_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -313,12 +312,11 @@ def browser() -> Iterator[Any]:
     # NOTE: module scope, not session: Playwright's sync API keeps an asyncio loop marked as
     # running in the main thread while it is open, which breaks every later test that calls
     # asyncio.run() in the same session.
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} not found: install Debian's chromium and chromium-driver (see .ci/run)")
+    chromium = require("chromium")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
         yield b
         b.close()
 

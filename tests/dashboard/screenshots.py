@@ -3,8 +3,8 @@
 ``python -m tests.dashboard.screenshots`` (from the repository root; Debian's Chromium, as the
 browser tests) starts the demo headless on free ports, waits until the retry-loop alert fires
 and has been firing a while, then photographs the live page through the demo's own dashboard
-link (15 min) and the history page at 1280 px wide, and stops the demo by its PID. About four
-minutes, bounded by ``--timeout``.
+link (a default 300-s demo's: 5 min) and the history page at 1280 px wide, and stops the demo
+by its PID. About four minutes, bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pathlib import Path
 import httpx
 
 from exporter.processes import free_port
-from retrywatch.demo import dashboard_link
-from tests.dashboard.conftest import CHROMIUM, CHROMIUM_FLAGS, Page
+from retrywatch.demo import DEFAULT_DURATION_S, dashboard_link
+from tests.dashboard.conftest import CHROMIUM_FLAGS, Page
+from tests.systemtools import locate, missing_line
 
 ROOT = Path(__file__).resolve().parents[2]
 IMG = ROOT / "docs" / "img"
@@ -49,11 +50,15 @@ def _firing_since(detector_url: str) -> float | None:
 def _shoot(dashboard_url: str, out: Path) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
+    chromium = locate("chromium")
+    if chromium is None:
+        raise SystemExit(missing_line("chromium"))
     shots = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
         tab = Page(browser)
-        tab.page.goto(dashboard_link(dashboard_url))
+        # The link a default demo prints (the run here lasts up to --timeout, so it is not its own).
+        tab.page.goto(dashboard_link(dashboard_url, DEFAULT_DURATION_S))
         tab.wait_graphs(4)
         tab.page.locator("#alert-banner").wait_for(state="visible", timeout=30_000)
         time.sleep(2)  # the first refresh settles

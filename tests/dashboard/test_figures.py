@@ -338,3 +338,14 @@ def test_label_values_are_shown_as_text_never_as_plotly_markup() -> None:
     for fig in (delivery_by_cohort_figure(runs), creation_rate_vs_recovery_figure(runs)):
         texts = [str(v) for t in fig.data for v in [*t.y, *(t.customdata or ())]]
         assert texts and not any("<" in v for v in texts), texts
+
+
+def test_admitted_prompt_tokens_show_where_counted_ones_lie_on_them() -> None:
+    """Healthy, the two rates are equal: "admitted" (drawn first) hid under "counted". Now it is a
+    wide band under a thin dashed "counted" line, so both are seen."""
+    same = series([12000.0, 12000.0, 12000.0])
+    fig = prompt_tokens_figure({"prompt_tokens_admitted_rate": same, "prompt_tokens_counted_rate": same})
+    admitted, counted = fig.data
+    assert (admitted.name, counted.name) == ("admitted", "counted")  # the wide one underneath
+    assert admitted.line.width >= 2 * counted.line.width
+    assert counted.line.dash == "dash" and admitted.line.dash in (None, "solid")

@@ -5,7 +5,6 @@ recording rules (``rules.backfill``)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,9 @@ from rules.backfill import (
 )
 from rules.generate import RULES_PATH
 from tests.rules.test_equivalence import fluid_run
+from tests.systemtools import require
 
 STEP_S = 5.0
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: install Debian's prometheus package (.ci/run does)")
-    return path
 
 
 def test_the_committed_dashboard_is_what_the_generator_gives() -> None:
@@ -97,7 +90,7 @@ def _scraped(instance: str, snaps: list[Snapshot]) -> list[Snapshot]:
 @pytest.mark.promtool
 @pytest.mark.timeout(300)
 def test_every_panel_query_returns_data_from_a_simulated_run_in_prometheus(tmp_path: Path) -> None:
-    promtool, prometheus = _tool("promtool"), _tool("prometheus")
+    promtool, prometheus = require("promtool"), require("prometheus")
     doc: dict[str, Any] = json.loads(grafana.render())
     rules = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
     (group,) = rules["groups"]

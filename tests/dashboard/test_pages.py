@@ -394,3 +394,29 @@ def test_an_engine_that_left_is_never_shown_ok(api: StaticDetectorAPI) -> None:
     assert "10.0.0.2:8100: ok" not in text
     assert "10.0.0.2:8100: no data in the last minute" in text
     assert "VLLMMetastableRetryLoop (critical)" in text  # the engine still reporting as before
+
+
+def test_the_history_table_links_each_episodes_runbook_section(api: StaticDetectorAPI) -> None:
+    """The detector's /episodes carry each alert's runbook_url; the table showed none of them."""
+    ctx = context(api)
+    api.set_episodes(
+        [
+            {**episode("VLLMMetastableRetryLoop", ENGINE_A, NOW - 1100, None, ident=1),
+             "runbook_url": "/runbook#VLLMMetastableRetryLoop"},
+            {**episode("VLLMOrphanedExecutions", ENGINE_B, NOW - 900, NOW - 800, ident=2),
+             "runbook_url": "https://wiki.example/retrywatch#VLLMOrphanedExecutions"},
+            {**episode("VLLMPromptTokensUncounted", ENGINE_B, NOW - 700, None, ident=3),
+             "runbook_url": "javascript:alert(1)"},
+        ]
+    )  # fmt: skip
+    _, table, _, _, _ = history.update(ctx, history.ALL, history.ALL, 0)
+    links = {
+        row.children[0].children: cell.children.href
+        for row in table.children[1].children
+        for cell in row.children
+        if getattr(cell.children, "className", "") == "episode-runbook"
+    }
+    assert links == {
+        "VLLMMetastableRetryLoop": f"{api.url}/runbook#VLLMMetastableRetryLoop",  # on the detector
+        "VLLMOrphanedExecutions": "https://wiki.example/retrywatch#VLLMOrphanedExecutions",
+    }  # a link that is not a web link is never shown

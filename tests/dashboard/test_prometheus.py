@@ -4,7 +4,6 @@ a real HTTP server serving the proxy's counters and runs ``rules/retrywatch.rule
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from exporter.processes import ManagedProcess, free_port
 from exporter.timeseries import format_sample
 from tests.dashboard.staticapi import StaticDetectorAPI
 from tests.detector.conftest import trickling_server
+from tests.systemtools import require
 
 pytestmark = pytest.mark.promtool
 
@@ -105,9 +105,7 @@ def fleet() -> Iterator[list[CounterServer]]:
 
 @pytest.fixture
 def prometheus(tmp_path: Path, fleet: list[CounterServer]) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("prometheus not found: install Debian's prometheus package (see .ci/run)")
+    binary = require("prometheus")
     targets = ", ".join(f"'127.0.0.1:{t.port}'" for t in fleet)
     port = free_port()
     config = tmp_path / "prometheus.yml"

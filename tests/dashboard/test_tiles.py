@@ -62,3 +62,63 @@ def test_delivery_within_the_deadline_is_shown_with_the_late_share_beside_it() -
     stalled = {"delivered_rate_within_deadline": pts(0.0), "delivered_rate_late": pts(0.0)}
     (tile,) = [t for t in tiles(stalled, {"VLLMMetastableRetryLoop"}) if t.key == "delivered_within_deadline"]
     assert (tile.text, tile.status, tile.detail) == ("none", "alert", "")
+
+
+def test_an_idle_engine_is_shown_idle_and_no_data_only_without_a_source() -> None:
+    """An engine with no traffic showed "no data" in three tiles, as a source that is down does:
+    idle and broken looked the same."""
+    idle = {
+        "attempt_rate": pts(0.0),
+        "execution_creation_rate": pts(0.0),
+        "capacity": pts(2.0),
+        "deadline": pts(120.0),
+        "vllm_waiting": pts(0.0),
+        "proxy_queued": pts(0.0),
+        "prompt_tokens_counted_rate": pts(0.0),
+        "prompt_tokens_admitted_rate": pts(0.0),
+        "completion_rate_completed": pts(0.0),
+        "completion_rate_orphaned": pts(0.0),
+        "delivered_rate_within_deadline": pts(0.0),
+        "delivered_rate_late": pts(0.0),
+    }
+    by_key = {t.key: t for t in tiles(idle, set())}
+    assert by_key["creation_capacity_ratio"].text == "0.00"
+    for key in (
+        "queue_littles_law_ratio",
+        "prompt_token_gap",
+        "delivered_share",
+        "delivered_within_deadline",
+    ):
+        tile = by_key[key]
+        assert (tile.text, tile.detail, tile.status) == ("idle", "no calls in the last minute", "ok"), key
+    # The source down: the last minute holds no value at all.
+    assert {t.text for t in tiles({}, set())} == {"no data"}
+    assert {t.status for t in tiles({}, set())} == {"nodata"}
+    # Up, but a series is missing (vLLM's waiting queue): no data for the tile that reads it.
+    without_waiting = {k: v for k, v in idle.items() if k != "vllm_waiting"}
+    assert {t.key: t.text for t in tiles(without_waiting, set())}["queue_littles_law_ratio"] == "no data"
+
+
+def test_calls_arriving_with_nothing_to_divide_say_what_is_missing() -> None:
+    """The loop's face: attempts keep arriving, nothing is completed or delivered in the window."""
+    stalled = {
+        "attempt_rate": pts(3.0),
+        "execution_creation_rate": pts(0.0),
+        "deadline": pts(120.0),
+        "vllm_waiting": pts(300.0),
+        "prompt_tokens_admitted_rate": pts(0.0),
+        "completion_rate_completed": pts(0.0),
+        "delivered_rate_within_deadline": pts(0.0),
+        "delivered_rate_late": pts(0.0),
+    }
+    texts = {t.key: (t.text, t.status) for t in tiles(stalled, {"VLLMOrphanedExecutions"})}
+    assert texts["queue_littles_law_ratio"] == ("none created", "ok")
+    assert texts["prompt_token_gap"] == ("none admitted", "ok")
+    assert texts["delivered_share"] == ("none completed", "alert")
+    assert texts["delivered_within_deadline"] == ("none", "ok")
+
+
+def test_no_tile_is_titled_with_a_formula() -> None:
+    from dashboard.tiles import TILE_SPECS
+
+    assert not [s.label for s in TILE_SPECS if any(c in s.label for c in "()×")]

@@ -2,16 +2,15 @@
 them (kubectl, kubernetes-validate, promtool, nginx, HAProxy).
 
 ``.ci/run`` installs nginx, HAProxy and Prometheus from Debian and kubernetes-validate with the
-project's test extra; a missing one fails the tests that need it (deselect them with
-``-m 'not balancer'`` or ``-m 'not promtool'``). kubectl comes with the machine image, not from a
-package: without it the Kubernetes tests are skipped, saying so.
+project's test extra; a missing tool skips the tests that need it, naming its package, and fails
+them under CI=true (``tests/systemtools.py``). kubectl comes with the machine image, not from a
+package: without it the Kubernetes tests are skipped, saying so, in CI too.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -20,25 +19,22 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.systemtools import require
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 KUSTOMIZE = DEPLOY / "kubernetes"
 OVERLAYS = ("ingress-nginx", "gateway-api")
 
 
-def tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: install Debian's {package} package (.ci/run does)")
-    return path
+def tool(name: str) -> str:
+    """A system tool's path; a missing one skips the test (fails it under CI=true)."""
+    return require(name)
 
 
 @pytest.fixture(scope="session")
 def kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl is not installed: `kubectl kustomize` renders the manifests offline")
-    return path
+    return require("kubectl")
 
 
 def kustomize(kubectl: str, directory: Path) -> list[dict[str, Any]]:
@@ -107,14 +103,14 @@ def render() -> ModuleType:
 
 @pytest.fixture(scope="session")
 def promtool() -> str:
-    return tool("promtool", "prometheus")
+    return tool("promtool")
 
 
 @pytest.fixture(scope="session")
 def nginx() -> str:
-    return tool("nginx", "nginx")
+    return tool("nginx")
 
 
 @pytest.fixture(scope="session")
 def haproxy() -> str:
-    return tool("haproxy", "haproxy")
+    return tool("haproxy")

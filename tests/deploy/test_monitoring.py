@@ -53,7 +53,7 @@ def _route(amtool: str, labels: dict[str, str]) -> str:
 
 
 def test_alertmanager_groups_by_replica_and_routes_each_alert_by_severity() -> None:
-    amtool = tool("amtool", "prometheus-alertmanager")
+    amtool = tool("amtool")
     proc = subprocess.run(
         [amtool, "check-config", str(ALERTMANAGER_YML)], capture_output=True, text=True, timeout=60
     )
@@ -71,7 +71,7 @@ def test_alertmanager_groups_by_replica_and_routes_each_alert_by_severity() -> N
 def shipped_alertmanager(tmp_path: Path) -> Iterator[str]:
     """A real Alertmanager running the shipped configuration (its webhooks never called: every
     alert below waits out its group_wait long after the test has read the inhibitions)."""
-    binary = tool("prometheus-alertmanager", "prometheus-alertmanager")
+    binary = tool("prometheus-alertmanager")
     port = free_port()
     argv = [binary, f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
             f"--storage.path={tmp_path / 'am'}", f"--config.file={ALERTMANAGER_YML}"]  # fmt: skip

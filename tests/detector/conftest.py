@@ -1,6 +1,7 @@
 """Real servers for the detector's tests: an HTTP server that serves counters or records
 webhooks, Prometheus, Alertmanager and PostgreSQL, each on a free loopback port, each stopped
-by its PID. A tool that is missing fails the test (CI installs them), it is never skipped."""
+by its PID. A missing tool skips the test, naming what installs it, and fails it under CI=true
+(``tests/systemtools.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 
 from detector.lease import LeaseState
 from exporter.processes import ManagedProcess, free_port
+from tests.systemtools import require
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -74,10 +76,8 @@ def trickling_server(body: bytes, *, every_s: float = 0.2, for_s: float = 20.0) 
 
 
 def need(binary: str) -> str:
-    path = shutil.which(binary) or (binary if os.path.exists(binary) else None)
-    if path is None:
-        pytest.fail(f"{binary} not found: install it (see docs / .ci/run)")
-    return path
+    """A system tool's path; a missing one skips the test (fails it under CI=true)."""
+    return require(binary)
 
 
 class TestServer:
@@ -189,9 +189,7 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str | Path], str]]:
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A real PostgreSQL 15 server in a temp dir, run as the ``postgres`` user when we are root."""
-    bindir = Path("/usr/lib/postgresql/15/bin")
-    initdb = need(str(bindir / "initdb") if (bindir / "initdb").exists() else "initdb")
-    postgres = need(str(bindir / "postgres") if (bindir / "postgres").exists() else "postgres")
+    initdb, postgres = need("initdb"), need("postgres")
     # PostgreSQL refuses to run as root: as root, run it as the ``postgres`` user in a directory
     # that user owns (pytest's own temp dirs are private to root).
     base = Path(tempfile.mkdtemp(prefix="retrywatch-pg-"))

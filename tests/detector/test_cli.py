@@ -74,6 +74,20 @@ def test_usage_errors_are_clear(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "capacity" in res.output.lower()
 
 
+def test_an_openai_base_url_as_exporter_is_refused_at_start_naming_the_metrics_url(tmp_path: Path) -> None:
+    """``--exporter http://HOST:PORT/v1`` scraped a 404 forever: refused before anything opens."""
+    port = free_port()
+    args = [sys.executable, "-m", "retrywatch", "detect", "--exporter", "http://127.0.0.1:8100/v1"]
+    args += ["--db", f"sqlite:///{tmp_path / 'd.db'}", "--port", str(port)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: --exporter is a proxy's /metrics URL, not its /v1 API root: give "
+        "http://127.0.0.1:8100/metrics, not http://127.0.0.1:8100/v1"
+    )
+    assert not (tmp_path / "d.db").exists()
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [("--interval", "nan"), ("--interval", "inf"), ("--time-scale", "nan"), ("--time-scale", "inf"),

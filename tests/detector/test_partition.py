@@ -10,7 +10,6 @@ default, and always removes it."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from detector.store import EpisodeStore, make_engine
 from exporter.timeseries import write_series
 from tests.detector.conftest import TestServer, wait_until
 from tests.detector.minisim import MiniSim
+from tests.systemtools import require
 
 T0 = 1_800_000_000.0
 LOOP = "VLLMMetastableRetryLoop"
@@ -68,9 +68,7 @@ def blackholed(port: int) -> Iterator[None]:
     """Every TCP packet to or from ``port`` on loopback is dropped while this is open. Dropped as
     it arrives (``ingress``), not as it leaves: a packet the sending kernel's own queue drops is a
     local error, which fails the connection within seconds, where a partition's is silence."""
-    tc = shutil.which("tc")
-    if tc is None:
-        pytest.skip("tc (iproute2) is not installed: a blackholed port cannot be made here")
+    tc = require("tc")
     shown = subprocess.run([tc, "qdisc", "show", "dev", "lo"], capture_output=True, text=True, timeout=10)
     qdiscs = [line for line in shown.stdout.splitlines() if line.strip()]
     if shown.returncode != 0 or any(not line.startswith("qdisc noqueue 0: root") for line in qdiscs):

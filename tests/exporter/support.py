@@ -102,15 +102,30 @@ class ProxyProcess:
         raise RuntimeError("no VmHWM in /proc/PID/status")
 
 
+# Runs argv[3:] under the open-file limits argv[1] (soft) and argv[2] (hard).
+_UNDER_LIMIT = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.argv[3], sys.argv[3:])"
+)
+
+
 @contextlib.contextmanager
 def proxy_process(
-    upstream_url: str, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+    upstream_url: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    open_files: tuple[int, int] | None = None,
 ) -> Iterator[ProxyProcess]:
     """Run ``retrywatch proxy --upstream URL ARGS...`` until the block ends (then SIGTERM); its
-    output goes to ``log`` if given (see ``errors_logged``)."""
+    output goes to ``log`` if given (see ``errors_logged``). ``open_files``: the (soft, hard)
+    limit on open descriptors it starts under."""
     port = free_port()
     cmd = [sys.executable, "-m", "retrywatch", "proxy", "--upstream", upstream_url, "--port", str(port)]
     cmd += args
+    if open_files is not None:
+        cmd = [sys.executable, "-c", _UNDER_LIMIT, str(open_files[0]), str(open_files[1]), *cmd]
     full_env = env_without_retrywatch() | (env or {})
     with tempfile.TemporaryDirectory(prefix="rw-proxy-") as tmp:
         log_path = log if log is not None else Path(tmp) / "proxy.log"

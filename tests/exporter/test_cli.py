@@ -257,6 +257,38 @@ def test_a_taken_port_is_one_line_naming_the_option_before_anything_is_announced
     ]
 
 
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_an_openai_base_url_as_upstream_is_refused_at_start_saying_to_drop_v1(
+    upstream: Upstream, suffix: str
+) -> None:
+    """The OpenAI SDKs' base-URL habit (http://HOST:PORT/v1) made every call through the proxy
+    answer 404, since each request's own /v1/... path was appended to it."""
+    port = free_port()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "retrywatch",
+            "proxy",
+            "--upstream",
+            upstream.url + suffix,
+            "--port",
+            str(port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_without_retrywatch(),
+    )
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: --upstream is the engine's address without /v1 (the proxy forwards each request's own "
+        f"/v1/... path): give {upstream.url}, not {upstream.url}{suffix}"
+    )
+    with socket.socket() as probe:  # nothing was started
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
 def test_every_command_has_the_same_log_options() -> None:
     from retrywatch.cli import SUBCOMMANDS, main
 

@@ -627,22 +627,58 @@ def test_a_second_signal_cuts_the_drain_short(upstream: Upstream) -> None:
 
 _LIMITS = """
 import logging, resource, sys
-logging.basicConfig(level=logging.WARNING, format="%(message)s")
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+from exporter.bounds import HttpBounds
 from exporter.server import FD_HEADROOM, make_room_for
-make_room_for(int(sys.argv[1]), int(sys.argv[2]))
-print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_HEADROOM)
+bounds = HttpBounds(port=1, max_connections=int(sys.argv[1]), reserved_connections=int(sys.argv[2]))
+fitted = make_room_for(bounds, int(sys.argv[3]), chosen_by=sys.argv[4] or None)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_HEADROOM, fitted.max_connections)
 """
 
 
 @pytest.mark.parametrize(
-    ("connections", "per_connection", "room", "warned"),
-    [(1000, 2, 2000, False), (1000, 1, 1000, False), (3000, 2, 4096 - 64, True), (10, 2, 256 - 64, False)],
+    ("connections", "reserve", "per_connection", "chosen_by", "room", "cap"),
+    [
+        (1000, 0, 2, "", 2000, 1000),
+        (1000, 0, 1, "", 1000, 1000),
+        (10, 0, 2, "", 256 - 64, 10),  # a soft limit already large enough is left as it is
+        (3000, 0, 2, "--max-connections", 4096 - 64, 3000),  # chosen: kept, and warned
+        (3000, 32, 2, "", 4096 - 64, (4096 - 64) // 2 - 32),  # the default: fitted to the limit
+    ],
 )
-def test_the_open_file_limit_is_raised_to_fit_the_connection_cap(
-    connections: int, per_connection: int, room: int, warned: bool
+def test_the_open_file_limit_is_raised_to_fit_the_connection_cap_or_a_default_cap_is_fitted_to_it(
+    connections: int, reserve: int, per_connection: int, chosen_by: str, room: int, cap: int
 ) -> None:
-    argv = [sys.executable, "-c", _LIMITS, str(connections), str(per_connection)]
+    argv = [sys.executable, "-c", _LIMITS, str(connections), str(reserve), str(per_connection), chosen_by]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
-    assert int(done.stdout) == room  # a soft limit already large enough is left as it is
-    assert ("open-file limit 4096 is below the 6064 that 3000 connections need" in done.stderr) is warned
+    assert done.stdout.split() == [str(room), str(cap)]
+    warned = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+    if chosen_by:
+        assert warned == [
+            "WARNING open-file limit 4096 is below the 6064 that 3000 connections need: lower "
+            "--max-connections or raise the hard limit (ulimit -Hn)"
+        ]
+    else:
+        assert warned == []
+    if cap < connections:
+        assert (
+            f"INFO open-file limit 4096 fits {cap + reserve} connections: at most {cap} clients"
+            in done.stderr
+        )
+
+
+def test_a_default_proxy_start_under_a_low_open_file_limit_warns_of_nothing(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """The default cap (10,000 connections and the reserve: 20,128 descriptors) under a hard limit
+    of 4,096: the proxy serves, fitted to the limit, and its default log level shows nothing; a cap
+    given with --max-connections is kept and its warning names the option."""
+    log = tmp_path / "default.log"
+    with proxy_process(upstream.url, log=log, open_files=(1024, 4096)) as p:
+        assert httpx.get(f"{p.url}/metrics", timeout=WAIT_S).status_code == 200
+    assert "open-file limit" not in log.read_text()
+    chosen = tmp_path / "chosen.log"
+    with proxy_process(upstream.url, "--max-connections", "5000", log=chosen, open_files=(1024, 4096)) as p:
+        assert httpx.get(f"{p.url}/metrics", timeout=WAIT_S).status_code == 200
+    assert "lower --max-connections or raise the hard limit" in chosen.read_text()

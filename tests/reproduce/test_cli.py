@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,20 @@ def test_run_then_report(tmp_path: Path) -> None:
     result = runner.invoke(main, ["reproduce", "report", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "report.md").is_file() and (tmp_path / "report.html").is_file()
+    # Run again into the same DIR: the report of the earlier runs was deleted without a word.
+    report = (tmp_path / "report.md").read_text()
+    again = subprocess.run(
+        [sys.executable, "-m", "retrywatch", *args], capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 2 and again.stdout == "", again.stdout + again.stderr
+    assert again.stderr.strip().splitlines()[-1] == (
+        f"Error: Invalid value for '--out': {tmp_path} holds report.md, report.html of its earlier runs, "
+        "which a new run removes: pass --force to run into it anyway, or pick another DIR"
+    )
+    assert (tmp_path / "report.md").read_text() == report
+    result = runner.invoke(main, [*args, "--force"])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "report.md").exists() and not (tmp_path / "report.html").exists()
 
 
 def test_pulse_multiple_overrides_every_runs_pulse(tmp_path: Path) -> None:
@@ -190,6 +206,33 @@ def test_a_summary_that_cannot_be_read_is_never_replaced(tmp_path: Path) -> None
     assert "summary.json" in result.output and "move it away" in result.output
     assert (tmp_path / "summary.json").read_text() == '{"runs": [{"slug": "earlier"}]'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_calibrate_saves_c_and_says_how_run_takes_it(tmp_path: Path, monkeypatch: Any) -> None:
+    """Ĉ was printed, never saved, and nothing said that `run` ignores it (it runs at the study's
+    Ĉ of the preset): the hint it prints is taken by `run` as it is written."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["reproduce", "calibrate", "--model", "qwen2.5-7b-h100"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "out" / "calibration-qwen2.5-7b-h100.json").read_text())
+    assert saved["model"] == "qwen2.5-7b-h100" and saved["stages"]
+    capacity = f"{saved['capacity']:.3f}"
+    assert f"C = {capacity} calls/s" in result.output
+    hint = result.output.strip().splitlines()[-1]
+    assert hint == (
+        "saved to out/calibration-qwen2.5-7b-h100.json; `reproduce run` runs at the study's Ĉ of "
+        "qwen2.5-7b-h100, 2.78 calls/s, unless given this one: retrywatch reproduce run --model "
+        f"qwen2.5-7b-h100 --backend-option capacity={capacity} ..."
+    )
+    args = hint.split("retrywatch ", 1)[1].removesuffix(" ...").split()
+    args += ["--block", "diagnostic", "--condition", "retries-off-cancel-off", "--runs", "1", "--out", "runs"]
+    small: list[str] = []  # SMALL's engine, at the hint's Ĉ (not SMALL's)
+    for key, value in SMALL.items():
+        small += ["--backend-option", f"{key}={json.dumps(value)}"] if key != "capacity" else []
+    result = CliRunner().invoke(main, [*args, "--time-scale", "10", "--no-progress", *small])
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads((tmp_path / "runs" / "summary.json").read_text())["runs"]
+    assert entry["capacity"] == float(capacity)
 
 
 def test_usage_mistakes_of_calibrate_exit_2_naming_the_option() -> None:
