@@ -43,6 +43,7 @@ __all__ = [
     "detect_csv",
     "detect_json",
     "json_parser",
+    "names_columns_of",
 ]
 
 FORMATS = ("azure", "burstgpt", "mooncake", "retrywatch")
@@ -102,6 +103,16 @@ def detect_json(obj: Mapping[str, object]) -> str | None:
     if all(k in obj for k in RETRYWATCH_COLUMNS):
         return "retrywatch"
     return None
+
+
+def names_columns_of(fmt: str, header: Sequence[str]) -> bool:
+    """Whether a first CSV line names any column of layout ``fmt`` (a header, maybe incomplete)."""
+    known = {
+        "azure": AZURE_COLUMNS,
+        "burstgpt": BURSTGPT_NEW,
+        "retrywatch": RETRYWATCH_ALL,
+    }.get(fmt, ())
+    return any(h.strip() in known for h in header)
 
 
 def default_columns(fmt: str, n_fields: int) -> tuple[str, ...]:

@@ -10,9 +10,10 @@ in the layout's documented order.
 
 NOTE: time order. Arrivals count from the trace's first (earliest) request, so the reader needs
 rows in time order. Equal timestamps are fine. A row earlier than the one before it is refused
-with its line and column, unless ``reorder_window_s`` > 0: then rows are sorted within that
-bounded window (a heap holding the rows of one window: memory stays bounded by the window, not
-the file) and only a row earlier than an already-emitted one by more than the window is refused.
+with its line and column, unless ``reorder_window_s`` > 0: then a row may be up to that many
+seconds earlier than the latest row read before it, and rows are sorted within that bounded
+window (a heap holding the rows of one window: memory stays bounded by the window, not the
+file); a row further behind is refused.
 Logs written at completion rather than arrival are out of order by about one latency: pass a
 window of that size, or sort the file first.
 """
@@ -40,6 +41,7 @@ from reproduce.traces.layouts import (
     detect_csv,
     detect_json,
     json_parser,
+    names_columns_of,
 )
 from reproduce.traces.records import TraceError, TraceRecord, row_error
 
@@ -129,12 +131,13 @@ def _rows(
     assert layout is not None
     if layout == "mooncake":
         raise row_error(source, skipped + 1, None, "a mooncake trace is JSON lines, this line is not")
-    reader = csv.reader(chain([first], lines) if detected != layout else lines)
-    columns = header if detected == layout else default_columns(layout, len(header))
+    has_header = detected == layout or names_columns_of(layout, header)
+    reader = csv.reader(lines if has_header else chain([first], lines))
+    columns = header if has_header else default_columns(layout, len(header))
     parser, time_column = csv_layout(
         layout, columns, source, keep_failed=keep_failed, block_tokens=block_tokens
     )
-    offset = skipped if detected != layout else skipped + 1
+    offset = skipped + 1 if has_header else skipped
     return _csv_rows(reader, parser, offset), time_column
 
 
@@ -227,17 +230,16 @@ def _ordered(
             yield _record(row, base, line)
         return
     heap: list[tuple[float, int, Row]] = []
-    newest = float("-inf")
     for row, line in rows:
-        if row.time_s < last_t:
+        if row.time_s < last_t - window:
             raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
         heapq.heappush(heap, (row.time_s, line, row))
-        newest = max(newest, row.time_s)
-        while heap[0][0] < newest - window:
+        if row.time_s > last_t:
+            last_t, last_line = row.time_s, line
+        while heap[0][0] < last_t - window:
             t, held_line, held = heapq.heappop(heap)
             if base is None:
                 base = t
-            last_t, last_line = t, held_line
             yield _record(held, base, held_line)
     while heap:
         t, held_line, held = heapq.heappop(heap)
