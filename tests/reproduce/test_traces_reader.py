@@ -94,7 +94,7 @@ def test_burstgpt_old_layout_drops_failures_by_default(tmp_path: Path) -> None:
     path = write(tmp_path, BURSTGPT_OLD)
     records = list(read_trace(path))
     assert [r.arrival_s for r in records] == [0.0, 40.0, 113.0]
-    assert [(r.prompt_tokens, r.output_tokens) for r in records][0] == (472, 18)
+    assert (records[0].prompt_tokens, records[0].output_tokens) == (472, 18)
     assert [r.line for r in records] == [2, 3, 5]
     kept = list(read_trace(path, keep_failed=True))
     assert [(r.arrival_s, r.output_tokens) for r in kept][2] == (55.0, 0)
@@ -215,7 +215,8 @@ def message_of(tmp_path: Path, text: str, name: str = "trace.csv", **kwargs: obj
             "line 3, column 'output_tokens': negative: '-3'",
         ),
         (
-            "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n-5,ChatGPT,1,1,2,API log\n",
+            "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+            "-5,ChatGPT,1,1,2,API log\n",
             "line 2, column 'Timestamp': negative",
         ),
         # unsorted
