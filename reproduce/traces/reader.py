@@ -24,7 +24,6 @@ import codecs
 import csv
 import gzip
 import heapq
-import io
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -92,10 +91,11 @@ def _read_path(
 
 
 def _open(path: Path) -> IO[str]:
-    raw = path.open("rb")
-    if raw.peek(2)[:2] == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.GzipFile(fileobj=raw), encoding="utf-8-sig", newline="")
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+    with path.open("rb") as probe:
+        magic = probe.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return path.open(encoding="utf-8-sig", newline="")
 
 
 def _lines(fh: IO[str], source: str) -> Iterator[str]:
