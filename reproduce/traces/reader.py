@@ -74,8 +74,14 @@ def read_trace(
         raise TraceError(f"block_tokens must be >= 1, got {block_tokens!r}")
     if isinstance(source, str | os.PathLike):
         return _read_path(Path(source), format, reorder_window_s, keep_failed, block_tokens)
-    rows, time_column = _rows(iter(source), "<stream>", format, keep_failed, block_tokens)
-    return _ordered(rows, "<stream>", time_column, reorder_window_s)
+    return _read_lines(iter(source), format, reorder_window_s, keep_failed, block_tokens)
+
+
+def _read_lines(
+    lines: Iterator[str], fmt: str | None, window: float, keep_failed: bool, block_tokens: int
+) -> Iterator[TraceRecord]:
+    rows, time_column = _rows(lines, "<stream>", fmt, keep_failed, block_tokens)
+    yield from _ordered(rows, "<stream>", time_column, window)
 
 
 def _read_path(

@@ -324,6 +324,7 @@ def endless_azure_lines(counter: list[int]) -> Iterator[str]:
 def test_streaming_reads_no_further_than_it_must() -> None:
     counter = [0]
     stream = read_trace(endless_azure_lines(counter))
+    assert counter[0] == 0  # nothing is read before the first record is asked for
     first = next(stream)
     assert (first.arrival_s, first.prompt_tokens) == (0.0, 1)
     assert counter[0] <= 2
