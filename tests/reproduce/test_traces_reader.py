@@ -315,6 +315,7 @@ def test_empty_and_unreadable_files(tmp_path: Path) -> None:
 
 
 def endless_azure_lines(counter: list[int]) -> Iterator[str]:
+    counter[0] += 1
     yield "TIMESTAMP,ContextTokens,GeneratedTokens\n"
     for i in itertools.count():
         counter[0] += 1
@@ -327,10 +328,10 @@ def test_streaming_reads_no_further_than_it_must() -> None:
     assert counter[0] == 0  # nothing is read before the first record is asked for
     first = next(stream)
     assert (first.arrival_s, first.prompt_tokens) == (0.0, 1)
-    assert counter[0] <= 2
+    assert counter[0] <= 3
     rest = list(itertools.islice(stream, 999))
     assert rest[-1].arrival_s == pytest.approx(99.9)
-    assert counter[0] <= 1001
+    assert counter[0] <= 1002
     # a reorder window reads ahead by one window only
     counter = [0]
     windowed = read_trace(endless_azure_lines(counter), reorder_window_s=5.0)
