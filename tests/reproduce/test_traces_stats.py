@@ -65,6 +65,10 @@ def test_the_command_prints_the_facts_of_the_azure_hour() -> None:
     done = run_stats("--json", str(DATA / "mooncake_conversation_4min.jsonl"))
     facts = json.loads(done.stdout)
     assert facts["calls"] == 731 and facts["with_prefix_blocks"] == 731
+    done = run_stats("--json", "--window", "60:120", str(DATA / "mooncake_conversation_4min.jsonl"))
+    assert json.loads(done.stdout)["calls"] == 177  # the second minute of the slice
+    done = run_stats("--window", "120", str(DATA / "mooncake_conversation_4min.jsonl"))
+    assert done.returncode == 1 and "a window is START:END" in done.stderr
 
 
 def test_the_command_reports_a_bad_row_in_one_line(tmp_path: Path) -> None:
