@@ -144,11 +144,19 @@ def _rows(
         layout, columns, source, keep_failed=keep_failed, block_tokens=block_tokens
     )
     offset = skipped + 1 if has_header else skipped
-    return _csv_rows(reader, parser, offset), time_column
+    return _csv_rows(reader, parser, offset, source), time_column
 
 
-def _csv_rows(reader: Iterator[list[str]], parser: CsvParser, offset: int) -> Iterator[tuple[Row, int]]:
-    for fields in reader:
+def _csv_rows(
+    reader: Iterator[list[str]], parser: CsvParser, offset: int, source: str
+) -> Iterator[tuple[Row, int]]:
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a field over the csv module's size limit, a stray quote
+            raise row_error(source, offset + reader.line_num, None, f"not CSV: {exc}") from None  # type: ignore[attr-defined]
         if not fields or (len(fields) == 1 and not fields[0].strip()):
             continue
         line = offset + reader.line_num  # type: ignore[attr-defined]

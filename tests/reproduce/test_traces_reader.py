@@ -304,6 +304,12 @@ def test_unsorted_rows_within_the_reorder_window_are_sorted(tmp_path: Path) -> N
     assert len(list(read_trace(write(tmp_path, late), reorder_window_s=2.5))) == 4
 
 
+def test_a_line_that_is_not_csv_names_its_line(tmp_path: Path) -> None:
+    huge = "1 " * 70_000
+    text = f"arrival_s,prompt_tokens,output_tokens,prefix_blocks\n0,1,1,1\n1,1,1,{huge}\n"
+    assert message_of(tmp_path, text).startswith("line 3: not CSV: field larger than field limit")
+
+
 def test_empty_and_unreadable_files(tmp_path: Path) -> None:
     assert message_of(tmp_path, "\n\n").startswith("empty")
     with pytest.raises(TraceError, match="cannot read"):
