@@ -1,0 +1,42 @@
+"""Request traces: reading operators' and public traces as a stream of calls to replay.
+
+The public surface a run plan calls:
+
+* ``read_trace(source, format=None, ...)``: stream a trace file (or lines) into
+  ``TraceRecord``s, in time order, arrivals counted from the first request
+  (``reproduce.traces.reader``; layouts in ``reproduce.traces.layouts``).
+* ``mean_rate``, ``rescale_to_rate``, ``rescale_arrivals``, ``window``, ``parse_window``:
+  pure functions over the record stream (``reproduce.traces.scaling``).
+* ``to_trace_calls`` / ``to_planned_calls``: records as ``PlannedCall``s, with prompt segments
+  that keep prefix-block sharing (``reproduce.traces.planned``).
+* ``trace_stats``: the facts of a trace (``reproduce.traces.facts``;
+  ``python -m reproduce.traces.stats FILE`` prints them).
+
+Every bad input is a ``TraceError`` (a ``ValueError``) with one line naming the line and column.
+docs/traces.md describes the layouts and where to get each public trace.
+"""
+
+from reproduce.traces.facts import TraceStats, trace_stats
+from reproduce.traces.layouts import FORMATS
+from reproduce.traces.planned import TraceCall, to_planned_calls, to_trace_calls, trace_segments
+from reproduce.traces.reader import read_trace
+from reproduce.traces.records import TraceError, TraceRecord
+from reproduce.traces.scaling import mean_rate, parse_window, rescale_arrivals, rescale_to_rate, window
+
+__all__ = [
+    "FORMATS",
+    "TraceCall",
+    "TraceError",
+    "TraceRecord",
+    "TraceStats",
+    "mean_rate",
+    "parse_window",
+    "read_trace",
+    "rescale_arrivals",
+    "rescale_to_rate",
+    "to_planned_calls",
+    "to_trace_calls",
+    "trace_segments",
+    "trace_stats",
+    "window",
+]

@@ -1,0 +1,262 @@
+"""Streaming a trace file into ``TraceRecord``s: opening, layout detection, time order.
+
+``read_trace`` is a generator: it reads one row at a time (a week-long trace is never loaded
+whole), from a path (plain, or gzip-compressed: detected from its first bytes) or from any
+iterable of text lines (a pipe, a socket's lines, an endless generator).
+
+The layout comes from the header (CSV) or the first record (JSON lines); ``format`` names it
+when the header does not tell, e.g. a CSV file without a header, whose columns are then taken
+in the layout's documented order.
+
+NOTE: time order. Arrivals count from the trace's first (earliest) request, so the reader needs
+rows in time order. Equal timestamps are fine. A row earlier than the one before it is refused
+with its line and column, unless ``reorder_window_s`` > 0: then a row may be up to that many
+seconds earlier than the latest row read before it, and rows are sorted within that bounded
+window (a heap holding the rows of one window: memory stays bounded by the window, not the
+file); a row further behind is refused.
+Logs written at completion rather than arrival are out of order by about one latency: pass a
+window of that size, or sort the file first.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import gzip
+import heapq
+import json
+import os
+from collections.abc import Iterable, Iterator
+from itertools import chain
+from pathlib import Path
+from typing import IO
+
+from reproduce.traces.layouts import (
+    FORMATS,
+    CsvParser,
+    Row,
+    csv_layout,
+    default_columns,
+    detect_csv,
+    detect_json,
+    json_parser,
+    names_columns_of,
+)
+from reproduce.traces.records import TraceError, TraceRecord, row_error
+
+__all__ = ["DEFAULT_BLOCK_TOKENS", "TraceSource", "read_trace"]
+
+#: Block size assumed for the retrywatch layout's ``prefix_blocks`` (Mooncake's convention).
+DEFAULT_BLOCK_TOKENS = 512
+
+TraceSource = str | os.PathLike[str] | Iterable[str]
+
+
+def read_trace(
+    source: TraceSource,
+    format: str | None = None,
+    *,
+    reorder_window_s: float = 0.0,
+    keep_failed: bool = False,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> Iterator[TraceRecord]:
+    """Stream the requests of a trace, in time order, arrivals counted from the first one.
+
+    ``format``: one of ``FORMATS``; autodetected from the header when None. ``keep_failed``
+    keeps BurstGPT's failed rows (0 response tokens). ``block_tokens``: tokens per prefix block
+    of the retrywatch layout. Raises ``TraceError`` (one line: line and column) on a bad row.
+    """
+    if format is not None and format not in FORMATS:
+        raise TraceError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
+    if not reorder_window_s >= 0.0:
+        raise TraceError(f"reorder_window_s must be >= 0 seconds, got {reorder_window_s!r}")
+    if block_tokens < 1:
+        raise TraceError(f"block_tokens must be >= 1, got {block_tokens!r}")
+    if isinstance(source, str | os.PathLike):
+        return _read_path(Path(source), format, reorder_window_s, keep_failed, block_tokens)
+    return _read_lines(iter(source), format, reorder_window_s, keep_failed, block_tokens)
+
+
+def _read_lines(
+    lines: Iterator[str], fmt: str | None, window: float, keep_failed: bool, block_tokens: int
+) -> Iterator[TraceRecord]:
+    rows, time_column = _rows(lines, "<stream>", fmt, keep_failed, block_tokens)
+    yield from _ordered(rows, "<stream>", time_column, window)
+
+
+def _read_path(
+    path: Path, fmt: str | None, window: float, keep_failed: bool, block_tokens: int
+) -> Iterator[TraceRecord]:
+    try:
+        fh = _open(path)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    with fh:
+        rows, time_column = _rows(_lines(fh, str(path)), str(path), fmt, keep_failed, block_tokens)
+        yield from _ordered(rows, str(path), time_column, window)
+
+
+def _open(path: Path) -> IO[str]:
+    with path.open("rb") as probe:
+        magic = probe.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return path.open(encoding="utf-8-sig", newline="")
+
+
+def _lines(fh: IO[str], source: str) -> Iterator[str]:
+    try:
+        yield from fh
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, OSError) as exc:
+        raise TraceError(f"{source}: cannot read past the last good row: {exc}") from None
+
+
+def _rows(
+    lines: Iterator[str], source: str, fmt: str | None, keep_failed: bool, block_tokens: int
+) -> tuple[Iterator[tuple[Row, int]], str]:
+    """The parsed rows (with their line numbers) and the layout's time column."""
+    first = ""
+    skipped = 0
+    for first in lines:
+        if first.strip():
+            break
+        skipped += 1
+    else:
+        raise TraceError(f"{source}: empty: no header and no rows")
+    first = first.removeprefix(codecs.BOM_UTF8.decode())
+    if first.lstrip().startswith("{"):
+        return _json_rows(chain([first], lines), source, fmt, skipped, block_tokens)
+    header = next(csv.reader([first]))
+    detected = detect_csv(header)
+    if fmt is None and detected is None:
+        raise TraceError(
+            f"{source}: line {skipped + 1}: the header {first.strip()[:80]!r} is no known layout; "
+            f"pass the format ({', '.join(FORMATS)}) or use the retrywatch layout's columns"
+        )
+    layout = fmt if fmt is not None else detected
+    assert layout is not None
+    if layout == "mooncake":
+        raise row_error(source, skipped + 1, None, "a mooncake trace is JSON lines, this line is not")
+    has_header = detected == layout or names_columns_of(layout, header)
+    reader = csv.reader(lines if has_header else chain([first], lines))
+    columns = header if has_header else default_columns(layout, len(header))
+    parser, time_column = csv_layout(
+        layout, columns, source, keep_failed=keep_failed, block_tokens=block_tokens
+    )
+    offset = skipped + 1 if has_header else skipped
+    return _csv_rows(reader, parser, offset, source), time_column
+
+
+def _csv_rows(
+    reader: Iterator[list[str]], parser: CsvParser, offset: int, source: str
+) -> Iterator[tuple[Row, int]]:
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a field over the csv module's size limit, a stray quote
+            raise row_error(source, offset + reader.line_num, None, f"not CSV: {exc}") from None  # type: ignore[attr-defined]
+        if not fields or (len(fields) == 1 and not fields[0].strip()):
+            continue
+        line = offset + reader.line_num  # type: ignore[attr-defined]
+        row = parser(fields, line)
+        if row is not None:
+            yield row, line
+
+
+def _json_rows(
+    lines: Iterator[str], source: str, fmt: str | None, skipped: int, block_tokens: int
+) -> tuple[Iterator[tuple[Row, int]], str]:
+    first = next(lines)
+    obj = _json_object(first, source, skipped + 1)
+    layout = fmt if fmt is not None else detect_json(obj)
+    if layout is None:
+        raise TraceError(
+            f"{source}: line {skipped + 1}: a JSON record of no known layout (keys "
+            f"{', '.join(sorted(obj))[:80]}); pass the format ({', '.join(FORMATS)})"
+        )
+    parser, time_key = json_parser(layout, source, block_tokens=block_tokens)
+
+    def rows() -> Iterator[tuple[Row, int]]:
+        row = parser(obj, skipped + 1)
+        if row is not None:
+            yield row, skipped + 1
+        for n, text in enumerate(lines, start=skipped + 2):
+            if not text.strip():
+                continue
+            row = parser(_json_object(text, source, n), n)
+            if row is not None:
+                yield row, n
+
+    return rows(), time_key
+
+
+def _json_object(text: str, source: str, line: int) -> dict[str, object]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise row_error(source, line, None, f"not JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(obj, dict):
+        raise row_error(source, line, None, "not a JSON object")
+    return obj
+
+
+def _record(row: Row, base: float, line: int) -> TraceRecord:
+    return TraceRecord(
+        arrival_s=row.time_s - base,
+        prompt_tokens=row.prompt_tokens,
+        output_tokens=row.output_tokens,
+        call_id=row.call_id,
+        session=row.session,
+        tenant=row.tenant,
+        prefix_blocks=row.prefix_blocks,
+        block_tokens=row.block_tokens,
+        line=line,
+    )
+
+
+def _unsorted(
+    source: str, line: int, column: str, earlier_than: int, by_s: float, window: float
+) -> TraceError:
+    return row_error(
+        source,
+        line,
+        column,
+        f"{by_s:.6g} s earlier than line {earlier_than}: the trace must be in time order "
+        f"(or out of order by at most reorder_window_s={window:g} s); sort it first or widen the window",
+    )
+
+
+def _ordered(
+    rows: Iterator[tuple[Row, int]], source: str, column: str, window: float
+) -> Iterator[TraceRecord]:
+    base: float | None = None
+    last_t = float("-inf")
+    last_line = 0
+    if window == 0.0:
+        for row, line in rows:
+            if row.time_s < last_t:
+                raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
+            if base is None:
+                base = row.time_s
+            last_t, last_line = row.time_s, line
+            yield _record(row, base, line)
+        return
+    heap: list[tuple[float, int, Row]] = []
+    for row, line in rows:
+        if row.time_s < last_t - window:
+            raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
+        heapq.heappush(heap, (row.time_s, line, row))
+        if row.time_s > last_t:
+            last_t, last_line = row.time_s, line
+        while heap[0][0] < last_t - window:
+            t, held_line, held = heapq.heappop(heap)
+            if base is None:
+                base = t
+            yield _record(held, base, held_line)
+    while heap:
+        t, held_line, held = heapq.heappop(heap)
+        if base is None:
+            base = t
+        yield _record(held, base, held_line)

@@ -1,0 +1,79 @@
+"""The facts of a trace, and the ``python -m reproduce.traces.stats`` command that prints them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reproduce.traces import TraceError, TraceRecord, trace_stats
+from reproduce.traces.facts import percentile
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "reproduce" / "traces" / "data"
+
+
+def test_facts_of_a_small_trace() -> None:
+    # minute 0: 3 calls, minute 1: none, minute 2: 1 call
+    records = [
+        TraceRecord(0.0, 10, 1, session="a"),
+        TraceRecord(1.0, 20, 2, session="a"),
+        TraceRecord(59.0, 30, 3, prefix_blocks=(1,), block_tokens=512),
+        TraceRecord(150.0, 40, 400, session="b"),
+    ]
+    stats = trace_stats(records)
+    assert stats.calls == 4
+    assert stats.duration_s == 150.0
+    assert stats.mean_rate == pytest.approx(3 / 150.0)
+    assert stats.busiest_minute_calls == 3
+    assert stats.median_minute_calls == 1.0  # minutes hold 3, 0, 1: the empty one counts
+    assert stats.prompt_p == {50: 20, 90: 40, 99: 40}
+    assert stats.output_max == 400
+    assert stats.with_prefix_blocks == 1
+    assert stats.sessions == 2
+    with pytest.raises(TraceError, match="no calls"):
+        trace_stats([])
+
+
+def test_nearest_rank_percentile() -> None:
+    values = list(range(1, 101))
+    assert [percentile(values, p) for p in (1, 50, 90, 99, 100)] == [1, 50, 90, 99, 100]
+    assert percentile([7], 50) == 7
+
+
+def run_stats(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-m", "reproduce.traces.stats", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_command_prints_the_facts_of_the_azure_hour() -> None:
+    done = run_stats(str(DATA / "azure_code_2023_hour.csv.gz"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    lines = dict(line.split(None, 1) for line in done.stdout.replace(" minute", "_minute").splitlines())
+    assert lines["calls"] == "8819"
+    assert lines["busiest_minute"].startswith("632 calls")
+    done = run_stats("--json", str(DATA / "mooncake_conversation_4min.jsonl"))
+    facts = json.loads(done.stdout)
+    assert facts["calls"] == 731 and facts["with_prefix_blocks"] == 731
+    done = run_stats("--json", "--window", "60:120", str(DATA / "mooncake_conversation_4min.jsonl"))
+    assert json.loads(done.stdout)["calls"] == 177  # the second minute of the slice
+    done = run_stats("--window", "120", str(DATA / "mooncake_conversation_4min.jsonl"))
+    assert done.returncode == 1 and "a window is START:END" in done.stderr
+
+
+def test_the_command_reports_a_bad_row_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,prompt_tokens,output_tokens\n0,1,1\n1,x,1\n")
+    done = run_stats(str(bad))
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"Error: {bad}: line 3, column 'prompt_tokens': not a number: 'x'"
