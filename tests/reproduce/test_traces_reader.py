@@ -13,7 +13,7 @@ import pytest
 from reproduce.traces import FORMATS, TraceError, TraceRecord, read_trace
 
 DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
-AZURE_HOUR = DATA / "azure_code_2023_hour.csv.gz"
+AZURE_CODE = DATA / "azure_code_2023_30min.csv.gz"
 AZURE_CONV = DATA / "azure_conv_2023_5min.csv"
 MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"
 EXAMPLE_CSV = DATA / "retrywatch_example.csv"
@@ -52,17 +52,17 @@ def write(tmp_path: Path, text: str, name: str = "trace.csv") -> Path:
     return path
 
 
-def test_azure_2023_hour_gzip_every_request_from_the_first() -> None:
-    records = list(read_trace(AZURE_HOUR))
-    assert len(records) == 8819
+def test_azure_2023_code_gzip_every_request_from_the_first() -> None:
+    records = list(read_trace(AZURE_CODE))
+    assert len(records) == 5740
     assert records[0].arrival_s == 0.0
     assert (records[0].prompt_tokens, records[0].output_tokens) == (4808, 10)
     # 2023-11-16 18:17:03.9799600 -> 18:17:04.0319600: the 7-digit fractions are kept
     assert records[1].arrival_s == pytest.approx(0.052, abs=1e-6)
-    # last row 2023-11-16 19:14:19.9280160
-    assert records[-1].arrival_s == pytest.approx(3435.94806, abs=1e-5)
-    assert (records[-1].prompt_tokens, records[-1].output_tokens) == (549, 173)
-    assert records[-1].line == 8820
+    # last row 2023-11-16 18:46:52.3906350
+    assert records[-1].arrival_s == pytest.approx(1788.410675, abs=1e-5)
+    assert (records[-1].prompt_tokens, records[-1].output_tokens) == (941, 264)
+    assert records[-1].line == 5741
     assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(records))
     assert all(r.call_id is None and r.prefix_blocks == () for r in records)
 
@@ -154,7 +154,7 @@ def test_retrywatch_optional_columns_any_order(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("path", "fmt"),
-    [(AZURE_HOUR, "azure"), (AZURE_CONV, "azure"), (MOONCAKE, "mooncake"), (EXAMPLE_CSV, "retrywatch")],
+    [(AZURE_CODE, "azure"), (AZURE_CONV, "azure"), (MOONCAKE, "mooncake"), (EXAMPLE_CSV, "retrywatch")],
 )
 def test_autodetected_layout_equals_the_named_one(path: Path, fmt: str) -> None:
     assert list(itertools.islice(read_trace(path), 50)) == list(itertools.islice(read_trace(path, fmt), 50))

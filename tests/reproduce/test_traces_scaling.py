@@ -22,7 +22,7 @@ from reproduce.traces import (
 )
 
 DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
-AZURE_HOUR = DATA / "azure_code_2023_hour.csv.gz"
+AZURE_CODE = DATA / "azure_code_2023_30min.csv.gz"
 
 
 def gaps(records: list[TraceRecord]) -> list[float]:
@@ -32,10 +32,10 @@ def gaps(records: list[TraceRecord]) -> list[float]:
 @pytest.mark.parametrize("multiple", [0.6, 2.7])
 def test_load_hits_the_mean_rate_and_keeps_the_burst_shape(multiple: float) -> None:
     capacity = 2.78
-    source = mean_rate(read_trace(AZURE_HOUR))  # the first streaming pass
-    assert source == pytest.approx(8818 / 3435.94806, rel=1e-6)
-    scaled = list(rescale_to_rate(read_trace(AZURE_HOUR), multiple * capacity, source))
-    original = list(read_trace(AZURE_HOUR))
+    source = mean_rate(read_trace(AZURE_CODE))  # the first streaming pass
+    assert source == pytest.approx(5739 / 1788.410675, rel=1e-6)
+    scaled = list(rescale_to_rate(read_trace(AZURE_CODE), multiple * capacity, source))
+    original = list(read_trace(AZURE_CODE))
     assert mean_rate(scaled) == pytest.approx(multiple * capacity, rel=1e-9)
     # every inter-arrival gap shrinks or stretches by one factor: ratios of gaps are kept
     factor = source / (multiple * capacity)
@@ -49,31 +49,31 @@ def test_load_hits_the_mean_rate_and_keeps_the_burst_shape(multiple: float) -> N
 
 def test_burstiness_survives_rescaling() -> None:
     """The busiest stretch against the typical one is the same at any load (one time factor)."""
-    source = mean_rate(read_trace(AZURE_HOUR))
-    before = trace_stats(read_trace(AZURE_HOUR))
-    after = trace_stats(rescale_arrivals(read_trace(AZURE_HOUR), 60.0))  # an hour becomes 60 hours
+    source = mean_rate(read_trace(AZURE_CODE))
+    before = trace_stats(read_trace(AZURE_CODE))
+    after = trace_stats(rescale_arrivals(read_trace(AZURE_CODE), 60.0))  # half an hour becomes 30 hours
     assert after.calls == before.calls
     assert after.duration_s == pytest.approx(before.duration_s * 60.0)
     assert after.mean_rate == pytest.approx(source / 60.0)
     # each original second becomes one new minute: the busiest new minute holds the busiest second's calls
     per_second = [0] * (int(before.duration_s) + 1)
-    for record in read_trace(AZURE_HOUR):
+    for record in read_trace(AZURE_CODE):
         per_second[int(record.arrival_s)] += 1
     assert after.busiest_minute_calls == max(per_second)
 
 
 def test_bad_rates_are_refused() -> None:
     with pytest.raises(TraceError, match="target rate must be a positive number"):
-        list(rescale_to_rate(read_trace(AZURE_HOUR), 0.0, 1.0))
+        list(rescale_to_rate(read_trace(AZURE_CODE), 0.0, 1.0))
     with pytest.raises(TraceError, match="time factor must be a positive number"):
-        list(rescale_arrivals(read_trace(AZURE_HOUR), math.nan))
+        list(rescale_arrivals(read_trace(AZURE_CODE), math.nan))
     with pytest.raises(TraceError, match="at least two calls"):
         mean_rate([TraceRecord(0.0, 1, 1)])
 
 
 def test_window_keeps_start_to_end_counted_from_start() -> None:
-    full = list(read_trace(AZURE_HOUR))
-    part = list(window(read_trace(AZURE_HOUR), 600.0, 900.0))
+    full = list(read_trace(AZURE_CODE))
+    part = list(window(read_trace(AZURE_CODE), 600.0, 900.0))
     expected = [r for r in full if 600.0 <= r.arrival_s < 900.0]
     assert len(part) == len(expected) > 100
     assert [r.line for r in part] == [r.line for r in expected]
@@ -115,6 +115,6 @@ def test_parse_window_refuses(text: str) -> None:
 
 def test_window_then_load_rescales_the_window_rate() -> None:
     start, end = parse_window("600:1200")
-    source = mean_rate(window(read_trace(AZURE_HOUR), start, end))
-    scaled = list(rescale_to_rate(window(read_trace(AZURE_HOUR), start, end), 5.0, source))
+    source = mean_rate(window(read_trace(AZURE_CODE), start, end))
+    scaled = list(rescale_to_rate(window(read_trace(AZURE_CODE), start, end), 5.0, source))
     assert mean_rate(scaled) == pytest.approx(5.0, rel=1e-9)

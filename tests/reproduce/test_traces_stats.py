@@ -55,12 +55,12 @@ def run_stats(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_command_prints_the_facts_of_the_azure_hour() -> None:
-    done = run_stats(str(DATA / "azure_code_2023_hour.csv.gz"))
+def test_the_command_prints_the_facts_of_the_azure_code_slice() -> None:
+    done = run_stats(str(DATA / "azure_code_2023_30min.csv.gz"))
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     lines = dict(line.split(None, 1) for line in done.stdout.replace(" minute", "_minute").splitlines())
-    assert lines["calls"] == "8819"
+    assert lines["calls"] == "5740"
     assert lines["busiest_minute"].startswith("632 calls")
     done = run_stats("--json", str(DATA / "mooncake_conversation_4min.jsonl"))
     facts = json.loads(done.stdout)
