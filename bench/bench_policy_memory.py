@@ -77,11 +77,8 @@ def fill_departures(policy: Policy, keys: int, departures: int) -> None:
 
 
 def remembered_departures(policy: Policy) -> int:
-    """Departures held now, in either layout (before and after the total bound)."""
-    memory = policy._departures
-    if hasattr(memory, "total"):
-        return int(memory.total)
-    return sum(len(v) for _, v in memory._entries.values())
+    """Departures held now."""
+    return policy.departures.total
 
 
 def held(memory: object) -> int:

@@ -11,9 +11,10 @@ delivery within the deadline (to count a missed deadline). Both bounded.
 
 NOTE: compact on purpose: an adversary can fill both to their bounds (200,000 calls by default).
 A seen call is one ``complex`` (latest attempt, first attempt: two exact doubles, 32 bytes, no
-object the garbage collector walks) beside its key, not a tuple of a float and a tuple of a float
-and a bool (349 bytes a call with the key; ``bench/bench_policy_memory.py``); the delivered ones
-are a set of keys. A call awaiting delivery shares its key with :class:`SeenCalls` and holds its
+object the garbage collector walks) under its key in a plain dict, in the order of
+``exporter.recency``, not a tuple of a float and a tuple of a float and a bool in an ordered dict
+(349 bytes a call with the key; ``bench/bench_policy_memory.py``); the delivered ones are a set of
+keys. A call awaiting delivery shares its key with :class:`SeenCalls` and holds its
 first attempt's time under it, in a plain dict; the order is a pair of deques (key, time) whose
 entries for calls delivered meanwhile are skipped when they come up, instead of an ordered dict
 keyed by a tuple per call.
@@ -21,7 +22,9 @@ keyed by a tuple per call.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
+
+from exporter.recency import Recency
 
 
 class SeenCalls:
@@ -32,8 +35,8 @@ class SeenCalls:
     def __init__(self, memory_s: float, max_keys: int) -> None:
         self.memory_s = memory_s
         self.max_keys = max_keys
-        # key -> complex(latest attempt, first attempt), the least recently seen first
-        self._entries: OrderedDict[str, complex] = OrderedDict()
+        self._entries: dict[str, complex] = {}  # key -> complex(latest attempt, first attempt)
+        self._order = Recency()  # the keys, the least recently seen first
         self._delivered: set[str] = set()  # keys held whose call was delivered
 
     def __len__(self) -> int:
@@ -44,24 +47,23 @@ class SeenCalls:
         """An attempt under ``key`` arrived: when its call's first attempt was seen if the call is
         remembered (a retry), else None (a first attempt, seen now, not delivered). Either way the
         call is remembered from ``now`` on."""
-        entries = self._entries
+        entries, order = self._entries, self._order
         entry = entries.get(key)
         if entry is not None and not now - entry.real > self.memory_s:
             # Remembered from its latest attempt, still counted from its first: a call whose
             # retries go on is not forgotten mid-call.
             first_at: float | None = entry.imag
             entries[key] = complex(now, entry.imag)
-            entries.move_to_end(key)
         else:
             first_at = None
             entries[key] = complex(now, now)
-            entries.move_to_end(key)
             self._delivered.discard(key)
+        order.touch(key, listed=entry is not None)
         horizon = now - self.memory_s
-        while entries:
-            oldest_key = next(iter(entries))
+        while (oldest_key := order.oldest()) is not None:
             if len(entries) > self.max_keys or entries[oldest_key].real < horizon:
-                entries.popitem(last=False)
+                order.pop_oldest()
+                del entries[oldest_key]
                 self._delivered.discard(oldest_key)
             else:
                 break
@@ -77,7 +79,6 @@ class SeenCalls:
             return False
         self._delivered.add(key)
         return True
-
 
 
 class AwaitingDelivery:
