@@ -174,9 +174,10 @@ class PolicyConfig:
     )
     retry_memory_s: float = 900.0  # how long a call key is remembered for classifying retries
     max_remembered_calls: int = 200_000
-    # Departures without a call id remembered in all (``exporter.departures``): 16 bytes each in
-    # its key's array, beside about 270 a key. 100,000 in 15 min is 110 a second left unanswered
-    # and not yet retried, far beyond what one engine serves (the study's: about 3 calls/s).
+    # Departures without a call id remembered in all (``exporter.departures``): about 280 bytes
+    # each at the bound, each under a key of its own, the key included. 100,000 in 15 min is 110
+    # a second left unanswered and not yet retried, far beyond what one engine serves (the
+    # study's: about 3 calls/s).
     max_remembered_departures: int = 100_000
     prefill_tokens_per_s: float = 20_000.0  # prior for the first-token wait estimate; learned online
 
