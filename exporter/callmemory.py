@@ -36,7 +36,7 @@ class SeenCalls:
         self.memory_s = memory_s
         self.max_keys = max_keys
         self._entries: dict[str, complex] = {}  # key -> complex(latest attempt, first attempt)
-        self._order = Recency()  # the keys, the least recently seen first
+        self._order = Recency(self._entries)  # the keys, the least recently seen first
         self._delivered: set[str] = set()  # keys held whose call was delivered
 
     def __len__(self) -> int:
@@ -53,12 +53,12 @@ class SeenCalls:
             # Remembered from its latest attempt, still counted from its first: a call whose
             # retries go on is not forgotten mid-call.
             first_at: float | None = entry.imag
-            entries[key] = complex(now, entry.imag)
+            entries[key] = seen = complex(now, entry.imag)
         else:
             first_at = None
-            entries[key] = complex(now, now)
+            entries[key] = seen = complex(now, now)
             self._delivered.discard(key)
-        order.touch(key, listed=entry is not None)
+        order.touch(key, seen)
         horizon = now - self.memory_s
         while (oldest_key := order.oldest()) is not None:
             if len(entries) > self.max_keys or entries[oldest_key].real < horizon:

@@ -15,9 +15,10 @@ NOTE: compact on purpose. The bound per key alone let 200,000 keys hold 32 depar
 every one a tuple of two float objects inside a tuple per key: about 3.5 KB a key, 695 MiB in
 all (``bench/bench_policy_memory.py``). Here a key's one departure is a ``complex``
 ``(left_at, call_started_at)``, two exact doubles in 32 bytes, and its several departures one
-``array('d')`` of such pairs, oldest first: 16 bytes a departure, with no object the garbage
-collector walks; the keys are in a plain dict, in the order of ``exporter.recency``, not an ordered
-dict; and the total bound caps the memory whatever the keys.
+``array('d')`` of such pairs, oldest first (shrunk in place, so it may come to hold one): 16
+bytes a departure, with no object the garbage collector walks; the keys are in a plain dict, in
+the order of ``exporter.recency``, not an ordered dict; and the total bound caps the memory
+whatever the keys.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import TypeAlias
 from exporter.recency import Recency
 
 # A key's departures: one as complex(left_at, call_started_at); several as an array of
-# [left_at, call_started_at, left_at, call_started_at, ...], oldest first.
+# [left_at, call_started_at, left_at, call_started_at, ...], oldest first, shrunk in place (a new
+# object only when the key departs again: ``exporter.recency`` tells its place by identity).
 Held: TypeAlias = "complex | array[float]"
 
 
@@ -37,11 +39,6 @@ def _pairs(held: Held) -> array[float]:
     if isinstance(held, complex):
         return array("d", (held.real, held.imag))
     return held
-
-
-def _held(pairs: array[float]) -> Held:
-    """What to keep of ``pairs`` (at least one pair): a complex for one."""
-    return complex(pairs[0], pairs[1]) if len(pairs) == 2 else pairs
 
 
 class DepartureMemory:
@@ -56,7 +53,7 @@ class DepartureMemory:
         self.max_total = max_total
         self.max_keys = max_keys
         self._by_key: dict[str, Held] = {}
-        self._order = Recency()  # the keys by their latest departure, the least recent first
+        self._order = Recency(self._by_key)  # the keys by their latest departure, least recent first
         self.total = 0  # departures held (forgotten ones still held until their key is touched)
         self.evicted = 0  # departures forgotten at ``max_total`` or ``max_keys``, before their time
 
@@ -82,17 +79,21 @@ class DepartureMemory:
     def depart(self, now: float, key: str, call_started_at: float) -> None:
         """An attempt under ``key`` left before its answer: remember it from ``now`` on."""
         old = self._by_key.get(key)
+        held: Held
         if old is None:
-            self._by_key[key] = complex(now, call_started_at)
+            held = complex(now, call_started_at)
             self.total += 1
         else:  # its pending ones within the memory, at most per_key with this one
             pairs = _pairs(old)
             self.total -= len(pairs) // 2
             start = max(self._expired(now, pairs), len(pairs) - 2 * (self.per_key - 1))
-            pairs = pairs[start:] + array("d", (now, call_started_at))  # exactly the size it needs
-            self._by_key[key] = _held(pairs)
-            self.total += len(pairs) // 2
-        self._order.touch(key, listed=old is not None)  # the most recent now
+            if start == len(pairs):
+                held = complex(now, call_started_at)
+            else:  # exactly the size it needs
+                held = pairs[start:] + array("d", (now, call_started_at))
+            self.total += 1 + (len(pairs) - start) // 2
+        self._by_key[key] = held
+        self._order.touch(key, held)  # the most recent now: a new object under the key
         self._forget(now)
 
     def use(self, now: float, key: str) -> float | None:
@@ -101,24 +102,23 @@ class DepartureMemory:
         held = self._by_key.get(key)
         if held is None:
             return None
-        pairs = _pairs(held)
+        if isinstance(held, complex):  # its one departure, within the memory or not
+            del self._by_key[key]
+            self.total -= 1
+            return None if held.real < now - self.memory_s else held.imag
+        pairs = held
         expired = self._expired(now, pairs)
         if expired == len(pairs):
-            self._unlist(key)
+            del self._by_key[key]
             self.total -= len(pairs) // 2
             return None
         call_started_at = pairs[expired + 1]
         if expired + 2 == len(pairs):
-            self._unlist(key)
-        else:
+            del self._by_key[key]
+        else:  # in place: the key keeps its place (``exporter.recency``)
             del pairs[: expired + 2]
-            self._by_key[key] = _held(pairs)
         self.total -= expired // 2 + 1
         return call_started_at
-
-    def _unlist(self, key: str) -> None:
-        del self._by_key[key]
-        self._order.drop(key)
 
     def _expired(self, now: float, pairs: array[float]) -> int:
         """How many of ``pairs``' leading values belong to departures past the memory."""
@@ -147,8 +147,7 @@ class DepartureMemory:
             else:
                 return
             if expired:  # those past the memory go first, forgotten in time, not evicted
-                del pairs[:expired]
-                by_key[oldest_key] = _held(pairs)
+                del pairs[:expired]  # in place (an array: one departure alone is never expired)
                 self.total -= expired // 2
                 continue
             if 2 * over >= len(pairs):
@@ -156,7 +155,6 @@ class DepartureMemory:
                 del by_key[oldest_key]
                 over = len(pairs) // 2
             else:
-                del pairs[: 2 * over]
-                by_key[oldest_key] = _held(pairs)
+                del pairs[: 2 * over]  # in place (an array: a complex goes whole)
             self.total -= over
             self.evicted += over

@@ -133,23 +133,30 @@ def test_the_order_of_calls_awaiting_is_rebuilt_and_stays_bounded() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_order_of_keys_is_an_ordered_dicts(seed: int) -> None:
+    """Keys touched (moved to the end), changed in place, dropped anywhere and popped from the
+    front, as an ordered dict's; its deque rebuilt as stale entries pile up."""
     rng = random.Random(seed)
-    order, reference = Recency(), OrderedDict[str, None]()
+    owner: dict[str, list[int]] = {}
+    reference = OrderedDict[str, None]()
+    order = Recency(owner)
     for _ in range(20_000):
         key = f"k{rng.randrange(60)}"
         roll = rng.random()
-        if roll < 0.6:
-            order.touch(key, listed=key in reference)
+        if roll < 0.5:
+            owner[key] = value = [0]  # a new object at each touch
+            order.touch(key, value)
             reference[key] = None
             reference.move_to_end(key)
-        elif roll < 0.8 and key in reference:
-            order.drop(key)
+        elif roll < 0.6 and key in owner:
+            owner[key].append(1)  # changed in place: it keeps its place
+        elif roll < 0.8 and key in owner:
+            del owner[key]
             del reference[key]
         elif reference:
             assert order.oldest() == next(iter(reference))
             if rng.random() < 0.5:
                 order.pop_oldest()
+                del owner[next(iter(reference))]
                 reference.popitem(last=False)
-        assert len(order) == len(reference)
-        assert len(order._order) <= 2 * len(reference) + 1024
+        assert len(order._keys) <= 4 * len(owner) + 1024
     assert order.oldest() == next(iter(reference), None)
