@@ -17,7 +17,10 @@ object the garbage collector walks) under its key in a plain dict, in the order 
 keys. A call awaiting delivery shares its key with :class:`SeenCalls` and holds its
 first attempt's time under it, in a plain dict; the order is a pair of deques (key, time) whose
 entries for calls delivered meanwhile are skipped when they come up, instead of an ordered dict
-keyed by a tuple per call.
+keyed by a tuple per call. The order is the ordered dict's but in one case: a pair delivered in
+time at the very instant it arrived, then held again at that instant (a first attempt answered in
+no time, and an identical one), keeps its first place, which decides only which of two calls seen
+at one instant is forgotten first at the bound.
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ class AwaitingDelivery:
         """(key, time) pairs held."""
         return self._pairs
 
-    def add(self, key: str | None, at: float) -> None:
-        """A call's first attempt arrived at ``at`` (the latest time so far)."""
+    def add(self, key: str | None, at: float) -> int:
+        """A call's first attempt arrived at ``at`` (the latest time so far): how many calls were
+        forgotten to make room for it (0 or those of the oldest pair)."""
         by_key = self._by_key
         held = by_key.get(key)
         if held is None:
@@ -112,10 +116,10 @@ class AwaitingDelivery:
             calls = held.get(at, 0)
             held[at] = calls + 1
             if calls:
-                return
+                return 0
         elif held == at:
             by_key[key] = {at: 2}
-            return
+            return 0
         else:
             by_key[key] = {held: 1, at: 1}
         self._pairs += 1
@@ -126,7 +130,8 @@ class AwaitingDelivery:
                 forgotten = self._take(self._order_keys.popleft(), self._order_times.popleft())
                 if forgotten:
                     self.forgotten += forgotten
-                    break
+                    return forgotten
+        return 0
 
     def delivered(self, key: str | None, at: float) -> None:
         """One call of (``key``, ``at``) was delivered within the deadline: it awaits no more."""

@@ -511,10 +511,7 @@ class Policy:
         """A call's first attempt arrived: remember it until it is delivered or its deadline passes."""
         if self.deadline_s is None:
             return
-        awaiting = self._awaiting_delivery
-        forgotten = awaiting.forgotten
-        awaiting.add(key, now)
-        self.counters.calls_forgotten += awaiting.forgotten - forgotten
+        self.counters.calls_forgotten += self._awaiting_delivery.add(key, now)
 
     def _delivered_in_time(self, subscriber: Subscriber) -> None:
         key = subscriber.call_key or subscriber.departure_key
