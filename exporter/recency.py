@@ -4,7 +4,7 @@ beside a plain dict that holds the values.
 
 NOTE: compact on purpose. An ``OrderedDict`` keeps a linked node and a slot of its own per key
 beside its dict; after its keys have turned over a few times (a memory held at its bound by new
-keys) it took about 190 bytes a key beyond its values, a plain dict and this order about 85. A touch
+keys) it took about 190 bytes a key beyond its values, a plain dict and this order about 90. A touch
 appends the key and the value object it stored in its owner's dict to a deque; an entry is stale
 once the owner holds another object under the key (a later touch stores a new one) or none (the key
 was dropped), which is told by identity, so no count is kept and two touches at one instant keep
