@@ -13,15 +13,32 @@ module owns what is kept of those departures, and its bounds:
 
 NOTE: compact on purpose. The bound per key alone let 200,000 keys hold 32 departures each,
 every one a tuple of two float objects inside a tuple per key: about 3.5 KB a key, 695 MiB in
-all (``bench/bench_policy_memory.py``). Here a key's departures are one ``array('d')`` of
-``(left_at, call_started_at)`` pairs, oldest first: 16 bytes a departure, with no object the
-garbage collector walks, and the total bound caps the memory whatever the keys.
+all (``bench/bench_policy_memory.py``). Here a key's one departure is a ``complex``
+``(left_at, call_started_at)``, two exact doubles in 32 bytes, and its several departures one
+``array('d')`` of such pairs, oldest first (shrunk in place, so it may come to hold one): 16
+bytes a departure, with no object the garbage collector walks; the keys are in a plain dict, in
+the order of ``exporter.recency``, not an ordered dict; and the total bound caps the memory
+whatever the keys.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from typing import TypeAlias
+
+from exporter.recency import Recency
+
+# A key's departures: one as complex(left_at, call_started_at); several as an array of
+# [left_at, call_started_at, left_at, call_started_at, ...], oldest first, shrunk in place (a new
+# object only when the key departs again: ``exporter.recency`` tells its place by identity).
+Held: TypeAlias = "complex | array[float]"
+
+
+def _pairs(held: Held) -> array[float]:
+    """A key's departures as an array of pairs, oldest first."""
+    if isinstance(held, complex):
+        return array("d", (held.real, held.imag))
+    return held
 
 
 class DepartureMemory:
@@ -35,11 +52,10 @@ class DepartureMemory:
         self.per_key = per_key
         self.max_total = max_total
         self.max_keys = max_keys
-        # key -> [left_at, call_started_at, left_at, call_started_at, ...], oldest first; the
-        # keys ordered by their latest departure, the least recent first.
-        self._by_key: OrderedDict[str, array[float]] = OrderedDict()
+        self._by_key: dict[str, Held] = {}
+        self._order = Recency(self._by_key)  # the keys by their latest departure, least recent first
         self.total = 0  # departures held (forgotten ones still held until their key is touched)
-        self.evicted = 0  # departures forgotten at ``max_total``, before their time
+        self.evicted = 0  # departures forgotten at ``max_total`` or ``max_keys``, before their time
 
     def __len__(self) -> int:
         """Keys with departures held."""
@@ -47,29 +63,50 @@ class DepartureMemory:
 
     def pending(self, now: float, key: str) -> int:
         """Departures under ``key`` within the memory, not yet used by a retry."""
-        pairs = self._by_key.get(key)
-        if pairs is None:
+        held = self._by_key.get(key)
+        if held is None:
             return 0
+        pairs = _pairs(held)
         return (len(pairs) - self._expired(now, pairs)) // 2
+
+    def held(self, key: str) -> list[tuple[float, float]]:
+        """The departures held under ``key``, those past the memory too (until the key is touched),
+        oldest first: ``(left_at, call_started_at)`` each."""
+        held = self._by_key.get(key)
+        pairs = _pairs(held) if held is not None else array("d")
+        return list(zip(pairs[::2], pairs[1::2], strict=True))
 
     def depart(self, now: float, key: str, call_started_at: float) -> None:
         """An attempt under ``key`` left before its answer: remember it from ``now`` on."""
-        pairs = array("d", (now, call_started_at))
-        old = self._by_key.pop(key, None)
-        if old is not None:  # its pending ones within the memory, at most per_key with this one
-            self.total -= len(old) // 2
-            start = max(self._expired(now, old), len(old) - 2 * (self.per_key - 1))
-            pairs = old[start:] + pairs  # exactly the size it needs
-        self._by_key[key] = pairs  # the most recent now
-        self.total += len(pairs) // 2
+        old = self._by_key.get(key)
+        held: Held
+        if old is None:
+            held = complex(now, call_started_at)
+            self.total += 1
+        else:  # its pending ones within the memory, at most per_key with this one
+            pairs = _pairs(old)
+            self.total -= len(pairs) // 2
+            start = max(self._expired(now, pairs), len(pairs) - 2 * (self.per_key - 1))
+            if start == len(pairs):
+                held = complex(now, call_started_at)
+            else:  # exactly the size it needs
+                held = pairs[start:] + array("d", (now, call_started_at))
+            self.total += 1 + (len(pairs) - start) // 2
+        self._by_key[key] = held
+        self._order.touch(key, held)  # the most recent now: a new object under the key
         self._forget(now)
 
     def use(self, now: float, key: str) -> float | None:
         """Use up the oldest departure under ``key`` within the memory; its call's start, or
         None when there is none."""
-        pairs = self._by_key.get(key)
-        if pairs is None:
+        held = self._by_key.get(key)
+        if held is None:
             return None
+        if isinstance(held, complex):  # its one departure, within the memory or not
+            del self._by_key[key]
+            self.total -= 1
+            return None if held.real < now - self.memory_s else held.imag
+        pairs = held
         expired = self._expired(now, pairs)
         if expired == len(pairs):
             del self._by_key[key]
@@ -78,7 +115,7 @@ class DepartureMemory:
         call_started_at = pairs[expired + 1]
         if expired + 2 == len(pairs):
             del self._by_key[key]
-        else:
+        else:  # in place: the key keeps its place (``exporter.recency``)
             del pairs[: expired + 2]
         self.total -= expired // 2 + 1
         return call_started_at
@@ -94,12 +131,12 @@ class DepartureMemory:
     def _forget(self, now: float) -> None:
         """Drop the keys whose latest departure is past the memory; then, over ``max_keys`` or
         ``max_total``, the least recent key's departures, oldest first (counted)."""
-        by_key = self._by_key
-        while by_key:
-            oldest_key = next(iter(by_key))
-            pairs = by_key[oldest_key]
+        by_key, order = self._by_key, self._order
+        while (oldest_key := order.oldest()) is not None:
+            pairs = _pairs(by_key[oldest_key])
             expired = self._expired(now, pairs)
             if expired == len(pairs):  # its latest is past the memory: forgotten in time
+                order.pop_oldest()
                 del by_key[oldest_key]
                 self.total -= len(pairs) // 2
                 continue
@@ -110,13 +147,14 @@ class DepartureMemory:
             else:
                 return
             if expired:  # those past the memory go first, forgotten in time, not evicted
-                del pairs[:expired]
+                del pairs[:expired]  # in place (an array: one departure alone is never expired)
                 self.total -= expired // 2
                 continue
             if 2 * over >= len(pairs):
+                order.pop_oldest()
                 del by_key[oldest_key]
                 over = len(pairs) // 2
             else:
-                del pairs[: 2 * over]
+                del pairs[: 2 * over]  # in place (an array: a complex goes whole)
             self.total -= over
             self.evicted += over

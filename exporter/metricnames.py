@@ -22,6 +22,10 @@ CALLS_DELIVERED: Final = "retrywatch_calls_delivered_total"  # {within_deadline=
 UPSTREAM_FAULTS: Final = "retrywatch_upstream_faults_total"  # {kind=UPSTREAM_FAULT_KINDS}
 # calls whose first attempt's deadline passed before delivery; only while the deadline is known
 CALLS_MISSED_DEADLINE: Final = "retrywatch_calls_missed_deadline_total"
+# the retry memory at its bounds: calls forgotten before their deadline passed, undelivered
+# (neither delivered in time nor missed), and departures forgotten before their time
+CALLS_FORGOTTEN: Final = "retrywatch_calls_forgotten_total"
+DEPARTURES_EVICTED: Final = "retrywatch_departures_evicted_total"
 
 # --- retrywatch gauges ---------------------------------------------------------------
 EXECUTIONS_LIVE: Final = "retrywatch_executions_live"

@@ -198,6 +198,16 @@ class PolicyCollector(Collector):
                 "Calls whose first attempt's deadline passed before they were delivered.",
                 value=c.missed_deadline,
             )
+        yield CounterMetricFamily(
+            _base(mn.CALLS_FORGOTTEN),
+            "Calls forgotten undelivered before their deadline passed, the memory at its bound.",
+            value=c.calls_forgotten,
+        )
+        yield CounterMetricFamily(
+            _base(mn.DEPARTURES_EVICTED),
+            "Departures without a call id forgotten before their time, the memory at its bound.",
+            value=self.policy.departures.evicted,
+        )
 
         g = self.policy.gauges()
         yield GaugeMetricFamily(mn.EXECUTIONS_LIVE, "Executions in the engine.", value=g.executions_live)

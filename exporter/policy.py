@@ -51,16 +51,14 @@ by ``max_remembered_calls`` and ``retry_memory_s``, departures by ``max_remember
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Generic, TypeVar
 
+from exporter.callmemory import AwaitingDelivery, SeenCalls
 from exporter.departures import DepartureMemory
 from exporter.knobs import check_bounds, knob
-
-T = TypeVar("T")
 
 # Departures of attempts without a call id remembered per key, each licensing one retry: enough
 # for a burst of identical calls that all time out together; beyond it the oldest are forgotten.
@@ -176,9 +174,10 @@ class PolicyConfig:
     )
     retry_memory_s: float = 900.0  # how long a call key is remembered for classifying retries
     max_remembered_calls: int = 200_000
-    # Departures without a call id remembered in all (``exporter.departures``): 16 bytes each in
-    # its key's array, beside about 270 a key. 100,000 in 15 min is 110 a second left unanswered
-    # and not yet retried, far beyond what one engine serves (the study's: about 3 calls/s).
+    # Departures without a call id remembered in all (``exporter.departures``): about 280 bytes
+    # each at the bound, each under a key of its own, the key included. 100,000 in 15 min is 110
+    # a second left unanswered and not yet retried, far beyond what one engine serves (the
+    # study's: about 3 calls/s).
     max_remembered_departures: int = 100_000
     prefill_tokens_per_s: float = 20_000.0  # prior for the first-token wait estimate; learned online
 
@@ -320,14 +319,6 @@ class Subscriber:
     call_key: str | None = None  # key with a call id: the call is delivered once, whoever gets it
 
 
-#: A call with a call id, as remembered for classifying its attempts: (when its first attempt was
-#: seen, whether it was counted in ``delivered`` already, by another of its attempts).
-#: NOTE: a plain tuple of a float and a bool, which the garbage collector stops tracking: up to
-#: ``max_remembered_calls`` of them live for ``retry_memory_s``, and instances of a class (a named
-#: tuple too) would each be walked by every collection that reached them.
-SeenCall = tuple[float, bool]
-
-
 @dataclass
 class PolicyCounters:
     """Raw monotonic counters, named after ``exporter.metricnames``."""
@@ -341,6 +332,8 @@ class PolicyCounters:
     delivered: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     # calls whose first attempt's deadline passed before they were delivered (``Policy.sweep_deadlines``)
     missed_deadline: int = 0
+    # calls forgotten before their deadline passed, undelivered, at ``max_remembered_calls``
+    calls_forgotten: int = 0
 
 
 @dataclass(frozen=True)
@@ -348,40 +341,6 @@ class PolicyGauges:
     executions_live: int  # dispatched and not finished (in the engine)
     executions_queued: int  # waiting in the proxy queue
     subscribers: int
-
-
-class KeyMemory(Generic[T]):
-    """Per-key values forgotten ``memory_s`` after they were set, at most ``max_keys`` of them
-    (the oldest go first). Times must not go backwards."""
-
-    def __init__(self, memory_s: float, max_keys: int) -> None:
-        self.memory_s = memory_s
-        self.max_keys = max_keys
-        self._entries: OrderedDict[str, tuple[float, T]] = OrderedDict()
-
-    def get(self, now: float, key: str) -> T | None:
-        entry = self._entries.get(key)
-        if entry is None or now - entry[0] > self.memory_s:
-            return None
-        return entry[1]
-
-    def set(self, now: float, key: str, value: T) -> None:
-        """Remember ``value`` from ``now`` on."""
-        self._entries[key] = (now, value)
-        self._entries.move_to_end(key)
-        horizon = now - self.memory_s
-        entries = self._entries
-        while entries:
-            oldest_key = next(iter(entries))
-            if len(entries) > self.max_keys or entries[oldest_key][0] < horizon:
-                entries.popitem(last=False)
-            else:
-                break
-
-    def replace(self, key: str, value: T) -> None:
-        """Change the value of a remembered key without changing when it is forgotten."""
-        at, _ = self._entries[key]
-        self._entries[key] = (at, value)
 
 
 class RetryBudget:
@@ -475,7 +434,7 @@ class Policy:
         self._subscribers: dict[int, Subscriber] = {}
         memory_s, max_keys = self.config.retry_memory_s, self.config.max_remembered_calls
         # keys with a call id -> when the call's first attempt was seen, and whether it was delivered
-        self._calls_seen: KeyMemory[SeenCall] = KeyMemory(memory_s, max_keys)
+        self._calls_seen = SeenCalls(memory_s, max_keys)
         # keys without a call id -> (when it left, its call's start) of each departure not yet
         # used by a retry, oldest first; the key is remembered from its latest departure
         self._departures = DepartureMemory(
@@ -485,7 +444,7 @@ class Policy:
             max_keys=max_keys,
         )
         # calls not yet delivered whose deadline has not passed, oldest first (``sweep_deadlines``)
-        self._awaiting_delivery: OrderedDict[tuple[str | None, float], int] = OrderedDict()
+        self._awaiting_delivery = AwaitingDelivery(max_keys)
         self._in_engine = 0  # dispatched and not finished
         self._awaiting_first_token_tokens = 0  # prompt tokens dispatched without a first token yet
         self._awaiting_first_token = 0
@@ -544,41 +503,26 @@ class Policy:
     # A call is remembered from its first attempt until it is delivered in time or its deadline
     # passes: under its key and its first attempt's time, which every later attempt of the call
     # carries (``Subscriber.call_started_at``), so at most a deadline's worth of arrivals, and at
-    # most ``max_remembered_calls`` (past it the oldest is forgotten uncounted). Only while the
-    # deadline is known: without one, nothing is counted.
+    # most ``max_remembered_calls`` (past it the oldest is forgotten, neither good nor bad, and
+    # counted in ``counters.calls_forgotten``). Only while the deadline is known: without one,
+    # nothing is counted.
 
     def _await_delivery(self, now: float, key: str | None) -> None:
         """A call's first attempt arrived: remember it until it is delivered or its deadline passes."""
         if self.deadline_s is None:
             return
-        pending = self._awaiting_delivery
-        token = (key, now)
-        pending[token] = pending.get(token, 0) + 1
-        if len(pending) > self.config.max_remembered_calls:
-            pending.popitem(last=False)
+        self.counters.calls_forgotten += self._awaiting_delivery.add(key, now)
 
     def _delivered_in_time(self, subscriber: Subscriber) -> None:
-        token = (subscriber.call_key or subscriber.departure_key, subscriber.call_started_at)
-        left = self._awaiting_delivery.get(token)
-        if left is None:
-            return
-        if left > 1:
-            self._awaiting_delivery[token] = left - 1
-        else:
-            del self._awaiting_delivery[token]
+        key = subscriber.call_key or subscriber.departure_key
+        self._awaiting_delivery.delivered(key, subscriber.call_started_at)
 
     def sweep_deadlines(self, now: float) -> None:
         """Count the calls whose deadline passed by ``now`` undelivered, once each (called on the
         policy's events and by the drivers before each scrape)."""
-        pending = self._awaiting_delivery
-        if self.deadline_s is None or not pending:
+        if self.deadline_s is None or not self._awaiting_delivery:
             return
-        cut = now - self.deadline_s
-        while pending:
-            token = next(iter(pending))
-            if token[1] >= cut:
-                break
-            self.counters.missed_deadline += pending.pop(token)
+        self.counters.missed_deadline += self._awaiting_delivery.sweep(now - self.deadline_s)
 
     # --- attempts ---------------------------------------------------------------------
 
@@ -587,13 +531,11 @@ class Policy:
         the top of this module)."""
         key, says = attempt.key, attempt.client_says_retry
         if key is not None and attempt.identified:
-            seen = self._calls_seen.get(now, key)
-            if seen is not None:
-                # Remembered from its latest attempt ("seen within retry_memory_s"), still
-                # counted from its first: a call whose retries go on is not forgotten mid-call.
-                self._calls_seen.set(now, key, seen)
-                return AttemptKind.RETRY, seen[0]
-            self._calls_seen.set(now, key, (now, False))
+            # Remembered from its latest attempt ("seen within retry_memory_s"), still counted
+            # from its first: a call whose retries go on is not forgotten mid-call.
+            first_seen_at = self._calls_seen.attempt(now, key)
+            if first_seen_at is not None:
+                return AttemptKind.RETRY, first_seen_at
             if key in self._live_by_key:  # seen longer ago than remembered: still the same call
                 return AttemptKind.RETRY, now
         elif key is not None and says is not False:
@@ -832,14 +774,7 @@ class Policy:
         a gateway that has not passed its client's disconnect on): the call counts once."""
         if subscriber.call_key is None:  # without a call id, each delivered attempt is a call
             return True
-        seen = self._calls_seen.get(now, subscriber.call_key)
-        if seen is None:
-            return True
-        started_at, delivered = seen
-        if delivered:
-            return False
-        self._calls_seen.replace(subscriber.call_key, (started_at, True))
-        return True
+        return self._calls_seen.deliver(now, subscriber.call_key)
 
     def on_timer(self, now: float, execution_id: int) -> list[Effect]:
         """A deferred cancellation is due; it applies only if nobody attached meanwhile."""

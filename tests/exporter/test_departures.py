@@ -90,14 +90,13 @@ def test_the_memory_keeps_its_count_and_every_bound_under_random_traffic() -> No
         if rng.random() < 0.6:
             memory.depart(now, key, -now)  # a call's start that says when it left
         else:
-            held = memory._by_key.get(key)
-            within = sorted(held[i] for i in range(0, len(held), 2) if held[i] >= now - 30.0) if held else []
+            within = sorted(left for left, _ in memory.held(key) if left >= now - 30.0)
             started = memory.use(now, key)
             assert started == (-within[0] if within else None)
-        held_in_all = sum(len(p) // 2 for p in memory._by_key.values())
-        assert memory.total == held_in_all <= 25
-        assert len(memory) <= 12
-        assert all(len(p) // 2 <= 4 for p in memory._by_key.values())
+        held = [memory.held(f"k{i}") for i in range(20)]
+        assert memory.total == sum(map(len, held)) <= 25
+        assert len(memory) == sum(1 for h in held if h) <= 12
+        assert all(len(h) <= 4 for h in held)
     assert memory.evicted > 0  # the traffic did reach the bounds
 
 

@@ -9,7 +9,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample
-from exporter.policy import Attempt, Policy, PolicyConfig
+from exporter.policy import Attempt, Created, Policy, PolicyConfig
 from exporter.timeseries import parse_exposition
 from exporter.upstreamtext import (
     SLICE_CHARS,
@@ -124,6 +124,30 @@ def test_calls_missed_deadline_are_counted_at_a_sample_and_served_only_with_a_de
     assert reg.get_sample_value("retrywatch_calls_missed_deadline_total") == 0
     metrics.sample(1030.5)  # a scrape's sample sweeps: the deadline passed with no event since
     assert reg.get_sample_value("retrywatch_calls_missed_deadline_total") == 1
+
+
+def test_the_retry_memory_at_its_bounds_counts_what_it_forgets_on_metrics() -> None:
+    config = PolicyConfig(max_remembered_calls=3, max_remembered_departures=2, deadline_s=30.0)
+    policy = Policy(config)
+    metrics = ProxyMetrics(policy, window_s=60.0, capacity=2.0)
+    reg = metrics.registry
+    # created up front, at zero
+    assert reg.get_sample_value("retrywatch_calls_forgotten_total") == 0
+    assert reg.get_sample_value("retrywatch_departures_evicted_total") == 0
+    for i in range(5):  # five calls awaiting delivery where three may: the two oldest forgotten
+        policy.on_attempt(float(i), Attempt(key=f"call-{i}", identified=True))
+    assert reg.get_sample_value("retrywatch_calls_forgotten_total") == 2
+    # three calls without a call id, each the newest awaiting (the three before it forgotten),
+    # whose attempts leave where two departures are kept
+    for i in range(3):
+        a = policy.on_attempt(10.0 + i, Attempt(key=f"body-{i}", identified=False)).decision
+        assert isinstance(a, Created)
+        policy.on_subscriber_left(10.5 + i, a.subscriber_id)
+    assert reg.get_sample_value("retrywatch_departures_evicted_total") == 1
+    assert reg.get_sample_value("retrywatch_calls_forgotten_total") == 2 + 3
+    metrics.sample(1000.0)  # the three remembered miss their deadline; the forgotten do not
+    assert reg.get_sample_value("retrywatch_calls_missed_deadline_total") == 3
+    assert reg.get_sample_value("retrywatch_calls_forgotten_total") == 5
 
 
 def test_the_last_good_upstream_text_is_served_until_it_is_too_stale() -> None:
