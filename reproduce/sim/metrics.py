@@ -4,7 +4,9 @@ The proxy's side is produced by the real proxy's own collector (``exporter.metri
 policy core's counters and gauges, Ĉ, the deadline, and the derived gauges over the same sliding
 window, fed at every snapshot as the proxy feeds it at every scrape. The engine's side is the
 engine model's ``metrics_samples`` (vLLM's names and counting rules), passed through as the proxy
-passes vLLM's through. Histograms are omitted, as the time-series format says.
+passes vLLM's through, histograms included (those the series format keeps:
+``exporter.vllmbuckets.SERIES_HISTOGRAMS``); the proxy's own histograms are left out, as a
+recorded series leaves them out.
 """
 
 from __future__ import annotations
