@@ -1,10 +1,9 @@
 """vLLM's histogram families that the series format keeps, with vLLM 0.32's bucket boundaries.
 
 Copied from ``vllm/v1/metrics/buckets.py`` (``REQUEST_LATENCY_BUCKETS``,
-``TIME_TO_FIRST_TOKEN_BUCKETS``, ``INTER_TOKEN_LATENCY_BUCKETS``,
-``REQUEST_NUM_PREEMPTIONS_BUCKETS``, and ``build_1_2_5_buckets(max_model_len)`` for the
-``request_tokens`` family) and from which family each histogram of
-``vllm/v1/metrics/loggers.py``'s ``PrometheusStatLogger`` draws. Every family here is labelled
+``TIME_TO_FIRST_TOKEN_BUCKETS``, ``INTER_TOKEN_LATENCY_BUCKETS``, and
+``build_1_2_5_buckets(max_model_len)`` for the ``request_tokens`` family), and from which family
+each histogram of ``vllm/v1/metrics/loggers.py``'s ``PrometheusStatLogger`` draws. Every family here is labelled
 ``engine`` and ``model_name``, as vLLM labels them. ``le`` label values are written as
 prometheus_client writes them (``floatToGoString``: ``0.3``, ``1.0``, ``+Inf``), so a scraped
 and a simulated series carry the same strings.
@@ -21,7 +20,6 @@ from exporter import metricnames as mn
 __all__ = [
     "INTER_TOKEN_LATENCY_BUCKETS",
     "REQUEST_LATENCY_BUCKETS",
-    "REQUEST_NUM_PREEMPTIONS_BUCKETS",
     "SERIES_HISTOGRAMS",
     "TIME_TO_FIRST_TOKEN_BUCKETS",
     "bucket_bounds",
@@ -41,7 +39,6 @@ INTER_TOKEN_LATENCY_BUCKETS: Final = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-REQUEST_NUM_PREEMPTIONS_BUCKETS: Final = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 
 
 def request_tokens_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -64,16 +61,15 @@ _FAMILY_BOUNDS: Final[dict[str, tuple[float, ...] | None]] = {
     mn.VLLM_E2E_LATENCY: REQUEST_LATENCY_BUCKETS,
     mn.VLLM_PREFILL_TIME: REQUEST_LATENCY_BUCKETS,
     mn.VLLM_DECODE_TIME: REQUEST_LATENCY_BUCKETS,
-    mn.VLLM_INFERENCE_TIME: REQUEST_LATENCY_BUCKETS,
     mn.VLLM_INTER_TOKEN_LATENCY: INTER_TOKEN_LATENCY_BUCKETS,
-    mn.VLLM_TIME_PER_OUTPUT_TOKEN: INTER_TOKEN_LATENCY_BUCKETS,
     mn.VLLM_REQUEST_PROMPT_TOKENS: None,
     mn.VLLM_REQUEST_GENERATION_TOKENS: None,
-    mn.VLLM_REQUEST_NUM_PREEMPTIONS: REQUEST_NUM_PREEMPTIONS_BUCKETS,
 }
 
 #: The histogram families a metrics series keeps (``_bucket``, ``_sum``, ``_count``); vLLM's
-#: other histograms (iteration tokens, request parameters, KV residency) are dropped.
+#: other histograms (inference time, time per output token, preemptions per request, iteration
+#: tokens, request parameters, KV residency) are dropped: every family kept costs the simulator
+#: (``bench/bench_simulator.py``) and every series file about 25 samples per scrape.
 SERIES_HISTOGRAMS: Final = frozenset(_FAMILY_BOUNDS)
 
 
@@ -85,4 +81,4 @@ def bucket_bounds(family: str, max_model_len: int) -> tuple[float, ...]:
 
 def le_label(bound: float) -> str:
     """A bucket's ``le`` value as prometheus_client (and so vLLM) writes it."""
-    return floatToGoString(bound)
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]

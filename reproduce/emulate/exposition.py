@@ -40,12 +40,9 @@ VLLM_HELP: dict[str, str] = {
     mn.VLLM_E2E_LATENCY: "Histogram of e2e request latency in seconds.",
     mn.VLLM_PREFILL_TIME: "Histogram of time spent in PREFILL phase for request.",
     mn.VLLM_DECODE_TIME: "Histogram of time spent in DECODE phase for request.",
-    mn.VLLM_INFERENCE_TIME: "Histogram of time spent in RUNNING phase for request.",
     mn.VLLM_INTER_TOKEN_LATENCY: "Histogram of inter-token latency in seconds.",
-    mn.VLLM_TIME_PER_OUTPUT_TOKEN: "Histogram of time_per_output_token_seconds per request.",
     mn.VLLM_REQUEST_PROMPT_TOKENS: "Number of prefill tokens processed.",
     mn.VLLM_REQUEST_GENERATION_TOKENS: "Number of generation tokens processed.",
-    mn.VLLM_REQUEST_NUM_PREEMPTIONS: "Histogram of the number of times a request was preempted.",
 }
 
 _SUFFIXES = ("_bucket", "_count", "_sum")

@@ -188,7 +188,6 @@ class _Exec:
         "max_tokens",
         "next_block",
         "out",
-        "preemptions",
         "private",
         "prompt_at_abort",
         "prompt_len",
@@ -210,7 +209,6 @@ class _Exec:
         self.scheduled_first = queued_at  # when vLLM's scheduler first admitted it
         self.first_token_at = queued_at
         self.last_token_at = queued_at  # its last output token that reached the frontend
-        self.preemptions = 0
         self.prompt_len = prompt_len
         self.max_tokens = req.max_tokens
         self.layout = layout
@@ -912,7 +910,6 @@ class EngineModel:
             now=now,
             prompt_tokens=ex.prompt_len,
             output_tokens=ex.out,
-            preemptions=ex.preemptions,
         )
         if ex.trace is not None:
             ex.trace.finished_at = now
@@ -965,7 +962,6 @@ class EngineModel:
     def _preempt(self, ex: _Exec, now: float) -> None:
         """vLLM's recompute preemption: free the blocks (they stay cached), requeue at the head."""
         self.num_preemptions_total += 1
-        ex.preemptions += 1
         if ex.state == _DECODE:
             ex.last_token_at = self._last_end
         self._leave_running(ex, self._last_finished)

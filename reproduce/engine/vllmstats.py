@@ -26,10 +26,9 @@ family, the event that observes it, and where vLLM does so:
   ``vllm:e2e_request_latency_seconds`` (finish - arrival), ``vllm:request_queue_time_seconds``
   (first scheduled - queued), ``vllm:request_prefill_time_seconds`` (first token - first
   scheduled), ``vllm:request_decode_time_seconds`` (last token - first token),
-  ``vllm:request_inference_time_seconds`` (last token - first scheduled),
-  ``vllm:request_time_per_output_token_seconds`` (decode time / (output tokens - 1); 0 for one
-  token), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens`` and
-  ``vllm:request_num_preemptions``.
+  ``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``. (vLLM also observes
+  inference time, time per output token and preemptions there; the model leaves them out, as
+  ``exporter.vllmbuckets.SERIES_HISTOGRAMS`` says why.)
 - ``vllm:num_preemptions_total``: a running execution is preempted.
   ``stats.IterationStats.update_from_events`` (PREEMPTED).
 - ``vllm:admission_rejections_total{reason}``: ``--max-num-queued-reqs`` refuses a request
@@ -73,9 +72,10 @@ class Histogram:
         self.les = (*(le_label(b) for b in bounds), "+Inf")
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
-        # (name, labels) -> the sample names, the label dicts and the last export of its series
+        # (name, labels) -> its sample names, label dicts, and last export (values, samples)
         self._labelled: dict[
-            tuple[str, tuple[tuple[str, str], ...]], tuple[list[str], list[dict[str, str]], list[Sample]]
+            tuple[str, tuple[tuple[str, str], ...]],
+            tuple[list[str], list[dict[str, str]], list[float], list[Sample]],
         ] = {}
 
     def observe(self, value: float, n: int = 1) -> None:
@@ -90,10 +90,9 @@ class Histogram:
     def samples(self, name: str, labels: Mapping[str, str]) -> list[Sample]:
         """``_bucket`` (cumulative, with ``le``), ``_count`` and ``_sum``, in prometheus_client's order.
 
-        NOTE (speed): a simulated run exports every few simulated seconds and keeps every export;
-        what it allocates there is what Python's garbage collector walks ever after. So the label
-        dicts are made once per label set, and a sample whose value has not changed since the
-        last export is the same tuple (samples are never mutated)."""
+        NOTE (speed): a simulated run exports every few simulated seconds and keeps every export.
+        The names and label dicts are made once per label set, and an export with nothing new
+        is the previous one (samples are never mutated)."""
         key = (name, tuple(labels.items()))
         made = self._labelled.get(key)
         values = [float(v) for v in accumulate(self.counts)]
@@ -103,16 +102,12 @@ class Histogram:
             bucket = name + "_bucket"
             names = [bucket] * len(self.les) + [name + "_count", name + "_sum"]
             dicts = [{**labels, "le": le} for le in self.les] + [dict(labels), dict(labels)]
-            out = list(zip(names, dicts, values, strict=True))
-            self._labelled[key] = (names, dicts, out)
-            return out
-        names, dicts, last = made
-        if all(old[2] == v for old, v in zip(last, values, strict=True)):
-            return last
-        out = [
-            old if old[2] == v else (n, d, v) for old, n, d, v in zip(last, names, dicts, values, strict=True)
-        ]
-        self._labelled[key] = (names, dicts, out)
+        else:
+            names, dicts, last_values, last = made
+            if values == last_values:
+                return last
+        out = list(zip(names, dicts, values, strict=True))
+        self._labelled[key] = (names, dicts, values, out)
         return out
 
 
@@ -130,11 +125,8 @@ class VllmStats:
         self._queue = h[mn.VLLM_QUEUE_TIME]
         self._prefill = h[mn.VLLM_PREFILL_TIME]
         self._decode = h[mn.VLLM_DECODE_TIME]
-        self._inference = h[mn.VLLM_INFERENCE_TIME]
-        self._tpot = h[mn.VLLM_TIME_PER_OUTPUT_TOKEN]
         self._prompt = h[mn.VLLM_REQUEST_PROMPT_TOKENS]
         self._generation = h[mn.VLLM_REQUEST_GENERATION_TOKENS]
-        self._preemptions = h[mn.VLLM_REQUEST_NUM_PREEMPTIONS]
 
     def first_token(self, arrival: float, now: float) -> None:
         """An execution's first output token reached the frontend at ``now``."""
@@ -177,20 +169,15 @@ class VllmStats:
         now: float,
         prompt_tokens: int,
         output_tokens: int,
-        preemptions: int,
     ) -> None:
         """An execution finished in the engine at ``now`` (its last token); ``scheduled``: when it
         was first scheduled (preemptions leave it unchanged)."""
-        decode = now - first_token
         self._e2e.observe(now - arrival)
         self._queue.observe(scheduled - arrival)
         self._prefill.observe(first_token - scheduled)
-        self._decode.observe(decode)
-        self._inference.observe(now - scheduled)
-        self._tpot.observe(decode / (output_tokens - 1) if output_tokens > 1 else 0.0)
+        self._decode.observe(now - first_token)
         self._prompt.observe(prompt_tokens)
         self._generation.observe(output_tokens)
-        self._preemptions.observe(preemptions)
 
     def samples(self, labels: Mapping[str, str]) -> list[Sample]:
         """Every histogram's samples, by family name."""
