@@ -3,8 +3,8 @@
 Copied from ``vllm/v1/metrics/buckets.py`` (``REQUEST_LATENCY_BUCKETS``,
 ``TIME_TO_FIRST_TOKEN_BUCKETS``, ``INTER_TOKEN_LATENCY_BUCKETS``, and
 ``build_1_2_5_buckets(max_model_len)`` for the ``request_tokens`` family), and from which family
-each histogram of ``vllm/v1/metrics/loggers.py``'s ``PrometheusStatLogger`` draws. Every family here is labelled
-``engine`` and ``model_name``, as vLLM labels them. ``le`` label values are written as
+each histogram of ``vllm/v1/metrics/loggers.py``'s ``PrometheusStatLogger`` draws. Every family
+here is labelled ``engine`` and ``model_name``, as vLLM labels them. ``le`` label values are written as
 prometheus_client writes them (``floatToGoString``: ``0.3``, ``1.0``, ``+Inf``), so a scraped
 and a simulated series carry the same strings.
 """
