@@ -20,6 +20,7 @@ from exporter.timeseries import Sample, Snapshot
 __all__ = ["PROXY_WINDOW_S", "Scraper"]
 
 PROXY_WINDOW_S = 60.0  # the proxy's default window for its derived gauges, at the study's scale
+_WINDOW = frozenset(WINDOW_VLLM_FAMILIES)
 
 
 class Scraper:
@@ -42,9 +43,9 @@ class Scraper:
         """One scrape at simulated time ``t``: the proxy's series, then the engine's passthrough."""
         engine = self.engine_samples()
         totals: dict[str, float] = {}
-        for name, _, value in engine:
-            if name in WINDOW_VLLM_FAMILIES:
-                totals[name] = totals.get(name, 0.0) + value
+        # (filtered first: most of the engine's samples are histogram buckets)
+        for name, _, value in [s for s in engine if s[0] in _WINDOW]:
+            totals[name] = totals.get(name, 0.0) + value
         self.window.add(window_sample(t, self.policy.counters, totals))
         samples: list[Sample] = [
             (s.name, dict(s.labels), float(s.value))
