@@ -83,10 +83,6 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += n
         self.sum += value * n
 
-    @property
-    def count(self) -> float:
-        return sum(self.counts)
-
     def samples(self, name: str, labels: Mapping[str, str]) -> list[Sample]:
         """``_bucket`` (cumulative, with ``le``), ``_count`` and ``_sum``, in prometheus_client's order.
 
