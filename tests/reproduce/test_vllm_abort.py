@@ -1,6 +1,9 @@
 """An attempt abandoned during its prefill, on a real vLLM on CPU (the ``heavy`` configuration,
 whose prefill takes seconds): ``vllm:prefix_cache_queries_total`` counts its prompt when it is
-admitted, ``vllm:prompt_tokens_total`` never does, and the abort is not a finished request."""
+admitted, ``vllm:prompt_tokens_total`` never does, and the abort is not a finished request.
+Then vLLM's request histograms: one completed, one aborted while waiting and one aborted after
+its first token land in the same families on the real engine and on the engine model, which
+exports them with the real engine's label names and bucket boundaries."""
 
 from __future__ import annotations
 
