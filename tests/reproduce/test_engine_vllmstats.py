@@ -213,4 +213,5 @@ def test_histogram_exports_are_cumulative_and_reuse_unchanged_samples() -> None:
     assert histogram.samples("h", {"a": "b"}) is first  # nothing changed: the same export
     histogram.observe(5.0)
     second = histogram.samples("h", {"a": "b"})
-    assert second[0][1] is first[0][1] and second[2] == ("h_bucket", {"a": "b", "le": "+Inf"}, 5.0)
+    assert second[0] is first[0] and second[2] == ("h_bucket", {"a": "b", "le": "+Inf"}, 5.0)
+    assert second[4] == ("h_sum", {"a": "b"}, 18.0)
