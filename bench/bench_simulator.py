@@ -3,7 +3,8 @@ one full-length paper run, then ``--block paper``.
 
 Targets: one 1,800-s paper run in <= 1 s of wall time, and the 137 runs of ``--block paper`` in
 <= 3 min with 2 jobs. Prints simulated seconds per wall second (Vidur runs at roughly 20x
-real time), and CPU seconds too, which stay meaningful on a shared, loaded machine. Run::
+real time), and CPU seconds too, which stay meaningful on a shared, loaded machine, and the size
+of each run's series file (``metrics.jsonl``, vLLM's histograms included). Run::
 
     .venv/bin/python bench/bench_simulator.py            # single runs only
     .venv/bin/python bench/bench_simulator.py --paper    # also the 137 paper runs, 2 jobs
@@ -32,7 +33,7 @@ def single_runs(repeat: int) -> None:
     ]
     print(
         f"{'model':18} {'condition':26} {'sim s':>7} {'wall s':>7} {'cpu s':>7} {'sim s / wall s':>15}"
-        f" {'calls':>6} {'attempts':>9}"
+        f" {'calls':>6} {'attempts':>9} {'series KiB':>11}"
     )
     for model, block_slug, condition in cases:
         spec = SimSpec(model=model, condition=block(block_slug).condition(condition), seed=0)
@@ -42,9 +43,11 @@ def single_runs(repeat: int) -> None:
             best = result if best is None or result.wall_s < best.wall_s else best
         assert best is not None
         attempts = sum(len(c.attempts) for c in best.calls)
+        # the size of the run's metrics.jsonl (vLLM's histograms included: exporter.timeseries)
+        series_kib = sum(len(s.to_json()) + 1 for s in best.snapshots) / 1024
         print(
             f"{model:18} {condition:26} {best.end_s:7.0f} {best.wall_s:7.3f} {best.cpu_s:7.3f} "
-            f"{best.end_s / best.wall_s:15.0f} {len(best.calls):6d} {attempts:9d}"
+            f"{best.end_s / best.wall_s:15.0f} {len(best.calls):6d} {attempts:9d} {series_kib:11.0f}"
         )
 
 

@@ -68,3 +68,12 @@ VLLM_NUM_RUNNING: Final = "vllm:num_requests_running"
 VLLM_NUM_PREEMPTIONS: Final = "vllm:num_preemptions_total"
 VLLM_ADMISSION_REJECTIONS: Final = "vllm:admission_rejections_total"  # {reason=...}
 VLLM_KV_CACHE_USAGE: Final = "vllm:kv_cache_usage_perc"
+# vLLM's histograms (bucket boundaries: exporter.vllmbuckets); each exports _bucket{le}, _sum, _count
+VLLM_QUEUE_TIME: Final = "vllm:request_queue_time_seconds"
+VLLM_TTFT: Final = "vllm:time_to_first_token_seconds"
+VLLM_E2E_LATENCY: Final = "vllm:e2e_request_latency_seconds"
+VLLM_PREFILL_TIME: Final = "vllm:request_prefill_time_seconds"
+VLLM_DECODE_TIME: Final = "vllm:request_decode_time_seconds"
+VLLM_INTER_TOKEN_LATENCY: Final = "vllm:inter_token_latency_seconds"
+VLLM_REQUEST_PROMPT_TOKENS: Final = "vllm:request_prompt_tokens"
+VLLM_REQUEST_GENERATION_TOKENS: Final = "vllm:request_generation_tokens"

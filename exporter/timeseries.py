@@ -6,14 +6,26 @@ A run's series is a JSON-lines file; each line is one scrape::
 
 ``t`` is seconds from the run's start (simulated or wall time); ``samples`` holds exactly what
 a scrape of the proxy's ``/metrics`` (retrywatch_* and vLLM's passthrough) would return at that
-moment, with the real names and labels. Counters are cumulative; histograms are omitted.
+moment, with the real names and labels. Counters are cumulative. Of the histograms, vLLM's
+families in ``exporter.vllmbuckets.SERIES_HISTOGRAMS`` are kept (``_bucket`` with ``le``,
+``_count``, ``_sum``, as Prometheus stores them); the others are dropped.
+
+NOTE (size): in a line, each histogram series (one family, one label set) whose buckets, count
+and sum are all present is written once, compactly, under ``"histograms"``::
+
+    "histograms": [["vllm:e2e_request_latency_seconds", {"engine": "0"}, ["0.3", ..., "+Inf"],
+                    [0.0, ..., 4.0], 4.0, 31.5]]
+
+(family, labels without ``le``, the ``le`` values, the cumulative bucket counts, the count, the
+sum), about 6 times shorter than as samples. Reading expands them back into ``_bucket``,
+``_count`` and ``_sum`` samples after the line's other samples; readers see samples only.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -42,17 +54,90 @@ class Snapshot:
         return total
 
     def to_json(self) -> str:
-        samples = [[n, dict(lb), _finite_or_none(v)] for n, lb, v in self.samples]
-        return json.dumps({"t": self.t, "samples": samples}, separators=(",", ":"))
+        flat, histograms = _fold_histograms(self.samples)
+        obj: dict[str, object] = {
+            "t": self.t,
+            "samples": [[n, dict(lb), _finite_or_none(v)] for n, lb, v in flat],
+        }
+        if histograms:
+            obj["histograms"] = histograms
+        return json.dumps(obj, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, line: str) -> Snapshot:
         obj = json.loads(line)
         samples: list[Sample] = [
-            (str(n), {str(k): str(v) for k, v in lb.items()}, math.nan if v is None else float(v))
-            for n, lb, v in obj["samples"]
+            (str(n), {str(k): str(v) for k, v in lb.items()}, _number(v)) for n, lb, v in obj["samples"]
         ]
+        for family, lb, les, buckets, count, total in obj.get("histograms", ()):
+            labels = {str(k): str(v) for k, v in lb.items()}
+            if len(les) != len(buckets):
+                raise ValueError(f"histogram {family!r}: {len(les)} le values for {len(buckets)} buckets")
+            samples.extend(
+                (f"{family}_bucket", {**labels, "le": str(le)}, _number(v))
+                for le, v in zip(les, buckets, strict=True)
+            )
+            samples.append((f"{family}_count", dict(labels), _number(count)))
+            samples.append((f"{family}_sum", labels, _number(total)))
         return cls(t=float(obj["t"]), samples=samples)
+
+
+def _number(value: object) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"not a sample value: {value!r}")
+    return float(value)
+
+
+_HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
+
+
+def _fold_histograms(samples: list[Sample]) -> tuple[list[Sample], list[list[object]]]:
+    """Split ``samples`` into the flat ones and the compact histogram series (module NOTE).
+
+    A series is folded only when it is whole (buckets, one count, one sum, no ``le`` twice), so
+    reading a line back gives the same samples, histograms last in Prometheus' order."""
+    groups: dict[tuple[str, tuple[tuple[str, str], ...]], list[int]] = {}
+    for i, (name, labels, _) in enumerate(samples):
+        if name.endswith(_HISTOGRAM_SUFFIXES):
+            groups.setdefault(_series_key(name, labels), []).append(i)
+    if not groups:
+        return samples, []
+    folded: set[int] = set()
+    out: list[list[object]] = []
+    for (family, key), idxs in groups.items():
+        les: list[str] = []
+        buckets: list[float | None] = []
+        count: list[float] = []
+        total: list[float] = []
+        for i in idxs:
+            name, labels, value = samples[i]
+            if name.endswith("_bucket"):
+                les.append(labels["le"])
+                buckets.append(_finite_or_none(value))
+            elif name.endswith("_count"):
+                count.append(value)
+            else:
+                total.append(value)
+        if not les or len(count) != 1 or len(total) != 1 or len(set(les)) != len(les):
+            continue
+        folded.update(idxs)
+        out.append([family, dict(key), les, buckets, _finite_or_none(count[0]), _finite_or_none(total[0])])
+    flat = [s for i, s in enumerate(samples) if i not in folded] if folded else samples
+    return flat, out
+
+
+def _series_key(name: str, labels: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(family, labels without ``le``) of a ``_bucket``/``_count``/``_sum`` sample; a ``_bucket``
+    without ``le`` gets a key no count or sum shares, so it is never folded."""
+    for suffix in _HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix):
+            family = name[: -len(suffix)]
+            break
+    if suffix == "_bucket" and "le" not in labels:
+        return name, (("", ""),)
+    return family, tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -82,16 +167,20 @@ def read_series(path: Path) -> Iterator[Snapshot]:
                 raise ValueError(f"{path}:{lineno}: not a metrics snapshot ({exc})") from exc
 
 
-def parse_exposition(text: str, *, keep_histograms: bool = False) -> list[Sample]:
+def parse_exposition(text: str, *, keep_histograms: bool | Collection[str] = False) -> list[Sample]:
     """Parse Prometheus plain-text exposition (colons kept) into samples.
 
     Counters keep their ``_total`` name; histogram and summary series are dropped unless
-    ``keep_histograms`` is set.
+    ``keep_histograms`` is True (all of them) or a collection of family names (those:
+    a metrics series keeps ``exporter.vllmbuckets.SERIES_HISTOGRAMS``).
     """
     samples: list[Sample] = []
+    keep_all = keep_histograms is True
     for family in text_string_to_metric_families(text):
         is_distribution = family.type in ("histogram", "summary", "gaugehistogram")
-        if is_distribution and not keep_histograms:
+        if is_distribution and not (
+            keep_all or (not isinstance(keep_histograms, bool) and family.name in keep_histograms)
+        ):
             continue
         for s in family.samples:
             if s.name.endswith("_created"):

@@ -27,10 +27,11 @@ counted, not iterated (one global step index; each decode execution knows the st
 it finishes and at which it needs its next KV block, kept in heaps); sums of running and
 context tokens are maintained incrementally.
 
-Counters follow vLLM's real rules (docs/protocol.md §2): ``vllm:prompt_tokens_total`` adds a prompt's
-full length at its first output token; ``vllm:prefix_cache_queries_total`` adds it once when
-the execution is first admitted to the running batch; a client abort adds nothing to
-``vllm:request_success_total``. Gauges refresh once per step, like vLLM's.
+vLLM's counters, gauges and histograms follow vLLM's real rules, written down (with the vLLM
+source function of each) in ``reproduce.engine.vllmstats``: ``vllm:prompt_tokens_total`` adds a
+prompt's full length at its first output token; ``vllm:prefix_cache_queries_total`` adds it once
+when the execution is first admitted to the running batch; a client abort adds nothing to
+``vllm:request_success_total`` nor to any per-request histogram. Gauges refresh once per step.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from exporter import metricnames as mn
 from exporter.timeseries import Sample
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.kvcache import BlockPool, prompt_layout
+from reproduce.engine.vllmstats import VllmStats
 
 __all__ = [
     "FINISHED_REASONS",
@@ -170,6 +172,7 @@ class _Exec:
         "abort_step",
         "aborting",
         "admitted",
+        "arrival",
         "base_ctx",
         "base_out",
         "block_seq",
@@ -177,8 +180,10 @@ class _Exec:
         "computed_prompt",
         "epoch",
         "first_token",
+        "first_token_at",
         "held",
         "held_total",
+        "last_token_at",
         "layout",
         "max_tokens",
         "next_block",
@@ -189,6 +194,7 @@ class _Exec:
         "queued_at",
         "rid",
         "s0",
+        "scheduled_first",
         "state",
         "target",
         "trace",
@@ -199,6 +205,10 @@ class _Exec:
     ) -> None:
         self.rid = req.request_id
         self.queued_at = queued_at  # when it (last) entered the waiting queue
+        self.arrival = queued_at  # when it first did (vLLM's arrival and QUEUED times)
+        self.scheduled_first = queued_at  # when vLLM's scheduler first admitted it
+        self.first_token_at = queued_at
+        self.last_token_at = queued_at  # its last output token that reached the frontend
         self.prompt_len = prompt_len
         self.max_tokens = req.max_tokens
         self.layout = layout
@@ -289,6 +299,7 @@ class EngineModel:
         self._last_finished = -1
         self._step: _Step | None = None
         self._pending: list[EngineEvent] = []
+        self._last_end = 0.0  # when the last step ended (its tokens reached the frontend)
         # vLLM counters and gauges
         self.prompt_tokens_total = 0
         self.prefix_cache_queries_total = 0
@@ -300,6 +311,7 @@ class EngineModel:
         self._gauge_waiting = 0
         self._gauge_running = 0
         self._gauge_kv_usage = 0.0
+        self.vllm_stats = VllmStats(config.max_model_len)
         # traces
         self.trace_enabled = trace
         self.traces: dict[str, ExecutionTrace] = {}
@@ -704,6 +716,7 @@ class EngineModel:
             self._prefilling.append(ex)
             if not ex.admitted:
                 ex.admitted = True
+                ex.scheduled_first = cutoff
                 self.prefix_cache_queries_total += ex.prompt_len
                 self.prefix_cache_hits_total += min(hit_tokens, ex.prompt_len)
             if ex.trace is not None:
@@ -767,6 +780,15 @@ class EngineModel:
 
         # decodes: one token each per step; some finish
         self.generation_tokens_total += step.num_decode * step.num_steps - silenced
+        if step.num_decode:
+            # each decode's token follows its previous one by the step's length (vLLM's ITL)
+            stats = self.vllm_stats
+            prev = self._last_end
+            if step.num_steps > 1:
+                stats.later_token_run(prev, step.ends, step.num_decode)
+                prev = step.ends[-2]
+            stats.later_tokens(now - prev, step.num_decode - silenced)
+        self._last_end = now
         heap = self._finish_heap
         while heap and heap[0][0] <= s:
             _, _, epoch, ex = heapq.heappop(heap)
@@ -807,8 +829,13 @@ class EngineModel:
         if output:
             ex.out += 1
             self.generation_tokens_total += 1
+        if output and ex.first_token:  # its first token after a preemption
+            self.vllm_stats.later_tokens(now - ex.last_token_at, 1)
+            ex.last_token_at = now
         if output and not ex.first_token:
             ex.first_token = True
+            ex.first_token_at = ex.last_token_at = now
+            self.vllm_stats.first_token(ex.arrival, now)
             self.prompt_tokens_total += ex.prompt_len
             if ex.trace is not None:
                 ex.trace.first_token_at = now
@@ -876,6 +903,14 @@ class EngineModel:
         ex.state = _DONE
         del self._live[ex.rid]
         self.request_success_total["length"] += 1
+        self.vllm_stats.finished(
+            arrival=ex.arrival,
+            scheduled=ex.scheduled_first,
+            first_token=ex.first_token_at,
+            now=now,
+            prompt_tokens=ex.prompt_len,
+            output_tokens=ex.out,
+        )
         if ex.trace is not None:
             ex.trace.finished_at = now
             ex.trace.output_tokens = ex.out
@@ -927,6 +962,8 @@ class EngineModel:
     def _preempt(self, ex: _Exec, now: float) -> None:
         """vLLM's recompute preemption: free the blocks (they stay cached), requeue at the head."""
         self.num_preemptions_total += 1
+        if ex.state == _DECODE:
+            ex.last_token_at = self._last_end
         self._leave_running(ex, self._last_finished)
         ex.computed = 0
         ex.target = ex.prompt_len + ex.out
@@ -961,7 +998,8 @@ class EngineModel:
 
     # --- metrics --------------------------------------------------------------------
     def metrics_samples(self, labels: Mapping[str, str] | None = None) -> list[Sample]:
-        """vLLM's counters and gauges as ``(name, labels, value)`` with vLLM's names."""
+        """vLLM's counters, gauges and histograms (``_bucket``/``_count``/``_sum``, last) as
+        ``(name, labels, value)`` with vLLM's names and label sets."""
         base = dict(labels or {})
 
         def lab(**extra: str) -> dict[str, str]:
@@ -979,8 +1017,11 @@ class EngineModel:
         ]
         for reason, value in self.request_success_total.items():
             samples.append((mn.VLLM_REQUEST_SUCCESS, lab(finished_reason=reason), float(value)))
+        # vLLM labels this family by model_name and reason only (no engine)
+        frontend = {k: v for k, v in base.items() if k != "engine"}
         for reason, value in self.admission_rejections_total.items():
-            samples.append((mn.VLLM_ADMISSION_REJECTIONS, lab(reason=reason), float(value)))
+            samples.append((mn.VLLM_ADMISSION_REJECTIONS, {**frontend, "reason": reason}, float(value)))
+        samples.extend(self.vllm_stats.samples(base))
         return samples
 
     def check(self) -> None:

@@ -2,7 +2,9 @@
 
 Each scrape becomes one ``exporter.timeseries.Snapshot`` with ``t`` in seconds from the run's
 start, written as one JSON line at once (a crash leaves every scrape taken so far) and kept in
-memory for the run's outcomes. Histograms are dropped, as the series format says. A failed
+memory for the run's outcomes. Of the histograms, the series format's are kept
+(``exporter.vllmbuckets.SERIES_HISTOGRAMS``: vLLM's request latencies and sizes), the others
+dropped, so a scrape of a real vLLM and the simulator's snapshots carry the same families. A failed
 scrape is counted and skipped: a gap in the series, never a made-up value.
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from exporter.timeseries import Snapshot, parse_exposition, write_snapshot
+from exporter.vllmbuckets import SERIES_HISTOGRAMS
 
 __all__ = ["MetricsScraper"]
 
@@ -54,7 +57,7 @@ class MetricsScraper:
         try:
             response = await self._client.get(self.metrics_url)
             response.raise_for_status()
-            samples = parse_exposition(response.text)
+            samples = parse_exposition(response.text, keep_histograms=SERIES_HISTOGRAMS)
         except (httpx.HTTPError, ValueError):
             self.failures += 1
             return None

@@ -4,7 +4,9 @@ The proxy's side is produced by the real proxy's own collector (``exporter.metri
 policy core's counters and gauges, Ĉ, the deadline, and the derived gauges over the same sliding
 window, fed at every snapshot as the proxy feeds it at every scrape. The engine's side is the
 engine model's ``metrics_samples`` (vLLM's names and counting rules), passed through as the proxy
-passes vLLM's through. Histograms are omitted, as the time-series format says.
+passes vLLM's through, histograms included (those the series format keeps:
+``exporter.vllmbuckets.SERIES_HISTOGRAMS``); the proxy's own histograms are left out, as a
+recorded series leaves them out.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from exporter.timeseries import Sample, Snapshot
 __all__ = ["PROXY_WINDOW_S", "Scraper"]
 
 PROXY_WINDOW_S = 60.0  # the proxy's default window for its derived gauges, at the study's scale
+_WINDOW = frozenset(WINDOW_VLLM_FAMILIES)
 
 
 class Scraper:
@@ -41,9 +44,9 @@ class Scraper:
         self.policy.sweep_deadlines(t)  # as the proxy does before each scrape
         engine = self.engine_samples()
         totals: dict[str, float] = {}
-        for name, _, value in engine:
-            if name in WINDOW_VLLM_FAMILIES:
-                totals[name] = totals.get(name, 0.0) + value
+        # (filtered first: most of the engine's samples are histogram buckets)
+        for name, _, value in [s for s in engine if s[0] in _WINDOW]:
+            totals[name] = totals.get(name, 0.0) + value
         self.window.add(window_sample(t, self.policy.counters, totals))
         samples: list[Sample] = [
             (s.name, dict(s.labels), float(s.value))

@@ -21,6 +21,8 @@ import pytest
 
 from exporter import metricnames
 from exporter.processes import free_port
+from exporter.timeseries import parse_exposition
+from exporter.vllmbuckets import SERIES_HISTOGRAMS
 from tests.exporter.support import endless_head
 
 PRESET = "qwen2.5-7b-h100"
@@ -260,6 +262,16 @@ def test_metrics_carry_vllm_names_help_and_types(server: str) -> None:
         assert f"# HELP {name} " in text
         assert re.search(rf'^{re.escape(name)}\{{[^}}]*model_name="{PRESET}"', text, re.M), name
     assert 'engine="0"' in text
+    # vLLM's request histograms, served as histograms: a series records their buckets
+    for name in sorted(SERIES_HISTOGRAMS):
+        assert f"# TYPE {name} histogram\n" in text
+        assert f"# HELP {name} " in text
+    samples = parse_exposition(text, keep_histograms=SERIES_HISTOGRAMS)
+    ttft = [lb["le"] for n, lb, _ in samples if n == metricnames.VLLM_TTFT + "_bucket"]
+    assert ttft[0] == "0.001" and ttft[-1] == "+Inf" and len(ttft) == 23
+    assert {tuple(sorted(lb)) for n, lb, _ in samples if n == metricnames.VLLM_E2E_LATENCY + "_count"} == {
+        ("engine", "model_name")
+    }
 
 
 # --- disconnects abort as in vLLM ------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from exporter import metricnames as mn
+from exporter.timeseries import Snapshot
 from reproduce.engine import EngineConfig, EngineEvent, EngineModel, EngineRequest, EventKind, StepTimeModel
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
@@ -94,4 +97,17 @@ def test_books_balance_for_any_sequence(
     # coalescing decode-only steps changes nothing observable
     other, other_events, _ = run(ops, blocks, budget, False, cap)
     assert other_events == events
-    assert other.metrics_samples() == engine.metrics_samples()
+    # (a coalesced run adds its inter-token latencies in one piece: sums equal up to rounding)
+    assert [
+        (n, lb, pytest.approx(v, rel=1e-9, abs=1e-12)) if n.endswith("_sum") else (n, lb, v)
+        for n, lb, v in other.metrics_samples()
+    ] == engine.metrics_samples()
+    # vLLM's histograms: TTFT at each first token, the per-request families at each finish, and
+    # every delivered token is either a first token or a later one (inter-token latency)
+    snap = Snapshot(0.0, engine.metrics_samples())
+    assert snap.value(mn.VLLM_TTFT + "_count") == len(first)
+    for family in (mn.VLLM_E2E_LATENCY, mn.VLLM_QUEUE_TIME, mn.VLLM_PREFILL_TIME, mn.VLLM_DECODE_TIME):
+        assert snap.value(family + "_count") == len(finished)
+    itl = snap.value(mn.VLLM_INTER_TOKEN_LATENCY + "_count") or 0.0
+    assert engine.generation_tokens_total == len(first) + itl
+    assert snap.value(mn.VLLM_REQUEST_GENERATION_TOKENS + "_sum") == sum(e.output_tokens for e in finished)

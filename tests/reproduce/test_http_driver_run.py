@@ -63,6 +63,13 @@ def test_low_load_run_delivers_every_call_and_writes_the_series(tmp_path: Path) 
     last = snapshots[-1]
     assert last.value(mn.ATTEMPTS, kind="first") == offered
     assert last.value(mn.VLLM_PROMPT_TOKENS) is not None  # vLLM's names pass through the proxy
+    # so do vLLM's request histograms, which the series keeps (the proxy passes through the engine's
+    # last fetched text: it may lag the run's end by a second); the proxy's own are left out
+    finished = last.value(mn.VLLM_E2E_LATENCY + "_count")
+    assert finished is not None and offered / 2 < finished <= offered
+    assert last.value(mn.VLLM_E2E_LATENCY + "_bucket", le="+Inf") == finished
+    assert finished <= (last.value(mn.VLLM_TTFT + "_count") or 0.0) <= offered
+    assert not any(n.startswith(mn.TIME_TO_FIRST_TOKEN) for n, _, _ in last.samples)
     assert last.value(mn.CAPACITY) == pytest.approx(2.0)
 
     calls = _calls(tmp_path, entry)

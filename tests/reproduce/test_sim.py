@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from exporter import metricnames as mn
+from exporter.vllmbuckets import SERIES_HISTOGRAMS
 from reproduce.client import AttemptOutcome, ClientConfig
 from reproduce.conditions import Condition, block
 from reproduce.engine.config import EngineConfig, StepTimeModel
@@ -103,6 +104,7 @@ def test_counters_stay_balanced_and_names_are_the_contract() -> None:
     every = spec.snapshot_every_s / spec.time_scale
     assert result.snapshots[1].t - result.snapshots[0].t == pytest.approx(every)
     known = {v for k, v in vars(mn).items() if k.isupper() and isinstance(v, str)}
+    known |= {family + suffix for family in SERIES_HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")}
     for snap in [*result.snapshots[:: max(1, len(result.snapshots) // 15)], result.snapshots[-1]]:
         names = {n for n, _, _ in snap.samples}
         assert names <= known, names - known
