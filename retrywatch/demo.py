@@ -256,7 +256,7 @@ async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed
     spec = WorkloadSpec(
         capacity=plan.capacity_engine,
         seed=seed,
-        phases=paper_phases(2.7),
+        phases=paper_phases(),
         time_scale=plan.time_scale,
         max_context=32_768,
     )
