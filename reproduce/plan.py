@@ -30,6 +30,7 @@ __all__ = [
     "PlanError",
     "RunPlan",
     "Timeline",
+    "check_pulse",
     "plan_run",
 ]
 
@@ -195,3 +196,11 @@ def plan_run(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
         phases=_phases(workload),
         window_s=RECOVERY_WINDOW_S / k,
     )
+
+
+def check_pulse(workload: WorkloadSpec) -> None:
+    """Raise :class:`PlanError` unless a run of ``workload`` has a pulse and a hold to judge
+    (before any run starts, instead of in the middle of one)."""
+    RunPlan(
+        calls=(), client=ClientConfig(), time_scale=workload.time_scale, phases=_phases(workload)
+    ).timeline()

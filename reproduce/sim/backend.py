@@ -15,6 +15,7 @@ from typing import Any
 from reproduce.client import ClientConfig
 from reproduce.conditions import PRIMARY_MODEL, RunSpec
 from reproduce.engine.presets import PRESET_NAMES, PresetError, preset_capacity
+from reproduce.plan import PlanError, check_pulse
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
@@ -59,10 +60,16 @@ class SimBackend(Backend):
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{name} must be a JSON object, not {getattr(self, name)!r}")
         try:
-            WorkloadSpec(capacity=1.0, **self.workload)
+            workload = WorkloadSpec(capacity=1.0, **self.workload)
             engine_link.Engine.for_preset(PRIMARY_MODEL, overrides=self.engine)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
+        try:
+            check_pulse(workload)
+        except PlanError as exc:
+            raise ValueError(
+                f"workload: {exc}; name its phases with phase_names, one of them 'pulse'"
+            ) from None
 
     def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
         for model in dict.fromkeys(r.model for r in runs):

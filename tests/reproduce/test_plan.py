@@ -53,6 +53,19 @@ def test_a_run_with_custom_phases_is_judged_on_the_phases_it_ran(tmp_path: Path)
     assert entry["recovered"] == any(a and b for a, b in itertools.pairwise(good))
 
 
+def test_custom_phases_without_a_pulse_are_a_usage_error_before_anything_runs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [
+        "reproduce", "run", "--backend", "sim", "--model", "qwen2.5-7b-h100", "--block", "diagnostic",
+        "--condition", "retries-on-cancel-off", "--runs", "1", "--no-progress",
+        "--backend-option", 'workload={"phases":[[60,0.6],[50,2.7]]}', "--out", str(out),
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "no phase named 'pulse'" in result.output and "phase_names" in result.output
+    assert not out.exists()
+
+
 def test_the_study_plan_at_two_time_scales() -> None:
     study = plan_run(WorkloadSpec(capacity=1.0), ClientConfig())
     timeline = study.timeline()
