@@ -16,7 +16,7 @@ from reproduce.engine import EngineEvent, EngineModel, EngineRequest, EventKind,
 from reproduce.engine.presets import STUDY_CAPACITY
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
-from reproduce.workload import PAPER_PHASES, WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workload import WorkloadSpec, generate_trace, paper_phases, prompt_segments
 
 
 def scenario(
@@ -69,7 +69,8 @@ def main() -> None:
     parser.add_argument("--no-coalesce", action="store_true", help="step decode-only runs one by one")
     args = parser.parse_args()
     coalesce = not args.no_coalesce
-    hold_to_1800 = (*PAPER_PHASES[:2], (1_800.0 - 227.0, 0.6))
+    base, pulse, _ = paper_phases()
+    hold_to_1800 = paper_phases(hold_s=1_800.0 - base[0] - pulse[0])
     scenario("base/pulse/hold, open loop", args.preset, hold_to_1800, None, coalesce)
     scenario("2.7 Ĉ overload", args.preset, ((1_800.0, 2.7),), None, coalesce)
     scenario("2.7 Ĉ, abort at 120 s", args.preset, ((1_800.0, 2.7),), 120.0, coalesce)

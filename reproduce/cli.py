@@ -28,7 +28,7 @@ MAX_RUNS = 1000
 MAX_JOBS = 256
 PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: A condition's own pulse (the study's), unless it says otherwise.
-_DEFAULT_PULSE_MULTIPLE = Condition("default").pulse_multiple
+_DEFAULT_PULSE_MULTIPLE = Condition("default").workload.pulse_multiple
 #: ``--start-rate`` of the calibrations: the first stage's calls per second.
 START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 

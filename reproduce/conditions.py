@@ -1,31 +1,42 @@
 """Blocks and conditions of the study (docs/protocol.md §7), as data.
 
-A condition says what the client, the proxy and the engine do: retries on or off, the proxy's
-policy (cancellation off/on/deferred, coalescing, retry budget and its order, proxy cap with
-FIFO/LIFO and the deadline check), the engine's queue cap Q, tokens per step, the pulse's
-multiple of Ĉ, mixed prompts and per-execution tracing. A block groups conditions with the
-models it ran on and the study's run counts per model. ``--block paper`` is every block.
+A condition names the parts it sets, each its own type so that one can change without the
+others (a trace replay can replace the pulse workload, say):
 
-The study's "no control" is a plain proxy: no coalescing, no budget, no cap; cancellation as the
-block states. Every duration a condition carries is at the study's scale; ``policy_config``
-divides them by the time scale.
+* ``ProxyPolicy``: cancellation off/on/deferred, coalescing, retry budget and its order, proxy
+  cap with FIFO/LIFO and the deadline check;
+* ``ClientProfile``: retries on or off (deadline and backoff are ``reproduce.client``'s);
+* ``EngineSettings``: the engine's queue cap Q, tokens per step, per-execution tracing;
+* ``PulseWorkload``: the pulse's multiple of Ĉ (``reproduce.workload.PULSE_PROTOCOL``), mixed prompts.
+
+A block groups conditions with the models it ran on and the study's run counts per model.
+``--block paper`` is every block. The study's "no control" is a plain proxy: no coalescing, no
+budget, no cap; cancellation as the block states. Every duration a condition carries is at the
+study's scale; ``ProxyPolicy.config`` divides the policy's by the time scale.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
+from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_serving
+from reproduce.workload import PULSE_MULTIPLE, paper_phases
 
 __all__ = [
     "BLOCKS",
     "MODELS",
     "PRIMARY_MODEL",
     "Block",
+    "ClientProfile",
     "Condition",
     "ConditionError",
+    "EngineSettings",
+    "ProxyPolicy",
+    "PulseWorkload",
     "RunSpec",
     "block",
     "block_slugs",
@@ -41,6 +52,7 @@ BUDGET_WINDOW_S = 60.0
 DEFERRED_CANCEL_S = 10.0
 PROXY_CAP = 100
 LIFO_THRESHOLD = 50
+RETRY_MEMORY_S = 900.0  # how long the proxy remembers a call id as seen (a later attempt is a retry)
 
 
 class ConditionError(ValueError):
@@ -48,11 +60,11 @@ class ConditionError(ValueError):
 
 
 @dataclass(frozen=True)
-class Condition:
-    """One experimental condition. Durations are at the study's scale (seconds)."""
+class ProxyPolicy:
+    """What the proxy does (``exporter.policy``): cancellation, coalescing, the retry budget and
+    its order, the proxy cap with its queue order, the deadline check. The study's "no control"
+    is the default: a plain proxy, cancellation off."""
 
-    slug: str
-    retries: int = RETRIES
     cancellation: Cancellation = Cancellation.OFF
     coalesce: bool = False
     retry_budget: float | None = None
@@ -60,23 +72,13 @@ class Condition:
     proxy_cap: int | None = None
     queue_order: QueueOrder = QueueOrder.FIFO
     deadline_check: bool = False
-    engine_queue_cap: int | None = None
-    tokens_per_step: int = 8_192
-    pulse_multiple: float = 2.7
-    mixed_prompts: bool = False
-    tracing: bool = False
-    variant: str = ""  # distinguishes cells sharing a slug (the trigger sweep's pulse)
 
-    @property
-    def key(self) -> str:
-        """The condition's slug plus its variant: unique within a block."""
-        return f"{self.slug}-{self.variant}" if self.variant else self.slug
+    def config(self, deadline_s: float, time_scale: float = 1.0) -> PolicyConfig:
+        """The proxy's ``PolicyConfig``, every duration of the policy divided by ``time_scale``.
 
-    def policy_config(self, deadline_s: float, time_scale: float = 1.0) -> PolicyConfig:
-        """The proxy policy of this condition, every duration divided by ``time_scale``.
-
-        ``deadline_s`` is the clients' (already scaled) deadline; the proxy knows it so that
-        its delivered-within-deadline counter and the deadline check are meaningful.
+        ``deadline_s`` is the clients' deadline in run seconds (the run plan's, already scaled);
+        the proxy knows it so that its delivered-within-deadline counter and the deadline check
+        are meaningful.
         """
         k = float(time_scale)
         return PolicyConfig(
@@ -91,13 +93,11 @@ class Condition:
             lifo_threshold=LIFO_THRESHOLD,
             deadline_check=self.deadline_check,
             deadline_s=deadline_s,
-            retry_memory_s=900.0 / k,
+            retry_memory_s=RETRY_MEMORY_S / k,
         )
 
     def describe(self) -> dict[str, object]:
-        """A JSON-ready description (for summary.json and reports)."""
         return {
-            "retries": self.retries,
             "cancellation": self.cancellation.value,
             "coalesce": self.coalesce,
             "retry_budget": self.retry_budget,
@@ -105,11 +105,87 @@ class Condition:
             "proxy_cap": self.proxy_cap,
             "queue_order": self.queue_order.value if self.proxy_cap is not None else None,
             "deadline_check": self.deadline_check,
+        }
+
+
+@dataclass(frozen=True)
+class ClientProfile:
+    """What the clients do beyond the study's client (``reproduce.client.ClientConfig``: deadline,
+    backoff, horizon): how many times they retry a call."""
+
+    retries: int = RETRIES
+
+    def config(self, base: ClientConfig | None = None) -> ClientConfig:
+        """``base`` (the study's client by default, at the study's scale) with these retries."""
+        return replace(base or ClientConfig(), retries=self.retries)
+
+    def describe(self) -> dict[str, object]:
+        return {"retries": self.retries}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is started with: its queue cap Q (None: none), tokens per step, and
+    per-execution tracing (the simulator's; a real engine is not traced)."""
+
+    engine_queue_cap: int | None = None
+    tokens_per_step: int = 8_192
+    tracing: bool = False
+
+    def describe(self) -> dict[str, object]:
+        return {
             "engine_queue_cap": self.engine_queue_cap,
             "tokens_per_step": self.tokens_per_step,
-            "pulse_multiple": self.pulse_multiple,
-            "mixed_prompts": self.mixed_prompts,
             "tracing": self.tracing,
+        }
+
+
+@dataclass(frozen=True)
+class PulseWorkload:
+    """The load: the protocol's pulse (``reproduce.workload.PULSE_PROTOCOL``) at ``pulse_multiple``
+    Ĉ, with mixed prompt lengths or not. A trace replay would be another workload part."""
+
+    pulse_multiple: float = PULSE_MULTIPLE
+    mixed_prompts: bool = False
+
+    def fields(self, *, hold_s: float | None = None) -> dict[str, Any]:
+        """The ``WorkloadSpec`` fields this part sets (phases at the study's scale)."""
+        return {
+            "phases": paper_phases(self.pulse_multiple, hold_s=hold_s),
+            "mixed_prompts": self.mixed_prompts,
+        }
+
+    def describe(self) -> dict[str, object]:
+        return {"pulse_multiple": self.pulse_multiple, "mixed_prompts": self.mixed_prompts}
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One experimental condition: a name and the parts it sets (proxy policy, client profile,
+    engine settings, workload). Durations are at the study's scale (seconds)."""
+
+    slug: str
+    policy: ProxyPolicy = ProxyPolicy()
+    client: ClientProfile = ClientProfile()
+    engine: EngineSettings = EngineSettings()
+    workload: PulseWorkload = PulseWorkload()
+    variant: str = ""  # distinguishes cells sharing a slug (the trigger sweep's pulse)
+
+    @property
+    def key(self) -> str:
+        """The condition's slug plus its variant: unique within a block."""
+        return f"{self.slug}-{self.variant}" if self.variant else self.slug
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready description (summary.json's ``settings``, read by reports and the dashboard)."""
+        policy, engine, workload = self.policy.describe(), self.engine.describe(), self.workload.describe()
+        return {
+            **self.client.describe(),
+            **policy,
+            "engine_queue_cap": engine["engine_queue_cap"],
+            "tokens_per_step": engine["tokens_per_step"],
+            **workload,
+            "tracing": engine["tracing"],
         }
 
 
@@ -148,73 +224,88 @@ class RunSpec:
         return f"{self.block}__{self.condition.key}__{self.model}__r{self.run}"
 
 
+_ON = Cancellation.ON
+_NO_RETRIES = ClientProfile(retries=0)
+
+
 def _no_control(cancellation: Cancellation = Cancellation.OFF) -> Condition:
-    return Condition("no-control", cancellation=cancellation)
+    return Condition("no-control", ProxyPolicy(cancellation=cancellation))
 
 
 _DIAGNOSTIC = (
-    Condition("retries-off-cancel-off", retries=0),
+    Condition("retries-off-cancel-off", client=_NO_RETRIES),
     Condition("retries-on-cancel-off"),
-    Condition("retries-off-cancel-on", retries=0, cancellation=Cancellation.ON),
-    Condition("retries-on-cancel-on", cancellation=Cancellation.ON),
+    Condition("retries-off-cancel-on", ProxyPolicy(cancellation=_ON), client=_NO_RETRIES),
+    Condition("retries-on-cancel-on", ProxyPolicy(cancellation=_ON)),
 )
 
 _TRIGGER_SWEEP = tuple(
-    Condition(slug, retries=retries, pulse_multiple=pulse, variant=f"pulse-{pulse:g}")
+    Condition(slug, client=client, workload=PulseWorkload(pulse_multiple=pulse), variant=f"pulse-{pulse:g}")
     for pulse in (1.5, 2.0, 2.7)
-    for slug, retries in (("retries-on-cancel-off", RETRIES), ("retries-off-cancel-off", 0))
+    for slug, client in (("retries-on-cancel-off", ClientProfile()), ("retries-off-cancel-off", _NO_RETRIES))
 )
 
 _TRACING = (
-    Condition("steps-2k-cancel-off", tokens_per_step=2_048, tracing=True),
-    Condition("steps-2k-cancel-on", tokens_per_step=2_048, cancellation=Cancellation.ON, tracing=True),
-    Condition("steps-8k-cancel-on", tokens_per_step=8_192, cancellation=Cancellation.ON, tracing=True),
+    Condition("steps-2k-cancel-off", engine=EngineSettings(tokens_per_step=2_048, tracing=True)),
+    Condition(
+        "steps-2k-cancel-on",
+        ProxyPolicy(cancellation=_ON),
+        engine=EngineSettings(tokens_per_step=2_048, tracing=True),
+    ),
+    Condition(
+        "steps-8k-cancel-on",
+        ProxyPolicy(cancellation=_ON),
+        engine=EngineSettings(tokens_per_step=8_192, tracing=True),
+    ),
 )
 
 _COMPOSITION = (
     _no_control(),
-    Condition("retry-budget", retry_budget=RETRY_BUDGET),
-    Condition("coalescing", coalesce=True),
+    Condition("retry-budget", ProxyPolicy(retry_budget=RETRY_BUDGET)),
+    Condition("coalescing", ProxyPolicy(coalesce=True)),
     Condition(
-        "budget-first", coalesce=True, retry_budget=RETRY_BUDGET, budget_order=BudgetOrder.BUDGET_FIRST
+        "budget-first",
+        ProxyPolicy(coalesce=True, retry_budget=RETRY_BUDGET, budget_order=BudgetOrder.BUDGET_FIRST),
     ),
     Condition(
-        "lookup-first", coalesce=True, retry_budget=RETRY_BUDGET, budget_order=BudgetOrder.LOOKUP_FIRST
+        "lookup-first",
+        ProxyPolicy(coalesce=True, retry_budget=RETRY_BUDGET, budget_order=BudgetOrder.LOOKUP_FIRST),
     ),
 )
 
-_ON = Cancellation.ON
 _QUEUE_POLICY = (
     _no_control(_ON),
-    Condition("proxy-cap", cancellation=_ON, proxy_cap=PROXY_CAP),
-    Condition("deadline-check", cancellation=_ON, proxy_cap=PROXY_CAP, deadline_check=True),
-    Condition("lifo", cancellation=_ON, proxy_cap=PROXY_CAP, queue_order=QueueOrder.LIFO),
+    Condition("proxy-cap", ProxyPolicy(cancellation=_ON, proxy_cap=PROXY_CAP)),
+    Condition("deadline-check", ProxyPolicy(cancellation=_ON, proxy_cap=PROXY_CAP, deadline_check=True)),
+    Condition("lifo", ProxyPolicy(cancellation=_ON, proxy_cap=PROXY_CAP, queue_order=QueueOrder.LIFO)),
 )
 
 _ENGINE_CAP = (
     _no_control(),
-    Condition("engine-cap-338", engine_queue_cap=338),
-    Condition("engine-cap-338-cancel-on", engine_queue_cap=338, cancellation=_ON),
-    Condition("engine-cap-100", engine_queue_cap=100),
+    Condition("engine-cap-338", engine=EngineSettings(engine_queue_cap=338)),
+    Condition(
+        "engine-cap-338-cancel-on", ProxyPolicy(cancellation=_ON), engine=EngineSettings(engine_queue_cap=338)
+    ),
+    Condition("engine-cap-100", engine=EngineSettings(engine_queue_cap=100)),
 )
 
-_DEFERRED = Condition("deferred-cancellation", coalesce=True, cancellation=Cancellation.DEFERRED)
+_DEFERRED = Condition("deferred-cancellation", ProxyPolicy(coalesce=True, cancellation=Cancellation.DEFERRED))
 _DEFERRAL = (
     _no_control(),
-    Condition("coalescing", coalesce=True),
-    Condition("coalescing-cancel-on", coalesce=True, cancellation=_ON),
+    Condition("coalescing", ProxyPolicy(coalesce=True)),
+    Condition("coalescing-cancel-on", ProxyPolicy(coalesce=True, cancellation=_ON)),
     _DEFERRED,
 )
 
 _BUDGET_CANCEL = (
     _no_control(),
-    Condition("cancellation", cancellation=_ON),
-    Condition("retry-budget", retry_budget=RETRY_BUDGET),
-    Condition("retry-budget-cancel-on", retry_budget=RETRY_BUDGET, cancellation=_ON),
+    Condition("cancellation", ProxyPolicy(cancellation=_ON)),
+    Condition("retry-budget", ProxyPolicy(retry_budget=RETRY_BUDGET)),
+    Condition("retry-budget-cancel-on", ProxyPolicy(retry_budget=RETRY_BUDGET, cancellation=_ON)),
     _DEFERRED,
 )
 
-_MIXED = tuple(replace(c, mixed_prompts=True) for c in _DIAGNOSTIC)
+_MIXED = tuple(replace(c, workload=replace(c.workload, mixed_prompts=True)) for c in _DIAGNOSTIC)
 
 
 def _all_models(primary: int, others: int) -> dict[str, int]:

@@ -37,7 +37,8 @@ from typing import Any
 from detector.rundir import RunDirError
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
-from reproduce.outcomes import RecoveryRule, Timeline, counter_at, waiting_series
+from reproduce.outcomes import RecoveryRule, counter_at, waiting_series
+from reproduce.plan import RECOVERY_WINDOW_S
 
 __all__ = [
     "CALLS_FILE",
@@ -118,7 +119,7 @@ def span_of(run: Mapping[str, Any]) -> JudgedSpan:
         start_s=0.0,
         end_s=float(end),
         align_s=pulse_end if pulse_end is not None else 0.0,
-        window_s=Timeline().window_s / k,
+        window_s=RECOVERY_WINDOW_S / k,
         deadline_s=float(run["deadline_s"]),
         capacity=float(run["capacity"]),
         time_scale=k,

@@ -8,7 +8,8 @@ gap over the hold. Counts of executions come from the proxy's counters in the se
 client cannot see them); delivery comes from the client's records.
 
 NOTE: every time here is in the run's own seconds: with ``--time-scale K`` the timeline's
-durations are already divided by K, and ``capacity`` is in calls per run-second.
+durations are already divided by K, and ``capacity`` is in calls per run-second. The timeline
+comes from the run's plan (``reproduce.plan.RunPlan.timeline``): the phases the run ran.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Protocol
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord
+from reproduce.plan import Timeline
 
 __all__ = [
     "RecoveryRule",
@@ -36,64 +38,6 @@ __all__ = [
     "trace_shares",
     "waiting_series",
 ]
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """The protocol's clock: phases, deadline, horizon and recovery windows (run seconds)."""
-
-    base_s: float = 120.0
-    pulse_s: float = 107.0
-    hold_s: float = 720.0
-    deadline_s: float = 120.0
-    horizon_s: float = 840.0
-    window_s: float = 60.0
-    time_scale: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("base_s", "pulse_s", "hold_s", "deadline_s", "horizon_s", "window_s", "time_scale"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"Timeline.{name} must be a positive number, got {value!r}")
-
-    @classmethod
-    def scaled(cls, time_scale: float = 1.0, **study_durations: float) -> Timeline:
-        """The study's timeline (or the given durations, at the study's scale) divided by K."""
-        base = cls(**study_durations)
-        k = float(time_scale)
-        return cls(
-            base.base_s / k,
-            base.pulse_s / k,
-            base.hold_s / k,
-            base.deadline_s / k,
-            base.horizon_s / k,
-            base.window_s / k,
-            k,
-        )
-
-    @property
-    def pulse_start(self) -> float:
-        return self.base_s
-
-    @property
-    def pulse_end(self) -> float:
-        return self.base_s + self.pulse_s
-
-    @property
-    def hold_end(self) -> float:
-        return self.pulse_end + self.hold_s
-
-    @property
-    def primary_start(self) -> float:
-        """The hold minus its first deadline (347 s in the study)."""
-        return self.pulse_end + self.deadline_s
-
-    def windows(self) -> list[tuple[float, float]]:
-        """The hold's recovery windows, aligned to the pulse's end."""
-        n = int(self.hold_s / self.window_s + 1e-9)
-        return [
-            (self.pulse_end + i * self.window_s, self.pulse_end + (i + 1) * self.window_s) for i in range(n)
-        ]
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 A backend hands over the call records and the metrics series of a run; this module writes the
 series to ``DIR/runs/<slug>/metrics.jsonl`` (and the call records to ``attempts.jsonl``),
-computes the outcomes (``reproduce.outcomes``) and shapes the run's entry as the contract in
-docs/architecture.md asks. ``write_summary`` writes the file atomically; ``detector.rundir``
-reads it.
+computes the outcomes (``reproduce.outcomes``) on the run's plan (``reproduce.plan``) and shapes
+the run's entry as the contract in docs/architecture.md asks. ``write_summary`` writes the file
+atomically; ``detector.rundir`` reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 from exporter.timeseries import Snapshot, write_series
 from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
-from reproduce.outcomes import Timeline, compute_outcomes
+from reproduce.outcomes import compute_outcomes
+from reproduce.plan import RunPlan
 
 __all__ = ["run_dir", "run_entry", "write_run_files", "write_summary"]
 
@@ -48,7 +49,7 @@ def run_entry(
     run: RunSpec,
     backend: str,
     capacity: float,
-    timeline: Timeline,
+    plan: RunPlan,
     calls: Sequence[CallRecord],
     snapshots: Sequence[Snapshot],
     series: str,
@@ -56,7 +57,10 @@ def run_entry(
     trace: Mapping[str, float | None] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The summary entry of one run (``capacity`` in calls per run-second)."""
+    """The summary entry of one run (``capacity`` in calls per run-second), judged on the
+    timeline of the run's own ``plan``: its pulse, cohorts and windows are the phases it ran."""
+    timeline = plan.timeline()
+    pulse = plan.pulse
     outcomes = compute_outcomes(calls, snapshots, timeline, capacity)
     entry: dict[str, Any] = {
         "block": run.block,
@@ -68,13 +72,14 @@ def run_entry(
         "slug": run.slug,
         "backend": backend,
         "capacity": capacity,
-        "pulse_multiple": run.condition.pulse_multiple,
+        "pulse_multiple": pulse.multiple if pulse is not None else run.condition.workload.pulse_multiple,
         "settings": run.condition.describe(),
         "time_scale": timeline.time_scale,
         "deadline_s": timeline.deadline_s,
         "duration_s": duration_s,
         "pulse": {"start_s": timeline.pulse_start, "end_s": timeline.pulse_end},
         "hold_end_s": timeline.hold_end,
+        "plan": plan.describe(),
         "series": series,
         **outcomes,
     }

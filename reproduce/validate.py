@@ -61,7 +61,7 @@ from reproduce.groundtruth import (
     ground_truth,
     read_calls,
 )
-from reproduce.outcomes import Timeline
+from reproduce.plan import RECOVERY_WINDOW_S
 
 PAPER = "paper"  # the block made of every block: runs carry their own block's name
 RETRY_LOOP = "VLLMMetastableRetryLoop"
@@ -137,7 +137,7 @@ class RunInfo:
             start_s=0.0,
             end_s=self.judged_end_s,
             align_s=self.pulse_end_s,
-            window_s=Timeline().window_s / self.time_scale,
+            window_s=RECOVERY_WINDOW_S / self.time_scale,
             deadline_s=self.deadline_s,
             capacity=self.capacity,
             time_scale=self.time_scale,

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
-    "PAPER_PHASES",
+    "PULSE_MULTIPLE",
+    "PULSE_PROTOCOL",
     "PlannedCall",
     "WorkloadError",
     "WorkloadSpec",
@@ -32,18 +33,36 @@ __all__ = [
 # median 300, mean ~400: mean = median * exp(sigma^2 / 2)  =>  sigma = sqrt(2 ln(4/3))
 _RESPONSE_SIGMA_DEFAULT = math.sqrt(2.0 * math.log(400.0 / 300.0))
 
-#: base 0.6 Ĉ for 120 s, pulse 2.7 Ĉ for 107 s, hold 0.6 Ĉ for 720 s.
-PAPER_PHASES: tuple[tuple[float, float], ...] = ((120.0, 0.6), (107.0, 2.7), (720.0, 0.6))
-_PAPER_PHASE_NAMES = ("base", "pulse", "hold")
+#: The study's pulse protocol (docs/protocol.md §3), declared here only: ``(name, duration_s,
+#: multiple_of_capacity)`` at the study's scale: base 0.6 Ĉ for 120 s, pulse 2.7 Ĉ for 107 s,
+#: hold 0.6 Ĉ for 720 s. The trigger sweep changes the pulse's multiple, a CI run the hold.
+PULSE_PROTOCOL: tuple[tuple[str, float, float], ...] = (
+    ("base", 120.0, 0.6),
+    ("pulse", 107.0, 2.7),
+    ("hold", 720.0, 0.6),
+)
+_PAPER_PHASE_NAMES = tuple(name for name, _, _ in PULSE_PROTOCOL)
+#: The pulse's multiple of Ĉ in the study's protocol (2.7).
+PULSE_MULTIPLE: float = next(m for name, _, m in PULSE_PROTOCOL if name == "pulse")
 
 
 class WorkloadError(ValueError):
     """A workload spec that cannot produce a trace; the message says which field to fix."""
 
 
-def paper_phases(pulse_multiple: float = 2.7) -> tuple[tuple[float, float], ...]:
-    """The protocol's base / pulse / hold phases with a pulse of ``pulse_multiple`` Ĉ."""
-    return ((120.0, 0.6), (107.0, float(pulse_multiple)), (720.0, 0.6))
+def paper_phases(
+    pulse_multiple: float | None = None, *, hold_s: float | None = None
+) -> tuple[tuple[float, float], ...]:
+    """The protocol's base / pulse / hold ``(duration_s, multiple)`` (study seconds), with the pulse
+    at ``pulse_multiple`` Ĉ and the hold ``hold_s`` long where given (the protocol's otherwise)."""
+    out: list[tuple[float, float]] = []
+    for name, duration, multiple in PULSE_PROTOCOL:
+        if name == "pulse" and pulse_multiple is not None:
+            multiple = pulse_multiple
+        if name == "hold" and hold_s is not None:
+            duration = hold_s
+        out.append((float(duration), float(multiple)))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +77,7 @@ class WorkloadSpec:
 
     capacity: float
     seed: int = 0
-    phases: tuple[tuple[float, float], ...] = PAPER_PHASES
+    phases: tuple[tuple[float, float], ...] = paper_phases()
     phase_names: tuple[str, ...] | None = None
     prompt_mean: float = 12_000.0
     prompt_std: float = 1_200.0

@@ -39,7 +39,7 @@ from reproduce.client import ClientConfig
 from reproduce.engine.presets import PresetError, preset_capacity
 
 if TYPE_CHECKING:
-    from retrywatch.demo_load import LoadStats
+    from reproduce.httpdriver.openloop import OpenLoopStats
 
 __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 
@@ -250,25 +250,20 @@ async def _episodes(http: httpx.AsyncClient, detector_url: str) -> list[str]:
 
 
 async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed: int) -> None:
-    from reproduce.workload import WorkloadSpec, generate_trace, paper_phases
-    from retrywatch.demo_load import LoadStats, run_load
+    from reproduce.httpdriver.openloop import OpenLoopStats
+    from reproduce.plan import plan_run
+    from reproduce.workload import WorkloadSpec
+    from retrywatch.demo_load import run_load
 
     spec = WorkloadSpec(
-        capacity=plan.capacity_engine,
-        seed=seed,
-        phases=paper_phases(2.7),
-        time_scale=plan.time_scale,
-        max_context=32_768,
+        capacity=plan.capacity_engine, seed=seed, time_scale=plan.time_scale, max_context=32_768
     )
-    calls = generate_trace(spec)
-    bounds = spec.phase_bounds()
-    client = ClientConfig().scaled(plan.time_scale)
+    run_plan = plan_run(spec, ClientConfig())
+    bounds = [(p.name, p.start_s, p.end_s) for p in run_plan.phases]
     proxy, detector = services[1], services[2]
-    stats = LoadStats()
+    stats = OpenLoopStats()
     load = asyncio.create_task(
-        run_load(
-            proxy.url, calls, client, served_model=plan.preset, vocab_size=VOCAB_SIZE, stats=stats, seed=seed
-        )
+        run_load(proxy.url, run_plan, served_model=plan.preset, vocab_size=VOCAB_SIZE, stats=stats, seed=seed)
     )
     start = time.monotonic()
     fired: set[str] = set()
@@ -288,7 +283,8 @@ async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed
                 click.echo(
                     f"[{elapsed:6.1f}s] {phase:<5} calls {stats.calls_started}: "
                     f"{stats.calls_delivered} delivered ({stats.calls_delivered_in_deadline} in deadline), "
-                    f"{stats.calls_failed} failed; attempts {stats.attempts} ({stats.retries} retries); "
+                    f"{stats.calls_failed} failed; "
+                    f"attempts {stats.attempts_sent} ({stats.retries_sent} retries); "
                     f"engine waiting {waiting}; firing: {', '.join(firing) or 'none'}"
                 )
             fired.update(await _episodes(http, detector.url))
@@ -303,7 +299,7 @@ async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed
     click.echo(closing_summary(stats, fired))
 
 
-def closing_summary(stats: LoadStats, fired: set[str]) -> str:
+def closing_summary(stats: OpenLoopStats, fired: set[str]) -> str:
     """The demo's last line: calls delivered within the deadline and late side by side (a call
     delivered after its deadline is one its client already gave up on), failed, alerts fired."""
     late = stats.calls_delivered - stats.calls_delivered_in_deadline
@@ -324,7 +320,7 @@ def _serving(urls: dict[str, str], workdir: Path) -> str:
     )
 
 
-def _undelivered(stats: LoadStats) -> str:
+def _undelivered(stats: OpenLoopStats) -> str:
     pending = stats.calls_started - stats.calls_delivered - stats.calls_failed
     return f", {pending} still in progress" if pending > 0 else ""
 

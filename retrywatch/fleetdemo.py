@@ -523,8 +523,10 @@ async def drive(
 ) -> dict[str, list[str]]:
     """Drive the pulse through nginx for ``duration_s`` (or until ``stop_when(firing)``), reporting
     the clients' counts and each replica's firing alerts; every alert that fired, by instance."""
-    from reproduce.workload import WorkloadSpec, generate_trace, paper_phases
-    from retrywatch.demo_load import LoadStats, run_load
+    from reproduce.httpdriver.openloop import OpenLoopStats
+    from reproduce.plan import plan_run
+    from reproduce.workload import WorkloadSpec, paper_phases
+    from retrywatch.demo_load import run_load
 
     plan = fleet.plan
     spec = WorkloadSpec(
@@ -534,13 +536,13 @@ async def drive(
         time_scale=plan.time_scale,
         max_context=32_768,
     )
-    bounds = spec.phase_bounds()
-    stats = LoadStats()
+    run_plan = plan_run(spec, ClientConfig())
+    bounds = [(p.name, p.start_s, p.end_s) for p in run_plan.phases]
+    stats = OpenLoopStats()
     load = asyncio.create_task(
         run_load(
             fleet.nginx_url,
-            generate_trace(spec),
-            ClientConfig().scaled(plan.time_scale),
+            run_plan,
             served_model=SERVED_MODEL,
             vocab_size=single.VOCAB_SIZE,
             stats=stats,
@@ -569,7 +571,7 @@ async def drive(
                     on_report(
                         f"[{elapsed:6.1f}s] {phase:<5} calls {stats.calls_started}: {stats.calls_delivered} "
                         f"delivered ({stats.calls_delivered_in_deadline} in deadline), {stats.calls_failed} "
-                        f"failed; attempts {stats.attempts} ({stats.retries} retries) | {states}"
+                        f"failed; attempts {stats.attempts_sent} ({stats.retries_sent} retries) | {states}"
                     )
     finally:
         load.cancel()

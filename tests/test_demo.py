@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from exporter.processes import free_port
+from reproduce.httpdriver.openloop import OpenLoopStats
 from retrywatch.demo import closing_summary, dashboard_link, dashboard_range_s, demo_commands, demo_plan
-from retrywatch.demo_load import LoadStats
 
 
 def free_ports(n: int) -> list[int]:
@@ -204,12 +204,14 @@ def test_headless_demo_fires_the_retry_loop_alert_and_serves_the_dashboard() -> 
 
 def test_the_closing_summary_shows_late_deliveries_beside_those_within_the_deadline() -> None:
     # --with-controls once ended: 769 of 776 calls delivered, only 558 within the deadline
-    stats = LoadStats(calls_started=776, calls_delivered=769, calls_delivered_in_deadline=558, calls_failed=7)
+    stats = OpenLoopStats(
+        calls_started=776, calls_delivered=769, calls_delivered_in_deadline=558, calls_failed=7
+    )
     line = closing_summary(stats, {"VLLMBacklogBeyondDeadline"})
     assert "558 delivered within the deadline, 211 delivered late" in line
     assert "7 failed" in line and "in progress" not in line
     assert line.endswith("alerts fired: VLLMBacklogBeyondDeadline")
-    stats = LoadStats(calls_started=10, calls_delivered=6, calls_delivered_in_deadline=6, calls_failed=1)
+    stats = OpenLoopStats(calls_started=10, calls_delivered=6, calls_delivered_in_deadline=6, calls_failed=1)
     assert "0 delivered late" in closing_summary(stats, set()) and "3 still in progress" in closing_summary(
         stats, set()
     )

@@ -47,9 +47,9 @@ from reproduce.httpdriver.openloop import OpenLoopClient, send_lag
 from reproduce.httpdriver.protocol import HttpProtocol, cpu_scaled, scaled_queue_cap, study
 from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.httpdriver.scrape import MetricsScraper
+from reproduce.plan import RunPlan
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.summary import run_dir, run_entry, write_run_files
-from reproduce.workload import generate_trace
 
 __all__ = ["HttpBackend", "HttpBackendError", "drive_run"]
 
@@ -65,40 +65,26 @@ async def drive_run(
     endpoint: EngineEndpoint,
     job_dir: Path,
     *,
-    protocol: HttpProtocol,
-    run: RunSpec,
-    capacity: float,
+    plan: RunPlan,
+    scrape_every_s: float,
+    seed: int,
 ) -> tuple[list[CallRecord], list[Snapshot], float, dict[str, Any]]:
-    """Replay the run's trace through ``proxy_url`` while scraping its metrics.
+    """Replay the planned calls of ``plan`` through ``proxy_url`` while scraping its metrics.
 
     Returns (call records, metrics snapshots, run duration in seconds, client statistics).
     """
-    condition = run.condition
-    trace = generate_trace(
-        protocol.workload(
-            capacity,
-            seed=run.seed,
-            pulse_multiple=condition.pulse_multiple,
-            mixed_prompts=condition.mixed_prompts,
-        )
-    )
     client = OpenLoopClient(
-        proxy_url,
-        endpoint.model_name,
-        endpoint.vocab_size,
-        protocol.client(condition.retries),
-        seed=run.seed,
-        token_seed=run.seed,
+        proxy_url, endpoint.model_name, endpoint.vocab_size, plan.client, seed=seed, token_seed=seed
     )
     t0 = time.monotonic()
     async with MetricsScraper(
-        f"{proxy_url}/metrics", job_dir / "metrics.jsonl", t0=t0, interval_s=protocol.scrape_every_s
+        f"{proxy_url}/metrics", job_dir / "metrics.jsonl", t0=t0, interval_s=scrape_every_s
     ) as scraper:
-        calls = await client.run(trace, t0)
+        calls = await client.run(plan.calls, t0)
     duration = time.monotonic() - t0
-    timeline = protocol.timeline()
+    pulse = plan.pulse
     stats = {
-        "pulse_send": send_lag(calls, timeline.pulse_start, timeline.pulse_end),
+        "pulse_send": send_lag(calls, pulse.start_s, pulse.end_s) if pulse is not None else None,
         "attempts_sent": client.stats.attempts_sent,
         "attempt_outcomes": dict(client.stats.outcomes),
         "late_starts": client.stats.late_starts,
@@ -191,7 +177,7 @@ class HttpBackend(Backend):
                 self.workdir or folder.parent.parent / "_engine",
                 gpu=bool(o.get("gpu", False)),
                 max_num_queued_reqs=queue_cap,
-                batched_tokens=run.condition.tokens_per_step,
+                batched_tokens=run.condition.engine.tokens_per_step,
                 dummy_weights=bool(o.get("dummy_weights", True)),
                 startup_timeout_s=timeout,
                 bound_s=bound,
@@ -234,15 +220,15 @@ class HttpBackend(Backend):
         capacity = self.capacity
         run = job.run
         protocol = self.protocol(job.time_scale)
-        timeline = protocol.timeline()
+        plan = protocol.plan(capacity, run.condition, seed=run.seed)
         folder = run_dir(job.out, run)
         folder.mkdir(parents=True, exist_ok=True)
-        q_study = run.condition.engine_queue_cap
+        q_study = run.condition.engine.engine_queue_cap
         queue_cap = None
         if q_study is not None:
-            queue_cap = self.queue_cap or scaled_queue_cap(q_study, capacity, timeline.deadline_s)
+            queue_cap = self.queue_cap or scaled_queue_cap(q_study, capacity, plan.deadline_s)
         engine = self.engine_for(run, folder, queue_cap)
-        policy = run.condition.policy_config(deadline_s=timeline.deadline_s, time_scale=job.time_scale)
+        policy = run.condition.policy.config(deadline_s=plan.deadline_s, time_scale=plan.time_scale)
         with engine as endpoint:
             if self.kind == "external":
                 # A shared engine may still hold the previous run's executions (the proxy's exit
@@ -265,14 +251,21 @@ class HttpBackend(Backend):
                         f"{proxy_url}/metrics",
                         workdir=folder,
                         capacity=capacity,
-                        deadline_s=timeline.deadline_s,
+                        deadline_s=plan.deadline_s,
                         interval_s=max(1.0, protocol.scrape_every_s),
-                        time_scale=protocol.time_scale,
+                        time_scale=plan.time_scale,
                     )
                     stack.enter_context(detector)
                 t0_unix = time.time()
                 calls, snapshots, duration, stats = asyncio.run(
-                    drive_run(proxy_url, endpoint, folder, protocol=protocol, run=run, capacity=capacity)
+                    drive_run(
+                        proxy_url,
+                        endpoint,
+                        folder,
+                        plan=plan,
+                        scrape_every_s=protocol.scrape_every_s,
+                        seed=run.seed,
+                    )
                 )
                 live_alerts = detector.episodes(t0_unix) if detector is not None else None
         series = write_run_files(job.out, run, snapshots, calls)
@@ -280,7 +273,7 @@ class HttpBackend(Backend):
             run=run,
             backend=self.name,
             capacity=capacity,
-            timeline=timeline,
+            plan=plan,
             calls=calls,
             snapshots=snapshots,
             series=series,
@@ -297,7 +290,7 @@ class HttpBackend(Backend):
                     "prompt_mean": protocol.prompt_mean,
                     "shared_prefix_len": protocol.shared_prefix_len,
                     "response_median": protocol.response_median,
-                    "hold_s": timeline.hold_s,
+                    "hold_s": plan.timeline().hold_s,
                 },
             },
         )

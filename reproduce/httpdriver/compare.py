@@ -194,18 +194,13 @@ def simulate_runs(
 ) -> list[dict[str, Any]]:
     """Summary entries of ``runs`` simulated on ``config`` under ``protocol`` at Ĉ = ``capacity``.
 
-    The protocol's phases (its hold may differ from the study's) drive both the trace and the
-    timeline the outcomes are judged on, as they do for the HTTP runs.
+    The protocol's phases (its hold may differ from the study's) drive the trace, and each run
+    is judged on its own plan, as the HTTP runs are.
     """
-    timeline = protocol.timeline()
     entries = []
     for run in runs:
         workload = {
-            "phases": (
-                (protocol.base_s, 0.6),
-                (protocol.pulse_s, run.condition.pulse_multiple),
-                (protocol.hold_s, 0.6),
-            ),
+            **run.condition.workload.fields(hold_s=protocol.hold_s),
             "prompt_mean": protocol.prompt_mean,
             "prompt_std": protocol.prompt_std,
             "shared_prefix_len": protocol.shared_prefix_len,
@@ -228,7 +223,7 @@ def simulate_runs(
                 run=run,
                 backend="sim",
                 capacity=capacity,
-                timeline=timeline,
+                plan=result.plan,
                 calls=result.calls,
                 snapshots=result.snapshots,
                 series="",

@@ -37,6 +37,8 @@ HEARTBEAT_S = 0.05
 _HEARTBEAT_SAMPLES = 1 << 16
 #: An attempt sent more than this many seconds after it was due counts as a late start.
 LATE_START_S = 0.1
+#: The longest the calls in progress get to close once the run ends or is cancelled.
+STOP_TIMEOUT_S = 10.0
 
 
 def _p99_and_max(ordered: Sequence[float]) -> tuple[float | None, float | None]:
@@ -48,14 +50,25 @@ def _p99_and_max(ordered: Sequence[float]) -> tuple[float | None, float | None]:
 
 @dataclass
 class OpenLoopStats:
-    """Live counts of the client (for progress lines and tests)."""
+    """Live counts of the client (for progress lines, the demo's and tests)."""
 
+    calls_started: int = 0
+    calls_delivered: int = 0
+    calls_delivered_in_deadline: int = 0  # within the deadline of the call's first attempt
+    calls_failed: int = 0  # gave up after its last attempt
+    calls_skipped: int = 0  # never started: the bound on calls in progress was reached
     attempts_sent: int = 0
+    retries_sent: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     late_starts: int = 0  # attempts sent more than LATE_START_S after they were due (client overload)
     #: How late the heartbeat woke, one sample per beat (the most recent 65,536): a loop starved
     #: of CPU wakes late, and then also reads answers late and may judge them past their deadline.
     loop_lags: deque[float] = field(default_factory=lambda: deque(maxlen=_HEARTBEAT_SAMPLES))
+
+    @property
+    def in_progress(self) -> int:
+        """Calls started and not yet delivered or given up."""
+        return self.calls_started - self.calls_delivered - self.calls_failed
 
     def loop_lag(self) -> dict[str, float | None]:
         """The heartbeat's lateness: p99 and max seconds (None before the first beat)."""
@@ -119,7 +132,12 @@ def fell_behind(
 
 
 class OpenLoopClient:
-    """Replays a trace against ``base_url`` (a proxy or an engine) with the client model's rules."""
+    """Replays a trace against ``base_url`` (a proxy or an engine) with the client model's rules.
+
+    ``max_calls_in_progress`` (None: no bound) skips a call whose arrival finds that many in
+    progress (counted in ``stats.calls_skipped``; its record has no attempt). ``stats`` may be
+    shared with a caller that reads the counts while the client runs.
+    """
 
     def __init__(
         self,
@@ -133,8 +151,12 @@ class OpenLoopClient:
         call_id_header: str = "x-call-id",
         connect_timeout_s: float = 10.0,
         max_connections: int = 4_096,
+        max_calls_in_progress: int | None = None,
+        stats: OpenLoopStats | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if max_calls_in_progress is not None and max_calls_in_progress < 1:
+            raise ValueError(f"max_calls_in_progress must be >= 1, got {max_calls_in_progress!r}")
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model_name = model_name
         self.vocab_size = vocab_size
@@ -144,8 +166,9 @@ class OpenLoopClient:
         self.call_id_header = call_id_header
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
+        self.max_calls_in_progress = max_calls_in_progress
         self.clock = clock
-        self.stats = OpenLoopStats()
+        self.stats = stats if stats is not None else OpenLoopStats()
         self.calls: list[CallRecord] = []
 
     def _body(self, call: PlannedCall) -> bytes:
@@ -156,14 +179,20 @@ class OpenLoopClient:
         self, client: httpx.AsyncClient, planned: PlannedCall, record: CallRecord, t0: float
     ) -> None:
         await asyncio.sleep(max(0.0, t0 + planned.arrival_s - self.clock()))
+        stats = self.stats
+        if self.max_calls_in_progress is not None and stats.in_progress >= self.max_calls_in_progress:
+            stats.calls_skipped += 1
+            return
+        stats.calls_started += 1
         body = self._body(planned)
         due = planned.arrival_s
         while True:
             now = self.clock() - t0
             if now - due > LATE_START_S:
-                self.stats.late_starts += 1
+                stats.late_starts += 1
             attempt = self.model.send(record, now)
-            self.stats.attempts_sent += 1
+            stats.attempts_sent += 1
+            stats.retries_sent += attempt.is_retry
             result: AttemptResult = await run_attempt(
                 client,
                 self.url,
@@ -174,13 +203,16 @@ class OpenLoopClient:
                 on_first_byte=lambda at: self.model.first_byte(record, at - t0),
                 clock=self.clock,
             )
-            self.stats.outcomes[result.outcome.value] = self.stats.outcomes.get(result.outcome.value, 0) + 1
+            stats.outcomes[result.outcome.value] = stats.outcomes.get(result.outcome.value, 0) + 1
             ended = result.ended_at - t0
             if result.outcome is AttemptOutcome.DELIVERED:
                 self.model.delivered(record, ended)
+                stats.calls_delivered += 1
+                stats.calls_delivered_in_deadline += ended - record.first_sent_at <= self.config.deadline_s
                 return
             next_at = self.model.failed(record, ended, result.outcome, result.retry_after_s)
             if next_at is None:
+                stats.calls_failed += 1
                 return
             due = next_at
             await asyncio.sleep(max(0.0, t0 + next_at - self.clock()))
@@ -233,11 +265,19 @@ class OpenLoopClient:
                 asyncio.create_task(self._call(client, planned, record, t0))
                 for planned, record in zip(trace, self.calls, strict=True)
             ]
-            if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=max(0.0, end_at - self.clock()))
+            if not tasks:
+                return
+            try:
+                await asyncio.wait(tasks, timeout=max(0.0, end_at - self.clock()))
+            finally:
+                # At the horizon, or when the run itself is cancelled (the demo's stop): every
+                # open attempt is closed, which its server sees as a client disconnect. Bounded,
+                # so that closing hundreds of attempts cannot hold up a stop.
+                pending = [t for t in tasks if not t.done()]
                 for task in pending:
                     task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                errors = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
-                if errors:
-                    raise errors[0]  # a bug in the driver, not an attempt's outcome
+                if pending:
+                    await asyncio.wait(pending, timeout=STOP_TIMEOUT_S)
+            errors = [e for t in tasks if t.done() and not t.cancelled() and (e := t.exception()) is not None]
+            if errors:
+                raise errors[0]  # a bug in the driver, not an attempt's outcome

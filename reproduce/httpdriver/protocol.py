@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from reproduce.client import ClientConfig
-from reproduce.conditions import RunSpec, engine_cap_for
-from reproduce.outcomes import Timeline
+from reproduce.conditions import Condition, PulseWorkload, RunSpec, engine_cap_for
+from reproduce.plan import RunPlan, plan_run
 from reproduce.workload import WorkloadSpec
 
 __all__ = [
@@ -57,7 +56,9 @@ CI_HOLD_S = 1_440.0
 
 @dataclass(frozen=True, slots=True)
 class HttpProtocol:
-    """Workload, client and timeline of an HTTP run. Durations are at the study's scale."""
+    """Token lengths, hold and time scale of an HTTP run. Durations are at the study's scale;
+    the phases are the protocol's (``reproduce.workload.PULSE_PROTOCOL``), the hold ``hold_s``
+    long where given. A run is planned by :meth:`plan`, and judged on that plan."""
 
     time_scale: float = 1.0
     prompt_mean: float = 12_000.0
@@ -66,40 +67,37 @@ class HttpProtocol:
     mixed_prompt_len: int = 3_000
     response_median: float = 300.0
     max_context: int = 32_768
-    base_s: float = 120.0
-    pulse_s: float = 107.0
-    hold_s: float = 720.0
+    hold_s: float | None = None  # None: the protocol's hold
     scrape_interval_s: float = 5.0  # the simulator's cadence, at the study's scale
 
     def __post_init__(self) -> None:
-        for name in ("time_scale", "prompt_mean", "response_median", "base_s", "pulse_s", "hold_s"):
+        for name in ("time_scale", "prompt_mean", "response_median"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"HttpProtocol.{name} must be positive, got {value!r}")
+        if self.hold_s is not None and not (math.isfinite(self.hold_s) and self.hold_s > 0):
+            raise ValueError(f"HttpProtocol.hold_s must be positive, got {self.hold_s!r}")
 
-    def timeline(self) -> Timeline:
-        return Timeline.scaled(self.time_scale, base_s=self.base_s, pulse_s=self.pulse_s, hold_s=self.hold_s)
-
-    def client(self, retries: int) -> ClientConfig:
-        return ClientConfig(retries=retries).scaled(self.time_scale)
-
-    def workload(
-        self, capacity: float, *, seed: int, pulse_multiple: float = 2.7, mixed_prompts: bool = False
-    ) -> WorkloadSpec:
-        """The trace spec at Ĉ = ``capacity`` calls per run-second."""
+    def workload(self, capacity: float, *, seed: int, pulse: PulseWorkload | None = None) -> WorkloadSpec:
+        """The trace spec at Ĉ = ``capacity`` calls per run-second (the study's pulse by default)."""
         return WorkloadSpec(
             capacity=capacity / self.time_scale,
             seed=seed,
-            phases=((self.base_s, 0.6), (self.pulse_s, pulse_multiple), (self.hold_s, 0.6)),
+            **(pulse or PulseWorkload()).fields(hold_s=self.hold_s),
             prompt_mean=self.prompt_mean,
             prompt_std=self.prompt_std,
             shared_prefix_len=self.shared_prefix_len,
-            mixed_prompts=mixed_prompts,
             mixed_prompt_len=self.mixed_prompt_len,
             response_median=self.response_median,
             max_context=self.max_context,
             time_scale=self.time_scale,
         )
+
+    def plan(self, capacity: float, condition: Condition, *, seed: int) -> RunPlan:
+        """The run of ``condition`` at Ĉ = ``capacity`` calls per run-second, planned once: its
+        calls, phases and client (the condition's retries) in run seconds."""
+        workload = self.workload(capacity, seed=seed, pulse=condition.workload)
+        return plan_run(workload, condition.client.config())
 
     @property
     def scrape_every_s(self) -> float:
@@ -150,5 +148,6 @@ def with_pulse(run: RunSpec, multiple: float) -> RunSpec:
     """``run`` with its pulse at ``multiple`` x Ĉ, named as the trigger sweep names its pulses."""
     if not (math.isfinite(multiple) and multiple > 0):
         raise ValueError(f"a pulse multiple must be positive, got {multiple!r}")
-    condition = replace(run.condition, pulse_multiple=float(multiple), variant=f"pulse-{multiple:g}")
+    workload = replace(run.condition.workload, pulse_multiple=float(multiple))
+    condition = replace(run.condition, workload=workload, variant=f"pulse-{multiple:g}")
     return replace(run, condition=condition)

@@ -15,11 +15,12 @@ from typing import Any
 from reproduce.client import ClientConfig
 from reproduce.conditions import PRIMARY_MODEL, RunSpec
 from reproduce.engine.presets import PRESET_NAMES, PresetError, preset_capacity
+from reproduce.plan import PlanError, check_pulse
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry, write_run_files
-from reproduce.workload import WorkloadSpec, paper_phases
+from reproduce.workload import WorkloadSpec
 
 __all__ = ["SimBackend"]
 
@@ -59,22 +60,28 @@ class SimBackend(Backend):
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{name} must be a JSON object, not {getattr(self, name)!r}")
         try:
-            WorkloadSpec(capacity=1.0, **{"phases": paper_phases(), **self.workload})
+            workload = WorkloadSpec(capacity=1.0, **self.workload)
             engine_link.Engine.for_preset(PRIMARY_MODEL, overrides=self.engine)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
+        try:
+            check_pulse(workload)
+        except PlanError as exc:
+            raise ValueError(
+                f"workload: {exc}; name its phases with phase_names, one of them 'pulse'"
+            ) from None
 
     def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
         for model in dict.fromkeys(r.model for r in runs):
             if model not in PRESET_NAMES:  # before any run: a PresetError, not a worker's failure
                 raise PresetError(f"unknown engine preset {model!r}; choose one of {', '.join(PRESET_NAMES)}")
         for r in runs:
-            key = (r.model, r.condition.mixed_prompts)
+            key = (r.model, r.condition.workload.mixed_prompts)
             if key in self.capacities:
                 continue
             if self.capacity is not None:
                 self.capacities[key] = self.capacity
-            elif r.condition.mixed_prompts:
+            elif r.condition.workload.mixed_prompts:
                 self.capacities[key] = engine_link.calibrated_capacity(
                     r.model, mixed_prompts=True, workload=self.workload, engine=self.engine
                 )
@@ -83,7 +90,7 @@ class SimBackend(Backend):
 
     def spec_for(self, job: RunJob) -> SimSpec:
         r = job.run
-        key = (r.model, r.condition.mixed_prompts)
+        key = (r.model, r.condition.workload.mixed_prompts)
         if key not in self.capacities:
             self.prepare([r], job.time_scale)
         return SimSpec(
@@ -105,7 +112,7 @@ class SimBackend(Backend):
             run=job.run,
             backend=self.name,
             capacity=result.capacity,
-            timeline=spec.timeline,
+            plan=result.plan,
             calls=result.calls,
             snapshots=result.snapshots,
             series=series,

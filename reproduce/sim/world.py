@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from exporter.policy import (
@@ -43,11 +43,11 @@ from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientMod
 from reproduce.conditions import Condition
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.presets import preset_capacity
-from reproduce.outcomes import Timeline
+from reproduce.plan import RunPlan, plan_run
 from reproduce.sim import engine_link
 from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
 from reproduce.simenv import Environment, EventHandle
-from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, paper_phases, prompt_segments
+from reproduce.workload import PlannedCall, WorkloadSpec, prompt_segments
 
 __all__ = ["SimResult", "SimSpec", "simulate"]
 
@@ -72,19 +72,16 @@ class SimSpec:
     engine_config: EngineConfig | None = None  # instead of the preset's
     snapshot_every_s: float = SNAPSHOT_EVERY_S
 
-    @property
-    def timeline(self) -> Timeline:
-        """The run's clock for outcomes (cohorts, windows, deadline), divided by the time scale."""
-        c = self.client
-        base, pulse, hold = (d for d, _ in paper_phases(self.condition.pulse_multiple))
-        return Timeline.scaled(
-            self.time_scale,
-            base_s=base,
-            pulse_s=pulse,
-            hold_s=hold,
-            deadline_s=c.deadline_s,
-            horizon_s=c.horizon_s,
-        )
+    def plan(self) -> RunPlan:
+        """The run, planned once from its workload (the condition's, with ``workload``'s
+        overrides): its calls, phases and client in run seconds. The run follows this plan and
+        is judged on it."""
+        cond = self.condition
+        k = self.time_scale
+        capacity = self.capacity if self.capacity is not None else preset_capacity(self.model)
+        fields: dict[str, Any] = {**cond.workload.fields(), **self.workload}
+        workload = WorkloadSpec(capacity=capacity / k, seed=self.seed, time_scale=k, **fields)
+        return plan_run(workload, cond.client.config(self.client))
 
 
 @dataclass
@@ -92,6 +89,7 @@ class SimResult:
     """What a run produced: call records, the metrics series, and bookkeeping."""
 
     spec: SimSpec
+    plan: RunPlan
     capacity: float
     calls: list[CallRecord]
     snapshots: list[Snapshot]
@@ -118,16 +116,15 @@ class _Call:
 class _World:
     """The state of one run: the environment, the client, the policy, the engine and the calls."""
 
-    def __init__(self, spec: SimSpec, capacity: float, engine: engine_link.Engine) -> None:
-        k = spec.time_scale
+    def __init__(self, spec: SimSpec, plan: RunPlan, capacity: float, engine: engine_link.Engine) -> None:
+        k = plan.time_scale
         self.spec = spec
+        self.plan = plan
         self.capacity = capacity
         self.env = Environment()
         self.rng = random.Random(f"retrywatch-sim-{spec.seed}")
-        client_cfg = replace(spec.client.scaled(k), retries=spec.condition.retries)
-        self.client = ClientModel(client_cfg, self.rng)
-        self.deadline_s = client_cfg.deadline_s
-        self.policy = Policy(spec.condition.policy_config(self.deadline_s, k))
+        self.client = ClientModel(plan.client, self.rng)
+        self.policy = Policy(spec.condition.policy.config(plan.deadline_s, k))
         self.engine = engine
         self.engine.bind(self.env, self._on_engine_event)
         self.by_subscriber: dict[int, _Call] = {}
@@ -183,7 +180,7 @@ class _World:
         call.deadline = self.env.schedule(attempt.deadline_at, self._give_up, call, decision.subscriber_id)
         if isinstance(decision, Created):
             self.by_execution[decision.execution_id] = call
-            if self.spec.condition.tracing and attempt.is_retry:
+            if self.spec.condition.engine.tracing and attempt.is_retry:
                 self.retries.append((decision.execution_id, call.last_execution, attempt.deadline_at))
             call.last_execution = decision.execution_id
         elif isinstance(decision, Attached):
@@ -281,7 +278,7 @@ class _World:
         self.snapshots.append(self.scraper.snapshot(self.env.now))
 
     def run(self) -> float:
-        every = self.spec.snapshot_every_s / self.spec.time_scale
+        every = self.spec.snapshot_every_s / self.plan.time_scale
         last_arrival = self.trace[-1].arrival_s if self.trace else 0.0
         limit = last_arrival + self.client.config.horizon_s
         n = len(self.trace)
@@ -299,33 +296,28 @@ def simulate(spec: SimSpec) -> SimResult:
     """Run one pulse run to its end; deterministic for ``spec`` (same seed, same result)."""
     started = time.perf_counter()
     cpu_started = time.process_time()
-    cond = spec.condition
+    settings = spec.condition.engine
     engine = engine_link.Engine.for_preset(
         spec.model,
-        tokens_per_step=cond.tokens_per_step,
-        queue_cap=cond.engine_queue_cap,
-        trace=cond.tracing,
+        tokens_per_step=settings.tokens_per_step,
+        queue_cap=settings.engine_queue_cap,
+        trace=settings.tracing,
         overrides=spec.engine,
         config=spec.engine_config,
     )
     capacity = spec.capacity if spec.capacity is not None else preset_capacity(spec.model)
-    k = spec.time_scale
-    fields: dict[str, Any] = {
-        "phases": paper_phases(cond.pulse_multiple),
-        "mixed_prompts": cond.mixed_prompts,
-        **spec.workload,
-    }
-    workload = WorkloadSpec(capacity=capacity / k, seed=spec.seed, time_scale=k, **fields)
-    world = _World(spec, capacity, engine)
-    world.start(generate_trace(workload))
+    plan = spec.plan()
+    world = _World(spec, plan, capacity, engine)
+    world.start(list(plan.calls))
     end = world.run()
     return SimResult(
         spec=spec,
+        plan=plan,
         capacity=capacity,
         calls=[c.record for c in world.calls],
         snapshots=world.snapshots,
         end_s=end,
         wall_s=time.perf_counter() - started,
         cpu_s=time.process_time() - cpu_started,
-        trace_shares=engine.shares() | engine.retry_timing(world.retries) if cond.tracing else None,
+        trace_shares=engine.shares() | engine.retry_timing(world.retries) if settings.tracing else None,
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from exporter.policy import BudgetOrder, Cancellation, QueueOrder
-from reproduce.conditions import BLOCKS, PAPER, ConditionError, block, engine_cap_for, expand
+from reproduce.conditions import BLOCKS, PAPER, ConditionError, PulseWorkload, block, engine_cap_for, expand
 
 
 def test_paper_has_the_studys_137_runs() -> None:
@@ -50,7 +52,7 @@ def test_condition_slugs_match_the_issue(slug: str, conditions: list[str]) -> No
 
 
 def test_trigger_sweep_cells() -> None:
-    cells = {(c.slug, c.pulse_multiple) for c in block("trigger-sweep").conditions}
+    cells = {(c.slug, c.workload.pulse_multiple) for c in block("trigger-sweep").conditions}
     assert cells == {
         (s, p) for s in ("retries-on-cancel-off", "retries-off-cancel-off") for p in (1.5, 2.0, 2.7)
     }
@@ -58,22 +60,22 @@ def test_trigger_sweep_cells() -> None:
 
 
 def test_policy_mapping_of_key_conditions() -> None:
-    lookup = block("composition").condition("lookup-first").policy_config(120.0)
+    lookup = block("composition").condition("lookup-first").policy.config(120.0)
     assert lookup.coalesce and lookup.retry_budget == 0.1 and lookup.budget_order is BudgetOrder.LOOKUP_FIRST
     assert lookup.cancellation is Cancellation.OFF
-    plain = block("queue-policy").condition("no-control").policy_config(120.0)
+    plain = block("queue-policy").condition("no-control").policy.config(120.0)
     assert not plain.coalesce and plain.cancellation is Cancellation.ON and plain.max_outstanding is None
-    lifo = block("queue-policy").condition("lifo").policy_config(120.0)
+    lifo = block("queue-policy").condition("lifo").policy.config(120.0)
     assert lifo.max_outstanding == 100 and lifo.queue_order is QueueOrder.LIFO and lifo.lifo_threshold == 50
-    check = block("queue-policy").condition("deadline-check").policy_config(120.0)
+    check = block("queue-policy").condition("deadline-check").policy.config(120.0)
     assert check.deadline_check and check.deadline_s == 120.0
-    deferred = block("deferral").condition("deferred-cancellation").policy_config(12.0, time_scale=10)
+    deferred = block("deferral").condition("deferred-cancellation").policy.config(12.0, time_scale=10)
     assert deferred.cancellation is Cancellation.DEFERRED and deferred.coalesce
     assert deferred.cancel_after_s == pytest.approx(1.0) and deferred.budget_window_s == pytest.approx(6.0)
-    assert block("engine-cap").condition("engine-cap-100").engine_queue_cap == 100
-    assert block("diagnostic").condition("retries-off-cancel-on").retries == 0
-    assert all(c.mixed_prompts for c in block("mixed-prompts").conditions)
-    assert all(c.tokens_per_step == 2048 for c in block("tracing").conditions[:2])
+    assert block("engine-cap").condition("engine-cap-100").engine.engine_queue_cap == 100
+    assert block("diagnostic").condition("retries-off-cancel-on").client.retries == 0
+    assert all(c.workload.mixed_prompts for c in block("mixed-prompts").conditions)
+    assert all(c.engine.tokens_per_step == 2048 for c in block("tracing").conditions[:2])
 
 
 def test_expand_overrides_and_errors() -> None:
@@ -113,3 +115,27 @@ def test_a_real_engines_model_runs_as_often_as_the_study_ran_its_architecture() 
             assert runs == [(s.condition, s.run) for s in expand(slug, models=preset_name)]
     assert len(expand("diagnostic", models="qwen2.5-7b-instruct")) == 12
     assert {s.run for s in expand("diagnostic", models="small")} == {0, 1}  # no study architecture
+
+
+def test_a_condition_names_its_parts_and_describes_them_as_summary_json_did() -> None:
+    c = block("engine-cap").condition("engine-cap-338-cancel-on")
+    assert list(c.describe()) == [
+        "retries",
+        "cancellation",
+        "coalesce",
+        "retry_budget",
+        "budget_order",
+        "proxy_cap",
+        "queue_order",
+        "deadline_check",
+        "engine_queue_cap",
+        "tokens_per_step",
+        "pulse_multiple",
+        "mixed_prompts",
+        "tracing",
+    ]
+    assert (c.describe()["engine_queue_cap"], c.describe()["cancellation"]) == (338, "on")
+    # A part changes alone: another workload leaves the policy, the client and the engine as they were.
+    swapped = replace(c, workload=PulseWorkload(pulse_multiple=1.5))
+    assert (swapped.policy, swapped.client, swapped.engine) == (c.policy, c.client, c.engine)
+    assert swapped.describe() == {**c.describe(), "pulse_multiple": 1.5}

@@ -104,12 +104,12 @@ def test_tracing_conditions_use_2048_batched_tokens(tmp_path: Path) -> None:
 
 def test_engine_cap_conditions_give_the_studys_queue_caps(tmp_path: Path) -> None:
     # At the study's Ĉ and deadline the scaled cap is the study's own Q.
-    timeline = study(1.0).timeline()
+    deadline_s = study(1.0).plan(STUDY_CAPACITY, block("engine-cap").conditions[0], seed=0).deadline_s
     caps = {}
     backend = HttpBackend("vllm", python=sys.executable, gpu=True, capacity=STUDY_CAPACITY)
     for run in expand("engine-cap", models="qwen2.5-7b-instruct", runs=1):
-        q = run.condition.engine_queue_cap
-        cap = None if q is None else scaled_queue_cap(q, STUDY_CAPACITY, timeline.deadline_s)
+        q = run.condition.engine.engine_queue_cap
+        cap = None if q is None else scaled_queue_cap(q, STUDY_CAPACITY, deadline_s)
         argv = backend.engine_for(run, tmp_path / run.slug, cap).command()
         caps[run.condition.key] = (
             _value(argv, "--max-num-queued-reqs") if "--max-num-queued-reqs" in argv else None

@@ -6,17 +6,21 @@ import statistics
 
 import pytest
 
+from reproduce.conditions import block
 from reproduce.httpdriver.backend import HttpBackend, HttpBackendError
 from reproduce.httpdriver.protocol import cpu_scaled, study
 from reproduce.workload import generate_trace
 
+RETRIES_ON = block("diagnostic").condition("retries-on-cancel-off")
+
 
 def test_cpu_scaled_protocol_divides_durations_and_token_lengths() -> None:
     proto = cpu_scaled(10)
-    timeline = proto.timeline()
+    plan = proto.plan(4.0, RETRIES_ON, seed=1)
+    timeline = plan.timeline()
     assert (timeline.base_s, timeline.pulse_s, timeline.hold_s) == pytest.approx((12.0, 10.7, 72.0))
     assert timeline.deadline_s == pytest.approx(12.0)
-    client = proto.client(retries=3)
+    client = plan.client
     assert (client.deadline_s, client.backoff_min_s, client.backoff_max_s) == pytest.approx(
         (12.0, 0.025, 0.3)
     )
@@ -30,7 +34,7 @@ def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> 
     capacity = 4.0  # calls per wall second
     proto = cpu_scaled(10).with_hold(7_200.0)  # a long hold for a tight rate estimate
     trace = generate_trace(proto.workload(capacity, seed=3))
-    timeline = proto.timeline()
+    timeline = proto.plan(capacity, RETRIES_ON, seed=3).timeline()
     hold = [c for c in trace if c.phase == "hold"]
     assert len(hold) / timeline.hold_s == pytest.approx(0.6 * capacity, rel=0.05)
     pulse = [c for c in trace if c.phase == "pulse"]
@@ -43,7 +47,7 @@ def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> 
 def test_study_protocol_keeps_the_study_lengths_at_any_time_scale() -> None:
     proto = study(20)
     assert (proto.prompt_mean, proto.shared_prefix_len, proto.response_median) == (12_000.0, 2_000, 300.0)
-    assert proto.timeline().deadline_s == pytest.approx(6.0)
+    assert proto.plan(1.0, RETRIES_ON, seed=0).deadline_s == pytest.approx(6.0)
 
 
 def test_backend_options_are_checked_up_front() -> None:
@@ -67,16 +71,17 @@ def test_with_pulse_changes_only_the_pulse_and_names_it() -> None:
 
     (run,) = expand("diagnostic", models="small", runs=1, conditions=["retries-on-cancel-off"])
     ci = with_pulse(run, CI_PULSE_MULTIPLE)
-    assert ci.condition.pulse_multiple == CI_PULSE_MULTIPLE != run.condition.pulse_multiple
+    assert ci.condition.workload.pulse_multiple == CI_PULSE_MULTIPLE != run.condition.workload.pulse_multiple
     assert ci.condition.slug == run.condition.slug  # outcomes and alerts still key on the condition
     assert ci.slug == f"diagnostic__retries-on-cancel-off-pulse-{CI_PULSE_MULTIPLE:g}__small__r0"
-    assert (ci.condition.retries, ci.condition.cancellation, ci.seed) == (
-        run.condition.retries,
-        run.condition.cancellation,
+    assert (ci.condition.client, ci.condition.policy, ci.seed) == (
+        run.condition.client,
+        run.condition.policy,
         run.seed,
     )
-    trace = generate_trace(cpu_scaled(10).workload(4.0, seed=1, pulse_multiple=ci.condition.pulse_multiple))
-    pulse = [c for c in trace if c.phase == "pulse"]
-    assert len(pulse) / cpu_scaled(10).timeline().pulse_s == pytest.approx(CI_PULSE_MULTIPLE * 4.0, rel=0.2)
+    plan = cpu_scaled(10).plan(4.0, ci.condition, seed=1)
+    pulse = [c for c in plan.calls if c.phase == "pulse"]
+    assert plan.pulse is not None and plan.pulse.multiple == CI_PULSE_MULTIPLE
+    assert len(pulse) / plan.timeline().pulse_s == pytest.approx(CI_PULSE_MULTIPLE * 4.0, rel=0.2)
     with pytest.raises(ValueError, match="positive"):
         with_pulse(run, 0.0)

@@ -6,12 +6,11 @@ import pytest
 
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
-from reproduce.client import AttemptOutcome, AttemptRecord, CallRecord
+from reproduce.client import AttemptOutcome, AttemptRecord, CallRecord, ClientConfig
 from reproduce.engine.model import ExecutionTrace
 from reproduce.outcomes import (
     RecoveryRule,
     RetryExecution,
-    Timeline,
     compute_outcomes,
     counter_at,
     delivery,
@@ -19,8 +18,16 @@ from reproduce.outcomes import (
     retry_timing,
     trace_shares,
 )
+from reproduce.plan import RunPlan, plan_run
+from reproduce.workload import WorkloadSpec
 
-TL = Timeline()
+
+def study_plan(time_scale: float = 1.0) -> RunPlan:
+    """The study's pulse run planned at time scale ``time_scale`` (Ĉ = 1 call/s)."""
+    return plan_run(WorkloadSpec(capacity=1.0, time_scale=time_scale), ClientConfig())
+
+
+TL = study_plan().timeline()
 
 
 def call(planned: float, delivered_after: float | None, *, retries: int = 0) -> CallRecord:
@@ -51,7 +58,7 @@ def quiet(
 def test_timeline_of_the_study_and_scaled() -> None:
     assert (TL.pulse_start, TL.pulse_end, TL.primary_start, TL.hold_end) == (120, 227, 347, 947)
     assert len(TL.windows()) == 12 and TL.windows()[0] == (227, 287)
-    scaled = Timeline.scaled(10)
+    scaled = study_plan(10).timeline()
     assert scaled.primary_start == pytest.approx(34.7) and scaled.deadline_s == 12.0
     assert scaled.windows()[1] == pytest.approx((28.7, 34.7))
 

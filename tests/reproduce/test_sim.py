@@ -50,7 +50,7 @@ def run(condition: Condition, seed: int = 1, **changes: Any) -> tuple[SimSpec, S
 
 
 def outcomes(spec: SimSpec, result: SimResult) -> dict[str, Any]:
-    return compute_outcomes(result.calls, result.snapshots, spec.timeline, result.capacity)
+    return compute_outcomes(result.calls, result.snapshots, result.plan.timeline(), result.capacity)
 
 
 DIAG = block("diagnostic")
@@ -81,7 +81,7 @@ def test_scaled_pulse_retries_without_controls_never_recover_while_retries_off_d
     assert out_on["executions"]["orphaned"] > 5 * out_on["executions"]["completed"]
     assert out_on["delivery"]["primary"]["within_deadline"] < 0.05
     # the proxy's own derived gauge (its collector, its sliding window) shows the loop
-    tl = spec.timeline
+    tl = on.plan.timeline()
     ratios = [
         s.value(mn.CREATION_CAPACITY_RATIO) for s in on.snapshots if tl.primary_start < s.t <= tl.hold_end
     ]
@@ -150,8 +150,8 @@ def test_every_call_is_judged_once_on_the_proxys_clock_missed_or_delivered_in_ti
 
 
 def test_attempts_follow_the_client_rules() -> None:
-    spec, result = run(DIAG.condition("retries-on-cancel-off"))
-    deadline = spec.timeline.deadline_s
+    _, result = run(DIAG.condition("retries-on-cancel-off"))
+    deadline = result.plan.deadline_s
     for call in result.calls:
         assert 1 <= len(call.attempts) <= 4
         for prev, nxt in zip(call.attempts, call.attempts[1:], strict=False):

@@ -143,7 +143,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     (tmp_path / "comparison.md").write_text(table + "\n", encoding="utf-8")
     print(
         f"real vLLM on CPU ({MODEL}) beside the simulator, the same scaled protocol "
-        f"(K = {K:g}, pulse {CI_PULSE_MULTIPLE:g} Ĉ, hold {protocol.timeline().hold_s:g} s):"
+        f"(K = {K:g}, pulse {CI_PULSE_MULTIPLE:g} Ĉ, hold {CI_HOLD_S / K:g} s):"
     )
     print(table)
     # Retries on, no control: the pulse's backlog is beyond the deadline (the detector's tipping

@@ -70,6 +70,8 @@ def test_time_scale_compresses_the_same_calls() -> None:
 def test_pulse_multiple_and_custom_phases() -> None:
     spec = WorkloadSpec(capacity=1.0, phases=paper_phases(1.5))
     assert spec.phases[1] == (107.0, 1.5)
+    assert paper_phases(hold_s=1_440.0) == ((120.0, 0.6), (107.0, 2.7), (1_440.0, 0.6))
+    assert WorkloadSpec(capacity=1.0).phases == paper_phases()
     custom = WorkloadSpec(capacity=1.0, phases=((10, 1.0), (10, 2.0)))
     assert custom.names == ("phase0", "phase1")
 

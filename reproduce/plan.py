@@ -1,0 +1,206 @@
+"""The run plan: a run planned once, from its workload, and the clock it is judged on.
+
+A :class:`RunPlan` holds what is fixed before a run starts, in the run's own seconds: the
+planned calls (arrival, prompt and response lengths), the workload's phases where it has
+them (name, start, end, multiple of Ĉ: a pulse run's base / pulse / hold), the client the
+calls follow (deadline, backoff, horizon) and the time scale. :func:`plan_run` is the one
+place where a workload and a client given at the study's scale are divided by the time scale.
+
+Whatever judges a run reads the :class:`Timeline` its plan derives: ``reproduce.outcomes``
+(cohorts, recovery windows), ``reproduce.summary`` (the run's entry, with the plan's phases)
+and, through summary.json, reports, validation and the dashboard. Every backend (simulator,
+emulated engine, real vLLM) judges a run on the phases it ran, not on the protocol's.
+
+A workload without a designated pulse (a request-trace replay) plans its calls the same way;
+its phases are optional, and without a phase named ``pulse`` it has no pulse timeline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from reproduce.client import ClientConfig
+from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace
+
+__all__ = [
+    "PULSE",
+    "RECOVERY_WINDOW_S",
+    "Phase",
+    "PlanError",
+    "RunPlan",
+    "Timeline",
+    "check_pulse",
+    "plan_run",
+]
+
+#: The phase whose calls are the pulse cohort; every phase after it is the hold.
+PULSE = "pulse"
+#: The hold's recovery windows (docs/protocol.md §6), at the study's scale.
+RECOVERY_WINDOW_S = 60.0
+
+
+class PlanError(ValueError):
+    """A plan that cannot be built or judged as asked; the message says what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One phase of a workload in run seconds: calls arrive at ``multiple`` x Ĉ in ``[start_s, end_s)``."""
+
+    name: str
+    start_s: float
+    end_s: float
+    multiple: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "start_s": self.start_s, "end_s": self.end_s, "multiple": self.multiple}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A pulse run's clock (run seconds): the pulse, the hold after it, the deadline, the horizon
+    and the recovery windows. Built by :meth:`RunPlan.timeline` from the phases the run ran."""
+
+    pulse_start: float
+    pulse_end: float
+    hold_end: float
+    deadline_s: float
+    horizon_s: float
+    window_s: float
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "horizon_s", "window_s", "time_scale"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Timeline.{name} must be a positive number, got {value!r}")
+        bounds = (self.pulse_start, self.pulse_end, self.hold_end)
+        ordered = 0 <= self.pulse_start < self.pulse_end < self.hold_end
+        if not (ordered and all(math.isfinite(b) for b in bounds)):
+            raise ValueError(f"Timeline needs 0 <= pulse_start < pulse_end < hold_end, got {bounds!r}")
+
+    @property
+    def base_s(self) -> float:
+        """How long calls arrived before the pulse."""
+        return self.pulse_start
+
+    @property
+    def pulse_s(self) -> float:
+        return self.pulse_end - self.pulse_start
+
+    @property
+    def hold_s(self) -> float:
+        return self.hold_end - self.pulse_end
+
+    @property
+    def primary_start(self) -> float:
+        """The hold minus its first deadline (347 s in the study)."""
+        return self.pulse_end + self.deadline_s
+
+    def windows(self) -> list[tuple[float, float]]:
+        """The hold's recovery windows, aligned to the pulse's end."""
+        n = int(self.hold_s / self.window_s + 1e-9)
+        return [
+            (self.pulse_end + i * self.window_s, self.pulse_end + (i + 1) * self.window_s) for i in range(n)
+        ]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run, planned: its calls, its phases (optional), its client and its time scale.
+
+    Every time is in run seconds: ``client``'s durations and ``window_s`` are already divided by
+    ``time_scale``, as are the calls' arrivals and the phases.
+    """
+
+    calls: tuple[PlannedCall, ...]
+    client: ClientConfig
+    time_scale: float = 1.0
+    phases: tuple[Phase, ...] = ()
+    window_s: float = RECOVERY_WINDOW_S
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise PlanError(f"time_scale must be positive, got {self.time_scale!r}")
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise PlanError(f"window_s must be positive, got {self.window_s!r}")
+        names = [p.name for p in self.phases]
+        if len(set(names)) != len(names):
+            raise PlanError(f"phase names must be unique, got {names!r}")
+
+    @property
+    def deadline_s(self) -> float:
+        return self.client.deadline_s
+
+    @property
+    def horizon_s(self) -> float:
+        return self.client.horizon_s
+
+    @property
+    def pulse(self) -> Phase | None:
+        """The phase named ``pulse``, or None (a workload without a designated pulse)."""
+        return next((p for p in self.phases if p.name == PULSE), None)
+
+    def timeline(self) -> Timeline:
+        """The clock this run is judged on: its own pulse, and every phase after it as the hold."""
+        pulse = self.pulse
+        if pulse is None:
+            raise PlanError(
+                "this run's workload has no phase named 'pulse', so it has no pulse to judge "
+                f"(its phases: {', '.join(p.name for p in self.phases) or 'none'})"
+            )
+        after = [p for p in self.phases if p.start_s >= pulse.end_s]
+        if not after:
+            raise PlanError("a pulse run needs a phase after its pulse (the hold) to judge recovery on")
+        return Timeline(
+            pulse_start=pulse.start_s,
+            pulse_end=pulse.end_s,
+            hold_end=max(p.end_s for p in after),
+            deadline_s=self.deadline_s,
+            horizon_s=self.horizon_s,
+            window_s=self.window_s,
+            time_scale=self.time_scale,
+        )
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale."""
+        return {
+            "time_scale": self.time_scale,
+            "deadline_s": self.deadline_s,
+            "horizon_s": self.horizon_s,
+            "window_s": self.window_s,
+            "calls": len(self.calls),
+            "phases": [p.to_dict() for p in self.phases],
+        }
+
+
+def _phases(workload: WorkloadSpec) -> tuple[Phase, ...]:
+    return tuple(
+        Phase(name, start, end, multiple)
+        for (name, start, end), (_, multiple) in zip(workload.phase_bounds(), workload.phases, strict=True)
+    )
+
+
+def plan_run(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
+    """Plan a run of ``workload`` (its trace, its phases) for clients of ``client``.
+
+    ``client`` and the recovery window are at the study's scale and are divided by the
+    workload's time scale here, once; the workload divides its own arrivals and phases.
+    """
+    k = workload.time_scale
+    return RunPlan(
+        calls=tuple(generate_trace(workload)),
+        client=client.scaled(k),
+        time_scale=k,
+        phases=_phases(workload),
+        window_s=RECOVERY_WINDOW_S / k,
+    )
+
+
+def check_pulse(workload: WorkloadSpec) -> None:
+    """Raise :class:`PlanError` unless a run of ``workload`` has a pulse and a hold to judge
+    (before any run starts, instead of in the middle of one)."""
+    RunPlan(
+        calls=(), client=ClientConfig(), time_scale=workload.time_scale, phases=_phases(workload)
+    ).timeline()
