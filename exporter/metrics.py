@@ -344,7 +344,7 @@ class ProxyMetrics:
     def upstream_fetched(self, now: float, text: str, vllm: dict[str, float] | None = None) -> None:
         """The upstream answered its probe (``text``: its exposition, "" if not passed through;
         ``vllm``: its window families, ``scan_vllm`` of it, scanned here unless given: the proxy
-        scans in slices, ``upstream_text_scanned``)."""
+        scans in slices, ``scan_vllm_sliced``)."""
         self.upstream_up = True
         self.upstream_text = text
         self.upstream_vllm = (scan_vllm(text) if text else {}) if vllm is None else vllm
