@@ -27,9 +27,7 @@ from exporter import metricnames as mn
 from exporter.policy import AttemptKind, Fate, Policy, PolicyCounters, ShedReason
 from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
 from exporter.upstreamtext import WINDOW_VLLM_FAMILIES as WINDOW_VLLM_FAMILIES
-from exporter.upstreamtext import Digest, digest, digest_sliced
-from exporter.upstreamtext import is_exposition as is_exposition
-from exporter.upstreamtext import scan_vllm as scan_vllm
+from exporter.upstreamtext import Digest, digest, digest_sliced, scan_vllm
 
 log = logging.getLogger("retrywatch.proxy")
 
