@@ -109,3 +109,10 @@ def test_labels_that_are_not_an_object_are_a_clear_error(tmp_path: Path, where: 
     path.write_text(json.dumps(line) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: not a metrics snapshot"):
         list(read_series(path))
+
+
+def test_a_value_too_large_for_a_float_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"t": 0, "samples": [["up", {}, 1' + "0" * 400 + "]]}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not a metrics snapshot"):
+        list(read_series(path))
