@@ -162,9 +162,13 @@ def _field(run: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    try:
+        number = math.nan if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number):
         raise RunDirError(f"{where}: expected a finite number, got {value!r}")
-    return float(value)
+    return number
 
 
 def _run_number(value: Any, where: str) -> int:
