@@ -11,7 +11,7 @@ connection cap of its own).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 #: Why an empty ``--host`` is refused by every serving command.
 EMPTY_HOST = "an empty host would listen on every interface: give an address (0.0.0.0 for every one)"
@@ -32,6 +32,14 @@ def ends_at_api_root(url: str) -> bool:
     every OpenAI SDK, and a trap where retrywatch wants the server's address, since the
     requests' own paths (``/v1/chat/completions``, ``/metrics``) would be appended to it."""
     return urlsplit(url).path.rstrip("/").endswith(OPENAI_API_ROOT)
+
+
+def without_api_root(url: str) -> str:
+    """The server's address in ``url``, a base URL that ``ends_at_api_root``: its path without
+    the API root, and without a query or fragment (what a refusal tells to give instead)."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/").removesuffix(OPENAI_API_ROOT)
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
 def base_url(host: str, port: int) -> str:

@@ -27,9 +27,7 @@ from exporter import metricnames as mn
 from exporter.policy import AttemptKind, Fate, Policy, PolicyCounters, ShedReason
 from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
 from exporter.upstreamtext import WINDOW_VLLM_FAMILIES as WINDOW_VLLM_FAMILIES
-from exporter.upstreamtext import Digest, digest, digest_sliced
-from exporter.upstreamtext import is_exposition as is_exposition
-from exporter.upstreamtext import scan_vllm as scan_vllm
+from exporter.upstreamtext import Digest, digest, digest_sliced, scan_vllm
 
 log = logging.getLogger("retrywatch.proxy")
 
@@ -344,7 +342,7 @@ class ProxyMetrics:
     def upstream_fetched(self, now: float, text: str, vllm: dict[str, float] | None = None) -> None:
         """The upstream answered its probe (``text``: its exposition, "" if not passed through;
         ``vllm``: its window families, ``scan_vllm`` of it, scanned here unless given: the proxy
-        scans in slices, ``upstream_text_scanned``)."""
+        scans in slices, ``scan_vllm_sliced``)."""
         self.upstream_up = True
         self.upstream_text = text
         self.upstream_vllm = (scan_vllm(text) if text else {}) if vllm is None else vllm

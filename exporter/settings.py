@@ -11,7 +11,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from exporter.bounds import EMPTY_HOST, OPENAI_API_ROOT, HttpBounds, ends_at_api_root, host_is_usable
+from exporter.bounds import (
+    EMPTY_HOST,
+    OPENAI_API_ROOT,
+    HttpBounds,
+    ends_at_api_root,
+    host_is_usable,
+    without_api_root,
+)
 from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
 from exporter.knobs import check_bounds, knob, to_argv
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
@@ -239,7 +246,7 @@ class ProxySettings(PolicyConfig):
                 f"--upstream must be an http(s) URL like http://127.0.0.1:8000, not {self.upstream!r}"
             )
         if ends_at_api_root(self.upstream):
-            bare = self.upstream.rstrip("/")[: -len(OPENAI_API_ROOT)]
+            bare = without_api_root(self.upstream)
             raise SettingsError(
                 f"--upstream is the engine's address without {OPENAI_API_ROOT} (the proxy forwards each "
                 f"request's own /v1/... path): give {redact_url(bare)}, not {redact_url(self.upstream)}"

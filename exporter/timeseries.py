@@ -163,7 +163,7 @@ def read_series(path: Path) -> Iterator[Snapshot]:
                 continue
             try:
                 yield Snapshot.from_json(line)
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:  # a bad field
                 raise ValueError(f"{path}:{lineno}: not a metrics snapshot ({exc})") from exc
 
 

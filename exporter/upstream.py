@@ -81,16 +81,16 @@ MAX_UPSTREAM_HEAD_BYTES = 64 * 1024
 MAX_UPSTREAM_HEAD_FIELDS = 100
 
 # Response headers never relayed to a client.
-DROP_RESPONSE_HEADERS = frozenset(
+_DROP_RESPONSE_HEADERS = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "trailer",
-        "upgrade",
-        "proxy-connection",
-        "date",
-        "server",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+        b"date",
+        b"server",
     }
 )
 
@@ -110,10 +110,17 @@ def relayed_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, byt
 
     NOTE: a repeated field stays repeated lines: ``Set-Cookie`` may not be folded into one
     (RFC 6265, 3), and the pass-through had merged every repeated field, comma-joined."""
-    fields = [(name.lower(), value) for name, value in raw]
-    drop = {name.encode("latin-1") for name in DROP_RESPONSE_HEADERS}
-    drop |= connection_listed(value for name, value in fields if name == b"connection")
-    return [(name, value) for name, value in fields if name not in drop]
+    return _end_to_end([(name.lower(), value) for name, value in raw], _DROP_RESPONSE_HEADERS)
+
+
+def _end_to_end(fields: list[tuple[bytes, bytes]], hop_by_hop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
+    """``fields`` as they came, less those named in ``hop_by_hop`` (lower case) and those their
+    Connection header names (RFC 9110, 7.6.1)."""
+    drop = hop_by_hop
+    listed = [value for name, value in fields if name.lower() == b"connection"]
+    if listed:
+        drop = drop | connection_listed(listed)
+    return [(name, value) for name, value in fields if name.lower() not in drop]
 
 
 def head_over_bounds(fields: int, size: int) -> bool:
@@ -140,11 +147,7 @@ def forwardable_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes,
     NOTE: a field the Connection header names is hop-by-hop too, and a proxy removes it (RFC
     9110, 7.6.1); dropping only a fixed list of names sent on to the engine what a client
     marked as meant for the proxy alone."""
-    drop = _DROP_REQUEST_HEADERS
-    listed = [value for name, value in headers if name.lower() == b"connection"]
-    if listed:
-        drop = drop | connection_listed(listed)
-    return [(name, value) for name, value in headers if name.lower() not in drop]
+    return _end_to_end(headers, _DROP_REQUEST_HEADERS)
 
 
 FaultHook = Callable[[str], None]  # told the kind of each fault of the upstream's (metricnames)

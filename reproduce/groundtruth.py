@@ -143,7 +143,7 @@ def read_calls(path: Path) -> list[CallTimes]:
                 sent = float(attempts[0]["sent_at"]) if attempts else planned
                 delivered = obj.get("delivered_at")
                 calls.append(CallTimes(planned, sent, None if delivered is None else float(delivered)))
-            except (ValueError, KeyError, TypeError, IndexError) as exc:
+            except (ValueError, KeyError, TypeError, IndexError, OverflowError) as exc:
                 raise RunDirError(f"{path}:{lineno}: not a call record ({exc})") from None
     return calls
 

@@ -413,7 +413,8 @@ def render_html(
     """The whole page: the figures, the tables, and the validation (when there is one)."""
     md = _markdown_renderer()
     figures = _figures(runs)
-    checks = validation_figures(validation) if validation is not None else []
+    # the validation's figures only where its tables are shown too
+    checks = validation_figures(validation) if validation is not None and validation_md is not None else []
     parts = []
     for i, fig in enumerate([*figures, *checks]):
         # plotly.js embedded once, in the first figure: the page needs no network

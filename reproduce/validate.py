@@ -162,9 +162,26 @@ def _field(run: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    try:
+        number = math.nan if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number):
         raise RunDirError(f"{where}: expected a finite number, got {value!r}")
-    return float(value)
+    return number
+
+
+def _run_number(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RunDirError(f"{where}: 'run' must be a whole number, got {value!r}")
+    return value
+
+
+def _time_scale(value: Any, where: str) -> float:
+    k = _number(value, where)
+    if k <= 0:
+        raise RunDirError(f"{where}: 'time_scale' must be a finite number > 0, got {value!r}")
+    return k
 
 
 def _shed_or_attached(run: Mapping[str, Any]) -> bool:
@@ -281,7 +298,7 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 block=str(_field(run, "block", where)),
                 condition=str(_field(run, "condition", where)),
                 model=str(_field(run, "model", where)),
-                run=int(_field(run, "run", where)),
+                run=_run_number(_field(run, "run", where), where),
                 recovered=recovered,
                 recovery_time_s=None if recovery_time is None else _number(recovery_time, where),
                 pulse_start_s=_number(_field(pulse, "start_s", where), where),
@@ -289,7 +306,7 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 duration_s=_number(_field(run, "duration_s", where), where),
                 deadline_s=_number(_field(run, "deadline_s", where), where),
                 capacity=_number(_field(run, "capacity", where), where),
-                time_scale=_number(run.get("time_scale", 1.0), where),
+                time_scale=_time_scale(run.get("time_scale", 1.0), where),
                 series=series,
                 shed_or_attached=_shed_or_attached(run),
                 hold_creation_x_capacity=_hold_creation(run),

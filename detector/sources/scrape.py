@@ -18,7 +18,7 @@ import httpx
 
 from detector.signals import UP
 from detector.sources import FetchResult, read_whole
-from exporter.bounds import OPENAI_API_ROOT, ends_at_api_root
+from exporter.bounds import OPENAI_API_ROOT, ends_at_api_root, without_api_root
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot, parse_exposition
 from exporter.upstream import MAX_METRICS_BYTES
@@ -50,7 +50,7 @@ class ScrapeSource:
             if ends_at_api_root(url):
                 raise ValueError(
                     f"--exporter is a proxy's /metrics URL, not its {OPENAI_API_ROOT} API root: give "
-                    f"{redact_url(url.rstrip('/')[: -len(OPENAI_API_ROOT)])}/metrics, not {redact_url(url)}"
+                    f"{redact_url(without_api_root(url))}/metrics, not {redact_url(url)}"
                 )
         self.urls = list(urls)
         self.instances = {url: redact_url(url) for url in self.urls}

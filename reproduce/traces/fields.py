@@ -58,7 +58,10 @@ def number_of(value: object, source: str, line: int, key: str) -> float:
     """A JSON value that must be a number (not a bool, not a string)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise row_error(source, line, key, f"not a number: {value!r:.40}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # JSON's integers have no bound; a float's do
+        raise row_error(source, line, key, f"too large: {value!r:.40}") from None
 
 
 def json_count(value: object, source: str, line: int, key: str) -> int:

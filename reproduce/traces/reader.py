@@ -197,6 +197,8 @@ def _json_object(text: str, source: str, line: int) -> dict[str, object]:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise row_error(source, line, None, f"not JSON ({exc.msg} at character {exc.pos})") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise row_error(source, line, None, f"not JSON that can be read ({exc})") from None
     if not isinstance(obj, dict):
         raise row_error(source, line, None, "not a JSON object")
     return obj

@@ -249,3 +249,10 @@ def test_a_target_prometheus_scrapes_without_the_series_is_missing_data(
     (frame,) = engine.compute(time.time())
     assert frame.labels.instance == f"127.0.0.1:{http_server.port}"
     assert frame.values["data_missing"] == 1.0 and frame.values["vllm_waiting"] is None
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/?x=1", "/v1#models"])
+def test_an_openai_base_url_is_refused_naming_the_metrics_url(suffix: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        ScrapeSource(["http://127.0.0.1:8100" + suffix])
+    assert f"give http://127.0.0.1:8100/metrics, not http://127.0.0.1:8100{suffix}" in str(refused.value)

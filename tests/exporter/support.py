@@ -8,7 +8,8 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,13 @@ def endless_head(port: int, path: str) -> bytes:
             for _ in range(1024):
                 s.sendall(b"a" * 65536)
         return s.recv(4096)
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether ``condition`` became true within ``timeout_s`` (polled every 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

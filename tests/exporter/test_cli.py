@@ -289,6 +289,14 @@ def test_an_openai_base_url_as_upstream_is_refused_at_start_saying_to_drop_v1(
         assert probe.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.parametrize("suffix", ["/v1?api-version=1", "/v1/#models"])
+def test_an_openai_base_url_with_a_query_or_fragment_is_refused_naming_the_bare_address(suffix: str) -> None:
+    """The address to give is the server's: neither the API root nor what followed it."""
+    with pytest.raises(SettingsError) as refused:
+        ProxySettings(upstream="http://127.0.0.1:8000" + suffix)
+    assert f"give http://127.0.0.1:8000, not http://127.0.0.1:8000{suffix}" in str(refused.value)
+
+
 def test_every_command_has_the_same_log_options() -> None:
     from retrywatch.cli import SUBCOMMANDS, main
 

@@ -30,6 +30,7 @@ from tests.exporter.support import (
     proxy_process,
     scrape,
     start_bad_upstream,
+    until,
 )
 
 MIB = 1024 * 1024
@@ -81,15 +82,6 @@ def _faults(m: Samples, kind: str) -> float:
     return m[("retrywatch_upstream_faults_total", (("kind", kind),))]
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def _own_answers_follow(p: ProxyProcess, rounds: int = 2) -> int:
     """Later well-behaved calls, streaming and not, each get their own answer (a connection that
     carried stray bytes was not reused). Returns how many were made."""
@@ -120,7 +112,7 @@ def test_bytes_past_the_end_of_an_answer_never_reach_its_client(
     call, r = _post(p, mode, stream)
     assert r.status_code == 200, r.text
     assert r.content == (events(f"first-{call}") if stream else completion(f"first-{call}"))
-    assert _until(lambda: _faults(scrape(p.url), "stray_bytes") == 1)
+    assert until(lambda: _faults(scrape(p.url), "stray_bytes") == 1)
     time.sleep(0.2)  # the stray answer of the later mode has come (50 ms) before the next calls
     n = _own_answers_follow(p)
     m = scrape(p.url)
@@ -163,7 +155,7 @@ def test_a_response_head_over_the_bound_is_a_502_and_its_connection_is_closed(
     error = r.json()["error"]
     assert error["code"] == "upstream_broken" and "head" in error["message"], error
     if size > MIB:  # far more than the sockets' buffers hold: the proxy stopped reading
-        assert _until(lambda: [rec["cut_short"] for rec in bad.log() if rec["call_id"] == call] == [True])
+        assert until(lambda: [rec["cut_short"] for rec in bad.log() if rec["call_id"] == call] == [True])
     assert p.peak_rss_kib() - rss_before < 8 * 1024
     n = _own_answers_follow(p, rounds=1)
     m = scrape(p.url)
@@ -185,7 +177,7 @@ def test_trailer_fields_without_end_are_bounded_as_a_head(
         assert r.status_code == 200 and r.content == events(f"first-{call}")
     else:
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_broken", r.text
-    assert _until(lambda: [rec["cut_short"] for rec in bad.log() if rec["call_id"] == call] == [True])
+    assert until(lambda: [rec["cut_short"] for rec in bad.log() if rec["call_id"] == call] == [True])
     m = scrape(p.url)
     balance(m)
     assert _fate(m, "completed" if stream else "failed") == 1
@@ -211,7 +203,7 @@ def test_an_upstream_metrics_answer_with_a_head_over_the_bound_is_a_failed_fetch
     """The proxy's own fetch of the upstream's /metrics bounded only the body (16 MiB)."""
     with start_bad_upstream(tmp_path, "/metrics=huge-head") as up:
         p = proxy(upstream=up)
-        assert _until(lambda: any(rec["cut_short"] for rec in up.log("/metrics")))
+        assert until(lambda: any(rec["cut_short"] for rec in up.log("/metrics")))
         text = httpx.get(f"{p.url}/metrics", timeout=30).text
         assert "retrywatch_upstream_up 0.0" in text and "vllm:" not in text
 

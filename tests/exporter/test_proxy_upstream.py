@@ -22,7 +22,7 @@ import pytest
 
 from exporter.timeseries import parse_exposition
 from exporter.validation import error_type
-from tests.exporter.support import RunningProxy, Upstream, balance
+from tests.exporter.support import RunningProxy, Upstream, balance, until
 from tests.exporter.test_proxy_backpressure import read_until_closed, stalled_client
 
 StartProxy = Callable[..., RunningProxy]
@@ -480,15 +480,6 @@ def test_an_upstream_breaking_off_mid_event_still_ends_the_stream_with_a_readabl
 # --- bounds on what the upstream sends ---------------------------------------------------------
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 @pytest.mark.parametrize("path", ["callbacks", "asgi"])
 def test_a_non_streaming_answer_over_the_limit_fails_the_execution_and_closes_the_connection(
     start_proxy: StartProxy, raw_upstream: StartRaw, path: str
@@ -517,7 +508,7 @@ def test_a_non_streaming_answer_over_the_limit_fails_the_execution_and_closes_th
     assert r.status_code == 502 and r.headers["content-type"] == "application/json"
     error = r.json()["error"]
     assert error["code"] == "upstream_broken" and f"limit of {limit} bytes" in error["message"]
-    assert _until(lambda: up.cut_short == [b"/v1/completions"])  # closed, not read to its end
+    assert until(lambda: up.cut_short == [b"/v1/completions"])  # closed, not read to its end
     m = p.metrics()
     balance(m)
     assert m[("retrywatch_executions_finished_total", (("fate", "completed"),))] == 1
@@ -631,7 +622,7 @@ def test_an_upstream_metrics_answer_over_the_bound_counts_as_a_failed_fetch(
 
     up = raw_upstream(answer)
     p = start_proxy(up.url)
-    assert _until(lambda: b"/metrics" in up.cut_short)  # closed, not read to its end
+    assert until(lambda: b"/metrics" in up.cut_short)  # closed, not read to its end
     text = httpx.get(f"{p.url}/metrics", timeout=30).text
     assert "retrywatch_upstream_up 0.0" in text and "vllm:" not in text
     assert len(text) < MIB

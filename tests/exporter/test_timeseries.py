@@ -99,3 +99,20 @@ def test_a_malformed_histogram_entry_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text(good + "\n" + json.dumps(bad) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a metrics snapshot"):
         list(read_series(path))
+
+
+@pytest.mark.parametrize("where", ["samples", "histograms"])
+def test_labels_that_are_not_an_object_are_a_clear_error(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    line = json.loads(Snapshot(0.0, [("up", {}, 1.0), *histogram(E2E, {}, [1.0, 2.0], 3.0)]).to_json())
+    line[where][0][1] = ["engine", "0"]  # labels as a list
+    path.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not a metrics snapshot"):
+        list(read_series(path))
+
+
+def test_a_value_too_large_for_a_float_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"t": 0, "samples": [["up", {}, 1' + "0" * 400 + "]]}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: not a metrics snapshot"):
+        list(read_series(path))

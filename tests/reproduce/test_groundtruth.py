@@ -133,6 +133,9 @@ def test_bad_call_records_get_a_clear_error(tmp_path: Path) -> None:
     path.write_text('{"planned_at": 1.0, "attempts": [], "delivered_at": null}\n{"planned_at": "x"}\n')
     with pytest.raises(RunDirError, match=rf"{CALLS_FILE}:2: not a call record"):
         read_calls(path)
+    path.write_text('{"planned_at": 1' + "0" * 400 + ', "attempts": [], "delivered_at": null}\n')
+    with pytest.raises(RunDirError, match=rf"{CALLS_FILE}:1: not a call record"):
+        read_calls(path)
 
 
 def test_span_of_a_summary_entry_reads_its_times() -> None:

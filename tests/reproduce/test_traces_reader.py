@@ -274,6 +274,18 @@ def test_a_bad_csv_row_names_its_line_and_column(tmp_path: Path, text: str, expe
             ['{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": true}'],
             "line 1, column 'output_tokens': not a number",
         ),
+        (
+            ['{"arrival_s": 0, "prompt_tokens": 1' + "0" * 400 + ', "output_tokens": 1}'],
+            "line 1, column 'prompt_tokens': too large",
+        ),
+        (
+            ['{"timestamp": 1' + "0" * 400 + ', "input_length": 1, "output_length": 1}'],
+            "line 1, column 'timestamp': too large",
+        ),
+        (
+            ['{"timestamp": 0, "input_length": 1' + "0" * 5000 + ', "output_length": 1}'],
+            "line 1: not JSON that can be read (Exceeds the limit",
+        ),
     ],
 )
 def test_a_bad_json_line_names_its_line_and_key(tmp_path: Path, lines: list[str], expected: str) -> None:

@@ -230,6 +230,11 @@ def test_cli_writes_the_files_and_reports_bad_input(tmp_path: Path) -> None:
         (lambda run: run.update(series="runs/nope/metrics.jsonl"), "not found"),
         (lambda run: run.update(recovery_time_s=None, recovered=True), "needs 'recovery_time_s'"),
         (lambda run: run["pulse"].update(end_s="late"), "expected a finite number"),
+        (lambda run: run.update(duration_s=10**400), "expected a finite number"),
+        (lambda run: run.update(run="first"), "'run' must be a whole number"),
+        (lambda run: run.update(run=1.5), "'run' must be a whole number"),
+        (lambda run: run.update(time_scale=0), "'time_scale' must be a finite number > 0"),
+        (lambda run: run.update(time_scale=-2.0), "'time_scale' must be a finite number > 0"),
     ],
 )
 def test_bad_summary_gets_a_clear_error(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
