@@ -131,12 +131,11 @@ def test_counters_stay_balanced_and_names_are_the_contract() -> None:
 
 def test_every_call_is_judged_once_on_the_proxys_clock_missed_or_delivered_in_time() -> None:
     spec, result = run(DIAG.condition("retries-on-cancel-off"))
-    deadline = spec.timeline.deadline_s
+    timeline = spec.plan().timeline()
+    deadline = timeline.deadline_s
     missed = [s.value(mn.CALLS_MISSED_DEADLINE) for s in result.snapshots]
     assert all(m is not None for m in missed) and missed == sorted(missed)  # a counter, in every scrape
-    before_pulse = [
-        m for s, m in zip(result.snapshots, missed, strict=True) if s.t < spec.timeline.pulse_start
-    ]
+    before_pulse = [m for s, m in zip(result.snapshots, missed, strict=True) if s.t < timeline.pulse_start]
     assert before_pulse[-1] == 0  # the base load is served in time
     final = result.snapshots[-1]
     in_time = sum(
