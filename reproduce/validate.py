@@ -49,7 +49,7 @@ from detector.rundir import (
     series_path,
 )
 from detector.signals import WINDOWS, Windows
-from detector.thresholds import ALERTS, AlertKind
+from detector.thresholds import ALERTS, ALERTS_BY_NAME, AlertKind
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
 from reproduce.groundtruth import (
@@ -57,6 +57,7 @@ from reproduce.groundtruth import (
     Collapse,
     GroundTruth,
     JudgedSpan,
+    Window,
     agrees_with_recovery,
     ground_truth,
     read_calls,
@@ -65,10 +66,16 @@ from reproduce.plan import RECOVERY_WINDOW_S
 
 PAPER = "paper"  # the block made of every block: runs carry their own block's name
 RETRY_LOOP = "VLLMMetastableRetryLoop"
+SILENCE = "no collapse is silent"
 BACKLOG = "VLLMBacklogBeyondDeadline"
 # The retry-loop alert must fire within this long after the pulse's end, in the study's seconds
 # (divided by the run's time scale).
 RETRY_LOOP_LEAD_TARGET_S = 120.0
+# No collapse is silent: in a run that never recovers, a critical alert fires within this long
+# after the collapse that lasts to the end of the hold began (study seconds, divided by the
+# run's time scale) and is still firing at the hold's end. A miss is known only one deadline
+# after its call arrived, so the symptom alert cannot fire sooner than about a deadline.
+SILENCE_TARGET_S = 300.0
 # A late firing is put beside when the loop formed: executions created over this window (study
 # seconds) rising to Ĉ, the loop's fuel, seen at a finer grain than the detector's rate window.
 LOOP_FORMATION_WINDOW_S = 10.0
@@ -153,6 +160,7 @@ class RunResult:
     info: RunInfo
     firings: list[Firing] = field(default_factory=list)
     collapses: list[Collapse] | None = None
+    windows: list[Window] | None = None  # the judged windows behind ``collapses``
 
 
 def _field(run: Mapping[str, Any], key: str, where: str) -> Any:
@@ -529,6 +537,67 @@ def _run_ref(r: RunResult, **extra: Any) -> dict[str, Any]:
     return {"run": r.info.slug, **extra}
 
 
+def _critical(r: RunResult) -> list[Firing]:
+    return sorted(
+        (f for f in r.firings if (rule := ALERTS_BY_NAME.get(f.alertname)) and rule.severity == "critical"),
+        key=lambda f: f.fired_at_s,
+    )
+
+
+def _why_silent(r: RunResult) -> str:
+    """What the last judged windows of a run that did not recover show: a run whose calls were
+    delivered in time again is held unrecovered by the queue part of the recovery rule alone."""
+    windows = [w for w in r.windows or [] if w.calls]
+    if not windows:
+        return "no judged window with calls"
+    last = windows[-3:]
+    shares = ", ".join(f"{w.delivered_within_deadline:.0%}" for w in last)
+    if all(w.delivered_ok for w in last):
+        waiting = ", ".join(f"{w.waiting_mean:.1f}" for w in last)
+        return (
+            f"its last {len(last)} windows delivered {shares} of their calls within the deadline: calls are "
+            f"answered in time again, and only the queue part of the recovery rule holds it unrecovered "
+            f"(mean executions waiting {waiting})"
+        )
+    return f"its last {len(last)} windows delivered {shares} of their calls within the deadline"
+
+
+def check_silence(results: Sequence[RunResult]) -> dict[str, Any]:
+    """No collapse is silent: in every run with a collapse that lasts to the end of its hold, a
+    critical alert (any cause, or the symptom) fires within ``SILENCE_TARGET_S`` (scaled) of that
+    collapse's start and is still firing at the hold's end. Lists the runs silent at the end (with
+    what their last windows show) and those whose first critical firing came later."""
+    silent: list[dict[str, Any]] = []
+    late: list[dict[str, Any]] = []
+    delays: list[float] = []
+    judged = 0
+    for r in results:
+        lasting = [c for c in r.collapses or [] if not c.ended]
+        if not lasting:
+            continue
+        judged += 1
+        start, end = lasting[0].start_s, r.info.judged_end_s
+        critical = _critical(r)
+        first = _first_after(critical, start)
+        if first is not None:
+            delay = first.fired_at_s - start
+            delays.append(delay)
+            if delay > SILENCE_TARGET_S / r.info.time_scale:
+                late.append(_run_ref(r, after_collapse_s=round(delay, 3), alertname=first.alertname))
+        if not any(
+            f.fired_at_s <= end and (f.resolved_at_s is None or f.resolved_at_s >= end) for f in critical
+        ):
+            silent.append(_run_ref(r, why=_why_silent(r)))
+    return {
+        "runs_collapsed_to_the_end": judged,
+        "target_s": SILENCE_TARGET_S,
+        "first_critical_after_collapse_s": _stats(delays),
+        "silent_at_the_end": silent,
+        "late_first_firing": late,
+        "met": not (silent or late),
+    }
+
+
 def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
     """The targets the alerts are held to, computed on every run given (the ``paper`` block's
     runs when validating ``--block paper``): the retry-loop alert fires in every run that did not
@@ -613,6 +682,7 @@ def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
             "fired_in_recovering_runs_count": len(backlog_recovering),
             "met": not backlog_missed,
         },
+        SILENCE: check_silence(results),
     }
 
 
@@ -875,6 +945,30 @@ def summary_markdown(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _silence_markdown(silence: Mapping[str, Any]) -> list[str]:
+    delay = silence["first_critical_after_collapse_s"]
+    lines = [
+        f"### No collapse is silent: {'met' if silence['met'] else 'NOT met'}",
+        "",
+        f"In every run whose collapse lasts to the end of its hold, a critical alert fires within "
+        f"{silence['target_s']:g} s (study seconds) of that collapse's start and is still firing at the "
+        "hold's end.",
+        "",
+        f"- runs with a collapse to the end of the hold: {silence['runs_collapsed_to_the_end']}; first "
+        f"critical firing after the collapse began, median / max: {_pair(delay)} s",
+        f"- no critical alert firing at the hold's end: {len(silence['silent_at_the_end'])}",
+    ]
+    lines += [f"  - {r['run']}: {r['why']}" for r in silence["silent_at_the_end"]]
+    lines.append(
+        f"- first critical firing later than {silence['target_s']:g} s: {len(silence['late_first_firing'])}"
+    )
+    lines += [
+        f"  - {r['run']}: {r['alertname']} at +{_fmt(r['after_collapse_s'])} s"
+        for r in silence["late_first_firing"]
+    ]
+    return [*lines, ""]
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     lines = summary_markdown(report)
     targets = report["targets"]
@@ -939,6 +1033,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"- recovering runs in which it fired: {backlog['fired_in_recovering_runs_count']} of "
         f"{backlog['runs_recovered']}",
         "",
+        *_silence_markdown(targets[SILENCE]),
         "## Runs",
         "",
         "| block | condition | model | run | recovered | collapses (start–end, s) "
@@ -1015,7 +1110,14 @@ def validate_dir(
     results = []
     for info in infos:
         truth = truth_of(info)
-        results.append(RunResult(info, replayer(info), None if truth is None else truth.collapses))
+        results.append(
+            RunResult(
+                info,
+                replayer(info),
+                None if truth is None else truth.collapses,
+                None if truth is None else truth.windows,
+            )
+        )
     names = list(alertnames) if alertnames is not None else all_alertnames()
     report = build_report(results, names, kinds)
     (out_dir / VALIDATION).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -14,14 +14,16 @@ from detector.rundir import RunDirError
 from detector.thresholds import ALERTS_BY_NAME, AlertRule
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot, write_series
-from reproduce.groundtruth import Collapse
+from reproduce.groundtruth import Collapse, Window
 from reproduce.validate import (
     BACKLOG,
     RETRY_LOOP,
+    SILENCE,
     Firing,
     RunInfo,
     RunResult,
     build_report,
+    check_targets,
     load_runs,
     loop_formed_at_s,
     render_markdown,
@@ -427,3 +429,46 @@ def test_every_table_has_its_legend_and_no_bare_dash(tmp_path: Path) -> None:
         assert heading in md
     assert "negative: it resolved before the run recovered" in md
     assert "–|" not in md.replace(" ", "") and "| – |" not in md
+
+
+def _window(start: float, delivered: float, waiting: float) -> Window:
+    return Window(start, start + 60.0, 100, delivered, waiting, 0.0, delivered >= 0.98, waiting <= 2.0)
+
+
+def test_no_collapse_is_silent_names_the_runs_left_without_a_critical_alert() -> None:
+    symptom = "VLLMCallsNotDeliveredInTime"
+    assert ALERTS_BY_NAME[symptom].severity == "critical"
+    lasting = [Collapse(300.0, 947.0, ended=False)]
+    results = [
+        # paged within the target and still firing at the hold's end: the loop, then the symptom
+        RunResult(
+            _info(1, recovered=False),
+            [Firing(RETRY_LOOP, 420.0, 700.0), Firing(symptom, 500.0, None)],
+            lasting,
+        ),
+        # a warning alone is silence: nothing critical fired
+        RunResult(
+            _info(2, recovered=False), [Firing(BACKLOG, 200.0, None)], lasting, [_window(827.0, 0.4, 80.0)]
+        ),
+        # the symptom resolved before the end, its last windows answered in time again
+        RunResult(
+            _info(3, recovered=False),
+            [Firing(symptom, 520.0, 930.0)],
+            lasting,
+            [_window(767.0, 0.99, 54.0), _window(827.0, 1.0, 5.8), _window(887.0, 1.0, 0.2)],
+        ),
+        # paged, but 400 s after the collapse began: later than the target
+        RunResult(_info(4, recovered=False), [Firing(symptom, 700.0, None)], lasting),
+        # a collapse that ended is not this target's business
+        RunResult(_info(5, recovered=True, recovery_time_s=200.0), [], [Collapse(300.0, 420.0, ended=True)]),
+    ]
+    silence = check_targets(results)[SILENCE]
+    assert not silence["met"] and silence["runs_collapsed_to_the_end"] == 4
+    silent = {r["run"]: r["why"] for r in silence["silent_at_the_end"]}
+    assert set(silent) == {results[1].info.slug, results[2].info.slug}
+    assert "only the queue part of the recovery rule" in silent[results[2].info.slug]
+    assert "only the queue part" not in silent[results[1].info.slug]
+    assert [r["run"] for r in silence["late_first_firing"]] == [results[3].info.slug]
+    assert silence["first_critical_after_collapse_s"] == {"median": 220.0, "max": 400.0}  # 120, 220, 400
+    text = render_markdown(build_report(results, [RETRY_LOOP, BACKLOG, symptom]))
+    assert "No collapse is silent: NOT met" in text and results[2].info.slug in text
