@@ -242,7 +242,9 @@ def write_episode_series(path: Path, *, capacity: float = 2.8, end_s: float = 48
     0.6 Ĉ of first attempts; from 100 s to 200 s retries at 1.8 Ĉ with completions orphaned and
     the queue growing; then retries stop, load falls to 0.3 Ĉ, the queue drains and completions
     reach clients again.
-    Prompt tokens are all counted (the 5-min gap alert would outlast a short replay)."""
+    Prompt tokens are all counted (the 5-min gap alert would outlast a short replay), and no call
+    is counted as missing its deadline (the symptom alert's 5-min burn would too); the counter is
+    there, so the detector has every series it needs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     totals = dict.fromkeys(("first", "retry", "created", "completed", "orphaned", "delivered", "tokens"), 0.0)
     waiting = 0.0
@@ -277,6 +279,7 @@ def write_episode_series(path: Path, *, capacity: float = 2.8, end_s: float = 48
             (mn.EXECUTIONS_FINISHED, {"fate": "cancelled"}, 0.0),
             (mn.CALLS_DELIVERED, {"within_deadline": "true"}, totals["delivered"]),
             (mn.CALLS_DELIVERED, {"within_deadline": "false"}, 0.0),
+            (mn.CALLS_MISSED_DEADLINE, {}, 0.0),
             (mn.EXECUTIONS_QUEUED, {}, 0.0),
             (mn.EXECUTIONS_LIVE, {}, waiting + 40.0),
             (mn.CAPACITY, {}, capacity),
