@@ -37,7 +37,7 @@ from typing import Any
 from detector.rundir import RunDirError
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
-from reproduce.outcomes import RecoveryRule, counter_at, waiting_series
+from reproduce.outcomes import RecoveryRule, counter_rate, mean_and_slope, waiting_series
 from reproduce.plan import RECOVERY_WINDOW_S
 
 __all__ = [
@@ -167,17 +167,6 @@ class Window:
         return self.delivered_ok and self.queue_ok
 
 
-def _mean_and_slope(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Mean and least-squares slope of (t, v) points, as the recovery rule measures growth."""
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_v = sum(v for _, v in points) / n
-    var_t = sum((t - mean_t) ** 2 for t, _ in points)
-    if var_t <= 0:
-        return mean_v, 0.0
-    return mean_v, sum((t - mean_t) * (v - mean_v) for t, v in points) / var_t
-
-
 def judge_windows(
     calls: Sequence[CallTimes],
     snapshots: Sequence[Snapshot],
@@ -194,7 +183,7 @@ def judge_windows(
         share = sum(c.within(span.deadline_s) for c in members) / len(members) if members else 1.0
         pts = [(t, v) for t, v in waiting if start <= t <= end]
         if pts:
-            mean, slope = _mean_and_slope(pts)
+            mean, slope = mean_and_slope(pts)
             queue_ok = mean <= rule.max_waiting and slope <= growth_limit
         else:
             mean, slope, queue_ok = math.nan, math.nan, False  # unknown is not healthy
@@ -257,10 +246,6 @@ def find_collapses(
     return out
 
 
-def _rate(snapshots: Sequence[Snapshot], name: str, t0: float, t1: float, **labels: str) -> float:
-    return (counter_at(snapshots, name, t1, labels) - counter_at(snapshots, name, t0, labels)) / (t1 - t0)
-
-
 def _metastable_times(
     collapse: Collapse, snapshots: Sequence[Snapshot], span: JudgedSpan
 ) -> tuple[float | None, float]:
@@ -275,8 +260,8 @@ def _metastable_times(
         t = snap.t
         if t - w < snapshots[0].t - _EPS:
             continue
-        first = _rate(snapshots, mn.ATTEMPTS, t - w, t, kind="first")
-        created = _rate(snapshots, mn.EXECUTIONS_CREATED, t - w, t)
+        first = counter_rate(snapshots, mn.ATTEMPTS, t - w, t, kind="first")
+        created = counter_rate(snapshots, mn.EXECUTIONS_CREATED, t - w, t)
         if first < span.capacity and created >= span.capacity:
             first_at = t if first_at is None else first_at
             nxt = inside[i + 1].t if i + 1 < len(inside) else collapse.end_s

@@ -32,7 +32,9 @@ __all__ = [
     "Timeline",
     "compute_outcomes",
     "counter_at",
+    "counter_rate",
     "delivery",
+    "mean_and_slope",
     "recovery",
     "retry_timing",
     "trace_shares",
@@ -105,14 +107,15 @@ def counter_at(
         return _value(snapshots[0], name, labels)
     if t >= snapshots[-1].t:
         return _value(snapshots[-1], name, labels)
-    i = bisect.bisect_right([s.t for s in snapshots], t)  # snapshots[i-1].t <= t < snapshots[i].t
+    i = bisect.bisect_right(snapshots, t, key=lambda s: s.t)  # snapshots[i-1].t <= t < snapshots[i].t
     prev, nxt = snapshots[i - 1], snapshots[i]
     a, b = _value(prev, name, labels), _value(nxt, name, labels)
     span = nxt.t - prev.t
     return a if span <= 0 else a + (b - a) * (t - prev.t) / span
 
 
-def _rate(snapshots: Sequence[Snapshot], name: str, t0: float, t1: float, **labels: str) -> float:
+def counter_rate(snapshots: Sequence[Snapshot], name: str, t0: float, t1: float, **labels: str) -> float:
+    """A counter's mean rate over ``[t0, t1]`` (interpolated at both ends; 0 for an empty span)."""
     if t1 <= t0:
         return 0.0
     return (counter_at(snapshots, name, t1, labels) - counter_at(snapshots, name, t0, labels)) / (t1 - t0)
@@ -123,7 +126,8 @@ def waiting_series(snapshots: Iterable[Snapshot]) -> list[tuple[float, float]]:
     return [(s.t, _value(s, mn.EXECUTIONS_QUEUED) + _value(s, mn.VLLM_NUM_WAITING)) for s in snapshots]
 
 
-def _mean_and_slope(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def mean_and_slope(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Mean and least-squares slope of (t, v) points, as the recovery rule measures growth."""
     n = len(points)
     mean_t = sum(t for t, _ in points) / n
     mean_v = sum(v for _, v in points) / n
@@ -162,7 +166,7 @@ def recovery(
         share = within / n if n else 1.0
         pts = [(t, v) for t, v in waiting if start <= t <= end]
         if pts:
-            mean_wait, slope = _mean_and_slope(pts)
+            mean_wait, slope = mean_and_slope(pts)
             waiting_ok = mean_wait <= rule.max_waiting and slope <= growth_limit
         else:
             mean_wait, slope, waiting_ok = math.nan, math.nan, False
@@ -209,17 +213,18 @@ def compute_outcomes(
     recovered, recovery_time, windows = recovery(calls, waiting_series(snapshots), timeline, rule)
     t0, t1 = timeline.primary_start, timeline.hold_end
 
-    attempts_rate = _rate(snapshots, mn.ATTEMPTS, t0, t1)
-    accepted_rate = _rate(snapshots, mn.EXECUTIONS_DISPATCHED, t0, t1) - _rate(
+    attempts_rate = counter_rate(snapshots, mn.ATTEMPTS, t0, t1)
+    accepted_rate = counter_rate(snapshots, mn.EXECUTIONS_DISPATCHED, t0, t1) - counter_rate(
         snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate="refused"
     )
     # The engine ran an execution to its end whether or not a subscriber still waited.
-    engine_completed_rate = _rate(snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate="completed") + _rate(
-        snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate="orphaned"
+    engine_completed_rate = sum(
+        counter_rate(snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate=fate)
+        for fate in ("completed", "orphaned")
     )
     rates = {
         "attempts": attempts_rate / capacity,
-        "executions_created": _rate(snapshots, mn.EXECUTIONS_CREATED, t0, t1) / capacity,
+        "executions_created": counter_rate(snapshots, mn.EXECUTIONS_CREATED, t0, t1) / capacity,
         "executions_accepted": accepted_rate / capacity,
         "executions_completed": engine_completed_rate / capacity,
     }
