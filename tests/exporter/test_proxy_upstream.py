@@ -175,8 +175,11 @@ def test_a_client_waiting_for_100_continue_gets_it_from_the_proxy_then_its_answe
         records = upstream.requests(call_id=call)
         assert len(records) == 1 and records[0]["expect"] is None
         assert json.loads(final.split(b"\r\n\r\n", 1)[1])["id"] == f"cmpl-{records[0]['request_id']}"
-    else:  # passed through (the test upstream has no /tokenize): the upstream's own answer
-        assert final.startswith(b"HTTP/1.1 404")
+    else:  # passed through: the upstream's own answer, to the whole body
+        # (an upstream that answers before reading a large body and then closes resets the
+        # connection, and the proxy rightly answers 502: nginx does the same)
+        assert final.startswith(b"HTTP/1.1 200")
+        assert json.loads(final.split(b"\r\n\r\n", 1)[1])["count"] == 400_000
 
 
 # --- interim responses from the upstream --------------------------------------------------------

@@ -22,6 +22,8 @@ It stands in for vLLM where the proxy is tested or benchmarked, and can be told 
   ``x-test-done-gap`` (seconds between writing ``data: [DONE]`` and ending the response: a real
   vLLM ends its stream in a separate write after ``[DONE]``; clients often close at ``[DONE]``).
 
+``POST /tokenize``, as vLLM's: the whole body is read and its prompt's tokens counted.
+
 On every route:
 
 * ``x-test-interim: 100,103``: interim (1xx) responses written, in that order, as soon as the
@@ -305,6 +307,13 @@ class TestUpstream:
             await _respond_json(send, 200, {"metrics_delay": self.metrics_delay})
         elif method == "GET" and path == "/test/metrics-scrapes":
             await _respond_json(send, 200, {"scrapes": self.metrics_scrapes})
+        elif method == "POST" and path == "/tokenize":  # vLLM's: reads the whole body, counts its prompt
+            try:
+                count = _prompt_tokens(json.loads(await _read_body(receive) or b"{}"))
+            except (ValueError, AttributeError) as exc:
+                await _respond_json(send, 400, {"error": {"message": str(exc), "code": 400}})
+                return
+            await _respond_json(send, 200, {"count": count, "max_model_len": 1 << 20, "tokens": []})
         elif method == "GET" and path == "/test/peer":
             await _respond_json(send, 200, {"port": _peer_port(scope)})
         elif method == "POST" and path == "/test/release":
