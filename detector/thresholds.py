@@ -47,6 +47,10 @@ SEVERITIES: tuple[Severity, ...] = typing.get_args(Severity)  # the most severe 
 # detector lacks the data to say either. Validation scores each kind against the ground truth.
 AlertKind = Literal["cause", "symptom", "data"]
 ALERT_KINDS: tuple[AlertKind, ...] = typing.get_args(AlertKind)
+# What an alert needs to be evaluated: vLLM's own series and two numbers the operator states
+# ("vllm": no proxy in the path), or the proxy's series as well ("proxy").
+Tier = Literal["vllm", "proxy"]
+TIERS: tuple[Tier, ...] = typing.get_args(Tier)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class AlertRule:
     value_signal: str
     unit: str = ""
     kind: AlertKind = "cause"
+    tier: Tier = "proxy"
 
     def runbook_url(self, pattern: str = DEFAULT_PATTERN) -> str:
         """The link to this alert's runbook section (``detector.runbook``)."""
