@@ -237,6 +237,14 @@ def _capacity_hint(model: str, capacity: float) -> str:
     "(docs/results.md).",
 )
 @click.option(
+    "--client",
+    "client",
+    default="study",
+    show_default=True,
+    help="How the clients retry: study, openai-sdk, anthropic-sdk, litellm, none, or "
+    "[NAME,]KEY=VALUE,... (docs/reproducing.md).",
+)
+@click.option(
     "--force",
     is_flag=True,
     help="Run into a DIR that holds a report or validation of earlier runs (they are removed: stale).",
@@ -256,6 +264,7 @@ def run(
     gpu: bool,
     engine_url: str | None,
     pulse_multiple: float | None,
+    client: str,
     force: bool,
     progress: bool,
 ) -> None:
@@ -279,6 +288,14 @@ def run(
     for spec in specs:
         unique.setdefault(spec.slug, spec)
     specs = list(unique.values())
+    from reproduce.client import ClientConfigError
+    from reproduce.clients import parse_client, with_client
+
+    try:
+        clients = parse_client(client)
+    except ClientConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--client'") from None
+    specs = [with_client(spec, clients) for spec in specs]
     if pulse_multiple is not None:
         from reproduce.httpdriver.protocol import with_pulse
 

@@ -5,7 +5,7 @@ others (a trace replay can replace the pulse workload, say):
 
 * ``ProxyPolicy``: cancellation off/on/deferred, coalescing, retry budget and its order, proxy
   cap with FIFO/LIFO and the deadline check;
-* ``ClientProfile``: retries on or off (deadline and backoff are ``reproduce.client``'s);
+* ``ClientProfile``: the clients (the study's, or a ``--client`` profile) and retries on or off;
 * ``EngineSettings``: the engine's queue cap Q, tokens per step, per-execution tracing;
 * ``PulseWorkload``: the pulse's multiple of Ĉ (``reproduce.workload.PULSE_PROTOCOL``), mixed prompts.
 
@@ -18,7 +18,7 @@ study's scale; ``ProxyPolicy.config`` divides the policy's by the time scale.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
@@ -46,7 +46,6 @@ __all__ = [
 PRIMARY_MODEL = "qwen2.5-7b-h100"
 MODELS: tuple[str, ...] = (PRIMARY_MODEL, "qwen3-14b-h100", "llama3.1-8b-h100")
 
-RETRIES = 3
 RETRY_BUDGET = 0.1  # retries within 10% of first attempts over a sliding 60-s window
 BUDGET_WINDOW_S = 60.0
 DEFERRED_CANCEL_S = 10.0
@@ -110,17 +109,22 @@ class ProxyPolicy:
 
 @dataclass(frozen=True)
 class ClientProfile:
-    """What the clients do beyond the study's client (``reproduce.client.ClientConfig``: deadline,
-    backoff, horizon): how many times they retry a call."""
+    """Who the clients are (``name`` and ``base``: the study's client unless ``--client`` names
+    another, ``reproduce.clients``) and whether the condition lets them retry: ``retries`` None
+    keeps the client's own, 0 turns retries off."""
 
-    retries: int = RETRIES
+    retries: int | None = None
+    name: str = "study"
+    base: ClientConfig = field(default_factory=ClientConfig)
 
     def config(self, base: ClientConfig | None = None) -> ClientConfig:
-        """``base`` (the study's client by default, at the study's scale) with these retries."""
-        return replace(base or ClientConfig(), retries=self.retries)
+        """``base`` (this profile's client by default, at the study's scale) with these retries."""
+        client = base or self.base
+        return client if self.retries is None else replace(client, retries=self.retries)
 
     def describe(self) -> dict[str, object]:
-        return {"retries": self.retries}
+        config = self.config()
+        return {"retries": config.retries, "client": self.name, "client_settings": config.describe()}
 
 
 @dataclass(frozen=True)

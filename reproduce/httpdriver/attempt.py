@@ -1,13 +1,16 @@
-"""One attempt over a real socket: a streaming completion with a deadline on the whole attempt.
+"""One attempt over a real socket: a streaming completion with a deadline on the whole attempt
+and, for clients that have one, a read timeout (a limit on each wait for a byte: the first one
+from when the attempt was sent, then each gap between lines of the stream).
 
 The request carries the call's id header (the same for every attempt of a call) and a token-ID
 prompt. The attempt is classified the way the client model needs (``reproduce.client``):
 
 * ``delivered``: the stream reached ``[DONE]`` after a choice with a ``finish_reason`` (or, for
   a non-streaming request, the JSON body carries the choices);
-* ``disconnected``: the deadline struck first; the connection is closed at once, which is what
-  lets the proxy (or vLLM) see the client leave;
-* ``shed``: HTTP 429, with its Retry-After (the proxy's retry budget);
+* ``disconnected``: the deadline or the read timeout struck first; the connection is closed at
+  once, which is what lets the proxy (or vLLM) see the client leave;
+* ``shed``: HTTP 429, with its Retry-After (the proxy's retry budget); every error status
+  carries its Retry-After (``retry-after-ms`` first, as the SDKs read it) and ``x-should-retry``;
 * ``refused``: HTTP 503, or a streaming HTTP 200 whose first event is an error with code 503
   (vLLM's ``--max-num-queued-reqs`` refusal of a streaming request);
 * ``failed``: anything else (another status, an error event, a broken stream).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +46,7 @@ class AttemptResult:
     retry_after_s: float | None = None
     tokens: int = 0  # streamed chunks with output (one token each, unless the server batches)
     error: str | None = None  # a short reason for ``failed``; never prompt text
+    should_retry: bool | None = None  # the answer's ``x-should-retry: true|false``, if any
 
 
 def completion_body(model: str, token_ids: list[int], max_tokens: int) -> bytes:
@@ -57,6 +62,9 @@ def completion_body(model: str, token_ids: list[int], max_tokens: int) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+_STATUS_OUTCOMES = {429: AttemptOutcome.SHED, 503: AttemptOutcome.REFUSED}
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """Retry-After in seconds (delta form; an HTTP date is not used by the proxy)."""
     if value is None:
@@ -65,7 +73,15 @@ def parse_retry_after(value: str | None) -> float | None:
         seconds = float(value.strip())
     except ValueError:
         return None
-    return seconds if seconds >= 0 else None
+    return seconds if 0 <= seconds < math.inf else None
+
+
+def _retry_hints(headers: httpx.Headers) -> tuple[float | None, bool | None]:
+    """An error answer's wait (``retry-after-ms``, else ``retry-after``) and ``x-should-retry``."""
+    ms = parse_retry_after(headers.get("retry-after-ms"))
+    wait = ms / 1000.0 if ms is not None else parse_retry_after(headers.get("retry-after"))
+    flag = headers.get("x-should-retry")
+    return wait, {"true": True, "false": False}.get(flag) if flag is not None else None
 
 
 def _error_outcome(obj: object) -> tuple[AttemptOutcome, int | None] | None:
@@ -113,29 +129,41 @@ async def run_attempt(
     call_id: str,
     deadline_at: float,
     call_id_header: str = "x-call-id",
+    read_timeout_s: float | None = None,
     on_first_byte: Callable[[float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AttemptResult:
-    """Send one attempt to ``url`` and follow it until it ends or ``deadline_at`` (``clock`` time)."""
+    """Send one attempt to ``url`` and follow it until it ends, ``deadline_at`` (``clock`` time;
+    infinity: no limit on the whole attempt) or ``read_timeout_s`` without a byte."""
     headers = {"content-type": "application/json", call_id_header: call_id}
     first_byte_at: float | None = None
     tokens = 0
     status: int | None = None
+    loop = asyncio.get_running_loop()
+
+    def give_up_at() -> float | None:  # on the loop's clock
+        left = [deadline_at - clock()] if math.isfinite(deadline_at) else []
+        if read_timeout_s is not None:
+            left.append(read_timeout_s)
+        return loop.time() + max(0.0, min(left)) if left else None
+
     try:
-        async with asyncio.timeout(max(0.0, deadline_at - clock())):
+        async with asyncio.timeout_at(give_up_at()) as limit:
             async with client.stream("POST", url, content=body, headers=headers) as response:
                 status = response.status_code
-                if status == 429:
-                    retry_after = parse_retry_after(response.headers.get("retry-after"))
-                    return AttemptResult(AttemptOutcome.SHED, None, clock(), status, retry_after)
-                if status == 503:
-                    return AttemptResult(AttemptOutcome.REFUSED, None, clock(), status)
                 if status != 200:
-                    return AttemptResult(AttemptOutcome.FAILED, None, clock(), status, error=f"HTTP {status}")
+                    retry_after, should_retry = _retry_hints(response.headers)
+                    answer = _STATUS_OUTCOMES.get(status, AttemptOutcome.FAILED)
+                    reason = None if answer is not AttemptOutcome.FAILED else f"HTTP {status}"
+                    return AttemptResult(
+                        answer, None, clock(), status, retry_after, error=reason, should_retry=should_retry
+                    )
                 if not response.headers.get("content-type", "").startswith("text/event-stream"):
                     return await _read_json_answer(response, clock)
                 finished = False
                 async for line in response.aiter_lines():
+                    if read_timeout_s is not None:
+                        limit.reschedule(give_up_at())
                     data = sse.event_payload(line)
                     if data is None:
                         continue

@@ -198,8 +198,9 @@ class OpenLoopClient:
                 self.url,
                 body,
                 call_id=planned.call_id,
-                deadline_at=t0 + attempt.deadline_at,
+                deadline_at=t0 + self.model.attempt_limit_at(attempt),
                 call_id_header=self.call_id_header,
+                read_timeout_s=self.config.read_timeout_s,
                 on_first_byte=lambda at: self.model.first_byte(record, at - t0),
                 clock=self.clock,
             )
@@ -210,7 +211,14 @@ class OpenLoopClient:
                 stats.calls_delivered += 1
                 stats.calls_delivered_in_deadline += ended - record.first_sent_at <= self.config.deadline_s
                 return
-            next_at = self.model.failed(record, ended, result.outcome, result.retry_after_s)
+            next_at = self.model.failed(
+                record,
+                ended,
+                result.outcome,
+                result.retry_after_s,
+                status=result.status,
+                should_retry=result.should_retry,
+            )
             if next_at is None:
                 stats.calls_failed += 1
                 return

@@ -32,7 +32,7 @@ class SimBackend(Backend):
 
     workload: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
-    client: ClientConfig = field(default_factory=ClientConfig)
+    client: ClientConfig | None = None  # instead of each run's client (``--client``'s profile)
     capacity: float | None = None
     capacities: dict[tuple[str, bool], float] = field(default_factory=dict)
 
@@ -54,7 +54,7 @@ class SimBackend(Backend):
                 self.client = ClientConfig(**self.client)
             except TypeError as exc:
                 raise ValueError(f"client: {exc}") from None
-        if not isinstance(self.client, ClientConfig):
+        if self.client is not None and not isinstance(self.client, ClientConfig):
             raise ValueError(f"client must be a JSON object of client settings, not {self.client!r}")
         for name in ("workload", "engine"):
             if not isinstance(getattr(self, name), Mapping):

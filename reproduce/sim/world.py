@@ -20,6 +20,7 @@ The run ends once no call is outstanding, at most ``horizon`` after the last pla
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class SimSpec:
     seed: int = 0
     capacity: float | None = None
     time_scale: float = 1.0
-    client: ClientConfig = field(default_factory=ClientConfig)
+    client: ClientConfig | None = None  # instead of the condition's client (its profile's)
     workload: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     engine_config: EngineConfig | None = None  # instead of the preset's
@@ -186,8 +187,22 @@ class _World:
         elif isinstance(decision, Attached):
             execution = self.policy.execution(decision.execution_id)
             if execution is not None and execution.first_token_at is not None:
-                self.client.first_byte(call.record, now)
+                self._first_byte(call, now)
         self._apply(result.effects)
+
+    def _first_byte(self, call: _Call, now: float) -> None:
+        """The call's attempt got its first byte; its output then flows one token per engine
+        step, so a read timeout no longer gives it up: only a whole-attempt limit does."""
+        first = call.record.attempts[-1].first_byte_at is None
+        self.client.first_byte(call.record, now)
+        if first and self.client.config.read_timeout_s is not None and call.deadline is not None:
+            subscriber = call.subscriber
+            assert subscriber is not None
+            self.env.cancel(call.deadline)
+            call.deadline = None
+            at = self.client.attempt_limit_at(call.record.attempts[-1])
+            if math.isfinite(at):
+                call.deadline = self.env.schedule(at, self._give_up, call, subscriber)
 
     def _failed(self, call: _Call, outcome: AttemptOutcome, retry_after_s: float | None) -> None:
         call.subscriber = None
@@ -252,7 +267,7 @@ class _World:
                 for sub in execution.subscribers:
                     call = self.by_subscriber.get(sub)
                     if call is not None:
-                        self.client.first_byte(call.record, now)
+                        self._first_byte(call, now)
         elif kind is engine_link.EventKind.FINISHED:
             execution = self.policy.execution(execution_id)
             subscribers = list(execution.subscribers) if execution is not None else []

@@ -121,6 +121,8 @@ def test_a_condition_names_its_parts_and_describes_them_as_summary_json_did() ->
     c = block("engine-cap").condition("engine-cap-338-cancel-on")
     assert list(c.describe()) == [
         "retries",
+        "client",
+        "client_settings",
         "cancellation",
         "coalesce",
         "retry_budget",
@@ -135,6 +137,7 @@ def test_a_condition_names_its_parts_and_describes_them_as_summary_json_did() ->
         "tracing",
     ]
     assert (c.describe()["engine_queue_cap"], c.describe()["cancellation"]) == (338, "on")
+    assert (c.describe()["retries"], c.describe()["client"]) == (3, "study")
     # A part changes alone: another workload leaves the policy, the client and the engine as they were.
     swapped = replace(c, workload=PulseWorkload(pulse_multiple=1.5))
     assert (swapped.policy, swapped.client, swapped.engine) == (c.policy, c.client, c.engine)
