@@ -164,12 +164,14 @@ class RunPlan:
         )
 
     def describe(self) -> dict[str, object]:
-        """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale."""
+        """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale,
+        and the client's numbers in run seconds."""
         return {
             "time_scale": self.time_scale,
             "deadline_s": self.deadline_s,
             "horizon_s": self.horizon_s,
             "window_s": self.window_s,
+            "client": self.client.describe(),
             "calls": len(self.calls),
             "phases": [p.to_dict() for p in self.phases],
         }

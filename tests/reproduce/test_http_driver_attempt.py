@@ -155,3 +155,56 @@ def test_deadline_on_the_whole_attempt_disconnects_and_closes_the_stream() -> No
 )
 def test_parse_retry_after(raw: str | None, expected: float | None) -> None:
     assert parse_retry_after(raw) == expected
+
+
+class _PacedStream(httpx.AsyncByteStream):
+    """Tokens ``gap_s`` apart (the last one finishing), then ``[DONE]``; ``stall_s`` before the
+    second token."""
+
+    def __init__(self, tokens: int, gap_s: float, stall_s: float = 0.0) -> None:
+        self.tokens, self.gap_s, self.stall_s = tokens, gap_s, stall_s
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for i in range(self.tokens):
+            if i:
+                await asyncio.sleep(self.stall_s if i == 1 and self.stall_s else self.gap_s)
+            yield _sse(_chunk(" a", "length" if i == self.tokens - 1 else None))
+        yield _sse("[DONE]")
+
+
+def _read_timeout_attempt(stream: httpx.AsyncByteStream, read_timeout_s: float) -> AttemptResult:
+    async def go() -> AttemptResult:
+        transport = httpx.MockTransport(lambda r: httpx.Response(200, headers=SSE, stream=stream))
+        async with httpx.AsyncClient(transport=transport) as client:
+            body = completion_body("m", [1], 8)
+            return await run_attempt(
+                client, URL, body, call_id="c", deadline_at=float("inf"), read_timeout_s=read_timeout_s
+            )
+
+    return asyncio.run(go())
+
+
+def test_a_read_timeout_bounds_each_gap_between_tokens_not_the_attempt() -> None:
+    # Eight tokens 0.1 s apart: 0.7 s in all, longer than the 0.3-s read timeout, and delivered.
+    result = _read_timeout_attempt(_PacedStream(8, 0.1), 0.3)
+    assert (result.outcome, result.tokens) == (AttemptOutcome.DELIVERED, 8)
+    assert result.first_byte_at is not None and result.ended_at - result.first_byte_at > 0.3
+    # A 1-s stall after the first token: given up one read timeout after it, not at the stall's end.
+    stalled = _read_timeout_attempt(_PacedStream(8, 0.1, stall_s=1.0), 0.3)
+    assert (stalled.outcome, stalled.tokens) == (AttemptOutcome.DISCONNECTED, 1)
+    assert stalled.first_byte_at is not None and 0.25 < stalled.ended_at - stalled.first_byte_at < 0.9
+
+
+def test_an_error_status_carries_its_retry_hints() -> None:
+    headers = {"retry-after-ms": "1500", "retry-after": "9", "x-should-retry": "false"}
+    refused = _attempt(lambda r: httpx.Response(503, headers=headers))
+    assert (refused.outcome, refused.retry_after_s, refused.should_retry) == (
+        AttemptOutcome.REFUSED,
+        1.5,
+        False,
+    )
+    other = _attempt(lambda r: httpx.Response(409, headers={"retry-after": "2", "x-should-retry": "true"}))
+    assert (other.outcome, other.status, other.retry_after_s, other.should_retry) == (
+        AttemptOutcome.FAILED, 409, 2.0, True
+    )  # fmt: skip
+    assert _attempt(lambda r: httpx.Response(429)).should_retry is None
