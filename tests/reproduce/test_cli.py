@@ -174,6 +174,9 @@ def test_usage_mistakes_of_run_exit_2_naming_the_option_and_create_nothing(tmp_p
         (["--backend-option", "workload=3"], "--backend-option"),
         (["--backend-option", 'engine={"bogus": 1}'], "--backend-option"),
         (["--backend-option", "client=3"], "--backend-option"),
+        (["--client", "gpt"], "--client"),
+        (["--client", "retries=-1"], "--client"),
+        (["--client", "openai-sdk,backoff=fast"], "--client"),
     ):
         result = runner.invoke(main, [*base, *one, *extra])
         _one_line_usage_error(result, option)

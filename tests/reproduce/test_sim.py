@@ -10,6 +10,7 @@ import pytest
 from exporter import metricnames as mn
 from exporter.vllmbuckets import SERIES_HISTOGRAMS
 from reproduce.client import AttemptOutcome, ClientConfig
+from reproduce.clients import parse_client
 from reproduce.conditions import Condition, block
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.outcomes import compute_outcomes
@@ -206,3 +207,16 @@ def test_tracing_reports_the_shares() -> None:
     assert 0 < shares["retry_never_scheduled_share"] < 1
     _, untraced = run(DIAG.condition("retries-on-cancel-on"))
     assert untraced.trace_shares is None
+
+
+def test_a_read_timeout_gives_up_only_an_attempt_still_waiting_for_its_first_token() -> None:
+    client = parse_client("openai-sdk,read-timeout=20").config  # 2 s at the test's time scale
+    _, result = run(DIAG.condition("retries-on-cancel-off"), client=client)
+    attempts = [a for c in result.calls for a in c.attempts]
+    gave_up = [a for a in attempts if a.outcome is AttemptOutcome.DISCONNECTED]
+    assert gave_up and all(a.first_byte_at is None for a in gave_up)
+    assert all(a.ended_at == pytest.approx(a.sent_at + 20 / TIME_SCALE) for a in gave_up)
+    # once its tokens flow, nothing bounds the attempt: some took longer than the read timeout
+    late = [a for a in attempts if a.outcome is AttemptOutcome.DELIVERED and a.ended_at - a.sent_at > 2.0]
+    assert late and all(a.first_byte_at is not None and a.first_byte_at - a.sent_at <= 2.0 for a in late)
+    assert max(len(c.attempts) for c in result.calls) == 3
