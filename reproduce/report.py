@@ -41,8 +41,12 @@ RATES = ("attempts", "executions_created", "executions_accepted", "executions_co
 
 
 def _condition_label(run: Mapping[str, Any]) -> str:
+    """The condition, its variant, and its clients unless the study's (``--client``)."""
     variant = run.get("variant") or ""
-    return f"{run.get('condition', '?')} ({variant})" if variant else str(run.get("condition", "?"))
+    label = f"{run.get('condition', '?')} ({variant})" if variant else str(run.get("condition", "?"))
+    settings = run.get("settings")
+    client = settings.get("client") if isinstance(settings, Mapping) else None
+    return f"{label} [{client} clients]" if client and client != "study" else label
 
 
 def group_runs(runs: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str, str], list[Mapping[str, Any]]]:

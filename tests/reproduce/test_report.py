@@ -88,6 +88,10 @@ def test_markdown_from_hand_built_entries() -> None:
     md = render_markdown([entry, {**entry, "recovered": False, "recovery_time_s": None}])
     assert "| c | m | 1/2 | 120 | 50.0 / 25.0 / 25.0 |" in md
     assert "| 1.50 | 0.90 | – | – | – | 25.0% |" in md
+    # runs of other clients than the study's are their own rows, named by their clients
+    sdk = {**entry, "settings": {"client": "openai-sdk"}}
+    md = render_markdown([entry, sdk, {**entry, "settings": {"client": "study"}}])
+    assert "| c | m | 2/2 |" in md and "| c [openai-sdk clients] | m | 1/1 |" in md
 
 
 def test_missing_summary_is_a_clear_error(tmp_path: Path) -> None:
