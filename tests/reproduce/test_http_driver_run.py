@@ -7,7 +7,9 @@ Runs are short: time scale 20 with token lengths scaled too (``sizes=scaled``) a
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from detector.rundir import read_summary
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
+from reproduce.clients import PROFILES, with_client
 from reproduce.conditions import expand
 from reproduce.registry import RunJob, get_backend
 from reproduce.summary import write_summary
@@ -25,8 +28,9 @@ pytestmark = pytest.mark.slow
 K = 20.0
 
 
-def _run(tmp_path: Path, block: str, condition: str, **options: Any) -> dict[str, Any]:
+def _run(tmp_path: Path, block: str, condition: str, client: str = "study", **options: Any) -> dict[str, Any]:
     (spec,) = expand(block, models="qwen2.5-7b-h100", runs=1, conditions=[condition])
+    spec = with_client(spec, PROFILES[client])
     backend = get_backend("emulated", sizes="scaled", **options)
     backend.prepare([spec], K)
     try:
@@ -84,13 +88,26 @@ def test_low_load_run_delivers_every_call_and_writes_the_series(tmp_path: Path) 
 
 def test_refused_attempts_are_retried_with_the_same_call_id(tmp_path: Path) -> None:
     # Engine cap Q = 1 on the emulator: overlapping calls are refused (503) and retried; the proxy
-    # can only count a retry as one if it carries its call's id.
-    entry = _run(tmp_path, "engine-cap", "engine-cap-100", capacity=10.0, hold_s=120.0, queue_cap=1)
+    # can only count a retry as one if it carries its call's id. The clients are the OpenAI SDK's:
+    # at most two retries, after its exponential backoff.
+    entry = _run(
+        tmp_path, "engine-cap", "engine-cap-100", "openai-sdk", capacity=10.0, hold_s=120.0, queue_cap=1
+    )
     assert entry["engine"]["max_num_queued_reqs"] == 1
     calls = _calls(tmp_path, entry)
     client_retries = sum(len(c["attempts"]) - 1 for c in calls)
     refused = sum(a["outcome"] == "refused" for c in calls for a in c["attempts"])
     assert refused > 0 and client_retries > 0
+    assert entry["settings"]["client"] == "openai-sdk" and max(len(c["attempts"]) for c in calls) <= 3
+    waits: dict[int, list[float]] = {0: [], 1: []}
+    for c in calls:
+        for n, (a, b) in enumerate(itertools.pairwise(c["attempts"])):
+            assert a["outcome"] == "refused"
+            waits[n].append(b["sent_at"] - a["ended_at"])
+    for n, found in waits.items():
+        # the SDK's wait, scaled: never shorter; longer only by the event loop's lag (2 CPUs shared)
+        full = min(0.5 * 2**n, 8.0) / K
+        assert found and min(found) >= 0.75 * full - 1e-6 and statistics.median(found) <= full + 0.05, found
     last = list(read_series(tmp_path / entry["series"]))[-1]
     assert last.value(mn.ATTEMPTS, kind="retry") == client_retries
     assert last.value(mn.ATTEMPTS, kind="first") == len(calls)
