@@ -58,10 +58,9 @@ def _range(seconds: float) -> str:
     return f"{whole // 60}m" if whole % 60 == 0 else f"{whole}s"
 
 
-def selector(extra: str = "") -> str:
-    """The label matchers of every vLLM query: the chosen job and instance (and ``extra``)."""
-    matchers = [f'job=~"${JOB_VAR}"', f'instance=~"${INSTANCE_VAR}"', *([extra] if extra else [])]
-    return "{" + ", ".join(matchers) + "}"
+def selector() -> str:
+    """The label matchers of every vLLM query: the chosen job and instance."""
+    return f'{{job="${JOB_VAR}", instance=~"${INSTANCE_VAR}"}}'
 
 
 def rate(metric: str, window_s: float, by: str = "instance") -> str:
