@@ -5,7 +5,7 @@
 definitions produce (tests/rules/test_generate.py
 asserts the same, so the rules and the Python detector can never drift apart).
 
-Sources: recording rules (name, PromQL) from ``detector.signals.recording_rules()`` with their
+Sources: recording rules (name, PromQL) from ``detector.signals.recording_rules(tier)`` with their
 help text as comments; alerts from ``detector.thresholds.ALERTS`` with their PromQL from
 ``detector.thresholds.alert_expr``, then ``detector.thresholds.PROMETHEUS_ALERTS`` (alerts on
 Prometheus' own scrapes, which only Prometheus evaluates). Everything sits in one rule group,
