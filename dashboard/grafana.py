@@ -39,7 +39,7 @@ import plotly.graph_objects as go
 
 from dashboard import figures, vllmpanels
 from dashboard.tiles import TILE_SPECS
-from detector.signals import PROMETHEUS_JOB, SIGNALS_BY_NAME
+from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOB, PROMETHEUS_JOBS, SIGNALS_BY_NAME
 from detector.thresholds import ALERTS, SEVERITIES
 from exporter import metricnames as mn
 
@@ -52,10 +52,8 @@ _SEVERITY_COLOURS = {"critical": "red", "warning": "orange", "info": "blue"}
 #: What a panel that reads the proxy's series shows where it has none.
 NEEDS_PROXY = "needs the retrywatch proxy"
 #: The scrape job of vLLM's own targets the dashboard opens on (any job holding vLLM's series can
-#: be chosen in Grafana).
-DEFAULT_VLLM_JOB = "vllm"
-#: The clients' deadline the dashboard opens on, in seconds (the study's clients' deadline).
-DEFAULT_DEADLINE_S = 120.0
+#: be chosen in Grafana): the vLLM tier's.
+DEFAULT_VLLM_JOB = PROMETHEUS_JOBS["vllm"]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Laid out as the monitoring mixins lay theirs out (kubernetes-mixin, node-mixin), every file
 rendered from the same source as the files committed in the repository:
 
-- ``prometheus_rules.yaml``: the recording rules and the alerts (``rules.generate``). Unlike the
+- ``prometheus_rules.yaml``: the recording rules and the alerts (``rules.generate``), for the
+  vLLM scrape job, deadline and Ĉ stated (``rules.stated``). Unlike the
   mixins' split into ``prometheus_rules.yaml`` and ``prometheus_alerts.yaml``, each alert stays
   in the group of the recording rules it reads: Prometheus evaluates a group's rules in order at
   one timestamp, so an alert reads the signals of its own evaluation, as the detector does and as
@@ -14,8 +15,8 @@ rendered from the same source as the files committed in the repository:
   opening on the stated vLLM scrape job, deadline and Ĉ;
 - ``runbook.md``: the runbook every alert's ``runbook_url`` points into (``detector.runbook``).
 
-The options are those the generated files take: each alert's runbook link, and the dashboard's
-vLLM job, deadline and Ĉ.
+The options are those the generated files take: each alert's runbook link, and the vLLM job,
+deadline and Ĉ of both the rules and the dashboard.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import click
 
 from dashboard import grafana
 from detector.runbook import DEFAULT_PATTERN, runbook_markdown, runbook_option
-from rules import generate, prometheusrule
+from detector.signals import DEFAULT_DEADLINE_S
+from rules import prometheusrule, stated
 
 RULES_FILE = "prometheus_rules.yaml"
 PROMETHEUS_RULE_FILE = "prometheusrule.yaml"
@@ -45,11 +47,14 @@ class BundleError(ValueError):
 
 def bundle(options: grafana.Options | None = None, runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, str]:
     """{file name under the bundle's directory: text} of every file of the bundle."""
-    rules_text = generate.render(runbook_pattern)
+    options = options or grafana.Options()
+    rules_text = stated.render(
+        runbook_pattern, vllm_job=options.vllm_job, deadline_s=options.deadline_s, capacity=options.capacity
+    )
     return {
         RULES_FILE: _HEADER + rules_text,
         PROMETHEUS_RULE_FILE: prometheusrule.render_text(rules_text, header=_HEADER),
-        DASHBOARD_FILE: grafana.render(options or grafana.Options()),
+        DASHBOARD_FILE: grafana.render(options),
         RUNBOOK_FILE: runbook_markdown(),
     }
 
@@ -64,18 +69,16 @@ def foreign_entries(out_dir: Path) -> list[Path]:
     return sorted(p for p in out_dir.rglob("*") if p not in ours)
 
 
-def write_bundle(
-    out_dir: Path, options: grafana.Options | None = None, runbook_pattern: str = DEFAULT_PATTERN
-) -> list[Path]:
-    """Write the bundle into ``out_dir`` (created if missing; a previous bundle there is
-    replaced); the paths written. A directory holding anything else is refused, untouched."""
+def write_bundle(out_dir: Path, files: dict[str, str]) -> list[Path]:
+    """Write the bundle's ``files`` (:func:`bundle`) into ``out_dir`` (created if missing; a
+    previous bundle there is replaced); the paths written. A directory holding anything else is
+    refused, untouched."""
     foreign = foreign_entries(out_dir)
     if foreign:
         names = ", ".join(str(p) for p in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise BundleError(
             f"{out_dir} holds files that are not the bundle's ({names}): choose an empty directory"
         )
-    files = bundle(options, runbook_pattern)
     written = []
     for name, text in files.items():
         path = out_dir / name
@@ -105,7 +108,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     "--deadline",
     "deadline_s",
     type=float,
-    default=grafana.DEFAULT_DEADLINE_S,
+    default=DEFAULT_DEADLINE_S,
     show_default=True,
     callback=_positive,
     help="The clients' deadline on a request, in seconds.",
@@ -125,10 +128,11 @@ def mixin(
     runbook into one directory, for a Prometheus and a Grafana you already run."""
     try:
         options = grafana.Options(vllm_job=vllm_job, deadline_s=deadline_s, capacity=capacity)
-    except ValueError as exc:
+        files = bundle(options, runbook_pattern)
+    except (ValueError, stated.StatedError) as exc:
         raise click.BadParameter(str(exc)) from None
     try:
-        written = write_bundle(out_dir, options, runbook_pattern)
+        written = write_bundle(out_dir, files)
     except BundleError as exc:
         raise click.ClickException(str(exc)) from None
     for path in written:

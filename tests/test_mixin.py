@@ -16,7 +16,7 @@ from detector.runbook import runbook_markdown
 from detector.thresholds import ALERTS
 from retrywatch import mixin
 from retrywatch.cli import main
-from rules import generate
+from rules import generate, stated
 from tests.systemtools import require
 
 PATTERN = "https://wiki.example/retrywatch#{alert}"
@@ -53,9 +53,10 @@ def test_the_bundle_lays_out_the_mixins_files(bundle_dir: Path) -> None:
     assert "dashboards_out/retrywatch.json" in files
 
 
-def test_the_rules_are_the_generated_ones_with_the_runbook_links_asked_for(bundle_dir: Path) -> None:
+def test_the_rules_are_the_generated_ones_for_the_options_and_runbook_links(bundle_dir: Path) -> None:
     rules = yaml.safe_load((bundle_dir / mixin.RULES_FILE).read_text(encoding="utf-8"))
-    assert rules == generate.rule_documents(PATTERN)
+    assert rules == yaml.safe_load(stated.render(PATTERN, vllm_job="engines", deadline_s=30.0, capacity=2.5))
+    assert [g["name"] for g in rules["groups"]] == [g["name"] for g in generate.rule_documents()["groups"]]
     links = {
         r["alert"]: r["annotations"]["runbook_url"]
         for g in rules["groups"]
@@ -125,6 +126,7 @@ def test_a_directory_holding_other_files_is_refused_untouched(tmp_path: Path) ->
     [
         (["--deadline", "0"], "--deadline"),
         (["--deadline", "nan"], "--deadline"),
+        (["--deadline", "0.1"], "below vLLM's first e2e latency bucket"),
         (["--capacity", "-2"], "--capacity"),
         (["--vllm-job", 'vllm"}'], "scrape job"),
         (["--runbook-url", "not a url"], "--runbook-url"),

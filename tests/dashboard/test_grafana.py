@@ -27,7 +27,7 @@ from rules.backfill import (
     run_start,
     write_blocks,
 )
-from rules.generate import RULES_PATH
+from rules.generate import GROUP_NAMES, RULES_PATH
 from tests.reproduce.test_sim import DIAG
 from tests.reproduce.test_sim import run as simulated_run
 from tests.rules.test_equivalence import fluid_run
@@ -100,7 +100,7 @@ def test_every_panel_query_returns_data_from_a_simulated_run_in_prometheus(tmp_p
     promtool, prometheus = require("promtool"), require("prometheus")
     doc: dict[str, Any] = json.loads(grafana.render())
     rules = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
-    (group,) = rules["groups"]
+    (group,) = [g for g in rules["groups"] if g["name"] == GROUP_NAMES["proxy"]]  # the proxy panels read it
     records = [r for r in group["rules"] if "record" in r]
     runs = {
         "replica-a": fluid_run(1, pulse=2.7, cancellation=False, duration_s=600.0),
