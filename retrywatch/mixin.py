@@ -45,11 +45,18 @@ class BundleError(ValueError):
     """The bundle cannot be written where asked; the message says why and what to do."""
 
 
-def bundle(options: grafana.Options | None = None, runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, str]:
-    """{file name under the bundle's directory: text} of every file of the bundle."""
+def bundle(
+    options: grafana.Options | None = None, runbook_pattern: str = DEFAULT_PATTERN, *, proxy_tier: bool = True
+) -> dict[str, str]:
+    """{file name under the bundle's directory: text} of every file of the bundle; its rules
+    without the proxy tier's group unless ``proxy_tier``."""
     options = options or grafana.Options()
     rules_text = stated.render(
-        runbook_pattern, vllm_job=options.vllm_job, deadline_s=options.deadline_s, capacity=options.capacity
+        runbook_pattern,
+        vllm_job=options.vllm_job,
+        deadline_s=options.deadline_s,
+        capacity=options.capacity,
+        proxy_tier=proxy_tier,
     )
     return {
         RULES_FILE: _HEADER + rules_text,
@@ -120,15 +127,23 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     callback=_positive,
     help="Ĉ, the engine's capacity in calls per second (the dashboard draws it where given).",
 )
+@click.option(
+    "--tier",
+    type=click.Choice(["all", "vllm"]),
+    default="all",
+    show_default=True,
+    help="The rules of every tier, or of the vLLM tier alone (before the proxy: no alert that says "
+    "there is no proxy).",
+)
 @runbook_option(default=DEFAULT_PATTERN, help_default="the detector's /runbook at its default address")
 def mixin(
-    out_dir: Path, vllm_job: str, deadline_s: float, capacity: float | None, runbook_pattern: str
+    out_dir: Path, vllm_job: str, deadline_s: float, capacity: float | None, tier: str, runbook_pattern: str
 ) -> None:
     """Write the Prometheus rules and alerts, the PrometheusRule, the Grafana dashboard and the
     runbook into one directory, for a Prometheus and a Grafana you already run."""
     try:
         options = grafana.Options(vllm_job=vllm_job, deadline_s=deadline_s, capacity=capacity)
-        files = bundle(options, runbook_pattern)
+        files = bundle(options, runbook_pattern, proxy_tier=tier == "all")
     except (ValueError, stated.StatedError) as exc:
         raise click.BadParameter(str(exc)) from None
     try:

@@ -14,7 +14,8 @@ vLLM-tier section). :func:`render` gives the same file for what the operator sta
   same evaluation);
 - a stated Ĉ is recorded as ``retrywatch_capacity_calls_per_second`` there too.
 
-The proxy tier's group is unchanged: the proxy exports both numbers itself.
+The proxy tier's group is unchanged (the proxy exports both numbers itself), or left out before
+there is a proxy (``proxy_tier=False``: its ``VLLMRetrywatchTargetsAbsent`` would say so forever).
 """
 
 from __future__ import annotations
@@ -76,14 +77,19 @@ def render(
     vllm_job: str = PROMETHEUS_JOBS["vllm"],
     deadline_s: float = DEFAULT_DEADLINE_S,
     capacity: float | None = None,
+    proxy_tier: bool = True,
 ) -> str:
     """The rules file's text for vLLM scraped as ``vllm_job``, the clients' ``deadline_s`` and Ĉ
-    (``capacity``, calls/s; None: estimated online)."""
+    (``capacity``, calls/s; None: estimated online); without the proxy tier's group unless
+    ``proxy_tier``."""
     job = check_job(vllm_job)
     le = in_time_bucket(deadline_s)
     if capacity is not None and not (math.isfinite(capacity) and capacity > 0):
         raise StatedError(f"Ĉ must be a number of calls per second > 0, got {capacity!r}")
     text = generate.render(runbook_pattern)
+    if not proxy_tier:  # the groups are rendered in tier order, the proxy's last
+        proxy_head = f"  - name: {generate.GROUP_NAMES['proxy']}\n"
+        text = text[: text.index(proxy_head)].rstrip("\n") + "\n"
     text = _replace(text, _up(PROMETHEUS_JOBS["vllm"]), _up(job))
     text = _replace(text, f'le="{VLLM_DEADLINE_LE}"', f'le="{le}"')
     text = _replace(text, f"le={VLLM_DEADLINE_LE}", f"le={le}")  # the help comments

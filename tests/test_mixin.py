@@ -139,3 +139,20 @@ def test_bad_options_are_refused_before_anything_is_written(
     code, output = _run("--out", str(out), *args)
     assert code == 2 and says in output, output
     assert not out.exists()
+
+
+@pytest.mark.promtool
+def test_the_vllm_tier_alone(tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    assert _run("--out", str(out), "--tier", "vllm")[0] == 0
+    rules = yaml.safe_load((out / mixin.RULES_FILE).read_text(encoding="utf-8"))
+    assert [g["name"] for g in rules["groups"]] == [generate.GROUP_NAMES["vllm"]]
+    rule = yaml.safe_load((out / mixin.PROMETHEUS_RULE_FILE).read_text(encoding="utf-8"))
+    assert rule["spec"]["groups"] == rules["groups"]
+    checked = subprocess.run(
+        [require("promtool"), "check", "rules", str(out / mixin.RULES_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

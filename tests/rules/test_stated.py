@@ -112,3 +112,12 @@ def test_the_defaults_change_nothing_but_the_recorded_deadline() -> None:
 def test_what_the_rules_cannot_use_is_refused(stated_kwargs: dict[str, Any]) -> None:
     with pytest.raises(stated.StatedError):
         stated.render(**stated_kwargs)
+
+
+def test_before_the_proxy_the_proxy_tiers_group_can_be_left_out() -> None:
+    alone = yaml.safe_load(stated.render(proxy_tier=False))
+    full = yaml.safe_load(stated.render())
+    assert [g["name"] for g in alone["groups"]] == [generate.GROUP_NAMES["vllm"]]
+    assert alone["groups"] == full["groups"][:1]
+    names = {r.get("alert") for g in alone["groups"] for r in g["rules"]}
+    assert "VLLMRetrywatchTargetsAbsent" not in names and "VLLMRetryLoopSuspected" in names
