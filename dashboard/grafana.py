@@ -19,7 +19,8 @@ What it holds, each fact from its one place:
   Dash figure itself; each trace's query reads the recording rules of the signals it draws
   (``detector.signals``), so the panels show what Prometheus' rules record; each says "needs the
   retrywatch proxy" where it has no data (Grafana's ``noValue``);
-- annotations from Prometheus' ``ALERTS`` series, one per severity (``detector.thresholds``).
+- annotations from Prometheus' ``ALERTS`` series, one per tier and severity (``detector.thresholds``),
+  each over its tier's instances.
 
 Plain dictionaries in Grafana's dashboard JSON model (schemaVersion 39); no Grafana library.
 """
@@ -40,7 +41,7 @@ import plotly.graph_objects as go
 from dashboard import figures, vllmpanels
 from dashboard.tiles import TILE_SPECS
 from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOB, PROMETHEUS_JOBS, SIGNALS_BY_NAME
-from detector.thresholds import ALERTS, SEVERITIES
+from detector.thresholds import ALERTS, SEVERITIES, TIERS, Tier
 from exporter import metricnames as mn
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -295,9 +296,13 @@ def _text_panel(panel_id: int, grid: dict[str, int]) -> dict[str, Any]:
     }
 
 
+#: The instance variable each tier's alerts are shown for: the vLLM targets, or the proxies.
+_TIER_INSTANCE: dict[Tier, str] = {"vllm": f"${vllmpanels.INSTANCE_VAR}", "proxy": INSTANCE}
+
+
 def alert_annotations() -> list[dict[str, Any]]:
-    """Firing alerts from Prometheus' ALERTS series, one annotation query per severity."""
-    names = "|".join(rule.name for rule in ALERTS)
+    """Firing alerts from Prometheus' ALERTS series, one annotation query per tier and severity,
+    each for its tier's chosen instances."""
     out: list[dict[str, Any]] = [
         {
             "builtIn": 1,
@@ -309,24 +314,26 @@ def alert_annotations() -> list[dict[str, Any]]:
             "type": "dashboard",
         }
     ]
-    for severity in SEVERITIES:
-        if not any(rule.severity == severity for rule in ALERTS):
-            continue
-        out.append(
-            {
-                "name": f"{severity} alerts",
-                "datasource": _datasource(),
-                "enable": True,
-                "iconColor": _SEVERITY_COLOURS[severity],
-                "expr": f'ALERTS{{alertstate="firing", severity="{severity}", alertname=~"{names}", '
-                f'instance=~"{INSTANCE}"}}',
-                "step": "5s",
-                "titleFormat": "{{alertname}}",
-                "textFormat": "{{instance}}",
-                "tagKeys": "instance,severity",
-                "useValueForTime": False,
-            }
-        )
+    for tier in TIERS:
+        for severity in SEVERITIES:
+            names = "|".join(rule.name for rule in ALERTS if rule.severity == severity and rule.tier == tier)
+            if not names:
+                continue
+            out.append(
+                {
+                    "name": f"{severity} alerts ({tier} tier)",
+                    "datasource": _datasource(),
+                    "enable": True,
+                    "iconColor": _SEVERITY_COLOURS[severity],
+                    "expr": f'ALERTS{{alertstate="firing", severity="{severity}", alertname=~"{names}", '
+                    f'instance=~"{_TIER_INSTANCE[tier]}"}}',
+                    "step": "5s",
+                    "titleFormat": "{{alertname}}",
+                    "textFormat": "{{instance}}",
+                    "tagKeys": "instance,severity",
+                    "useValueForTime": False,
+                }
+            )
     return out
 
 

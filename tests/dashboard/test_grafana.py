@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,20 @@ def test_variables_rows_panels_and_annotations() -> None:
             continue  # fetched by the live page, drawn as first attempts + retries
         assert any(SIGNALS_BY_NAME[signal].record in q for q in queries), signal
     assert all('instance=~"$instance"' in q for q in queries)
-    # Annotations: firing alerts per severity, every alert of the catalogue.
-    notes = [a for a in doc["annotations"]["list"] if "expr" in a]
-    assert {a["name"] for a in notes} == {f"{rule.severity} alerts" for rule in ALERTS}
-    assert all(rule.name in notes[0]["expr"] for rule in ALERTS)
+    # Annotations: firing alerts per tier and severity, every alert of the catalogue once, shown
+    # for its tier's instances (vLLM's targets, or the proxies).
+    notes = {a["name"]: a["expr"] for a in doc["annotations"]["list"] if "expr" in a}
+    tier_var = {"vllm": 'instance=~"$vllm_instance"', "proxy": 'instance=~"$instance"'}
+    for rule in ALERTS:
+        (expr,) = [e for e in notes.values() if rule.name in _alertnames(e)]
+        assert f'severity="{rule.severity}"' in expr and tier_var[rule.tier] in expr, rule.name
+
+
+def _alertnames(expr: str) -> list[str]:
+    """The alert names an annotation query's ``alertname=~"A|B"`` matcher lists."""
+    found = re.search(r'alertname=~"([^"]+)"', expr)
+    assert found is not None, expr
+    return found[1].split("|")
 
 
 def _scraped(instance: str, snaps: list[Snapshot]) -> list[Snapshot]:
