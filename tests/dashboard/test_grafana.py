@@ -237,3 +237,7 @@ def test_on_vllms_series_alone_the_vllm_panels_have_data_and_the_proxy_panels_sa
         assert {p["fieldConfig"]["defaults"]["noValue"] for p in grafana.row_panels(doc, "instance")} == {
             grafana.NEEDS_PROXY
         }
+        # The annotation queries, as Grafana sends them, parse.
+        for note in doc["annotations"]["list"]:
+            if "expr" in note:
+                prom.query(_interpolate(note["expr"], values), start + duration)
