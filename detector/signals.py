@@ -576,13 +576,14 @@ def _vllm_ratio_specs() -> list[SignalSpec]:
 
 def _vllm_error_promql(window: str) -> str:
     """The vLLM tier's delivery error ratio over ``window``: 1 − (share of finishes within the
-    deadline) × (share of admitted prompt tokens that finished, at most 1), as
+    deadline) × (prompt tokens finished over those admitted one deadline earlier, at most 1), as
     :func:`vllm_delivery_error` computes it; absent when nothing was admitted nor finished."""
     in_time = _sum_rate(_E2E_BUCKET, window, _IN_TIME)
     count = _sum_rate(_E2E_COUNT, window)
-    admitted = _sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, window)
+    lag = _range(DEFAULT_DEADLINE_S)
+    admitted = f"sum by (instance) (rate({mn.VLLM_PREFIX_CACHE_QUERIES}[{window}] offset {lag}))"
     finished_tokens = _sum_rate(_PROMPT_SUM, window)
-    answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0)"
+    answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0 unless on (instance) {count} > 0)"
     kept = f"(clamp_max({finished_tokens} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
     return _vj(f"1 - {answered} * {kept}")
 
@@ -593,11 +594,18 @@ def vllm_delivery_error(
     """The vLLM tier's delivery error ratio from the rates over one window (see
     :func:`_vllm_error_promql`): a request not answered in time is one that finished later than
     the deadline, or one admitted that never finished (its client left: vLLM drops it unrecorded,
-    so only its prompt tokens, counted at admission, show it)."""
-    if in_time is not None and count is not None and count > 0:
+    so only its prompt tokens, counted at admission, show it).
+
+    NOTE: ``admitted`` is the rate over the window one deadline earlier: a request admitted then
+    has finished by now unless it was dropped (its service after admission is shorter than the
+    deadline, or it is late anyway), while over the same window a surge of admissions would read
+    as requests not finished yet."""
+    if count is not None and count > 0:
+        if in_time is None:
+            return None  # no bucket at the deadline: finishes in time cannot be told
         answered = in_time / count
     elif admitted is not None and admitted > 0:
-        answered = 0.0
+        answered = 0.0  # nothing finished of what was admitted a deadline ago
     else:
         return None
     if finished_tokens is not None and admitted is not None and admitted > 0:
@@ -895,11 +903,18 @@ class SignalEngine:
         self.config = config or SignalConfig()
         self.windows = w = self.config.scaled_windows
         self.retention_s = (
-            retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s) + 30.0
+            retention_s
+            or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s + self._longest_lag()) + 30.0
         )
         self.max_instances = max_instances
         self._engines: dict[str, _EngineHistory] = {}
         self._last_report = -math.inf  # the last time the source named any instance
+
+    def _longest_lag(self) -> float:
+        """How far back the vLLM tier's admitted tokens are read: one deadline (the stated one,
+        or the default; a longer one exported by a gauge finds no history and reads unknown)."""
+        c = self.config
+        return max(c.deadline or 0.0, DEFAULT_DEADLINE_S / c.time_scale)
 
     @property
     def instances(self) -> list[str]:
@@ -1141,11 +1156,12 @@ class SignalEngine:
         for ratio in VLLM_RATIOS:
             v[ratio.name] = ratio.value(v)
         v["vllm_queue_growth_rate"] = self._deriv(hist, ("waiting",), now, w.rate_s)
+        lag = deadline if bucket is None else bucket  # the deadline's bucket, as in PromQL
         for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
             errors = vllm_delivery_error(
                 in_time(width),
                 rate("vllm_e2e_count", width),
-                rate("prefix_queries", width),
+                self._rate(hist, "prefix_queries", now - lag, width),
                 rate("vllm_finished_prompt_tokens", width),
             )
             v[f"vllm_delivery_error_ratio_{span}"] = errors
