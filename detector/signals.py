@@ -576,40 +576,41 @@ def _vllm_ratio_specs() -> list[SignalSpec]:
 
 def _vllm_error_promql(window: str) -> str:
     """The vLLM tier's delivery error ratio over ``window``: 1 − (share of finishes within the
-    deadline) × (prompt tokens finished over those admitted one deadline earlier, at most 1), as
+    deadline) × (prompt tokens that reached their first token over those admitted, at most 1), as
     :func:`vllm_delivery_error` computes it; absent when nothing was admitted nor finished."""
     in_time = _sum_rate(_E2E_BUCKET, window, _IN_TIME)
     count = _sum_rate(_E2E_COUNT, window)
-    lag = _range(DEFAULT_DEADLINE_S)
-    admitted = f"sum by (instance) (rate({mn.VLLM_PREFIX_CACHE_QUERIES}[{window}] offset {lag}))"
-    finished_tokens = _sum_rate(_PROMPT_SUM, window)
+    admitted = _sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, window)
+    started = _sum_rate(mn.VLLM_PROMPT_TOKENS, window)
     answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0 unless on (instance) {count} > 0)"
-    kept = f"(clamp_max({finished_tokens} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
+    kept = f"(clamp_max({started} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
     return _vj(f"1 - {answered} * {kept}")
 
 
 def vllm_delivery_error(
-    in_time: float | None, count: float | None, admitted: float | None, finished_tokens: float | None
+    in_time: float | None, count: float | None, admitted: float | None, started: float | None
 ) -> float | None:
     """The vLLM tier's delivery error ratio from the rates over one window (see
     :func:`_vllm_error_promql`): a request not answered in time is one that finished later than
-    the deadline, or one admitted that never finished (its client left: vLLM drops it unrecorded,
-    so only its prompt tokens, counted at admission, show it).
+    the deadline, or one admitted that never reached its first token (its client left: vLLM
+    drops it unrecorded, so only its prompt tokens, counted at admission, show it; a prompt is
+    counted again at its first token, a prefill later).
 
-    NOTE: ``admitted`` is the rate over the window one deadline earlier: a request admitted then
-    has finished by now unless it was dropped (its service after admission is shorter than the
-    deadline, or it is late anyway), while over the same window a surge of admissions would read
-    as requests not finished yet."""
+    NOTE: prompt tokens at the first token, not those of finished requests: a request's decode
+    lasts tens of seconds, so over a minute the finished ones lag the admitted ones by a share
+    that swings with every change of load (on the training runs that alone read as a burn above
+    3 at start and after pulses), while a prefill lasts a second or two. Requests aborted during
+    their decode are left out, and so are those abandoned before admission: vLLM counts neither."""
     if count is not None and count > 0:
         if in_time is None:
             return None  # no bucket at the deadline: finishes in time cannot be told
         answered = in_time / count
     elif admitted is not None and admitted > 0:
-        answered = 0.0  # nothing finished of what was admitted a deadline ago
+        answered = 0.0  # nothing finished while requests were admitted
     else:
         return None
-    if finished_tokens is not None and admitted is not None and admitted > 0:
-        kept = min(1.0, finished_tokens / admitted)
+    if started is not None and admitted is not None and admitted > 0:
+        kept = min(1.0, started / admitted)
     elif count is not None and count > 0:
         kept = 1.0
     else:
@@ -626,7 +627,7 @@ def _vllm_slo_specs() -> list[SignalSpec]:
                 f"vllm_delivery_error_ratio_{span}",
                 "ratio",
                 f"Share of vLLM's requests over {window} not answered within the deadline: finished "
-                "late, or admitted and never finished.",
+                "late, or admitted and dropped before their first token.",
                 ratio_record,
                 _vllm_error_promql(window),
                 "vllm",
@@ -903,18 +904,11 @@ class SignalEngine:
         self.config = config or SignalConfig()
         self.windows = w = self.config.scaled_windows
         self.retention_s = (
-            retention_s
-            or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s + self._longest_lag()) + 30.0
+            retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s) + 30.0
         )
         self.max_instances = max_instances
         self._engines: dict[str, _EngineHistory] = {}
         self._last_report = -math.inf  # the last time the source named any instance
-
-    def _longest_lag(self) -> float:
-        """How far back the vLLM tier's admitted tokens are read: one deadline (the stated one,
-        or the default; a longer one exported by a gauge finds no history and reads unknown)."""
-        c = self.config
-        return max(c.deadline or 0.0, DEFAULT_DEADLINE_S / c.time_scale)
 
     @property
     def instances(self) -> list[str]:
@@ -1156,13 +1150,12 @@ class SignalEngine:
         for ratio in VLLM_RATIOS:
             v[ratio.name] = ratio.value(v)
         v["vllm_queue_growth_rate"] = self._deriv(hist, ("waiting",), now, w.rate_s)
-        lag = deadline if bucket is None else bucket  # the deadline's bucket, as in PromQL
         for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
             errors = vllm_delivery_error(
                 in_time(width),
                 rate("vllm_e2e_count", width),
-                self._rate(hist, "prefix_queries", now - lag, width),
-                rate("vllm_finished_prompt_tokens", width),
+                rate("prefix_queries", width),
+                rate("prompt_tokens", width),
             )
             v[f"vllm_delivery_error_ratio_{span}"] = errors
             v[f"vllm_delivery_burn_rate_{span}"] = (
