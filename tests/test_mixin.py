@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -17,6 +18,7 @@ from detector.thresholds import ALERTS
 from retrywatch import mixin
 from retrywatch.cli import main
 from rules import generate, stated
+from rules.backfill import Prometheus
 from tests.systemtools import require
 
 PATTERN = "https://wiki.example/retrywatch#{alert}"
@@ -156,3 +158,15 @@ def test_the_vllm_tier_alone(tmp_path: Path) -> None:
         timeout=60,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.promtool
+def test_a_real_prometheus_loads_the_bundles_rules(bundle_dir: Path, tmp_path: Path) -> None:
+    """As an operator loads it: the rules file in ``rule_files``; Prometheus lists every group."""
+    with Prometheus(
+        tmp_path / "data", rule_files=[bundle_dir / mixin.RULES_FILE], binary=require("prometheus")
+    ) as prom:
+        answer = httpx.get(f"{prom.url}/api/v1/rules", timeout=10).json()
+    loaded = {g["name"]: len(g["rules"]) for g in answer["data"]["groups"]}
+    rules = yaml.safe_load((bundle_dir / mixin.RULES_FILE).read_text(encoding="utf-8"))
+    assert loaded == {g["name"]: len(g["rules"]) for g in rules["groups"]}
