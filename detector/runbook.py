@@ -36,6 +36,7 @@ __all__ = [
     "RunbookPatternError",
     "check_pattern",
     "runbook_html",
+    "runbook_markdown",
     "runbook_option",
     "runbook_url",
     "served_pattern",
@@ -116,7 +117,8 @@ def runbook_option(default: str | None, help_default: str) -> Callable[[FC], FC]
     )
 
 
-def _source() -> str:
+def runbook_markdown() -> str:
+    """The runbook's text, ``detector/runbook.md`` as shipped with the package."""
     return resources.files("detector").joinpath("runbook.md").read_text(encoding="utf-8")
 
 
@@ -128,7 +130,7 @@ def runbook_html(alertnames: frozenset[str]) -> str:
     from markdown_it import MarkdownIt
 
     md = MarkdownIt("commonmark", {"html": False}).enable("table")
-    tokens = md.parse(_source())
+    tokens = md.parse(runbook_markdown())
     title = "retrywatch runbook"
     for i, token in enumerate(tokens):
         if token.type == "heading_open" and i + 1 < len(tokens):

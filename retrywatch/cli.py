@@ -17,6 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "reproduce": ("reproduce.cli:reproduce", "Calibrate, run, report and validate pulse experiments."),
     "detect": ("detector.cli:detect", "Run the detector: signals, alerts, episodes, notifications."),
     "dashboard": ("dashboard.cli:dashboard", "Run the operators' Dash dashboard."),
+    "mixin": (
+        "retrywatch.mixin:mixin",
+        "Write the rules, alerts, Grafana dashboard and runbook for your Prometheus and Grafana.",
+    ),
     # retrywatch/demo.py's command, with --fleet N (retrywatch/fleetdemo.py)
     "demo": ("retrywatch.fleetdemo:demo", "One command: engine, proxy, detector, dashboard and a pulse."),
 }

@@ -64,16 +64,15 @@ def document(rules_text: str) -> dict[str, Any]:
     }
 
 
+def render_text(rules_text: str, header: str = HEADER) -> str:
+    """The PrometheusRule of a rules file's text, as YAML under ``header`` (comment lines)."""
+    body = yaml.dump(document(rules_text), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=110)
+    return header + body
+
+
 def render(rules_path: Path | None = None) -> str:
     """The text of ``deploy/kubernetes/base/prometheusrule.yaml``."""
-    body = yaml.dump(
-        document((rules_path or RULES_PATH).read_text(encoding="utf-8")),
-        Dumper=_Dumper,
-        sort_keys=False,
-        allow_unicode=True,
-        width=110,
-    )
-    return HEADER + body
+    return render_text((rules_path or RULES_PATH).read_text(encoding="utf-8"))
 
 
 def is_stale(output_path: Path | None = None, rules_path: Path | None = None) -> bool:
