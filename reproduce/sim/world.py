@@ -132,7 +132,8 @@ class _World:
         self.engine.bind(self.env, self._on_engine_event)
         self.by_subscriber: dict[int, _Call] = {}
         self.by_execution: dict[int, _Call] = {}
-        self.calls: list[_Call] = []
+        # the calls' records only: a call's state (its prompt's segments) is dropped once it is over
+        self.records: list[CallRecord] = []
         # tracing: (execution id, the call's previous execution id, deadline) of each retry's execution
         self.retries: list[tuple[int, int | None, float]] = []
         self.outstanding = 0
@@ -161,7 +162,7 @@ class _World:
             phase=plan.phase,
         )
         call = _Call(plan, record, self.plan.prompt_segments(plan))
-        self.calls.append(call)
+        self.records.append(record)
         self.arrived += 1
         self.outstanding += 1
         self._send(call)
@@ -320,7 +321,7 @@ def simulate(spec: SimSpec) -> SimResult:
         spec=spec,
         plan=plan,
         capacity=capacity,
-        calls=[c.record for c in world.calls],
+        calls=world.records,
         snapshots=world.snapshots,
         end_s=end,
         wall_s=time.perf_counter() - started,
