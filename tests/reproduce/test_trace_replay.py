@@ -196,3 +196,18 @@ def test_usage_mistakes_of_a_replay_exit_2_naming_the_option(
     assert result.exit_code == 2, result.output
     assert hint in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_the_report_of_a_replay_shows_its_one_cohort(replayed: Path, tmp_path: Path) -> None:
+    out = tmp_path / "copy"
+    out.mkdir()
+    (out / "summary.json").write_text((replayed / "summary.json").read_text())
+    for path in (replayed / "runs").rglob("*.jsonl"):
+        target = out / path.relative_to(replayed)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    result = CliRunner().invoke(main, ["reproduce", "report", str(out)])
+    assert result.exit_code == 0, result.output
+    report = (out / "report.md").read_text()
+    assert "| trace delivery |" in report and "pulse delivery" not in report
+    assert (out / "report.html").is_file()
