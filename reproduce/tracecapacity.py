@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ def cache_path() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "retrywatch") / _CACHE_FILE
 
 
-def mix_stage_calls(mix: Sequence[tuple[int, int]]) -> Any:
+def mix_stage_calls(mix: Sequence[tuple[int, int]]) -> Callable[[float, float, int], list[PlannedCall]]:
     """A stage's calls for ``sim_stage_runner``: Poisson arrivals at the stage's rate, each
     call's lengths drawn uniformly from ``mix``; seeded by the stage."""
     prompts = np.array([p for p, _ in mix], dtype=np.int64)
