@@ -39,7 +39,7 @@ GREY = "#999999"
 PALETTE: tuple[str, ...] = (BLUE, ORANGE, BLUISH_GREEN, VERMILLION, SKY_BLUE, REDDISH_PURPLE, YELLOW, BLACK)
 
 SEVERITY_COLOURS: dict[str, str] = {"critical": VERMILLION, "warning": ORANGE, "info": SKY_BLUE}
-COHORTS: tuple[str, ...] = ("pulse", "hold", "primary")
+COHORTS: tuple[str, ...] = ("pulse", "hold", "primary", "trace")  # "trace": a replay's every call
 MAX_POINTS = 600  # per trace: a panel is ~500 px wide at 1280x720; more points only slow it down
 MAX_SHADES = 60  # alert spans drawn per panel (the newest ones)
 

@@ -36,7 +36,9 @@ __all__ = [
     "write_report",
 ]
 
-COHORTS = ("pulse", "hold", "primary")
+#: Delivery cohorts, in this order where a block's runs have them (a replayed trace has one:
+#: every call of the run).
+COHORTS = ("pulse", "hold", "primary", "trace")
 RATES = ("attempts", "executions_created", "executions_accepted", "executions_completed")
 
 
@@ -105,12 +107,14 @@ def render_markdown(runs: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] |
     blocks = list(dict.fromkeys(b for b, _, _ in groups))
     for block in blocks:
         lines += [f"## {block}", ""]
+        in_block = [r for (b, _, _), members in groups.items() if b == block for r in members]
+        cohorts = [c for c in COHORTS if any(c in (r.get("delivery") or {}) for r in in_block)]
         header = [
             "condition",
             "model",
             "recovered",
             "recovery s",
-            *(f"{c} delivery" for c in COHORTS),
+            *(f"{c} delivery" for c in cohorts),
             "attempts ×Ĉ",
             "created ×Ĉ",
             "accepted ×Ĉ",
@@ -130,7 +134,7 @@ def render_markdown(runs: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] |
                 model,
                 rec,
                 rec_t,
-                *(_delivery(members, c) for c in COHORTS),
+                *(_delivery(members, c) for c in cohorts),
                 *rates,
                 _num(_mean(r.get("waiting_over_littles_law") for r in members)),
                 _pct(_mean(r.get("prompt_token_gap_hold") for r in members)),
