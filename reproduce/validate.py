@@ -849,6 +849,11 @@ def build_report(
     return {
         "alerts": scores(results),
         "tiers": score_tiers(results, rules, alertnames),
+        "tiers_by_condition": {
+            c: score_tiers(subset, rules, alertnames)
+            for c in dict.fromkeys(r.info.condition for r in results)
+            if (subset := [r for r in results if r.info.condition == c])
+        },
         "ground_truth": _ground_truth_summary(results),
         "by_block": {
             b: {
@@ -1156,6 +1161,27 @@ def tiers_markdown(report: Mapping[str, Any]) -> list[str]:
         f"- {NA}: no run to measure it on, or the tier has no such page.",
         "",
     ]
+    tiers = list(whole["tiers"])
+    lines += [
+        "By condition (every block's runs of a condition together), each tier's cause pages: "
+        "recall over the runs that did not recover · recovering runs it fired in · lead after the "
+        "pulse's end, median / max (s).",
+        "",
+        "| condition | runs not recovered | runs recovered | " + " | ".join(tiers) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in tiers) + " |",
+    ]
+    for condition, scored in report["tiers_by_condition"].items():
+        causes = [scored["tiers"][t]["cause"] for t in tiers]
+        known = next((c for c in causes if c is not None), None)
+        counts = (NA, NA) if known is None else (known["runs_not_recovered"], known["runs_recovered"])
+        cells = [
+            NA
+            if c is None
+            else f"{_share(c['recall'])} · {len(c['fired_in_recovered_runs'])} · {_pair(c['lead_time_s'])}"
+            for c in causes
+        ]
+        lines.append(f"| {condition} | {counts[0]} | {counts[1]} | " + " | ".join(cells) + " |")
+    lines.append("")
     for tier, scores in whole["tiers"].items():
         cause, ref = scores["cause"], scores["against_reference"]
         parts = [] if cause is None else [("missed (did not recover, never fired)", cause["missed_runs"])]

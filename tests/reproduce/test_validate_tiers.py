@@ -135,3 +135,6 @@ def test_the_markdown_shows_the_tiers_side_by_side_and_names_the_runs_they_part_
     assert f"- {TIERS[0]}, fired in a run that recovered: {SLUG.format(4)}" in section
     assert f"- {TIERS[0]}, cause: {OWN.name}" in section
     assert "**missed runs**" in section  # the legend
+    assert f"| condition | runs not recovered | runs recovered | {' | '.join(TIERS)} |" in section
+    # by condition: the full alert fired 60, 73 and 63 s after the pulse's end
+    assert "| no-control | 4 | 1 | 0.5 · 1 · 66.5 / 80 | 0.75 · 0 · 63 / 73 |" in section
