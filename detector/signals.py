@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from exporter import metricnames as mn
-from exporter.ratios import RATIOS
+from exporter.ratios import RATIOS, Ratio
 from exporter.timeseries import Sample, Snapshot
+from exporter.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,21 @@ def check_time_scale(time_scale: float) -> float:
     return k
 
 
-PROMETHEUS_JOB = "retrywatch"
+# What a signal (and an alert reading it) needs: vLLM's own series and two numbers the operator
+# states ("vllm": no proxy in the path), or the proxy's series as well ("proxy"). Each tier's
+# signals and alerts are one rule group that reads nothing of the other's.
+Tier = Literal["vllm", "proxy"]
+TIERS: tuple[Tier, ...] = typing.get_args(Tier)
+#: Prometheus' scrape job of each tier's targets: the proxies, or vLLM itself (its NoData reads
+#: that job's ``up``).
+PROMETHEUS_JOBS: dict[Tier, str] = {"proxy": "retrywatch", "vllm": "vllm"}
+PROMETHEUS_JOB = PROMETHEUS_JOBS["proxy"]
+#: The clients' deadline the vLLM tier assumes when the operator states none (``--deadline``, or
+#: the proxy's gauge): the study's (and a common client timeout). It must be one of vLLM's
+#: latency buckets, since finishes within it are read off the e2e histogram at that bucket.
+DEFAULT_DEADLINE_S = 120.0
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
+VLLM_ENGINE_INFO_RECORD = "instance:retrywatch_vllmtier_engine:info"
 #: The ``engine`` label of an instance whose vLLM runs several engines (data parallel).
 ALL_ENGINES = "all"
 #: Prometheus' ``up`` series: a sample of it with a value other than 0 names an instance whose
@@ -114,6 +129,19 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     "prompt_tokens": (mn.VLLM_PROMPT_TOKENS, None),
     "prefix_queries": (mn.VLLM_PREFIX_CACHE_QUERIES, None),
     "upstream_up": (mn.UPSTREAM_UP, None),
+    # vLLM's own series that only the vLLM tier reads (it reads the gauges and prefix-cache queries
+    # above too): every finish, the e2e latency histogram's count and its bucket at each bound
+    # (the deadline's is chosen when it is known), the queue time's sum and count, and the prompt
+    # tokens of finished requests.
+    "vllm_finished": (mn.VLLM_REQUEST_SUCCESS, None),
+    "vllm_e2e_count": (f"{mn.VLLM_E2E_LATENCY}_count", None),
+    **{
+        f"vllm_e2e_le_{le_label(bound)}": (f"{mn.VLLM_E2E_LATENCY}_bucket", ("le", le_label(bound)))
+        for bound in REQUEST_LATENCY_BUCKETS
+    },
+    "vllm_queue_time_sum": (f"{mn.VLLM_QUEUE_TIME}_sum", None),
+    "vllm_queue_time_count": (f"{mn.VLLM_QUEUE_TIME}_count", None),
+    "vllm_finished_prompt_tokens": (f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum", None),
 }
 RAW_KEYS: tuple[str, ...] = tuple(RAW)
 _RAW_INDEX = {key: i for i, key in enumerate(RAW_KEYS)}
@@ -121,13 +149,26 @@ _BY_NAME: dict[str, list[tuple[int, tuple[str, str] | None]]] = {}
 for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
     _BY_NAME.setdefault(_name, []).append((_i, _flt))
 
-_COUNTER_IDX: tuple[int, ...] = tuple(i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith("_total"))
+# counters: vLLM's and the proxy's ``_total`` s, and a histogram's buckets, count and sum
+_COUNTER_IDX: tuple[int, ...] = tuple(
+    i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith(("_total", "_bucket", "_count", "_sum"))
+)
 _COUNTER_NAMES: frozenset[str] = frozenset(RAW[RAW_KEYS[i]][0] for i in _COUNTER_IDX)
 
 # Series without which no verdict is possible (NoData fires when one is missing). The proxy
 # counts missed deadlines only while it knows the deadline (its --deadline): without that counter
 # the symptom alert is blind, so it is needed, as the deadline is.
 NEEDED_RAW: tuple[str, ...] = ("attempts_first", "created", "waiting", "missed_deadline")
+# The vLLM tier's: vLLM's queue, its finishes and its e2e histogram (the deadline has a default).
+NEEDED_VLLM_RAW: tuple[str, ...] = ("waiting", "vllm_finished", "vllm_e2e_count")
+
+
+def deadline_bucket(deadline: float) -> float | None:
+    """The e2e latency bucket that counts finishes within ``deadline``: the largest of vLLM's
+    bounds at or below it (a deadline between bounds counts the finishes just under it as late);
+    None below the first bound."""
+    i = bisect.bisect_right(REQUEST_LATENCY_BUCKETS, deadline + 1e-9)
+    return REQUEST_LATENCY_BUCKETS[i - 1] if i else None
 
 
 @dataclass(frozen=True)
@@ -137,6 +178,7 @@ class SignalSpec:
     help: str
     record: str  # the recording rule's name
     promql: str  # its expression
+    tier: Tier = "proxy"  # the rule group it is recorded in, and what it needs
 
 
 def _j(expr: str) -> str:
@@ -160,20 +202,13 @@ def _r(name: str) -> str:
     return f"instance:retrywatch_{name}"
 
 
-def _data_missing_promql(records: Mapping[str, str]) -> str:
-    """1 where the target is down, or scraped without the retrywatch or vLLM series, or Ĉ or the
-    deadline is unknown (``records``: the base signals' recording rules); 0 elsewhere, as the
-    detector's ``data_missing``. Only ``instance`` labels here: without vLLM's series there are
-    no engine/model labels."""
-    up = f'up{{job="{PROMETHEUS_JOB}"}}'
+def _data_missing_promql(tier: Tier, needed: tuple[str, ...]) -> str:
+    """1 where the tier's target (its job's ``up``) is down, or scraped without one of the
+    ``needed`` series (raw series, or records such as Ĉ); 0 elsewhere, as the detector's
+    ``data_missing`` / ``vllm_data_missing``. Only ``instance`` labels here: without vLLM's
+    series there are no engine/model labels."""
+    up = f'up{{job="{PROMETHEUS_JOBS[tier]}"}}'
     one = f"(count by (instance) ({up}) * 0 + 1)"
-    needed = (
-        mn.EXECUTIONS_CREATED,
-        mn.VLLM_NUM_WAITING,
-        mn.CALLS_MISSED_DEADLINE,
-        records["capacity"],
-        records["deadline"],
-    )
     return (
         f"(max by (instance) ({up}) == 0) + 1"
         + "".join(f" or ({one} unless on (instance) count by (instance) ({series}))" for series in needed)
@@ -369,6 +404,265 @@ def _slo_specs() -> list[SignalSpec]:
     return specs
 
 
+# --- the vLLM tier: vLLM's own series and the two numbers the operator states -------------
+# Its own records (``instance:retrywatch_vllmtier_*``), joined onto its own engine-info record, so
+# that its rule group reads nothing of the proxy's group (and a Prometheus scraping only vLLM
+# evaluates it).
+
+
+def _vr(name: str) -> str:
+    return f"instance:retrywatch_vllmtier_{name}"
+
+
+def _vj(expr: str) -> str:
+    """:func:`_j` for the vLLM tier: engine/model labels from its own engine-info record."""
+    return f"({expr}) * on (instance) group_left (engine, model) {VLLM_ENGINE_INFO_RECORD}"
+
+
+def _sum_rate(metric: str, window: str, selector: str = "") -> str:
+    return f"sum by (instance) (rate({metric}{selector}[{window}]))"
+
+
+_E2E_BUCKET = f"{mn.VLLM_E2E_LATENCY}_bucket"
+_E2E_COUNT = f"{mn.VLLM_E2E_LATENCY}_count"
+_PROMPT_SUM = f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum"
+_DEFAULT_BUCKET = deadline_bucket(DEFAULT_DEADLINE_S)
+assert _DEFAULT_BUCKET == DEFAULT_DEADLINE_S, "the default deadline must be one of vLLM's latency buckets"
+#: The e2e bucket the Prometheus rules count as "within the deadline" (rendered at the default).
+VLLM_DEADLINE_LE = le_label(_DEFAULT_BUCKET)
+_IN_TIME = f'{{le="{VLLM_DEADLINE_LE}"}}'
+
+_VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
+    SignalSpec(
+        "vllm_finish_rate",
+        "1/s",
+        "Requests vLLM finished per second, whatever their finished_reason (abandoned ones are in none).",
+        _vr("requests_finished:rate1m"),
+        _vj(_sum_rate(mn.VLLM_REQUEST_SUCCESS, _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_e2e_finish_rate",
+        "1/s",
+        "Requests observed by vLLM's e2e latency histogram per second (they finished).",
+        _vr("e2e_finished:rate1m"),
+        _vj(_sum_rate(_E2E_COUNT, _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_in_time_rate",
+        "1/s",
+        "Requests vLLM finished within the deadline per second (the e2e histogram's bucket at the "
+        f"deadline: le={VLLM_DEADLINE_LE} in the rules).",
+        _vr("e2e_finished_in_time:rate1m"),
+        _vj(_sum_rate(_E2E_BUCKET, _W, _IN_TIME)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_admitted_tokens_rate",
+        "tokens/s",
+        "Prompt tokens vLLM admitted per second (prefix-cache queries, counted at scheduling).",
+        _vr("prompt_tokens_admitted:rate1m"),
+        _vj(_sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_finished_prompt_tokens_rate",
+        "tokens/s",
+        "Prompt tokens of the requests vLLM finished per second.",
+        _vr("prompt_tokens_finished:rate1m"),
+        _vj(_sum_rate(_PROMPT_SUM, _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_queue_time_rate",
+        "s/s",
+        "Seconds finished requests spent queued, per second (the queue-time histogram's sum).",
+        _vr("queue_time_seconds:rate1m"),
+        _vj(_sum_rate(f"{mn.VLLM_QUEUE_TIME}_sum", _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_queue_time_finish_rate",
+        "1/s",
+        "Requests observed by the queue-time histogram per second.",
+        _vr("queue_time_finished:rate1m"),
+        _vj(_sum_rate(f"{mn.VLLM_QUEUE_TIME}_count", _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_waiting_requests",
+        "requests",
+        "vLLM's waiting queue.",
+        _vr("requests_waiting:sum"),
+        _vj(f"sum by (instance) ({mn.VLLM_NUM_WAITING})"),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_capacity",
+        "calls/s",
+        "Ĉ as the vLLM tier knows it: stated (--capacity, or a series "
+        f"{mn.CAPACITY}), else estimated online from vLLM's finish rate while its queue never emptied.",
+        _vr("capacity:calls_per_second"),
+        _vj(f"max by (instance) ({mn.CAPACITY} > 0) or ({_vr('capacity_estimate:avg1h')} > 0)"),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_deadline",
+        "s",
+        f"The clients' deadline: stated (--deadline, or a series {mn.CLIENT_DEADLINE}), else "
+        f"{DEFAULT_DEADLINE_S:g} s.",
+        _vr("client_deadline:seconds"),
+        _vj(
+            f"max by (instance) ({mn.CLIENT_DEADLINE} > 0)"
+            f" or count by (instance) ({mn.VLLM_NUM_WAITING}) * 0 + {DEFAULT_DEADLINE_S:g}"
+        ),
+        "vllm",
+    ),
+)
+
+# The vLLM tier's ratios: one definition each, evaluated in Python and rendered in PromQL.
+VLLM_RATIOS: tuple[Ratio, ...] = (
+    Ratio(
+        "vllm_finish_capacity_ratio",
+        "Requests vLLM finished per second over Ĉ.",
+        ("vllm_finish_rate",),
+        ("vllm_capacity",),
+        guard=False,
+    ),
+    Ratio(
+        "vllm_queue_deadline_ratio",
+        "vLLM's waiting queue in deadlines of work at Ĉ: above 1, a request admitted now was queued "
+        "longer than its client waits.",
+        ("vllm_waiting_requests",),
+        ("vllm_capacity", "vllm_deadline"),
+        product=True,
+        guard=False,
+    ),
+    Ratio(
+        "vllm_late_fraction",
+        "Share of the requests vLLM finished that took longer than the deadline (e2e histogram).",
+        ("vllm_in_time_rate",),
+        ("vllm_e2e_finish_rate",),
+        complement=True,
+    ),
+    Ratio(
+        "vllm_unfinished_fraction",
+        "Share of the prompt tokens vLLM admitted that no finished request accounts for (requests "
+        "aborted after admission: their clients left).",
+        ("vllm_finished_prompt_tokens_rate",),
+        ("vllm_admitted_tokens_rate",),
+        complement=True,
+    ),
+    Ratio(
+        "vllm_queue_time_deadline_ratio",
+        "Mean queue time of the requests vLLM finished, over the deadline.",
+        ("vllm_queue_time_rate",),
+        ("vllm_queue_time_finish_rate", "vllm_deadline"),
+        product=True,
+    ),
+)
+
+
+def _vllm_ratio_specs() -> list[SignalSpec]:
+    records = {spec.name: spec.record for spec in _VLLM_BASE_SIGNALS}
+    specs = []
+    for ratio in VLLM_RATIOS:
+        record = _vr(ratio.name.removeprefix("vllm_") + ":ratio1m")
+        specs.append(SignalSpec(ratio.name, ratio.unit, ratio.help, record, ratio.promql(records), "vllm"))
+        records[ratio.name] = record
+    return specs
+
+
+def _vllm_error_promql(window: str) -> str:
+    """The vLLM tier's delivery error ratio over ``window``: 1 − (share of finishes within the
+    deadline) × (share of admitted prompt tokens that finished, at most 1), as
+    :func:`vllm_delivery_error` computes it; absent when nothing was admitted nor finished."""
+    in_time = _sum_rate(_E2E_BUCKET, window, _IN_TIME)
+    count = _sum_rate(_E2E_COUNT, window)
+    admitted = _sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, window)
+    finished_tokens = _sum_rate(_PROMPT_SUM, window)
+    answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0)"
+    kept = f"(clamp_max({finished_tokens} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
+    return _vj(f"1 - {answered} * {kept}")
+
+
+def vllm_delivery_error(
+    in_time: float | None, count: float | None, admitted: float | None, finished_tokens: float | None
+) -> float | None:
+    """The vLLM tier's delivery error ratio from the rates over one window (see
+    :func:`_vllm_error_promql`): a request not answered in time is one that finished later than
+    the deadline, or one admitted that never finished (its client left: vLLM drops it unrecorded,
+    so only its prompt tokens, counted at admission, show it)."""
+    if in_time is not None and count is not None and count > 0:
+        answered = in_time / count
+    elif admitted is not None and admitted > 0:
+        answered = 0.0
+    else:
+        return None
+    if finished_tokens is not None and admitted is not None and admitted > 0:
+        kept = min(1.0, finished_tokens / admitted)
+    elif count is not None and count > 0:
+        kept = 1.0
+    else:
+        return None
+    return 1.0 - answered * kept
+
+
+def _vllm_slo_specs() -> list[SignalSpec]:
+    specs = []
+    for span, window in (("short", _SLO_SHORT), ("long", _SLO_LONG)):
+        ratio_record = _vr(f"requests_not_in_time:ratio_rate{window}")
+        specs.append(
+            SignalSpec(
+                f"vllm_delivery_error_ratio_{span}",
+                "ratio",
+                f"Share of vLLM's requests over {window} not answered within the deadline: finished "
+                "late, or admitted and never finished.",
+                ratio_record,
+                _vllm_error_promql(window),
+                "vllm",
+            )
+        )
+        specs.append(
+            SignalSpec(
+                f"vllm_delivery_burn_rate_{span}",
+                "ratio",
+                f"The vLLM tier's error ratio over {window} in error budgets (1 − the "
+                f"{DELIVERY_OBJECTIVE:.0%} objective).",
+                _vr(f"requests_not_in_time:burn_rate{window}"),
+                f"{ratio_record} / (1 - {DELIVERY_OBJECTIVE!r})",
+                "vllm",
+            )
+        )
+    return specs
+
+
+_VLLM_SIGNALS: tuple[SignalSpec, ...] = (
+    *_VLLM_BASE_SIGNALS,
+    *_vllm_ratio_specs(),
+    *_vllm_slo_specs(),
+    SignalSpec(
+        "vllm_queue_growth_rate",
+        "requests/s",
+        "Least-squares slope of vLLM's waiting queue.",
+        _vr("requests_waiting:deriv1m"),
+        f"deriv({_vr('requests_waiting:sum')}[{_W}])",
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_data_missing",
+        "bool",
+        "1 when vLLM's target is down or one of its needed series (or Ĉ) is missing.",
+        _vr("data_missing:bool"),
+        _data_missing_promql(
+            "vllm",
+            (mn.VLLM_NUM_WAITING, mn.VLLM_REQUEST_SUCCESS, _E2E_COUNT, _vr("capacity:calls_per_second")),
+        ),
+        "vllm",
+    ),
+)
+
 SIGNALS: tuple[SignalSpec, ...] = (
     *_BASE_SIGNALS,
     *_ratio_specs(),
@@ -385,8 +679,17 @@ SIGNALS: tuple[SignalSpec, ...] = (
         "bool",
         "1 when the source is down or a needed series is missing.",
         _r("data_missing:bool"),
-        _data_missing_promql({spec.name: spec.record for spec in _BASE_SIGNALS}),
+        _data_missing_promql(
+            "proxy",
+            (
+                mn.EXECUTIONS_CREATED,
+                mn.VLLM_NUM_WAITING,
+                mn.CALLS_MISSED_DEADLINE,
+                *(spec.record for spec in _BASE_SIGNALS if spec.name in ("capacity", "deadline")),
+            ),
+        ),
     ),
+    *_VLLM_SIGNALS,
 )
 
 SIGNALS_BY_NAME: dict[str, SignalSpec] = {s.name: s for s in SIGNALS}
@@ -407,29 +710,42 @@ def _engine_info_promql() -> str:
 
 RECORD_NAMES: dict[str, str] = {s.name: s.record for s in SIGNALS}
 
-# Helper recording rules some signals read (record, expression), in evaluation order.
-HELPER_RECORDS: tuple[tuple[str, str], ...] = (
-    (ENGINE_INFO_RECORD, _engine_info_promql()),
-    (
-        _r("saturated_completion:rate5m"),
-        # Ĉ estimate: the engine's completion rate over 5 minutes in which its queue never emptied.
-        f'sum by (instance) (rate({mn.EXECUTIONS_FINISHED}{{fate=~"completed|orphaned"}}[{_GW}]))'
-        f" and on (instance) (min by (instance) (min_over_time({mn.VLLM_NUM_WAITING}[{_GW}])) > 0)",
+# Helper recording rules some signals read (record, expression), per tier, in evaluation order.
+HELPER_RECORDS: dict[Tier, tuple[tuple[str, str], ...]] = {
+    "vllm": (
+        (VLLM_ENGINE_INFO_RECORD, _engine_info_promql()),
+        (
+            _vr("saturated_finish:rate5m"),
+            # Ĉ estimate: vLLM's finish rate over 5 minutes in which its queue never emptied.
+            f"{_sum_rate(mn.VLLM_REQUEST_SUCCESS, _GW)}"
+            f" and on (instance) (min by (instance) (min_over_time({mn.VLLM_NUM_WAITING}[{_GW}])) > 0)",
+        ),
+        (_vr("capacity_estimate:avg1h"), f"avg_over_time({_vr('saturated_finish:rate5m')}[1h])"),
     ),
-    (_r("capacity_estimate:avg1h"), f"avg_over_time({_r('saturated_completion:rate5m')}[1h])"),
-    (
-        _r("queue_executions:sum"),
-        _j(
-            f"sum by (instance) ({mn.VLLM_NUM_WAITING})"
-            f" + on (instance) sum by (instance) ({mn.EXECUTIONS_QUEUED})"
+    "proxy": (
+        (ENGINE_INFO_RECORD, _engine_info_promql()),
+        (
+            _r("saturated_completion:rate5m"),
+            # Ĉ estimate: the engine's completion rate over 5 minutes in which its queue never emptied.
+            f'sum by (instance) (rate({mn.EXECUTIONS_FINISHED}{{fate=~"completed|orphaned"}}[{_GW}]))'
+            f" and on (instance) (min by (instance) (min_over_time({mn.VLLM_NUM_WAITING}[{_GW}])) > 0)",
+        ),
+        (_r("capacity_estimate:avg1h"), f"avg_over_time({_r('saturated_completion:rate5m')}[1h])"),
+        (
+            _r("queue_executions:sum"),
+            _j(
+                f"sum by (instance) ({mn.VLLM_NUM_WAITING})"
+                f" + on (instance) sum by (instance) ({mn.EXECUTIONS_QUEUED})"
+            ),
         ),
     ),
-)
+}
 
 
-def recording_rules() -> list[tuple[str, str]]:
-    """Every recording rule, in an order where each reads only rules defined before it."""
-    return [*HELPER_RECORDS, *((s.record, s.promql) for s in SIGNALS)]
+def recording_rules(tier: Tier) -> list[tuple[str, str]]:
+    """The tier's recording rules (its rule group's), in an order where each reads only rules
+    defined before it, and none of another tier's."""
+    return [*HELPER_RECORDS[tier], *((s.record, s.promql) for s in SIGNALS if s.tier == tier)]
 
 
 # --- Python computation ------------------------------------------------------------------
@@ -456,7 +772,13 @@ class SignalFrame:
     t: float
     labels: EngineLabels
     values: dict[str, float | None]
-    missing: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()  # what the proxy tier's NoData reports missing
+    # what each tier's NoData reports missing (the proxy tier's is ``missing``)
+    missing_by_tier: dict[Tier, tuple[str, ...]] = field(default_factory=dict)
+
+    def missing_for(self, tier: Tier) -> tuple[str, ...]:
+        """What ``tier``'s NoData reports missing."""
+        return self.missing_by_tier.get(tier, self.missing if tier == "proxy" else ())
 
 
 @dataclass
@@ -491,7 +813,10 @@ class _EngineHistory:
     model: str = ""
     source_up: bool = True
     last_report: float = -math.inf  # the last scrape or down mark that named this instance
-    capacity_samples: list[tuple[float, float]] = field(default_factory=list)
+    # the online Ĉ estimate's samples per tier: (time, saturated completion or finish rate)
+    capacity_samples: dict[Tier, list[tuple[float, float]]] = field(
+        default_factory=lambda: {tier: [] for tier in TIERS}
+    )
     # counters are stored as the sum of their series' increases (monotonic), so a rate is one
     # subtraction; each series' reset is told apart from the others (see :meth:`SignalEngine.add`)
     last_adj: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
@@ -537,6 +862,13 @@ def split_snapshot(snapshot: Snapshot, default_instance: str = "") -> dict[str, 
                 continue
             row[idx] = value if math.isnan(row[idx]) else row[idx] + value
     return out
+
+
+# The counters whose rate over a saturated window samples Ĉ, per tier.
+_FINISHES: dict[Tier, tuple[str, ...]] = {
+    "proxy": ("finished_completed", "finished_orphaned"),
+    "vllm": ("vllm_finished",),
+}
 
 
 class SignalEngine:
@@ -673,7 +1005,9 @@ class SignalEngine:
         lengths and the next scrape is not taken for a late one."""
         for hist in self._engines.values():
             hist.times = [t + delta for t in hist.times]
-            hist.capacity_samples = [(t + delta, v) for t, v in hist.capacity_samples]
+            hist.capacity_samples = {
+                tier: [(t + delta, v) for t, v in samples] for tier, samples in hist.capacity_samples.items()
+            }
             hist.last_report += delta
         self._last_report += delta
 
@@ -683,8 +1017,9 @@ class SignalEngine:
             del hist.times[:cut]
             del hist.rows[:cut]
         horizon = now - self.windows.capacity_estimate_s
-        if hist.capacity_samples and hist.capacity_samples[0][0] < horizon - 600:
-            hist.capacity_samples = [s for s in hist.capacity_samples if s[0] >= horizon]
+        for tier, samples in hist.capacity_samples.items():
+            if samples and samples[0][0] < horizon - 600:
+                hist.capacity_samples[tier] = [s for s in samples if s[0] >= horizon]
 
     def compute(self, now: float) -> list[SignalFrame]:
         """Every followed engine's signals at ``now``, once those that left are forgotten."""
@@ -745,26 +1080,88 @@ class SignalEngine:
         vals = [hist.rows[i][idx] for i in range(lo, hi) if not math.isnan(hist.rows[i][idx])]
         return min(vals) if vals else None
 
-    def _capacity(self, hist: _EngineHistory, now: float) -> float | None:
+    def _capacity(self, hist: _EngineHistory, now: float, tier: Tier) -> float | None:
+        """Ĉ: the operator's, else the exported gauge, else the tier's online estimate (the
+        finish rate over windows where vLLM's queue never emptied, averaged)."""
         w = self.windows
         # The online estimate is updated on every computation, whichever Ĉ is in use.
+        samples = hist.capacity_samples[tier]
         min_wait = self._min_gauge(hist, "waiting", now, w.prompt_gap_s)
         if min_wait is not None and min_wait > 0:
-            c = self._rate(hist, "finished_completed", now, w.prompt_gap_s)
-            o = self._rate(hist, "finished_orphaned", now, w.prompt_gap_s)
-            fresh = not hist.capacity_samples or hist.capacity_samples[-1][0] < now
-            if (c is not None or o is not None) and fresh:
-                hist.capacity_samples.append((now, (c or 0.0) + (o or 0.0)))
+            rates = [self._rate(hist, key, now, w.prompt_gap_s) for key in _FINISHES[tier]]
+            fresh = not samples or samples[-1][0] < now
+            if any(r is not None for r in rates) and fresh:
+                samples.append((now, sum(r or 0.0 for r in rates)))
         if self.config.capacity is not None:
             return self.config.capacity
         gauge = self._gauge(hist, "capacity_gauge", now)
         if gauge is not None and gauge > 0:
             return gauge
-        recent = [v for t, v in hist.capacity_samples if now - w.capacity_estimate_s <= t <= now]
+        recent = [v for t, v in samples if now - w.capacity_estimate_s <= t <= now]
         if recent:
             est = sum(recent) / len(recent)
             return est if est > 0 else None
         return None
+
+    def _deadline(self, hist: _EngineHistory, now: float) -> float | None:
+        """The operator's deadline, else the exported gauge; None when neither is known."""
+        if self.config.deadline is not None:
+            return self.config.deadline
+        g = self._gauge(hist, "deadline_gauge", now)
+        return g if g is not None and g > 0 else None
+
+    def _vllm_tier(self, hist: _EngineHistory, now: float, v: dict[str, float | None]) -> list[str]:
+        """The vLLM tier's signals into ``v`` (they read vLLM's series, Ĉ and the deadline
+        alone); returns what its NoData reports missing."""
+        w = self.windows
+
+        def rate(key: str, width: float = w.rate_s) -> float | None:
+            return self._rate(hist, key, now, width)
+
+        v["vllm_finish_rate"] = rate("vllm_finished")
+        v["vllm_e2e_finish_rate"] = rate("vllm_e2e_count")
+        v["vllm_admitted_tokens_rate"] = rate("prefix_queries")
+        v["vllm_finished_prompt_tokens_rate"] = rate("vllm_finished_prompt_tokens")
+        v["vllm_queue_time_rate"] = rate("vllm_queue_time_sum")
+        v["vllm_queue_time_finish_rate"] = rate("vllm_queue_time_count")
+        v["vllm_waiting_requests"] = self._gauge(hist, "waiting", now)
+        v["vllm_capacity"] = capacity = self._capacity(hist, now, "vllm")
+        stated = self._deadline(hist, now)
+        # unscaled: the default is real seconds, as is every stated deadline at K = 1
+        v["vllm_deadline"] = deadline = (
+            stated if stated is not None else DEFAULT_DEADLINE_S / self.config.time_scale
+        )
+        bucket = deadline_bucket(deadline)
+        in_time_key = None if bucket is None else f"vllm_e2e_le_{le_label(bucket)}"
+
+        def in_time(width: float) -> float | None:
+            return None if in_time_key is None else rate(in_time_key, width)
+
+        v["vllm_in_time_rate"] = in_time(w.rate_s)
+        for ratio in VLLM_RATIOS:
+            v[ratio.name] = ratio.value(v)
+        v["vllm_queue_growth_rate"] = self._deriv(hist, ("waiting",), now, w.rate_s)
+        for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
+            errors = vllm_delivery_error(
+                in_time(width),
+                rate("vllm_e2e_count", width),
+                rate("prefix_queries", width),
+                rate("vllm_finished_prompt_tokens", width),
+            )
+            v[f"vllm_delivery_error_ratio_{span}"] = errors
+            v[f"vllm_delivery_burn_rate_{span}"] = (
+                None if errors is None else errors / (1 - self.config.objective)
+            )
+        missing: list[str] = []
+        if not hist.source_up:
+            missing.append("source")
+        last = self._last_row(hist, now)
+        for key in NEEDED_VLLM_RAW:
+            if last is None or math.isnan(last[_RAW_INDEX[key]]):
+                missing.append(RAW[key][0])
+        if capacity is None:
+            missing.append("capacity")
+        return missing
 
     def _compute_one(self, instance: str, hist: _EngineHistory, now: float) -> SignalFrame:
         w = self.windows
@@ -788,13 +1185,8 @@ class SignalEngine:
         v["vllm_waiting"] = waiting = self._gauge(hist, "waiting", now)
         v["vllm_running"] = self._gauge(hist, "running", now)
         v["proxy_queued"] = self._gauge(hist, "queued", now)
-        v["capacity"] = capacity = self._capacity(hist, now)
-        if self.config.deadline is not None:
-            deadline: float | None = self.config.deadline
-        else:
-            g = self._gauge(hist, "deadline_gauge", now)
-            deadline = g if g is not None and g > 0 else None
-        v["deadline"] = deadline
+        v["capacity"] = capacity = self._capacity(hist, now, "proxy")
+        v["deadline"] = deadline = self._deadline(hist, now)
         for ratio in RATIOS:  # each reads signals computed above, or a ratio before it
             v[ratio.name] = ratio.value(v)
         v["queue_growth_rate"] = self._deriv(hist, ("waiting", "queued"), now, w.rate_s)
@@ -805,6 +1197,7 @@ class SignalEngine:
             v[f"delivery_error_ratio_{span}"] = errors
             v[f"delivery_burn_rate_{span}"] = None if errors is None else errors / (1 - self.config.objective)
 
+        missing_vllm = self._vllm_tier(hist, now, v)
         missing: list[str] = []
         if not hist.source_up:
             missing.append("source")
@@ -821,8 +1214,15 @@ class SignalEngine:
             # signal is joined on vLLM's engine labels: no signal, only the NoData verdict.
             v = dict.fromkeys(v)
         v["data_missing"] = 1.0 if missing else 0.0
+        v["vllm_data_missing"] = 1.0 if missing_vllm else 0.0
         labels = EngineLabels(engine=hist.engine, model=hist.model, instance=instance)
-        return SignalFrame(t=now, labels=labels, values=v, missing=tuple(missing))
+        return SignalFrame(
+            t=now,
+            labels=labels,
+            values=v,
+            missing=tuple(missing),
+            missing_by_tier={"proxy": tuple(missing), "vllm": tuple(missing_vllm)},
+        )
 
     def _last_row(self, hist: _EngineHistory, now: float) -> list[float] | None:
         lo, hi = self._window(hist, now, self.windows.gauge_lookback_s)
