@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from detector.signals import DEFAULT_DEADLINE_S, VLLM_DEADLINE_LE
+from exporter import metricnames as mn
 from rules.backfill import parse_duration
 from rules.generate import rule_documents
-from rules.scaled import lookback_delta, main, scale_expr, scaled_documents, write_scaled
+from rules.scaled import at_deadline, lookback_delta, main, scale_expr, scaled_documents, write_scaled
 
 RANGES = re.compile(r"\[([0-9a-z]+)(?::[0-9a-z]*)?\]")
 
@@ -37,8 +39,10 @@ def test_the_scaled_rules_keep_every_threshold_and_divide_every_duration() -> No
                 assert parse_duration(other[key]) == pytest.approx(parse_duration(rule[key]) / 10)
         old, new = RANGES.findall(rule["expr"]), RANGES.findall(other["expr"])
         assert [parse_duration(n) for n in new] == pytest.approx([parse_duration(o) / 10 for o in old])
-        # outside its durations, the expression is the same: thresholds stay
-        assert RANGES.sub("[]", rule["expr"]) == RANGES.sub("[]", other["expr"])
+        # outside its durations and the vLLM tier's deadline, the expression is the same
+        assert RANGES.sub("[]", at_deadline(rule["expr"], DEFAULT_DEADLINE_S / 10)) == RANGES.sub(
+            "[]", other["expr"]
+        )
     assert lookback_delta(10.0) == "30s"
 
 
@@ -58,3 +62,18 @@ def test_the_command_writes_them_and_refuses_a_bad_scale(tmp_path: Path) -> None
     bad = CliRunner().invoke(main, ["--", "-1", str(tmp_path / "bad.yml")])
     assert bad.exit_code == 2 and "time scale must be a finite number > 0" in bad.output
     assert not (tmp_path / "bad.yml").exists()
+
+
+def test_the_vllm_tier_reads_the_e2e_bucket_at_the_deadline_at_k() -> None:
+    in_time = f'{mn.VLLM_E2E_LATENCY}_bucket{{le="{VLLM_DEADLINE_LE}"}}'
+    exprs = [r["expr"] for g in rule_documents()["groups"] for r in g["rules"]]
+    assert any(in_time in e for e in exprs)  # the rules as generated read the default deadline's
+    scaled = [r["expr"] for g in scaled_documents(10.0)["groups"] for r in g["rules"]]
+    assert not any(in_time in e for e in scaled)
+    # 12 s at K = 10: the largest of vLLM's bounds at or below it, 10 s
+    assert any(f'{mn.VLLM_E2E_LATENCY}_bucket{{le="10.0"}}' in e for e in scaled)
+    assert any(f"* 0 + {DEFAULT_DEADLINE_S / 10:g}" in e for e in scaled)
+    stated = [r["expr"] for g in scaled_documents(10.0, deadline_s=30.0)["groups"] for r in g["rules"]]
+    assert any(f'{mn.VLLM_E2E_LATENCY}_bucket{{le="30.0"}}' in e for e in stated)
+    with pytest.raises(ValueError, match="below vLLM's first e2e latency bucket"):
+        at_deadline(exprs[0], 0.1)
