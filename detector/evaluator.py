@@ -223,7 +223,7 @@ class Evaluator:
                 elif alert.state == "pending":
                     alert.labels = frame.labels  # engine/model may appear after the first scrape
                 alert.value = value
-                alert.missing = frame.missing
+                alert.missing = frame.missing_for(rule.tier)
                 if rule.kind == "symptom":  # the causes' rules come first: this evaluation's states
                     alert.causes = self._causes_firing(instance)
                 if alert.machine.step(now, True) == "firing":

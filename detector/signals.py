@@ -568,7 +568,7 @@ def _vllm_ratio_specs() -> list[SignalSpec]:
     records = {spec.name: spec.record for spec in _VLLM_BASE_SIGNALS}
     specs = []
     for ratio in VLLM_RATIOS:
-        record = _vr(ratio.name.removeprefix("vllm_") + ":ratio1m")
+        record = _vr(ratio.name.removeprefix("vllm_").removesuffix("_ratio") + ":ratio1m")
         specs.append(SignalSpec(ratio.name, ratio.unit, ratio.help, record, ratio.promql(records), "vllm"))
         records[ratio.name] = record
     return specs

@@ -37,7 +37,15 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from detector.runbook import DEFAULT_PATTERN, runbook_url
-from detector.signals import DELIVERY_OBJECTIVE, PROMETHEUS_JOB, RECORD_NAMES, WINDOWS, check_time_scale
+from detector.signals import (
+    DELIVERY_OBJECTIVE,
+    PROMETHEUS_JOB,
+    RECORD_NAMES,
+    WINDOWS,
+    check_time_scale,
+)
+from detector.signals import TIERS as TIERS  # what an alert needs: declared with the signals
+from detector.signals import Tier as Tier
 
 Op = Literal[">", ">=", "<", "<="]
 Severity = Literal["critical", "warning", "info"]
@@ -47,10 +55,6 @@ SEVERITIES: tuple[Severity, ...] = typing.get_args(Severity)  # the most severe 
 # detector lacks the data to say either. Validation scores each kind against the ground truth.
 AlertKind = Literal["cause", "symptom", "data"]
 ALERT_KINDS: tuple[AlertKind, ...] = typing.get_args(AlertKind)
-# What an alert needs to be evaluated: vLLM's own series and two numbers the operator states
-# ("vllm": no proxy in the path), or the proxy's series as well ("proxy").
-Tier = Literal["vllm", "proxy"]
-TIERS: tuple[Tier, ...] = typing.get_args(Tier)
 
 
 @dataclass(frozen=True)
@@ -374,7 +378,146 @@ NO_DATA = AlertRule(
     kind="data",
 )
 
+# --- the vLLM tier: vLLM's own series, Ĉ and the deadline ------------------------------------
+# NOTE on what vLLM alone shows (exporter/metricnames.py; reproduce/engine/vllmstats.py has its
+# counting rules): a request its client abandons is dropped unrecorded (no finish, no histogram),
+# so the loop shows as a waiting queue near arrival rate x deadline (vLLM cannot count arrivals;
+# at or above Ĉ that is at least Ĉ x deadline) and, with cancellation on, an engine admitting at
+# capacity while almost nothing finishes (the admitted prompt tokens never reach a finished
+# request), or, with it off, finishes at about Ĉ nearly all later than the deadline after queueing
+# most of it. A recovering engine passes through each of these for a while after a pulse, with its
+# queue draining: what tells the loop apart is a queue that holds well beyond one deadline's work.
+# Tuned on simulated training runs only (the paper block, seeds 4000-4002; see docs/results.md).
+
+# NOTE (tuning, the paper block's training runs of seeds 4000-4002, 189 runs, 77 in which the
+# proxy tier's VLLMMetastableRetryLoop fired): the queue in deadlines of work at Ĉ is what tells
+# the loop from a recovering engine. While the rest of a shape held, recovering runs' queues
+# were at most 0.95 deadlines (cancellation on: their queue had drained by the time finishes
+# stopped) and 1.24 (cancellation off: late finishes come one deadline after the pulse, while the
+# queue drains); looping runs' grow past 2. At 1.2 and 1.5 the alert fired in no recovering run
+# and in every run where VLLMMetastableRetryLoop fired and the queue was vLLM's (median 35 s
+# after it, within 90 s in all but two slow cancel-off loops, 2 x Ĉ pulses: 155-250 s). It cannot
+# see a loop held in a proxy's queue (a proxy cap, or a deadline check shedding at the proxy):
+# vLLM's queue stays short there, and the proxy tier's alerts are the ones that fire.
+VLLM_LOOP_QUEUE_CANCEL_ON = 1.2
+VLLM_LOOP_QUEUE_CANCEL_OFF = 1.5
+
+VLLM_RETRY_LOOP_SUSPECTED = AlertRule(
+    name="VLLMRetryLoopSuspected",
+    severity="critical",
+    summary=(
+        "vLLM's own metrics show the retry loop's shape: a queue beyond the deadline while its "
+        "requests are abandoned or answered too late."
+    ),
+    description=(
+        "Instance {instance}{engine_model} holds {value:.2f} deadlines of work at capacity in its "
+        "waiting queue while almost nothing it finishes is in time: clients that gave up keep the "
+        "queue full, most likely retrying. Confirm with the proxy's VLLMMetastableRetryLoop; shed "
+        "load or stop retries."
+    ),
+    condition=AnyOf(
+        (
+            # Cancellation on: vLLM aborts what its clients abandon; it keeps admitting (its queue
+            # is full) but finishes little of what it admits.
+            All(
+                (
+                    Cmp("vllm_queue_deadline_ratio", ">=", VLLM_LOOP_QUEUE_CANCEL_ON),
+                    Cmp("vllm_finish_capacity_ratio", "<=", 0.3),
+                    Cmp("vllm_unfinished_fraction", ">=", 0.5),
+                )
+            ),
+            # Cancellation off: it finishes at about Ĉ, nearly all after the deadline, having
+            # queued most of it.
+            All(
+                (
+                    Cmp("vllm_queue_deadline_ratio", ">=", VLLM_LOOP_QUEUE_CANCEL_OFF),
+                    Cmp("vllm_late_fraction", ">=", 0.8),
+                    Cmp("vllm_finish_capacity_ratio", ">=", 0.5),
+                    Cmp("vllm_queue_time_deadline_ratio", ">=", 0.5),
+                )
+            ),
+        )
+    ),
+    for_s=5.0,
+    keep_firing_for_s=120.0,
+    value_signal="vllm_queue_deadline_ratio",
+    unit="ratio",
+    tier="vllm",
+)
+
+VLLM_QUEUE_BEYOND_DEADLINE = AlertRule(
+    name="VLLMQueueBeyondDeadline",
+    severity="warning",
+    summary="vLLM's waiting queue holds more work than it can finish within the clients' deadline.",
+    description=(
+        "Instance {instance}{engine_model} has {value:.2f} deadlines of work at capacity waiting "
+        "while it keeps admitting: a request queued now is abandoned (or answered late) before it "
+        "finishes, and with retries on the engine tips into the retry loop."
+    ),
+    # As the proxy tier's VLLMBacklogBeyondDeadline: one deadline of queued work at Ĉ.
+    condition=All(
+        (
+            Cmp("vllm_queue_deadline_ratio", ">=", 1.0),
+            Cmp("vllm_admitted_tokens_rate", ">", 0.0),
+        )
+    ),
+    for_s=10.0,
+    keep_firing_for_s=60.0,
+    value_signal="vllm_queue_deadline_ratio",
+    unit="ratio",
+    tier="vllm",
+)
+
+VLLM_REQUESTS_NOT_ANSWERED_IN_TIME = AlertRule(
+    name="VLLMRequestsNotAnsweredInTime",
+    severity="critical",
+    summary="vLLM does not answer its requests within the clients' deadline, as far as it can tell.",
+    description=(
+        "Instance {instance}{engine_model} answers too few requests within the clients' deadline: "
+        f"over the last {WINDOWS.slo_short_s:.0f} s requests finished late or were admitted and "
+        "never finished {value:.2f} times as often as the "
+        f"{DELIVERY_OBJECTIVE:.0%} delivery objective allows, and over {WINDOWS.slo_long_s:.0f} s "
+        "too. {causes}"
+    ),
+    condition=All(
+        (
+            Cmp("vllm_delivery_burn_rate_short", ">=", DELIVERY_BURN_THRESHOLD),
+            Cmp("vllm_delivery_burn_rate_long", ">=", DELIVERY_BURN_THRESHOLD),
+        )
+    ),
+    for_s=30.0,
+    keep_firing_for_s=60.0,
+    value_signal="vllm_delivery_burn_rate_short",
+    unit="ratio",
+    kind="symptom",
+    tier="vllm",
+)
+
+VLLM_TIER_NO_DATA = AlertRule(
+    name="VLLMTierNoData",
+    severity="warning",
+    summary="The detector has no data from vLLM itself: the vLLM tier's verdicts cannot be trusted.",
+    description=(
+        "The vLLM tier cannot evaluate instance {instance}{engine_model}: missing {missing}. No "
+        "VLLMRetryLoopSuspected, VLLMQueueBeyondDeadline or VLLMRequestsNotAnsweredInTime here "
+        "means nothing while this fires."
+    ),
+    condition=Cmp("vllm_data_missing", ">", 0.0),
+    for_s=15.0,
+    keep_firing_for_s=0.0,
+    value_signal="vllm_data_missing",
+    kind="data",
+    tier="vllm",
+)
+
+# In the rule file's order: the vLLM tier's group first, each group's cause alerts before its
+# symptom alert (which names the cause alerts firing; those of the group after it as they were at
+# the evaluation before, in Prometheus as here).
 ALERTS: tuple[AlertRule, ...] = (
+    VLLM_RETRY_LOOP_SUSPECTED,
+    VLLM_QUEUE_BEYOND_DEADLINE,
+    VLLM_REQUESTS_NOT_ANSWERED_IN_TIME,
+    VLLM_TIER_NO_DATA,
     RETRY_LOOP,
     BACKLOG_BEYOND_DEADLINE,
     EXECUTIONS_ABOVE_CAPACITY,
@@ -385,6 +528,14 @@ ALERTS: tuple[AlertRule, ...] = (
     CALLS_NOT_DELIVERED_IN_TIME,
     NO_DATA,
 )
+
+
+def tier_rules(tier: Tier, rules: Iterable[AlertRule] = ALERTS) -> tuple[AlertRule, ...]:
+    """The rules a detector of ``tier`` evaluates: the vLLM tier's alone for "vllm" (no proxy
+    series: the proxy tier's rules, NoData included, would only say so), every rule for "proxy"
+    (the proxy passes vLLM's series through, so the vLLM tier's hold there too)."""
+    return tuple(rule for rule in rules if tier == "proxy" or rule.tier == tier)
+
 
 ALERTS_BY_NAME: dict[str, AlertRule] = {rule.name: rule for rule in ALERTS}
 

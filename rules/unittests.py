@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from detector.runbook import DEFAULT_PATTERN
+from detector.signals import PROMETHEUS_JOBS, Tier
 from exporter.timeseries import Snapshot
 
 TESTS_DIR = Path(__file__).resolve().parent / "tests"
@@ -64,8 +65,11 @@ def counter(slope: float, slope_during: float | None = None) -> Curve:
     return value
 
 
-def baseline() -> dict[str, Curve]:
-    """A healthy engine at 1 call/s with Ĉ = 2 calls/s and a 120-s deadline."""
+def baseline(tier: Tier = "proxy") -> dict[str, Curve]:
+    """A healthy engine at 1 call/s with Ĉ = 2 calls/s and a 120-s deadline, as a scrape of its
+    proxy; for the vLLM tier, a scrape of vLLM alone (:func:`vllm_baseline`)."""
+    if tier == "vllm":
+        return vllm_baseline()
     return {
         'up{job="retrywatch"}': gauge(1),
         'retrywatch_attempts_total{kind="first"}': counter(1),
@@ -87,6 +91,26 @@ def baseline() -> dict[str, Curve]:
     }
 
 
+def vllm_baseline() -> dict[str, Curve]:
+    """A healthy vLLM scraped alone (job ``vllm``, no retrywatch series at all): it finishes 2
+    requests/s, each queued 1 s and answered within the deadline, with 1000-token prompts, and two
+    requests always waiting, so its queue never empties and Ĉ is estimated from its finish rate
+    (the deadline is the default, 120 s)."""
+    return {
+        'up{job="vllm"}': gauge(1),
+        "vllm:num_requests_waiting": gauge(2),
+        "vllm:num_requests_running": gauge(20),
+        'vllm:request_success_total{finished_reason="length"}': counter(2),
+        'vllm:e2e_request_latency_seconds_bucket{le="120.0"}': counter(2),
+        "vllm:e2e_request_latency_seconds_count": counter(2),
+        "vllm:request_queue_time_seconds_sum": counter(2),
+        "vllm:request_queue_time_seconds_count": counter(2),
+        "vllm:request_prompt_tokens_sum": counter(2000),
+        "vllm:prefix_cache_queries_total": counter(2000),
+        "vllm:prompt_tokens_total": counter(2000),
+    }
+
+
 @dataclass(frozen=True)
 class Case:
     """One promtool test: series overrides, and the hand-worked edges of the condition."""
@@ -105,6 +129,13 @@ class Case:
 class AlertScenarios:
     alertname: str
     cases: tuple[Case, ...] = field(default_factory=tuple)
+
+    @property
+    def tier(self) -> Tier:
+        """The alert's tier: its scenarios start from that tier's :func:`baseline`."""
+        from detector.thresholds import ALERTS_BY_NAME
+
+        return ALERTS_BY_NAME[self.alertname].tier
 
 
 # --- the scenarios, worked by hand --------------------------------------------------------
@@ -285,7 +316,8 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
                 value_at_last=0.8 * 5 / 60 / (1 - 0.98),
             ),
             # The same, with the waiting queue at 280 (1.25 deadlines of work at Ĉ, as in the
-            # backlog's scenario): the description names the backlog alert firing beside it.
+            # backlog's scenario; 1.17 of them waiting): the description names the backlog alerts
+            # of both tiers firing beside it.
             Case(
                 "80% of the calls miss the deadline behind a backlog",
                 {
@@ -297,7 +329,7 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
                 clear_s=660,
                 value_at_fire=0.8 * 55 / 60 / (1 - 0.98),
                 value_at_last=0.8 * 5 / 60 / (1 - 0.98),
-                causes=("VLLMBacklogBeyondDeadline",),
+                causes=("VLLMBacklogBeyondDeadline", "VLLMQueueBeyondDeadline"),
             ),
         ),
     ),
@@ -319,15 +351,97 @@ SCENARIOS: tuple[AlertScenarios, ...] = (
 )
 
 
+# The vLLM tier's: vLLM scraped alone, from :func:`vllm_baseline`. The alerts that read Ĉ are
+# given it as the operator states it to Prometheus (a series of the proxy's gauge's name, 2/s):
+# the online estimate averages rate() over an hour, and Prometheus' rate() of a series younger
+# than its range is extrapolated, so the estimate of a 1000-s test is no round number.
+_STATED_CAPACITY: dict[str, Curve] = {"retrywatch_capacity_calls_per_second": gauge(2)}
+VLLM_SCENARIOS: tuple[AlertScenarios, ...] = (
+    AlertScenarios(
+        "VLLMRetryLoopSuspected",
+        (
+            # Cancellation off: the waiting queue at 400 (400 / (2/s x 120 s) = 1.67 deadlines,
+            # a gauge: from 300 to 600 exactly); finishes stay at Ĉ but none is in time (the
+            # deadline's bucket stops growing) and each queued 100 s. At 300 + x the late share
+            # over 60 s is x/60 (>= 0.8 from x = 48) and the mean queue time (60 + 99x)/60 s
+            # (>= 60 s, half the deadline, from x = 35.8): onset 350.
+            Case(
+                "cancellation off: finishes at capacity, all late, behind a queue of 1.67 deadlines",
+                {
+                    **_STATED_CAPACITY,
+                    "vllm:num_requests_waiting": gauge(2, 400),
+                    'vllm:e2e_request_latency_seconds_bucket{le="120.0"}': counter(2, 0),
+                    "vllm:request_queue_time_seconds_sum": counter(2, 200),
+                },
+                onset_s=350,
+                clear_s=600,
+                value_at_fire=400 / 240,
+                value_at_last=400 / 240,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMQueueBeyondDeadline",
+        (
+            # The waiting queue at 300 from 300 to 600 s: 300 / (2/s x 120 s) = 1.25 deadlines.
+            Case(
+                "the waiting queue holds 1.25 deadlines of work while vLLM admits",
+                {**_STATED_CAPACITY, "vllm:num_requests_waiting": gauge(2, 300)},
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.25,
+                value_at_last=1.25,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMRequestsNotAnsweredInTime",
+        (
+            # Half of the finishes late from 300 to 600 s (the deadline's bucket grows 1/s of
+            # the 2/s finished; admitted prompt tokens all finish). At 300 + x the error over a
+            # window W is x/(2W), a burn of 25x/W: >= 3 over 300 s from x = 36 (and over 60 s
+            # from x = 7.2), so onset 340, firing at 370 with the short window's burn at 25.
+            # After 600 + y the short window's burn is (60 - y)/2.4: below 3 from y = 52.8,
+            # so clear 655 (the last evaluation before it, y = 50: 10/2.4).
+            Case(
+                "half of vLLM's finishes come after the deadline",
+                {'vllm:e2e_request_latency_seconds_bucket{le="120.0"}': counter(2, 1)},
+                onset_s=340,
+                clear_s=655,
+                value_at_fire=0.5 / (1 - 0.98),
+                value_at_last=10 / 2.4,
+            ),
+        ),
+    ),
+    AlertScenarios(
+        "VLLMTierNoData",
+        (
+            # The scrape of vLLM fails from 300 s to 600 s (up == 0 for job "vllm").
+            Case(
+                "vLLM's target is down",
+                {'up{job="vllm"}': gauge(1, 0)},
+                onset_s=300,
+                clear_s=600,
+                value_at_fire=1.0,
+                value_at_last=1.0,
+                engine_labels=False,
+            ),
+        ),
+    ),
+)
+
+ALL_SCENARIOS: tuple[AlertScenarios, ...] = (*SCENARIOS, *VLLM_SCENARIOS)
+
+
 # --- rendering ------------------------------------------------------------------------------
 
 
-def _with_target_labels(selector: str) -> str:
+def _with_target_labels(selector: str, job: str = JOB) -> str:
     name, _, rest = selector.partition("{")
     labels = rest.rstrip("}")
     extra = [f'instance="{INSTANCE}"']
     if 'job="' not in labels:
-        extra.append(f'job="{JOB}"')
+        extra.append(f'job="{job}"')
     if name.startswith("vllm:"):
         extra += [f'engine="{ENGINE}"', f'model_name="{MODEL}"']
     inner = ",".join([p for p in (labels,) if p] + extra)
@@ -343,10 +457,13 @@ def _parse_selector(selector: str) -> tuple[str, dict[str, str]]:
     return name, labels
 
 
-def case_snapshots(case: Case, *, step_s: int = STEP_S, end_s: int = END_S) -> list[Snapshot]:
+def case_snapshots(
+    case: Case, *, step_s: int = STEP_S, end_s: int = END_S, tier: Tier = "proxy"
+) -> list[Snapshot]:
     """The scenario as the scrapes of the proxy's ``/metrics`` (what a reproduce run's series
-    holds): every series but ``up``, which is the scraper's own, with vLLM's engine labels."""
-    curves = {sel: c for sel, c in {**baseline(), **case.series}.items() if not sel.startswith("up{")}
+    holds; vLLM's own for the vLLM tier's): every series but ``up``, which is the scraper's own,
+    with vLLM's engine labels."""
+    curves = {sel: c for sel, c in {**baseline(tier), **case.series}.items() if not sel.startswith("up{")}
     out: list[Snapshot] = []
     for t in range(0, end_s + 1, step_s):
         samples: list[tuple[str, dict[str, str], float]] = []
@@ -423,10 +540,11 @@ def unit_test_document(scenarios: AlertScenarios, runbook_pattern: str = DEFAULT
     for_s, keep_s = int(rule.for_s), int(rule.keep_firing_for_s)
     tests: list[dict[str, Any]] = []
     times = [float(t) for t in range(0, END_S + 1, STEP_S)]
+    job = PROMETHEUS_JOBS[scenarios.tier]
     for case in scenarios.cases:
-        curves = {**baseline(), **case.series}
+        curves = {**baseline(scenarios.tier), **case.series}
         input_series = [
-            {"series": _with_target_labels(sel), "values": encode([curve(t) for t in times])}
+            {"series": _with_target_labels(sel, job), "values": encode([curve(t) for t in times])}
             for sel, curve in curves.items()
         ]
         fire = case.onset_s + for_s
@@ -484,7 +602,7 @@ HEADER = (
 def unit_test_files(runbook_pattern: str = DEFAULT_PATTERN) -> dict[Path, str]:
     """{path: text} of every promtool test file (the rules' runbook links from ``runbook_pattern``)."""
     out: dict[Path, str] = {}
-    for scenarios in SCENARIOS:
+    for scenarios in ALL_SCENARIOS:
         path = TESTS_DIR / f"{scenarios.alertname.lower()}.test.yml"
         body = yaml.safe_dump(
             unit_test_document(scenarios, runbook_pattern), sort_keys=False, width=1000, allow_unicode=True

@@ -151,8 +151,8 @@ def test_a_series_absent_from_the_latest_scrape_is_stale_like_in_prometheus() ->
     # in PromQL), only the NoData verdict
     eng.add(snapshot(70.0, first=70.0, omit=("vllm:num_requests_waiting",)), "x")
     frame = _frame(eng, 70.0)
-    assert frame.values["data_missing"] == 1.0
-    assert all(v is None for k, v in frame.values.items() if k != "data_missing")
+    assert frame.values["data_missing"] == frame.values["vllm_data_missing"] == 1.0
+    assert all(v is None for k, v in frame.values.items() if k not in ("data_missing", "vllm_data_missing"))
 
 
 def test_queue_littles_law_counts_the_proxy_queue_and_only_created_executions() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -11,29 +12,64 @@ from detector.thresholds import (
     ALERTS,
     ALERTS_BY_NAME,
     CAUSES_TEMPLATE,
+    TIERS,
     All,
     AnyOf,
     Cmp,
+    Tier,
     alert_expr,
     holds,
     leaves,
     promql_template,
+    tier_rules,
 )
+from exporter import metricnames as mn
 
 EXPECTED = {
-    "VLLMMetastableRetryLoop": "critical",
-    "VLLMBacklogBeyondDeadline": "warning",
-    "VLLMExecutionsAboveCapacity": "warning",
-    "VLLMRetryAmplification": "warning",
-    "VLLMOrphanedExecutions": "warning",
-    "VLLMPromptTokensUncounted": "warning",
-    "VLLMCallsNotDeliveredInTime": "critical",
-    "VLLMRetrywatchNoData": "warning",
+    "VLLMMetastableRetryLoop": ("critical", "cause", "proxy"),
+    "VLLMBacklogBeyondDeadline": ("warning", "cause", "proxy"),
+    "VLLMExecutionsAboveCapacity": ("warning", "cause", "proxy"),
+    "VLLMRetryAmplification": ("warning", "cause", "proxy"),
+    "VLLMOrphanedExecutions": ("warning", "cause", "proxy"),
+    "VLLMPromptTokensUncounted": ("warning", "cause", "proxy"),
+    "VLLMCallsNotDeliveredInTime": ("critical", "symptom", "proxy"),
+    "VLLMRetrywatchNoData": ("warning", "data", "proxy"),
+    "VLLMRetryLoopSuspected": ("critical", "cause", "vllm"),
+    "VLLMQueueBeyondDeadline": ("warning", "cause", "vllm"),
+    "VLLMRequestsNotAnsweredInTime": ("critical", "symptom", "vllm"),
+    "VLLMTierNoData": ("warning", "data", "vllm"),
 }
 
 
-def test_every_alert_of_the_issue_is_defined_with_its_severity() -> None:
-    assert {a.name: a.severity for a in ALERTS} == EXPECTED
+def test_every_alert_of_the_issue_is_defined_with_its_severity_kind_and_tier() -> None:
+    assert {a.name: (a.severity, a.kind, a.tier) for a in ALERTS} == EXPECTED
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_tier_evaluates_its_own_alerts_with_the_signals_of_its_tier(tier: Tier) -> None:
+    rules = tier_rules(tier)
+    # the proxy tier's detector evaluates every alert (the proxy passes vLLM's series through)
+    assert {r.name for r in rules} == {n for n, e in EXPECTED.items() if tier == "proxy" or e[2] == tier}
+    assert sum(r.kind == "data" for r in rules) == (1 if tier == "vllm" else 2)
+    for rule in ALERTS:
+        if rule.tier == tier:
+            assert {SIGNALS_BY_NAME[name].tier for name in rule.signals()} == {tier}, rule.name
+
+
+def test_the_vllm_tiers_rules_read_vllms_series_and_the_stated_numbers_alone() -> None:
+    """A Prometheus that scrapes only vLLM evaluates the vLLM tier's group: its rules read vLLM's
+    series, its own records, and the two numbers the operator states, nothing of the proxy's."""
+    own = {name for name, _ in recording_rules("vllm")}
+    proxy_records = {name for name, _ in recording_rules("proxy")}
+    stated = (mn.CAPACITY, mn.CLIENT_DEADLINE)
+    for name, expr in recording_rules("vllm"):
+        for series in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
+            assert series not in proxy_records, (name, series)
+            if series.startswith("retrywatch_"):
+                assert series in stated, (name, series)
+            if series.startswith("instance:"):
+                assert series in own, (name, series)
+    assert 'up{job="vllm"}' in dict(recording_rules("vllm"))[RECORD_NAMES["vllm_data_missing"]]
 
 
 @pytest.mark.parametrize("rule", ALERTS, ids=lambda r: r.name)
@@ -66,15 +102,16 @@ def test_alert_expressions_use_the_recorded_signals() -> None:
     expr = alert_expr(ALERTS_BY_NAME["VLLMMetastableRetryLoop"])
     assert expr.startswith("(instance:retrywatch_creation_capacity:ratio1m >= 1)")
     assert " or " in expr and " and " in expr
-    records = [name for name, _ in recording_rules()]
+    records = [name for tier in TIERS for name, _ in recording_rules(tier)]
     assert len(records) == len(set(records))
     for rule in ALERTS:
         for leaf in leaves(rule.condition):
             assert RECORD_NAMES[leaf.signal] in alert_expr(rule)
-    # each recording rule reads only raw series or rules recorded before it
-    seen: set[str] = set()
-    for name, expr in recording_rules():
-        for other in records:
-            if other in expr and other != name:
-                assert other in seen, f"{name} reads {other} before it is recorded"
-        seen.add(name)
+    # each recording rule reads only raw series or rules recorded before it in its own group
+    for tier in TIERS:
+        seen: set[str] = set()
+        for name, expr in recording_rules(tier):
+            for other in records:
+                if re.search(rf"{re.escape(other)}\b", expr) and other != name:
+                    assert other in seen, f"{name} reads {other} before it is recorded"
+            seen.add(name)

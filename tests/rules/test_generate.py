@@ -15,9 +15,31 @@ from rules.backfill import parse_duration
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _groups() -> list[dict]:
+    return yaml.safe_load(generate.RULES_PATH.read_text(encoding="utf-8"))["groups"]
+
+
 def _rules() -> list[dict]:
-    doc = yaml.safe_load(generate.RULES_PATH.read_text(encoding="utf-8"))
-    return doc["groups"][0]["rules"]
+    return [rule for group in _groups() for rule in group["rules"]]
+
+
+def test_a_group_per_tier_with_its_own_alerts_and_records() -> None:
+    groups = {g["name"]: g["rules"] for g in _groups()}
+    assert list(groups) == list(generate.GROUP_NAMES.values())
+    for tier, name in generate.GROUP_NAMES.items():
+        alerts = [r["alert"] for r in groups[name] if "alert" in r]
+        assert alerts[: len([a for a in ALERTS if a.tier == tier])] == [
+            a.name for a in ALERTS if a.tier == tier
+        ]
+    # vLLM's group reads vLLM's series and the two stated numbers, nothing else of the proxy's
+    vllm_exprs = " ".join(r["expr"] for r in groups[generate.GROUP_NAMES["vllm"]])
+    assert set(re.findall(r"(?<![:\w])retrywatch_[a-z_]+", vllm_exprs)) == {
+        "retrywatch_capacity_calls_per_second",
+        "retrywatch_client_deadline_seconds",
+    }
+    proxy_records = {r["record"] for r in groups[generate.GROUP_NAMES["proxy"]] if "record" in r}
+    assert not any(record in vllm_exprs for record in proxy_records)
+    assert generate.group_job(generate.GROUP_NAMES["vllm"]) == "vllm"
 
 
 def test_committed_files_are_what_the_definitions_generate() -> None:
@@ -78,18 +100,19 @@ def test_recording_rules_are_named_level_metric_operations() -> None:
         assert re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", name), name
 
 
-def test_one_group_recording_rules_before_the_alerts() -> None:
-    rules = _rules()
-    kinds = ["record" if "record" in r else "alert" for r in rules]
-    assert kinds == sorted(kinds, key=lambda k: k != "record")
-    defined: set[str] = set()
-    for rule in rules:  # Prometheus evaluates a group in order: read only what is already recorded
-        used = set(re.findall(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+\b", rule["expr"]))
-        assert used <= defined, (
-            f"{rule.get('record', rule.get('alert'))} reads {used - defined} before it is defined"
-        )
-        if "record" in rule:
-            defined.add(rule["record"])
+def test_each_group_recording_rules_before_the_alerts() -> None:
+    for group in _groups():
+        rules = group["rules"]
+        kinds = ["record" if "record" in r else "alert" for r in rules]
+        assert kinds == sorted(kinds, key=lambda k: k != "record")
+        defined: set[str] = set()
+        for rule in rules:  # a group is evaluated in order: read only what it already recorded
+            used = set(re.findall(r"\b[a-z_]+:[a-z0-9_]+:[a-z0-9_]+\b", rule["expr"]))
+            assert used <= defined, (
+                f"{rule.get('record', rule.get('alert'))} reads {used - defined} before it is defined"
+            )
+            if "record" in rule:
+                defined.add(rule["record"])
 
 
 @pytest.mark.parametrize(
@@ -127,8 +150,8 @@ def test_expanding_notation_round_trips(values: list[float]) -> None:
 
 
 def test_every_alert_has_a_promtool_scenario_on_the_evaluation_grid() -> None:
-    assert [s.alertname for s in unittests.SCENARIOS] == [a.name for a in ALERTS]
-    for scenarios in unittests.SCENARIOS:
+    assert sorted(s.alertname for s in unittests.ALL_SCENARIOS) == sorted(a.name for a in ALERTS)
+    for scenarios in unittests.ALL_SCENARIOS:
         for case in scenarios.cases:
             assert case.onset_s % unittests.STEP_S == 0 and case.clear_s % unittests.STEP_S == 0
             assert unittests.CHANGE_S <= case.onset_s < case.clear_s <= unittests.END_S
@@ -147,7 +170,10 @@ def test_the_runbook_links_follow_the_one_option(tmp_path: Path) -> None:
     wiki = "https://wiki.example/retrywatch#{alert}"
     documents = generate.rule_documents(wiki)
     links = {
-        r["alert"]: r["annotations"]["runbook_url"] for r in documents["groups"][0]["rules"] if "alert" in r
+        r["alert"]: r["annotations"]["runbook_url"]
+        for g in documents["groups"]
+        for r in g["rules"]
+        if "alert" in r
     }
     assert links == {
         a.name: f"https://wiki.example/retrywatch#{a.name}" for a in (*ALERTS, *PROMETHEUS_ALERTS)

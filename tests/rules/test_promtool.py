@@ -33,7 +33,7 @@ def test_check_rules(promtool: str) -> None:
 
 def test_a_test_file_per_alert() -> None:
     assert [p.name for p in TEST_FILES] == sorted(
-        f"{s.alertname.lower()}.test.yml" for s in unittests.SCENARIOS
+        f"{s.alertname.lower()}.test.yml" for s in unittests.ALL_SCENARIOS
     )
 
 
