@@ -43,11 +43,13 @@ class Prometheus:
     vllm_instance: str
 
     def firing(self, start: float, end: float) -> list[dict[str, Any]]:
-        """Every alert series firing at some evaluation in [start, end] (Unix seconds): its labels
-        and its first and last firing sample, in seconds after ``start``."""
+        """Every alert series firing at some evaluation in [start, end] (Unix seconds): its name,
+        instance and target (vLLM scraped directly, or a proxy), and its first and last firing
+        sample, in seconds after ``start``. Alerts carry no ``job`` (the rules aggregate by
+        instance): vLLM's instance tells them apart."""
         answer = httpx.get(
             f"{self.url}/api/v1/query_range",
-            params={"query": 'ALERTS{alertstate="firing"}', "start": start, "end": end, "step": "0.5s"},
+            params={"query": 'ALERTS{alertstate="firing"}', "start": start, "end": end, "step": 0.5},
             timeout=30,
         )
         answer.raise_for_status()
@@ -58,8 +60,9 @@ class Prometheus:
             out.append(
                 {
                     "alertname": labels["alertname"],
-                    "job": labels.get("job", ""),
                     "instance": labels.get("instance", ""),
+                    # whose scrape it fired on: vLLM's own (the vLLM tier's job) or a proxy's
+                    "target": "vllm" if labels.get("instance") == self.vllm_instance else "proxy",
                     "first_firing_s": round(min(times) - start, 3),
                     "last_firing_s": round(max(times) - start, 3),
                 }

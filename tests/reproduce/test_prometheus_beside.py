@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from detector.signals import PROMETHEUS_JOBS
+from detector.thresholds import VLLM_TIER_NO_DATA
 from exporter import metricnames as mn
 from tests.reproduce.prometheus_beside import prometheus_beside
 
@@ -72,9 +73,16 @@ def test_vllm_names_come_back_and_the_stated_numbers_are_series(engine: str, tmp
             time.sleep(0.5)
         assert waiting and waiting[0]["value"][1] == "7"  # type: ignore[index]
         assert _query(prometheus.url, '{__name__=~"vllm_.*"}') == []
-        stated = _query(prometheus.url, f"{mn.CAPACITY} or {mn.CLIENT_DEADLINE}")
+        stated = _query(prometheus.url, f'{{__name__=~"{mn.CAPACITY}|{mn.CLIENT_DEADLINE}"}}')
         assert {(s["metric"]["__name__"], s["metric"]["instance"], s["value"][1]) for s in stated} == {  # type: ignore[index]
             (mn.CAPACITY, prometheus.vllm_instance, "2.5"),
             (mn.CLIENT_DEADLINE, prometheus.vllm_instance, "12"),
         }
-        assert prometheus.firing(time.time() - 5, time.time()) == []  # an idle engine: nothing fires
+        # An engine with none of vLLM's counters: the vLLM tier says it lacks the data, at K.
+        start, firing = time.time(), []
+        while time.time() < start + 20 and not firing:
+            time.sleep(0.5)
+            firing = prometheus.firing(start - 10, time.time())
+        assert [(a["alertname"], a["target"], a["instance"]) for a in firing] == [
+            (VLLM_TIER_NO_DATA.name, "vllm", prometheus.vllm_instance)
+        ]

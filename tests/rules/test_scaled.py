@@ -30,19 +30,21 @@ def test_every_range_subquery_and_offset_is_divided() -> None:
 
 def test_the_scaled_rules_keep_every_threshold_and_divide_every_duration() -> None:
     plain, scaled = rule_documents(), scaled_documents(10.0)
-    (group,), (scaled_group,) = plain["groups"], scaled["groups"]
-    assert parse_duration(scaled_group["interval"]) == pytest.approx(parse_duration(group["interval"]) / 10)
-    assert len(group["rules"]) == len(scaled_group["rules"])
-    for rule, other in zip(group["rules"], scaled_group["rules"], strict=True):
-        for key in ("for", "keep_firing_for"):
-            if key in rule:
-                assert parse_duration(other[key]) == pytest.approx(parse_duration(rule[key]) / 10)
-        old, new = RANGES.findall(rule["expr"]), RANGES.findall(other["expr"])
-        assert [parse_duration(n) for n in new] == pytest.approx([parse_duration(o) / 10 for o in old])
-        # outside its durations and the vLLM tier's deadline, the expression is the same
-        assert RANGES.sub("[]", at_deadline(rule["expr"], DEFAULT_DEADLINE_S / 10)) == RANGES.sub(
-            "[]", other["expr"]
+    assert len(plain["groups"]) == len(scaled["groups"]) > 1  # every tier's group
+    for group, scaled_group in zip(plain["groups"], scaled["groups"], strict=True):
+        assert parse_duration(scaled_group["interval"]) == pytest.approx(
+            parse_duration(group["interval"]) / 10
         )
+        assert len(group["rules"]) == len(scaled_group["rules"])
+        for rule, other in zip(group["rules"], scaled_group["rules"], strict=True):
+            for key in ("for", "keep_firing_for"):
+                if key in rule:
+                    assert parse_duration(other[key]) == pytest.approx(parse_duration(rule[key]) / 10)
+            old, new = RANGES.findall(rule["expr"]), RANGES.findall(other["expr"])
+            assert [parse_duration(n) for n in new] == pytest.approx([parse_duration(o) / 10 for o in old])
+            # outside its durations and the vLLM tier's deadline, the expression is the same
+            at_k = at_deadline(rule["expr"], DEFAULT_DEADLINE_S / 10)
+            assert RANGES.sub("[]", at_k) == RANGES.sub("[]", other["expr"])
     assert lookback_delta(10.0) == "30s"
 
 
