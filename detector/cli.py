@@ -1,5 +1,11 @@
 """``retrywatch detect``: run the detector on a proxy, a Prometheus, or a replayed run.
 
+``--tier`` says what the sources export (``detector.signals.Tier``): ``proxy`` (the default),
+proxies' ``/metrics``, which pass vLLM's series through, so every alert is evaluated; ``vllm``,
+vLLM's own ``/metrics`` with no proxy: only the vLLM tier's alerts, so no instance raises the
+proxy tier's NoData for series it never had. The choice is explicit, not guessed per instance: a
+proxy that stops exporting its series is a NoData, not a quiet fall back to the vLLM tier.
+
 Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
 (e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``, ``RETRYWATCH_TIME_SCALE``).
 
@@ -20,7 +26,8 @@ import click
 
 from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
-from detector.signals import MAX_INSTANCES
+from detector.signals import DEFAULT_DEADLINE_S, MAX_INSTANCES, PROMETHEUS_JOBS, TIERS, Tier
+from detector.thresholds import tier_rules
 from exporter.cli import FiniteFloatRange, listen_host
 from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.redact import redact_url
@@ -39,7 +46,17 @@ def _env(name: str) -> str:
     "exporters",
     multiple=True,
     envvar=_env("EXPORTER"),
-    help="A proxy's /metrics URL to scrape (repeatable).",
+    help="A proxy's /metrics URL to scrape (repeatable); with --tier vllm, vLLM's own.",
+)
+@click.option(
+    "--tier",
+    type=click.Choice(TIERS),
+    default="proxy",
+    show_default=True,
+    envvar=_env("TIER"),
+    help="What the sources export: vllm (vLLM's own /metrics, no proxy: only the vLLM tier's "
+    "alerts, its NoData on vLLM's series; --prometheus reads job "
+    f'"{PROMETHEUS_JOBS["vllm"]}"), or proxy (every alert).',
 )
 @click.option("--prometheus", envvar=_env("PROMETHEUS"), help="Prometheus (or compatible) base URL.")
 @click.option(
@@ -86,14 +103,16 @@ def _env(name: str) -> str:
     "--capacity",
     type=FiniteFloatRange(min=0.0, min_open=True),
     envvar=_env("CAPACITY"),
-    help="Ĉ in calls/s (default: the proxy's gauge, else estimated online).",
+    help="Ĉ in calls/s (default: the proxy's gauge, else estimated online from the finish rate "
+    "while the queue never empties).",
 )
 @click.option(
     "--deadline",
     type=FiniteFloatRange(min=0.0, min_open=True),
     envvar=_env("DEADLINE"),
-    help="Client deadline in s (default: the proxy's gauge). Only a proxy given its deadline counts "
-    "the calls that miss it (the symptom alert's data).",
+    help="Client deadline in s (default: the proxy's gauge; the vLLM tier: else "
+    f"{DEFAULT_DEADLINE_S:g}). Only a proxy given its deadline counts the calls that miss it (the "
+    "proxy tier's symptom alert's data).",
 )
 @click.option(
     "--max-engines",
@@ -121,6 +140,7 @@ def _env(name: str) -> str:
 @log_options
 def detect(
     exporters: tuple[str, ...],
+    tier: Tier,
     prometheus: str | None,
     replay: Path | None,
     replay_speed: float,
@@ -169,7 +189,9 @@ def detect(
         elif prometheus:
             from detector.sources.prometheus import PrometheusSource
 
-            source = PrometheusSource(prometheus, step_s=interval, max_engines=max_engines)
+            source = PrometheusSource(
+                prometheus, job=PROMETHEUS_JOBS[tier], step_s=interval, max_engines=max_engines
+            )
         else:
             assert replay is not None
             probe = ReplaySource(replay)
@@ -214,6 +236,7 @@ def detect(
         store,
         notifiers=notifiers,
         config=config,
+        rules=tier_rules(tier),
         runbook_pattern=pattern,
         max_engines=max_engines,
         lease=lease,
@@ -222,7 +245,7 @@ def detect(
     app = create_app(detector)
     announce(
         f"retrywatch detector on {base_url(host, port)} (/alerts, /episodes, /runbook, /metrics) "
-        f"reading {_source_text(source.name, exporters, prometheus, replay)}; "
+        f"reading {_source_text(source.name, exporters, prometheus, replay, tier)}; "
         f"episodes in {redact_url(db)}; runbook links {pattern}"
     )
     if replay_source is not None:
@@ -239,9 +262,12 @@ def detect(
         store.close()
 
 
-def _source_text(name: str, exporters: tuple[str, ...], prometheus: str | None, replay: Path | None) -> str:
+def _source_text(
+    name: str, exporters: tuple[str, ...], prometheus: str | None, replay: Path | None, tier: Tier
+) -> str:
     if exporters:
-        return "the proxies " + ", ".join(redact_url(u) for u in exporters)
+        what = "the proxies " if tier == "proxy" else "vLLM's own metrics at "
+        return what + ", ".join(redact_url(u) for u in exporters)
     if prometheus:
         return f"Prometheus {redact_url(prometheus)}"
     return f"{name} of {replay}"

@@ -576,32 +576,41 @@ def _vllm_ratio_specs() -> list[SignalSpec]:
 
 def _vllm_error_promql(window: str) -> str:
     """The vLLM tier's delivery error ratio over ``window``: 1 − (share of finishes within the
-    deadline) × (share of admitted prompt tokens that finished, at most 1), as
+    deadline) × (prompt tokens that reached their first token over those admitted, at most 1), as
     :func:`vllm_delivery_error` computes it; absent when nothing was admitted nor finished."""
     in_time = _sum_rate(_E2E_BUCKET, window, _IN_TIME)
     count = _sum_rate(_E2E_COUNT, window)
     admitted = _sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, window)
-    finished_tokens = _sum_rate(_PROMPT_SUM, window)
-    answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0)"
-    kept = f"(clamp_max({finished_tokens} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
+    started = _sum_rate(mn.VLLM_PROMPT_TOKENS, window)
+    answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0 unless on (instance) {count} > 0)"
+    kept = f"(clamp_max({started} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
     return _vj(f"1 - {answered} * {kept}")
 
 
 def vllm_delivery_error(
-    in_time: float | None, count: float | None, admitted: float | None, finished_tokens: float | None
+    in_time: float | None, count: float | None, admitted: float | None, started: float | None
 ) -> float | None:
     """The vLLM tier's delivery error ratio from the rates over one window (see
     :func:`_vllm_error_promql`): a request not answered in time is one that finished later than
-    the deadline, or one admitted that never finished (its client left: vLLM drops it unrecorded,
-    so only its prompt tokens, counted at admission, show it)."""
-    if in_time is not None and count is not None and count > 0:
+    the deadline, or one admitted that never reached its first token (its client left: vLLM
+    drops it unrecorded, so only its prompt tokens, counted at admission, show it; a prompt is
+    counted again at its first token, a prefill later).
+
+    NOTE: prompt tokens at the first token, not those of finished requests: a request's decode
+    lasts tens of seconds, so over a minute the finished ones lag the admitted ones by a share
+    that swings with every change of load (on the training runs that alone read as a burn above
+    3 at start and after pulses), while a prefill lasts a second or two. Requests aborted during
+    their decode are left out, and so are those abandoned before admission: vLLM counts neither."""
+    if count is not None and count > 0:
+        if in_time is None:
+            return None  # no bucket at the deadline: finishes in time cannot be told
         answered = in_time / count
     elif admitted is not None and admitted > 0:
-        answered = 0.0
+        answered = 0.0  # nothing finished while requests were admitted
     else:
         return None
-    if finished_tokens is not None and admitted is not None and admitted > 0:
-        kept = min(1.0, finished_tokens / admitted)
+    if started is not None and admitted is not None and admitted > 0:
+        kept = min(1.0, started / admitted)
     elif count is not None and count > 0:
         kept = 1.0
     else:
@@ -618,7 +627,7 @@ def _vllm_slo_specs() -> list[SignalSpec]:
                 f"vllm_delivery_error_ratio_{span}",
                 "ratio",
                 f"Share of vLLM's requests over {window} not answered within the deadline: finished "
-                "late, or admitted and never finished.",
+                "late, or admitted and dropped before their first token.",
                 ratio_record,
                 _vllm_error_promql(window),
                 "vllm",
@@ -1146,7 +1155,7 @@ class SignalEngine:
                 in_time(width),
                 rate("vllm_e2e_count", width),
                 rate("prefix_queries", width),
-                rate("vllm_finished_prompt_tokens", width),
+                rate("prompt_tokens", width),
             )
             v[f"vllm_delivery_error_ratio_{span}"] = errors
             v[f"vllm_delivery_burn_rate_{span}"] = (

@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -506,6 +506,38 @@ def _split_rules(doc: Mapping[str, Any]) -> tuple[str, float, list[dict[str, Any
 
 
 def evaluate_rules(
+    runs: Mapping[str, Sequence[Snapshot]],
+    rules_doc: Mapping[str, Any],
+    *,
+    job: str | Callable[[str], str] = "retrywatch",
+    lookback_delta_s: float | None = None,
+    promtool: str = "promtool",
+    prometheus: str = "prometheus",
+) -> dict[str, list[RunEpisode]]:
+    """Prometheus' verdict on runs: ``{instance: alert episodes}`` of every group of ``rules_doc``
+    (a parsed rule file) over each run's snapshots, in seconds from the run's start. ``job``: the
+    scrapes' job label, or a function of the group's name that gives it (each group's NoData
+    reads its own job's ``up``).
+
+    Groups read nothing of each other's records (``rules/generate.py``), so each is evaluated in
+    a Prometheus of its own, on its own evaluation grid (:func:`evaluate_group`)."""
+    out: dict[str, list[RunEpisode]] = {}
+    for group in rules_doc.get("groups") or []:
+        group_job = job(str(group["name"])) if callable(job) else job
+        verdict = evaluate_group(
+            runs,
+            {"groups": [group]},
+            job=group_job,
+            lookback_delta_s=lookback_delta_s,
+            promtool=promtool,
+            prometheus=prometheus,
+        )
+        for instance, episodes in verdict.items():
+            out.setdefault(instance, []).extend(episodes)
+    return {k: sorted(v, key=lambda e: (e.fired_at_s, e.alertname)) for k, v in out.items()}
+
+
+def evaluate_group(
     runs: Mapping[str, Sequence[Snapshot]],
     rules_doc: Mapping[str, Any],
     *,

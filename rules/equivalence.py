@@ -51,11 +51,12 @@ def python_verdict(series_path: Path) -> list[Key]:
 
 def prometheus_verdicts(runs: Mapping[str, Sequence[Snapshot]], rules_path: Path) -> dict[str, list[Key]]:
     from rules.backfill import evaluate_rules
+    from rules.generate import group_job
 
     doc = yaml.safe_load(rules_path.read_text(encoding="utf-8"))
     return {
         instance: sorted((e.alertname, e.fired_at_s, e.resolved_at_s) for e in episodes)
-        for instance, episodes in evaluate_rules(runs, doc).items()
+        for instance, episodes in evaluate_rules(runs, doc, job=group_job).items()
     }
 
 

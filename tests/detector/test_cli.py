@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -373,3 +374,63 @@ def test_an_ipv6_listener_announces_a_url_that_reaches_it(tmp_path: Path) -> Non
         proc.wait_ready(f"http://[::1]:{port}/healthz", timeout_s=30, poll_s=0.1)
     announced = log.read_text().split("retrywatch detector on ", 1)[1].split(" ", 1)[0]
     assert announced == f"http://[::1]:{port}"
+
+
+def _vllm_alone(case_name: str, time_scale: float, t0: float) -> Callable[[], str]:
+    """vLLM's own /metrics (no retrywatch series at all) along a vLLM-tier promtool scenario,
+    played ``time_scale`` times faster than written, from the monotonic time ``t0``."""
+    from rules import unittests
+
+    case = next(c for s in unittests.VLLM_SCENARIOS for c in s.cases if c.name == case_name)
+    snaps = unittests.case_snapshots(case, tier="vllm")
+
+    def body() -> str:
+        t = (time.monotonic() - t0) * time_scale
+        snap = snaps[min(len(snaps) - 1, int(t // unittests.STEP_S))]
+        # the counters scaled with the clock: a run K times faster finishes K times more per second
+        samples = [
+            (n, lb, v * time_scale if n.endswith(("_total", "_sum", "_count", "_bucket")) else v)
+            for n, lb, v in snap.samples
+            if not n.startswith("retrywatch_")
+        ]
+        return exposition(samples)
+
+    return body
+
+
+def test_on_vllm_alone_it_evaluates_the_vllm_tier_and_says_nothing_of_the_proxy(
+    tmp_path: Path, http_server: TestServer
+) -> None:
+    """``detect --exporter http://VLLM/metrics --tier vllm``: the queue beyond the deadline fires
+    from vLLM's series and the stated Ĉ alone; the proxy tier's NoData does not (with
+    ``--tier proxy`` it does); vLLM's scrape failing raises the vLLM tier's NoData."""
+    k = 200.0  # the 1000-s scenario in 5 s; Ĉ = 2/s written, so 400/s at this pace
+    http_server.body_fn = _vllm_alone(
+        "the waiting queue holds 1.25 deadlines of work while vLLM admits", k, time.monotonic()
+    )
+    port = free_port()
+    log = tmp_path / "detector.log"
+    args = [sys.executable, "-m", "retrywatch", "detect", "--exporter", http_server.url + "/metrics",
+            "--tier", "vllm", "--capacity", str(2 * k), "--time-scale", str(k), "--interval", "0.1",
+            "--db", f"sqlite:///{tmp_path / 'd.db'}", "--port", str(port)]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def names() -> set[str]:
+        return {e["alertname"] for e in httpx.get(f"{base}/episodes", timeout=2).json()["episodes"]}
+
+    with ManagedProcess(args, log_path=log, bound_s=None, name="detector"):
+        wait_until(lambda: "VLLMQueueBeyondDeadline" in names(), 30, "the vLLM tier's warning")
+        assert "reading vLLM's own metrics at " in log.read_text()
+        firing = {a["alertname"] for a in httpx.get(f"{base}/alerts", timeout=2).json()["alerts"]}
+        assert firing <= {"VLLMQueueBeyondDeadline"}
+        http_server.status = 500  # vLLM's /metrics fails
+        wait_until(lambda: "VLLMTierNoData" in names(), 30, "the vLLM tier's NoData")
+        assert names() == {"VLLMQueueBeyondDeadline", "VLLMTierNoData"}
+    # the same vLLM read as a proxy: the proxy tier's NoData fires for the series it lacks
+    http_server.status = 200
+    args[args.index("vllm")] = "proxy"
+    args[args.index(str(port))] = str(port2 := free_port())
+    args[args.index(f"sqlite:///{tmp_path / 'd.db'}")] = f"sqlite:///{tmp_path / 'p.db'}"
+    base = f"http://127.0.0.1:{port2}"
+    with ManagedProcess(args, log_path=tmp_path / "proxy.log", bound_s=None, name="detector"):
+        wait_until(lambda: "VLLMRetrywatchNoData" in names(), 30, "the proxy tier's NoData")

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from detector.signals import ALL_ENGINES, RAW_KEYS, SignalConfig, SignalEngine, split_snapshot
+from detector.signals import (
+    ALL_ENGINES,
+    RAW_KEYS,
+    SignalConfig,
+    SignalEngine,
+    deadline_bucket,
+    split_snapshot,
+)
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
 from tests.detector.factories import snapshot, steady
@@ -247,3 +254,116 @@ def test_no_call_judged_is_no_verdict_and_a_proxy_without_the_miss_counter_is_mi
     f = _frame(eng, 120.0)
     assert f.values["data_missing"] == 1.0 and mn.CALLS_MISSED_DEADLINE in f.missing
     assert f.values["delivery_error_ratio_short"] is None
+
+
+def _vllm_alone(
+    t: float,
+    *,
+    finished: float,
+    in_time: float,
+    admitted: float,
+    started: float,
+    waiting: float,
+    queued_s: float = 0.0,
+    late_le: str = "120.0",
+) -> Snapshot:
+    """One scrape of vLLM's own /metrics (no retrywatch series): cumulative ``finished``
+    requests, ``in_time`` of them within ``late_le``, prompt tokens ``admitted`` (prefix-cache
+    queries) and ``started`` (at the first token), 1000 per finished request."""
+    vl = {"engine": "0", "model_name": "m"}
+    return Snapshot(
+        t,
+        [
+            (mn.VLLM_NUM_WAITING, vl, waiting),
+            (mn.VLLM_NUM_RUNNING, vl, 8.0),
+            (mn.VLLM_REQUEST_SUCCESS, {**vl, "finished_reason": "length"}, finished),
+            (f"{mn.VLLM_E2E_LATENCY}_bucket", {**vl, "le": "60.0"}, 0.0),
+            (f"{mn.VLLM_E2E_LATENCY}_bucket", {**vl, "le": late_le}, in_time),
+            (f"{mn.VLLM_E2E_LATENCY}_bucket", {**vl, "le": "+Inf"}, finished),
+            (f"{mn.VLLM_E2E_LATENCY}_count", vl, finished),
+            (f"{mn.VLLM_QUEUE_TIME}_sum", vl, queued_s),
+            (f"{mn.VLLM_QUEUE_TIME}_count", vl, finished),
+            (f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum", vl, 1000 * finished),
+            (mn.VLLM_PREFIX_CACHE_QUERIES, vl, admitted),
+            (mn.VLLM_PROMPT_TOKENS, vl, started),
+        ],
+    )
+
+
+def _feed_vllm(eng: SignalEngine, t_end: float, **rates: float) -> None:
+    waiting = rates.pop("waiting")
+    t = 0.0
+    while t <= t_end:
+        eng.add(_vllm_alone(t, waiting=waiting, **{k: v * t for k, v in rates.items()}), "v")
+        t += 5.0
+
+
+def test_the_vllm_tier_from_vllms_series_alone_with_the_default_deadline() -> None:
+    """2 finishes/s at Ĉ = 2, half of them after the 120-s default deadline, queued 90 s each,
+    300 waiting: 1.25 deadlines of work; every admitted prompt reached its first token."""
+    eng = SignalEngine(SignalConfig(capacity=2.0))
+    _feed_vllm(eng, 400, finished=2, in_time=1, admitted=2000, started=2000, waiting=300, queued_s=180)
+    v = _frame(eng, 400.0).values
+    assert v["vllm_deadline"] == 120.0 and v["vllm_capacity"] == 2.0
+    assert v["vllm_finish_rate"] == pytest.approx(2.0)
+    assert v["vllm_finish_capacity_ratio"] == pytest.approx(1.0)
+    assert v["vllm_late_fraction"] == pytest.approx(0.5)
+    assert v["vllm_queue_deadline_ratio"] == pytest.approx(300 / 240)
+    assert v["vllm_queue_time_deadline_ratio"] == pytest.approx(90 / 120)
+    assert v["vllm_unfinished_fraction"] == pytest.approx(0.0)
+    assert v["vllm_delivery_error_ratio_short"] == pytest.approx(0.5)
+    assert v["vllm_delivery_burn_rate_long"] == pytest.approx(0.5 / 0.02)
+    assert v["vllm_data_missing"] == 0.0
+    # the proxy tier has nothing to read here, and says so; the vLLM tier does not
+    frame = _frame(eng, 400.0)
+    assert frame.values["data_missing"] == 1.0 and frame.missing_for("vllm") == ()
+
+
+def test_the_vllm_tier_counts_admitted_prompts_that_never_start_as_not_answered() -> None:
+    """Cancellation on, in the loop: vLLM admits 2000 prompt tokens/s, a tenth reach their first
+    token, nothing finishes: every admitted request is lost."""
+    eng = SignalEngine(SignalConfig(capacity=2.0))
+    _feed_vllm(eng, 400, finished=0, in_time=0, admitted=2000, started=200, waiting=400)
+    v = _frame(eng, 400.0).values
+    assert v["vllm_finish_capacity_ratio"] == 0.0
+    assert v["vllm_late_fraction"] is None  # nothing finished: no share of it is late
+    assert v["vllm_unfinished_fraction"] == pytest.approx(1.0)
+    assert v["vllm_delivery_error_ratio_short"] == pytest.approx(1.0)
+    # some finish, all in time, but 40 % of the admitted prompts never start
+    eng = SignalEngine(SignalConfig(capacity=2.0))
+    _feed_vllm(eng, 400, finished=1, in_time=1, admitted=2000, started=1200, waiting=0)
+    assert _frame(eng, 400.0).values["vllm_delivery_error_ratio_short"] == pytest.approx(0.4)
+
+
+def test_a_stated_deadline_picks_the_bucket_at_or_below_it_and_without_one_the_verdict_is_unknown() -> None:
+    assert deadline_bucket(120.0) == 120.0 and deadline_bucket(100.0) == 60.0
+    assert deadline_bucket(0.2) is None  # below vLLM's first bucket: finishes in time cannot be told
+    eng = SignalEngine(SignalConfig(capacity=2.0, deadline=100.0))
+    _feed_vllm(eng, 400, finished=2, in_time=1, admitted=2000, started=2000, waiting=0)
+    v = _frame(eng, 400.0).values
+    assert v["vllm_deadline"] == 100.0
+    assert v["vllm_late_fraction"] == pytest.approx(1.0)  # the 60-s bucket is empty
+    eng = SignalEngine(SignalConfig(capacity=2.0, deadline=0.2))
+    _feed_vllm(eng, 400, finished=2, in_time=1, admitted=2000, started=2000, waiting=0)
+    v = _frame(eng, 400.0).values
+    assert v["vllm_late_fraction"] is None and v["vllm_delivery_error_ratio_short"] is None
+
+
+def test_the_vllm_tiers_capacity_is_estimated_from_vllms_finishes_and_its_nodata_names_what_is_missing() -> (
+    None
+):
+    eng = SignalEngine(SignalConfig())
+    _feed_vllm(eng, 900, finished=3, in_time=3, admitted=3000, started=3000, waiting=5)
+    frame = _frame(eng, 900.0)
+    assert frame.values["vllm_capacity"] == pytest.approx(3.0)  # the queue never emptied
+    assert frame.values["vllm_data_missing"] == 0.0
+    eng.add(Snapshot(905.0, [s for s in _vllm_alone(905.0, finished=2715, in_time=2715, admitted=2715e3,
+                                                     started=2715e3, waiting=5).samples
+                             if not s[0].endswith("_count")]), "v")  # fmt: skip
+    frame = _frame(eng, 905.0)
+    assert frame.values["vllm_data_missing"] == 1.0
+    assert frame.missing_for("vllm") == (f"{mn.VLLM_E2E_LATENCY}_count",)
+    # never saturated and no Ĉ stated: the vLLM tier lacks Ĉ
+    eng = SignalEngine(SignalConfig())
+    _feed_vllm(eng, 300, finished=1, in_time=1, admitted=1000, started=1000, waiting=0)
+    assert _frame(eng, 300.0).missing_for("vllm") == ("capacity",)

@@ -140,11 +140,12 @@ def simulated_runs(out: Path) -> dict[str, list[Snapshot]]:
 
 def _runs(sim_dir: Path) -> dict[str, list[Snapshot]]:
     runs: dict[str, list[Snapshot]] = simulated_runs(sim_dir)
-    for scenarios in unittests.SCENARIOS:
-        if scenarios.alertname == "VLLMRetrywatchNoData":
+    for scenarios in unittests.ALL_SCENARIOS:
+        if scenarios.alertname in ("VLLMRetrywatchNoData", "VLLMTierNoData"):
             continue  # its scenario is a failed scrape, which a series of scrapes cannot hold
         for i, case in enumerate(scenarios.cases):
-            runs[f"scenario-{scenarios.alertname.lower()}-{i}"] = unittests.case_snapshots(case)
+            snaps = unittests.case_snapshots(case, tier=scenarios.tier)
+            runs[f"scenario-{scenarios.alertname.lower()}-{i}"] = snaps
     # vLLM's series vanish from the proxy's scrapes for 500 s: stale at once, NoData after its `for`.
     lost = unittests.case_snapshots(unittests.SCENARIOS[0].cases[0])
     runs[LOST] = [
@@ -187,7 +188,7 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory, promtool: str, prometheus
         write_series(path, snaps)
         python[slug] = sorted((e.alertname, e.started_at, e.resolved_at) for e in replay_run(path))
     doc = yaml.safe_load(generate.RULES_PATH.read_text(encoding="utf-8"))
-    prom = evaluate_rules(runs, doc, promtool=promtool, prometheus=prometheus_binary)
+    prom = evaluate_rules(runs, doc, job=generate.group_job, promtool=promtool, prometheus=prometheus_binary)
     prometheus: dict[str, list[Key]] = {
         slug: sorted((e.alertname, e.fired_at_s, e.resolved_at_s) for e in eps) for slug, eps in prom.items()
     }
@@ -232,6 +233,21 @@ def test_nodata_when_missed_deadlines_are_not_counted(verdicts: dict) -> None:
 
 def test_other_alerts_when_vllm_series_vanish(verdicts: dict) -> None:
     assert _match(verdicts["python"][LOST], verdicts["prometheus"][LOST]) == []
+
+
+def test_the_vllm_tier_sees_the_simulated_collapse_and_vllm_alone_in_both(verdicts: dict) -> None:
+    collapsed = next(slug for slug in verdicts["python"] if "retries-on-cancel-off" in slug)
+    recovered = next(slug for slug in verdicts["python"] if "retries-off-cancel-on" in slug)
+    for evaluator in ("python", "prometheus"):
+        names = {k[0] for k in verdicts[evaluator][collapsed]}
+        assert {"VLLMRetryLoopSuspected", "VLLMRequestsNotAnsweredInTime"} <= names, evaluator
+        assert "VLLMRetryLoopSuspected" not in {k[0] for k in verdicts[evaluator][recovered]}
+        # vLLM scraped alone: the vLLM tier's scenarios fire their alert, and its NoData stays quiet
+        for scenarios in unittests.VLLM_SCENARIOS[:3]:
+            fired = {k[0] for k in verdicts[evaluator][f"scenario-{scenarios.alertname.lower()}-0"]}
+            assert scenarios.alertname in fired and "VLLMTierNoData" not in fired, (evaluator, fired)
+    # vLLM's series vanish: the vLLM tier's NoData, in both
+    assert _only(verdicts["python"][LOST], "VLLMTierNoData")
 
 
 def test_the_runs_exercise_every_alert(verdicts: dict) -> None:
