@@ -704,6 +704,13 @@ SIGNALS: tuple[SignalSpec, ...] = (
 SIGNALS_BY_NAME: dict[str, SignalSpec] = {s.name: s for s in SIGNALS}
 
 
+def tier_signals(tier: Tier) -> tuple[SignalSpec, ...]:
+    """What a dashboard (or a detector) of ``tier`` can read: the vLLM tier's signals alone for
+    "vllm", every signal for "proxy" (a proxy passes vLLM's series through, so the vLLM tier's
+    rule group records its signals for a proxy's instance too)."""
+    return tuple(s for s in SIGNALS if tier == "proxy" or s.tier == tier)
+
+
 def _engine_info_promql() -> str:
     """One series per instance, labelled with its engine and model, for :func:`_j`'s joins. A
     data-parallel vLLM has one ``engine`` label per engine under one instance: that instance gets

@@ -389,16 +389,17 @@ NO_DATA = AlertRule(
 # queue draining: what tells the loop apart is a queue that holds well beyond one deadline's work.
 # Tuned on simulated training runs only (the paper block, seeds 4000-4002; see docs/results.md).
 
-# NOTE (tuning, the paper block's training runs of seeds 4000-4002, 189 runs, 77 in which the
-# proxy tier's VLLMMetastableRetryLoop fired): the queue in deadlines of work at Ĉ is what tells
-# the loop from a recovering engine. While the rest of a shape held, recovering runs' queues
-# were at most 0.95 deadlines (cancellation on: their queue had drained by the time finishes
-# stopped) and 1.24 (cancellation off: late finishes come one deadline after the pulse, while the
-# queue drains); looping runs' grow past 2. At 1.2 and 1.5 the alert fired in no recovering run
-# and in every run where VLLMMetastableRetryLoop fired and the queue was vLLM's (median 35 s
-# after it, within 90 s in all but two slow cancel-off loops, 2 x Ĉ pulses: 155-250 s). It cannot
-# see a loop held in a proxy's queue (a proxy cap, or a deadline check shedding at the proxy):
-# vLLM's queue stays short there, and the proxy tier's alerts are the ones that fire.
+# NOTE (tuning, on the paper block's simulated training runs of seeds 4000-4002 only: 207
+# runs, 125 recovering, 83 in which the proxy tier's VLLMMetastableRetryLoop fired): the queue in
+# deadlines of work at Ĉ is what tells the loop from a recovering engine. While the rest of a
+# shape held, recovering runs' queues were at most 0.95 deadlines (cancellation on: their queue
+# had drained by the time finishes stopped) and 1.24 (cancellation off: late finishes come one
+# deadline after the pulse, while the queue drains); looping runs' grow past 2. At 1.2 and 1.5
+# the alert fired in none of the recovering runs and in 73 of the 83, each 20-250 s after
+# VLLMMetastableRetryLoop (median 35 s). Of the 10 it missed, 6 held the loop in a proxy's queue
+# (a proxy cap, a deadline check: vLLM's own queue stays short, and only the proxy tier sees
+# it), 3 ran vLLM with a queue cap of 338 (Ĉ x deadline: its queue cannot exceed one deadline;
+# two of them recovered) and 1 was a slow 2 x Ĉ loop whose queue never passed 0.6 deadlines.
 VLLM_LOOP_QUEUE_CANCEL_ON = 1.2
 VLLM_LOOP_QUEUE_CANCEL_OFF = 1.5
 
@@ -454,7 +455,10 @@ VLLM_QUEUE_BEYOND_DEADLINE = AlertRule(
         "while it keeps admitting: a request queued now is abandoned (or answered late) before it "
         "finishes, and with retries on the engine tips into the retry loop."
     ),
-    # As the proxy tier's VLLMBacklogBeyondDeadline: one deadline of queued work at Ĉ.
+    # As the proxy tier's VLLMBacklogBeyondDeadline: one deadline of queued work at Ĉ, not tuned
+    # again. On the training runs (see the NOTE above) it fired in 73 of the 83 runs where
+    # VLLMMetastableRetryLoop fired, a median 110 s before it, and, as a warning before the
+    # collapse must, in 85 of the 125 that recovered.
     condition=All(
         (
             Cmp("vllm_queue_deadline_ratio", ">=", 1.0),

@@ -23,6 +23,11 @@ A replayed trace has no pulse: its run is aligned on the burst that started its 
 when nothing collapsed), which stands where a pulse run's pulse stands (the overload's own
 stretch, the lead after its end), and its windows are aligned to the run's start.
 
+Each tier of alerts (``AlertRule.tier``: what series an alert needs) is also scored side by side
+with the others: a tier's pages (its critical alerts of a kind, taken together as one alert) get
+the figures above, the runs they missed or fired in while the run recovered, and, against the tier
+that needs the most series, the runs where one tier's cause pages fired and the other's did not.
+
 Runs without their call records (``attempts.jsonl``) have no ground truth over time: cause
 alerts then fall back on the recovery verdict (a false positive fires before the pulse or after
 the recovery), and symptom alerts skip them.
@@ -38,7 +43,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,7 @@ from detector.rundir import (
     series_path,
 )
 from detector.signals import WINDOWS, Windows
-from detector.thresholds import ALERTS, ALERTS_BY_NAME, AlertKind
+from detector.thresholds import ALERTS, ALERTS_BY_NAME, TIERS, AlertKind, AlertRule
 from exporter import metricnames as mn
 from exporter.timeseries import read_series
 from reproduce.groundtruth import (
@@ -534,11 +539,6 @@ SCORERS: dict[str, Callable[[str, Sequence[RunResult]], dict[str, Any]]] = {
 }
 
 
-def default_kinds() -> dict[str, AlertKind]:
-    """Every alert of ``detector.thresholds`` by name, with its kind."""
-    return {rule.name: rule.kind for rule in ALERTS}
-
-
 def score_alert(alertname: str, results: Sequence[RunResult], kind: AlertKind = "cause") -> dict[str, Any]:
     """The per-alert figures of ``validation.json``, by the alert's kind."""
     return SCORERS[kind](alertname, results)
@@ -697,6 +697,128 @@ def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
     }
 
 
+# --- by tier ---------------------------------------------------------------------------------
+# Each tier's pages, side by side: the alerts a tier needs (``AlertRule.tier``: vLLM's series
+# alone, or the proxy's too) that page (critical), taken together per kind, scored as one alert.
+# The last tier of ``TIERS`` needs the most series and is the reference the others are held to.
+TIER_KINDS: tuple[AlertKind, ...] = ("cause", "symptom")  # a data alert is reported, not scored
+
+
+def tier_pages(rules: Sequence[AlertRule], alertnames: Sequence[str]) -> dict[str, dict[str, list[str]]]:
+    """Per tier (in ``TIERS`` order), per scored kind (cause, symptom), the names of the tier's
+    critical alerts among ``alertnames``; a tier or kind with none gets an empty list."""
+    wanted = set(alertnames)
+    return {
+        tier: {
+            kind: [
+                r.name
+                for r in rules
+                if r.name in wanted and r.tier == tier and r.kind == kind and r.severity == "critical"
+            ]
+            for kind in TIER_KINDS
+        }
+        for tier in TIERS
+    }
+
+
+def _union(firings: Sequence[Firing], label: str) -> list[Firing]:
+    """Overlapping or touching firings merged into one episode named ``label``."""
+    merged: list[Firing] = []
+    for f in sorted(firings, key=lambda f: f.fired_at_s):
+        last = merged[-1] if merged else None
+        if last is not None and (last.resolved_at_s is None or f.fired_at_s <= last.resolved_at_s):
+            end = (
+                None
+                if last.resolved_at_s is None or f.resolved_at_s is None
+                else max(last.resolved_at_s, f.resolved_at_s)
+            )
+            merged[-1] = replace(last, resolved_at_s=end)
+        else:
+            merged.append(Firing(label, f.fired_at_s, f.resolved_at_s, f.why, f.value))
+    return merged
+
+
+def as_one_alert(results: Sequence[RunResult], names: Sequence[str], label: str) -> list[RunResult]:
+    """The runs with only the firings of ``names``, merged into one alert named ``label``."""
+    return [
+        RunResult(
+            r.info, _union([f for f in r.firings if f.alertname in names], label), r.collapses, r.windows
+        )
+        for r in results
+    ]
+
+
+def _fired_from_pulse(r: RunResult, label: str) -> Firing | None:
+    return _first_after(_own(r, label), r.info.pulse_start_s)
+
+
+def score_tier_cause(names: Sequence[str], results: Sequence[RunResult]) -> dict[str, Any]:
+    """A tier's cause pages as one alert: :func:`score_cause`'s figures, and the runs that recover
+    in which it fired at all, and the runs that did not recover in which it never fired."""
+    label = " or ".join(names)
+    merged = as_one_alert(results, names, label)
+    scores = score_cause(label, merged)
+    scores["fired_in_recovered_runs"] = [r.info.slug for r in merged if r.info.recovered and _own(r, label)]
+    scores["missed_runs"] = [
+        r.info.slug for r in merged if not r.info.recovered and _fired_from_pulse(r, label) is None
+    ]
+    return scores
+
+
+def compare_to_reference(
+    names: Sequence[str], reference: Sequence[str], results: Sequence[RunResult]
+) -> dict[str, Any]:
+    """A tier's cause pages against the reference tier's, run by run (from the pulse's start on):
+    the runs where the reference fired and it did not, where it fired and the reference did not,
+    and in the runs where both fired, its first firing minus the reference's."""
+    own = as_one_alert(results, names, "own")
+    ref = as_one_alert(results, reference, "reference")
+    silent_where_fired: list[str] = []
+    fired_where_silent: list[str] = []
+    after_reference: list[float] = []
+    for mine, theirs in zip(own, ref, strict=True):
+        first, ref_first = _fired_from_pulse(mine, "own"), _fired_from_pulse(theirs, "reference")
+        if ref_first is not None and first is None:
+            silent_where_fired.append(mine.info.slug)
+        elif first is not None and ref_first is None:
+            fired_where_silent.append(mine.info.slug)
+        elif first is not None and ref_first is not None:
+            after_reference.append(first.fired_at_s - ref_first.fired_at_s)
+    return {
+        "silent_where_reference_fired": silent_where_fired,
+        "fired_where_reference_silent": fired_where_silent,
+        "after_reference_s": _stats(after_reference),
+    }
+
+
+def score_tiers(
+    results: Sequence[RunResult], rules: Sequence[AlertRule], alertnames: Sequence[str]
+) -> dict[str, Any]:
+    """Each tier's pages scored side by side (``validation.json``'s ``tiers``): per tier, its
+    cause pages as one alert (:func:`score_tier_cause`) and against the reference tier's
+    (:func:`compare_to_reference`), its symptom pages as one alert (:func:`score_symptom`)."""
+    pages = tier_pages(rules, alertnames)
+    reference = TIERS[-1]
+    out: dict[str, Any] = {}
+    for tier, kinds in pages.items():
+        cause, symptom = kinds["cause"], kinds["symptom"]
+        label = " or ".join(symptom)
+        out[tier] = {
+            "cause": {"alerts": cause, **score_tier_cause(cause, results)} if cause else None,
+            "symptom": (
+                {"alerts": symptom, **score_symptom(label, as_one_alert(results, symptom, label))}
+                if symptom
+                else None
+            ),
+            "against_reference": (
+                compare_to_reference(cause, pages[reference]["cause"], results)
+                if cause and tier != reference and pages[reference]["cause"]
+                else None
+            ),
+        }
+    return {"reference": reference, "tiers": out}
+
+
 def _ground_truth_summary(results: Sequence[RunResult]) -> dict[str, Any]:
     judged = [r for r in results if r.collapses is not None]
     disagree = [
@@ -720,20 +842,36 @@ def build_report(
     results: Sequence[RunResult],
     alertnames: Sequence[str],
     kinds: Mapping[str, AlertKind] | None = None,
+    rules: Sequence[AlertRule] = ALERTS,
 ) -> dict[str, Any]:
     """The whole ``validation.json`` document (``kinds``: each alert's kind, by default those of
-    ``detector.thresholds``; an alert it does not name is scored as a cause)."""
-    kinds = default_kinds() if kinds is None else kinds
+    ``rules``; an alert it does not name is scored as a cause; ``rules`` also give each alert's
+    tier and severity for the tiers' pages, :func:`score_tiers`)."""
+    kinds = {r.name: r.kind for r in rules} if kinds is None else kinds
+    tiers = {r.name: r.tier for r in rules}
 
     def scores(subset: Sequence[RunResult]) -> dict[str, Any]:
-        return {name: score_alert(name, subset, kinds.get(name, "cause")) for name in alertnames}
+        return {
+            name: {**score_alert(name, subset, kinds.get(name, "cause")), "tier": tiers.get(name)}
+            for name in alertnames
+        }
 
     blocks = list(dict.fromkeys(r.info.block for r in results))
     return {
         "alerts": scores(results),
+        "tiers": score_tiers(results, rules, alertnames),
+        "tiers_by_condition": {
+            c: score_tiers(subset, rules, alertnames)
+            for c in dict.fromkeys(r.info.condition for r in results)
+            if (subset := [r for r in results if r.info.condition == c])
+        },
         "ground_truth": _ground_truth_summary(results),
         "by_block": {
-            b: {"ground_truth": _ground_truth_summary(subset), "alerts": scores(subset)}
+            b: {
+                "ground_truth": _ground_truth_summary(subset),
+                "alerts": scores(subset),
+                "tiers": score_tiers(subset, rules, alertnames),
+            }
             for b in blocks
             if (subset := [r for r in results if r.info.block == b])
         },
@@ -952,8 +1090,124 @@ def summary_markdown(report: Mapping[str, Any]) -> list[str]:
         "its lead is after the pulse's end; a symptom alert's recall is over the collapses and its "
         f"lead after each collapse began. {NA}: nothing to measure in that block.",
         "",
+        *tiers_markdown(report),
     ]
     return lines
+
+
+def _tier_row(label: str, tier: str, scores: Mapping[str, Any]) -> str:
+    cause, symptom, ref = scores["cause"], scores["symptom"], scores["against_reference"]
+    cells = [label, tier]
+    if cause is None:
+        cells += ["no critical cause alert"] + [NA] * 9
+    else:
+        cells += [
+            f"{_share(cause['recall'])} of {cause['runs_not_recovered']}",
+            f"{_share(cause['recall_metastable'])} of {cause['runs_metastable']}",
+            str(cause["false_positive_runs"]),
+            f"{len(cause['fired_in_recovered_runs'])} of {cause['runs_recovered']}",
+            _pair(cause["lead_time_s"]),
+            _pair(cause["lead_after_metastable_s"]),
+            str(len(cause["missed_runs"])),
+        ]
+        if ref is None:
+            cells += [NA, NA]
+        else:
+            cells += [
+                f"{len(ref['silent_where_reference_fired'])} · {len(ref['fired_where_reference_silent'])}",
+                _pair(ref["after_reference_s"]),
+            ]
+    if symptom is None:
+        cells += ["no critical symptom alert", NA, NA]
+    else:
+        cells += [
+            f"{_share(symptom['recall'])} of {symptom['collapses']}",
+            str(symptom["false_positive_runs"]),
+            _pair(symptom["lead_time_s"]),
+        ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def tiers_markdown(report: Mapping[str, Any]) -> list[str]:
+    """The tiers' pages side by side, over every run and per block, with a legend and the runs
+    where a tier's cause pages part from the reference tier's."""
+    whole = report["tiers"]
+    reference = whole["reference"]
+    lines = [
+        "## By tier",
+        "",
+        "Each tier's pages (its critical alerts) side by side; a tier's alerts need only its own series "
+        f"(`AlertRule.tier`), and the reference is the tier that needs the most, {reference}.",
+        "",
+    ]
+    for tier, scores in whole["tiers"].items():
+        for kind in TIER_KINDS:
+            named = (scores[kind] or {}).get("alerts") or []
+            lines.append(f"- {tier}, {kind}: {', '.join(named) if named else 'none'}")
+    lines += [
+        "",
+        "| block | tier | recall | over metastable collapses | false-positive runs "
+        "| recovering runs it fired in | lead after the pulse's end, median / max (s) "
+        "| after the collapse turned metastable, median / max (s) | missed runs "
+        f"| silent where {reference} fired · fired where it was silent "
+        f"| after {reference}'s first firing, median / max (s) "
+        "| symptom: recall over collapses | symptom: false-positive runs "
+        "| symptom: after the collapse began, median / max (s) |",
+        "| " + " | ".join("---" for _ in range(15)) + " |",
+    ]
+    for label, block in [("all runs", whole), *((b, s["tiers"]) for b, s in report["by_block"].items())]:
+        lines += [_tier_row(label, tier, scores) for tier, scores in block["tiers"].items()]
+    lines += [
+        "",
+        "- The tier's cause pages are taken together as one alert (a firing of any of them), as are its "
+        "symptom pages; each figure is the one of the tables above: **recall** over the runs that did "
+        "not recover, **over metastable collapses** over the runs with one, **false-positive runs** "
+        "firing outside every collapse and the overload's own stretch, **lead** after the pulse's end.",
+        "- **recovering runs it fired in**: runs that recovered in which it fired at any time (inside "
+        "their collapse or not); **missed runs**: runs that did not recover in which it never fired from "
+        "the pulse's start on.",
+        f"- **silent where {reference} fired · fired where it was silent**: runs, from the pulse's start "
+        f"on, where one tier's cause pages fired and the other's did not; **after {reference}'s first "
+        f"firing**: in the runs where both fired, its first firing minus {reference}'s (negative: sooner).",
+        f"- {NA}: no run to measure it on, or the tier has no such page.",
+        "",
+    ]
+    tiers = list(whole["tiers"])
+    lines += [
+        "By condition (every block's runs of a condition together), each tier's cause pages: "
+        "recall over the runs that did not recover · recovering runs it fired in · lead after the "
+        "pulse's end, median / max (s).",
+        "",
+        "| condition | runs not recovered | runs recovered | " + " | ".join(tiers) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in tiers) + " |",
+    ]
+    for condition, scored in report["tiers_by_condition"].items():
+        causes = [scored["tiers"][t]["cause"] for t in tiers]
+        known = next((c for c in causes if c is not None), None)
+        counts = (NA, NA) if known is None else (known["runs_not_recovered"], known["runs_recovered"])
+        cells = [
+            NA
+            if c is None
+            else f"{_share(c['recall'])} · {len(c['fired_in_recovered_runs'])} · {_pair(c['lead_time_s'])}"
+            for c in causes
+        ]
+        lines.append(f"| {condition} | {counts[0]} | {counts[1]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for tier, scores in whole["tiers"].items():
+        cause, ref = scores["cause"], scores["against_reference"]
+        parts = [] if cause is None else [("missed (did not recover, never fired)", cause["missed_runs"])]
+        parts += (
+            [] if cause is None else [("fired in a run that recovered", cause["fired_in_recovered_runs"])]
+        )
+        if ref is not None:
+            parts += [
+                (f"silent where {reference} fired", ref["silent_where_reference_fired"]),
+                (f"fired where {reference} was silent", ref["fired_where_reference_silent"]),
+            ]
+        for what, runs in parts:
+            if runs:
+                lines.append(f"- {tier}, {what}: {', '.join(runs)}")
+    return [*lines, ""]
 
 
 def _silence_markdown(silence: Mapping[str, Any]) -> list[str]:

@@ -25,11 +25,12 @@ from detector.sources import AnswerTooLarge, AnswerTooSlow, FetchResult, read_wh
 from exporter.redact import redact_text, redact_url
 from exporter.timeseries import Sample, Snapshot
 
-#: Series one engine may have under the selector: about three times the 25 that a proxy and its
-#: vLLM export there (attempts by kind, executions by fate, ..., vLLM's four gauges and counters, up).
-SERIES_PER_ENGINE = 80
+#: Series one engine may have under the selector: about twice the 60 that a proxy and its vLLM
+#: export there (attempts by kind, executions by fate, ..., vLLM's gauges and counters, the e2e
+#: histogram's 21 buckets and the other vLLM series the vLLM tier reads, up).
+SERIES_PER_ENGINE = 128
 #: The largest answer read: the first fetch's 10-minute backfill of SERIES_PER_ENGINE series for
-#: 256 engines is about 75 MB of JSON.
+#: 256 engines is about 120 MB of JSON.
 MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 

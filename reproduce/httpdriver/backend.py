@@ -12,7 +12,9 @@ Backend options (``--backend-option KEY=VALUE``):
   ``hold_s`` (study-scale hold, default 720), ``detect`` (default true: ``retrywatch detect``
   runs live against the proxy; its episodes go into the entry as ``live_alerts``),
   ``queue_cap`` (the engine cap Q of conditions that have one; default: the study's Q scaled
-  to this engine's Ĉ and deadline), ``sizes``;
+  to this engine's Ĉ and deadline), ``sizes``, ``prometheus_targets`` (a file where each run's
+  proxy address is written, as Prometheus' file-based service discovery reads it, while the run
+  lasts: a Prometheus beside the runs scrapes each proxy without knowing its port);
 * ``vllm``: ``python`` (a venv or python with vLLM), ``model`` (a shipped configuration, a
   model directory, or with ``gpu`` a model name; default: the run's ``--model``), ``gpu``,
   ``dummy_weights`` (default true), ``nice`` (the engine's niceness, 0-19: 10 on CPU so the
@@ -25,11 +27,13 @@ Backend options (``--backend-option KEY=VALUE``):
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from exporter.timeseries import Snapshot
 from reproduce.backends.engines import (
@@ -113,6 +117,8 @@ class HttpBackend(Backend):
             raise HttpBackendError(f"queue_cap must be >= 1, got {self.queue_cap}")
         self.detect = bool(options.pop("detect", True))
         self.sizes: str | None = options.pop("sizes", None)
+        targets = options.pop("prometheus_targets", None)
+        self.prometheus_targets = None if targets is None else Path(targets)
         if self.sizes not in (None, "scaled", "study"):
             raise HttpBackendError(f"sizes must be 'scaled' or 'study', not {self.sizes!r}")
         self.options = options
@@ -134,7 +140,8 @@ class HttpBackend(Backend):
         if unknown:
             raise HttpBackendError(
                 f"backend {kind!r} takes no option {', '.join(sorted(unknown))} "
-                f"(it takes capacity, hold_s, sizes, queue_cap, detect, {', '.join(sorted(allowed))})"
+                f"(it takes capacity, hold_s, sizes, queue_cap, detect, prometheus_targets, "
+                f"{', '.join(sorted(allowed))})"
             )
         if kind == "vllm" and "python" not in options:
             raise HttpBackendError(
@@ -245,6 +252,9 @@ class HttpBackend(Backend):
                 window_s=protocol.window_s,
             )
             with proxy as proxy_url, ExitStack() as stack:
+                if self.prometheus_targets is not None:
+                    stack.callback(announce_proxy, self.prometheus_targets, None, run.slug)
+                    announce_proxy(self.prometheus_targets, proxy_url, run.slug)
                 detector = None
                 if self.detect:
                     detector = DetectorProcess(
@@ -294,6 +304,17 @@ class HttpBackend(Backend):
                 },
             },
         )
+
+
+def announce_proxy(path: Path, proxy_url: str | None, slug: str) -> None:
+    """Write the run's proxy address (``None``: no proxy now) to ``path`` as Prometheus' file-based
+    service discovery reads it, labelled with the run's slug; replaced at once (rename), so a
+    Prometheus watching it never reads half a file."""
+    host = None if proxy_url is None else urlsplit(proxy_url).netloc
+    groups = [] if host is None else [{"targets": [host], "labels": {"run": slug}}]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(groups) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 def _opt_float(value: Any, name: str) -> float | None:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from detector.signals import RECORD_NAMES, SIGNALS_BY_NAME, recording_rules
+from detector.signals import RECORD_NAMES, SIGNALS_BY_NAME, recording_rules, tier_signals
 from detector.thresholds import (
     ALERTS,
     ALERTS_BY_NAME,
@@ -115,3 +115,12 @@ def test_alert_expressions_use_the_recorded_signals() -> None:
                 if re.search(rf"{re.escape(other)}\b", expr) and other != name:
                     assert other in seen, f"{name} reads {other} before it is recorded"
             seen.add(name)
+
+
+def test_what_a_tier_reads_is_declared_with_each_signal() -> None:
+    vllm = tier_signals("vllm")
+    assert vllm and {s.tier for s in vllm} == {"vllm"}
+    assert set(tier_signals("proxy")) == set(SIGNALS_BY_NAME.values())
+    assert {"vllm_queue_deadline_ratio", "vllm_delivery_burn_rate_short", "vllm_data_missing"} <= {
+        s.name for s in vllm
+    }

