@@ -23,7 +23,7 @@ from rules.backfill import (
     place_run,
     write_blocks,
 )
-from rules.generate import RULES_PATH
+from rules.generate import GROUP_NAMES, RULES_PATH
 from tests.rules.test_equivalence import fluid_run
 from tests.systemtools import require
 
@@ -93,7 +93,8 @@ def test_every_panel_query_returns_data_from_a_simulated_run_in_prometheus(tmp_p
     promtool, prometheus = require("promtool"), require("prometheus")
     doc: dict[str, Any] = json.loads(grafana.render())
     rules = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
-    (group,) = rules["groups"]
+    # the proxy tier's group: the dashboard's panels read its records
+    (group,) = [g for g in rules["groups"] if g["name"] == GROUP_NAMES["proxy"]]
     records = [r for r in group["rules"] if "record" in r]
     runs = {
         "replica-a": fluid_run(1, pulse=2.7, cancellation=False, duration_s=600.0),
