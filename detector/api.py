@@ -24,7 +24,7 @@ from detector.runbook import runbook_html
 from detector.service import SIGNAL_NAMES, Detector
 from detector.signals import MAX_INSTANCE_CHARS, SIGNALS_BY_NAME
 from detector.store import store_error
-from detector.thresholds import PROMETHEUS_ALERTS
+from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
 
 MAX_EPISODES = 1000
 #: A ``since``/``until`` parameter: finite (``nan`` or ``inf`` gets a 422, not every episode).
@@ -45,7 +45,8 @@ INDEX = (
 def create_app(detector: Detector) -> FastAPI:
     app = FastAPI(title="retrywatch detector", version="1")
     # Rendered once, so a missing runbook fails at start.
-    names = [rule.name for rule in detector.rules] + [alert.name for alert in PROMETHEUS_ALERTS]
+    # every alert's section, whichever tier this detector evaluates: the rules' links land on it
+    names = [rule.name for rule in ALERTS] + [alert.name for alert in PROMETHEUS_ALERTS]
     runbook_page = runbook_html(frozenset(names))
 
     @app.get("/", response_class=HTMLResponse)

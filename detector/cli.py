@@ -1,9 +1,9 @@
 """``retrywatch detect``: run the detector on a proxy, a Prometheus, or a replayed run.
 
-``--tier`` says what the sources export (``detector.signals.Tier``): ``proxy`` (the default),
-proxies' ``/metrics``, which pass vLLM's series through, so every alert is evaluated; ``vllm``,
-vLLM's own ``/metrics`` with no proxy: only the vLLM tier's alerts, so no instance raises the
-proxy tier's NoData for series it never had. The choice is explicit, not guessed per instance: a
+``--tier`` says what the sources export (``detector.signals.Tier``) and so which tier's alerts
+are evaluated (``detector.thresholds.tier_rules``): ``proxy`` (the default), proxies'
+``/metrics``; ``vllm``, vLLM's own ``/metrics`` with no proxy, so no instance raises the proxy
+tier's NoData for series it never had. The choice is explicit, not guessed per instance: a
 proxy that stops exporting its series is a NoData, not a quiet fall back to the vLLM tier.
 
 Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
@@ -54,9 +54,9 @@ def _env(name: str) -> str:
     default="proxy",
     show_default=True,
     envvar=_env("TIER"),
-    help="What the sources export: vllm (vLLM's own /metrics, no proxy: only the vLLM tier's "
-    "alerts, its NoData on vLLM's series; --prometheus reads job "
-    f'"{PROMETHEUS_JOBS["vllm"]}"), or proxy (every alert).',
+    help="What the sources export, and so which tier's alerts are evaluated: vllm (vLLM's own "
+    "/metrics, no proxy: its NoData on vLLM's series alone; --prometheus reads job "
+    f'"{PROMETHEUS_JOBS["vllm"]}"), or proxy (proxies\' /metrics).',
 )
 @click.option("--prometheus", envvar=_env("PROMETHEUS"), help="Prometheus (or compatible) base URL.")
 @click.option(

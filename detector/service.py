@@ -41,7 +41,7 @@ from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.signals import MAX_INSTANCES, SIGNALS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.sources import Source
 from detector.store import EpisodeStore, store_error
-from detector.thresholds import ALERTS, AlertRule
+from detector.thresholds import AlertRule, tier_rules
 
 log = logging.getLogger("retrywatch.detector")
 
@@ -229,7 +229,7 @@ class Detector:
         *,
         notifiers: Sequence[Notifier] = (),
         config: SignalConfig | None = None,
-        rules: Sequence[AlertRule] = ALERTS,
+        rules: Sequence[AlertRule] = tier_rules("proxy"),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         history_points: int = 4320,

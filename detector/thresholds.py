@@ -540,10 +540,12 @@ ALERTS: tuple[AlertRule, ...] = (
 
 
 def tier_rules(tier: Tier, rules: Iterable[AlertRule] = ALERTS) -> tuple[AlertRule, ...]:
-    """The rules a detector of ``tier`` evaluates: the vLLM tier's alone for "vllm" (no proxy
-    series: the proxy tier's rules, NoData included, would only say so), every rule for "proxy"
-    (the proxy passes vLLM's series through, so the vLLM tier's hold there too)."""
-    return tuple(rule for rule in rules if tier == "proxy" or rule.tier == tier)
+    """The rules a detector of ``tier`` evaluates: the tier's own. With no proxy ("vllm") the
+    proxy tier's rules, NoData included, would only say that its series are missing; behind a
+    proxy ("proxy") its alerts say all that the vLLM tier's would, with the calls counted (the
+    Prometheus rules evaluate both groups wherever vLLM's series are; the replay of a run, which
+    validation scores, evaluates every rule)."""
+    return tuple(rule for rule in rules if rule.tier == tier)
 
 
 ALERTS_BY_NAME: dict[str, AlertRule] = {rule.name: rule for rule in ALERTS}

@@ -88,6 +88,11 @@ def baseline(tier: Tier = "proxy") -> dict[str, Curve]:
         "vllm:num_requests_running": gauge(20),
         "vllm:prompt_tokens_total": counter(12000),
         "vllm:prefix_cache_queries_total": counter(12000),
+        # the rest of vLLM's /metrics that the proxy passes through (the vLLM tier's): 1 finish/s,
+        # within the deadline
+        'vllm:request_success_total{finished_reason="length"}': counter(1),
+        'vllm:e2e_request_latency_seconds_bucket{le="120.0"}': counter(1),
+        "vllm:e2e_request_latency_seconds_count": counter(1),
     }
 
 

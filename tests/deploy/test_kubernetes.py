@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from dashboard import grafana
+from detector.signals import PROMETHEUS_JOBS
 from exporter.callkey import DEFAULT_CALL_ID_HEADER
 from rules.generate import RULES_PATH
 from tests.deploy import crds
@@ -46,9 +47,10 @@ def _deadline_s(objects: list[dict[str, Any]]) -> float:
 
 
 def _rules_job() -> str:
+    """The proxies' job, which the proxy tier's rules read (the vLLM tier's read vLLM's own)."""
     jobs = set(re.findall(r'up\{job="([^"]+)"\}', RULES_PATH.read_text(encoding="utf-8")))
-    assert len(jobs) == 1, jobs
-    return jobs.pop()
+    assert jobs == set(PROMETHEUS_JOBS.values()), jobs
+    return PROMETHEUS_JOBS["proxy"]
 
 
 def test_each_overlay_renders_the_fleet(rendered: dict[str, list[dict[str, Any]]]) -> None:

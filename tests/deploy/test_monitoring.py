@@ -13,6 +13,7 @@ import httpx
 import pytest
 import yaml
 
+from detector.signals import PROMETHEUS_JOBS
 from exporter.processes import ManagedProcess, free_port
 from rules.generate import RULES_PATH
 from tests.deploy.conftest import DEPLOY, tool
@@ -35,7 +36,10 @@ def test_prometheus_scrapes_every_proxy_as_the_rules_job_and_loads_the_rules(pro
     config = yaml.safe_load(PROMETHEUS_YML.read_text(encoding="utf-8"))
     assert [(PROMETHEUS_YML.parent / f).resolve() for f in config["rule_files"]] == [RULES_PATH]
     (job,) = config["scrape_configs"]
-    assert {job["job_name"]} == set(re.findall(r'up\{job="([^"]+)"\}', RULES_PATH.read_text()))
+    # the proxies' job is the proxy tier's; the vLLM tier's job ("vllm") is scraped where vLLM is
+    # monitored without a proxy
+    jobs = set(re.findall(r'up\{job="([^"]+)"\}', RULES_PATH.read_text()))
+    assert jobs == {job["job_name"], PROMETHEUS_JOBS["vllm"]} and job["job_name"] == PROMETHEUS_JOBS["proxy"]
     assert config["global"]["scrape_interval"] == RULES["groups"][0]["interval"]
 
 
@@ -90,7 +94,7 @@ def test_the_retry_loop_inhibits_its_replicas_warnings_but_not_its_missing_data(
     replica is inhibited."""
     severity = {a["alert"]: a["labels"]["severity"] for a in ALERTS}
     firing = [("replica-1", name) for name in severity] + [
-        ("replica-2", name) for name in severity if name != LOOP
+        ("replica-2", name) for name in severity if name not in (LOOP, "VLLMRetryLoopSuspected")
     ]
     alerts = [
         {"labels": {"alertname": name, "instance": instance, "severity": severity[name]}}
@@ -106,5 +110,7 @@ def test_the_retry_loop_inhibits_its_replicas_warnings_but_not_its_missing_data(
         if (len(got) == len(alerts) and inhibited) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    expected = {("replica-1", name) for name, sev in severity.items() if sev == "warning" and name != NO_DATA}
+    no_data = {NO_DATA, "VLLMTierNoData"}
+    warnings = {name for name, sev in severity.items() if sev == "warning" and name not in no_data}
+    expected = {("replica-1", name) for name in warnings}
     assert inhibited == expected

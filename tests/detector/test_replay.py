@@ -9,9 +9,12 @@ import pytest
 
 from detector.replay import replay_run
 from detector.thresholds import NO_CAUSE_TEXT
+from detector.thresholds import tier_rules as _tier_rules
 from exporter.timeseries import write_series
 from tests.detector.factories import steady
 from tests.detector.minisim import MiniSim
+
+PROXY = _tier_rules("proxy")  # these runs are the proxy tier's: a proxy's series
 
 
 def _series(tmp_path: Path, sim: MiniSim) -> Path:
@@ -28,7 +31,7 @@ def _fired(episodes, name):  # type: ignore[no-untyped-def]
 
 def test_collapse_with_cancellation_off_fires_the_loop_after_the_pulse(tmp_path: Path) -> None:
     sim = MiniSim(retries=3, cancellation=False, seed=3)
-    episodes = replay_run(_series(tmp_path, sim))
+    episodes = replay_run(_series(tmp_path, sim), rules=PROXY)
     assert {e.labels.instance for e in episodes} == {"diagnostic__x__mini__r1"}
     loop = _fired(episodes, "VLLMMetastableRetryLoop")
     assert len(loop) == 1 and loop[0].severity == "critical"
@@ -53,7 +56,7 @@ SYMPTOM = "VLLMCallsNotDeliveredInTime"
 
 def test_the_symptom_pages_through_a_collapse_naming_its_causes(tmp_path: Path) -> None:
     sim = MiniSim(retries=3, cancellation=False, seed=3)
-    episodes = replay_run(_series(tmp_path, sim))
+    episodes = replay_run(_series(tmp_path, sim), rules=PROXY)
     (symptom,) = _fired(episodes, SYMPTOM)
     assert symptom.severity == "critical"
     # the first misses are judged one deadline after the calls that miss arrived, in the pulse
@@ -67,14 +70,14 @@ def test_the_symptom_pages_through_a_collapse_naming_its_causes(tmp_path: Path) 
 def test_the_symptom_stays_quiet_while_calls_are_delivered_in_time(tmp_path: Path) -> None:
     # a pulse the engine absorbs within the deadline: every call delivered in time
     sim = MiniSim(seed=3, pulse=1.5)
-    assert not _fired(replay_run(_series(tmp_path, sim)), SYMPTOM)
+    assert not _fired(replay_run(_series(tmp_path, sim), rules=PROXY), SYMPTOM)
 
 
 def test_the_symptom_fires_whatever_the_cause_and_says_when_no_cause_alert_does(tmp_path: Path) -> None:
     # an engine that answers 9 calls in 10 too late, with no backlog, no retries, nothing orphaned
     path = tmp_path / "metrics.jsonl"
     write_series(path, steady(600, first=1.0, completed=1.0, within=0.1, missed=0.9))
-    episodes = replay_run(path)
+    episodes = replay_run(path, rules=PROXY)
     assert [e.alertname for e in episodes] == [SYMPTOM]
     assert episodes[0].started_at == pytest.approx(5.0 + 30.0)  # a rate from the second scrape, then `for`
     assert NO_CAUSE_TEXT in episodes[0].description
@@ -86,17 +89,17 @@ def test_cancellation_on_signature_waiting_at_littles_law_with_no_completions(tm
     series = steady(600, first=1.2, retry=3.6, cancelled=4.8, waiting=4.8 * 120, capacity=2.0, deadline=120.0)
     path = tmp_path / "metrics.jsonl"
     write_series(path, series)
-    loop = _fired(replay_run(path), "VLLMMetastableRetryLoop")
+    loop = _fired(replay_run(path, rules=PROXY), "VLLMMetastableRetryLoop")
     assert len(loop) == 1 and loop[0].resolved_at is None
     assert loop[0].value == pytest.approx(2.4)
     # the same series with a configured capacity twice as large is no longer a loop
-    assert not _fired(replay_run(path, capacity=5.0), "VLLMMetastableRetryLoop")
+    assert not _fired(replay_run(path, capacity=5.0, rules=PROXY), "VLLMMetastableRetryLoop")
 
 
 def test_replay_on_an_interval_and_bad_inputs(tmp_path: Path) -> None:
     path = _series(tmp_path, MiniSim(seed=3))
-    every5 = replay_run(path)
-    every10 = replay_run(path, interval=10.0)
+    every5 = replay_run(path, rules=PROXY)
+    every10 = replay_run(path, interval=10.0, rules=PROXY)
     assert [e.alertname for e in every10] == [e.alertname for e in every5]
     with pytest.raises(ValueError, match="capacity"):
         replay_run(path, capacity=0.0)
@@ -119,4 +122,4 @@ def test_no_loop_while_the_engine_holds_well_under_a_deadline_of_work(
     series = steady(600, first=1.0, retry=2.0, completed=0.5, cancelled=2.5, waiting=waiting)
     path = tmp_path / "metrics.jsonl"
     write_series(path, series)
-    assert bool(_fired(replay_run(path), "VLLMMetastableRetryLoop")) is loop_expected
+    assert bool(_fired(replay_run(path, rules=PROXY), "VLLMMetastableRetryLoop")) is loop_expected

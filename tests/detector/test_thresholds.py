@@ -48,9 +48,8 @@ def test_every_alert_of_the_issue_is_defined_with_its_severity_kind_and_tier() -
 @pytest.mark.parametrize("tier", TIERS)
 def test_a_tier_evaluates_its_own_alerts_with_the_signals_of_its_tier(tier: Tier) -> None:
     rules = tier_rules(tier)
-    # the proxy tier's detector evaluates every alert (the proxy passes vLLM's series through)
-    assert {r.name for r in rules} == {n for n, e in EXPECTED.items() if tier == "proxy" or e[2] == tier}
-    assert sum(r.kind == "data" for r in rules) == (1 if tier == "vllm" else 2)
+    assert {r.name for r in rules} == {n for n, e in EXPECTED.items() if e[2] == tier}
+    assert sum(r.kind == "data" for r in rules) == 1 and sum(r.kind == "symptom" for r in rules) == 1
     for rule in ALERTS:
         if rule.tier == tier:
             assert {SIGNALS_BY_NAME[name].tier for name in rule.signals()} == {tier}, rule.name

@@ -21,6 +21,7 @@ from detector.evaluator import Evaluator
 from detector.replay import replay_run
 from detector.signals import WINDOWS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.thresholds import ALERTS, NO_DATA, scale_rules
+from detector.thresholds import tier_rules as _tier_rules
 from exporter.processes import free_port
 from exporter.timeseries import read_series, write_series
 from reproduce.conditions import block
@@ -29,6 +30,8 @@ from reproduce.httpdriver.detectorproc import DetectorProcess
 from reproduce.sim import SimSpec, simulate
 from reproduce.validate import RETRY_LOOP, RunInfo, replay_firings
 from tests.detector.conftest import wait_until
+
+PROXY = _tier_rules("proxy")  # these runs are the proxy tier's: a proxy's series
 
 # A small simulated engine (Ĉ ≈ 9.77 calls/s at the study's scale), the diagnostic block's pulse.
 ENGINE = EngineConfig(
@@ -83,12 +86,12 @@ def _summary(episodes) -> list[tuple[str, float, float | None, float | None]]:  
 
 def test_time_scale_1_is_bit_identical_to_real_time(runs: dict[tuple[float, str], Path]) -> None:
     path = runs[(1.0, "retries-on-cancel-off")]
-    default = replay_run(path)
+    default = replay_run(path, rules=PROXY)
     assert _summary(default) == EXPECTED_K1
     assert {e.labels for e in default} == {EngineLabels("", "test", path.parent.name)}
-    explicit = replay_run(path, time_scale=1.0)
+    explicit = replay_run(path, time_scale=1.0, rules=PROXY)
     assert [e.as_dict() for e in explicit] == [e.as_dict() for e in default]
-    gridded = replay_run(path, interval=5.0, time_scale=1)
+    gridded = replay_run(path, interval=5.0, time_scale=1, rules=PROXY)
     assert _summary(gridded) == EXPECTED_K1
     # K = 1 leaves every duration as it is (the same objects)
     assert WINDOWS.scaled(1.0) is WINDOWS and scale_rules(ALERTS, 1.0) == ALERTS
@@ -99,8 +102,8 @@ def test_time_scale_1_is_bit_identical_to_real_time(runs: dict[tuple[float, str]
 def test_a_scaled_run_replayed_at_its_scale_alerts_like_the_study_scale_run(
     runs: dict[tuple[float, str], Path], key: str
 ) -> None:
-    study = {e.alertname: e for e in replay_run(runs[(1.0, key)])}
-    scaled = {e.alertname: e for e in replay_run(runs[(10.0, key)], time_scale=10.0)}
+    study = {e.alertname: e for e in replay_run(runs[(1.0, key)], rules=PROXY)}
+    scaled = {e.alertname: e for e in replay_run(runs[(10.0, key)], time_scale=10.0, rules=PROXY)}
     assert set(scaled) == set(study)
     for name, ep in scaled.items():
         # at the study's scale (x K), within a few evaluations of the study-scale run
@@ -121,7 +124,7 @@ def test_validation_replays_a_scaled_run_at_its_scale(runs: dict[tuple[float, st
     got = [(f.alertname, f.fired_at_s, f.resolved_at_s) for f in replay_firings(info)]
     want = [
         (e.alertname, round(e.started_at, 3), None if e.resolved_at is None else round(e.resolved_at, 3))
-        for e in replay_run(path, time_scale=10.0)
+        for e in replay_run(path, time_scale=10.0)  # validation scores every rule
     ]
     assert got == want
     assert RETRY_LOOP in [name for name, _, _ in got]
@@ -131,10 +134,10 @@ def test_a_shorter_rate_window_names_the_loop_sooner(runs: dict[tuple[float, str
     """``windows`` replays a run as a detector with other windows would have judged it (what
     ``bench/sim_fidelity.py window`` compares); the default is the detector's own."""
     path = runs[(1.0, "retries-on-cancel-off")]
-    assert _summary(replay_run(path, windows=WINDOWS)) == EXPECTED_K1
+    assert _summary(replay_run(path, windows=WINDOWS, rules=PROXY)) == EXPECTED_K1
 
     def loop_at(rate_s: float) -> float:
-        episodes = replay_run(path, windows=dataclasses.replace(WINDOWS, rate_s=rate_s))
+        episodes = replay_run(path, windows=dataclasses.replace(WINDOWS, rate_s=rate_s), rules=PROXY)
         (loop,) = [e for e in episodes if e.alertname == "VLLMMetastableRetryLoop"]
         return loop.started_at
 
@@ -195,7 +198,7 @@ def test_detect_replays_a_scaled_run_with_the_env_var(
     tmp_path: Path, runs: dict[tuple[float, str], Path]
 ) -> None:
     series = runs[(10.0, "retries-off-cancel-off")]
-    expected = replay_run(series, time_scale=10.0)
+    expected = replay_run(series, time_scale=10.0, rules=PROXY)
     port = free_port()
     env = {**os.environ, "RETRYWATCH_TIME_SCALE": "10", "RETRYWATCH_DB": f"sqlite:///{tmp_path / 'd.db'}"}
     proc = subprocess.Popen(
