@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from exporter.cli import FiniteFloatRange
+from foundation.options import FiniteFloatRange
 from reproduce.conditions import MODELS, Condition, ConditionError, RunSpec, block_slugs, expand
 
 #: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.

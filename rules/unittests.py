@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from detector.runbook import DEFAULT_PATTERN
-from exporter.timeseries import Snapshot
+from foundation.timeseries import Snapshot
 
 TESTS_DIR = Path(__file__).resolve().parent / "tests"
 STEP_S = 5

@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from exporter.timeseries import Snapshot
+from foundation.timeseries import Snapshot
 from reproduce.backends.engines import (
     EmulatedBackend,
     EngineBackend,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from rules.generate import RULES_PATH
 from tests.deploy.conftest import DEPLOY, tool
 

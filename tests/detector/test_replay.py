@@ -9,7 +9,7 @@ import pytest
 
 from detector.replay import replay_run
 from detector.thresholds import NO_CAUSE_TEXT
-from exporter.timeseries import write_series
+from foundation.timeseries import write_series
 from tests.detector.factories import steady
 from tests.detector.minisim import MiniSim
 

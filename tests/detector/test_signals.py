@@ -7,8 +7,8 @@ import math
 import pytest
 
 from detector.signals import ALL_ENGINES, RAW_KEYS, SignalConfig, SignalEngine, split_snapshot
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from tests.detector.factories import snapshot, steady
 
 
