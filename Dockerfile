@@ -13,6 +13,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1 UV_COMPILE_
 RUN pip install uv
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY foundation foundation
 COPY exporter exporter
 COPY detector detector
 COPY rules rules

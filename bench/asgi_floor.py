@@ -9,7 +9,7 @@ It forwards a generation request's body to the upstream on the proxy's own lean 
 (``exporter.upstream.UpstreamPool``: one write per request, kept-alive connections) and relays
 each body chunk as it is read. It validates nothing, decides nothing, counts nothing: it is a
 measuring instrument, not a proxy. It runs under stock uvicorn with the settings of
-``retrywatch proxy``; the proxy's bounded protocol (``exporter/server.py``: head bounds, timeouts,
+``retrywatch proxy``; the proxy's bounded protocol (``foundation/server.py``: head bounds, timeouts,
 connection cap) counts as part of the proxy's own work.
 
 Run: ``python bench/asgi_floor.py --upstream http://127.0.0.1:8000 --port 8101``
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8101)
     args = parser.parse_args()
-    uvicorn.run(  # the settings of `retrywatch proxy` (exporter/server.py's ServerConfig)
+    uvicorn.run(  # the settings of `retrywatch proxy` (foundation/server.py's ServerConfig)
         Floor(args.upstream),
         host=args.host,
         port=args.port,

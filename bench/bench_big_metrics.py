@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("exporter", "detector", "dashboard", "reproduce", "rules", "retrywatch")

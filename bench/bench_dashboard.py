@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from dashboard.app import Context, DashboardConfig
 from dashboard.data import instance_label
 from dashboard.pages import live
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from tests.dashboard.conftest import CHROMIUM_FLAGS
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 from tests.systemtools import locate, missing_line

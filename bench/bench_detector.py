@@ -17,8 +17,8 @@ from detector.replay import replay_run
 from detector.service import Detector
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, write_series
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, write_series
 
 
 def synthetic_series(path: Path, capacity: float = 2.78, step: float = 5.0, end: float = 1435.0) -> None:

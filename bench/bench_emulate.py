@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 
 
 def _cpu_seconds(pid: int) -> float:

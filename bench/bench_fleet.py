@@ -35,8 +35,8 @@ import yaml
 from detector.service import Detector
 from detector.sources.prometheus import PrometheusSource
 from detector.store import EpisodeStore
-from exporter.processes import ManagedProcess, free_port
 from exporter.settings import ProxySettings
+from foundation.processes import ManagedProcess, free_port
 from rules.generate import RULES_PATH
 
 PRESET = "qwen2.5-7b-h100"

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 import httpx
 import uvloop
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = pathlib.Path(BENCH).parent  # the repository: ``python -m tests...`` runs from it

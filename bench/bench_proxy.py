@@ -44,8 +44,8 @@ import httpx
 from bench_floor import NGINX_CONF
 
 from exporter.policy import Cancellation
-from exporter.processes import ManagedProcess, free_port
 from exporter.settings import ProxySettings
+from foundation.processes import ManagedProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: ``python -m tests...`` runs from it
 

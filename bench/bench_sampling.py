@@ -30,8 +30,8 @@ import uvloop
 
 from exporter.metrics import ProxyMetrics
 from exporter.policy import Policy
-from exporter.processes import ManagedProcess, free_port
 from exporter.upstream import UpstreamPool
+from foundation.processes import ManagedProcess, free_port
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 # vLLM v1's histograms (name, number of buckets), from vllm/v1/metrics/loggers.py.

@@ -19,8 +19,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from exporter.timeseries import parse_exposition
 from exporter.upstreamtext import scan_vllm
+from foundation.timeseries import parse_exposition
 
 HISTOGRAMS = (
     "time_to_first_token_seconds",

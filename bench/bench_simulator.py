@@ -43,7 +43,7 @@ def single_runs(repeat: int) -> None:
             best = result if best is None or result.wall_s < best.wall_s else best
         assert best is not None
         attempts = sum(len(c.attempts) for c in best.calls)
-        # the size of the run's metrics.jsonl (vLLM's histograms included: exporter.timeseries)
+        # the size of the run's metrics.jsonl (vLLM's histograms included: foundation.timeseries)
         series_kib = sum(len(s.to_json()) + 1 for s in best.snapshots) / 1024
         print(
             f"{model:18} {condition:26} {best.end_s:7.0f} {best.wall_s:7.3f} {best.cpu_s:7.3f} "

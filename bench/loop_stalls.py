@@ -72,7 +72,7 @@ CAUSES: tuple[tuple[str, str], ...] = (
     ("/anyio/", "upstream /metrics refresh (httpx)"),
     ("/prometheus_client/", "metrics (prometheus_client)"),
     ("exporter/metrics.py", "per-second sampling (exporter.metrics)"),
-    ("exporter/server.py", "server (deadline sweep, bounded protocol)"),
+    ("foundation/server.py", "server (deadline sweep, bounded protocol)"),
     ("/uvicorn/", "uvicorn"),
     ("/starlette/", "starlette"),
     ("exporter/", "the proxy's request work (exporter)"),
@@ -402,7 +402,7 @@ def install(
 ) -> None:
     """Wrap the proxy's start-up (and, with a recorder, its sampling and logging)."""
     from exporter.proxy import Proxy
-    from exporter.server import DrainingServer
+    from foundation.server import DrainingServer
 
     original_startup = DrainingServer.startup
 

@@ -45,21 +45,12 @@ from protocol_floor import ClientConnection, UpstreamConnection, UpstreamPool, r
 
 from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
 from exporter.metrics import ProxyMetrics
-from exporter.policy import (
-    Attempt,
-    Cancel,
-    Created,
-    Dispatch,
-    Drop,
-    Effect,
-    Policy,
-    Shed,
-    ShedReason,
-    StartTimer,
-)
+from exporter.policy import Attempt, Cancel, Created, Dispatch, Drop, Effect, Policy, Shed, StartTimer
 from exporter.relay import Outcome, Relay, Subscription
 from exporter.settings import ProxySettings
-from exporter.validation import GENERATION_ROUTES, RequestError, error_body, error_type, parse_body, validate
+from exporter.validation import GENERATION_ROUTES, RequestError, parse_body, validate
+from foundation.errors import error_body, error_type
+from foundation.metricnames import ShedReason
 
 DONE_EVENT = b"data: [DONE]\n\n"
 ERROR_BODY_LIMIT = 64 * 1024

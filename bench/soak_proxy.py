@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.exporter
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from tests.exporter.soak import SOAK_PROXY_ARGS, run_soak
 
 ROOT = Path(__file__).resolve().parents[1]  # ``python -m tests...`` runs from the repository

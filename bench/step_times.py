@@ -35,9 +35,9 @@ from loop_stalls import parse_launcher, report_at_exit, run_proxy
 # the order a request meets it; depth says what includes what (a step at depth d is part of the
 # step above it at depth d - 1).
 STEPS: tuple[tuple[str, str | None, str, int], ...] = (
-    ("exporter.server", "BoundedProtocol", "__init__", 0),
-    ("exporter.server", "BoundedProtocol", "connection_made", 0),
-    ("exporter.server", "BoundedProtocol", "on_headers_complete", 0),
+    ("foundation.server", "BoundedProtocol", "__init__", 0),
+    ("foundation.server", "BoundedProtocol", "connection_made", 0),
+    ("foundation.server", "BoundedProtocol", "on_headers_complete", 0),
     ("exporter.exchange", "Exchange", "__init__", 1),
     ("exporter.proxy", "Proxy", "attempt", 0),
     ("exporter.proxy", None, "parse_body", 1),
@@ -55,7 +55,7 @@ STEPS: tuple[tuple[str, str | None, str, int], ...] = (
     ("exporter.proxy", "Proxy", "_first_token", 1),
     ("exporter.exchange", "Exchange", "_end", 0),
     ("exporter.execution", "Execution", "_end", 0),
-    ("exporter.server", "BoundedProtocol", "connection_lost", 0),
+    ("foundation.server", "BoundedProtocol", "connection_lost", 0),
 )
 
 Timings = dict[str, list[tuple[int, int]]]  # step -> (wall ns, CPU ns) per call

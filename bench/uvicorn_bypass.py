@@ -1,7 +1,7 @@
 """The forwarding floor inside uvicorn's own protocol, bypassing the ASGI cycle for generation POSTs.
 
 A candidate between the two others ``bench/bench_floor.py`` measures: the proxy keeps uvicorn (its
-protocol subclass ``exporter/server.py`` bounds heads, times out slow clients, caps connections
+protocol subclass ``foundation/server.py`` bounds heads, times out slow clients, caps connections
 and drains), but a POST to a generation route never becomes an ASGI request. ``BypassProtocol``
 (uvicorn's httptools protocol) takes it over when its head is complete: no scope for the app, no
 ``RequestResponseCycle``, no task; the body is collected in ``on_body``, and at the end of the

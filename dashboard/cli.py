@@ -1,7 +1,7 @@
 """``retrywatch dashboard``: serve the operators' Dash app (127.0.0.1 by default).
 
 The Flask app under Dash is served through a2wsgi (WSGI in a thread pool under ASGI) by the
-server the proxy and the detector use (``exporter.server``: request heads, slow and idle clients
+server the proxy and the detector use (``foundation.server``: request heads, slow and idle clients
 and connections bounded, SIGTERM drained), never by Flask's development server, with no access
 log: a port already in use is a usage error (exit 2) before anything is announced.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 import click
 
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT
-from exporter.cli import FiniteFloatRange, listen_host
-from exporter.logs import announce, check_port, log_options, setup_logging
-from exporter.redact import redact_url
+from foundation.logs import announce, check_port, log_options, setup_logging
+from foundation.options import FiniteFloatRange, listen_host
+from foundation.redact import redact_url
 
 #: Worker threads: each serves one request (a page or a callback) at a time.
 THREADS = 8
@@ -95,8 +95,8 @@ def dashboard(
     from a2wsgi import WSGIMiddleware
 
     from dashboard.app import DashboardConfig, create_app  # lazy: Dash is heavy
-    from exporter.bounds import HttpBounds, base_url
-    from exporter.server import serve
+    from foundation.bounds import HttpBounds, base_url
+    from foundation.server import serve
 
     setup_logging(log_level, log_format, [detector_url, prometheus_url])
     try:

@@ -20,7 +20,7 @@ import numpy as np
 
 from detector.signals import MAX_INSTANCES
 from detector.sources import AnswerTooLarge, AnswerTooSlow, read_whole
-from exporter.redact import redact_text, redact_url
+from foundation.redact import redact_text, redact_url
 
 FETCH_WORKERS = 3  # more threads only contend for the GIL on both sides
 MAX_ENGINES = MAX_INSTANCES  # engines listed in the selector: as many as a detector follows

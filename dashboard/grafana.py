@@ -42,7 +42,7 @@ from dashboard import figures, vllmpanels
 from dashboard.tiles import TILE_SPECS
 from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOB, PROMETHEUS_JOBS, SIGNALS_BY_NAME
 from detector.thresholds import ALERTS, SEVERITIES, TIERS, Tier
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 OUTPUT_PATH = DEPLOY / "grafana" / "retrywatch.json"

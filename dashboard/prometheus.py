@@ -29,7 +29,7 @@ from dashboard.data import (
 )
 from detector.signals import ENGINE_INFO_RECORD, SIGNALS_BY_NAME
 from detector.sources.prometheus import WholeAnswerSession
-from exporter.redact import redact_text, redact_url
+from foundation.redact import redact_text, redact_url
 
 MAX_POINTS_PER_QUERY = 2000  # the step grows with the range so one query stays bounded
 MIN_STEP_S = 5.0

@@ -1,5 +1,5 @@
 """Reproduce outputs for the Experiments page: ``DIR/summary.json``, ``DIR/validation.json``
-and each run's metrics series (``exporter/timeseries.py``), turned into the same signal
+and each run's metrics series (``foundation/timeseries.py``), turned into the same signal
 names the detector serves so the live panels' figure builders draw a run too.
 """
 
@@ -15,9 +15,9 @@ import numpy as np
 
 from detector.rundir import RunDirError, read_summary, read_validation, run_slug, series_path
 from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
-from exporter import metricnames as mn
-from exporter.ratios import PROMPT_TOKEN_GAP, Ratio
-from exporter.timeseries import Snapshot, read_series
+from foundation import metricnames as mn
+from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
+from foundation.timeseries import Snapshot, read_series
 
 RATE_WINDOW_S = 30.0  # at the study's scale
 MAX_RUNS = 5000

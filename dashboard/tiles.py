@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dashboard.figures import Points, latest
-from exporter.ratios import RATIOS
+from foundation.ratios import RATIOS
 
 RATIOS_BY_NAME = {ratio.name: ratio for ratio in RATIOS}
 
@@ -87,7 +87,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 def tile_value(key: str, signals: Mapping[str, Points | None]) -> float | None:
     """The newest value of a tile's ratio: the detector's signal, else computed from its parts
-    with the detector's own definition (``exporter.ratios``)."""
+    with the detector's own definition (``foundation.ratios``)."""
     ratio = RATIOS_BY_NAME.get(key)
     if ratio is not None:
         direct = latest(signals.get(key))

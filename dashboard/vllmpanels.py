@@ -1,11 +1,11 @@
 """The Grafana dashboard's vLLM-only panels: the loop's shape from vLLM's own series, before any proxy.
 
-Each panel's queries read vLLM's raw series (``exporter.metricnames``) as a Prometheus that
+Each panel's queries read vLLM's raw series (``foundation.metricnames``) as a Prometheus that
 scrapes only vLLM holds them, under the dashboard's ``vllm_job`` and ``vllm_instance`` variables:
 no recording rule and no ``retrywatch_*`` series. Where the detector declares a signal over
 vLLM's series (the queues, the admitted and counted prompt tokens, and their gap), the query is
 that signal's: its raw series (``detector.signals.RAW``), its window (``detector.signals.WINDOWS``),
-its help text and, for the gap, its ratio (``exporter.ratios.PROMPT_TOKEN_GAP``); the signal's
+its help text and, for the gap, its ratio (``foundation.ratios.PROMPT_TOKEN_GAP``); the signal's
 recording rule joins the same sum onto vLLM's engine labels.
 
 Two numbers come from the operator as dashboard variables (``deadline``, and ``capacity`` when Ĉ
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from detector.signals import RAW, SIGNALS_BY_NAME, WINDOWS
-from exporter import metricnames as mn
-from exporter.ratios import PROMPT_TOKEN_GAP
+from foundation import metricnames as mn
+from foundation.ratios import PROMPT_TOKEN_GAP
 
 JOB_VAR = "vllm_job"
 INSTANCE_VAR = "vllm_instance"

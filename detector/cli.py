@@ -9,11 +9,11 @@ proxy that stops exporting its series is a NoData, not a quiet fall back to the 
 Every option can also be set by an environment variable ``RETRYWATCH_<OPTION>``
 (e.g. ``RETRYWATCH_DB``, ``RETRYWATCH_CAPACITY``, ``RETRYWATCH_TIME_SCALE``).
 
-URLs are printed and logged with their credentials masked (``exporter/redact.py``). A ``--db``
+URLs are printed and logged with their credentials masked (``foundation/redact.py``). A ``--db``
 that cannot be used is a usage error (exit 2) that names the option, like every bad option here,
 and so is a ``--port`` already in use: both are checked before anything is fetched. The database
 is by default SQLite in the user's state directory (``detector.store.state_dir``); the start line
-names it. The API is served by ``exporter.server`` with the bounds of ``exporter.bounds`` (request
+names it. The API is served by ``foundation.server`` with the bounds of ``foundation.bounds`` (request
 heads, slow and idle clients, connections), and SIGTERM drains it.
 """
 
@@ -28,9 +28,9 @@ from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
 from detector.signals import DEFAULT_DEADLINE_S, MAX_INSTANCES, PROMETHEUS_JOBS, TIERS, Tier
 from detector.thresholds import tier_rules
-from exporter.cli import FiniteFloatRange, listen_host
-from exporter.logs import announce, check_port, log_options, setup_logging
-from exporter.redact import redact_url
+from foundation.logs import announce, check_port, log_options, setup_logging
+from foundation.options import FiniteFloatRange, listen_host
+from foundation.redact import redact_url
 
 # Dashboards, scripts and Prometheus read the API: far fewer clients than the proxy's.
 API_MAX_CONNECTIONS = 1_000
@@ -168,8 +168,8 @@ def detect(
     from detector.sources import Source
     from detector.sources.replay import ReplaySource
     from detector.store import EpisodeStore, SchemaError, StoreOpenError, default_url
-    from exporter.bounds import HttpBounds, base_url
-    from exporter.server import serve
+    from foundation.bounds import HttpBounds, base_url
+    from foundation.server import serve
 
     setup_logging(log_level, log_format, [db, prometheus, alertmanager, *webhooks, *exporters])
     chosen = [bool(exporters), bool(prometheus), replay is not None]

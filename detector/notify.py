@@ -32,7 +32,7 @@ import httpx
 from detector.episodes import AlertEpisode
 from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.store import EpisodeStore, store_error
-from exporter.redact import redact_text, redact_url
+from foundation.redact import redact_text, redact_url
 
 log = logging.getLogger("retrywatch.detector.notify")
 #: Deliveries a dispatcher remembers having made, so that a stale read of the store cannot queue

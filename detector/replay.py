@@ -15,8 +15,8 @@ from detector.evaluator import Evaluator
 from detector.signals import WINDOWS, SignalConfig, SignalEngine, Windows
 from detector.sources.replay import load_snapshots
 from detector.thresholds import ALERTS, AlertRule
-from exporter import metricnames as mn
-from exporter.timeseries import read_series
+from foundation import metricnames as mn
+from foundation.timeseries import read_series
 
 
 def replay_run(

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from exporter.bounds import base_url
+from foundation.bounds import base_url
 
 __all__ = [
     "DEFAULT_HOST",

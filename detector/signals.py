@@ -2,7 +2,7 @@
 
 Owns the signal names and units, their PromQL recording rules (rendered into
 ``rules/retrywatch.rules.yml`` by ``rules/generate.py``), and their Python computation from a
-sequence of :class:`exporter.timeseries.Snapshot` s.
+sequence of :class:`foundation.timeseries.Snapshot` s.
 
 Engines are grouped by the ``instance`` label, which every source adds (the scraped URL, the
 Prometheus target, or the replayed run's slug): the proxy's series carry no engine label, so
@@ -24,10 +24,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from exporter import metricnames as mn
-from exporter.ratios import RATIOS, Ratio
-from exporter.timeseries import Sample, Snapshot
-from exporter.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
+from foundation import metricnames as mn
+from foundation.ratios import RATIOS, Ratio
+from foundation.timeseries import Sample, Snapshot
+from foundation.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ _BASE_SIGNALS: tuple[SignalSpec, ...] = (
     ),
 )
 
-# The derived ratios (exporter/ratios.py: one definition each) and their recording rules.
+# The derived ratios (foundation/ratios.py: one definition each) and their recording rules.
 RATIO_RECORDS: dict[str, str] = {
     "prompt_token_gap": "prompt_token_gap:ratio5m",
     "executions_per_first_attempt": "executions_per_first_attempt:ratio1m",

@@ -56,7 +56,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from detector.episodes import AlertEpisode
 from detector.evaluator import Transition
 from detector.signals import MAX_INSTANCE_CHARS, EngineLabels
-from exporter.redact import redact_text, redact_url
+from foundation.redact import redact_text, redact_url
 
 SCHEMA_VERSION = 2
 #: The default database's file, under :func:`state_dir`.

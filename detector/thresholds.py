@@ -379,7 +379,7 @@ NO_DATA = AlertRule(
 )
 
 # --- the vLLM tier: vLLM's own series, Ĉ and the deadline ------------------------------------
-# NOTE on what vLLM alone shows (exporter/metricnames.py; reproduce/engine/vllmstats.py has its
+# NOTE on what vLLM alone shows (foundation/metricnames.py; reproduce/engine/vllmstats.py has its
 # counting rules): a request its client abandons is dropped unrecorded (no finish, no histogram),
 # so the loop shows as a waiting queue near arrival rate x deadline (vLLM cannot count arrivals;
 # at or above Ĉ that is at least Ĉ x deadline) and, with cancellation on, an engine admitting at

@@ -1,6 +1,6 @@
-"""``retrywatch proxy``: run the execution-aware proxy (served by ``exporter.server``).
+"""``retrywatch proxy``: run the execution-aware proxy (served by ``foundation.server``).
 
-The options are the knobs of ``exporter.settings.ProxySettings`` (``exporter.knobs``). Every option
+The options are the knobs of ``exporter.settings.ProxySettings`` (``foundation.knobs``). Every option
 can also be set by an environment variable ``RETRYWATCH_<OPTION>`` (upper case, dashes as
 underscores), e.g. ``RETRYWATCH_UPSTREAM``, ``RETRYWATCH_CANCEL_AFTER``.
 """
@@ -8,42 +8,19 @@ underscores), e.g. ``RETRYWATCH_UPSTREAM``, ``RETRYWATCH_CANCEL_AFTER``.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
-from exporter.bounds import EMPTY_HOST, base_url, host_is_usable
-from exporter.knobs import Knob, env_var, knobs
-from exporter.logs import announce, check_port, log_options, setup_logging
 from exporter.policy import PolicyConfigError
-from exporter.redact import redact_url
 from exporter.settings import ProxySettings, SettingsError
+from foundation.bounds import base_url
+from foundation.knobs import Knob, env_var, knobs
+from foundation.logs import announce, check_port, log_options, setup_logging
+from foundation.redact import redact_url
 
 FC = TypeVar("FC", bound=Callable[..., Any])
-
-
-class FiniteFloatRange(click.FloatRange):
-    """``click.FloatRange`` that refuses NaN (which passes every bound) and, unless ``allow_inf``,
-    infinity: a usage error (exit 2), never a traceback later. The CLIs' float options use it."""
-
-    def __init__(self, *args: Any, allow_inf: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.allow_inf = allow_inf
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        rv = super().convert(value, param, ctx)
-        if math.isnan(rv) or (math.isinf(rv) and not self.allow_inf):
-            self.fail(f"{rv} is not a finite number.", param, ctx)
-        return rv
-
-
-def listen_host(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """``--host`` of a serving command: an empty one is a usage error (``exporter.bounds``)."""
-    if not host_is_usable(value):
-        raise click.BadParameter(EMPTY_HOST)
-    return value
 
 
 def _click_type(k: Knob) -> click.ParamType[Any] | None:
@@ -60,7 +37,7 @@ def _click_type(k: Knob) -> click.ParamType[Any] | None:
 
 
 def knob_options(settings: type) -> Callable[[FC], FC]:
-    """The click options of every knob of ``settings`` (see ``exporter.knobs``), each also set by
+    """The click options of every knob of ``settings`` (see ``foundation.knobs``), each also set by
     its environment variable; the parameters are named after the fields."""
 
     def decorate(command: FC) -> FC:
@@ -119,8 +96,9 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
 @log_options
 def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any) -> None:
     """Run the execution-aware proxy in front of a vLLM engine."""
+    from exporter.exchange import ProxyTakeOver
     from exporter.proxy import Proxy
-    from exporter.server import serve
+    from foundation.server import serve
 
     deadline_s, deadline_auto = _parse_deadline(deadline)
     try:
@@ -134,7 +112,14 @@ def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any)
         f"retrywatch proxy on {base_url(settings.host, settings.port)} (metrics /metrics) in front of "
         f"{redact_url(settings.upstream_base)}; state: in memory only"
     )
-    serve(app.app, settings.bounds(), app.end_executions, log_level, chosen_by=_chosen_cap())
+    serve(
+        app.app,
+        settings.bounds(),
+        app.end_executions,
+        log_level,
+        chosen_by=_chosen_cap(),
+        takeover=ProxyTakeOver(app),
+    )
 
 
 def _chosen_cap() -> str | None:

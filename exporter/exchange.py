@@ -1,6 +1,6 @@
 """A generation request served in callbacks on the server's connection: no ASGI cycle, no task.
 
-The server's protocol (``exporter.server.BoundedProtocol``) hands a POST to a generation route
+The server's protocol (``foundation.server.BoundedProtocol``) hands a POST to a generation route
 over to an ``Exchange`` when its head is complete and nothing else is in progress on the
 connection (``takes_over`` says which). From then on the request is driven by
 callbacks only: its body arrives in ``on_body``; at the end of the message the proxy validates,
@@ -34,17 +34,11 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from exporter.proxy import (
-    ENDED_WITHOUT_ANSWER,
-    PROXY_ERROR,
-    SHUT_DOWN_UNANSWERED,
-    Answer,
-    Ending,
-    Proxy,
-    header_map,
-)
+from exporter.proxy import ENDED_WITHOUT_ANSWER, Answer, Ending, Proxy, header_map
 from exporter.relay import Relay, Subscription
-from exporter.validation import GENERATION_ROUTES, error_body, error_type
+from exporter.validation import GENERATION_ROUTES
+from foundation.errors import error_body, error_type
+from foundation.server import PROXY_ERROR, SHUT_DOWN_UNANSWERED
 
 log = logging.getLogger("retrywatch.exchange")
 
@@ -66,7 +60,7 @@ _NO_EVENT = _NoEvent()
 
 
 class Connection(Protocol):
-    """What an exchange needs of its connection (``exporter.server.BoundedProtocol``)."""
+    """What an exchange needs of its connection (``foundation.server.BoundedProtocol``)."""
 
     @property
     def writable(self) -> bool: ...
@@ -117,6 +111,22 @@ def takes_over(proxy: Proxy, method: bytes, path: bytes, http_version: str, expe
         and not expect_continue
         and not proxy.closing
     )
+
+
+class ProxyTakeOver:
+    """The proxy's takeover (``foundation.server.TakeOver``): the server hands it each request
+    whose head is complete, and it serves those :func:`takes_over` names as an :class:`Exchange`."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    def accepts(self, method: bytes, path: bytes, http_version: str, expect_continue: bool) -> bool:
+        return takes_over(self.proxy, method, path, http_version, expect_continue)
+
+    def __call__(
+        self, connection: Connection, route: str, raw_headers: list[tuple[bytes, bytes]], keep_alive: bool
+    ) -> Exchange:
+        return Exchange(self.proxy, connection, route, raw_headers, keep_alive)
 
 
 class Exchange:

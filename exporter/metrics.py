@@ -4,7 +4,7 @@ fetch, served until it is older than a staleness bound, only if it is a Promethe
 without the upstream's own ``retrywatch_`` families: ``exporter.upstreamtext``).
 
 The counters are read fresh from ``Policy.counters`` on every scrape by a custom collector, with
-every label value of ``exporter.metricnames`` present from the start. The response is the
+every label value of ``foundation.metricnames`` present from the start. The response is the
 plain text format (``generate_latest`` + ``CONTENT_TYPE_LATEST``) so vLLM's colons survive a
 Prometheus scrape.
 """
@@ -23,11 +23,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter import metricnames as mn
-from exporter.policy import AttemptKind, Fate, Policy, PolicyCounters, ShedReason
-from exporter.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
+from exporter.policy import AttemptKind, Policy, PolicyCounters
 from exporter.upstreamtext import WINDOW_VLLM_FAMILIES as WINDOW_VLLM_FAMILIES
 from exporter.upstreamtext import Digest, digest, digest_sliced, scan_vllm
+from foundation import metricnames as mn
+from foundation.metricnames import Fate, ShedReason
+from foundation.ratios import CREATION_CAPACITY_RATIO, PROMPT_TOKEN_GAP, WAITING_LITTLES_LAW_RATIO
 
 log = logging.getLogger("retrywatch.proxy")
 
@@ -101,7 +102,7 @@ class SlidingWindow:
         return float(vb - va) / (b.t - a.t)
 
     def prompt_token_gap(self) -> float:
-        """``exporter.ratios.PROMPT_TOKEN_GAP`` between the oldest and the newest samples that
+        """``foundation.ratios.PROMPT_TOKEN_GAP`` between the oldest and the newest samples that
         carry the upstream's counters (samples taken while the passthrough had nothing, e.g. at
         start-up, are skipped); NaN when unknown."""
         known = [
@@ -230,7 +231,7 @@ class PolicyCollector(Collector):
             mn.EXECUTION_CREATION_RATE, "Executions created per second over the window.", value=creation
         )
         yield GaugeMetricFamily(mn.ATTEMPT_RATE, "Attempts per second over the window.", value=attempt_rate)
-        # The ratios are the detector's (exporter.ratios), over this window's rates.
+        # The ratios are the detector's (foundation.ratios), over this window's rates.
         signals = {
             "execution_creation_rate": _none_if_nan(creation),
             "attempt_rate": _none_if_nan(attempt_rate),

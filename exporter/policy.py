@@ -58,7 +58,8 @@ from enum import StrEnum
 
 from exporter.callmemory import AwaitingDelivery, SeenCalls
 from exporter.departures import DepartureMemory
-from exporter.knobs import check_bounds, knob
+from foundation.knobs import check_bounds, knob
+from foundation.metricnames import Fate, ShedReason
 
 # Departures of attempts without a call id remembered per key, each licensing one retry: enough
 # for a burst of identical calls that all time out together; beyond it the oldest are forgotten.
@@ -72,21 +73,6 @@ class PolicyConfigError(ValueError):
 class AttemptKind(StrEnum):
     FIRST = "first"
     RETRY = "retry"
-
-
-class ShedReason(StrEnum):
-    RETRY_BUDGET = "retry_budget"
-    PROXY_QUEUE = "proxy_queue"
-    DEADLINE = "deadline"
-
-
-class Fate(StrEnum):
-    COMPLETED = "completed"
-    ORPHANED = "orphaned"
-    CANCELLED = "cancelled"
-    DROPPED = "dropped"
-    REFUSED = "refused"
-    FAILED = "failed"
 
 
 class ExecutionState(StrEnum):
@@ -118,7 +104,7 @@ class QueueOrder(StrEnum):
 class PolicyConfig:
     """Every knob of the policy core; the defaults are the study's "answer every call" recipe.
 
-    Each knob with an option (``exporter.knobs``) is a flag of ``retrywatch proxy``; the proxy's
+    Each knob with an option (``foundation.knobs``) is a flag of ``retrywatch proxy``; the proxy's
     settings inherit these fields, so a knob is declared here once. The clients' deadline is set
     by the proxy's ``--deadline`` (seconds, or ``auto`` to infer it)."""
 
@@ -321,7 +307,7 @@ class Subscriber:
 
 @dataclass
 class PolicyCounters:
-    """Raw monotonic counters, named after ``exporter.metricnames``."""
+    """Raw monotonic counters, named after ``foundation.metricnames``."""
 
     attempts: dict[AttemptKind, int] = field(default_factory=lambda: dict.fromkeys(AttemptKind, 0))
     attached: int = 0

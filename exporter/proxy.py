@@ -9,13 +9,13 @@ deferred-cancellation timers are armed with ``loop.call_later``. The policy's cl
 ``time.monotonic``.
 
 A generation POST is normally served in callbacks on the server's connection
-(``exporter.exchange``, taken over by ``exporter.server``): no ASGI cycle and no task. The ASGI
+(``exporter.exchange``, taken over by ``foundation.server``): no ASGI cycle and no task. The ASGI
 app (``Proxy.app``) serves the rest: the proxy's own routes (``/metrics``,
 ``/retrywatch/...``; 405 to other methods), any other path, passed through to the upstream
 unchanged if ``--passthrough`` allows it (``exporter.routes``) or answered 404, and the
 generation requests the callback path leaves to it (HTTP/1.0, ``Expect: 100-continue``, a
 request pipelined behind another), answered by ``SubscriberResponse`` (a task per subscriber
-waits for ``http.disconnect``). When a drained shutdown runs out of time (``exporter.server``),
+waits for ``http.disconnect``). When a drained shutdown runs out of time (``foundation.server``),
 ``end_executions`` ends every live execution with an error its clients can read.
 """
 
@@ -49,19 +49,7 @@ from exporter.admin import executions_listing
 from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
 from exporter.execution import Execution
 from exporter.metrics import ProxyMetrics
-from exporter.policy import (
-    Attempt,
-    Cancel,
-    Created,
-    Dispatch,
-    Drop,
-    Effect,
-    Policy,
-    Shed,
-    ShedReason,
-    StartTimer,
-)
-from exporter.redact import redact_url
+from exporter.policy import Attempt, Cancel, Created, Dispatch, Drop, Effect, Policy, Shed, StartTimer
 from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
@@ -79,18 +67,19 @@ from exporter.validation import (
     GENERATION_ROUTES,
     RequestError,
     check_forwarded_path,
-    error_body,
-    error_type,
     parse_body,
     validate,
 )
+from foundation.errors import error_body, error_type
+from foundation.metricnames import ShedReason
+from foundation.redact import redact_url
+from foundation.server import ABORT_EXTENSION, PROXY_ERROR, SHUT_DOWN_UNANSWERED
 
 log = logging.getLogger("retrywatch.proxy")
 
-# The ASGI scope extension under which ``exporter.server`` gives the app a callable that closes the
+# The ASGI scope extension under which ``foundation.server`` gives the app a callable that closes the
 # client's connection at once (its transport's ``abort``): a subscriber dropped for lagging has a
 # paused send that only the connection's loss ends.
-ABORT_EXTENSION = "retrywatch.abort"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -103,14 +92,6 @@ READ_ONLY = frozenset({"GET", "HEAD"})
 UPSTREAM_METRICS_MAX_AGE_S = 1.0
 _JSON = b"application/json"
 _SHUTTING_DOWN = (503, error_body("the proxy is shutting down", error_type(503), "proxy_shutting_down"))
-# A fault in the proxy itself (a bug, logged): never the answer to anything a client sent.
-# What a client reads when the proxy itself failed, or shut down, before answering it (both servers'
-# paths: exporter.server, exporter.exchange).
-PROXY_ERROR = (500, error_body("the proxy failed handling the request", error_type(500), "proxy_error"))
-SHUT_DOWN_UNANSWERED = (
-    503,
-    error_body("the proxy shut down before answering", error_type(503), "proxy_shutting_down"),
-)
 # What a subscriber reads when its execution ended without an answer or an error of its own.
 ENDED_WITHOUT_ANSWER = (
     503,
@@ -650,7 +631,7 @@ class Proxy:
     # --- a drained shutdown out of time -------------------------------------------------------
 
     def end_executions(self) -> None:
-        """The drain bound expired (``exporter.server``): refuse new requests, and end every
+        """The drain bound expired (``foundation.server``): refuse new requests, and end every
         execution with a 503 its subscribers read (a stream gets an SSE error event, then
         ``[DONE]``; any other attempt a JSON error). Closing its upstream request makes the engine
         abort it."""

@@ -1,7 +1,7 @@
 """The proxy's configuration: one dataclass holding every flag of ``retrywatch proxy``.
 
 The policy's knobs are inherited from ``exporter.policy.PolicyConfig``; the proxy's own are declared
-here. Every knob is declared once, with its option (``exporter.knobs``): the command line
+here. Every knob is declared once, with its option (``foundation.knobs``): the command line
 (``exporter.cli``), its environment variables and the argv of every launcher of a proxy process
 (:meth:`ProxySettings.to_argv`) are derived from these fields."""
 
@@ -11,7 +11,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from exporter.bounds import (
+from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
+from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
+from exporter.routes import DEFAULT_FORWARDED, DEFAULT_ROUTES, ForwardedRoutes
+from exporter.upstream import DEFAULT_MAX_IDLE_S
+from foundation.bounds import (
     EMPTY_HOST,
     OPENAI_API_ROOT,
     HttpBounds,
@@ -19,12 +23,8 @@ from exporter.bounds import (
     host_is_usable,
     without_api_root,
 )
-from exporter.callkey import DEFAULT_CALL_ID_HEADER, KeyWithoutId
-from exporter.knobs import check_bounds, knob, to_argv
-from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
-from exporter.redact import redact_url
-from exporter.routes import DEFAULT_FORWARDED, DEFAULT_ROUTES, ForwardedRoutes
-from exporter.upstream import DEFAULT_MAX_IDLE_S
+from foundation.knobs import check_bounds, knob, to_argv
+from foundation.redact import redact_url
 
 
 class SettingsError(ValueError):
@@ -46,7 +46,7 @@ _ENUMS = {"cancellation": Cancellation, "budget_order": BudgetOrder, "queue_orde
 class ProxySettings(PolicyConfig):
     """Every setting of ``retrywatch proxy``: the policy's knobs (inherited from
     :class:`~exporter.policy.PolicyConfig`) and the proxy's own. Each field made with ``knob`` is
-    a command-line option and an environment variable (``exporter.knobs``); enum knobs also
+    a command-line option and an environment variable (``foundation.knobs``); enum knobs also
     accept their string values."""
 
     upstream: str = knob(flag="upstream", help="Base URL of the engine (vLLM), e.g. http://127.0.0.1:8000.")
@@ -163,7 +163,7 @@ class ProxySettings(PolicyConfig):
         minimum=0,
         exclusive=True,
     )
-    # The server's client-side bounds (exporter.bounds): request heads, slow or idle clients,
+    # The server's client-side bounds (foundation.bounds): request heads, slow or idle clients,
     # connections, the drain.
     max_head_bytes: int = knob(
         HttpBounds.max_head_bytes,
@@ -287,7 +287,7 @@ class ProxySettings(PolicyConfig):
         return cls(**(values | proxy))
 
     def to_argv(self) -> list[str]:
-        """The ``retrywatch proxy`` options that reproduce these settings (see ``exporter.knobs``)."""
+        """The ``retrywatch proxy`` options that reproduce these settings (see ``foundation.knobs``)."""
         argv = to_argv(self)
         if self.deadline_auto:
             argv += ["--deadline", "auto"]

@@ -36,7 +36,8 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
-from exporter.metricnames import HEAD_TOO_LARGE, STRAY_BYTES
+from foundation.bounds import MAX_METRICS_BYTES
+from foundation.metricnames import HEAD_TOO_LARGE, STRAY_BYTES
 
 log = logging.getLogger("retrywatch.proxy")
 
@@ -69,9 +70,6 @@ _CLOSE = (b"connection", b"close")  # on every request passed through (``Upstrea
 # close a connection just as a request is written on it. The proxy's --upstream-max-idle sets it
 # (``UpstreamPool``; the routes passed through keep no connection alive).
 DEFAULT_MAX_IDLE_S = 2.0
-# Largest /metrics answer read (``UpstreamPool.get_text``), as the detector reads one: a real
-# engine's is a few hundred KiB; past it the fetch fails as an unreachable endpoint's would.
-MAX_METRICS_BYTES = 16 * 1024 * 1024
 # Largest response head read from the upstream, on every path (generation requests, routes passed
 # through, the /metrics fetch): the header fields of the final response, of any interim (1xx)
 # responses before it and of a chunked answer's trailer, together. nginx's proxy_buffer_size

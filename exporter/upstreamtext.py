@@ -23,7 +23,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 
 #: The upstream's families the window samples (summed over their label sets).
 WINDOW_VLLM_FAMILIES = (mn.VLLM_NUM_WAITING, mn.VLLM_PROMPT_TOKENS, mn.VLLM_PREFIX_CACHE_QUERIES)

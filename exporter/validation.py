@@ -1,4 +1,4 @@
-"""Request checks, and the OpenAI-style error bodies the proxy sends.
+"""Request checks: what the proxy refuses before the policy or the engine sees it.
 
 A generation request that fails a check gets a 400 (or 413 for a body over the limit) and never
 reaches the policy or the engine. With ``--vocab-size N``, token-ID prompts holding an ID outside
@@ -10,11 +10,12 @@ is checked too (``check_forwarded_path``).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 import orjson
+
+from foundation.errors import error_body, error_type
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -38,30 +39,8 @@ class RequestError(Exception):
 
     def body(self) -> bytes:
         return error_body(
-            self.message, _ERROR_TYPES.get(self.status, "invalid_request_error"), self.code, self.param
+            self.message, error_type(self.status, "invalid_request_error"), self.code, self.param
         )
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    431: "invalid_request_error",
-    429: "rate_limit_error",
-    502: "upstream_error",
-    503: "service_unavailable_error",
-}
-
-
-def error_body(message: str, type_: str, code: str | int, param: str | None = None) -> bytes:
-    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
-
-
-def error_type(status: int) -> str:
-    return _ERROR_TYPES.get(status, "api_error")
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> RequestError:

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from exporter.cli import FiniteFloatRange
+from foundation.options import FiniteFloatRange
 from reproduce.conditions import (
     MODELS,
     ConditionError,

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from detector.rundir import RunDirError
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from reproduce.client import CallRecord
 from reproduce.outcomes import RecoveryRule, counter_rate, mean_and_slope, waiting_series
 from reproduce.plan import RECOVERY_WINDOW_S

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord
 from reproduce.plan import Timeline
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from exporter.timeseries import Snapshot, write_series
+from foundation.timeseries import Snapshot, write_series
 from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
 from reproduce.groundtruth import (

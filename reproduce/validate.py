@@ -60,8 +60,8 @@ from detector.rundir import (
 )
 from detector.signals import WINDOWS, Windows
 from detector.thresholds import ALERTS, ALERTS_BY_NAME, TIERS, AlertKind, AlertRule
-from exporter import metricnames as mn
-from exporter.timeseries import read_series
+from foundation import metricnames as mn
+from foundation.timeseries import read_series
 from reproduce.groundtruth import (
     CALLS_FILE,
     Collapse,

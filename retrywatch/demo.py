@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import click
 import httpx
 
-from exporter.cli import FiniteFloatRange, listen_host
-from exporter.logs import announce, check_port, log_options, setup_logging
-from exporter.metricnames import VLLM_NUM_WAITING
 from exporter.policy import Cancellation, PolicyConfig
-from exporter.processes import ManagedProcess, ProcessStartError, log_tail
 from exporter.settings import ProxySettings
-from exporter.timeseries import parse_exposition
+from foundation.logs import announce, check_port, log_options, setup_logging
+from foundation.metricnames import VLLM_NUM_WAITING
+from foundation.options import FiniteFloatRange, listen_host
+from foundation.processes import ManagedProcess, ProcessStartError, log_tail
+from foundation.timeseries import parse_exposition
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import PresetError, preset_capacity
 

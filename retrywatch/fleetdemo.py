@@ -7,7 +7,7 @@ as job ``retrywatch`` (``deploy/prometheus/prometheus.yml`` with its targets fil
 ``rules/retrywatch.rules.yml`` loaded and sending to Debian's Alertmanager
 (``deploy/alertmanager/alertmanager.yml``, its webhook receivers left out); the detector reading
 Prometheus; the dashboard reading the detector and Prometheus. Every child is a
-:class:`exporter.processes.ManagedProcess` stopped by PID; everything lives in one temporary folder.
+:class:`foundation.processes.ManagedProcess` stopped by PID; everything lives in one temporary folder.
 
 The replicas differ in capacity: replica 1 emulates the study's slowest preset (Ĉ 1.09 calls per
 engine second), the others its fastest (2.78). The demo's pulse (``retrywatch.demo_load``, the
@@ -44,10 +44,10 @@ import httpx
 import yaml
 from click.core import ParameterSource
 
-from exporter.cli import FiniteFloatRange
-from exporter.logs import announce, check_port, setup_logging
-from exporter.processes import ManagedProcess, log_tail
 from exporter.settings import ProxySettings
+from foundation.logs import announce, check_port, setup_logging
+from foundation.options import FiniteFloatRange
+from foundation.processes import ManagedProcess, log_tail
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_capacity
 from retrywatch import demo as single
@@ -207,7 +207,7 @@ class FleetPorts:
 
 def check_ports_free(plan: FleetPlan, ports: FleetPorts, host: str) -> None:
     """Exit 2 with one line naming the option to change for the first port taken on ``host``, as
-    the single-engine demo and every serving command do (:func:`exporter.logs.check_port`)."""
+    the single-engine demo and every serving command do (:func:`foundation.logs.check_port`)."""
     for port, (what, option) in ports.by_option(plan).items():
         check_port(host, port, option, what=what)
 

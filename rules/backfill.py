@@ -4,9 +4,9 @@ Prometheus evaluates rules only in real time, at the wall clock, never over hist
 handed afterwards. To evaluate ``rules/retrywatch.rules.yml`` over a recorded (or simulated) run
 with Prometheus' own PromQL engine, this module:
 
-1. renders the run as OpenMetrics with timestamps (``exporter.timeseries.to_openmetrics``) and
+1. renders the run as OpenMetrics with timestamps (``foundation.timeseries.to_openmetrics``) and
    turns it into TSDB blocks with ``promtool tsdb create-blocks-from openmetrics``;
-2. starts a real ``prometheus`` on 127.0.0.1 over that data directory (``exporter.processes``),
+2. starts a real ``prometheus`` on 127.0.0.1 over that data directory (``foundation.processes``),
    queried with ``prometheus-api-client``;
 3. materialises the recording rules over the run's range with
    ``promtool tsdb create-blocks-from rules``, one dependency layer at a time (that tool cannot
@@ -44,8 +44,8 @@ from prometheus_api_client import PrometheusConnect
 from prometheus_api_client.exceptions import PrometheusApiClientException
 
 from detector.evaluator import AlertStateMachine
-from exporter.processes import ManagedProcess, ProcessStartError, free_port
-from exporter.timeseries import Snapshot, to_openmetrics
+from foundation.processes import ManagedProcess, ProcessStartError, free_port
+from foundation.timeseries import Snapshot, to_openmetrics
 
 # Prometheus' TSDB deletes blocks older than its retention on start; keep loaded runs recent.
 _RETENTION = "30d"

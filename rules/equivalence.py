@@ -19,7 +19,7 @@ import click
 import yaml
 
 from detector.rundir import RunDirError, read_summary, run_slug, series_path
-from exporter.timeseries import Snapshot, read_series
+from foundation.timeseries import Snapshot, read_series
 
 Key = tuple[str, float, float | None]  # (alertname, fired_at_s, resolved_at_s)
 

@@ -30,8 +30,8 @@ from detector.signals import (
     check_time_scale,
     deadline_bucket,
 )
-from exporter import metricnames as mn
-from exporter.vllmbuckets import le_label
+from foundation import metricnames as mn
+from foundation.vllmbuckets import le_label
 from rules.backfill import parse_duration
 from rules.generate import duration, rule_documents
 

@@ -24,8 +24,8 @@ import math
 
 from detector.runbook import DEFAULT_PATTERN
 from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOBS, VLLM_DEADLINE_LE, deadline_bucket
-from exporter import metricnames as mn
-from exporter.vllmbuckets import le_label
+from foundation import metricnames as mn
+from foundation.vllmbuckets import le_label
 from rules import generate
 
 _INTERVAL = generate.duration(generate.EVALUATION_INTERVAL_S)

@@ -28,7 +28,7 @@ import yaml
 
 from detector.runbook import DEFAULT_PATTERN
 from detector.signals import PROMETHEUS_JOBS, Tier
-from exporter.timeseries import Snapshot
+from foundation.timeseries import Snapshot
 
 TESTS_DIR = Path(__file__).resolve().parent / "tests"
 STEP_S = 5

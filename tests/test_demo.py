@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporter.processes import free_port
+from foundation.processes import free_port
 from reproduce.httpdriver.openloop import OpenLoopStats
 from retrywatch.demo import closing_summary, dashboard_link, dashboard_range_s, demo_commands, demo_plan
 

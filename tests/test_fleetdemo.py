@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from exporter.processes import ManagedProcess, free_port, port_taken
+from foundation.processes import ManagedProcess, free_port, port_taken
 from retrywatch import fleetdemo
 from retrywatch.fleetdemo import FleetDemo, FleetPorts, fleet_plan, running_fleet
 from tests.systemtools import require

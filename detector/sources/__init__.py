@@ -1,6 +1,6 @@
 """Sources of signals behind one interface: direct scrape, Prometheus HTTP API, replay.
 
-A source returns :class:`exporter.timeseries.Snapshot` s whose samples carry an ``instance``
+A source returns :class:`foundation.timeseries.Snapshot` s whose samples carry an ``instance``
 label; :class:`~detector.signals.SignalEngine` groups them per engine. A source that cannot
 reach its target reports it in :attr:`FetchResult.down` (never an empty "healthy" answer).
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from exporter.timeseries import Snapshot
+from foundation.timeseries import Snapshot
 
 
 @dataclass

@@ -22,8 +22,8 @@ from urllib3.util.retry import Retry
 
 from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, RAW, UP
 from detector.sources import AnswerTooLarge, AnswerTooSlow, FetchResult, read_whole
-from exporter.redact import redact_text, redact_url
-from exporter.timeseries import Sample, Snapshot
+from foundation.redact import redact_text, redact_url
+from foundation.timeseries import Sample, Snapshot
 
 #: Series one engine may have under the selector: about twice the 60 that a proxy and its vLLM
 #: export there (attempts by kind, executions by fate, ..., vLLM's gauges and counters, the e2e

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from detector.sources import FetchResult
-from exporter.timeseries import Snapshot, read_series
+from foundation.timeseries import Snapshot, read_series
 
 
 def run_slug(series_path: Path) -> str:

@@ -18,10 +18,9 @@ import httpx
 
 from detector.signals import UP
 from detector.sources import FetchResult, read_whole
-from exporter.bounds import OPENAI_API_ROOT, ends_at_api_root, without_api_root
-from exporter.redact import redact_text, redact_url
-from exporter.timeseries import Sample, Snapshot, parse_exposition
-from exporter.upstream import MAX_METRICS_BYTES
+from foundation.bounds import MAX_METRICS_BYTES, OPENAI_API_ROOT, ends_at_api_root, without_api_root
+from foundation.redact import redact_text, redact_url
+from foundation.timeseries import Sample, Snapshot, parse_exposition
 
 # A proxy's /metrics: vLLM's, which the proxy reads up to MAX_METRICS_BYTES, and its own families.
 MAX_BODY_BYTES = 2 * MAX_METRICS_BYTES

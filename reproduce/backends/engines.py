@@ -22,8 +22,8 @@ from types import TracebackType
 
 import httpx
 
-from exporter.processes import ManagedProcess, ProcessStartError, free_port
-from exporter.redact import redact_text, redact_url
+from foundation.processes import ManagedProcess, ProcessStartError, free_port
+from foundation.redact import redact_text, redact_url
 from reproduce.backends.commands import (
     EngineFlags,
     cpu_env,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from exporter.cli import FiniteFloatRange
+from foundation.options import FiniteFloatRange
 from reproduce.cli import OutputPath
 
 __all__ = [

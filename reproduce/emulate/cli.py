@@ -1,7 +1,7 @@
 """``retrywatch emulate``: serve the engine model over HTTP in wall time (optionally scaled).
 
-It runs on the proxy's server (``exporter.server``): request heads, slow and idle clients and
-connections bounded (``exporter.bounds``' defaults; ``--max-live`` caps the connections too), and
+It runs on the proxy's server (``foundation.server``): request heads, slow and idle clients and
+connections bounded (``foundation.bounds``' defaults; ``--max-live`` caps the connections too), and
 SIGTERM drains it for 2 s.
 """
 
@@ -11,8 +11,8 @@ import logging
 
 import click
 
-from exporter.cli import listen_host
-from exporter.logs import announce, check_port, log_options, setup_logging
+from foundation.logs import announce, check_port, log_options, setup_logging
+from foundation.options import listen_host
 from reproduce.cli import TIME_SCALE
 
 __all__ = ["emulate"]
@@ -96,8 +96,8 @@ def emulate(
     log_format: str,
 ) -> None:
     """Serve the engine model with vLLM's OpenAI API and /metrics, stepped in wall time."""
-    from exporter.bounds import HttpBounds, base_url
-    from exporter.server import serve
+    from foundation.bounds import HttpBounds, base_url
+    from foundation.server import serve
     from reproduce.emulate.server import build_app
 
     check_port(host, port)

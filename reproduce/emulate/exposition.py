@@ -1,6 +1,6 @@
 """``/metrics`` of the emulated engine: the engine model's vLLM samples with vLLM's HELP/TYPE.
 
-Histograms (``exporter.vllmbuckets``' families, flat ``_bucket``/``_count``/``_sum`` samples in
+Histograms (``foundation.vllmbuckets``' families, flat ``_bucket``/``_count``/``_sum`` samples in
 the model) are served as histogram families, as vLLM serves them.
 
 A custom prometheus_client collector re-exports ``engine.metrics_samples(labels)`` fresh on
@@ -17,9 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from exporter import metricnames as mn
-from exporter.timeseries import Sample
-from exporter.vllmbuckets import SERIES_HISTOGRAMS
+from foundation import metricnames as mn
+from foundation.timeseries import Sample
+from foundation.vllmbuckets import SERIES_HISTOGRAMS
 
 __all__ = ["CONTENT_TYPE_LATEST", "VLLM_HELP", "EngineCollector", "render"]
 

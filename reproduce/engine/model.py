@@ -43,8 +43,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from exporter import metricnames as mn
-from exporter.timeseries import Sample
+from foundation import metricnames as mn
+from foundation.timeseries import Sample
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.kvcache import BlockPool, prompt_layout
 from reproduce.engine.vllmstats import VllmStats

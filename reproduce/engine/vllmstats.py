@@ -5,7 +5,7 @@ and gauges are plain attributes it increments at the events named here. Every fa
 labelled ``engine`` and ``model_name`` (the driver's labels), as vLLM 0.32 labels them
 (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger.__init__``), except
 ``admission_rejections`` (``model_name``, ``reason``: no ``engine``). Bucket boundaries are
-``exporter.vllmbuckets``'.
+``foundation.vllmbuckets``'.
 
 Counting rules, as vLLM 0.32 applies them (source functions named; ``stats`` is
 ``vllm/v1/metrics/stats.py``, ``output`` is ``vllm/v1/engine/output_processor.py``): each
@@ -28,7 +28,7 @@ family, the event that observes it, and where vLLM does so:
   scheduled), ``vllm:request_decode_time_seconds`` (last token - first token),
   ``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``. (vLLM also observes
   inference time, time per output token and preemptions there; the model leaves them out, as
-  ``exporter.vllmbuckets.SERIES_HISTOGRAMS`` says why.)
+  ``foundation.vllmbuckets.SERIES_HISTOGRAMS`` says why.)
 - ``vllm:num_preemptions_total``: a running execution is preempted.
   ``stats.IterationStats.update_from_events`` (PREEMPTED).
 - ``vllm:admission_rejections_total{reason}``: ``--max-num-queued-reqs`` refuses a request
@@ -55,9 +55,9 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from itertools import accumulate
 
-from exporter import metricnames as mn
-from exporter.timeseries import Sample
-from exporter.vllmbuckets import SERIES_HISTOGRAMS, bucket_bounds, le_label
+from foundation import metricnames as mn
+from foundation.timeseries import Sample
+from foundation.vllmbuckets import SERIES_HISTOGRAMS, bucket_bounds, le_label
 
 __all__ = ["Histogram", "VllmStats"]
 

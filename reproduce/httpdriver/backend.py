@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from exporter.timeseries import Snapshot
+from foundation.timeseries import Snapshot
 from reproduce.backends.engines import (
     EmulatedBackend,
     EngineBackend,

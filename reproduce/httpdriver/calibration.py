@@ -55,9 +55,9 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from exporter import metricnames as mn
-from exporter.redact import redact_url
-from exporter.timeseries import Snapshot, parse_exposition
+from foundation import metricnames as mn
+from foundation.redact import redact_url
+from foundation.timeseries import Snapshot, parse_exposition
 from reproduce.calibrate import (
     CalibrationError,
     CalibrationResult,

@@ -7,7 +7,7 @@ import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from exporter.processes import ManagedProcess, ProcessStartError, free_port
+from foundation.processes import ManagedProcess, ProcessStartError, free_port
 
 __all__ = ["ChildServer", "retrywatch_argv"]
 

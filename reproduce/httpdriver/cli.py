@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from exporter.policy import Cancellation, PolicyConfig
-from exporter.redact import redact_url
+from foundation.redact import redact_url
 from reproduce.backends.engines import (
     CPU_ENGINE_NICENESS,
     BackendError,

@@ -1,9 +1,9 @@
 """Scrapes a proxy's (or an engine's) ``/metrics`` every few seconds into a metrics series.
 
-Each scrape becomes one ``exporter.timeseries.Snapshot`` with ``t`` in seconds from the run's
+Each scrape becomes one ``foundation.timeseries.Snapshot`` with ``t`` in seconds from the run's
 start, written as one JSON line at once (a crash leaves every scrape taken so far) and kept in
 memory for the run's outcomes. Of the histograms, the series format's are kept
-(``exporter.vllmbuckets.SERIES_HISTOGRAMS``: vLLM's request latencies and sizes), the others
+(``foundation.vllmbuckets.SERIES_HISTOGRAMS``: vLLM's request latencies and sizes), the others
 dropped, so a scrape of a real vLLM and the simulator's snapshots carry the same families. A failed
 scrape is counted and skipped: a gap in the series, never a made-up value.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from exporter.timeseries import Snapshot, parse_exposition, write_snapshot
-from exporter.vllmbuckets import SERIES_HISTOGRAMS
+from foundation.timeseries import Snapshot, parse_exposition, write_snapshot
+from foundation.vllmbuckets import SERIES_HISTOGRAMS
 
 __all__ = ["MetricsScraper"]
 

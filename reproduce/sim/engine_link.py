@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-from exporter.timeseries import Sample
+from foundation.timeseries import Sample
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
 from reproduce.engine.model import EventKind as _EngineEventKind

@@ -5,7 +5,7 @@ policy core's counters and gauges, Ĉ, the deadline, and the derived gauges over
 window, fed at every snapshot as the proxy feeds it at every scrape. The engine's side is the
 engine model's ``metrics_samples`` (vLLM's names and counting rules), passed through as the proxy
 passes vLLM's through, histograms included (those the series format keeps:
-``exporter.vllmbuckets.SERIES_HISTOGRAMS``); the proxy's own histograms are left out, as a
+``foundation.vllmbuckets.SERIES_HISTOGRAMS``); the proxy's own histograms are left out, as a
 recorded series leaves them out.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from exporter.metrics import WINDOW_VLLM_FAMILIES, PolicyCollector, SlidingWindow, window_sample
 from exporter.policy import Policy
-from exporter.timeseries import Sample, Snapshot
+from foundation.timeseries import Sample, Snapshot
 
 __all__ = ["PROXY_WINDOW_S", "Scraper"]
 

@@ -37,10 +37,10 @@ from exporter.policy import (
     Effect,
     Policy,
     Shed,
-    ShedReason,
     StartTimer,
 )
-from exporter.timeseries import Snapshot
+from foundation.metricnames import ShedReason
+from foundation.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
 from reproduce.conditions import Condition, TraceWorkload
 from reproduce.engine.config import EngineConfig

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from tests.exporter.support import Upstream
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"

@@ -14,8 +14,8 @@ import pytest
 from werkzeug.serving import make_server
 
 from dashboard.app import DashboardConfig, create_app
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, write_series
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, write_series
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 from tests.systemtools import require
 

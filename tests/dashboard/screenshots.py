@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from exporter.processes import free_port
+from foundation.processes import free_port
 from retrywatch.demo import DEFAULT_DURATION_S, dashboard_link
 from tests.dashboard.conftest import CHROMIUM_FLAGS, Page
 from tests.systemtools import locate, missing_line

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from click.testing import CliRunner
 
-from exporter.processes import free_port
+from foundation.processes import free_port
 from retrywatch.cli import main
 from tests.exporter.support import endless_head
 

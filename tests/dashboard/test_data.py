@@ -21,7 +21,7 @@ from dashboard.data import (
     engine_of,
     signals_for_engine,
 )
-from exporter.processes import free_port
+from foundation.processes import free_port
 from tests.dashboard.staticapi import StaticDetectorAPI
 
 from .conftest import ENGINE_A, ENGINE_B, NOW

@@ -19,8 +19,8 @@ from dashboard import figures, grafana
 from dashboard.tiles import TILE_SPECS
 from detector.signals import SIGNALS_BY_NAME
 from detector.thresholds import ALERTS
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from rules.backfill import (
     Prometheus,
     backfill_recording_rules,

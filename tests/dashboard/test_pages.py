@@ -16,7 +16,7 @@ from dashboard.data import DetectorClient
 from dashboard.figures import MAX_POINTS
 from dashboard.pages import experiments, history, live
 from dashboard.runs import run_key
-from exporter.processes import free_port
+from foundation.processes import free_port
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
 from .conftest import ENGINE_A, ENGINE_B, NOW, episode, loop_alert

@@ -18,9 +18,9 @@ from dashboard.app import DashboardConfig, create_app
 from dashboard.data import DetectorUnavailable
 from dashboard.pages import live
 from dashboard.prometheus import PrometheusSignals
-from exporter import metricnames as mn
-from exporter.processes import ManagedProcess, free_port
-from exporter.timeseries import format_sample
+from foundation import metricnames as mn
+from foundation.processes import ManagedProcess, free_port
+from foundation.timeseries import format_sample
 from tests.dashboard.staticapi import StaticDetectorAPI
 from tests.detector.conftest import trickling_server
 from tests.systemtools import require

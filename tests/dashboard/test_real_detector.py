@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 
 from .conftest import Page, write_episode_series
 

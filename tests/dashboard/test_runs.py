@@ -10,8 +10,8 @@ import pytest
 
 from dashboard.runs import load_runs, run_key, run_signals, series_signals
 from detector.rundir import RunDirError
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, read_series, write_series
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, read_series, write_series
 from tests.dashboard.conftest import summary_run, write_run_series
 
 

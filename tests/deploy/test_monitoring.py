@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from detector.signals import PROMETHEUS_JOBS
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from rules.generate import RULES_PATH
 from tests.deploy.conftest import DEPLOY, tool
 

@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from reproduce.conditions import PAPER, expand
 from reproduce.httpdriver.protocol import scaled_queue_cap
 from retrywatch.cli import main as cli

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from detector.lease import LeaseState
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 from tests.systemtools import require
 
 
@@ -233,7 +233,7 @@ def _pg_ready(check: Callable[[], bool]) -> bool:
 
 def exposition(snapshot_samples: list[tuple[str, dict[str, str], float]]) -> str:
     """Plain-text exposition of samples, as the proxy serves them."""
-    from exporter.timeseries import format_sample
+    from foundation.timeseries import format_sample
 
     return "\n".join(format_sample(n, lb, v) for n, lb, v in snapshot_samples) + "\n"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from exporter import metricnames as mn
-from exporter.timeseries import Sample, Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Sample, Snapshot
 
 
 def snapshot(

@@ -16,8 +16,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from exporter import metricnames as mn
-from exporter.timeseries import Sample, Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Sample, Snapshot
 
 PROMPT_TOKENS = 12_000
 

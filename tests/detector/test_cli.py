@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from detector.cli import detect
 from detector.store import EpisodeStore
 from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
-from exporter.processes import ManagedProcess, free_port
-from exporter.timeseries import write_series
+from foundation.processes import ManagedProcess, free_port
+from foundation.timeseries import write_series
 from tests.detector.conftest import TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim

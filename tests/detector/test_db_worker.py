@@ -19,7 +19,7 @@ from detector.signals import EngineLabels, SignalFrame
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
 from detector.thresholds import AlertRule, Cmp
-from exporter.timeseries import write_series
+from foundation.timeseries import write_series
 from tests.detector.conftest import ScriptedLease
 from tests.detector.minisim import MiniSim
 

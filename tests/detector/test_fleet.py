@@ -16,7 +16,7 @@ from detector.api import create_app
 from detector.service import Detector
 from detector.sources.scrape import ScrapeSource
 from detector.store import EpisodeStore
-from exporter.processes import free_port
+from foundation.processes import free_port
 from tests.detector.conftest import TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
 

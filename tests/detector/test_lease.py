@@ -20,8 +20,8 @@ from detector.service import Detector
 from detector.signals import EngineLabels
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore, make_engine
-from exporter.processes import free_port
-from exporter.timeseries import write_series
+from foundation.processes import free_port
+from foundation.timeseries import write_series
 from tests.detector.conftest import ScriptedLease, TestServer, exposition, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim

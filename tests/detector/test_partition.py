@@ -30,7 +30,7 @@ from detector.service import Detector
 from detector.signals import EngineLabels
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore, make_engine
-from exporter.timeseries import write_series
+from foundation.timeseries import write_series
 from tests.detector.conftest import TestServer, wait_until
 from tests.detector.minisim import MiniSim
 from tests.systemtools import require

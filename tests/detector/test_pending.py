@@ -22,7 +22,7 @@ from detector.service import Detector
 from detector.signals import EngineLabels
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
-from exporter.timeseries import write_series
+from foundation.timeseries import write_series
 from tests.detector.conftest import TestServer
 from tests.detector.minisim import MiniSim
 

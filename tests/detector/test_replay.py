@@ -10,7 +10,7 @@ import pytest
 from detector.replay import replay_run
 from detector.thresholds import NO_CAUSE_TEXT
 from detector.thresholds import tier_rules as _tier_rules
-from exporter.timeseries import write_series
+from foundation.timeseries import write_series
 from tests.detector.factories import steady
 from tests.detector.minisim import MiniSim
 

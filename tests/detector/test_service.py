@@ -19,7 +19,7 @@ from detector.signals import EngineLabels, SignalFrame
 from detector.sources import FetchResult
 from detector.sources.replay import ReplaySource
 from detector.store import EpisodeStore
-from exporter.timeseries import Snapshot, write_series
+from foundation.timeseries import Snapshot, write_series
 from tests.detector.conftest import TestServer, wait_until
 from tests.detector.factories import snapshot
 from tests.detector.minisim import MiniSim

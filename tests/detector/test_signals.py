@@ -14,8 +14,8 @@ from detector.signals import (
     deadline_bucket,
     split_snapshot,
 )
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from tests.detector.factories import snapshot, steady
 
 

@@ -12,7 +12,7 @@ import pytest
 from detector.signals import SignalConfig, SignalEngine
 from detector.sources.prometheus import SERIES_PER_ENGINE, PrometheusSource
 from detector.sources.scrape import ScrapeSource
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 from tests.detector.conftest import TestServer, exposition, trickling_server, wait_until
 from tests.detector.factories import snapshot
 

@@ -23,7 +23,7 @@ from detector.thresholds import (
     promql_template,
     tier_rules,
 )
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 
 EXPECTED = {
     "VLLMMetastableRetryLoop": ("critical", "cause", "proxy"),

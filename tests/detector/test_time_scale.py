@@ -22,8 +22,8 @@ from detector.replay import replay_run
 from detector.signals import WINDOWS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
 from detector.thresholds import ALERTS, NO_DATA, scale_rules
 from detector.thresholds import tier_rules as _tier_rules
-from exporter.processes import free_port
-from exporter.timeseries import read_series, write_series
+from foundation.processes import free_port
+from foundation.timeseries import read_series, write_series
 from reproduce.conditions import block
 from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.httpdriver.detectorproc import DetectorProcess

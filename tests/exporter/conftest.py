@@ -1,5 +1,5 @@
 """Fixtures for the proxy's tests: a real test upstream process on loopback, and proxies served by
-the proxy's own server (``exporter.server``) on free loopback ports in a thread of the test
+the proxy's own server (``foundation.server``) on free loopback ports in a thread of the test
 process. Tests of the server itself (``test_server.py``) run ``retrywatch proxy`` processes."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from exporter.processes import free_port
+from exporter.exchange import ProxyTakeOver
 from exporter.proxy import Proxy
-from exporter.server import DrainingServer, ServerConfig
 from exporter.settings import ProxySettings
+from foundation.processes import free_port
+from foundation.server import DrainingServer, ServerConfig
 from tests.exporter.support import RunningProxy, Upstream, start_upstream
 
 
@@ -35,7 +36,12 @@ def start_proxy(upstream: Upstream) -> Iterator[Callable[..., RunningProxy]]:
         settings = ProxySettings(upstream=upstream_url or upstream.url, port=port, **kwargs)
         proxy = Proxy(settings)
         config = ServerConfig(
-            proxy.app, settings.bounds(), proxy.end_executions, log_level="warning", loop="asyncio"
+            proxy.app,
+            settings.bounds(),
+            proxy.end_executions,
+            takeover=ProxyTakeOver(proxy),
+            log_level="warning",
+            loop="asyncio",
         )
         server = DrainingServer(config)  # in a thread, it leaves signals alone
         thread = threading.Thread(target=server.run, daemon=True)

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 
 #: What ``big_exposition`` sums to per series, for each family (a test checks the scan against it).
 WAITING_PER_SERIES = 3.0

@@ -1,5 +1,5 @@
 """Helpers for the proxy's end-to-end tests: the test upstream and proxy processes, scrapes and the
-counter balance. Processes and ports come from ``exporter.processes``."""
+counter balance. Processes and ports come from ``foundation.processes``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from exporter.processes import ManagedProcess, free_port
 from exporter.proxy import Proxy
+from foundation.processes import ManagedProcess, free_port
 from tests.exporter.soak import Samples, balance_problems, scrape
 
 __all__ = [

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.processes import ManagedProcess, free_port
+from foundation.processes import ManagedProcess, free_port
 
 MODEL = "qwen2.5-7b-h100"
 REQUESTS = 40

@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from exporter.cli import proxy
-from exporter.processes import ManagedProcess, free_port
 from exporter.settings import ProxySettings, SettingsError
+from foundation.processes import ManagedProcess, free_port
 from tests.exporter.support import ROOT, ProxyProcess, Upstream, env_without_retrywatch, proxy_process
 
 
@@ -310,7 +310,7 @@ def test_every_command_has_the_same_log_options() -> None:
 
 def test_an_empty_host_is_a_usage_error_in_every_command_that_serves() -> None:
     # It listened on every interface, and announced http://:PORT/.
-    from exporter.bounds import EMPTY_HOST
+    from foundation.bounds import EMPTY_HOST
     from retrywatch.cli import main
 
     commands = (

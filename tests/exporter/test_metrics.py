@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample
 from exporter.policy import Attempt, Created, Policy, PolicyConfig
-from exporter.timeseries import parse_exposition
 from exporter.upstreamtext import (
     SLICE_CHARS,
     digest,
@@ -19,6 +18,7 @@ from exporter.upstreamtext import (
     scan_vllm,
     scan_vllm_sliced,
 )
+from foundation.timeseries import parse_exposition
 
 T = TypeVar("T")
 

@@ -15,16 +15,15 @@ from exporter.policy import (
     Created,
     Dispatch,
     Drop,
-    Fate,
     Policy,
     PolicyConfig,
     PolicyConfigError,
     PolicyGauges,
     QueueOrder,
     Shed,
-    ShedReason,
     StartTimer,
 )
+from foundation.metricnames import Fate, ShedReason
 
 
 def create_policy(**overrides: object) -> Policy:

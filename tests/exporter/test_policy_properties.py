@@ -23,13 +23,13 @@ from exporter.policy import (
     Dispatch,
     Drop,
     Effect,
-    Fate,
     Policy,
     PolicyConfig,
     QueueOrder,
     Shed,
     StartTimer,
 )
+from foundation.metricnames import Fate
 
 configs = st.builds(
     PolicyConfig,

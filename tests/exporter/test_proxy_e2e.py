@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from exporter.processes import free_port
+from foundation.processes import free_port
 from tests.exporter.support import RunningProxy, Upstream, balance
 
 StartProxy = Callable[..., RunningProxy]

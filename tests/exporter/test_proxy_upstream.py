@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from exporter.timeseries import parse_exposition
-from exporter.validation import error_type
+from foundation.errors import error_type
+from foundation.timeseries import parse_exposition
 from tests.exporter.support import RunningProxy, Upstream, balance, until
 from tests.exporter.test_proxy_backpressure import read_until_closed, stalled_client
 

@@ -629,8 +629,8 @@ _LIMITS = """
 import logging, resource, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
-from exporter.bounds import HttpBounds
-from exporter.server import FD_HEADROOM, make_room_for
+from foundation.bounds import HttpBounds
+from foundation.server import FD_HEADROOM, make_room_for
 bounds = HttpBounds(port=1, max_connections=int(sys.argv[1]), reserved_connections=int(sys.argv[2]))
 fitted = make_room_for(bounds, int(sys.argv[3]), chosen_by=sys.argv[4] or None)
 print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_HEADROOM, fitted.max_connections)

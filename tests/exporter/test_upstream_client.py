@@ -13,8 +13,9 @@ import uuid
 
 import pytest
 
-from exporter.processes import free_port
-from exporter.upstream import MAX_METRICS_BYTES, UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from exporter.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from foundation.bounds import MAX_METRICS_BYTES
+from foundation.processes import free_port
 from tests.exporter.support import Upstream
 
 BODY = json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 3, "stream": True}).encode()

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from detector.signals import PROMETHEUS_JOBS
-from exporter import metricnames as mn
-from exporter.processes import ManagedProcess, free_port
+from foundation import metricnames as mn
+from foundation.processes import ManagedProcess, free_port
 from rules.scaled import lookback_delta, write_scaled
 from tests.systemtools import require
 

@@ -280,7 +280,7 @@ def test_emulate_and_run_share_the_time_scale_bounds(tmp_path: Path) -> None:
 
 
 def test_emulate_names_the_option_its_value_is_wrong_for() -> None:
-    from exporter.processes import free_port
+    from foundation.processes import free_port
 
     runner = CliRunner()
     port = ["--port", str(free_port())]  # checked free before the preset is built

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from exporter import metricnames
-from exporter.processes import free_port
-from exporter.timeseries import parse_exposition
-from exporter.vllmbuckets import SERIES_HISTOGRAMS
+from foundation import metricnames
+from foundation.processes import free_port
+from foundation.timeseries import parse_exposition
+from foundation.vllmbuckets import SERIES_HISTOGRAMS
 from tests.exporter.support import endless_head
 
 PRESET = "qwen2.5-7b-h100"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from reproduce.engine import EngineConfig, EngineEvent, EngineModel, EngineRequest, EventKind, StepTimeModel
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
-from exporter.vllmbuckets import SERIES_HISTOGRAMS, bucket_bounds, le_label, request_tokens_buckets
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
+from foundation.vllmbuckets import SERIES_HISTOGRAMS, bucket_bounds, le_label, request_tokens_buckets
 from reproduce.engine import EngineModel, EventKind
 from reproduce.engine.vllmstats import Histogram
 from tests.reproduce.test_engine_model import Driver, create_engine, request

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from detector.rundir import RunDirError, read_summary, series_path
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, read_series
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, read_series
 from reproduce.conditions import expand
 from reproduce.groundtruth import (
     CALLS_FILE,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.processes import free_port
+from foundation.processes import free_port
 from reproduce.backends.engines import BackendError, ExternalBackend, find_python
 from reproduce.backends.vllm_setup import write_dist_alias
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from detector.rundir import read_summary
-from exporter import metricnames as mn
-from exporter.timeseries import read_series
+from foundation import metricnames as mn
+from foundation.timeseries import read_series
 from reproduce.clients import PROFILES, with_client
 from reproduce.conditions import expand
 from reproduce.registry import RunJob, get_backend

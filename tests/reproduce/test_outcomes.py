@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, AttemptRecord, CallRecord, ClientConfig
 from reproduce.engine.model import ExecutionTrace
 from reproduce.outcomes import (

@@ -15,7 +15,7 @@ import pytest
 
 from detector.signals import PROMETHEUS_JOBS
 from detector.thresholds import VLLM_TIER_NO_DATA
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 from tests.reproduce.prometheus_beside import prometheus_beside
 
 pytestmark = pytest.mark.promtool

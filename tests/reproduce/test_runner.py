@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from detector.rundir import RunDirError, read_summary
-from exporter.timeseries import read_series
+from foundation.timeseries import read_series
 from reproduce.conditions import expand
 from reproduce.registry import BackendNotFound, backend_names, get_backend
 from reproduce.runner import run_many

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from exporter import metricnames as mn
-from exporter.vllmbuckets import SERIES_HISTOGRAMS
+from foundation import metricnames as mn
+from foundation.vllmbuckets import SERIES_HISTOGRAMS
 from reproduce.client import AttemptOutcome, ClientConfig
 from reproduce.clients import parse_client
 from reproduce.conditions import Condition, block

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from detector.rundir import RunDirError
 from detector.thresholds import ALERTS_BY_NAME, VLLM_TIER_NO_DATA, AlertRule
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, write_series
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, write_series
 from reproduce.groundtruth import Collapse, Window
 from reproduce.validate import (
     BACKLOG,

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, parse_exposition
-from exporter.vllmbuckets import SERIES_HISTOGRAMS
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, parse_exposition
+from foundation.vllmbuckets import SERIES_HISTOGRAMS
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.backends.models import model_info
 from reproduce.engine import EngineEvent, EngineModel, EngineRequest, EventKind, StepTimeModel

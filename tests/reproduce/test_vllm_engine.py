@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporter import metricnames as mn
 from exporter.policy import Cancellation, PolicyConfig
-from exporter.timeseries import Snapshot, parse_exposition
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.client import AttemptOutcome
 from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt

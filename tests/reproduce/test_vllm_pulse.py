@@ -35,7 +35,7 @@ import pytest
 
 from detector.thresholds import ALERTS, TIERS
 from exporter.policy import Cancellation, PolicyConfig
-from exporter.timeseries import Snapshot, parse_exposition
+from foundation.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.backends.models import model_info
 from reproduce.conditions import RunSpec, expand

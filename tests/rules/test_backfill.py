@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.timeseries import Snapshot
+from foundation.timeseries import Snapshot
 from rules.backfill import (
     BLOCK_S,
     BackfillError,

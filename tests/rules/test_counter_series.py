@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from detector.signals import WINDOWS, SignalEngine
-from exporter import metricnames as mn
-from exporter.timeseries import Sample, Snapshot
+from foundation import metricnames as mn
+from foundation.timeseries import Sample, Snapshot
 from rules.backfill import Prometheus, run_start, write_blocks
 
 pytestmark = pytest.mark.promtool

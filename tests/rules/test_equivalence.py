@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from detector.replay import replay_run
-from exporter import metricnames as mn
-from exporter.timeseries import Snapshot, read_series, write_series
+from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, read_series, write_series
 from rules import generate, unittests
 from rules.backfill import RunEpisode, evaluate_rules
 from rules.equivalence import Key, disagreements

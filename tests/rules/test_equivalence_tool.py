@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from exporter.timeseries import write_series
+from foundation.timeseries import write_series
 from rules import unittests
 from rules.equivalence import disagreements, main
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from detector.signals import DEFAULT_DEADLINE_S, VLLM_DEADLINE_LE
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 from rules.backfill import parse_duration
 from rules.generate import rule_documents
 from rules.scaled import at_deadline, lookback_delta, main, scale_expr, scaled_documents, write_scaled

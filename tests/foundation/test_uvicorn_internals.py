@@ -1,4 +1,4 @@
-"""What ``exporter/server.py`` relies on inside uvicorn, pinned: ``BoundedProtocol`` subclasses
+"""What ``foundation/server.py`` relies on inside uvicorn, pinned: ``BoundedProtocol`` subclasses
 uvicorn's httptools protocol (its parser callbacks, its request cycle, attributes its ``__init__``
 sets) and ``DrainingServer`` its server. None of that is uvicorn's public API, so
 ``pyproject.toml`` bounds uvicorn's version to the minor versions checked, and these tests fail
@@ -24,7 +24,7 @@ from uvicorn.server import ServerState
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = metadata.version("uvicorn")
 WHAT_TO_DO = (
-    f"uvicorn {VERSION}: {{}}. exporter/server.py (BoundedProtocol, DrainingServer) relies on it: "
+    f"uvicorn {VERSION}: {{}}. foundation/server.py (BoundedProtocol, DrainingServer) relies on it: "
     "check them against this uvicorn's protocols/http/httptools_impl.py and server.py, then move "
     "the bound on uvicorn in pyproject.toml"
 )
@@ -106,7 +106,7 @@ def test_the_installed_uvicorn_is_within_the_verified_range() -> None:
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (pin,) = [Requirement(d) for d in dependencies if Requirement(d).name == "uvicorn"]
     assert any(s.operator == "<" for s in pin.specifier), (
-        "pyproject.toml must bound uvicorn from above: exporter/server.py subclasses its internals"
+        "pyproject.toml must bound uvicorn from above: foundation/server.py subclasses its internals"
     )
     assert pin.specifier.contains(Version(VERSION)), WHAT_TO_DO.format(
         f"installed, outside the verified range {pin.specifier}"

@@ -7,9 +7,30 @@ vLLM's names keep their colons and are passed through unchanged.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
 
-from exporter.policy import Fate, ShedReason
+# --- label vocabularies ---------------------------------------------------------------
+
+
+class ShedReason(StrEnum):
+    """Why the proxy shed an attempt (``reason`` of ``ATTEMPTS_SHED``)."""
+
+    RETRY_BUDGET = "retry_budget"
+    PROXY_QUEUE = "proxy_queue"
+    DEADLINE = "deadline"
+
+
+class Fate(StrEnum):
+    """How an execution ended (``fate`` of ``EXECUTIONS_FINISHED``)."""
+
+    COMPLETED = "completed"
+    ORPHANED = "orphaned"
+    CANCELLED = "cancelled"
+    DROPPED = "dropped"
+    REFUSED = "refused"
+    FAILED = "failed"
+
 
 # --- retrywatch counters -------------------------------------------------------------
 ATTEMPTS: Final = "retrywatch_attempts_total"  # {kind="first"|"retry"}
@@ -68,7 +89,7 @@ VLLM_NUM_RUNNING: Final = "vllm:num_requests_running"
 VLLM_NUM_PREEMPTIONS: Final = "vllm:num_preemptions_total"
 VLLM_ADMISSION_REJECTIONS: Final = "vllm:admission_rejections_total"  # {reason=...}
 VLLM_KV_CACHE_USAGE: Final = "vllm:kv_cache_usage_perc"
-# vLLM's histograms (bucket boundaries: exporter.vllmbuckets); each exports _bucket{le}, _sum, _count
+# vLLM's histograms (bucket boundaries: foundation.vllmbuckets); each exports _bucket{le}, _sum, _count
 VLLM_QUEUE_TIME: Final = "vllm:request_queue_time_seconds"
 VLLM_TTFT: Final = "vllm:time_to_first_token_seconds"
 VLLM_E2E_LATENCY: Final = "vllm:e2e_request_latency_seconds"

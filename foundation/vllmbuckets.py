@@ -15,7 +15,7 @@ from typing import Final
 
 from prometheus_client.utils import floatToGoString
 
-from exporter import metricnames as mn
+from foundation import metricnames as mn
 
 __all__ = [
     "INTER_TOKEN_LATENCY_BUCKETS",

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy.engine import make_url
 
-from exporter.redact import MASK, RedactFilter, redact_text, redact_url, url_secrets
+from foundation.redact import MASK, RedactFilter, redact_text, redact_url, url_secrets
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """retrywatch's HTTP server (the proxy's, the detector's API, the emulated engine's and the
-dashboard's): uvicorn with every client-side bound (``exporter.bounds``), and a drained shutdown.
+dashboard's): uvicorn with every client-side bound (``foundation.bounds``), and a drained shutdown.
 
 uvicorn's httptools protocol bounds neither the size of a request head nor its number of header
 fields, and times out neither a request head or body that stops arriving nor a connection that
@@ -31,8 +31,9 @@ defaults):
 * the trailer fields of a chunked body are dropped (never request headers: neither the app nor
   the upstream sees them) and bounded as a head is: over ``--max-head-bytes`` gets 431.
 
-In the proxy, a generation POST is taken over when its head is complete (``exporter.exchange``: the request
-and its answer carried by callbacks, no ASGI cycle and no task); the exchange stands in for
+An app may take a request over when its head is complete (``ServerConfig(takeover=)``: the proxy
+takes its generation POSTs, the request and its answer carried by callbacks, no ASGI cycle and no
+task); the request taken over (an exchange) stands in for
 uvicorn's request cycle on the connection, so every bound here, pipelining and the drain apply to
 it as to any request. Every other request goes to the ASGI app, on the same port.
 
@@ -71,7 +72,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import replace
 from types import FrameType
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import httptools
 import uvicorn
@@ -79,10 +80,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr
 
-from exporter.bounds import HttpBounds
-from exporter.exchange import Exchange, takes_over
-from exporter.proxy import ABORT_EXTENSION, PROXY_ERROR, SHUT_DOWN_UNANSWERED, Proxy
-from exporter.validation import error_body, error_type
+from foundation.bounds import HttpBounds
+from foundation.errors import error_body, error_type
 
 log = logging.getLogger("retrywatch.server")
 
@@ -99,6 +98,52 @@ BODY = 2  # reading a request body (--body-timeout)
 BUSY = 3  # the request is in; the app is answering it (no deadline)
 LINGER = 4  # answered with an error: discarding what the client still sends (LINGER_S)
 REFUSING = 5  # the next request was refused while one is being answered: the error follows it
+
+
+# The ASGI scope extension through which an app may abort its connection (no answer, no close).
+ABORT_EXTENSION = "retrywatch.abort"
+# What a request gets when the app failed (a bug, logged: never the answer to anything a client
+# sent) or was cut by a drained shutdown, before its answer: from the server, or from the proxy's
+# own paths.
+PROXY_ERROR = (500, error_body("the proxy failed handling the request", error_type(500), "proxy_error"))
+SHUT_DOWN_UNANSWERED = (
+    503,
+    error_body("the proxy shut down before answering", error_type(503), "proxy_shutting_down"),
+)
+
+
+class Handler(Protocol):
+    """A request an app serves in callbacks instead of an ASGI cycle (the proxy's exchange): the
+    connection hands it the body as it arrives and tells it when the client can take more, has
+    gone, or the server shuts down."""
+
+    @property
+    def response_complete(self) -> bool: ...
+
+    def on_body(self, body: bytes) -> None: ...
+
+    def on_message_complete(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def client_gone(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+    def shut_down(self) -> None: ...
+
+
+class TakeOver(Protocol):
+    """How an app takes requests over from uvicorn's request cycle (``ServerConfig(takeover=)``):
+    ``accepts`` says, once a request's head is complete, whether it does; the call starts serving
+    it on ``connection`` (whose ``write``, ``close``, ``abort``, ``writable``,
+    ``default_headers`` and ``exchange_done`` it uses)."""
+
+    def accepts(self, method: bytes, path: bytes, http_version: str, expect_continue: bool) -> bool: ...
+
+    def __call__(
+        self, connection: Any, route: str, raw_headers: list[tuple[bytes, bytes]], keep_alive: bool
+    ) -> Handler: ...
 
 
 def error_response(status: int, message: str, code: str) -> bytes:
@@ -143,18 +188,21 @@ async def _send_json_500(ref: weakref.ref[RequestResponseCycle]) -> None:
 
 
 class ServerConfig(uvicorn.Config):
-    """uvicorn's config with the server's bounds (the protocol reads them there) and the hook
-    called when the drain bound expires."""
+    """uvicorn's config with the server's bounds (the protocol reads them there), the hook
+    called when the drain bound expires, and the app's way of taking requests over, if any."""
 
     def __init__(
         self,
         app: Any,
         bounds: HttpBounds,
         on_drain_expired: Callable[[], None] | None = None,
+        *,
+        takeover: TakeOver | None = None,
         **kwargs: Any,
     ) -> None:
         self.bounds = bounds
         self.on_drain_expired = on_drain_expired
+        self.takeover = takeover
         self.protocol_template: dict[str, Any] | None = None  # BoundedProtocol's, once per server
         super().__init__(
             app,
@@ -236,10 +284,10 @@ class BoundedProtocol(HttpToolsProtocol):
         # this holds was the last chunk's trailer section (a chunk with data would have ended it).
         self._chunk_without_data = False
         self._refusal: tuple[int, str, str, bool] = (400, "", "", True)  # sent once REFUSING ends
-        # Generation POSTs are served in callbacks by the proxy (``exporter.exchange``); the
-        # exchange in progress, if any, also stands in for uvicorn's request cycle (``cycle``).
-        self.proxy = config.app if isinstance(config.app, Proxy) else None
-        self.exchange: Exchange | None = None
+        # Requests an app takes over are served in callbacks (the proxy's generation POSTs); the
+        # one in progress, if any, also stands in for uvicorn's request cycle (``cycle``).
+        self.takeover = config.takeover if isinstance(config, ServerConfig) else None
+        self.exchange: Handler | None = None
         return {k: v for k, v in self.__dict__.items() if k not in ("parser", "pipeline")}
 
     # --- connection -----------------------------------------------------------------------
@@ -453,21 +501,25 @@ class BoundedProtocol(HttpToolsProtocol):
             cycle.send_500_response = functools.partial(_send_json_500, weakref.ref(cycle))  # type: ignore[method-assign]
 
     def _take_over(self) -> bool:
-        """Serve a generation POST in callbacks (``exporter.exchange``) if nothing else is in
-        progress on the connection; else (and for every other request) uvicorn runs the app."""
-        proxy, cycle = self.proxy, self.cycle
-        if proxy is None or self.exchange is not None or (cycle is not None and not cycle.response_complete):
+        """Let the app serve the request in callbacks (``ServerConfig(takeover=)``) if it takes it
+        and nothing else is in progress on the connection; else uvicorn runs the app."""
+        takeover, cycle = self.takeover, self.cycle
+        if (
+            takeover is None
+            or self.exchange is not None
+            or (cycle is not None and not cycle.response_complete)
+        ):
             return False
         parser = self.parser
         path = self.url.partition(b"?")[0]
         version, expect = parser.get_http_version(), self.expect_100_continue
-        if not takes_over(proxy, parser.get_method(), path, version, expect):
+        if not takeover.accepts(parser.get_method(), path, version, expect):
             return False
         self._unset_keepalive_if_required()
-        exchange = Exchange(proxy, self, path.decode("ascii"), self.headers, parser.should_keep_alive())
+        exchange = takeover(self, path.decode("ascii"), self.headers, parser.should_keep_alive())
         if not exchange.response_complete:  # (a body declared over the bound was answered at once)
             self.exchange = exchange
-        self.cycle = exchange  # type: ignore[assignment]
+        self.cycle = cast(RequestResponseCycle, exchange)  # it stands in for uvicorn's cycle
         return True
 
     def _asgi_scope(self) -> Any:
@@ -486,7 +538,7 @@ class BoundedProtocol(HttpToolsProtocol):
             "extensions": {ABORT_EXTENSION: self.transport.abort},
         }
 
-    # --- what an exchange needs of its connection (``exporter.exchange.Connection``) ------------
+    # --- what a request taken over needs of its connection ----------------------------------
 
     @property
     def writable(self) -> bool:
@@ -504,7 +556,7 @@ class BoundedProtocol(HttpToolsProtocol):
     def default_headers(self) -> list[tuple[bytes, bytes]]:
         return self.server_state.default_headers
 
-    def exchange_done(self, exchange: Exchange) -> None:
+    def exchange_done(self, exchange: Handler) -> None:
         """An exchange's answer is complete: as uvicorn's end of a response (the next pipelined
         request, or idle)."""
         if self.exchange is exchange:
@@ -519,7 +571,7 @@ class BoundedProtocol(HttpToolsProtocol):
         else:
             super().on_body(body)
 
-    def _serving(self, exchange: Exchange) -> bool:
+    def _serving(self, exchange: Handler) -> bool:
         """Whether the request being read is the exchange's (not one pipelined behind it)."""
         return cast(object, self.cycle) is exchange
 
@@ -541,8 +593,8 @@ class BoundedProtocol(HttpToolsProtocol):
         if exchange is not None:
             exchange.client_gone()
         last = cast(object, self.cycle)
-        if isinstance(last, Exchange):
-            last.detach()
+        if last is not None and not isinstance(last, RequestResponseCycle):  # a request taken over
+            cast(Handler, last).detach()
         self.exchange = None
 
     def _has_body(self) -> bool:
@@ -728,11 +780,14 @@ def serve(
     *,
     fds_per_connection: int = 2,
     chosen_by: str | None = None,
+    takeover: TakeOver | None = None,
 ) -> None:
     """Serve ``app`` until SIGTERM or SIGINT, then drain (see the module); the open-file limit is
     raised to fit ``bounds.connection_limit`` of ``fds_per_connection`` descriptors each, or the
     cap fitted to it (``make_room_for``; ``chosen_by``: the options that chose the cap, if any)."""
     bounds = make_room_for(bounds, fds_per_connection, chosen_by=chosen_by)
-    # log_config=None: uvicorn's loggers propagate to the command's handler (exporter.logs).
-    config = ServerConfig(app, bounds, on_drain_expired, loop="auto", log_level=log_level, log_config=None)
+    # log_config=None: uvicorn's loggers propagate to the command's handler (foundation.logs).
+    config = ServerConfig(
+        app, bounds, on_drain_expired, takeover=takeover, loop="auto", log_level=log_level, log_config=None
+    )
     DrainingServer(config).run()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.timeseries import Sample, Snapshot, parse_exposition, read_series, write_series
-from exporter.vllmbuckets import SERIES_HISTOGRAMS
+from foundation.timeseries import Sample, Snapshot, parse_exposition, read_series, write_series
+from foundation.vllmbuckets import SERIES_HISTOGRAMS
 
 E2E = "vllm:e2e_request_latency_seconds"
 EXPOSITION = f"""# HELP vllm:num_requests_waiting Number of requests waiting to be processed.

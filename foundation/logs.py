@@ -4,7 +4,7 @@
   ``--log-format`` (text, or json: one object per line with time, level, logger, message) options,
   set also by ``RETRYWATCH_LOG_LEVEL`` and ``RETRYWATCH_LOG_FORMAT``.
 * ``setup_logging``: one handler on the root logger, on stderr, that masks the credentials of the
-  URLs it is given (``exporter.redact``); uvicorn's and the libraries' loggers propagate to it
+  URLs it is given (``foundation.redact``); uvicorn's and the libraries' loggers propagate to it
   (pass ``log_config=None`` to uvicorn).
 * ``announce``: the command's one start line (what it serves and where its state lives), shown
   whatever the level, as a bare line in text and as an object in JSON.
@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import click
 
-from exporter.knobs import env_var
-from exporter.processes import port_taken
-from exporter.redact import RedactFilter
+from foundation.knobs import env_var
+from foundation.processes import port_taken
+from foundation.redact import RedactFilter
 
 __all__ = [
     "DEFAULT_LEVEL",

@@ -1,4 +1,4 @@
-"""Processes the project starts itself (``exporter.processes``): bounded by ``timeout``, awaited on
+"""Processes the project starts itself (``foundation.processes``): bounded by ``timeout``, awaited on
 HTTP, stopped by PID with their children, their log quoted when they fail."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.processes import ManagedProcess, ProcessStartError, free_port
+from foundation.processes import ManagedProcess, ProcessStartError, free_port
 
 # A server that also starts a grandchild (as vLLM starts its engine core), writing its PID.
 SERVER = """
@@ -113,7 +113,7 @@ def test_the_bound_stops_a_process_that_outlives_it(tmp_path: Path) -> None:
 HARNESS = """
 import sys, time
 from pathlib import Path
-from exporter.processes import ManagedProcess
+from foundation.processes import ManagedProcess
 server = [sys.executable, "-c", "import time; time.sleep(300)"]
 proc = ManagedProcess(server, log_path=Path(sys.argv[1]), bound_s=300).start()
 print(proc.pid, flush=True)

@@ -7,7 +7,7 @@ A run's series is a JSON-lines file; each line is one scrape::
 ``t`` is seconds from the run's start (simulated or wall time); ``samples`` holds exactly what
 a scrape of the proxy's ``/metrics`` (retrywatch_* and vLLM's passthrough) would return at that
 moment, with the real names and labels. Counters are cumulative. Of the histograms, vLLM's
-families in ``exporter.vllmbuckets.SERIES_HISTOGRAMS`` are kept (``_bucket`` with ``le``,
+families in ``foundation.vllmbuckets.SERIES_HISTOGRAMS`` are kept (``_bucket`` with ``le``,
 ``_count``, ``_sum``, as Prometheus stores them); the others are dropped.
 
 NOTE (size): in a line, each histogram series (one family, one label set) whose buckets, count
@@ -172,7 +172,7 @@ def parse_exposition(text: str, *, keep_histograms: bool | Collection[str] = Fal
 
     Counters keep their ``_total`` name; histogram and summary series are dropped unless
     ``keep_histograms`` is True (all of them) or a collection of family names (those:
-    a metrics series keeps ``exporter.vllmbuckets.SERIES_HISTOGRAMS``).
+    a metrics series keeps ``foundation.vllmbuckets.SERIES_HISTOGRAMS``).
     """
     samples: list[Sample] = []
     keep_all = keep_histograms is True

@@ -1,4 +1,4 @@
-"""The client-side bounds of retrywatch's HTTP servers (``exporter.server``): where a server
+"""The client-side bounds of retrywatch's HTTP servers (``foundation.server``): where a server
 listens, and how large a request head, how slow a client (sending, or taking its answer), how many
 connections (and how many more for GET and HEAD requests only) and how long a drained shutdown it
 allows.
@@ -75,3 +75,8 @@ class HttpBounds:
     def connection_limit(self) -> int:
         """Every connection a server holds at once: the cap and the reserve above it."""
         return self.max_connections + self.reserved_connections
+
+
+# Largest /metrics answer read (the proxy's ``UpstreamPool.get_text``), as the detector reads one: a real
+# engine's is a few hundred KiB; past it the fetch fails as an unreachable endpoint's would.
+MAX_METRICS_BYTES = 16 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""``exporter.logs``: the formats of every command's log (the commands themselves are exercised
+"""``foundation.logs``: the formats of every command's log (the commands themselves are exercised
 as real processes in each package's test_cli.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from exporter.logs import announce, setup_logging
+from foundation.logs import announce, setup_logging
 
 
 @pytest.fixture
