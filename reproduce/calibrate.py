@@ -24,7 +24,7 @@ import numpy as np
 from reproduce.engine import EngineConfig, EngineEvent, EngineModel, EngineRequest, EventKind, preset
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
-from reproduce.workload import WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 
 __all__ = [
     "CalibrationError",
@@ -180,6 +180,7 @@ def sim_stage_runner(
     seed: int = 0,
     sample_every_s: float = 1.0,
     include_running: bool = False,
+    stage_calls: Callable[[float, float, int], Sequence[PlannedCall]] | None = None,
     **preset_options: object,
 ) -> StageRunner:
     """A stage runner on the engine model: open-loop Poisson arrivals, no retries.
@@ -188,7 +189,8 @@ def sim_stage_runner(
     supplies the prompt and response parameters (the protocol's by default); its capacity and
     phases are replaced by the stage's rate and length. The samples count the waiting queue, or
     waiting plus running executions with ``include_running`` (what a real engine's backlog
-    reads); each stage also reports when every call completed.
+    reads); each stage also reports when every call completed. ``stage_calls(rate, duration_s,
+    seed)`` draws a stage's calls instead (a trace's token mix: ``reproduce.tracecapacity``).
     """
     config = preset(engine, **preset_options) if isinstance(engine, str) else engine  # type: ignore[arg-type]
     base = workload or WorkloadSpec(capacity=1.0)
@@ -199,15 +201,19 @@ def sim_stage_runner(
         return float(model.num_waiting + model.num_running if include_running else model.num_waiting)
 
     def run_stage(rate: float, duration_s: float, index: int) -> TimedStageObservation:
-        spec = dataclasses.replace(
-            base,
-            capacity=rate,
-            phases=((duration_s, 1.0),),
-            phase_names=("stage",),
-            seed=seed * 1_000 + index,
-            time_scale=1.0,
-        )
-        trace = generate_trace(spec)
+        stage_seed = seed * 1_000 + index
+        if stage_calls is not None:
+            trace = list(stage_calls(rate, duration_s, stage_seed))
+        else:
+            spec = dataclasses.replace(
+                base,
+                capacity=rate,
+                phases=((duration_s, 1.0),),
+                phase_names=("stage",),
+                seed=stage_seed,
+                time_scale=1.0,
+            )
+            trace = generate_trace(spec)
         env = Environment()
         model = EngineModel(config)
         completions: list[float] = []

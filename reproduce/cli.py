@@ -1,4 +1,4 @@
-"""``retrywatch reproduce``: calibrate, run, report and validate pulse experiments.
+"""``retrywatch reproduce``: calibrate, run, report and validate pulse experiments and trace replays.
 
 ``run`` takes its backend by name from ``reproduce.registry`` (``sim`` here; real engines
 register their own) and passes ``--backend-option KEY=VALUE`` pairs to it. Subcommands owned by
@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
 from exporter.cli import FiniteFloatRange
-from reproduce.conditions import MODELS, Condition, ConditionError, RunSpec, block_slugs, expand
+from reproduce.conditions import (
+    MODELS,
+    ConditionError,
+    PulseWorkload,
+    RunSpec,
+    TraceWorkload,
+    block_slugs,
+    expand,
+)
+from reproduce.traces import FORMATS, TraceError, parse_window
 
 #: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
 TIME_SCALE = FiniteFloatRange(min=0.001, max=1000.0)
@@ -28,7 +39,11 @@ MAX_RUNS = 1000
 MAX_JOBS = 256
 PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: A condition's own pulse (the study's), unless it says otherwise.
-_DEFAULT_PULSE_MULTIPLE = Condition("default").workload.pulse_multiple
+_DEFAULT_PULSE_MULTIPLE = PulseWorkload().pulse_multiple
+#: ``--load``: a trace's mean call rate as a multiple of Ĉ.
+LOAD = FiniteFloatRange(min=0, min_open=True, max=100.0)
+#: A trace replay without ``--block``: the study's client (retries on) through a plain proxy.
+TRACE_BLOCK, TRACE_CONDITION = "composition", "no-control"
 #: ``--start-rate`` of the calibrations: the first stage's calls per second.
 START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 
@@ -197,7 +212,14 @@ def _capacity_hint(model: str, capacity: float) -> str:
 @reproduce.command()
 @click.option("--backend", default="sim", show_default=True, help="Engine backend by name.")
 @click.option("--model", default="all", show_default=True, help=f"A preset ({', '.join(MODELS)}) or all.")
-@click.option("--block", "block_slug", required=True, type=click.Choice(block_slugs()), help="Block to run.")
+@click.option(
+    "--block",
+    "block_slug",
+    type=click.Choice(block_slugs()),
+    default=None,
+    help=f"Block to run (required without --trace; with it, its conditions replay the trace "
+    f"[{TRACE_BLOCK}'s {TRACE_CONDITION}]).",
+)
 @click.option("--condition", "conditions", multiple=True, help="Only these conditions (repeatable).")
 @click.option(
     "--runs", type=click.IntRange(1, MAX_RUNS), default=None, help="Runs per condition [study's counts]."
@@ -245,6 +267,29 @@ def _capacity_hint(model: str, capacity: float) -> str:
     "[NAME,]KEY=VALUE,... (docs/reproducing.md).",
 )
 @click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Replay this request trace instead of the pulse (docs/traces.md): --backend sim.",
+)
+@click.option(
+    "--trace-format",
+    type=click.Choice(FORMATS),
+    default=None,
+    help="--trace's layout [from its header].",
+)
+@click.option(
+    "--load",
+    type=LOAD,
+    default=1.0,
+    show_default=True,
+    help="--trace: its mean call rate as this multiple of Ĉ (burst shape kept).",
+)
+@click.option(
+    "--window", "window_text", default=None, help="--trace: START:END seconds of it (from its first call)."
+)
+@click.option(
     "--force",
     is_flag=True,
     help="Run into a DIR that holds a report or validation of earlier runs (they are removed: stale).",
@@ -265,10 +310,15 @@ def run(
     engine_url: str | None,
     pulse_multiple: float | None,
     client: str,
+    trace_path: Path | None,
+    trace_format: str | None,
+    load: float,
+    window_text: str | None,
     force: bool,
     progress: bool,
 ) -> None:
-    """Run a block (or `paper`, every block) and write DIR/summary.json and DIR/runs/."""
+    """Run a block (or `paper`, every block), or replay a trace (--trace), and write
+    DIR/summary.json and DIR/runs/."""
     if gpu and backend != "vllm":
         raise click.BadParameter(f"needs --backend vllm, not {backend!r}", param_hint="'--gpu'")
     if engine_url is not None and backend != "external":
@@ -279,10 +329,20 @@ def run(
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import run_many
 
+    trace = _trace_workload(trace_path, trace_format, load, window_text, backend, pulse_multiple)
+    if block_slug is None and trace is None:
+        raise click.BadParameter("give a block to run (or --trace FILE to replay)", param_hint="'--block'")
+    if trace is not None and block_slug is None:
+        block_slug, conditions = TRACE_BLOCK, conditions or (TRACE_CONDITION,)
+    assert block_slug is not None
     try:
         specs = expand(block_slug, models=model, runs=runs, seed=seed, conditions=list(conditions) or None)
     except ConditionError as exc:
         raise click.BadParameter(str(exc), param_hint="'--condition'") from None
+    if trace is not None:
+        specs = [
+            replace(s, condition=replace(s.condition, workload=trace, variant=trace.variant)) for s in specs
+        ]
     # A condition named twice runs once (twice, its runs wrote the same files, listed twice).
     unique: dict[str, RunSpec] = {}
     for spec in specs:
@@ -332,7 +392,8 @@ def run(
             jobs=jobs,
             time_scale=time_scale,
             progress=progress,
-            meta={"block": block_slug, "model": model, "seed": seed},
+            meta={"block": block_slug, "model": model, "seed": seed}
+            | ({"trace": trace.describe()} if trace is not None else {}),
         )
     except PresetError as exc:  # a model the backend does not know, found before anything is written
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
@@ -340,6 +401,49 @@ def run(
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
     recovered = sum(1 for e in entries if e.get("recovered"))
     click.echo(f"{len(entries)} runs ({recovered} recovered) -> {out / 'summary.json'}")
+
+
+def _trace_workload(
+    path: Path | None,
+    trace_format: str | None,
+    load: float,
+    window_text: str | None,
+    backend: str,
+    pulse_multiple: float | None,
+) -> TraceWorkload | None:
+    """``--trace`` and its options as a workload, its first pass already read (a bad file is a
+    one-line usage error naming its line and column, before any run)."""
+    source = click.get_current_context().get_parameter_source
+    given = [
+        name
+        for name, param in (
+            ("--trace-format", "trace_format"),
+            ("--load", "load"),
+            ("--window", "window_text"),
+        )
+        if source(param) is not click.core.ParameterSource.DEFAULT
+    ]
+    if path is None:
+        if given:
+            raise click.BadParameter("needs --trace FILE", param_hint=f"'{given[0]}'")
+        return None
+    if backend != "sim":
+        raise click.BadParameter(
+            f"a trace replays on the simulator (--backend sim), not {backend!r}, for now",
+            param_hint="'--trace'",
+        )
+    if pulse_multiple is not None:
+        raise click.BadParameter("a trace replay has no pulse", param_hint="'--pulse-multiple'")
+    try:
+        start, end = parse_window(window_text) if window_text is not None else (0.0, math.inf)
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--window'") from None
+    try:
+        workload = TraceWorkload(str(path), trace_format, load, start, end)
+        _ = workload.facts
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--trace'") from None
+    return workload
 
 
 @reproduce.command()

@@ -7,7 +7,8 @@ others (a trace replay can replace the pulse workload, say):
   cap with FIFO/LIFO and the deadline check;
 * ``ClientProfile``: the clients (the study's, or a ``--client`` profile) and retries on or off;
 * ``EngineSettings``: the engine's queue cap Q, tokens per step, per-execution tracing;
-* ``PulseWorkload``: the pulse's multiple of Ĉ (``reproduce.workload.PULSE_PROTOCOL``), mixed prompts.
+* ``PulseWorkload``: the pulse's multiple of Ĉ (``reproduce.workload.PULSE_PROTOCOL``), mixed prompts;
+  or ``TraceWorkload`` (``reproduce.traceworkload``): a request trace replayed at a load.
 
 A block groups conditions with the models it ran on and the study's run counts per model.
 ``--block paper`` is every block. The study's "no control" is a plain proxy: no coalescing, no
@@ -24,6 +25,7 @@ from typing import Any
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_serving
+from reproduce.traceworkload import TraceWorkload
 from reproduce.workload import PULSE_MULTIPLE, paper_phases
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "ProxyPolicy",
     "PulseWorkload",
     "RunSpec",
+    "TraceWorkload",
     "block",
     "block_slugs",
     "expand",
@@ -147,7 +150,8 @@ class EngineSettings:
 @dataclass(frozen=True)
 class PulseWorkload:
     """The load: the protocol's pulse (``reproduce.workload.PULSE_PROTOCOL``) at ``pulse_multiple``
-    Ĉ, with mixed prompt lengths or not. A trace replay would be another workload part."""
+    Ĉ, with mixed prompt lengths or not. A trace replay is the other workload part
+    (``TraceWorkload``)."""
 
     pulse_multiple: float = PULSE_MULTIPLE
     mixed_prompts: bool = False
@@ -172,8 +176,15 @@ class Condition:
     policy: ProxyPolicy = ProxyPolicy()
     client: ClientProfile = ClientProfile()
     engine: EngineSettings = EngineSettings()
-    workload: PulseWorkload = PulseWorkload()
+    workload: PulseWorkload | TraceWorkload = PulseWorkload()
     variant: str = ""  # distinguishes cells sharing a slug (the trigger sweep's pulse)
+
+    @property
+    def pulse(self) -> PulseWorkload:
+        """The condition's pulse workload; a ``ConditionError`` for a trace replay (none)."""
+        if not isinstance(self.workload, PulseWorkload):
+            raise ConditionError(f"condition {self.key!r} replays a trace: it has no pulse")
+        return self.workload
 
     @property
     def key(self) -> str:
@@ -309,7 +320,7 @@ _BUDGET_CANCEL = (
     _DEFERRED,
 )
 
-_MIXED = tuple(replace(c, workload=replace(c.workload, mixed_prompts=True)) for c in _DIAGNOSTIC)
+_MIXED = tuple(replace(c, workload=replace(c.pulse, mixed_prompts=True)) for c in _DIAGNOSTIC)
 
 
 def _all_models(primary: int, others: int) -> dict[str, int]:

@@ -21,12 +21,17 @@ above Ĉ (the proxy's counters in the run's series). Without the proxy's counter
 Windows are aligned to the pulse's end for the pulse protocol (as the recovery rule's, so that
 both judge the same windows and their verdicts agree), to the run's start otherwise.
 
+A run without a pulse (a replayed trace) names, for each collapse, the *burst* that started it
+(:func:`burst_before`, the one definition): the busiest stretch of one window's length whose
+start lies at most one deadline plus one window before the collapse's start, and not after it.
+
 NOTE: every time here is in the run's own seconds, like summary.json's: with ``--time-scale K``
 the window and the deadline are already divided by K and Ĉ is in calls per run-second.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +42,7 @@ from typing import Any
 from detector.rundir import RunDirError
 from exporter import metricnames as mn
 from exporter.timeseries import Snapshot
+from reproduce.client import CallRecord
 from reproduce.outcomes import RecoveryRule, counter_rate, mean_and_slope, waiting_series
 from reproduce.plan import RECOVERY_WINDOW_S
 
@@ -48,6 +54,9 @@ __all__ = [
     "JudgedSpan",
     "Window",
     "agrees_with_recovery",
+    "burst_before",
+    "busiest_stretch",
+    "calls_of_records",
     "find_collapses",
     "ground_truth",
     "judge_windows",
@@ -177,9 +186,11 @@ def judge_windows(
     rule = rule or RecoveryRule()
     growth_limit = rule.max_growth_per_s * span.time_scale  # per run-second
     waiting = waiting_series(snapshots)
+    ordered = sorted(calls, key=lambda c: c.planned_at)
+    planned = [c.planned_at for c in ordered]
     out = []
     for start, end in span.windows():
-        members = [c for c in calls if start <= c.planned_at < end]
+        members = ordered[bisect.bisect_left(planned, start) : bisect.bisect_left(planned, end)]
         share = sum(c.within(span.deadline_s) for c in members) / len(members) if members else 1.0
         pts = [(t, v) for t, v in waiting if start <= t <= end]
         if pts:
@@ -199,7 +210,8 @@ class Collapse:
     ``ended``: False when it ran to the end of the judged span (never recovered);
     ``metastable_at_s``: the first time inside it that first attempts arrived below Ĉ while
     executions were created at or above Ĉ (None: never, or unknown); ``metastable_for_s``: how
-    long that held in all (a control that breaks the loop soon after it forms holds it briefly)."""
+    long that held in all (a control that breaks the loop soon after it forms holds it briefly);
+    ``burst``: in a run without a pulse, the burst that started it (:func:`burst_before`)."""
 
     start_s: float
     end_s: float
@@ -207,9 +219,16 @@ class Collapse:
     metastable: bool | None = None
     metastable_at_s: float | None = None
     metastable_for_s: float | None = None
+    burst: tuple[float, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        burst = (
+            {}
+            if self.burst is None
+            else {"burst": {"start_s": round(self.burst[0], 3), "end_s": round(self.burst[1], 3)}}
+        )
         return {
+            **burst,
             "start_s": round(self.start_s, 3),
             "end_s": round(self.end_s, 3),
             "metastable": self.metastable,
@@ -219,20 +238,54 @@ class Collapse:
         }
 
 
+def busiest_stretch(
+    planned_at: Sequence[float], lo: float, hi: float, length_s: float
+) -> tuple[float, float]:
+    """The stretch ``length_s`` long, starting in ``[lo, hi]``, that holds the most planned
+    arrivals (the earliest of equals); ``planned_at`` sorted. Without an arrival starting one in
+    that reach: the stretch ending at ``hi`` (starting at ``lo`` if that is later)."""
+    best = (max(lo, hi - length_s), 0)
+    for i in range(bisect.bisect_left(planned_at, lo), bisect.bisect_right(planned_at, hi)):
+        a = planned_at[i]
+        count = bisect.bisect_left(planned_at, a + length_s) - i
+        if count > best[1]:
+            best = (a, count)
+    return best[0], best[0] + length_s
+
+
+def burst_before(planned_at: Sequence[float], start_s: float, span: JudgedSpan) -> tuple[float, float]:
+    """The burst that started a collapse beginning at ``start_s`` (docs/protocol.md §9): of the
+    stretches one window long (60 s at the study's scale) that start at most one deadline plus
+    one window before ``start_s`` and not after it, the one holding the most planned arrivals.
+    ``planned_at``: every call's planned arrival, sorted.
+
+    NOTE: a backlog makes a call miss its deadline only once about a deadline's worth of work
+    waits ahead of it, so the overload behind a collapse began up to a deadline (plus the
+    window it is counted over) before the collapse's first missed call."""
+    w = span.window_s
+    return busiest_stretch(planned_at, max(span.start_s, start_s - span.deadline_s - w), start_s, w)
+
+
+def calls_of_records(records: Iterable[CallRecord]) -> list[CallTimes]:
+    """The ground truth's view of a run's call records (``attempts.jsonl``'s, before writing)."""
+    return [CallTimes(r.planned_at, r.first_sent_at, r.delivered_at) for r in records]
+
+
 def find_collapses(
     windows: Sequence[Window], calls: Sequence[CallTimes], deadline_s: float
 ) -> list[Collapse]:
     """The collapses of judged windows (metastability not yet known)."""
     out = []
+    ordered = sorted(calls, key=lambda c: c.planned_at)
+    planned = [c.planned_at for c in ordered]
     i, n = 0, len(windows)
     while i < n:
         w = windows[i]
         if w.delivered_ok:
             i += 1
             continue
-        missed = [
-            c.planned_at for c in calls if w.start_s <= c.planned_at < w.end_s and not c.within(deadline_s)
-        ]
+        members = ordered[bisect.bisect_left(planned, w.start_s) : bisect.bisect_left(planned, w.end_s)]
+        missed = [c.planned_at for c in members if not c.within(deadline_s)]
         start = min(missed) if missed else w.start_s
         k = i + 1
         while k + 1 < n and not (windows[k].ok and windows[k + 1].ok):
@@ -291,14 +344,16 @@ def ground_truth(calls: Iterable[CallTimes], snapshots: Iterable[Snapshot], span
     windows = judge_windows(calls, snapshots, span)
     found = find_collapses(windows, calls, span.deadline_s)
     known = _has_proxy_counters(snapshots)
+    planned = sorted(c.planned_at for c in calls) if span.pulse_end_s is None else []
     marked = []
     for c in found:
+        burst = burst_before(planned, c.start_s, span) if span.pulse_end_s is None else None
         if not known:
-            marked.append(c)
+            marked.append(Collapse(c.start_s, c.end_s, c.ended, burst=burst))
             continue
         at, held = _metastable_times(c, snapshots, span)
         marked.append(
-            Collapse(c.start_s, c.end_s, c.ended, at is not None, at, held if at is not None else 0.0)
+            Collapse(c.start_s, c.end_s, c.ended, at is not None, at, held if at is not None else 0.0, burst)
         )
     return GroundTruth(span, windows, marked)
 

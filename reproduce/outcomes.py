@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,11 +30,14 @@ __all__ = [
     "RecoveryRule",
     "RetryExecution",
     "Timeline",
+    "cohort_delivery",
     "compute_outcomes",
     "counter_at",
     "counter_rate",
+    "counts",
     "delivery",
     "mean_and_slope",
+    "rates_x_capacity",
     "recovery",
     "retry_timing",
     "trace_shares",
@@ -75,12 +78,22 @@ def delivery(calls: Sequence[CallRecord], timeline: Timeline) -> dict[str, dict[
         "hold": (timeline.pulse_end, timeline.hold_end),
         "primary": (timeline.primary_start, timeline.hold_end),
     }
+    return cohort_delivery(calls, cohorts, timeline.deadline_s, timeline.horizon_s)
+
+
+def cohort_delivery(
+    calls: Sequence[CallRecord],
+    cohorts: Mapping[str, tuple[float, float]],
+    deadline_s: float,
+    horizon_s: float,
+) -> dict[str, dict[str, float | int | None]]:
+    """Delivery of each named cohort ``[start, end)`` as fractions of its offered calls."""
     out: dict[str, dict[str, float | int | None]] = {}
     for name, (start, end) in cohorts.items():
         members = cohort(calls, start, end)
         n = len(members)
-        within = sum(_within_deadline(c, timeline.deadline_s) for c in members)
-        by_horizon = sum(_by_horizon(c, timeline.horizon_s) for c in members)
+        within = sum(_within_deadline(c, deadline_s) for c in members)
+        by_horizon = sum(_by_horizon(c, horizon_s) for c in members)
         out[name] = {
             "offered": n,
             "within_deadline": within / n if n else None,
@@ -212,27 +225,7 @@ def compute_outcomes(
     snapshots = sorted(snapshots, key=lambda s: s.t)
     recovered, recovery_time, windows = recovery(calls, waiting_series(snapshots), timeline, rule)
     t0, t1 = timeline.primary_start, timeline.hold_end
-
     attempts_rate = counter_rate(snapshots, mn.ATTEMPTS, t0, t1)
-    accepted_rate = counter_rate(snapshots, mn.EXECUTIONS_DISPATCHED, t0, t1) - counter_rate(
-        snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate="refused"
-    )
-    # The engine ran an execution to its end whether or not a subscriber still waited.
-    engine_completed_rate = sum(
-        counter_rate(snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate=fate)
-        for fate in ("completed", "orphaned")
-    )
-    rates = {
-        "attempts": attempts_rate / capacity,
-        "executions_created": counter_rate(snapshots, mn.EXECUTIONS_CREATED, t0, t1) / capacity,
-        "executions_accepted": accepted_rate / capacity,
-        "executions_completed": engine_completed_rate / capacity,
-    }
-
-    retries = [a for c in calls for a in c.attempts if a.is_retry]
-    refused_outcomes = (AttemptOutcome.SHED, AttemptOutcome.REFUSED)
-    fates = {f: _final(snapshots, mn.EXECUTIONS_FINISHED, fate=f) for f in mn.FATES}
-    dispatched = _final(snapshots, mn.EXECUTIONS_DISPATCHED)
 
     in_primary = [(t, v) for t, v in waiting_series(snapshots) if t0 <= t <= t1]
     mean_waiting = sum(v for _, v in in_primary) / len(in_primary) if in_primary else math.nan
@@ -253,7 +246,41 @@ def compute_outcomes(
         "recovery_time_s": recovery_time,
         "recovery_windows": windows,
         "delivery": delivery(calls, timeline),
-        "rates_x_capacity": rates,
+        "rates_x_capacity": rates_x_capacity(snapshots, t0, t1, capacity),
+        **counts(calls, snapshots),
+        "waiting_over_littles_law": waiting_ratio,
+        "prompt_token_gap_hold": gap,
+    }
+
+
+def rates_x_capacity(
+    snapshots: Sequence[Snapshot], t0: float, t1: float, capacity: float
+) -> dict[str, float]:
+    """Attempts and executions created, accepted and completed over ``[t0, t1]``, in Ĉ."""
+    accepted_rate = counter_rate(snapshots, mn.EXECUTIONS_DISPATCHED, t0, t1) - counter_rate(
+        snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate="refused"
+    )
+    # The engine ran an execution to its end whether or not a subscriber still waited.
+    engine_completed_rate = sum(
+        counter_rate(snapshots, mn.EXECUTIONS_FINISHED, t0, t1, fate=fate)
+        for fate in ("completed", "orphaned")
+    )
+    return {
+        "attempts": counter_rate(snapshots, mn.ATTEMPTS, t0, t1) / capacity,
+        "executions_created": counter_rate(snapshots, mn.EXECUTIONS_CREATED, t0, t1) / capacity,
+        "executions_accepted": accepted_rate / capacity,
+        "executions_completed": engine_completed_rate / capacity,
+    }
+
+
+def counts(calls: Sequence[CallRecord], snapshots: Sequence[Snapshot]) -> dict[str, dict[str, int]]:
+    """Calls, retries and executions of the whole run, by what became of them (``snapshots`` in
+    time order: the last one is the run's end)."""
+    retries = [a for c in calls for a in c.attempts if a.is_retry]
+    refused_outcomes = (AttemptOutcome.SHED, AttemptOutcome.REFUSED)
+    fates = {f: _final(snapshots, mn.EXECUTIONS_FINISHED, fate=f) for f in mn.FATES}
+    dispatched = _final(snapshots, mn.EXECUTIONS_DISPATCHED)
+    return {
         "calls": {
             "offered": len(calls),
             "delivered": sum(c.delivered for c in calls),
@@ -274,8 +301,6 @@ def compute_outcomes(
             "orphaned": fates["orphaned"],
             "failed": fates["failed"],
         },
-        "waiting_over_littles_law": waiting_ratio,
-        "prompt_token_gap_hold": gap,
     }
 
 

@@ -11,20 +11,25 @@ Whatever judges a run reads the :class:`Timeline` its plan derives: ``reproduce.
 and, through summary.json, reports, validation and the dashboard. Every backend (simulator,
 emulated engine, real vLLM) judges a run on the phases it ran, not on the protocol's.
 
-A workload without a designated pulse (a request-trace replay) plans its calls the same way;
-its phases are optional, and without a phase named ``pulse`` it has no pulse timeline.
+A workload without a designated pulse (a request-trace replay, :func:`plan_trace`) plans its
+calls the same way; its one phase is named ``trace``, and without a phase named ``pulse`` it
+has no pulse timeline: it is judged by its ground truth over time (``reproduce.groundtruth``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from reproduce.client import ClientConfig
-from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace
+from reproduce.traces.planned import TRACE_PHASE, Segments
+from reproduce.traceworkload import TraceWorkload
+from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 
 __all__ = [
     "PULSE",
+    "RECOVERY_WINDOWS",
     "RECOVERY_WINDOW_S",
     "Phase",
     "PlanError",
@@ -32,12 +37,15 @@ __all__ = [
     "Timeline",
     "check_pulse",
     "plan_run",
+    "plan_trace",
 ]
 
 #: The phase whose calls are the pulse cohort; every phase after it is the hold.
 PULSE = "pulse"
 #: The hold's recovery windows (docs/protocol.md §6), at the study's scale.
 RECOVERY_WINDOW_S = 60.0
+#: Consecutive good windows the recovery rule asks for (docs/protocol.md §6).
+RECOVERY_WINDOWS = 2
 
 
 class PlanError(ValueError):
@@ -119,6 +127,12 @@ class RunPlan:
     time_scale: float = 1.0
     phases: tuple[Phase, ...] = ()
     window_s: float = RECOVERY_WINDOW_S
+    #: A trace's prompts as chained segments (prefix blocks), by call id, for the calls that
+    #: have blocks; every other call's prompt is ``workload.prompt_segments`` of it.
+    segments: Mapping[str, Segments] = field(default_factory=dict)
+    #: How long the run goes on after its last call is done (within the horizon): a replay
+    #: without a hold needs time for the recovery rule's two good windows to be seen.
+    tail_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
@@ -163,6 +177,10 @@ class RunPlan:
             time_scale=self.time_scale,
         )
 
+    def prompt_segments(self, call: PlannedCall) -> Segments:
+        """``call``'s prompt as the engine model's segments."""
+        return self.segments.get(call.call_id) or prompt_segments(call)
+
     def describe(self) -> dict[str, object]:
         """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale,
         and the client's numbers in run seconds."""
@@ -197,6 +215,34 @@ def plan_run(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
         time_scale=k,
         phases=_phases(workload),
         window_s=RECOVERY_WINDOW_S / k,
+    )
+
+
+def plan_trace(
+    workload: TraceWorkload, capacity: float, client: ClientConfig, time_scale: float = 1.0
+) -> RunPlan:
+    """Plan a replay of ``workload`` at its load × ``capacity`` (Ĉ, calls per run-second, as the
+    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``).
+
+    The trace is streamed: one pass for its facts (``TraceWorkload.facts``), one for its calls.
+    """
+    k = time_scale
+    calls: list[PlannedCall] = []
+    segments: dict[str, Segments] = {}
+    for call in workload.calls(capacity):
+        calls.append(call.planned)
+        if call.blocks:  # prefix blocks: the engine's prefix cache needs them
+            segments[call.planned.call_id] = call.segments
+    end = calls[-1].arrival_s if calls else 0.0
+    phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
+    return RunPlan(
+        calls=tuple(calls),
+        client=client.scaled(k),
+        time_scale=k,
+        phases=(phase,),
+        window_s=RECOVERY_WINDOW_S / k,
+        segments=segments,
+        tail_s=(RECOVERY_WINDOWS + 1) * RECOVERY_WINDOW_S / k,
     )
 
 

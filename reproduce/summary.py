@@ -3,8 +3,10 @@
 A backend hands over the call records and the metrics series of a run; this module writes the
 series to ``DIR/runs/<slug>/metrics.jsonl`` (and the call records to ``attempts.jsonl``),
 computes the outcomes (``reproduce.outcomes``) on the run's plan (``reproduce.plan``) and shapes
-the run's entry as the contract in docs/architecture.md asks. ``write_summary`` writes the file
-atomically; ``detector.rundir`` reads it.
+the run's entry as the contract in docs/architecture.md asks. A run without a pulse (a replayed
+trace) is judged by its ground truth over time instead (``reproduce.groundtruth``): its
+collapses, each with the burst that started it, and ``recovered`` when none runs to its end.
+``write_summary`` writes the file atomically; ``detector.rundir`` reads it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ from typing import Any
 from exporter.timeseries import Snapshot, write_series
 from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
-from reproduce.outcomes import compute_outcomes
-from reproduce.plan import RunPlan
+from reproduce.groundtruth import (
+    GroundTruth,
+    JudgedSpan,
+    busiest_stretch,
+    calls_of_records,
+    ground_truth,
+)
+from reproduce.outcomes import cohort_delivery, compute_outcomes, counts, rates_x_capacity
+from reproduce.plan import RECOVERY_WINDOWS, RunPlan
 
 __all__ = ["run_dir", "run_entry", "write_run_files", "write_summary"]
 
@@ -58,11 +67,31 @@ def run_entry(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The summary entry of one run (``capacity`` in calls per run-second), judged on the
-    timeline of the run's own ``plan``: its pulse, cohorts and windows are the phases it ran."""
-    timeline = plan.timeline()
-    pulse = plan.pulse
-    outcomes = compute_outcomes(calls, snapshots, timeline, capacity)
-    entry: dict[str, Any] = {
+    timeline of the run's own ``plan``: its pulse, cohorts and windows are the phases it ran;
+    without a pulse, on its ground truth over time (:func:`trace_outcomes`)."""
+    if plan.pulse is None:
+        outcomes = trace_outcomes(calls, snapshots, plan, capacity, duration_s)
+    else:
+        timeline = plan.timeline()
+        outcomes = {
+            "pulse_multiple": plan.pulse.multiple,
+            "pulse": {"start_s": timeline.pulse_start, "end_s": timeline.pulse_end},
+            "hold_end_s": timeline.hold_end,
+            **compute_outcomes(calls, snapshots, timeline, capacity),
+        }
+    entry: dict[str, Any] = {**_identity(run, backend, capacity, plan, series, duration_s), **outcomes}
+    if trace is not None:
+        entry["trace"] = dict(trace)
+    if extra:
+        entry.update(extra)
+    safe: dict[str, Any] = _json_safe(entry)
+    return safe
+
+
+def _identity(
+    run: RunSpec, backend: str, capacity: float, plan: RunPlan, series: str, duration_s: float
+) -> dict[str, Any]:
+    return {
         "block": run.block,
         "condition": run.condition.slug,
         "variant": run.condition.variant,
@@ -72,23 +101,60 @@ def run_entry(
         "slug": run.slug,
         "backend": backend,
         "capacity": capacity,
-        "pulse_multiple": pulse.multiple if pulse is not None else run.condition.workload.pulse_multiple,
         "settings": run.condition.describe(),
-        "time_scale": timeline.time_scale,
-        "deadline_s": timeline.deadline_s,
+        "time_scale": plan.time_scale,
+        "deadline_s": plan.deadline_s,
         "duration_s": duration_s,
-        "pulse": {"start_s": timeline.pulse_start, "end_s": timeline.pulse_end},
-        "hold_end_s": timeline.hold_end,
         "plan": plan.describe(),
         "series": series,
-        **outcomes,
     }
-    if trace is not None:
-        entry["trace"] = dict(trace)
-    if extra:
-        entry.update(extra)
-    safe: dict[str, Any] = _json_safe(entry)
-    return safe
+
+
+def trace_outcomes(
+    calls: Sequence[CallRecord],
+    snapshots: Sequence[Snapshot],
+    plan: RunPlan,
+    capacity: float,
+    duration_s: float,
+) -> dict[str, Any]:
+    """A run without a pulse, judged over its whole length (docs/protocol.md §9): its collapses,
+    each with the burst that started it; ``recovered`` unless one runs to the run's end; the
+    ``burst`` validation aligns the run on (the first collapse's, or the run's busiest stretch
+    without one) and ``recovery_time_s`` from that burst's end to the end of the last collapse
+    plus the two good windows that ended it. Delivery, rates and counts are over the whole run."""
+    snapshots = sorted(snapshots, key=lambda s: s.t)
+    span = JudgedSpan(
+        start_s=0.0,
+        end_s=duration_s,
+        align_s=0.0,
+        window_s=plan.window_s,
+        deadline_s=plan.deadline_s,
+        capacity=capacity,
+        time_scale=plan.time_scale,
+    )
+    truth: GroundTruth = ground_truth(calls_of_records(calls), snapshots, span)
+    collapses = truth.collapses
+    recovered = all(c.ended for c in collapses)
+    if collapses and collapses[0].burst is not None:
+        burst = collapses[0].burst
+    else:
+        burst = busiest_stretch(sorted(c.planned_at for c in calls), span.start_s, span.end_s, span.window_s)
+    recovery_time = None
+    if recovered:
+        last_end = collapses[-1].end_s + RECOVERY_WINDOWS * span.window_s if collapses else burst[1]
+        recovery_time = max(last_end - burst[1], 0.0)
+    return {
+        "pulse": None,
+        "pulse_multiple": None,
+        "hold_end_s": None,
+        "burst": {"start_s": burst[0], "end_s": burst[1]},
+        "recovered": recovered,
+        "recovery_time_s": recovery_time,
+        "collapses": [c.to_dict() for c in collapses],
+        "delivery": cohort_delivery(calls, {"trace": (0.0, math.inf)}, plan.deadline_s, plan.horizon_s),
+        "rates_x_capacity": rates_x_capacity(snapshots, 0.0, duration_s, capacity),
+        **counts(calls, snapshots),
+    }
 
 
 def _json_safe(value: Any) -> Any:

@@ -18,6 +18,11 @@ truth over time"):
   that starts within one deadline after a collapse's end still belongs to it;
 - a **data** alert (no data) is reported, not scored: it says the detector could not judge.
 
+A replayed trace has no pulse: its run is aligned on the burst that started its first collapse
+(summary.json's ``burst``, ``reproduce.groundtruth.burst_before``; the run's busiest stretch
+when nothing collapsed), which stands where a pulse run's pulse stands (the overload's own
+stretch, the lead after its end), and its windows are aligned to the run's start.
+
 Runs without their call records (``attempts.jsonl``) have no ground truth over time: cause
 alerts then fall back on the recovery verdict (a false positive fires before the pulse or after
 the recovery), and symptom alerts skip them.
@@ -120,6 +125,9 @@ class RunInfo:
     variant: str = ""  # e.g. the trigger sweep's "pulse-2"
     hold_end_s: float | None = None
     calls: Path | None = None  # the run's call records, when it wrote them
+    #: A replayed trace: no pulse; ``pulse_start_s`` / ``pulse_end_s`` hold the burst it is
+    #: aligned on, and its windows are aligned to the run's start.
+    trace: bool = False
 
     @property
     def recovery_at_s(self) -> float | None:
@@ -143,13 +151,13 @@ class RunInfo:
         return JudgedSpan(
             start_s=0.0,
             end_s=self.judged_end_s,
-            align_s=self.pulse_end_s,
+            align_s=0.0 if self.trace else self.pulse_end_s,
             window_s=RECOVERY_WINDOW_S / self.time_scale,
             deadline_s=self.deadline_s,
             capacity=self.capacity,
             time_scale=self.time_scale,
-            pulse_start_s=self.pulse_start_s,
-            pulse_end_s=self.pulse_end_s,
+            pulse_start_s=None if self.trace else self.pulse_start_s,
+            pulse_end_s=None if self.trace else self.pulse_end_s,
         )
 
 
@@ -288,9 +296,11 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
         where = f"{summary_path}: runs[{i}]"
         if not isinstance(run, dict):
             raise RunDirError(f"{where}: expected an object")
-        pulse = _field(run, "pulse", where)
+        trace = run.get("pulse", {}) is None
+        pulse = run.get("burst") if trace else _field(run, "pulse", where)
         if not isinstance(pulse, dict):
-            raise RunDirError(f"{where}: 'pulse' must be an object with start_s and end_s")
+            what = "a run without a pulse needs 'burst'" if trace else "'pulse' must be"
+            raise RunDirError(f"{where}: {what} an object with start_s and end_s")
         recovered = _field(run, "recovered", where)
         if not isinstance(recovered, bool):
             raise RunDirError(f"{where}: 'recovered' must be true or false")
@@ -321,6 +331,7 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 variant=str(run.get("variant") or ""),
                 hold_end_s=None if hold_end is None else _number(hold_end, where),
                 calls=calls if calls.is_file() else None,
+                trace=trace,
             )
         )
     return infos

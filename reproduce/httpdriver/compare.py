@@ -200,7 +200,7 @@ def simulate_runs(
     entries = []
     for run in runs:
         workload = {
-            **run.condition.workload.fields(hold_s=protocol.hold_s),
+            **run.condition.pulse.fields(hold_s=protocol.hold_s),
             "prompt_mean": protocol.prompt_mean,
             "prompt_std": protocol.prompt_std,
             "shared_prefix_len": protocol.shared_prefix_len,

@@ -96,7 +96,7 @@ class HttpProtocol:
     def plan(self, capacity: float, condition: Condition, *, seed: int) -> RunPlan:
         """The run of ``condition`` at Ĉ = ``capacity`` calls per run-second, planned once: its
         calls, phases and client (the condition's retries) in run seconds."""
-        workload = self.workload(capacity, seed=seed, pulse=condition.workload)
+        workload = self.workload(capacity, seed=seed, pulse=condition.pulse)
         return plan_run(workload, condition.client.config())
 
     @property
@@ -148,6 +148,6 @@ def with_pulse(run: RunSpec, multiple: float) -> RunSpec:
     """``run`` with its pulse at ``multiple`` x Ĉ, named as the trigger sweep names its pulses."""
     if not (math.isfinite(multiple) and multiple > 0):
         raise ValueError(f"a pulse multiple must be positive, got {multiple!r}")
-    workload = replace(run.condition.workload, pulse_multiple=float(multiple))
+    workload = replace(run.condition.pulse, pulse_multiple=float(multiple))
     condition = replace(run.condition, workload=workload, variant=f"pulse-{multiple:g}")
     return replace(run, condition=condition)

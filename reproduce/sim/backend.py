@@ -1,25 +1,30 @@
-"""The ``sim`` backend of ``retrywatch reproduce run``: each run is one simulated pulse run.
+"""The ``sim`` backend of ``retrywatch reproduce run``: each run is one simulated run (a pulse, or
+a replayed trace).
 
 Ĉ is the preset's calibrated capacity; a mixed-prompts condition recalibrates it on the
-simulator (docs/protocol.md §7), once per model, before the runs start. Runs are independent and
+simulator (docs/protocol.md §7), once per model, and a trace replay calibrates it on the trace's
+own token mix (``reproduce.tracecapacity``, cached), before the runs start. Every run's entry
+says which Ĉ it ran at and how it was found (``capacity_source``). Runs are independent and
 deterministic for their seed, so they run in parallel worker processes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from reproduce.client import ClientConfig
-from reproduce.conditions import PRIMARY_MODEL, RunSpec
+from reproduce.conditions import PRIMARY_MODEL, RunSpec, TraceWorkload
 from reproduce.engine.presets import PRESET_NAMES, PresetError, preset_capacity
 from reproduce.plan import PlanError, check_pulse
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry, write_run_files
+from reproduce.tracecapacity import trace_capacity
 from reproduce.workload import WorkloadSpec
 
 __all__ = ["SimBackend"]
@@ -34,7 +39,8 @@ class SimBackend(Backend):
     engine: dict[str, Any] = field(default_factory=dict)
     client: ClientConfig | None = None  # instead of each run's client (``--client``'s profile)
     capacity: float | None = None
-    capacities: dict[tuple[str, bool], float] = field(default_factory=dict)
+    capacities: dict[tuple[str, str], float] = field(default_factory=dict)
+    capacity_sources: dict[tuple[str, str], dict[str, object]] = field(default_factory=dict)
 
     name = "sim"
     parallel = True
@@ -76,21 +82,41 @@ class SimBackend(Backend):
             if model not in PRESET_NAMES:  # before any run: a PresetError, not a worker's failure
                 raise PresetError(f"unknown engine preset {model!r}; choose one of {', '.join(PRESET_NAMES)}")
         for r in runs:
-            key = (r.model, r.condition.workload.mixed_prompts)
+            key = self._capacity_key(r)
             if key in self.capacities:
                 continue
+            workload = r.condition.workload
             if self.capacity is not None:
-                self.capacities[key] = self.capacity
-            elif r.condition.workload.mixed_prompts:
-                self.capacities[key] = engine_link.calibrated_capacity(
+                found: tuple[float, dict[str, object]] = (self.capacity, {"method": "given (capacity=)"})
+            elif isinstance(workload, TraceWorkload):
+                found = self._trace_capacity(r, workload)
+            elif workload.mixed_prompts:
+                capacity = engine_link.calibrated_capacity(
                     r.model, mixed_prompts=True, workload=self.workload, engine=self.engine
                 )
+                found = (capacity, {"method": "docs/protocol.md §5 on the simulator, mixed prompts"})
             else:
-                self.capacities[key] = preset_capacity(r.model)
+                found = (preset_capacity(r.model), {"method": f"the study's calibration of {r.model}"})
+            self.capacities[key], self.capacity_sources[key] = found
+
+    def _capacity_key(self, r: RunSpec) -> tuple[str, str]:
+        workload = r.condition.workload
+        if isinstance(workload, TraceWorkload):
+            return r.model, f"trace:{workload.facts.mix_digest}:{r.condition.engine.tokens_per_step}"
+        return r.model, "mixed" if workload.mixed_prompts else "study"
+
+    def _trace_capacity(self, r: RunSpec, workload: TraceWorkload) -> tuple[float, dict[str, object]]:
+        tokens_per_step = r.condition.engine.tokens_per_step
+        config = engine_link.Engine.for_preset(
+            r.model, tokens_per_step=tokens_per_step, overrides=self.engine
+        ).model.config
+        settings = f"tokens_per_step={tokens_per_step}|engine={json.dumps(self.engine, sort_keys=True)}"
+        found = trace_capacity(r.model, config, workload.facts, settings=settings)
+        return found.capacity, found.describe()
 
     def spec_for(self, job: RunJob) -> SimSpec:
         r = job.run
-        key = (r.model, r.condition.workload.mixed_prompts)
+        key = self._capacity_key(r)
         if key not in self.capacities:
             self.prepare([r], job.time_scale)
         return SimSpec(
@@ -118,7 +144,11 @@ class SimBackend(Backend):
             series=series,
             duration_s=result.end_s,
             trace=result.trace_shares,
-            extra={"wall_s": round(result.wall_s, 4), "cpu_s": round(result.cpu_s, 4)},
+            extra={
+                "wall_s": round(result.wall_s, 4),
+                "cpu_s": round(result.cpu_s, 4),
+                "capacity_source": self.capacity_sources.get(self._capacity_key(job.run)),
+            },
         )
 
 

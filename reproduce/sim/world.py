@@ -1,4 +1,5 @@
-"""One simulated pulse run: workload → client → proxy policy → engine model, in simulated time.
+"""One simulated run (a pulse, or a replayed trace): workload → client → proxy policy → engine
+model, in simulated time.
 
 NOTE: everything decides through the shared pure cores: the client model says when attempts are
 sent, the policy core decides attach / shed / create and what happens when a subscriber leaves,
@@ -41,14 +42,14 @@ from exporter.policy import (
 )
 from exporter.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
-from reproduce.conditions import Condition
+from reproduce.conditions import Condition, TraceWorkload
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.presets import preset_capacity
-from reproduce.plan import RunPlan, plan_run
+from reproduce.plan import RunPlan, plan_run, plan_trace
 from reproduce.sim import engine_link
 from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
 from reproduce.simenv import Environment, EventHandle
-from reproduce.workload import PlannedCall, WorkloadSpec, prompt_segments
+from reproduce.workload import PlannedCall, WorkloadSpec
 
 __all__ = ["SimResult", "SimSpec", "simulate"]
 
@@ -80,6 +81,8 @@ class SimSpec:
         cond = self.condition
         k = self.time_scale
         capacity = self.capacity if self.capacity is not None else preset_capacity(self.model)
+        if isinstance(cond.workload, TraceWorkload):
+            return plan_trace(cond.workload, capacity, cond.client.config(self.client), k)
         fields: dict[str, Any] = {**cond.workload.fields(), **self.workload}
         workload = WorkloadSpec(capacity=capacity / k, seed=self.seed, time_scale=k, **fields)
         return plan_run(workload, cond.client.config(self.client))
@@ -105,10 +108,10 @@ class _Call:
 
     __slots__ = ("deadline", "last_execution", "plan", "record", "segments", "subscriber")
 
-    def __init__(self, plan: PlannedCall, record: CallRecord) -> None:
+    def __init__(self, plan: PlannedCall, record: CallRecord, segments: tuple[tuple[int, int], ...]) -> None:
         self.plan = plan
         self.record = record
-        self.segments = prompt_segments(plan)
+        self.segments = segments
         self.subscriber: int | None = None
         self.deadline: EventHandle | None = None
         self.last_execution: int | None = None  # the execution its latest attempt created
@@ -158,7 +161,7 @@ class _World:
             response_len=plan.response_len,
             phase=plan.phase,
         )
-        call = _Call(plan, record)
+        call = _Call(plan, record, self.plan.prompt_segments(plan))
         self.calls.append(call)
         self.arrived += 1
         self.outstanding += 1
@@ -298,12 +301,15 @@ class _World:
         limit = last_arrival + self.client.config.horizon_s
         n = len(self.trace)
         t = 0.0
+        done_at: float | None = None
         self.take_snapshot()
         while True:
             t = min(t + every, limit)
             self.env.run(until=t)
             self.take_snapshot()
-            if t >= limit or (self.arrived == n and self.outstanding == 0):
+            if done_at is None and self.arrived == n and self.outstanding == 0:
+                done_at = t
+            if t >= limit or (done_at is not None and t >= done_at + self.plan.tail_s):
                 return t
 
 

@@ -56,6 +56,7 @@ class TraceCall:
 
     planned: PlannedCall
     segments: Segments
+    blocks: int = 0  # how many of the segments are prefix blocks (shareable with other calls)
 
 
 def _stable_id(*parts: object) -> int:
@@ -130,7 +131,7 @@ def to_trace_calls(
             response_len=response,
             phase=TRACE_PHASE,
         )
-        yield TraceCall(planned, segments)
+        yield TraceCall(planned, segments, n_blocks)
 
 
 def to_planned_calls(

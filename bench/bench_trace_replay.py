@@ -1,0 +1,118 @@
+"""How fast the simulator replays a request trace, and the peak memory of a million-call replay.
+
+Two figures, each from ``retrywatch reproduce run --trace FILE --load 1`` run as a child process
+(the whole command: both passes over the file, Ĉ, the simulated run, its ground truth and its
+files), with Ĉ given (``--backend-option capacity=``) so that calibration is not timed:
+
+* **speed**: an hour of trace, the Azure code slice shipped (30 minutes) twice over, written to a
+  temporary file in the retrywatch layout: simulated seconds of the run per wall second of the
+  simulation (the run's own ``wall_s``), and calls per wall second. Target: ≥ 1,000× real time.
+* **memory**: ``--calls`` calls (1,000,000 by default) synthesized on the fly in the retrywatch
+  layout, row by row (the Azure slice's lengths and gaps, repeated): the child's peak resident
+  memory (``ru_maxrss``). Target: ≤ 2 GiB, the trace streamed.
+
+    .venv/bin/python bench/bench_trace_replay.py [--calls 1000000] [--skip-memory] [--capacity C]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from reproduce.traces import read_trace
+
+SLICE = (
+    Path(__file__).resolve().parent.parent / "reproduce" / "traces" / "data" / "azure_code_2023_30min.csv.gz"
+)
+MODEL = "qwen2.5-7b-h100"
+#: Ĉ of the slice's token mix on the simulator (``reproduce.tracecapacity``, seed 0), measured once.
+DEFAULT_CAPACITY = 21.62
+
+
+def slice_rows() -> list[tuple[float, int, int]]:
+    return [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in read_trace(SLICE)]
+
+
+def repeated(rows: list[tuple[float, int, int]], n: int) -> Iterator[tuple[float, int, int]]:
+    """``n`` rows: the slice's rows again and again, each copy after the one before."""
+    span = rows[-1][0] + (rows[-1][0] - rows[0][0]) / (len(rows) - 1)
+    i = 0
+    while i < n:
+        copy, j = divmod(i, len(rows))
+        t, prompt, output = rows[j]
+        yield copy * span + t, prompt, output
+        i += 1
+
+
+def write(path: Path, rows: Iterator[tuple[float, int, int]]) -> int:
+    n = 0
+    with path.open("w", encoding="utf-8") as fh:
+        fh.write("arrival_s,prompt_tokens,output_tokens\n")
+        for t, prompt, output in rows:
+            fh.write(f"{t:.6f},{prompt},{output}\n")
+            n += 1
+    return n
+
+
+def replay(trace: Path, out: Path, capacity: float) -> tuple[dict[str, object], float, float]:
+    """Run the replay as a child process; its summary entry, wall time and peak RSS (MiB)."""
+    started = time.perf_counter()
+    child = subprocess.Popen(
+        [
+            sys.executable, "-m", "retrywatch", "reproduce", "run", "--trace", str(trace), "--load", "1",
+            "--model", MODEL, "--runs", "1", "--seed", "1", "--out", str(out), "--no-progress",
+            "--backend-option", f"capacity={capacity}",
+        ],
+        env={**os.environ, "RETRYWATCH_CACHE_DIR": str(out / "cache")},
+    )  # fmt: skip
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own peak, not any other's
+    child.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - started
+    if child.returncode != 0:
+        raise SystemExit(f"the replay failed with exit status {child.returncode}")
+    peak = usage.ru_maxrss / 1024.0
+    entry = json.loads((out / "summary.json").read_text())["runs"][0]
+    return entry, wall, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=1_000_000)
+    parser.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY)
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    rows = slice_rows()
+    with tempfile.TemporaryDirectory(prefix="bench-trace-replay-") as tmp:
+        root = Path(tmp)
+        hour = root / "hour.csv"
+        n = write(hour, repeated(rows, 2 * len(rows)))
+        entry, wall, peak = replay(hour, root / "speed", args.capacity)
+        sim_s, sim_wall = float(entry["duration_s"]), float(entry["wall_s"])  # type: ignore[arg-type]
+        print(
+            f"speed: an hour of trace ({n:,} calls) at --load 1, Ĉ = {args.capacity:g} calls/s: "
+            f"{sim_s:.0f} simulated s in {sim_wall:.2f} s of simulation = {sim_s / sim_wall:,.0f}x real time,"
+            " "
+            f"{n / sim_wall:,.0f} calls per wall s; the whole command {wall:.1f} s, peak RSS {peak:.0f} MiB"
+        )
+        if args.skip_memory:
+            return
+        big = root / "million.csv"
+        n = write(big, repeated(rows, args.calls))
+        size = big.stat().st_size / 2**20
+        entry, wall, peak = replay(big, root / "memory", args.capacity)
+        print(
+            f"memory: {n:,} calls ({size:.0f} MiB file) at --load 1: peak RSS {peak:,.0f} MiB "
+            f"({peak / 1024:.2f} GiB); {float(entry['duration_s']):,.0f} simulated s in "  # type: ignore[arg-type]
+            f"{float(entry['wall_s']):.0f} s of simulation, the whole command {wall:.0f} s"  # type: ignore[arg-type]
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The trace workload: a request trace replayed as a run's calls (``--trace FILE``).
+
+A :class:`TraceWorkload` is the workload part of a condition that replays a trace instead of
+the protocol's pulse (``reproduce.conditions.PulseWorkload``): which file, its layout, a window
+of it and the load, a multiple of Ĉ. It reads the file twice, streaming both times (a week-long
+trace is never in memory):
+
+* :meth:`TraceWorkload.scan` is the first pass: how many calls, the window's mean rate (the one
+  ``--load X`` rescales to X × Ĉ), when its last call arrives, and the trace's **token mix**: a
+  digest of every call's (prompt, output) lengths and a seeded sample of them, from which Ĉ is
+  calibrated (``reproduce.tracecapacity``);
+* :meth:`TraceWorkload.calls` is the second: the window's calls as ``TraceCall``s, arrivals
+  rescaled so that the mean rate is ``load`` × Ĉ (every ratio of inter-arrival times kept: the
+  burst shape), in the run's own seconds.
+
+A bad file raises ``reproduce.traces.TraceError``: one line naming the file, line and column.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from reproduce.traces import (
+    FORMATS,
+    TraceCall,
+    TraceError,
+    TraceRecord,
+    read_trace,
+    rescale_to_rate,
+    to_trace_calls,
+    window,
+)
+
+__all__ = ["MIX_SAMPLE", "TraceFacts", "TraceWorkload"]
+
+#: How many (prompt, output) pairs of a trace's token mix the calibration draws from (a seeded
+#: reservoir sample over the whole window: memory stays bounded whatever the trace's length).
+MIX_SAMPLE = 20_000
+#: The longest context a replayed call may have (the study's engine: docs/protocol.md §2).
+MAX_CONTEXT = 32_768
+
+
+@dataclass(frozen=True)
+class TraceFacts:
+    """What the first pass over a trace's window found."""
+
+    calls: int
+    source_rate: float  # calls/s of the window as recorded: (calls - 1) / span
+    span_s: float  # first to last arrival, as recorded
+    mix_digest: str  # every call's (prompt, output) lengths, in order
+    mix: tuple[tuple[int, int], ...]  # a seeded sample of them
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    """Replay ``path`` (layout ``format``, detected when None) over ``[start_s, end_s)`` of it
+    (seconds from its first request) at ``load`` × Ĉ mean call rate."""
+
+    path: str
+    format: str | None = None
+    load: float = 1.0
+    start_s: float = 0.0
+    end_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in FORMATS:
+            raise TraceError(f"unknown trace format {self.format!r}; known: {', '.join(FORMATS)}")
+        if not (math.isfinite(self.load) and self.load > 0):
+            raise TraceError(f"the load must be a positive multiple of Ĉ, got {self.load!r}")
+        if not (0 <= self.start_s < self.end_s) or math.isnan(self.end_s):
+            raise TraceError(f"a window needs 0 <= START < END, got {self.start_s!r}:{self.end_s!r}")
+
+    @property
+    def name(self) -> str:
+        """The trace's name: its file name without suffixes (``azure_code_2023_30min``)."""
+        return Path(self.path).name.split(".")[0] or "trace"
+
+    @property
+    def window_text(self) -> str:
+        end = "" if math.isinf(self.end_s) else f"{self.end_s:g}"
+        return f"{self.start_s:g}:{end}"
+
+    @property
+    def variant(self) -> str:
+        """What tells this replay's runs apart from others of the same condition."""
+        whole = self.start_s == 0 and math.isinf(self.end_s)
+        part = "" if whole else f"-w{self.window_text.replace(':', '-')}"
+        return f"{self.name}{part}-load{self.load:g}"
+
+    def records(self) -> Iterator[TraceRecord]:
+        """The window's records, arrivals counted from its start (streams)."""
+        return window(read_trace(self.path, self.format), self.start_s, self.end_s)
+
+    @cached_property
+    def facts(self) -> TraceFacts:
+        """The first pass (once per workload object)."""
+        return self.scan()
+
+    def scan(self, sample: int = MIX_SAMPLE, seed: int = 0) -> TraceFacts:
+        """Stream the window once: count, mean rate and the token mix (digest and sample)."""
+        rng = random.Random(f"trace-mix-{seed}")
+        digest = hashlib.blake2b(digest_size=12)
+        mix: list[tuple[int, int]] = []
+        n = 0
+        first = last = 0.0
+        prompt_sum = output_sum = 0
+        for call in to_trace_calls(self.records(), max_context=MAX_CONTEXT):
+            planned = call.planned
+            pair = (planned.prompt_len, planned.response_len)
+            if n == 0:
+                first = planned.arrival_s
+            last = planned.arrival_s
+            n += 1
+            prompt_sum += pair[0]
+            output_sum += pair[1]
+            digest.update(f"{pair[0]},{pair[1]};".encode())
+            if len(mix) < sample:
+                mix.append(pair)
+            else:
+                j = rng.randrange(n)
+                if j < sample:
+                    mix[j] = pair
+        if n < 2 or last <= first:
+            raise TraceError(
+                f"{self.path}: window {self.window_text} holds {n} call(s); a replay needs at least two "
+                "calls at different times"
+            )
+        return TraceFacts(
+            calls=n,
+            source_rate=(n - 1) / (last - first),
+            span_s=last - first,
+            mix_digest=digest.hexdigest(),
+            mix=tuple(mix),
+            mean_prompt_tokens=prompt_sum / n,
+            mean_output_tokens=output_sum / n,
+        )
+
+    def calls(self, capacity: float) -> Iterator[TraceCall]:
+        """The window's calls at ``load`` × ``capacity`` (Ĉ, calls per run-second), arrivals in
+        run seconds; streams the file a second time."""
+        target = self.load * capacity
+        records = rescale_to_rate(self.records(), target, self.facts.source_rate)
+        return to_trace_calls(records, max_context=MAX_CONTEXT)
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready description (summary.json's ``settings``)."""
+        return {
+            "trace": self.name,
+            "trace_format": self.format,
+            "load": self.load,
+            "window": self.window_text,
+        }

@@ -1,0 +1,198 @@
+"""A request trace replayed as a run: the plan, Ĉ on the trace's mix, the ground truth, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from reproduce.client import ClientConfig
+from reproduce.groundtruth import JudgedSpan, burst_before
+from reproduce.plan import plan_trace
+from reproduce.sim.engine_link import Engine
+from reproduce.tracecapacity import CACHE_ENV, trace_capacity
+from reproduce.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
+from reproduce.traceworkload import TraceWorkload
+from reproduce.validate import load_runs
+from retrywatch.cli import main
+
+DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
+AZURE = DATA / "azure_code_2023_30min.csv.gz"
+MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"
+EXAMPLE = DATA / "retrywatch_example.csv"
+MODEL = "qwen2.5-7b-h100"
+
+
+def test_a_window_is_planned_at_its_load_with_its_burst_shape() -> None:
+    workload = TraceWorkload(str(AZURE), load=2.0, start_s=600.0, end_s=1200.0)
+    plan = plan_trace(workload, 10.0, ClientConfig())
+    raw = [r.arrival_s for r in window(read_trace(AZURE), 600.0, 1200.0)]
+    times = [c.arrival_s for c in plan.calls]
+    assert len(times) == len(raw) == workload.facts.calls
+    assert (len(times) - 1) / (times[-1] - times[0]) == pytest.approx(20.0)  # 2 x Ĉ
+    factor = times[-1] / raw[-1]
+    assert all(t == pytest.approx(r * factor) for t, r in zip(times, raw, strict=True))  # shape kept
+    assert workload.facts.source_rate == pytest.approx(mean_rate(window(read_trace(AZURE), 600.0, 1200.0)))
+    assert [p.name for p in plan.phases] == ["trace"] and plan.pulse is None
+    assert plan.tail_s > 0
+
+
+def test_prefix_blocks_reach_the_engine_as_shared_segments() -> None:
+    plan = plan_trace(TraceWorkload(str(MOONCAKE)), 3.0, ClientConfig())
+    expected = {
+        c.planned.call_id: c.segments for c in to_trace_calls(read_trace(MOONCAKE), max_context=32_768)
+    }
+    assert plan.segments  # Mooncake's hash_ids
+    assert all(plan.prompt_segments(c) == expected[c.call_id] for c in plan.calls)
+    first_blocks = [plan.prompt_segments(c)[0][0] for c in plan.calls]
+    assert len(set(first_blocks)) < len(first_blocks)  # calls share their leading block
+
+
+def test_the_token_mix_is_digested_and_sampled_whatever_the_load() -> None:
+    a = TraceWorkload(str(AZURE), load=1.0).facts
+    b = TraceWorkload(str(AZURE), load=3.0).facts
+    c = TraceWorkload(str(AZURE), load=1.0, end_s=600.0).facts
+    assert a.mix_digest == b.mix_digest != c.mix_digest
+    assert len(a.mix) == a.calls == 5_740 and a.mean_prompt_tokens < 3_000
+    small = TraceWorkload(str(AZURE)).scan(sample=100)
+    assert len(small.mix) == 100 and small.mix_digest == a.mix_digest
+
+
+def test_a_window_without_two_calls_is_a_clear_error() -> None:
+    with pytest.raises(TraceError, match=r"window 100000:200000 holds 0 call\(s\)"):
+        _ = TraceWorkload(str(AZURE), start_s=100_000, end_s=200_000).facts
+    with pytest.raises(TraceError, match="load"):
+        TraceWorkload(str(AZURE), load=0.0)
+
+
+def test_capacity_is_calibrated_on_the_trace_mix_and_cached(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    config = Engine.for_preset(MODEL).model.config
+    facts = TraceWorkload(str(EXAMPLE)).facts
+    first = trace_capacity(MODEL, config, facts)
+    again = trace_capacity(MODEL, config, facts)
+    assert not first.cached and again.cached and again.capacity == first.capacity
+    assert "token mix" in first.method and "§5" in first.method
+    # Shorter prompts than the study's 12,000 tokens: a higher Ĉ than the preset's 2.78.
+    assert first.capacity > 2.78
+    assert facts.mix_digest in first.key and MODEL in first.key
+    (tmp_path / "capacity.json").write_text("{not json")
+    assert not trace_capacity(MODEL, config, facts).cached  # an unreadable cache: recalibrated
+
+
+def _span(deadline: float = 120.0, window: float = 60.0) -> JudgedSpan:
+    return JudgedSpan(0.0, 2_000.0, 0.0, window, deadline, 1.0)
+
+
+def test_the_burst_is_the_busiest_stretch_within_a_deadline_and_a_window_before() -> None:
+    steady = [float(t) for t in range(0, 1_000)]
+    early = [100.0 + i / 100 for i in range(500)]  # out of reach of a collapse at 600
+    burst = [450.0 + i / 20 for i in range(300)]  # 450-465
+    planned = sorted(steady + early + burst)
+    start, end = burst_before(planned, 600.0, _span())
+    assert 405.0 <= start <= 450.0 and end == start + 60.0  # holds the whole burst
+    # A collapse at 160 reaches back to 0: the early cluster is its burst.
+    start, _ = burst_before(planned, 160.0, _span())
+    assert 40.0 <= start <= 100.0
+    # Nothing planned in reach: the stretch ending at the collapse's start.
+    assert burst_before([], 600.0, _span()) == (540.0, 600.0)
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Azure slice at 3 Ĉ: the study's client through a plain proxy (one run, ~4 s)."""
+    out = tmp_path_factory.mktemp("replay")
+    args = [
+        sys.executable, "-m", "retrywatch", "reproduce", "run", "--trace", str(AZURE), "--load", "3",
+        "--model", MODEL, "--runs", "1", "--seed", "101", "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, CACHE_ENV: str(out / "cache")}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_replay_has_no_pulse_and_names_the_burst_behind_each_collapse(replayed: Path) -> None:
+    (run,) = json.loads((replayed / "summary.json").read_text())["runs"]
+    assert run["slug"] == "composition__no-control-azure_code_2023_30min-load3__qwen2.5-7b-h100__r0"
+    assert run["pulse"] is None and run["hold_end_s"] is None
+    assert run["settings"]["load"] == 3.0 and run["settings"]["trace"] == "azure_code_2023_30min"
+    source = run["capacity_source"]
+    assert source["capacity"] == run["capacity"] and "token mix" in source["method"]
+    assert run["calls"]["offered"] == 5_740
+    collapses = run["collapses"]
+    assert collapses, "3 Ĉ over the slice's busiest minutes collapses the engine"
+    for c in collapses:
+        assert c["burst"]["start_s"] <= c["start_s"]
+        assert c["burst"]["end_s"] - c["burst"]["start_s"] == pytest.approx(60.0)
+    assert run["burst"]["start_s"] == pytest.approx(collapses[0]["burst"]["start_s"], abs=1e-3)
+    assert any(c["metastable"] for c in collapses)  # retries on, cancellation off: the loop
+    assert run["recovered"] is all(c["ended"] for c in collapses)
+    assert 0 < run["delivery"]["trace"]["within_deadline"] < 1
+
+
+def test_validate_scores_a_replay_against_its_collapses(replayed: Path) -> None:
+    (info,) = load_runs(replayed)
+    (run,) = json.loads((replayed / "summary.json").read_text())["runs"]
+    assert info.trace and info.pulse_start_s == pytest.approx(run["burst"]["start_s"])
+    assert info.span().align_s == 0.0 and info.span().pulse_end_s is None
+    result = CliRunner().invoke(main, ["reproduce", "validate", str(replayed)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((replayed / "validation.json").read_text())
+    assert report["ground_truth"]["collapses"] == len(run["collapses"])
+    assert report["ground_truth"]["agrees_with_recovered"] == 1
+    assert [c["start_s"] for c in report["runs"][0]["collapses"]] == [c["start_s"] for c in run["collapses"]]
+    symptom = report["alerts"]["VLLMCallsNotDeliveredInTime"]
+    assert symptom["collapses"] == len(run["collapses"]) and symptom["recall"] is not None
+    assert report["alerts"]["VLLMMetastableRetryLoop"]["runs_metastable"] == 1
+
+
+def test_a_bad_trace_is_one_line_naming_row_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("arrival_s,prompt_tokens,output_tokens\n0.1,10,5\n0.2,x,5\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "retrywatch",
+            "reproduce",
+            "run",
+            "--trace",
+            str(bad),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: Invalid value for '--trace': {bad}: line 3, column 'prompt_tokens': not a number: 'x'"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "hint"),
+    [
+        (["--block", "diagnostic", "--load", "2"], "'--load': needs --trace FILE"),
+        (["--trace", str(AZURE), "--window", "5:1"], "'--window': a window needs 0 <= START < END"),
+        (["--trace", str(AZURE), "--pulse-multiple", "2"], "'--pulse-multiple': a trace replay has no pulse"),
+        (["--trace", str(AZURE), "--backend", "emulated"], "'--trace': a trace replays on the simulator"),
+        ([], "'--block': give a block to run"),
+    ],
+)
+def test_usage_mistakes_of_a_replay_exit_2_naming_the_option(
+    tmp_path: Path, extra: list[str], hint: str
+) -> None:
+    result = CliRunner().invoke(main, ["reproduce", "run", "--out", str(tmp_path / "o"), *extra])
+    assert result.exit_code == 2, result.output
+    assert hint in result.output
+    assert not (tmp_path / "o").exists()
