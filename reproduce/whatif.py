@@ -144,6 +144,9 @@ class WhatIf:
     def setup(self) -> dict[str, Any]:
         """What a DIR's points were run with (a rerun must match it to reuse them)."""
         workload = {k: v for k, v in self.workload.describe().items() if k not in ("load", "pulse_multiple")}
+        if isinstance(self.workload, TraceWorkload):
+            workload["path"] = str(Path(self.workload.path).resolve())
+            workload["calls"] = self.workload.facts.mix_digest
         return {
             "backend": self.backend_name,
             "backend_options": dict(self.backend_options),
@@ -283,9 +286,11 @@ class _Points:
         theirs = meta.get("whatif") if isinstance(meta, dict) else None
         ours = json.loads(json.dumps(self.whatif.setup()))
         if theirs != ours:
+            given = theirs if isinstance(theirs, dict) else {}
+            differ = sorted(k for k in {*given, *ours} if given.get(k) != ours.get(k))
             raise WhatIfError(
-                f"{self.dir} holds points run with other settings ({json.dumps(theirs)}), not "
-                f"{json.dumps(ours)}: pick another DIR, or move it away"
+                f"{self.dir} holds points run with other settings (they differ in "
+                f"{', '.join(differ)}): pick another DIR, or move it away"
             )
 
     def _done(self) -> dict[str, dict[str, Any]]:
@@ -334,13 +339,11 @@ class _Search:
     tried: list[dict[str, Any]] = field(default_factory=list)
 
     def next_load(self, precision: float) -> float | None:
-        if self.safe is None and self.unsafe is None:
-            return self.hi
-        if self.safe is None:
-            assert self.unsafe is not None
-            return self.lo if self.unsafe > self.lo else None
+        tried = {t["load"] for t in self.tried}
         if self.unsafe is None:
-            return None  # safe at the upper limit: a bound
+            return self.hi if self.hi not in tried else None  # safe at the upper limit: a bound
+        if self.safe is None:
+            return self.lo if self.lo not in tried else None  # unsafe at the lower limit
         if self.unsafe - self.safe <= precision + 1e-9:
             return None
         return round((self.safe + self.unsafe) / 2, _DIGITS)
@@ -386,14 +389,19 @@ def headroom(
 ) -> dict[str, dict[str, Any]]:
     """Per policy, the largest load in ``[lo, hi]`` at which none of the seeds' runs enters a
     metastable collapse, to within ``precision`` (assuming more load never helps: bisection).
-    The upper limit is tried first, then the lower, then midpoints; each round runs every
-    policy's next load in one batch."""
+    The workload's own load counts first (when inside the range), then the upper limit, the
+    lower, and midpoints; each round runs every policy's next load in one batch."""
     if not (0 < lo < hi and math.isfinite(hi)):
         raise WhatIfError(f"the headroom search needs 0 < LO < HI, got {lo!r}:{hi!r}")
     if not (math.isfinite(precision) and precision > 0):
         raise WhatIfError(f"the precision must be a positive multiple of Ĉ, got {precision!r}")
     points = _Points(whatif, out)
     searches = {p: _Search(lo, hi) for p in policies}
+    own = round(load_of(whatif.workload), _DIGITS)
+    if lo <= own <= hi:  # the workload's own load (compare's points) brackets the search too
+        points.ensure([(p, own) for p in policies])
+        for p in policies:
+            searches[p].record(points.judge(p, own, alerts=False))
     rounds = 0
     while True:
         asked = {p: s.next_load(precision) for p, s in searches.items()}
