@@ -197,7 +197,9 @@ class Point:
         return self.loops == 0
 
     def to_dict(self) -> dict[str, Any]:
-        share = lambda n: round(n / self.calls, 4) if self.calls else None  # noqa: E731
+        def share(n: int) -> float | None:
+            return round(n / self.calls, 4) if self.calls else None
+
         out: dict[str, Any] = {
             "load": self.load,
             "runs": self.runs,
