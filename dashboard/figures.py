@@ -814,3 +814,137 @@ def pulse_marks(fig: go.Figure, pulse: Mapping[str, Any] | None) -> go.Figure:
             if pulse.get(key) is not None:
                 fig.add_vline(x=float(pulse[key]), line={"color": GREY, "dash": "dot", "width": 1.5})
     return fig
+
+
+# --- a what-if (``retrywatch reproduce whatif``'s whatif.json) -------------------------------
+
+WHATIF_PARTS = (
+    ("within_deadline", "within the deadline", BLUISH_GREEN),
+    ("late", "late", ORANGE),
+    ("failed", "failed", VERMILLION),
+)
+
+
+def whatif_rows(whatif: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per policy of a what-if, in its order: what it does, its point at the what-if's
+    load (calls by fate, executions per call, loops, alerts) and its headroom (None if not
+    searched). A row or field of the wrong shape raises ``RunDirError`` naming it."""
+    policies = whatif.get("policies")
+    if not isinstance(policies, Mapping):
+        raise RunDirError("whatif.json: 'policies' must be an object")
+    rows = []
+    for name, body in policies.items():
+        if not isinstance(body, Mapping) or not isinstance(body.get("at_load"), Mapping):
+            raise RunDirError(f"whatif.json: policy {name!r} needs an 'at_load' object")
+        head = body.get("headroom")
+        rows.append({"policy": str(name), **body, "headroom": head if isinstance(head, Mapping) else None})
+    return rows
+
+
+def whatif_loops_text(point: Mapping[str, Any]) -> str:
+    """Loops formed at a point: ``k/n runs`` and when the first formed, or ``none``."""
+    loops, runs = int(point.get("loops") or 0), int(point.get("runs") or 0)
+    if not loops:
+        return f"none (0/{runs})"
+    at = [float(t) for t in point.get("loop_at_s") or [] if t is not None]
+    held = [float(t) for t in point.get("loop_for_s") or [] if t]
+    when = f", from {min(at):.0f} s" if at else ""
+    longest = f", held up to {max(held):.1f} s" if held else ""
+    return f"{loops}/{runs} runs{when}{longest}"
+
+
+def whatif_alerts_text(point: Mapping[str, Any]) -> str:
+    """The alerts fired at a point, each with its first firing (run seconds), or ``none``."""
+    alerts = point.get("alerts") or {}
+    if not isinstance(alerts, Mapping) or not alerts:
+        return "none"
+    return ", ".join(
+        f"{name} ({min(float(t) for t in times):.0f} s)" for name, times in alerts.items() if times
+    )
+
+
+def whatif_headroom_text(head: Mapping[str, Any] | None) -> str:
+    """A policy's headroom in words: ``≥ 6x`` (a bound), ``2.15x ± 0.05`` or ``< 0.5x``."""
+    if head is None:
+        return "not searched"
+    load, kind = head.get("headroom_load"), head.get("kind")
+    if kind == "below" or load is None:
+        return f"< {float(head.get('lower_limit') or 0):g}x Ĉ"
+    if kind == "at-least":
+        return f"≥ {float(load):g}x Ĉ (bound)"
+    return f"{float(load):g}x Ĉ (within {float(head.get('precision_reached') or 0):g})"
+
+
+def whatif_delivery_figure(whatif: Mapping[str, Any]) -> go.Figure:
+    """Per policy, the share of calls delivered within the deadline, late and failed at the
+    what-if's load (all its runs' calls)."""
+    title = f"Calls by fate per policy at {whatif.get('load', '?')}x Ĉ"
+    rows = whatif_rows(whatif)
+    if not rows:
+        return _empty_figure("no policies", title)
+    fig = go.Figure()
+    names = [r["policy"] for r in rows]
+    for key, label, colour in WHATIF_PARTS:
+        xs = [100.0 * float(r["at_load"].get(f"{key}_share") or 0.0) for r in rows]
+        fig.add_trace(
+            go.Bar(
+                x=xs,
+                y=names,
+                orientation="h",
+                name=label,
+                marker={"color": colour},
+                hovertemplate=f"%{{y}}<br>{label}: %{{x:.1f}}%<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        title=title,
+        barmode="stack",
+        xaxis={"title": "% of calls", "range": [0, 100]},
+        yaxis={"autorange": "reversed"},
+        height=120 + 40 * len(rows),
+        margin={"l": 120, "r": 20, "t": 50, "b": 40},
+    )
+    return fig
+
+
+def whatif_headroom_figure(whatif: Mapping[str, Any]) -> go.Figure:
+    """Per policy, the loads its headroom search tried (safe: green, a metastable collapse:
+    vermillion) and the headroom found (a bar; hatched where it is a bound)."""
+    title = "Headroom per policy: the largest load without a metastable collapse"
+    rows = [r for r in whatif_rows(whatif) if r["headroom"] is not None]
+    if not rows:
+        return _empty_figure("no headroom search (run whatif with --headroom)", title)
+    fig = go.Figure()
+    names = [r["policy"] for r in rows]
+    fig.add_trace(
+        go.Bar(
+            x=[float(r["headroom"].get("headroom_load") or 0.0) for r in rows],
+            y=names,
+            orientation="h",
+            name="headroom",
+            marker={
+                "color": SKY_BLUE,
+                "pattern": {"shape": ["/" if r["headroom"].get("kind") != "bracketed" else "" for r in rows]},
+            },
+            text=[whatif_headroom_text(r["headroom"]) for r in rows],
+            hovertemplate="%{y}: %{text}<extra></extra>",
+        )
+    )
+    for safe, label, colour in ((True, "safe", BLUISH_GREEN), (False, "metastable collapse", VERMILLION)):
+        xs, ys = [], []
+        for r in rows:
+            for t in r["headroom"].get("tried") or []:
+                if bool(t.get("safe")) is safe:
+                    xs.append(float(t["load"]))
+                    ys.append(r["policy"])
+        fig.add_trace(
+            go.Scatter(x=xs, y=ys, mode="markers", name=f"tried: {label}", marker={"color": colour})
+        )
+    fig.update_layout(
+        title=title,
+        xaxis={"title": "load (× Ĉ)"},
+        yaxis={"autorange": "reversed"},
+        height=120 + 40 * len(rows),
+        margin={"l": 120, "r": 20, "t": 50, "b": 40},
+    )
+    return fig

@@ -13,7 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from detector.rundir import RunDirError, read_summary, read_validation, run_slug, series_path
+from detector.rundir import (
+    SUMMARY,
+    WHATIF,
+    WHATIF_POINTS,
+    RunDirError,
+    read_summary,
+    read_validation,
+    run_slug,
+    series_path,
+)
 from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
 from foundation import metricnames as mn
 from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
@@ -92,8 +101,10 @@ def run_label(run: Mapping[str, Any]) -> str:
 
 def load_runs(root: Path | str) -> RunsDir:
     """Read ``summary.json`` (required) and ``validation.json`` (optional) under ``root``
-    (``detector.rundir``)."""
+    (``detector.rundir``); of a what-if's DIR (``whatif.json``), those of its points."""
     root = Path(root)
+    if not (root / SUMMARY).exists() and (root / WHATIF).exists():  # a what-if's DIR: its points
+        root = root / WHATIF_POINTS
     summary = read_summary(root)
     runs = [r for r in summary["runs"] if isinstance(r, dict)][:MAX_RUNS]
     alerts: dict[str, list[dict[str, Any]]] = {}

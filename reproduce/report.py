@@ -27,7 +27,10 @@ from markdown_it import MarkdownIt
 from detector.rundir import REPORT_HTML, REPORT_MD, VALIDATION_MD, read_summary, read_validation
 
 __all__ = [
+    "STYLE",
+    "demote",
     "group_runs",
+    "markdown_renderer",
     "recovery_times_figure",
     "render_html",
     "render_markdown",
@@ -393,12 +396,12 @@ def validation_figures(validation: Mapping[str, Any]) -> list[go.Figure]:
     ]
 
 
-def _markdown_renderer() -> MarkdownIt:
+def markdown_renderer() -> MarkdownIt:
     # CommonMark with tables; raw HTML in the Markdown is escaped, never passed through.
     return MarkdownIt("commonmark", {"html": False}).enable("table")
 
 
-def _demote(markdown: str) -> str:
+def demote(markdown: str) -> str:
     """Every heading one level down, to sit under the page's own."""
     return re.sub(r"^(#{1,5}) ", r"#\1 ", markdown, flags=re.MULTILINE)
 
@@ -419,7 +422,7 @@ def render_html(
     validation_md: str | None = None,
 ) -> str:
     """The whole page: the figures, the tables, and the validation (when there is one)."""
-    md = _markdown_renderer()
+    md = markdown_renderer()
     figures = _figures(runs)
     # the validation's figures only where its tables are shown too
     checks = validation_figures(validation) if validation is not None and validation_md is not None else []
@@ -428,13 +431,13 @@ def render_html(
         # plotly.js embedded once, in the first figure: the page needs no network
         parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_width="100%"))
     body = "".join(f"<section>{p}</section>" for p in parts[: len(figures)])
-    body += "<section>" + md.render(_demote(markdown)) + "</section>"
+    body += "<section>" + md.render(demote(markdown)) + "</section>"
     body += "<h2 id='validation'>Alert validation</h2>"
     if validation_md is not None:
         body += "".join(f"<section>{p}</section>" for p in parts[len(figures) :])
         # under the page's own "Alert validation" heading, without the file's title
         own = re.sub(r"\A# [^\n]*\n", "", validation_md)
-        body += "<section>" + md.render(_demote(own)) + "</section>"
+        body += "<section>" + md.render(demote(own)) + "</section>"
     else:
         body += (
             "<p>No validation yet: run <code>retrywatch reproduce validate DIR</code>, then "

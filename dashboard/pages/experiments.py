@@ -1,6 +1,7 @@
 """Experiments page: a reproduce output (``--runs DIR``): delivery by cohort per condition,
 execution-creation rate against recovery, and any run's time series with the detector's alerts
-(from ``validation.json``) shaded over it."""
+(from ``validation.json``) shaded over it. A what-if's DIR (``whatif.json``) shows its policies
+side by side and each one's headroom above its runs."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dashboard.figures import (
 )
 from dashboard.pages import Page, text_choice
 from dashboard.runs import run_key, run_label, run_signals
-from detector.rundir import RunDirError
+from detector.rundir import RunDirError, read_whatif
 
 if TYPE_CHECKING:
     from dashboard.app import Context
@@ -86,6 +87,56 @@ def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]
     return figs, f"{run_label(run)}: {state}; detector ({origin}): {fired}"
 
 
+WHATIF_COLUMNS = (
+    "policy",
+    "does",
+    "calls",
+    "within deadline %",
+    "late %",
+    "failed %",
+    "executions per call",
+    "recovered",
+    "loop formed",
+    "alerts fired (first)",
+    "headroom",
+)
+
+
+def _pct(share: Any) -> str:
+    return "–" if share is None else f"{100.0 * float(share):.1f}"
+
+
+def whatif_section(whatif: dict[str, Any]) -> list[Any]:
+    """A what-if's policies side by side (a table), its calls by fate and its headroom (figures)."""
+    rows = []
+    for r in figures.whatif_rows(whatif):
+        p = r["at_load"]
+        cells = (
+            r["policy"],
+            str(r.get("does", "")),
+            str(p.get("calls")),
+            _pct(p.get("within_deadline_share")),
+            _pct(p.get("late_share")),
+            _pct(p.get("failed_share")),
+            str(p.get("executions_per_call")),
+            f"{p.get('recovered')}/{p.get('runs')}",
+            figures.whatif_loops_text(p),
+            figures.whatif_alerts_text(p),
+            figures.whatif_headroom_text(r["headroom"]),
+        )
+        rows.append(html.Tr([html.Td(c) for c in cells]))
+    table = html.Table(
+        [html.Thead(html.Tr([html.Th(c) for c in WHATIF_COLUMNS])), html.Tbody(rows)], id="whatif-table"
+    )
+    return [
+        html.H3(f"What-if at {whatif.get('load', '?')}x Ĉ: {whatif.get('workload_text', '')}"),
+        table,
+        dcc.Graph(id="graph-whatif-delivery", figure=figures.whatif_delivery_figure(whatif)),
+        dcc.Graph(id="graph-whatif-headroom", figure=figures.whatif_headroom_figure(whatif)),
+        html.Div(str(whatif.get("safe_rule", "")), style=style.NOTE),
+    ]
+
+
 def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
     """The experiments page; ``?run=`` preselects a run by its slug."""
     query = query or {}
@@ -95,6 +146,11 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
             style=style.NOTE,
             id="experiments-note",
         )
+    try:
+        found = read_whatif(ctx.config.runs_dir)
+        whatif = whatif_section(found) if found is not None else []
+    except BROKEN as exc:
+        return html.Div(f"Cannot open {ctx.config.runs_dir}: {exc}", style=style.NOTE, id="experiments-note")
     try:
         runs_dir = ctx.runs()
         if runs_dir is None:
@@ -106,6 +162,7 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
     options = [{"label": run_label(r), "value": run_key(r)} for r in runs_dir.runs]
     return html.Div(
         [
+            *whatif,
             html.Div(f"{len(runs_dir.runs)} runs from {runs_dir.root.name}", style=style.STATUS),
             dcc.Graph(id="graph-delivery", figure=delivery, config={"displaylogo": False}),
             dcc.Graph(id="graph-creation", figure=creation, config={"displaylogo": False}),

@@ -4,6 +4,7 @@ API shapes and a reproduce output written in the real formats."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -420,3 +421,81 @@ def test_the_history_table_links_each_episodes_runbook_section(api: StaticDetect
         "VLLMMetastableRetryLoop": f"{api.url}/runbook#VLLMMetastableRetryLoop",  # on the detector
         "VLLMOrphanedExecutions": "https://wiki.example/retrywatch#VLLMOrphanedExecutions",
     }  # a link that is not a web link is never shown
+
+
+def _whatif(points_dir: Path) -> Path:
+    """A what-if's DIR in ``reproduce whatif``'s shapes: whatif.json beside its points."""
+    root = points_dir.parent / "whatif"
+    shutil.copytree(points_dir, root / "points")
+
+    def point(within: int, late: int, failed: int, loops: int, **extra: Any) -> dict[str, Any]:
+        calls = within + late + failed
+        return {
+            "load": 2.7, "runs": 1, "calls": calls,
+            "within_deadline": within, "late": late, "failed": failed,
+            "within_deadline_share": within / calls, "late_share": late / calls,
+            "failed_share": failed / calls,
+            "executions_per_call": 3.34 if loops else 1.01, "collapses": 1, "loops": loops,
+            "loop_at_s": [28.0] if loops else [None], "loop_for_s": [41.5] if loops else [0.0],
+            "recovered": 0 if loops else 1, "safe": not loops, **extra,
+        }  # fmt: skip
+
+    body = {
+        "load": 2.7,
+        "workload_text": "the study's pulse",
+        "safe_rule": "A load counts as safe when none of its seeds' runs enters a metastable collapse.",
+        "policies": {
+            "none": {
+                "does": "a plain proxy",
+                "at_load": point(171, 0, 609, 1, alerts={"VLLMMetastableRetryLoop": [30.0]}),
+                "headroom": {
+                    "headroom_load": 1.325,
+                    "kind": "bracketed",
+                    "precision_reached": 0.0687,
+                    "lower_limit": 0.5,
+                    "upper_limit": 6.0,
+                    "tried": [{"load": 1.325, "safe": True}, {"load": 2.7, "safe": False}],
+                },
+            },
+            "coalescing": {
+                "does": "a retry attaches to its call's execution still running",
+                "at_load": point(418, 360, 2, 0),
+                "headroom": {
+                    "headroom_load": 6.0,
+                    "kind": "at-least",
+                    "precision_reached": None,
+                    "lower_limit": 0.5,
+                    "upper_limit": 6.0,
+                    "tried": [{"load": 6.0, "safe": True}],
+                },
+            },
+        },
+    }
+    (root / "whatif.json").write_text(json.dumps(body))
+    return root
+
+
+def test_experiments_shows_a_whatif_side_by_side_with_headroom(
+    api: StaticDetectorAPI, runs_dir: Path
+) -> None:
+    root = _whatif(runs_dir)
+    page = str(experiments.layout(context(api, root)))
+    assert "whatif-table" in page and "graph-whatif-delivery" in page and "graph-whatif-headroom" in page
+    # the policies side by side: fates, executions per call, loops and alerts, and the headroom
+    for text in (
+        "21.9", "78.1", "3.34", "1/1 runs, from 28 s, held up to 41.5 s", "VLLMMetastableRetryLoop (30 s)",
+        "none (0/1)", "1.325x Ĉ (within 0.0687)", "≥ 6x Ĉ (bound)", "0/1", "1/1",
+    ):  # fmt: skip
+        assert text in page, text
+    # its points' runs are listed below, as any reproduce output's
+    assert "2 runs from points" in page
+    _, summary = experiments.run_figures(context(api, root), "diagnostic__retries-on__qwen2.5-7b__r1")
+    assert "not recovered" in summary
+    headroom = figures.whatif_headroom_figure(json.loads((root / "whatif.json").read_text()))
+    assert list(headroom.data[0].x) == [1.325, 6.0] and list(headroom.data[2].x) == [2.7]
+
+
+def test_experiments_names_a_broken_whatif(api: StaticDetectorAPI, runs_dir: Path) -> None:
+    root = _whatif(runs_dir)
+    (root / "whatif.json").write_text(json.dumps({"policies": {"none": {"does": "x"}}}))
+    assert "policy 'none' needs an 'at_load' object" in str(experiments.layout(context(api, root)))
