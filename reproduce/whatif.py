@@ -95,6 +95,10 @@ POLICIES: dict[str, ProxyPolicy] = {
 #: Bisection bounds of ``--headroom`` (multiples of Ĉ) and its default precision.
 HEADROOM_RANGE = (0.5, 6.0)
 PRECISION = 0.05
+#: What makes a load unsafe in the headroom search: a metastable collapse (the default), or any
+#: collapse (a sustained overload above Ĉ is a collapse but never metastable: first attempts
+#: stay above Ĉ, so only "collapse" finds where a trace replayed above Ĉ stops being served).
+CRITERIA = ("metastable", "collapse")
 _DIGITS = 4  # loads are rounded to this many decimals (they name the points' runs)
 
 
@@ -195,6 +199,10 @@ class Point:
     def safe(self) -> bool:
         """No run entered a metastable collapse (a collapse whose kind is unknown counts as one)."""
         return self.loops == 0
+
+    def safe_under(self, criterion: str) -> bool:
+        """Safe by ``criterion`` (:data:`CRITERIA`): no metastable collapse, or no collapse at all."""
+        return self.safe and (criterion == "metastable" or self.collapses == 0)
 
     def to_dict(self) -> dict[str, Any]:
         def share(n: int) -> float | None:
@@ -336,6 +344,7 @@ class _Search:
 
     lo: float
     hi: float
+    criterion: str = "metastable"
     safe: float | None = None
     unsafe: float | None = None
     tried: list[dict[str, Any]] = field(default_factory=list)
@@ -351,24 +360,40 @@ class _Search:
         return round((self.safe + self.unsafe) / 2, _DIGITS)
 
     def record(self, point: Point) -> None:
-        self.tried.append({"load": point.load, "safe": point.safe, "loops": point.loops, "runs": point.runs})
-        if point.safe:
+        safe = point.safe_under(self.criterion)
+        self.tried.append(
+            {
+                "load": point.load,
+                "safe": safe,
+                "loops": point.loops,
+                "collapses": point.collapses,
+                "runs": point.runs,
+            }
+        )
+        if safe:
             self.safe = point.load if self.safe is None else max(self.safe, point.load)
         else:
             self.unsafe = point.load if self.unsafe is None else min(self.unsafe, point.load)
 
     def result(self, precision: float) -> dict[str, Any]:
         if self.safe is None:
-            kind, text = "below", f"a metastable collapse already at the search's lower limit, {self.lo:g}x Ĉ"
+            kind, text = (
+                "below",
+                f"unsafe ({self.criterion}) already at the search's lower limit, {self.lo:g}x Ĉ",
+            )
         elif self.unsafe is None:
             kind, text = "at-least", f"still safe at the search's upper limit, {self.hi:g}x Ĉ: a lower bound"
         else:
-            kind, text = "bracketed", f"safe at {self.safe:g}x Ĉ, a metastable collapse at {self.unsafe:g}x Ĉ"
+            kind, text = (
+                "bracketed",
+                f"safe at {self.safe:g}x Ĉ, unsafe ({self.criterion}) at {self.unsafe:g}x Ĉ",
+            )
         reached = (
             None if self.safe is None or self.unsafe is None else round(self.unsafe - self.safe, _DIGITS)
         )
         return {
             "headroom_load": self.safe,
+            "criterion": self.criterion,
             "kind": kind,
             "says": text,
             "precision_asked": precision,
@@ -387,10 +412,12 @@ def headroom(
     lo: float = HEADROOM_RANGE[0],
     hi: float = HEADROOM_RANGE[1],
     precision: float = PRECISION,
+    criterion: str = "metastable",
     on_round: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per policy, the largest load in ``[lo, hi]`` at which none of the seeds' runs enters a
-    metastable collapse, to within ``precision`` (assuming more load never helps: bisection).
+    metastable collapse (``criterion`` "collapse": any collapse), to within ``precision``
+    (assuming more load never helps: bisection).
     The workload's own load counts first (when inside the range), then the upper limit, the
     lower, and midpoints; each round runs every policy's next load in one batch."""
     if not (0 < lo < hi and math.isfinite(hi)):
@@ -398,7 +425,9 @@ def headroom(
     if not (math.isfinite(precision) and precision > 0):
         raise WhatIfError(f"the precision must be a positive multiple of Ĉ, got {precision!r}")
     points = _Points(whatif, out)
-    searches = {p: _Search(lo, hi) for p in policies}
+    if criterion not in CRITERIA:
+        raise WhatIfError(f"unknown criterion {criterion!r}; known: {', '.join(CRITERIA)}")
+    searches = {p: _Search(lo, hi, criterion) for p in policies}
     own = round(load_of(whatif.workload), _DIGITS)
     if lo <= own <= hi:  # the workload's own load (compare's points) brackets the search too
         points.ensure([(p, own) for p in policies])

@@ -22,6 +22,7 @@ from reproduce.cli import (
 from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, TraceWorkload
 from reproduce.traces import FORMATS
 from reproduce.whatif import (
+    CRITERIA,
     HEADROOM_RANGE,
     POLICIES,
     PRECISION,
@@ -41,7 +42,8 @@ from reproduce.whatif import (
 SAFE_RULE = (
     "A load counts as safe when none of its seeds' runs enters a metastable collapse (a collapse "
     "in which first attempts arrived below Ĉ while executions were created at or above Ĉ; one "
-    "whose kind is unknown counts as one). Bisection assumes more load never makes a policy safe."
+    "whose kind is unknown counts as one), or with --unsafe-on collapse, any collapse. Bisection "
+    "assumes more load never makes a policy safe."
 )
 DEFAULT_POLICIES = "none,default,budget,coalescing,lookup-first"
 
@@ -137,6 +139,14 @@ def _workload_text(workload: PulseWorkload | TraceWorkload) -> str:
     show_default=True,
     help="--headroom: stop when safe and unsafe loads are this close.",
 )
+@click.option(
+    "--unsafe-on",
+    "criterion",
+    type=click.Choice(CRITERIA),
+    default="metastable",
+    show_default=True,
+    help="--headroom: what makes a load unsafe: a metastable collapse, or any collapse.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def whatif_command(
     trace_path: Path | None,
@@ -156,6 +166,7 @@ def whatif_command(
     headroom: bool,
     range_text: str,
     precision: float,
+    criterion: str,
     progress: bool,
 ) -> None:
     """Run one workload (the pulse, or --trace) under each named proxy policy; with --headroom,
@@ -204,7 +215,16 @@ def whatif_command(
     try:
         points = compare(setup, policies, out)
         found = (
-            search_headroom(setup, policies, out, lo=lo, hi=hi, precision=precision, on_round=on_round)
+            search_headroom(
+                setup,
+                policies,
+                out,
+                lo=lo,
+                hi=hi,
+                precision=precision,
+                criterion=criterion,
+                on_round=on_round,
+            )
             if headroom
             else {}
         )

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from detector.rundir import read_summary
 from reproduce.cli import reproduce
-from reproduce.whatif import POLICIES, POLICY_SOURCES, WhatIfError, parse_policies
+from reproduce.whatif import CRITERIA, POLICIES, POLICY_SOURCES, Point, WhatIfError, parse_policies
 
 from .test_runner import SMALL
 
@@ -85,3 +85,19 @@ def test_a_dir_of_other_settings_is_refused_and_bad_policies_named(composition: 
         parse_policies("none,nope")
     assert parse_policies("none, budget,none") == ["none", "budget"]
     assert set(POLICIES) == set(POLICY_SOURCES)
+
+
+def _point(collapses: int, loops: int) -> Point:
+    return Point("none", 2.0, runs=1, calls=10, within_deadline=5, late=0, failed=5, executions=1.0,
+                 collapses=collapses, loops=loops, loop_at_s=[None], loop_for_s=[0.0])  # fmt: skip
+
+
+def test_the_headroom_criterion_says_what_makes_a_load_unsafe() -> None:
+    """A sustained overload above Ĉ collapses without a loop: safe by the default criterion (no
+    metastable collapse), unsafe by "collapse"; a loop is unsafe by both."""
+    overload, loop, served = _point(collapses=1, loops=0), _point(collapses=1, loops=1), _point(0, 0)
+    assert [overload.safe_under(c) for c in CRITERIA] == [True, False]
+    assert [loop.safe_under(c) for c in CRITERIA] == [False, False]
+    assert [served.safe_under(c) for c in CRITERIA] == [True, True]
+    result = CliRunner().invoke(reproduce, ["whatif", "--headroom", "--unsafe-on", "sometimes"])
+    assert result.exit_code == 2 and "--unsafe-on" in result.output
