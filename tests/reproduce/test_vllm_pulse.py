@@ -11,9 +11,13 @@ the ``small`` configuration (hidden 512, 4 layers): its Ĉ is a few calls/s, so 
 client on a shared 2-core machine sends the pulse on time (``tiny``'s ~13 calls/s asked ~35
 calls/s of it, and it fell behind), and a step with a full 2,048-token prefill chunk costs
 10-25 decode steps of a 32-sequence batch, as on the study's GPU (``heavy``'s cost over 100).
-With retries on and no control the engine stays in the retry loop (not recovered,
-``VLLMMetastableRetryLoop`` fires); the default recipe (coalescing with deferred cancellation)
-recovers, and the loop alert never outlasts its collapse.
+With retries on and no control the engine enters the retry loop: a collapse that outlasts the
+pulse while first attempts arrive below Ĉ and executions are created above it (metastable, by the
+ground truth of ``reproduce.groundtruth``), and ``VLLMMetastableRetryLoop`` fires inside it. Whether
+the engine then stays there to the horizon is the engine's and the machine's: a CI run saw it
+escape within the 144-s hold (vLLM's prefix cache makes a retry's execution cheaper than a
+first one), so the test asserts the loop, not its length. The default recipe (coalescing with
+deferred cancellation) recovers, and the loop alert never outlasts its collapse.
 
 The engine runs niced (``CPU_ENGINE_NICENESS``) so the client, the proxy and the detector are not
 starved by it, and a run whose client still fell behind its plan (pulse sent late, event loop
@@ -182,10 +186,18 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     )
     print(table)
     # Retries on, no control: the pulse's backlog is beyond the deadline (the detector's tipping
-    # condition fired), the engine stays in the retry loop, and the loop alert fires (replayed
-    # and live).
+    # condition fired), the engine enters the retry loop (a metastable collapse by the ground
+    # truth), and the loop alert fires inside it (replayed and live).
     assert BACKLOG in alerts["retries-on-cancel-off"]
-    assert loop["recovered"] is False
+    (loop_report,) = [r for r in report["runs"] if r["condition"] == "retries-on-cancel-off"]
+    print("retry loop, recovered:", loop["recovered"], "collapses:", json.dumps(loop_report["collapses"]))
+    metastable = [c for c in loop_report["collapses"] or [] if c["metastable"]]
+    assert metastable, loop_report["collapses"]
+    assert any(
+        a["alertname"] == RETRY_LOOP and c["start_s"] <= a["fired_at_s"] <= c["end_s"]
+        for a in loop_report["alerts"]
+        for c in metastable
+    ), (loop_report["alerts"], metastable)
     assert loop["executions"]["orphaned"] > 0
     assert loop["rates_x_capacity"]["executions_created"] >= 1.0
     assert RETRY_LOOP in alerts["retries-on-cancel-off"]
