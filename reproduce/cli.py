@@ -275,7 +275,7 @@ def _capacity_hint(model: str, capacity: float) -> str:
     "trace_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="Replay this request trace instead of the pulse (docs/traces.md): --backend sim.",
+    help="Replay this request trace instead of the pulse (docs/traces.md), on any backend.",
 )
 @click.option(
     "--trace-format",
@@ -333,7 +333,7 @@ def run(
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import run_many
 
-    trace = _trace_workload(trace_path, trace_format, load, window_text, backend, pulse_multiple)
+    trace = _trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
     if block_slug is None and trace is None:
         raise click.BadParameter("give a block to run (or --trace FILE to replay)", param_hint="'--block'")
     if trace is not None and block_slug is None:
@@ -412,7 +412,6 @@ def _trace_workload(
     trace_format: str | None,
     load: float,
     window_text: str | None,
-    backend: str,
     pulse_multiple: float | None,
 ) -> TraceWorkload | None:
     """``--trace`` and its options as a workload, its first pass already read (a bad file is a
@@ -431,11 +430,6 @@ def _trace_workload(
         if given:
             raise click.BadParameter("needs --trace FILE", param_hint=f"'{given[0]}'")
         return None
-    if backend != "sim":
-        raise click.BadParameter(
-            f"a trace replays on the simulator (--backend sim), not {backend!r}, for now",
-            param_hint="'--trace'",
-        )
     if pulse_multiple is not None:
         raise click.BadParameter("a trace replay has no pulse", param_hint="'--pulse-multiple'")
     try:

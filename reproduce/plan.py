@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from reproduce.client import ClientConfig
 from reproduce.traces.planned import TRACE_PHASE, Segments
-from reproduce.traceworkload import TraceWorkload
+from reproduce.traceworkload import MAX_CONTEXT, TraceWorkload
 from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 
 __all__ = [
@@ -219,17 +219,24 @@ def plan_run(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
 
 
 def plan_trace(
-    workload: TraceWorkload, capacity: float, client: ClientConfig, time_scale: float = 1.0
+    workload: TraceWorkload,
+    capacity: float,
+    client: ClientConfig,
+    time_scale: float = 1.0,
+    *,
+    token_scale: float = 1.0,
+    max_context: int = MAX_CONTEXT,
 ) -> RunPlan:
     """Plan a replay of ``workload`` at its load × ``capacity`` (Ĉ, calls per run-second, as the
-    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``).
+    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``),
+    every token length × ``token_scale`` and cut to ``max_context`` (``TraceWorkload.calls``).
 
     The trace is streamed: one pass for its facts (``TraceWorkload.facts``), one for its calls.
     """
     k = time_scale
     calls: list[PlannedCall] = []
     segments: dict[str, Segments] = {}
-    for call in workload.calls(capacity):
+    for call in workload.calls(capacity, token_scale=token_scale, max_context=max_context):
         calls.append(call.planned)
         if call.blocks:  # prefix blocks: the engine's prefix cache needs them
             segments[call.planned.call_id] = call.segments

@@ -22,7 +22,7 @@ import hashlib
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -37,13 +37,30 @@ from reproduce.traces import (
     window,
 )
 
-__all__ = ["MIX_SAMPLE", "TraceFacts", "TraceWorkload"]
+__all__ = ["MAX_CONTEXT", "MIX_SAMPLE", "TraceFacts", "TraceWorkload", "scale_tokens", "scaled_length"]
 
 #: How many (prompt, output) pairs of a trace's token mix the calibration draws from (a seeded
 #: reservoir sample over the whole window: memory stays bounded whatever the trace's length).
 MIX_SAMPLE = 20_000
 #: The longest context a replayed call may have (the study's engine: docs/protocol.md §2).
 MAX_CONTEXT = 32_768
+
+
+def scaled_length(tokens: int, token_scale: float) -> int:
+    """``tokens`` × ``token_scale``, rounded, never below one token."""
+    if not (math.isfinite(token_scale) and token_scale > 0):
+        raise TraceError(f"a token scale must be positive, got {token_scale!r}")
+    return max(1, round(tokens * token_scale))
+
+
+def scale_tokens(record: TraceRecord, token_scale: float) -> TraceRecord:
+    """``record`` with its prompt, output and prefix-block lengths × ``token_scale``."""
+    return replace(
+        record,
+        prompt_tokens=scaled_length(record.prompt_tokens, token_scale),
+        output_tokens=scaled_length(record.output_tokens, token_scale),
+        block_tokens=scaled_length(record.block_tokens, token_scale) if record.block_tokens else 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -143,12 +160,26 @@ class TraceWorkload:
             mean_output_tokens=output_sum / n,
         )
 
-    def calls(self, capacity: float) -> Iterator[TraceCall]:
+    def calls(
+        self, capacity: float, *, token_scale: float = 1.0, max_context: int = MAX_CONTEXT
+    ) -> Iterator[TraceCall]:
         """The window's calls at ``load`` × ``capacity`` (Ĉ, calls per run-second), arrivals in
-        run seconds; streams the file a second time."""
+        run seconds; streams the file a second time. ``token_scale`` multiplies every length
+        (prompt, output and prefix block, so blocks stay shared as the trace says), as a scaled
+        protocol divides the study's lengths for an engine that cannot run faster; prompts are
+        then cut to the engine's ``max_context``."""
         target = self.load * capacity
         records = rescale_to_rate(self.records(), target, self.facts.source_rate)
-        return to_trace_calls(records, max_context=MAX_CONTEXT)
+        if token_scale != 1.0:
+            records = (scale_tokens(r, token_scale) for r in records)
+        return to_trace_calls(records, max_context=max_context)
+
+    def scaled_mix(self, token_scale: float = 1.0) -> tuple[tuple[int, int], ...]:
+        """The sampled token mix (``facts.mix``) with ``calls``' ``token_scale``: what a
+        calibration on the trace's mix sends."""
+        return tuple(
+            (scaled_length(p, token_scale), scaled_length(o, token_scale)) for p, o in self.facts.mix
+        )
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready description (summary.json's ``settings``)."""

@@ -182,7 +182,7 @@ def whatif_command(
     except WhatIfError as exc:
         raise click.BadParameter(str(exc), param_hint="'--policies'") from None
     lo, hi = _range(range_text)
-    trace = _trace_workload(trace_path, trace_format, load or 1.0, window_text, backend, None)
+    trace = _trace_workload(trace_path, trace_format, load or 1.0, window_text, None)
     workload: PulseWorkload | TraceWorkload = trace if trace is not None else PulseWorkload()
     if load is not None:
         workload = at_load(workload, load)

@@ -27,6 +27,7 @@ __all__ = [
     "phase_rates",
     "prompt_segments",
     "prompt_token_ids",
+    "segment_token_ids",
     "shared_prefix_segment_id",
 ]
 
@@ -246,6 +247,25 @@ def prompt_token_ids(call: PlannedCall, vocab_size: int, seed: int = 0, *, low: 
     call_rng = np.random.Generator(np.random.PCG64(_stable_id("call-ids", seed, call.call_id)))
     rest = call_rng.integers(low, vocab_size, size=call.prompt_len - shared)
     ids: list[int] = np.concatenate([prefix, rest]).astype(np.int64).tolist()
+    return ids
+
+
+def segment_token_ids(
+    segments: Sequence[tuple[int, int]], vocab_size: int, seed: int = 0, *, low: int = 0
+) -> list[int]:
+    """Real token IDs for a prompt given as chained segments (a replayed trace's prefix blocks,
+    ``reproduce.traces.planned``), in ``[low, vocab_size)``: each segment's IDs depend only on
+    its id and ``seed``, so calls that share leading blocks send the same leading IDs (a real
+    engine's prefix cache finds them, as the engine model's does) and a retry the same prompt."""
+    if vocab_size <= low or low < 0:
+        raise WorkloadError(f"need 0 <= low < vocab_size, got low={low!r}, vocab_size={vocab_size!r}")
+    parts = [
+        np.random.Generator(np.random.PCG64(_stable_id("segment-ids", seed, segment_id))).integers(
+            low, vocab_size, size=n_tokens
+        )
+        for segment_id, n_tokens in segments
+    ]
+    ids: list[int] = np.concatenate(parts).astype(np.int64).tolist() if parts else []
     return ids
 
 

@@ -3,12 +3,15 @@
 One run = an engine (started fresh for the run, with the condition's engine queue cap, unless
 it is external), the real ``retrywatch proxy`` in front of it with the condition's flags, the
 open-loop client replaying the run's trace through the proxy, and a scraper writing the
-proxy's ``/metrics`` into ``metrics.jsonl``. The run's summary entry comes from the same
+proxy's ``/metrics`` into ``metrics.jsonl``. A run replays the protocol's pulse or a request
+trace (``--trace``: its arrivals at its load × Ĉ, its lengths × the protocol's token scale, its
+prefix blocks sent as shared token IDs). The run's summary entry comes from the same
 ``reproduce.summary.run_entry`` the simulator uses, so ``report`` and ``validate`` work unchanged.
 
 Backend options (``--backend-option KEY=VALUE``):
 
-* every backend: ``capacity`` (Ĉ in calls per wall second, from ``reproduce calibrate-http``),
+* every backend: ``capacity`` (Ĉ in calls per wall second, from ``reproduce calibrate-http``;
+  on the emulated engine it defaults to the simulator's Ĉ of the run's workload × the time scale),
   ``hold_s`` (study-scale hold, default 720), ``detect`` (default true: ``retrywatch detect``
   runs live against the proxy; its episodes go into the entry as ``live_alerts``),
   ``queue_cap`` (the engine cap Q of conditions that have one; default: the study's Q scaled
@@ -31,6 +34,7 @@ import json
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -78,13 +82,24 @@ async def drive_run(
     Returns (call records, metrics snapshots, run duration in seconds, client statistics).
     """
     client = OpenLoopClient(
-        proxy_url, endpoint.model_name, endpoint.vocab_size, plan.client, seed=seed, token_seed=seed
+        proxy_url,
+        endpoint.model_name,
+        endpoint.vocab_size,
+        plan.client,
+        seed=seed,
+        token_seed=seed,
+        segments=plan.segments,
     )
     t0 = time.monotonic()
     async with MetricsScraper(
         f"{proxy_url}/metrics", job_dir / "metrics.jsonl", t0=t0, interval_s=scrape_every_s
     ) as scraper:
         calls = await client.run(plan.calls, t0)
+        # A replay without a hold goes on being scraped for ``tail_s`` after its last call (as
+        # the simulator's does, within the horizon): the ground truth needs the queue seen drain.
+        last_arrival = plan.calls[-1].arrival_s if plan.calls else 0.0
+        horizon_end = t0 + last_arrival + plan.horizon_s
+        await asyncio.sleep(max(0.0, min(plan.tail_s, horizon_end - time.monotonic())))
     duration = time.monotonic() - t0
     pulse = plan.pulse
     stats = {
@@ -148,10 +163,11 @@ class HttpBackend(Backend):
                 "backend 'vllm' needs --backend-option python=VENV "
                 "(see `retrywatch reproduce setup-vllm-cpu`)"
             )
-        if self.capacity is None:
+        if self.capacity is None and (kind != "emulated" or self.sizes == "scaled"):
             raise HttpBackendError(
                 "give Ĉ with --backend-option capacity=CALLS_PER_S (measure it with "
-                "`retrywatch reproduce calibrate-http`)"
+                "`retrywatch reproduce calibrate-http`, on a trace's own mix with --trace FILE; "
+                "only the emulated engine at the study's sizes takes the simulator's)"
             )
         if "nice" in options:
             try:
@@ -221,12 +237,30 @@ class HttpBackend(Backend):
     def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
         self._time_scale = time_scale
 
+    def capacity_of(self, run: RunSpec, protocol: HttpProtocol) -> tuple[float, dict[str, object]]:
+        """Ĉ of ``run`` in calls per wall second, and how it was found: ``capacity=`` where given;
+        on the emulated engine without it, the simulator's Ĉ of the run's workload (its preset,
+        the study's calibration or, for a trace, one on the trace's own mix) × the time scale,
+        since the emulator runs the simulator's engine model that much faster."""
+        if self.capacity is not None:
+            return self.capacity, {"method": "given (capacity=)"}
+        if protocol.token_scale != 1.0:  # refused up front (__init__): kept as the reason
+            raise HttpBackendError(
+                "with sizes=scaled the simulator's Ĉ does not apply: give --backend-option capacity="
+            )
+        from reproduce.sim.backend import SimBackend  # the simulator's calibrations, only here
+
+        preset = str(self.options.get("preset") or run.model)
+        capacity, source = SimBackend().capacity_of(replace(run, model=preset))
+        k = protocol.time_scale
+        method = f"the simulator's Ĉ of {preset} ({capacity:.3f} calls/s) x the time scale {k:g}"
+        return capacity * k, {"method": method, "simulator": source}
+
     def run(self, job: RunJob) -> dict[str, Any]:
         self._time_scale = job.time_scale
-        assert self.capacity is not None
-        capacity = self.capacity
         run = job.run
         protocol = self.protocol(job.time_scale)
+        capacity, capacity_source = self.capacity_of(run, protocol)
         plan = protocol.plan(capacity, run.condition, seed=run.seed)
         folder = run_dir(job.out, run)
         folder.mkdir(parents=True, exist_ok=True)
@@ -289,6 +323,7 @@ class HttpBackend(Backend):
             series=series,
             duration_s=duration,
             extra={
+                "capacity_source": capacity_source,
                 "engine": {
                     **engine.describe(),
                     "max_num_queued_reqs": queue_cap,
@@ -300,7 +335,8 @@ class HttpBackend(Backend):
                     "prompt_mean": protocol.prompt_mean,
                     "shared_prefix_len": protocol.shared_prefix_len,
                     "response_median": protocol.response_median,
-                    "hold_s": plan.timeline().hold_s,
+                    "token_scale": protocol.token_scale,
+                    "hold_s": plan.timeline().hold_s if plan.pulse is not None else None,
                 },
             },
         )

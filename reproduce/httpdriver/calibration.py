@@ -70,8 +70,11 @@ from reproduce.calibrate import (
 from reproduce.client import AttemptOutcome
 from reproduce.httpdriver.attempt import completion_body, run_attempt
 from reproduce.httpdriver.protocol import HttpProtocol
-from reproduce.workload import generate_trace, prompt_token_ids
+from reproduce.workload import PlannedCall, generate_trace, prompt_token_ids
 
+#: A stage's calls: ``(rate, duration_s, seed)`` -> calls at ``rate`` per run-second over
+#: ``duration_s`` (``reproduce.tracecapacity.mix_stage_calls`` draws a trace's token mix).
+StageCalls = Callable[[float, float, int], Sequence[PlannedCall]]
 #: The confirm stages' length in stages of the protocol (the module's NOTE says why).
 CONFIRM_STAGE_MULTIPLE = 3.0
 #: Longest wait for the engine to finish what a stage left (a 90-s confirm stage can leave a few
@@ -80,12 +83,14 @@ IDLE_TIMEOUT_S = 300.0
 
 __all__ = [
     "CONFIRM_STAGE_MULTIPLE",
+    "StageCalls",
     "TimedStageObservation",
     "arrival_noise_floor",
     "calibrate_http",
     "calibrate_settled",
     "engine_backlog",
     "http_stage_runner",
+    "protocol_stage_calls",
     "settled_capacity",
     "settled_samples",
     "stage_lengths",
@@ -132,15 +137,9 @@ async def _stage(
     duration_s: float,
     seed: int,
     sample_every_s: float,
+    stage_calls: StageCalls | None = None,
 ) -> TimedStageObservation:
-    # A workload spec counts durations at the study's scale: the stage lasts ``duration_s`` run
-    # seconds, i.e. ``duration_s x K`` study seconds, at ``rate`` calls per run second.
-    spec = dataclasses.replace(
-        protocol.workload(rate, seed=seed),
-        phases=((duration_s * protocol.time_scale, 1.0),),
-        phase_names=("stage",),
-    )
-    trace = generate_trace(spec)
+    trace = (stage_calls or protocol_stage_calls(protocol))(rate, duration_s, seed)
     samples: list[tuple[float, float]] = []
     completions: list[float] = []
     limits = httpx.Limits(max_connections=4_096, max_keepalive_connections=0)
@@ -181,6 +180,22 @@ async def _stage(
     )
 
 
+def protocol_stage_calls(protocol: HttpProtocol) -> StageCalls:
+    """A stage's calls with the protocol's prompts and responses, at Poisson arrivals."""
+
+    def draw(rate: float, duration_s: float, seed: int) -> list[PlannedCall]:
+        # A workload spec counts durations at the study's scale: the stage lasts ``duration_s``
+        # run seconds, i.e. ``duration_s x K`` study seconds, at ``rate`` calls per run second.
+        spec = dataclasses.replace(
+            protocol.workload(rate, seed=seed),
+            phases=((duration_s * protocol.time_scale, 1.0),),
+            phase_names=("stage",),
+        )
+        return generate_trace(spec)
+
+    return draw
+
+
 def http_stage_runner(
     engine_url: str,
     model_name: str,
@@ -192,11 +207,13 @@ def http_stage_runner(
     idle_timeout_s: float = IDLE_TIMEOUT_S,
     send_url: str | None = None,
     log: Callable[[str], None] | None = None,
+    stage_calls: StageCalls | None = None,
 ) -> StageRunner:
     """A stage runner over HTTP: rates in calls per wall second, durations in wall seconds.
 
     Calls go to ``send_url`` (e.g. a proxy in front of the engine) or straight to the engine;
-    the backlog is always read from the engine's own ``/metrics``.
+    the backlog is always read from the engine's own ``/metrics``. ``stage_calls`` draws each
+    stage's calls (the protocol's by default).
     """
     target = send_url or engine_url
 
@@ -213,6 +230,7 @@ def http_stage_runner(
                 duration_s,
                 seed * 1_000 + index,
                 sample_every_s,
+                stage_calls,
             )
         )
         if log is not None:
@@ -235,9 +253,11 @@ async def _probe_service_time(
     *,
     calls: int = 3,
     seed: int = 0,
+    stage_calls: StageCalls | None = None,
 ) -> float:
-    """Mean seconds one call of the protocol takes on an idle engine (calls sent one by one)."""
-    trace = generate_trace(protocol.workload(1.0, seed=seed))[:calls]
+    """Mean seconds one call of the protocol (of ``stage_calls``) takes on an idle engine
+    (calls sent one by one)."""
+    trace = list((stage_calls or protocol_stage_calls(protocol))(1.0, 60.0, seed))[:calls]
     if not trace:
         raise CalibrationError("the protocol's workload produced no call to probe with")
     took: list[float] = []
@@ -410,6 +430,7 @@ def calibrate_http(
     confirm_stages: int = 1,
     confirm_factor: float = 2.0,
     log: Callable[[str], None] | None = None,
+    stage_calls: StageCalls | None = None,
 ) -> CalibrationResult:
     """Ĉ of the engine at ``engine_url`` in calls per wall second, by docs/protocol.md §5 with stages of
     300 s divided by the protocol's time scale (30 s at K = 10), the confirm stages
@@ -423,6 +444,7 @@ def calibrate_http(
     ``factor``² lower (at most three times). With ``send_url`` (a proxy in front of the
     engine, with no control) the calls take the path the runs take: on a machine with few
     cores the proxy's own CPU time lowers what the engine completes, and Ĉ should say so.
+    ``stage_calls`` draws the calls (a trace's own token mix: ``mix_stage_calls``).
 
     Saturation is judged after each stage's warm-up, ``confirm_stages`` more stages run past the
     first saturated one, and Ĉ is the largest settled completion rate of the saturated stages
@@ -430,13 +452,22 @@ def calibrate_http(
     """
     if start_rate is None:
         service_s = asyncio.run(
-            _probe_service_time(send_url or engine_url, model_name, vocab_size, protocol, seed=seed)
+            _probe_service_time(
+                send_url or engine_url, model_name, vocab_size, protocol, seed=seed, stage_calls=stage_calls
+            )
         )
         start_rate = probe_multiple / service_s
         if log is not None:
             log(f"probe: one call takes {service_s:.2f} s alone; first stage at {start_rate:.3f} calls/s")
     runner = http_stage_runner(
-        engine_url, model_name, vocab_size, protocol, seed=seed, send_url=send_url, log=log
+        engine_url,
+        model_name,
+        vocab_size,
+        protocol,
+        seed=seed,
+        send_url=send_url,
+        log=log,
+        stage_calls=stage_calls,
     )
     stage_s, confirm_stage_s = stage_lengths(protocol)
     result = calibrate_settled(

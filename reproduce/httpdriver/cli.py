@@ -3,11 +3,15 @@
 Starts the engine as ``reproduce run`` would (or uses ``--engine-url``), runs docs/protocol.md §5's
 calibration over HTTP with the chosen protocol's prompts, prints Ĉ in calls per wall second
 (what ``--backend-option capacity=`` takes) and writes the stages as JSON with ``--out``.
+With ``--trace FILE`` the stages' calls take a request trace's own token mix (a sample of its
+window's calls, lengths × the protocol's token scale), the Ĉ that ``reproduce run --trace FILE``
+on the same engine needs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,6 +29,9 @@ from reproduce.backends.engines import (
 )
 from reproduce.backends.models import ModelConfigError
 from reproduce.cli import START_RATE, TIME_SCALE, OutputPath
+from reproduce.httpdriver.calibration import StageCalls
+from reproduce.httpdriver.protocol import HttpProtocol
+from reproduce.traces import FORMATS
 
 __all__ = ["calibrate_http_command"]
 
@@ -76,6 +83,15 @@ __all__ = ["calibrate_http_command"]
 @click.option(
     "--out", type=OutputPath(path_type=Path, dir_okay=False), default=None, help="Write the result here."
 )
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Calibrate on this request trace's token mix (docs/traces.md) instead of the protocol's.",
+)
+@click.option("--trace-format", type=click.Choice(FORMATS), default=None, help="--trace's layout [detected].")
+@click.option("--window", "window_text", default=None, metavar="START:END", help="--trace's seconds to take.")
 def calibrate_http_command(
     backend: str,
     python: str,
@@ -89,6 +105,9 @@ def calibrate_http_command(
     via_proxy: bool,
     workdir: Path,
     out: Path | None,
+    trace_path: Path | None,
+    trace_format: str | None,
+    window_text: str | None,
 ) -> None:
     """Calibrate Ĉ (docs/protocol.md §5, stages of 300 s / time scale) on an engine over HTTP."""
     from reproduce.calibrate import CalibrationError
@@ -104,6 +123,9 @@ def calibrate_http_command(
         raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
     if backend == "external" and engine_url is None:
         raise click.UsageError("--backend external needs --engine-url")
+    if trace_path is None and (trace_format is not None or window_text is not None):
+        hint = "'--trace-format'" if trace_format is not None else "'--window'"
+        raise click.BadParameter("needs --trace FILE", param_hint=hint)
     engine: EngineBackend
     try:
         if backend == "vllm":
@@ -115,6 +137,9 @@ def calibrate_http_command(
             engine = ExternalBackend(engine_url)
         scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
         protocol = cpu_scaled(time_scale) if scaled else study(time_scale)
+        stage_calls = None
+        if trace_path is not None:
+            stage_calls = _trace_stage_calls(trace_path, trace_format, window_text, protocol)
         with engine as endpoint, ExitStack() as stack:
             click.echo(f"engine {endpoint.model_name} at {redact_url(endpoint.url)}", err=True)
             send_url = None
@@ -132,11 +157,45 @@ def calibrate_http_command(
                 start_rate=start_rate,
                 send_url=send_url,
                 log=lambda line: click.echo(line, err=True),
+                stage_calls=stage_calls,
             )
     except (BackendError, ModelConfigError, CalibrationError) as exc:
         raise click.ClickException(str(exc)) from exc
     body = {"capacity": result.capacity, "time_scale": time_scale, "model": model, **result.to_dict()}
+    if trace_path is not None:
+        body["trace"] = {"path": trace_path.name, "format": trace_format, "window": window_text}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
     click.echo(f"{result.capacity:.4f}")
+
+
+def _trace_stage_calls(
+    path: Path, trace_format: str | None, window_text: str | None, protocol: HttpProtocol
+) -> StageCalls:
+    """The stages' calls drawn from ``path``'s token mix, as ``reproduce run --trace`` sends them
+    on this protocol (lengths × its token scale, cut to its context); a bad file or window is a
+    usage error naming it."""
+    from reproduce.tracecapacity import mix_stage_calls
+    from reproduce.traces import TraceError, parse_window
+    from reproduce.traceworkload import TraceWorkload
+
+    try:
+        start, end = parse_window(window_text) if window_text is not None else (0.0, math.inf)
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--window'") from None
+    try:
+        workload = TraceWorkload(str(path), trace_format, 1.0, start, end)
+        mix = workload.scaled_mix(protocol.token_scale)
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--trace'") from None
+    limit = protocol.max_context
+    fitted = [(min(p, limit - 1), min(o, limit - min(p, limit - 1))) for p, o in mix]
+    prompts = sum(p for p, _ in fitted) / len(fitted)
+    outputs = sum(o for _, o in fitted) / len(fitted)
+    click.echo(
+        f"the trace's token mix: {len(fitted)} calls sampled, mean prompt {prompts:.0f} and output "
+        f"{outputs:.0f} tokens (x{protocol.token_scale:g} of the trace's)",
+        err=True,
+    )
+    return mix_stage_calls(fitted)

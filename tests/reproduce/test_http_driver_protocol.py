@@ -51,8 +51,12 @@ def test_study_protocol_keeps_the_study_lengths_at_any_time_scale() -> None:
 
 
 def test_backend_options_are_checked_up_front() -> None:
+    # Only the emulated engine at the study's sizes takes the simulator's Ĉ (x the time scale).
+    assert HttpBackend("emulated").capacity is None
     with pytest.raises(HttpBackendError, match="capacity"):
-        HttpBackend("emulated")
+        HttpBackend("emulated", sizes="scaled")
+    with pytest.raises(HttpBackendError, match="capacity"):
+        HttpBackend("external", engine_url="http://127.0.0.1:1")
     with pytest.raises(HttpBackendError, match="python=VENV"):
         HttpBackend("vllm", capacity=1.0)
     with pytest.raises(HttpBackendError, match="engine_url"):

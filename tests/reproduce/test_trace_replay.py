@@ -6,20 +6,27 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
+from foundation import metricnames as mn
+from foundation.timeseries import read_series
+from reproduce.cli import TRACE_BLOCK, TRACE_CONDITION
 from reproduce.client import ClientConfig
+from reproduce.conditions import block
 from reproduce.groundtruth import JudgedSpan, burst_before
+from reproduce.httpdriver.protocol import cpu_scaled, study
 from reproduce.plan import plan_trace
 from reproduce.sim.engine_link import Engine
 from reproduce.tracecapacity import CACHE_ENV, trace_capacity
 from reproduce.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
 from reproduce.traceworkload import TraceWorkload
 from reproduce.validate import load_runs
+from reproduce.workload import segment_token_ids
 from retrywatch.cli import main
 
 DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
@@ -52,6 +59,38 @@ def test_prefix_blocks_reach_the_engine_as_shared_segments() -> None:
     assert all(plan.prompt_segments(c) == expected[c.call_id] for c in plan.calls)
     first_blocks = [plan.prompt_segments(c)[0][0] for c in plan.calls]
     assert len(set(first_blocks)) < len(first_blocks)  # calls share their leading block
+
+
+def test_a_scaled_protocol_scales_a_traces_lengths_and_blocks_and_keeps_them_shared() -> None:
+    """On a CPU engine (``cpu_scaled``) a replay's lengths are divided by K as the study's are,
+    prefix blocks too, so calls still share the leading blocks the trace says they share, and
+    the HTTP client sends them as the same token IDs (what vLLM's prefix cache matches)."""
+    k = 10.0
+    workload = TraceWorkload(str(MOONCAKE), end_s=60.0)
+    condition = block(TRACE_BLOCK).condition(TRACE_CONDITION)
+    condition = replace(condition, workload=workload)
+    study_plan = study(k).plan(3.0, condition, seed=1)
+    cpu_plan = cpu_scaled(k).plan(3.0, condition, seed=1)
+    assert [c.arrival_s for c in cpu_plan.calls] == [c.arrival_s for c in study_plan.calls]
+    assert cpu_plan.client.deadline_s == pytest.approx(120.0 / k)
+    for full, scaled in zip(study_plan.calls, cpu_plan.calls, strict=True):
+        assert scaled.prompt_len == sum(n for _, n in cpu_plan.prompt_segments(scaled))
+        if full.prompt_len + full.response_len < 8_192:  # neither cut to its engine's context
+            blocks = len(cpu_plan.prompt_segments(scaled))  # each rounded on its own
+            assert scaled.prompt_len == pytest.approx(full.prompt_len / k, abs=blocks)
+            assert scaled.response_len == max(1, round(full.response_len / k))
+    a, b = cpu_plan.calls[0], cpu_plan.calls[1]
+    seg_a, seg_b = cpu_plan.prompt_segments(a), cpu_plan.prompt_segments(b)
+    assert seg_a[0] == seg_b[0] and seg_a[1] != seg_b[1]  # the trace's first block, and only it
+    ids_a = segment_token_ids(seg_a, 32_000, seed=1)
+    ids_b = segment_token_ids(seg_b, 32_000, seed=1)
+    shared = seg_a[0][1]
+    assert len(ids_a) == a.prompt_len and ids_a[:shared] == ids_b[:shared] and ids_a[shared] != ids_b[shared]
+    assert segment_token_ids(seg_a, 32_000, seed=1) == ids_a  # a retry sends the same prompt
+    # prompts are cut to the protocol's context (8,192 tokens on the CPU engine)
+    assert max(c.prompt_len + c.response_len for c in study_plan.calls) > 8_192 // 2
+    tiny = replace(cpu_scaled(k), max_context=64)
+    assert all(c.prompt_len + c.response_len <= 64 for c in tiny.plan(3.0, condition, seed=1).calls)
 
 
 def test_the_token_mix_is_digested_and_sampled_whatever_the_load() -> None:
@@ -185,7 +224,10 @@ def test_a_bad_trace_is_one_line_naming_row_and_column(tmp_path: Path) -> None:
         (["--block", "diagnostic", "--load", "2"], "'--load': needs --trace FILE"),
         (["--trace", str(AZURE), "--window", "5:1"], "'--window': a window needs 0 <= START < END"),
         (["--trace", str(AZURE), "--pulse-multiple", "2"], "'--pulse-multiple': a trace replay has no pulse"),
-        (["--trace", str(AZURE), "--backend", "emulated"], "'--trace': a trace replays on the simulator"),
+        (
+            ["--trace", str(AZURE), "--backend", "vllm", "--backend-option", "python=x"],
+            "on a trace's own mix with --trace FILE",
+        ),
         ([], "'--block': give a block to run"),
     ],
 )
@@ -211,3 +253,26 @@ def test_the_report_of_a_replay_shows_its_one_cohort(replayed: Path, tmp_path: P
     report = (out / "report.md").read_text()
     assert "| trace delivery |" in report and "pulse delivery" not in report
     assert (out / "report.html").is_file()
+
+
+@pytest.mark.slow
+def test_the_emulated_engine_replays_a_trace_through_the_real_proxy(tmp_path: Path) -> None:
+    """A minute of the Mooncake slice at half of Ĉ on the emulated engine, through the real proxy
+    and client at K = 20 (~25 s): Ĉ is the simulator's on the trace's mix x K, every call is
+    delivered, and the trace's shared prefix blocks reach the engine's prefix cache."""
+    out = tmp_path / "out"
+    args = [
+        sys.executable, "-m", "retrywatch", "reproduce", "run", "--backend", "emulated",
+        "--trace", str(MOONCAKE), "--window", "0:60", "--load", "0.5", "--time-scale", "20",
+        "--model", MODEL, "--runs", "1", "--seed", "101", "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads((out / "summary.json").read_text())["runs"]
+    assert run["backend"] == "emulated" and run["pulse"] is None
+    assert run["capacity_source"]["method"].startswith("the simulator's Ĉ of")
+    offered = run["calls"]["offered"]
+    assert offered > 50 and run["calls"]["delivered"] == offered
+    last = list(read_series(out / run["series"]))[-1]
+    assert (last.value(mn.VLLM_PREFIX_CACHE_HITS) or 0.0) > 0
