@@ -146,8 +146,10 @@ def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: P
     page = experiments.layout(ctx)
     text = str(page)
     assert "graph-delivery" in text and "graph-creation" in text
-    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    view = experiments.run_view(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    figs, summary = view.panels, view.summary
     assert "not recovered" in summary and "VLLMMetastableRetryLoop at 260 s" in summary
+    assert view.arrivals is None  # a pulse run: as it always was, the pulse marked, no arrivals panel
     for fig in figs:
         assert fig.layout.xaxis.title.text == "time since run start (s)"
         rects = [s for s in fig.layout.shapes if s.type == "rect"]
@@ -155,9 +157,9 @@ def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: P
         pulse = [s.x0 for s in fig.layout.shapes if s.type == "line" and s.x0 == s.x1]  # not a threshold line
         assert pulse == [120.0, 227.0]
     assert "detector (validation.json)" in summary
-    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-off__qwen2.5-7b__r1")
+    summary = experiments.run_view(ctx, "diagnostic__retries-off__qwen2.5-7b__r1").summary
     assert "recovered 120 s after the pulse" in summary and "no alerts" in summary
-    _, summary = experiments.run_figures(ctx, "nope")
+    summary = experiments.run_view(ctx, "nope").summary
     assert "no run 'nope'" in summary
 
 
@@ -178,7 +180,8 @@ def test_reference_now_is_the_last_scrape(api: StaticDetectorAPI) -> None:
 def test_experiments_replays_runs_missing_from_validation(api: StaticDetectorAPI, runs_dir: Path) -> None:
     (runs_dir / "validation.json").unlink()
     ctx = context(api, runs_dir)
-    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    view = experiments.run_view(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    figs, summary = view.panels, view.summary
     assert "detector (the detector's replay)" in summary
     assert "VLLMMetastableRetryLoop" in summary  # the real detector fires on the collapsed run
     rects = [s for s in figs[0].layout.shapes if s.type == "rect"]
@@ -342,7 +345,8 @@ def test_a_hand_edited_run_is_shown_with_what_is_wrong_not_a_500(
         run.update(change)
         (runs_dir / "runs/diagnostic__retries-off__qwen2.5-7b__r1/metrics.d").mkdir()
         (runs_dir / "summary.json").write_text(json.dumps(summary))
-    figs, text = experiments.run_figures(context(api, runs_dir), run_key(run))
+    view = experiments.run_view(context(api, runs_dir), run_key(run))
+    figs, text = view.panels, view.summary
     assert len(figs) == len(figures.LIVE_PANELS) == 5
     assert any(word in text for word in ("unreadable", "cannot read run: [Errno 21]", "no alerts (KeyError"))
 
@@ -489,7 +493,7 @@ def test_experiments_shows_a_whatif_side_by_side_with_headroom(
         assert text in page, text
     # its points' runs are listed below, as any reproduce output's
     assert "2 runs from points" in page
-    _, summary = experiments.run_figures(context(api, root), "diagnostic__retries-on__qwen2.5-7b__r1")
+    summary = experiments.run_view(context(api, root), "diagnostic__retries-on__qwen2.5-7b__r1").summary
     assert "not recovered" in summary
     headroom = figures.whatif_headroom_figure(json.loads((root / "whatif.json").read_text()))
     assert list(headroom.data[0].x) == [1.325, 6.0] and list(headroom.data[2].x) == [2.7]
