@@ -130,6 +130,7 @@ def _x(arr: np.ndarray, x_kind: XKind) -> np.ndarray:
 # The legend area holds three rows of three entries (the fates panel's seven fill it), so no
 # panel's legend pushes its plot down more than another's.
 TIME_MARGIN: dict[str, int] = {"l": 60, "r": 12, "t": 96, "b": 44}
+TIME_PANEL_HEIGHT = 350  # px
 
 
 def _time_layout(
@@ -149,7 +150,7 @@ def _time_layout(
             "yanchor": "top",
             "font": {"size": 15},
         },
-        height=350,
+        height=TIME_PANEL_HEIGHT,
         margin=TIME_MARGIN,
         legend={
             "orientation": "h",

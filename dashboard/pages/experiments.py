@@ -45,6 +45,9 @@ RUN_GRAPH_IDS: tuple[str, ...] = (
 # A replayed trace's run leads with its calls arriving and delivered in time; a pulse run hides it.
 ARRIVALS_GRAPH_ID = "graph-run-arrivals"
 HIDDEN: dict[str, str] = {"display": "none"}
+# Shown, it takes its cell's size whenever that changes (responsive): laid out while hidden, a
+# fixed-size plot would keep Plotly's default width and spill out of its cell.
+SHOWN: dict[str, str] = {"height": f"{figures.TIME_PANEL_HEIGHT}px"}
 
 
 @dataclass
@@ -226,7 +229,9 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
             html.Div(id="experiments-run-summary", style=style.STATUS),
             html.Div(
                 [
-                    dcc.Graph(id=ARRIVALS_GRAPH_ID, config={"displaylogo": False}, style=HIDDEN),
+                    dcc.Graph(
+                        id=ARRIVALS_GRAPH_ID, config={"displaylogo": False}, style=HIDDEN, responsive=True
+                    ),
                     *(dcc.Graph(id=gid, config={"displaylogo": False}) for gid in RUN_GRAPH_IDS),
                 ],
                 style=style.GRID,
@@ -247,7 +252,7 @@ def register(app: dash.Dash, ctx: Context) -> None:
         view = run_view(ctx, text_choice(run_id))
         if view.arrivals is None:  # a pulse run: as it always looked, without the panel
             return (*view.panels, go.Figure(), HIDDEN, view.summary)
-        return (*view.panels, view.arrivals, {}, view.summary)
+        return (*view.panels, view.arrivals, SHOWN, view.summary)
 
 
 PAGE = Page(key="experiments", path="/experiments", name="Experiments", layout=layout, register=register)

@@ -578,7 +578,7 @@ def test_the_arrivals_panel_shows_for_a_trace_run_and_stays_hidden_for_a_pulse_r
     trace = _post_run(
         create_app(DashboardConfig(detector_url=api.url, runs_dir=trace_runs_dir)), TRACE_SLUGS[3]
     )
-    assert trace[experiments.ARRIVALS_GRAPH_ID]["style"] == {}
+    assert trace[experiments.ARRIVALS_GRAPH_ID]["style"] == experiments.SHOWN
     pulse = create_app(DashboardConfig(detector_url=api.url, runs_dir=runs_dir))
     got = _post_run(pulse, "diagnostic__retries-on__qwen2.5-7b__r1")
     assert got[experiments.ARRIVALS_GRAPH_ID]["style"] == experiments.HIDDEN
