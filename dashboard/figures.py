@@ -22,6 +22,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dashboard.data import engine_name
+from dashboard.runs import STEP_SIGNALS, condition_text
 from detector.rundir import RunDirError
 from detector.signals import WINDOWS
 from detector.thresholds import ALERTS_BY_NAME, DELIVERY_BURN_THRESHOLD, SEVERITIES
@@ -129,6 +130,7 @@ def _x(arr: np.ndarray, x_kind: XKind) -> np.ndarray:
 # The legend area holds three rows of three entries (the fates panel's seven fill it), so no
 # panel's legend pushes its plot down more than another's.
 TIME_MARGIN: dict[str, int] = {"l": 60, "r": 12, "t": 96, "b": 44}
+TIME_PANEL_HEIGHT = 350  # px
 
 
 def _time_layout(
@@ -148,7 +150,7 @@ def _time_layout(
             "yanchor": "top",
             "font": {"size": 15},
         },
-        height=350,
+        height=TIME_PANEL_HEIGHT,
         margin=TIME_MARGIN,
         legend={
             "orientation": "h",
@@ -189,19 +191,50 @@ def merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float
     return merged
 
 
-def _add_shades(fig: go.Figure, shades: Iterable[Shade], now: float | None, x_kind: XKind) -> None:
-    # Overlapping episodes of one severity are drawn as their union, so the shade's depth never
-    # depends on how many alerts fire at once; critical is drawn over warning over info.
-    spans = sorted(shades, key=lambda s: s.start)[-MAX_SHADES:]
-    scale = 1000.0 if x_kind == "date" else 1.0
+def _newest(shades: Iterable[Shade]) -> list[Shade]:
+    """The newest ``MAX_SHADES`` alert spans, oldest first: those a panel draws."""
+    return sorted(shades, key=lambda s: s.start)[-MAX_SHADES:]
+
+
+Spans = list[tuple[float, float]]
+
+
+def _severity_spans(shades: Iterable[Shade], now: float | None) -> list[tuple[str, Spans]]:
+    """The newest alert spans as disjoint spans per severity, the more severe last (drawn on
+    top); a span still firing ends at ``now`` (left out without one). Overlapping episodes of
+    one severity are their union, so the shade's depth never depends on how many alerts fire at
+    once."""
+    spans = _newest(shades)
     by_severity: dict[str, list[tuple[float, float]]] = {}
     for shade in spans:
         end = shade.end if shade.end is not None else now
         if end is not None:
             by_severity.setdefault(shade.severity, []).append((shade.start, max(end, shade.start)))
     draw_order = tuple(reversed(SEVERITIES))  # the more severe drawn later, on top
-    for severity in sorted(by_severity, key=lambda s: draw_order.index(s) if s in draw_order else -1):
-        for start, end in merge_spans(by_severity[severity]):
+    ordered = sorted(by_severity, key=lambda s: draw_order.index(s) if s in draw_order else -1)
+    return [(severity, merge_spans(by_severity[severity])) for severity in ordered]
+
+
+def _severity_legend(fig: go.Figure, shades: Iterable[Shade]) -> None:
+    # One legend entry per severity shown, so the shading explains itself.
+    for severity in sorted({s.severity for s in shades}):
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                marker={"symbol": "square", "size": 12, "color": SEVERITY_COLOURS.get(severity, GREY)},
+                name=f"{severity} alert",
+                hoverinfo="skip",
+            )
+        )
+
+
+def _add_shades(fig: go.Figure, shades: Iterable[Shade], now: float | None, x_kind: XKind) -> None:
+    shades = _newest(shades)
+    scale = 1000.0 if x_kind == "date" else 1.0
+    for severity, spans in _severity_spans(shades, now):
+        for start, end in spans:
             fig.add_vrect(
                 x0=start * scale,
                 x1=end * scale,
@@ -210,19 +243,7 @@ def _add_shades(fig: go.Figure, shades: Iterable[Shade], now: float | None, x_ki
                 line_width=0,
                 layer="below",
             )
-    if spans:
-        # One legend entry per severity shown, so the shading explains itself.
-        for severity in sorted({s.severity for s in spans}):
-            fig.add_trace(
-                go.Scatter(
-                    x=[None],
-                    y=[None],
-                    mode="markers",
-                    marker={"symbol": "square", "size": 12, "color": SEVERITY_COLOURS.get(severity, GREY)},
-                    name=f"{severity} alert",
-                    hoverinfo="skip",
-                )
-            )
+    _severity_legend(fig, shades)
 
 
 def _line(
@@ -470,6 +491,30 @@ def delivery_figure(
     return fig
 
 
+def arrivals_figure(
+    signals: Mapping[str, Points | None],
+    shades: Iterable[Shade] = (),
+    *,
+    now: float | None = None,
+    x_kind: XKind = "date",
+    uirevision: str | None = None,
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """Calls arriving (first attempts: a replayed trace's own burst shape) and calls delivered
+    within the deadline, per second over each step of the run's series, against Ĉ: where the
+    two part, the calls that arrive are not served in time."""
+    arriving, in_time = STEP_SIGNALS
+    fig = go.Figure()
+    _line(fig, signals.get(arriving), "calls arriving (first attempts)", SKY_BLUE, x_kind, hover_unit="/s")
+    _line(fig, signals.get(in_time), "delivered within the deadline", BLUISH_GREEN, x_kind, hover_unit="/s")
+    _line(fig, signals.get("capacity"), "capacity Ĉ", BLACK, x_kind, dash="dash", hover_unit="calls/s")
+    _add_shades(fig, shades, now, x_kind)
+    _time_layout(fig, "Calls arriving and delivered in time", "calls per s", x_kind, uirevision, x_range)
+    needed = {"calls arriving": (arriving,), "delivered within the deadline": (in_time,)}
+    _no_data_note(fig, signals, needed, x_range)
+    return fig
+
+
 LIVE_PANELS = (attempts_figure, fates_figure, queue_figure, prompt_tokens_figure, delivery_figure)
 
 # Every signal the live panels draw, fetched over the whole time range at each refresh.
@@ -592,11 +637,8 @@ def _group_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             parts.append(str(run.get("block", "")))
         if len(models) > 1:
             parts.append(str(run.get("model", "")))
-        condition = str(_require(run, "condition"))
-        variant = str(run.get("variant") or "")
-        if variant and variant not in condition:  # e.g. the trigger sweep's pulse multiple
-            condition = f"{condition} ({variant})"
-        parts.append(condition)
+        _require(run, "condition")
+        parts.append(condition_text(run))
         labels.append(plotly_text(" · ".join(parts)))
     return labels
 
@@ -814,6 +856,183 @@ def pulse_marks(fig: go.Figure, pulse: Mapping[str, Any] | None) -> go.Figure:
             if pulse.get(key) is not None:
                 fig.add_vline(x=float(pulse[key]), line={"color": GREY, "dash": "dot", "width": 1.5})
     return fig
+
+
+# --- a replayed trace's run: its collapses, the bursts behind them, the alerts over them -------
+
+COLLAPSE_COLOUR = GREY
+METASTABLE_COLOUR = REDDISH_PURPLE
+BURST_COLOUR = BLUE
+# A time panel's rows of marks, in fractions of its plot's height: the alerts fired along its
+# top, the bursts along its foot; the collapses are bands behind all of it.
+ALERT_ROW: tuple[float, float] = (0.93, 1.0)
+BURST_ROW: tuple[float, float] = (0.0, 0.05)
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """A collapse of a run without a pulse (summary.json's ``collapses``; run seconds):
+    ``metastable_at`` the first time inside it the retry loop held (None: never, or unknown);
+    ``burst`` the stretch of arrivals that started it (None: not named)."""
+
+    start: float
+    end: float
+    ended: bool
+    metastable: bool | None = None
+    metastable_at: float | None = None
+    metastable_for: float | None = None
+    burst: tuple[float, float] | None = None
+
+
+def is_trace_run(run: Mapping[str, Any]) -> bool:
+    """A run without a pulse whose entry is judged by its collapses (a replayed trace)."""
+    return not run.get("pulse") and ("collapses" in run or "burst" in run)
+
+
+def _seconds(value: Any, what: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError) as exc:
+        raise RunDirError(f"{what} must be a number of seconds, got {value!r}") from exc
+    if not math.isfinite(out):
+        raise RunDirError(f"{what} must be a finite number of seconds, got {value!r}")
+    return out
+
+
+def _optional_seconds(value: Any, what: str) -> float | None:
+    return None if value is None else _seconds(value, what)
+
+
+def _stretch(value: Any, what: str) -> tuple[float, float]:
+    if not isinstance(value, Mapping):
+        raise RunDirError(f"{what} must be an object with start_s and end_s, got {value!r}")
+    return _seconds(value.get("start_s"), f"{what}.start_s"), _seconds(value.get("end_s"), f"{what}.end_s")
+
+
+def run_collapses(run: Mapping[str, Any]) -> list[Collapse]:
+    """A trace run's collapses from its summary entry; an entry of the wrong shape (collapses
+    not a list, a collapse without its start or end) raises ``RunDirError`` naming what."""
+    where = f"summary run {run.get('slug') or run.get('series') or '?'!r}"
+    raw = _require(run, "collapses")
+    if not isinstance(raw, list):
+        raise RunDirError(f"{where}: 'collapses' must be a list, got {type(raw).__name__}")
+    out = []
+    for i, item in enumerate(raw):
+        what = f"{where}: collapses[{i}]"
+        if not isinstance(item, Mapping):
+            raise RunDirError(f"{what} must be an object, got {item!r}")
+        metastable = item.get("metastable")
+        out.append(
+            Collapse(
+                start=_seconds(item.get("start_s"), f"{what}.start_s"),
+                end=_seconds(item.get("end_s"), f"{what}.end_s"),
+                ended=bool(item.get("ended", True)),
+                metastable=None if metastable is None else bool(metastable),
+                metastable_at=_optional_seconds(item.get("metastable_at_s"), f"{what}.metastable_at_s"),
+                metastable_for=_optional_seconds(item.get("metastable_for_s"), f"{what}.metastable_for_s"),
+                burst=None if item.get("burst") is None else _stretch(item["burst"], f"{what}.burst"),
+            )
+        )
+    return out
+
+
+def collapse_marks(fig: go.Figure, collapses: Sequence[Collapse], *, legend: bool = True) -> go.Figure:
+    """Mark a trace run's collapses on a time panel (seconds axis): each a grey band behind the
+    lines, its metastable stretch (from ``metastable_at`` to its end) a reddish-purple band over
+    it, and the burst that started it a bar along the plot's foot. With ``legend``, one entry
+    each for what is drawn."""
+    drawn: dict[str, str] = {}
+    for c in collapses:
+        fig.add_vrect(
+            x0=c.start,
+            x1=max(c.end, c.start),
+            fillcolor=COLLAPSE_COLOUR,
+            opacity=0.2,
+            line_width=0,
+            layer="below",
+            name="collapse",
+        )
+        drawn["collapse"] = COLLAPSE_COLOUR
+        if c.metastable_at is not None:
+            fig.add_vrect(
+                x0=c.metastable_at,
+                x1=max(c.end, c.metastable_at),
+                fillcolor=METASTABLE_COLOUR,
+                opacity=0.22,
+                line_width=0,
+                layer="below",
+                name="metastable",
+            )
+            drawn["metastable (retry loop)"] = METASTABLE_COLOUR
+    for start, end in merge_spans(c.burst for c in collapses if c.burst is not None):
+        fig.add_vrect(
+            x0=start,
+            x1=end,
+            y0=BURST_ROW[0],
+            y1=BURST_ROW[1],
+            fillcolor=BURST_COLOUR,
+            opacity=0.7,
+            line_width=0,
+            layer="above",  # over a stacked panel's fill: the foot of the plot, where it stays small
+            name="burst",
+        )
+        drawn["burst behind a collapse"] = BURST_COLOUR
+    if legend:
+        for name, colour in drawn.items():
+            fig.add_trace(
+                go.Scatter(
+                    x=[None],
+                    y=[None],
+                    mode="markers",
+                    marker={"symbol": "square", "size": 12, "color": colour},
+                    name=name,
+                    hoverinfo="skip",
+                )
+            )
+    return fig
+
+
+def alert_row(fig: go.Figure, shades: Iterable[Shade], now: float | None) -> go.Figure:
+    """The alerts fired over a run as bars along the top of a time panel (seconds axis), by
+    severity, so they stay apart from the collapse bands behind the lines; a legend entry per
+    severity, as the live panels' shading has."""
+    shades = _newest(shades)
+    for severity, spans in _severity_spans(shades, now):
+        for start, end in spans:
+            fig.add_vrect(
+                x0=start,
+                x1=end,
+                y0=ALERT_ROW[0],
+                y1=ALERT_ROW[1],
+                fillcolor=SEVERITY_COLOURS.get(severity, GREY),
+                opacity=0.8,
+                line_width=0,
+                layer="below",
+                name=f"{severity} alert",
+            )
+    _severity_legend(fig, shades)
+    return fig
+
+
+def collapses_text(collapses: Sequence[Collapse]) -> str:
+    """A trace run's collapses in words: how many (how many metastable), each's stretch, the
+    burst behind it and when its loop held; ``no collapse`` for none."""
+    if not collapses:
+        return "no collapse"
+    metastable = sum(1 for c in collapses if c.metastable)
+    head = f"{len(collapses)} collapse{'s' if len(collapses) != 1 else ''} ({metastable} metastable)"
+    parts = []
+    for c in collapses:
+        text = f"{c.start:.0f}–{c.end:.0f} s" if c.ended else f"{c.start:.0f} s to the run's end"
+        if c.burst is not None:
+            text += f" after the burst at {c.burst[0]:.0f}–{c.burst[1]:.0f} s"
+        if c.metastable_at is not None:
+            held = "" if c.metastable_for is None else f", held {c.metastable_for:.0f} s"
+            text += f", metastable from {c.metastable_at:.0f} s{held}"
+        elif c.metastable is None:
+            text += ", metastable unknown"
+        parts.append(text)
+    return f"{head}: {'; '.join(parts)}"
 
 
 # --- a what-if (``retrywatch reproduce whatif``'s whatif.json) -------------------------------

@@ -1,6 +1,7 @@
 """Reproduce outputs for the Experiments page: ``DIR/summary.json``, ``DIR/validation.json``
 and each run's metrics series (``foundation/timeseries.py``), turned into the same signal
-names the detector serves so the live panels' figure builders draw a run too.
+names the detector serves so the live panels' figure builders draw a run too, plus the calls
+arriving and delivered in time at the series' own step (a replayed trace's burst shape).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
 from foundation.timeseries import Snapshot, read_series
 
 RATE_WINDOW_S = 30.0  # at the study's scale
+# Calls arriving (first attempts) and calls delivered within the deadline, per second over each
+# step of the series: the finest it holds, so a replayed trace's bursts are drawn unsmoothed.
+STEP_SIGNALS: tuple[str, str] = ("call_arrival_rate_step", "delivered_within_deadline_rate_step")
 MAX_RUNS = 5000
 
 
@@ -89,13 +93,28 @@ run_key = run_slug  # a run's identifier on the pages: its slug
 
 
 def run_identity(run: Mapping[str, Any]) -> tuple[str, ...]:
-    """(block, condition, model, run): how validation.json names the runs of summary.json."""
-    return tuple(str(run.get(k, "")) for k in ("block", "condition", "model", "run"))
+    """(block, condition, variant, model, run): how validation.json names the runs of
+    summary.json (a trace replayed at two loads differs only in its variant)."""
+    return (
+        str(run.get("block", "")),
+        str(run.get("condition", "")),
+        str(run.get("variant") or ""),
+        str(run.get("model", "")),
+        str(run.get("run", "")),
+    )
+
+
+def condition_text(run: Mapping[str, Any]) -> str:
+    """A run's condition with its variant where the condition does not already name it (the
+    trigger sweep's pulse multiple, a replayed trace's name and load)."""
+    condition = str(run.get("condition", ""))
+    variant = str(run.get("variant") or "")
+    return f"{condition} ({variant})" if variant and variant not in condition else condition
 
 
 def run_label(run: Mapping[str, Any]) -> str:
     state = "recovered" if run.get("recovered") else "not recovered"
-    parts = [str(run.get(k, "")) for k in ("block", "condition", "model")]
+    parts = [str(run.get("block", "")), condition_text(run), str(run.get("model", ""))]
     return f"{' · '.join(parts)} · run {run.get('run', '')} ({state})"
 
 
@@ -149,7 +168,9 @@ def series_signals(
 ) -> dict[str, np.ndarray]:
     """The live panels' signals (names of detector/signals.py) from a run's snapshots,
     with ``t`` in seconds from the run's start. Rates are over ``window_s``; the delivery SLO's
-    burn rates over the detector's own two windows (``windows``), as its alert reads them."""
+    burn rates over the detector's own two windows (``windows``), as its alert reads them; the
+    ``STEP_SIGNALS`` (calls arriving, calls delivered within the deadline) over the series' own
+    step, so a burst keeps its shape."""
     if not snapshots:
         return {}
     t = np.array([s.t for s in snapshots], dtype=float)
@@ -182,6 +203,10 @@ def series_signals(
     out["attached_rate"] = pts(rate(mn.ATTEMPTS_ATTACHED))
     out["delivered_rate_within_deadline"] = pts(rate(mn.CALLS_DELIVERED, within_deadline="true"))
     out["delivered_rate_late"] = pts(rate(mn.CALLS_DELIVERED, within_deadline="false"))
+    step = float(np.median(np.diff(t))) if t.size > 1 else window_s
+    arriving, in_time = STEP_SIGNALS
+    out[arriving] = pts(_counter_rate(t, _column(snapshots, mn.ATTEMPTS, kind="first"), step))
+    out[in_time] = pts(_counter_rate(t, _column(snapshots, mn.CALLS_DELIVERED, within_deadline="true"), step))
     counted, admitted = rate(mn.VLLM_PROMPT_TOKENS), rate(mn.VLLM_PREFIX_CACHE_QUERIES)
     out["prompt_tokens_counted_rate"] = pts(counted)
     out["prompt_tokens_admitted_rate"] = pts(admitted)

@@ -9,6 +9,7 @@ backends (``prompt_token_ids``). Prompt content is random token IDs, never text.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -210,6 +211,7 @@ def _stable_id(*parts: object) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+@functools.cache  # one per prefix length: asked once per call, computed once per run
 def shared_prefix_segment_id(shared_prefix_len: int) -> int:
     """Segment id of the shared prefix: the same for every call with this prefix length."""
     return _stable_id("shared-prefix", shared_prefix_len)

@@ -1,10 +1,13 @@
 """Experiments page: a reproduce output (``--runs DIR``): delivery by cohort per condition,
 execution-creation rate against recovery, and any run's time series with the detector's alerts
-(from ``validation.json``) shaded over it. A what-if's DIR (``whatif.json``) shows its policies
-side by side and each one's headroom above its runs."""
+(from ``validation.json``) shaded over it: a pulse run with its pulse marked; a replayed trace's
+run led by its calls arriving and delivered in time, its collapses (and the bursts behind them)
+shaded behind every panel and the alerts fired in a row of their own. A what-if's DIR
+(``whatif.json``) shows its policies side by side and each one's headroom above its runs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import dash
@@ -13,9 +16,14 @@ from dash import Input, Output, dcc, html
 
 from dashboard import figures, style
 from dashboard.figures import (
+    alert_row,
+    collapse_marks,
+    collapses_text,
     creation_rate_vs_recovery_figure,
     delivery_by_cohort_figure,
+    is_trace_run,
     pulse_marks,
+    run_collapses,
     run_shades,
 )
 from dashboard.pages import Page, text_choice
@@ -34,23 +42,51 @@ RUN_GRAPH_IDS: tuple[str, ...] = (
     "graph-run-prompt",
     "graph-run-delivery",
 )
+# A replayed trace's run leads with its calls arriving and delivered in time; a pulse run hides it.
+ARRIVALS_GRAPH_ID = "graph-run-arrivals"
+HIDDEN: dict[str, str] = {"display": "none"}
+# Shown, it takes its cell's size whenever that changes (responsive): laid out while hidden, a
+# fixed-size plot would keep Plotly's default width and spill out of its cell.
+SHOWN: dict[str, str] = {"height": f"{figures.TIME_PANEL_HEIGHT}px"}
 
 
-def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]:
-    """The time-series panels of one run (seconds from its start) and a one-line summary."""
+@dataclass
+class RunView:
+    """One run on the page: its time-series panels (``RUN_GRAPH_IDS``' order, seconds from its
+    start), its arrivals panel (None: a pulse run, which has none) and a one-line summary."""
+
+    panels: list[go.Figure]
+    arrivals: go.Figure | None
+    summary: str
+
+
+def _blank(summary: str) -> RunView:
+    return RunView([figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], None, summary)
+
+
+def trace_text(run: dict[str, Any]) -> str:
+    """The trace a run replayed and at what load (``settings``), e.g. ``trace azure_code at 3x Ĉ``."""
+    settings = run.get("settings") or {}
+    name, load, window = settings.get("trace"), settings.get("load"), settings.get("window")
+    text = f"trace {name or '?'}" + ("" if load is None else f" at {float(load):g}x Ĉ")
+    return text if window in (None, "", "0:") else f"{text} (window {window} s)"
+
+
+def run_view(ctx: Context, run_id: str | None) -> RunView:
+    """The time-series panels of one run and a one-line summary: a pulse run's with the pulse
+    marked; a replayed trace's with its arrivals panel, its collapses shaded behind every panel
+    and the alerts fired over them in a row of their own."""
     runs_dir = ctx.runs()
     if runs_dir is None or not run_id:
-        return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], "no run selected"
+        return _blank("no run selected")
     try:
         run = runs_dir.run(run_id)
     except KeyError as exc:
-        return [figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS], str(exc)
+        return _blank(str(exc))
     try:
         signals = run_signals(runs_dir, run)
     except BROKEN as exc:
-        return [
-            figures.attempts_figure({}, x_kind="seconds") for _ in RUN_GRAPH_IDS
-        ], f"cannot read run: {exc}"
+        return _blank(f"cannot read run: {exc}")
     try:
         alerts, origin = runs_dir.run_alerts(run)
         shades = run_shades(alerts)
@@ -59,32 +95,41 @@ def run_figures(ctx: Context, run_id: str | None) -> tuple[list[go.Figure], str]
         )
     except BROKEN as exc:
         alerts, origin, shades, fired = [], f"no alerts ({exc!r})", [], "no alerts"
+    trace = is_trace_run(run)
     end = max((float(p[-1, 0]) for p in signals.values() if p.shape[0]), default=None)
+    builders = (figures.arrivals_figure, *figures.LIVE_PANELS) if trace else figures.LIVE_PANELS
     figs = [
         build(
             signals,
-            shades,
+            () if trace else shades,  # a trace run's alerts go in their own row, over its collapses
             now=end,
             x_kind="seconds",
             uirevision=run_id,
             x_range=None if end is None else (0.0, end),
         )
-        for build in figures.LIVE_PANELS
+        for build in builders
     ]
     try:
-        figs = [pulse_marks(fig, run.get("pulse")) for fig in figs]
-        recovered = run.get("recovered")
-        rt = run.get("recovery_time_s")
-        state = (
-            f"recovered {float(rt):.0f} s after the pulse"
-            if recovered and rt is not None
-            else "not recovered"
-        )
-        if recovered and rt is None:
-            state = "recovered"
+        if trace:
+            collapses = run_collapses(run)
+            figs = [collapse_marks(fig, collapses, legend=i == 0) for i, fig in enumerate(figs)]
+            state = f"{trace_text(run)}: {collapses_text(collapses)}"
+        else:
+            figs = [pulse_marks(fig, run.get("pulse")) for fig in figs]
+            state = _recovery_text(run)
     except BROKEN as exc:
         state = f"summary entry unreadable ({exc!r})"
-    return figs, f"{run_label(run)}: {state}; detector ({origin}): {fired}"
+    if trace:  # drawn after the collapse bands, so over them
+        figs = [alert_row(fig, shades, end) for fig in figs]
+    arrivals = figs.pop(0) if trace else None
+    return RunView(figs, arrivals, f"{run_label(run)}: {state}; detector ({origin}): {fired}")
+
+
+def _recovery_text(run: dict[str, Any]) -> str:
+    recovered, rt = run.get("recovered"), run.get("recovery_time_s")
+    if recovered and rt is not None:
+        return f"recovered {float(rt):.0f} s after the pulse"
+    return "recovered" if recovered else "not recovered"
 
 
 WHATIF_COLUMNS = (
@@ -183,7 +228,12 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
             ),
             html.Div(id="experiments-run-summary", style=style.STATUS),
             html.Div(
-                [dcc.Graph(id=gid, config={"displaylogo": False}) for gid in RUN_GRAPH_IDS],
+                [
+                    dcc.Graph(
+                        id=ARRIVALS_GRAPH_ID, config={"displaylogo": False}, style=HIDDEN, responsive=True
+                    ),
+                    *(dcc.Graph(id=gid, config={"displaylogo": False}) for gid in RUN_GRAPH_IDS),
+                ],
                 style=style.GRID,
             ),
         ]
@@ -193,12 +243,16 @@ def layout(ctx: Context, query: dict[str, str] | None = None) -> html.Div:
 def register(app: dash.Dash, ctx: Context) -> None:
     @app.callback(
         *[Output(gid, "figure") for gid in RUN_GRAPH_IDS],
+        Output(ARRIVALS_GRAPH_ID, "figure"),
+        Output(ARRIVALS_GRAPH_ID, "style"),
         Output("experiments-run-summary", "children"),
         Input("experiments-run", "value"),
     )
     def _run(run_id: object) -> tuple[Any, ...]:
-        figs, summary = run_figures(ctx, text_choice(run_id))
-        return (*figs, summary)
+        view = run_view(ctx, text_choice(run_id))
+        if view.arrivals is None:  # a pulse run: as it always looked, without the panel
+            return (*view.panels, go.Figure(), HIDDEN, view.summary)
+        return (*view.panels, view.arrivals, SHOWN, view.summary)
 
 
 PAGE = Page(key="experiments", path="/experiments", name="Experiments", layout=layout, register=register)

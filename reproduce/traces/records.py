@@ -46,3 +46,18 @@ class TraceRecord:
     prefix_blocks: tuple[int, ...] = ()
     block_tokens: int = 0
     line: int = 0
+
+    def arriving_at(self, arrival_s: float) -> TraceRecord:
+        """This record arriving at ``arrival_s`` instead (``dataclasses.replace``, without its
+        per-field introspection: the stream's hot path rescales and windows every record)."""
+        return TraceRecord(
+            arrival_s,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.call_id,
+            self.session,
+            self.tenant,
+            self.prefix_blocks,
+            self.block_tokens,
+            self.line,
+        )

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 
 from reproduce.traces.records import TraceError, TraceRecord
 
@@ -44,7 +43,7 @@ def rescale_arrivals(records: Iterable[TraceRecord], factor: float) -> Iterator[
     if not (math.isfinite(factor) and factor > 0):
         raise TraceError(f"the time factor must be a positive number, got {factor!r}")
     for record in records:
-        yield replace(record, arrival_s=record.arrival_s * factor)
+        yield record.arriving_at(record.arrival_s * factor)
 
 
 def rescale_to_rate(
@@ -84,4 +83,5 @@ def window(records: Iterable[TraceRecord], start_s: float, end_s: float = math.i
         if record.arrival_s >= end_s:
             return
         if record.arrival_s >= start_s:
-            yield replace(record, arrival_s=record.arrival_s - start_s)
+            # from the start, every arrival stays as it is (t - 0.0 is t): no copy
+            yield record if start_s == 0.0 else record.arriving_at(record.arrival_s - start_s)

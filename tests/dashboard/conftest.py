@@ -4,6 +4,9 @@ directory written in the real formats, and the app served by a real HTTP server 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ from werkzeug.serving import make_server
 from dashboard.app import DashboardConfig, create_app
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, write_series
+from reproduce.tracecapacity import CACHE_ENV
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 from tests.systemtools import require
 
@@ -206,6 +210,42 @@ def runs_dir(tmp_path: Path) -> Path:
     }
     (root / "validation.json").write_text(json.dumps(validation))
     return root
+
+
+# --- a replayed trace, by the real `retrywatch reproduce run --trace` -----------------------
+
+TRACE = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "azure_code_2023_30min.csv.gz"
+TRACE_MODEL = "qwen2.5-7b-h100"
+# The shipped slice whole (a few seconds on the simulator): at 3 Ĉ its busiest minutes collapse
+# the engine into the retry loop; at 1 Ĉ nothing collapses. A window of 5 or 10 minutes of it at
+# 3 Ĉ holds no collapse (its load is the window's own mean).
+TRACE_SLUGS = {
+    load: f"composition__no-control-azure_code_2023_30min-load{load}__{TRACE_MODEL}__r0" for load in (3, 1)
+}
+
+
+@pytest.fixture(scope="session")
+def trace_runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reproduce output of the shipped Azure slice replayed at 3 Ĉ (a metastable collapse)
+    and at 1 Ĉ (none) into one DIR, then validated: real processes, the CLI's own files."""
+    out = tmp_path_factory.mktemp("trace-runs")
+    env = {**os.environ, CACHE_ENV: str(out.parent / "trace-cache")}
+    command = [sys.executable, "-m", "retrywatch", "reproduce"]
+    for load in TRACE_SLUGS:
+        run = ["run", "--trace", str(TRACE), "--load", str(load), "--model", TRACE_MODEL, "--runs", "1"]
+        done = subprocess.run(
+            [*command, *run, "--seed", "5", "--out", str(out), "--no-progress"],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    done = subprocess.run(
+        [*command, "validate", str(out)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    runs = {r["slug"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    assert any(c["metastable"] for c in runs[TRACE_SLUGS[3]]["collapses"]), "the 3-Ĉ replay must collapse"
+    assert runs[TRACE_SLUGS[1]]["collapses"] == []
+    return out
 
 
 # --- the app on a real HTTP server thread --------------------------------------------------

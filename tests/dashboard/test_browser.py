@@ -12,7 +12,7 @@ import pytest
 from dashboard.app import DashboardConfig
 from tests.dashboard.staticapi import StaticDetectorAPI
 
-from .conftest import DRAW_TIMEOUT_MS, ENGINE_B, Page, ServedApp, loop_alert
+from .conftest import DRAW_TIMEOUT_MS, ENGINE_B, TRACE_SLUGS, Page, ServedApp, loop_alert
 
 pytestmark = pytest.mark.browser
 
@@ -153,6 +153,62 @@ def test_experiments_page_run_selection(browser: Any, api: StaticDetectorAPI, ru
         )
         tab.wait_graphs(6)
         assert tab.trace_max("graph-run-attempts", "retries") > 4.0
+        assert not tab.page.locator("#graph-run-arrivals").is_visible()  # a trace run's panel only
         tab.screenshot("experiments.png")
+        assert tab.errors == []
+        tab.close()
+
+
+# The shapes a run panel draws by name, and how many of them Plotly put on the page (its shape
+# layers hold one path per shape drawn).
+SHAPES = """([id, name]) => {
+    const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+    const drawn = gd.querySelectorAll('.shapelayer path').length;
+    return {named: gd._fullLayout.shapes.filter(s => s.name === name).map(s => [s.x0, s.x1]), drawn};
+}"""
+
+
+def test_experiments_page_shows_a_trace_runs_arrivals_and_collapses(
+    browser: Any, api: StaticDetectorAPI, trace_runs_dir: Path
+) -> None:
+    """A replayed trace (the real reproduce run): its arrivals panel drawn with the burst above
+    Ĉ, its collapse shaded on every run panel; the run at 1 Ĉ: no collapse shaded."""
+    with ServedApp(DashboardConfig(detector_url=api.url, runs_dir=trace_runs_dir)) as served:
+        tab = Page(browser)
+        tab.page.goto(served.url + f"/experiments?run={TRACE_SLUGS[3]}")
+        tab.page.wait_for_function(
+            "() => document.querySelector('#experiments-run-summary')?.innerText.includes('collapse')",
+            timeout=DRAW_TIMEOUT_MS,
+        )
+        tab.wait_graphs(8)
+        summary = tab.page.locator("#experiments-run-summary").inner_text()
+        assert "at 3x Ĉ: 1 collapse (1 metastable)" in summary
+        assert tab.page.locator("#graph-run-arrivals").is_visible()
+        assert tab.trace_max("graph-run-arrivals", "calls arriving (first attempts)") > 40.0  # 3 Ĉ is ~65/s
+        assert tab.trace_max("graph-run-arrivals", "delivered within the deadline") > 0.0
+        for graph in ("graph-run-arrivals", "graph-run-attempts", "graph-run-delivery"):
+            shapes = tab.page.evaluate(SHAPES, [graph, "collapse"])
+            assert len(shapes["named"]) == 1 and shapes["drawn"] >= 4, (
+                graph,
+                shapes,
+            )  # + loop, burst, alerts
+        # laid out in its cell once shown (not at Plotly's default width, spilling out of it)
+        widths = tab.page.evaluate(
+            "() => ['graph-run-arrivals', 'graph-run-attempts'].map(id => "
+            "document.querySelector('#' + id + ' .nsewdrag').getBoundingClientRect().width)"
+        )
+        assert abs(widths[0] - widths[1]) <= 1, widths
+        tab.screenshot("experiments-trace.png")
+        tab.select(
+            "experiments-run",
+            "composition · no-control (azure_code_2023_30min-load1) · qwen2.5-7b-h100 · run 0 (recovered)",
+        )
+        tab.page.wait_for_function(
+            "() => document.querySelector('#experiments-run-summary')?.innerText.includes('no collapse')",
+            timeout=DRAW_TIMEOUT_MS,
+        )
+        tab.wait_graphs(8)
+        assert tab.page.evaluate(SHAPES, ["graph-run-arrivals", "collapse"]) == {"named": [], "drawn": 0}
+        assert tab.trace_max("graph-run-arrivals", "calls arriving (first attempts)") > 0.0
         assert tab.errors == []
         tab.close()

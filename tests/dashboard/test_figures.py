@@ -349,3 +349,110 @@ def test_admitted_prompt_tokens_show_where_counted_ones_lie_on_them() -> None:
     assert (admitted.name, counted.name) == ("admitted", "counted")  # the wide one underneath
     assert admitted.line.width >= 2 * counted.line.width
     assert counted.line.dash == "dash" and admitted.line.dash in (None, "solid")
+
+
+# --- a replayed trace's run ------------------------------------------------------------------
+
+TRACE_ENTRY = {
+    "slug": "composition__no-control-t-load3__m__r0",
+    "pulse": None,
+    "burst": {"start_s": 28.1, "end_s": 88.1},
+    "collapses": [
+        {
+            "burst": {"start_s": 28.1, "end_s": 88.1},
+            "start_s": 60.0,
+            "end_s": 420.0,
+            "metastable": True,
+            "ended": True,
+            "metastable_at_s": 205.0,
+            "metastable_for_s": 50.0,
+        },
+        {"start_s": 500.0, "end_s": 600.0, "metastable": False, "ended": False, "metastable_at_s": None},
+    ],
+}
+
+
+def named(fig: object, name: str) -> list[object]:
+    return [s for s in fig.layout.shapes if s.name == name]  # type: ignore[attr-defined]
+
+
+def test_arrivals_panel_draws_calls_arriving_and_delivered_in_time_against_capacity() -> None:
+    arriving, in_time = figures.STEP_SIGNALS
+    signals = {
+        arriving: [[0.0, 10.0], [5.0, 80.0], [10.0, 10.0]],
+        in_time: [[0.0, 10.0], [5.0, 20.0], [10.0, 0.0]],
+        "capacity": [[0.0, 21.6], [10.0, 21.6]],
+    }
+    fig = figures.arrivals_figure(signals, x_kind="seconds")
+    lines = {t.name: list(t.y) for t in fig.data}
+    assert lines["calls arriving (first attempts)"] == [10.0, 80.0, 10.0]  # the burst, unsmoothed
+    assert lines["delivered within the deadline"] == [10.0, 20.0, 0.0]
+    assert lines["capacity Ĉ"] == [21.6, 21.6]
+    assert not fig.layout.annotations
+    empty = figures.arrivals_figure({}, x_kind="seconds")
+    assert "no data: calls arriving, delivered within the deadline" in empty.layout.annotations[0].text
+
+
+def test_trace_runs_are_told_from_pulse_runs() -> None:
+    assert figures.is_trace_run(TRACE_ENTRY)
+    assert not figures.is_trace_run(RUNS[0])  # a pulse
+    assert not figures.is_trace_run({"pulse": None})  # neither: nothing to mark
+
+
+def test_collapses_are_bands_behind_the_panel_with_the_metastable_stretch_and_the_burst_apart() -> None:
+    collapses = figures.run_collapses(TRACE_ENTRY)
+    assert collapses[0] == figures.Collapse(60.0, 420.0, True, True, 205.0, 50.0, (28.1, 88.1))
+    assert collapses[1].burst is None and collapses[1].metastable is False and not collapses[1].ended
+    fig = figures.collapse_marks(attempts_figure({}, x_kind="seconds"), collapses)
+    assert [(s.x0, s.x1, s.layer) for s in named(fig, "collapse")] == [
+        (60.0, 420.0, "below"),
+        (500.0, 600.0, "below"),
+    ]
+    assert [(s.x0, s.x1) for s in named(fig, "metastable")] == [(205.0, 420.0)]  # the second never looped
+    (burst,) = named(fig, "burst")
+    assert (burst.x0, burst.x1) == (28.1, 88.1) and burst.y1 <= 0.1  # a bar along the foot
+    colours = {s.name: s.fillcolor for s in fig.layout.shapes}
+    assert len(set(colours.values())) == 3 and not set(colours.values()) & set(
+        figures.SEVERITY_COLOURS.values()
+    )
+    assert {"collapse", "metastable (retry loop)", "burst behind a collapse"} <= {t.name for t in fig.data}
+    bare = figures.collapse_marks(attempts_figure({}, x_kind="seconds"), collapses, legend=False)
+    assert "collapse" not in {t.name for t in bare.data}
+
+
+def test_alerts_over_a_trace_run_are_a_row_of_their_own_along_the_top() -> None:
+    shades = run_shades(
+        [
+            {"alertname": "VLLMBacklogBeyondDeadline", "fired_at_s": 70.0, "resolved_at_s": 310.0},
+            {"alertname": "VLLMMetastableRetryLoop", "fired_at_s": 215.0, "resolved_at_s": None},
+        ]
+    )
+    fig = figures.alert_row(attempts_figure({}, x_kind="seconds"), shades, 605.0)
+    rows = [(s.name, s.x0, s.x1) for s in fig.layout.shapes]
+    assert rows == [("warning alert", 70.0, 310.0), ("critical alert", 215.0, 605.0)]  # critical on top
+    assert all(s.y0 >= 0.9 and s.y1 == 1.0 for s in fig.layout.shapes)  # not the full-height shading
+    assert {"warning alert", "critical alert"} <= {t.name for t in fig.data}
+
+
+def test_collapses_in_words() -> None:
+    text = figures.collapses_text(figures.run_collapses(TRACE_ENTRY))
+    assert text.startswith("2 collapses (1 metastable): 60–420 s after the burst at 28–88 s")
+    assert "metastable from 205 s, held 50 s" in text and "500 s to the run's end" in text
+    assert figures.collapses_text([]) == "no collapse"
+
+
+@pytest.mark.parametrize(
+    ("collapses", "message"),
+    [
+        ("soon", "'collapses' must be a list"),
+        ([5], r"collapses\[0\] must be an object"),
+        ([{"end_s": 3.0}], r"collapses\[0\].start_s must be a number"),
+        ([{"start_s": 1.0, "end_s": "nan"}], r"collapses\[0\].end_s must be a finite number"),
+        ([{"start_s": 1.0, "end_s": 3.0, "burst": [1, 2]}], r"collapses\[0\].burst must be an object"),
+    ],
+)
+def test_a_hand_edited_collapse_names_what_is_wrong(collapses: object, message: str) -> None:
+    with pytest.raises(RunDirError, match=message):
+        figures.run_collapses({**TRACE_ENTRY, "collapses": collapses})
+    with pytest.raises(RunDirError, match="no 'collapses'"):
+        figures.run_collapses({"pulse": None, "burst": {}})

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from dashboard import figures
@@ -20,7 +21,7 @@ from dashboard.runs import run_key
 from foundation.processes import free_port
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
-from .conftest import ENGINE_A, ENGINE_B, NOW, episode, loop_alert
+from .conftest import ENGINE_A, ENGINE_B, NOW, TRACE_SLUGS, episode, loop_alert
 
 
 def context(api: StaticDetectorAPI, runs_dir: Path | None = None) -> Context:
@@ -146,8 +147,10 @@ def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: P
     page = experiments.layout(ctx)
     text = str(page)
     assert "graph-delivery" in text and "graph-creation" in text
-    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    view = experiments.run_view(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    figs, summary = view.panels, view.summary
     assert "not recovered" in summary and "VLLMMetastableRetryLoop at 260 s" in summary
+    assert view.arrivals is None  # a pulse run: as it always was, the pulse marked, no arrivals panel
     for fig in figs:
         assert fig.layout.xaxis.title.text == "time since run start (s)"
         rects = [s for s in fig.layout.shapes if s.type == "rect"]
@@ -155,9 +158,9 @@ def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: P
         pulse = [s.x0 for s in fig.layout.shapes if s.type == "line" and s.x0 == s.x1]  # not a threshold line
         assert pulse == [120.0, 227.0]
     assert "detector (validation.json)" in summary
-    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-off__qwen2.5-7b__r1")
+    summary = experiments.run_view(ctx, "diagnostic__retries-off__qwen2.5-7b__r1").summary
     assert "recovered 120 s after the pulse" in summary and "no alerts" in summary
-    _, summary = experiments.run_figures(ctx, "nope")
+    summary = experiments.run_view(ctx, "nope").summary
     assert "no run 'nope'" in summary
 
 
@@ -178,7 +181,8 @@ def test_reference_now_is_the_last_scrape(api: StaticDetectorAPI) -> None:
 def test_experiments_replays_runs_missing_from_validation(api: StaticDetectorAPI, runs_dir: Path) -> None:
     (runs_dir / "validation.json").unlink()
     ctx = context(api, runs_dir)
-    figs, summary = experiments.run_figures(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    view = experiments.run_view(ctx, "diagnostic__retries-on__qwen2.5-7b__r1")
+    figs, summary = view.panels, view.summary
     assert "detector (the detector's replay)" in summary
     assert "VLLMMetastableRetryLoop" in summary  # the real detector fires on the collapsed run
     rects = [s for s in figs[0].layout.shapes if s.type == "rect"]
@@ -342,7 +346,8 @@ def test_a_hand_edited_run_is_shown_with_what_is_wrong_not_a_500(
         run.update(change)
         (runs_dir / "runs/diagnostic__retries-off__qwen2.5-7b__r1/metrics.d").mkdir()
         (runs_dir / "summary.json").write_text(json.dumps(summary))
-    figs, text = experiments.run_figures(context(api, runs_dir), run_key(run))
+    view = experiments.run_view(context(api, runs_dir), run_key(run))
+    figs, text = view.panels, view.summary
     assert len(figs) == len(figures.LIVE_PANELS) == 5
     assert any(word in text for word in ("unreadable", "cannot read run: [Errno 21]", "no alerts (KeyError"))
 
@@ -489,7 +494,7 @@ def test_experiments_shows_a_whatif_side_by_side_with_headroom(
         assert text in page, text
     # its points' runs are listed below, as any reproduce output's
     assert "2 runs from points" in page
-    _, summary = experiments.run_figures(context(api, root), "diagnostic__retries-on__qwen2.5-7b__r1")
+    summary = experiments.run_view(context(api, root), "diagnostic__retries-on__qwen2.5-7b__r1").summary
     assert "not recovered" in summary
     headroom = figures.whatif_headroom_figure(json.loads((root / "whatif.json").read_text()))
     assert list(headroom.data[0].x) == [1.325, 6.0] and list(headroom.data[2].x) == [2.7]
@@ -499,3 +504,107 @@ def test_experiments_names_a_broken_whatif(api: StaticDetectorAPI, runs_dir: Pat
     root = _whatif(runs_dir)
     (root / "whatif.json").write_text(json.dumps({"policies": {"none": {"does": "x"}}}))
     assert "policy 'none' needs an 'at_load' object" in str(experiments.layout(context(api, root)))
+
+
+# --- a replayed trace's run (the real `reproduce run --trace` and `reproduce validate`) --------
+
+
+def _full_height(fig: object) -> list[object]:
+    return [s for s in rects(fig) if (s.y0, s.y1) == (0, 1)]  # type: ignore[attr-defined]
+
+
+def test_a_trace_run_shows_its_arrivals_its_collapses_and_the_alerts_over_them(
+    api: StaticDetectorAPI, trace_runs_dir: Path
+) -> None:
+    ctx = context(api, trace_runs_dir)
+    page = str(experiments.layout(ctx))
+    assert experiments.ARRIVALS_GRAPH_ID in page
+    assert (
+        "no-control (azure_code_2023_30min-load3)" in page
+        and "no-control (azure_code_2023_30min-load1)" in page
+    )
+    run = ctx.runs().run(TRACE_SLUGS[3])  # type: ignore[union-attr]
+    (collapse,) = run["collapses"]
+    view = experiments.run_view(ctx, TRACE_SLUGS[3])
+    assert view.arrivals is not None and len(view.panels) == len(experiments.RUN_GRAPH_IDS)
+    lines = {t.name: t for t in view.arrivals.data}
+    arriving = np.array(lines["calls arriving (first attempts)"].y, dtype=float)
+    in_time = np.array(lines["delivered within the deadline"].y, dtype=float)
+    t = np.array(lines["calls arriving (first attempts)"].x, dtype=float)
+    assert np.nanmax(arriving) > 2 * run["capacity"]  # the trace's burst, at 3 Ĉ
+    looping = (t > collapse["metastable_at_s"]) & (t < collapse["end_s"])
+    assert np.nanmax(in_time[looping]) < 0.2 * run["capacity"]  # while the loop holds, next to none in time
+    alerts = {a["alertname"]: a for a in ctx.runs().alerts[TRACE_SLUGS[3]]}  # type: ignore[union-attr]
+    assert "VLLMMetastableRetryLoop" in alerts
+    for fig in (view.arrivals, *view.panels):
+        (band,) = [s for s in rects(fig) if s.name == "collapse"]  # type: ignore[attr-defined]
+        assert (band.x0, band.x1) == (collapse["start_s"], collapse["end_s"])
+        (loop,) = [s for s in rects(fig) if s.name == "metastable"]  # type: ignore[attr-defined]
+        assert (loop.x0, loop.x1) == (collapse["metastable_at_s"], collapse["end_s"])
+        (burst,) = [s for s in rects(fig) if s.name == "burst"]  # type: ignore[attr-defined]
+        assert (burst.x0, burst.x1) == (collapse["burst"]["start_s"], collapse["burst"]["end_s"])
+        row = [s for s in rects(fig) if str(s.name).endswith(" alert")]  # type: ignore[attr-defined]
+        assert row and all(s.y0 >= 0.9 for s in row)  # their own row, not full-height shading
+        assert min(s.x0 for s in row) == min(a["fired_at_s"] for a in alerts.values())
+        assert {s.name for s in _full_height(fig)} == {"collapse", "metastable"}
+        assert not [s for s in fig.layout.shapes if s.type == "line" and s.x0 == s.x1]  # no pulse marks
+    summary = view.summary
+    assert "trace azure_code_2023_30min at 3x Ĉ: 1 collapse (1 metastable)" in summary
+    assert f"{collapse['start_s']:.0f}–{collapse['end_s']:.0f} s" in summary
+    assert f"metastable from {collapse['metastable_at_s']:.0f} s" in summary
+    assert "after the pulse" not in summary and "VLLMMetastableRetryLoop at" in summary
+
+    calm = experiments.run_view(ctx, TRACE_SLUGS[1])
+    assert calm.arrivals is not None and "trace azure_code_2023_30min at 1x Ĉ: no collapse" in calm.summary
+    assert "no alerts" in calm.summary  # its own validation entry, not the 3-Ĉ run's
+    assert not [s for f in (calm.arrivals, *calm.panels) for s in rects(f)]
+
+
+def _post_run(app: Any, run_id: str) -> Any:
+    client = app.server.test_client()
+    (spec,) = [
+        c for c in client.get("/_dash-dependencies").get_json() if "experiments-run-summary" in c["output"]
+    ]
+    outputs = [_prop(o) for o in spec["output"].strip(".").split("...")]
+    body = {"output": spec["output"], "outputs": outputs, "inputs": [_prop("experiments-run.value", run_id)]}
+    got = client.post("/_dash-update-component", json={**body, "changedPropIds": ["experiments-run.value"]})
+    assert got.status_code == 200
+    return got.get_json()["response"]
+
+
+def test_the_arrivals_panel_shows_for_a_trace_run_and_stays_hidden_for_a_pulse_run(
+    api: StaticDetectorAPI, runs_dir: Path, trace_runs_dir: Path
+) -> None:
+    trace = _post_run(
+        create_app(DashboardConfig(detector_url=api.url, runs_dir=trace_runs_dir)), TRACE_SLUGS[3]
+    )
+    assert trace[experiments.ARRIVALS_GRAPH_ID]["style"] == experiments.SHOWN
+    pulse = create_app(DashboardConfig(detector_url=api.url, runs_dir=runs_dir))
+    got = _post_run(pulse, "diagnostic__retries-on__qwen2.5-7b__r1")
+    assert got[experiments.ARRIVALS_GRAPH_ID]["style"] == experiments.HIDDEN
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"collapses": "soon"},
+        {"collapses": [{"end_s": 3.0}]},
+        {"collapses": [{"start_s": 60.0, "end_s": 420.0, "burst": "early"}]},
+        {"collapses": None},
+        {"settings": "azure"},
+    ],
+)
+def test_a_hand_edited_trace_run_is_a_note_not_a_500(
+    api: StaticDetectorAPI, trace_runs_dir: Path, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    root = tmp_path / "edited"
+    shutil.copytree(trace_runs_dir, root)
+    summary = json.loads((root / "summary.json").read_text())
+    (run,) = [r for r in summary["runs"] if r["slug"] == TRACE_SLUGS[3]]
+    run.update(change)
+    (root / "summary.json").write_text(json.dumps(summary))
+    app = create_app(DashboardConfig(detector_url=api.url, runs_dir=root))
+    view = experiments.run_view(app.server.config["RETRYWATCH_CONTEXT"], TRACE_SLUGS[3])
+    assert "summary entry unreadable" in view.summary and "VLLMMetastableRetryLoop at" in view.summary
+    assert view.arrivals is not None and len(view.panels) == 5  # the series still drawn
+    assert "summary entry unreadable" in _post_run(app, TRACE_SLUGS[3])["experiments-run-summary"]["children"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dashboard.runs import load_runs, run_key, run_signals, series_signals
+from dashboard.runs import STEP_SIGNALS, load_runs, run_key, run_label, run_signals, series_signals
 from detector.rundir import RunDirError
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, read_series, write_series
@@ -120,3 +120,48 @@ def test_bad_runs_dirs_get_clear_errors(tmp_path: Path) -> None:
     loaded = load_runs(tmp_path)
     with pytest.raises(RunDirError, match="leaves the runs directory"):
         loaded.series_path(loaded.runs[0])
+
+
+def test_calls_arriving_and_delivered_in_time_keep_a_bursts_shape() -> None:
+    """At the series' own step, not smoothed over the 30-s rate window: a 10-s burst of 50
+    calls/s on 5/s stands as a 10-s plateau, with the calls delivered in time beside it."""
+
+    def arrived(t: float) -> float:
+        return 5.0 * t + 45.0 * min(max(t - 100.0, 0.0), 10.0)
+
+    def in_time(t: float) -> float:  # from the burst on, served at 8/s until the backlog is gone
+        return min(arrived(t), 5.0 * t + 3.0 * max(t - 100.0, 0.0))
+
+    snaps = [
+        Snapshot(t=5.0 * i, samples=[
+            (mn.ATTEMPTS, {"kind": "first"}, arrived(5.0 * i)),
+            (mn.ATTEMPTS, {"kind": "retry"}, 0.0),
+            (mn.CALLS_DELIVERED, {"within_deadline": "true"}, in_time(5.0 * i)),
+        ])
+        for i in range(61)
+    ]  # fmt: skip
+    signals = series_signals(snaps)
+    arriving, delivered = STEP_SIGNALS
+    t, rate = signals[arriving].T
+    assert list(rate[(t > 100.0) & (t <= 110.0)]) == [50.0, 50.0]
+    assert set(rate[(t > 0.0) & (t <= 100.0)]) == {5.0} and set(rate[t > 115.0]) == {5.0}
+    smoothed = signals["attempt_rate_first"][:, 1]
+    assert np.nanmax(smoothed) < 50.0  # the 30-s rate would have flattened it
+    assert np.nanmax(signals[delivered][:, 1]) == pytest.approx(8.0)  # a backlog served at 8/s
+
+
+def test_runs_of_one_condition_at_two_loads_keep_their_own_alerts(runs_dir: Path) -> None:
+    """A trace replayed at two loads: block, condition, model and run alike, the variant apart."""
+    summary = json.loads((runs_dir / "summary.json").read_text())
+    validation = json.loads((runs_dir / "validation.json").read_text())
+    for run, entry, variant in zip(
+        summary["runs"], validation["runs"][::-1], ("t-load1", "t-load3"), strict=True
+    ):
+        run.update(condition="no-control", variant=variant)
+        entry.update(condition="no-control", variant=variant)
+    (runs_dir / "summary.json").write_text(json.dumps(summary))
+    (runs_dir / "validation.json").write_text(json.dumps(validation))
+    loaded = load_runs(runs_dir)
+    first, second = loaded.runs
+    assert loaded.alerts[run_key(first)] == [] and len(loaded.alerts[run_key(second)]) == 2
+    assert "no-control (t-load1)" in run_label(first) and "no-control (t-load3)" in run_label(second)
