@@ -883,6 +883,7 @@ def build_report(
                 "model": r.info.model,
                 "run": r.info.run,
                 "recovered": r.info.recovered,
+                "trace": r.info.trace,  # a replayed trace: "pulse" holds the burst it is aligned on
                 "pulse": {"start_s": r.info.pulse_start_s, "end_s": r.info.pulse_end_s},
                 "judged_end_s": r.info.judged_end_s,
                 "duration_s": r.info.duration_s,
@@ -1035,6 +1036,19 @@ def _cell(a: Mapping[str, Any]) -> str:
     return f"{_share(a['recall'])} · {a['false_positive_runs']} · {_pair(a['lead_time_s'])}"
 
 
+def _trace_reading(report: Mapping[str, Any]) -> list[str]:
+    """How to read the pulse's figures on replayed traces, which have none (docs/traces.md)."""
+    traces = sum(1 for r in report["runs"] if r.get("trace"))
+    if not traces:
+        return []
+    return [
+        f"- {traces} of the runs replay a request trace, which has no pulse: for them, read every "
+        '"pulse" below as the burst the run is aligned on (the busiest 60-s stretch before its first '
+        "collapse, or its busiest stretch when nothing collapsed; `burst` in summary.json) and "
+        '"the hold" as the whole run, to three windows after its last call (docs/traces.md).'
+    ]
+
+
 def summary_markdown(report: Mapping[str, Any]) -> list[str]:
     """The scores: the ground truth, a table per kind with its legend, and per block."""
     gt = report["ground_truth"]
@@ -1057,6 +1071,7 @@ def summary_markdown(report: Mapping[str, Any]) -> list[str]:
         f"- It agrees with the recovery verdict (a run did not recover exactly when a collapse runs "
         f"to the end of its hold) in {gt['agrees_with_recovered']} of {gt['runs_with_call_records']} "
         "runs" + (f"; not in {', '.join(gt['disagreeing_runs'])}." if gt["disagreeing_runs"] else "."),
+        *_trace_reading(report),
         "",
     ]
     for kind, title, table, legend in (

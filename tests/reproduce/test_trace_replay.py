@@ -190,6 +190,12 @@ def test_validate_scores_a_replay_against_its_collapses(replayed: Path) -> None:
     symptom = report["alerts"]["VLLMCallsNotDeliveredInTime"]
     assert symptom["collapses"] == len(run["collapses"]) and symptom["recall"] is not None
     assert report["alerts"]["VLLMMetastableRetryLoop"]["runs_metastable"] == 1
+    # The pulse's figures say how to read them on a trace, which has none.
+    assert report["runs"][0]["trace"] is True
+    assert (
+        '1 of the runs replay a request trace, which has no pulse: for them, read every "pulse"'
+        in (replayed / "validation.md").read_text()
+    )
 
 
 def test_a_bad_trace_is_one_line_naming_row_and_column(tmp_path: Path) -> None:
