@@ -70,6 +70,7 @@ from reproduce.calibrate import (
 from reproduce.client import AttemptOutcome
 from reproduce.httpdriver.attempt import completion_body, run_attempt
 from reproduce.httpdriver.protocol import HttpProtocol
+from reproduce.traceworkload import TraceWorkload
 from reproduce.workload import PlannedCall, generate_trace, prompt_token_ids
 
 #: A stage's calls: ``(rate, duration_s, seed)`` -> calls at ``rate`` per run-second over
@@ -178,6 +179,17 @@ async def _stage(
         completed=len(completions),
         completion_times=tuple(sorted(completions)),
     )
+
+
+def trace_mix(workload: TraceWorkload, protocol: HttpProtocol) -> list[tuple[int, int]]:
+    """``workload``'s token mix as ``protocol`` sends its calls: (prompt, output) lengths × the
+    protocol's token scale, cut to its context (what ``reproduce run --trace`` sends)."""
+    limit = protocol.max_context
+    fitted = []
+    for p, o in workload.scaled_mix(protocol.token_scale):
+        prompt = min(p, limit - 1)
+        fitted.append((prompt, min(o, limit - prompt)))
+    return fitted
 
 
 def protocol_stage_calls(protocol: HttpProtocol) -> StageCalls:

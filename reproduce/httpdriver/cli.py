@@ -176,6 +176,7 @@ def _trace_stage_calls(
     """The stages' calls drawn from ``path``'s token mix, as ``reproduce run --trace`` sends them
     on this protocol (lengths × its token scale, cut to its context); a bad file or window is a
     usage error naming it."""
+    from reproduce.httpdriver.calibration import trace_mix
     from reproduce.tracecapacity import mix_stage_calls
     from reproduce.traces import TraceError, parse_window
     from reproduce.traceworkload import TraceWorkload
@@ -185,12 +186,9 @@ def _trace_stage_calls(
     except TraceError as exc:
         raise click.BadParameter(str(exc), param_hint="'--window'") from None
     try:
-        workload = TraceWorkload(str(path), trace_format, 1.0, start, end)
-        mix = workload.scaled_mix(protocol.token_scale)
+        fitted = trace_mix(TraceWorkload(str(path), trace_format, 1.0, start, end), protocol)
     except TraceError as exc:
         raise click.BadParameter(str(exc), param_hint="'--trace'") from None
-    limit = protocol.max_context
-    fitted = [(min(p, limit - 1), min(o, limit - min(p, limit - 1))) for p, o in mix]
     prompts = sum(p for p, _ in fitted) / len(fitted)
     outputs = sum(o for _, o in fitted) / len(fitted)
     click.echo(

@@ -38,10 +38,11 @@ from reproduce.conditions import RunSpec
 from reproduce.engine import EngineConfig
 from reproduce.engine.config import GIB, StepTimeModel
 from reproduce.httpdriver.attempt import completion_body, run_attempt
-from reproduce.httpdriver.calibration import calibrate_settled, stage_lengths
+from reproduce.httpdriver.calibration import StageCalls, calibrate_settled, stage_lengths
 from reproduce.httpdriver.protocol import HttpProtocol
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry
+from reproduce.traceworkload import TraceWorkload
 
 __all__ = [
     "COLUMNS",
@@ -172,20 +173,33 @@ def probe_step_times(
     return asyncio.run(_probe(engine_url, model_name, vocab_size, short, long, batch, repeats))
 
 
-def sim_stage_runner(config: EngineConfig, protocol: HttpProtocol, *, seed: int = 0) -> StageRunner:
-    """A calibration stage on the engine model with the protocol's calls, sampling what the HTTP
-    stage runner samples: executions waiting plus running, once a second."""
+def sim_stage_runner(
+    config: EngineConfig, protocol: HttpProtocol, *, seed: int = 0, stage_calls: StageCalls | None = None
+) -> StageRunner:
+    """A calibration stage on the engine model with the protocol's calls (or ``stage_calls``'s:
+    a trace's mix), sampling what the HTTP stage runner samples: executions waiting plus
+    running, once a second."""
     return calibrate.sim_stage_runner(
-        config, workload=protocol.workload(1.0, seed=seed), seed=seed, include_running=True
+        config,
+        workload=protocol.workload(1.0, seed=seed),
+        seed=seed,
+        include_running=True,
+        stage_calls=stage_calls,
     )
 
 
 def sim_calibration(
-    config: EngineConfig, protocol: HttpProtocol, start_rate: float, *, seed: int = 0
+    config: EngineConfig,
+    protocol: HttpProtocol,
+    start_rate: float,
+    *,
+    seed: int = 0,
+    stage_calls: StageCalls | None = None,
 ) -> CalibrationResult:
-    """Ĉ of the engine model by the real engine's calibration method (``stage_lengths``)."""
+    """Ĉ of the engine model by the real engine's calibration method (``stage_lengths``), on
+    the protocol's calls or ``stage_calls``'s (``calibrate_http``'s, for the same Ĉ)."""
     stage_s, confirm_s = stage_lengths(protocol)
-    runner = sim_stage_runner(config, protocol, seed=seed)
+    runner = sim_stage_runner(config, protocol, seed=seed, stage_calls=stage_calls)
     return calibrate_settled(runner, start_rate, stage_s=stage_s, confirm_stage_s=confirm_s)
 
 
@@ -199,14 +213,18 @@ def simulate_runs(
     """
     entries = []
     for run in runs:
-        workload = {
-            **run.condition.pulse.fields(hold_s=protocol.hold_s),
-            "prompt_mean": protocol.prompt_mean,
-            "prompt_std": protocol.prompt_std,
-            "shared_prefix_len": protocol.shared_prefix_len,
-            "response_median": protocol.response_median,
-            "max_context": protocol.max_context,
-        }
+        workload: dict[str, Any]
+        if isinstance(run.condition.workload, TraceWorkload):  # its lengths as the protocol sends them
+            workload = {"token_scale": protocol.token_scale, "max_context": protocol.max_context}
+        else:
+            workload = {
+                **run.condition.pulse.fields(hold_s=protocol.hold_s),
+                "prompt_mean": protocol.prompt_mean,
+                "prompt_std": protocol.prompt_std,
+                "shared_prefix_len": protocol.shared_prefix_len,
+                "response_median": protocol.response_median,
+                "max_context": protocol.max_context,
+            }
         spec = SimSpec(
             model=config.model_name,
             condition=run.condition,
@@ -247,19 +265,59 @@ COLUMNS: tuple[str, ...] = (
 )
 
 
+#: A replayed trace's columns: no pulse and no hold; its collapses, and all of its calls.
+TRACE_COLUMNS: tuple[str, ...] = (
+    "condition",
+    "world",
+    "Ĉ calls/s",
+    "recovered",
+    "collapses",
+    "created ×Ĉ",
+    "completed ×Ĉ",
+    "within deadline",
+    "by the horizon",
+    "orphaned share",
+)
+
+
+def _collapses_cell(collapses: Sequence[Mapping[str, Any]] | None) -> str:
+    """A trace run's collapses as ``start→end s``, the metastable stretch after each."""
+    if collapses is None:
+        return "–"
+    cells = []
+    for c in collapses:
+        end = f"{c['end_s']:.0f} s" if c["ended"] else f"the end ({c['end_s']:.0f} s)"
+        loop = ""
+        if c["metastable"] and c["metastable_at_s"] is not None:
+            loop = f", metastable from {c['metastable_at_s']:.0f} s for {c['metastable_for_s']:.0f} s"
+        cells.append(f"{c['start_s']:.0f}→{end}{loop}")
+    return "; ".join(cells) or "none"
+
+
 def _row(world: str, entry: Mapping[str, Any]) -> dict[str, Any]:
     executions = entry["executions"]
     created = executions["created"]
-    return {
+    row = {
         "condition": entry["condition"],
         "world": world,
         "Ĉ calls/s": entry["capacity"],
         "recovered": entry["recovered"],
         "created ×Ĉ": entry["rates_x_capacity"]["executions_created"],
         "completed ×Ĉ": entry["rates_x_capacity"]["executions_completed"],
-        "pulse within deadline": entry["delivery"]["pulse"]["within_deadline"],
-        "hold within deadline": entry["delivery"]["hold"]["within_deadline"],
         "orphaned share": executions["orphaned"] / created if created else None,
+    }
+    delivery = entry["delivery"]
+    if "trace" in delivery:  # a replayed trace (``TraceWorkload``)
+        return {
+            **row,
+            "collapses": _collapses_cell(entry.get("collapses")),
+            "within deadline": delivery["trace"]["within_deadline"],
+            "by the horizon": delivery["trace"]["by_horizon"],
+        }
+    return {
+        **row,
+        "pulse within deadline": delivery["pulse"]["within_deadline"],
+        "hold within deadline": delivery["hold"]["within_deadline"],
     }
 
 
@@ -292,7 +350,9 @@ def _cell(value: Any) -> str:
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as a Markdown table (shares and multiples with two decimals)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+    """The rows as a Markdown table (shares and multiples with two decimals): a pulse's columns
+    (``COLUMNS``), or a replayed trace's (``TRACE_COLUMNS``) when every row is one."""
+    columns = TRACE_COLUMNS if rows and all("within deadline" in r for r in rows) else COLUMNS
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines)

@@ -85,7 +85,12 @@ class SimSpec:
         k = self.time_scale
         capacity = self.capacity if self.capacity is not None else preset_capacity(self.model)
         if isinstance(cond.workload, TraceWorkload):
-            return plan_trace(cond.workload, capacity, cond.client.config(self.client), k)
+            # ``workload`` may scale a trace's lengths as a scaled protocol does (its token_scale
+            # and max_context: ``reproduce.httpdriver.compare``)
+            scaling = {
+                key: self.workload[key] for key in ("token_scale", "max_context") if key in self.workload
+            }
+            return plan_trace(cond.workload, capacity, cond.client.config(self.client), k, **scaling)
         fields: dict[str, Any] = {**cond.workload.fields(), **self.workload}
         workload = WorkloadSpec(capacity=capacity / k, seed=self.seed, time_scale=k, **fields)
         return plan_run(workload, cond.client.config(self.client))

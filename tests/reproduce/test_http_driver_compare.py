@@ -3,12 +3,15 @@ engine model of vLLM on CPU, its calibration, and the table, on synthetic summar
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from reproduce.backends.models import model_info
 from reproduce.conditions import expand
+from reproduce.httpdriver.calibration import trace_mix
 from reproduce.httpdriver.compare import (
     COLUMNS,
     StepProbe,
@@ -20,9 +23,14 @@ from reproduce.httpdriver.compare import (
     step_time_from_probe,
 )
 from reproduce.httpdriver.protocol import cpu_scaled
+from reproduce.tracecapacity import mix_stage_calls
+from reproduce.traceworkload import TraceWorkload
 
 #: About what the ``small`` configuration measures on a 2-core machine.
 PROBE = StepProbe(256, 0.05, 2_048, 0.30, 0.012, 32, 0.040)
+MOONCAKE = (
+    Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "mooncake_conversation_4min.jsonl"
+)
 
 
 def _entry(condition: str, *, recovered: bool, created: int, orphaned: int) -> dict[str, Any]:
@@ -114,3 +122,51 @@ def test_no_execution_created_gives_no_orphaned_share() -> None:
     (row, _) = comparison_rows([entry], [entry])
     assert row["orphaned share"] is None
     assert "| – |" in comparison_table([row])
+
+
+def test_a_trace_on_the_engine_model_at_the_protocols_token_scale() -> None:
+    """A trace replayed beside a real vLLM (``reproduce.httpdriver.tracecompare``): the engine
+    model is calibrated on the trace's mix as the protocol sends it (lengths x its token scale)
+    and replays the trace at its own Ĉ, judged on its collapses; the table takes a trace's columns."""
+    protocol = cpu_scaled(10)
+    workload = TraceWorkload(str(MOONCAKE), None, 3.0, 0.0, 60.0)
+    mix = trace_mix(workload, protocol)
+    unscaled = workload.scaled_mix(1.0)
+    assert len(mix) == len(unscaled)
+    assert sum(p for p, _ in mix) < 0.2 * sum(p for p, _ in unscaled)  # x0.1, cut to the context
+    assert all(p < protocol.max_context and p + o <= protocol.max_context for p, o in mix)
+    config = cpu_engine_config(model_info("small"), step_time_from_probe(PROBE))
+    result = sim_calibration(config, protocol, 2.0, stage_calls=mix_stage_calls(mix))
+    (spec,) = expand("composition", models="small", runs=1, conditions=["no-control"])
+    run = replace(spec, condition=replace(spec.condition, workload=workload, variant=workload.variant))
+    (entry,) = simulate_runs([run], config, protocol, result.capacity)
+    assert entry["pulse"] is None and entry["calls"]["offered"] == len(mix)
+    assert entry["collapses"], "3 Ĉ for a minute of trace, a deadline of 12 s: a collapse"
+    table = comparison_table(comparison_rows([entry], [entry]))
+    header = table.splitlines()[0]
+    assert "collapses" in header and "pulse within deadline" not in header
+    assert f"{entry['collapses'][0]['start_s']:.0f}→" in table
+
+
+def test_tracecompare_refuses_bad_input_before_any_engine_starts(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from reproduce.httpdriver.tracecompare import main
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,x,1\n")
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "summary.json").write_text("{}")
+    out = ["--out", str(tmp_path / "out")]
+    for extra, option in (
+        (["--trace", str(bad), *out], "'--trace'"),
+        (["--trace", str(MOONCAKE), "--window", "5:1", *out], "'--window'"),
+        (["--trace", str(MOONCAKE), "--condition", "nope", *out], "'--condition'"),
+        (["--trace", str(MOONCAKE), "--out", str(used)], "'--out'"),
+        (["--trace", str(MOONCAKE), "--load", "0", *out], "'--load'"),
+    ):
+        result = CliRunner().invoke(main, extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert option in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
