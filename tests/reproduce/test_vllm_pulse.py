@@ -15,9 +15,10 @@ With retries on and no control the engine enters the retry loop: a collapse that
 pulse while first attempts arrive below Ĉ and executions are created above it (metastable, by the
 ground truth of ``reproduce.groundtruth``), and ``VLLMMetastableRetryLoop`` fires inside it. Whether
 the engine then stays there to the horizon is the engine's and the machine's: a CI run saw it
-escape within the 144-s hold (vLLM's prefix cache makes a retry's execution cheaper than a
-first one), so the test asserts the loop, not its length. The default recipe (coalescing with
-deferred cancellation) recovers, and the loop alert never outlasts its collapse.
+escape within the 144-s hold (docs/results.md: a CPU engine completes orphaned decodes far
+faster than its prefill-bound Ĉ), so the test asserts the loop, not its length. The default
+recipe (coalescing with deferred cancellation) recovers, and the loop alert never outlasts its
+collapse.
 
 The engine runs niced (``CPU_ENGINE_NICENESS``) so the client, the proxy and the detector are not
 starved by it, and a run whose client still fell behind its plan (pulse sent late, event loop
