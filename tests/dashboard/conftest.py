@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -213,6 +214,59 @@ def runs_dir(tmp_path: Path) -> Path:
 
 
 # --- a replayed trace, by the real `retrywatch reproduce run --trace` -----------------------
+
+
+def whatif_dir(points_dir: Path) -> Path:
+    """A what-if's DIR in ``reproduce whatif``'s shapes: whatif.json beside its points."""
+    root = points_dir.parent / "whatif"
+    shutil.copytree(points_dir, root / "points")
+
+    def point(within: int, late: int, failed: int, loops: int, **extra: Any) -> dict[str, Any]:
+        calls = within + late + failed
+        return {
+            "load": 2.7, "runs": 1, "calls": calls,
+            "within_deadline": within, "late": late, "failed": failed,
+            "within_deadline_share": within / calls, "late_share": late / calls,
+            "failed_share": failed / calls,
+            "executions_per_call": 3.34 if loops else 1.01, "collapses": 1, "loops": loops,
+            "loop_at_s": [28.0] if loops else [None], "loop_for_s": [41.5] if loops else [0.0],
+            "recovered": 0 if loops else 1, "safe": not loops, **extra,
+        }  # fmt: skip
+
+    body = {
+        "load": 2.7,
+        "workload_text": "the study's pulse",
+        "safe_rule": "A load counts as safe when none of its seeds' runs enters a metastable collapse.",
+        "policies": {
+            "none": {
+                "does": "a plain proxy",
+                "at_load": point(171, 0, 609, 1, alerts={"VLLMMetastableRetryLoop": [30.0]}),
+                "headroom": {
+                    "headroom_load": 1.325,
+                    "kind": "bracketed",
+                    "precision_reached": 0.0687,
+                    "lower_limit": 0.5,
+                    "upper_limit": 6.0,
+                    "tried": [{"load": 1.325, "safe": True}, {"load": 2.7, "safe": False}],
+                },
+            },
+            "coalescing": {
+                "does": "a retry attaches to its call's execution still running",
+                "at_load": point(418, 360, 2, 0),
+                "headroom": {
+                    "headroom_load": 6.0,
+                    "kind": "at-least",
+                    "precision_reached": None,
+                    "lower_limit": 0.5,
+                    "upper_limit": 6.0,
+                    "tried": [{"load": 6.0, "safe": True}],
+                },
+            },
+        },
+    }
+    (root / "whatif.json").write_text(json.dumps(body))
+    return root
+
 
 TRACE = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "azure_code_2023_30min.csv.gz"
 TRACE_MODEL = "qwen2.5-7b-h100"

@@ -12,7 +12,7 @@ import pytest
 from dashboard.app import DashboardConfig
 from tests.dashboard.staticapi import StaticDetectorAPI
 
-from .conftest import DRAW_TIMEOUT_MS, ENGINE_B, TRACE_SLUGS, Page, ServedApp, loop_alert
+from .conftest import DRAW_TIMEOUT_MS, ENGINE_B, TRACE_SLUGS, Page, ServedApp, loop_alert, whatif_dir
 
 pytestmark = pytest.mark.browser
 
@@ -210,5 +210,34 @@ def test_experiments_page_shows_a_trace_runs_arrivals_and_collapses(
         tab.wait_graphs(8)
         assert tab.page.evaluate(SHAPES, ["graph-run-arrivals", "collapse"]) == {"named": [], "drawn": 0}
         assert tab.trace_max("graph-run-arrivals", "calls arriving (first attempts)") > 0.0
+        assert tab.errors == []
+        tab.close()
+
+
+def test_experiments_page_shows_a_whatif_side_by_side(
+    browser: Any, api: StaticDetectorAPI, runs_dir: Path
+) -> None:
+    """A what-if's DIR (whatif.json beside its points): the policies' table and both figures
+    drawn in the browser (delivery per policy, headroom per policy with the load tried), its
+    points' runs below as any run."""
+    root = whatif_dir(runs_dir)
+    with ServedApp(DashboardConfig(detector_url=api.url, runs_dir=root)) as served:
+        tab = Page(browser)
+        tab.page.goto(served.url + "/experiments")
+        tab.page.wait_for_selector("#whatif-table", timeout=DRAW_TIMEOUT_MS)
+        table = tab.page.locator("#whatif-table").inner_text()
+        for text in ("none", "coalescing", "1.325x Ĉ (within 0.0687)", "≥ 6x Ĉ (bound)"):
+            assert text in table, text
+        tab.page.wait_for_function(
+            "() => ['graph-whatif-delivery', 'graph-whatif-headroom'].every(id => "
+            "document.querySelector('#' + id + ' .js-plotly-plot')?._fullData !== undefined)",
+            timeout=DRAW_TIMEOUT_MS,
+        )
+        bars = tab.page.evaluate(
+            "() => document.querySelector('#graph-whatif-headroom .js-plotly-plot')._fullData[0].x"
+        )
+        assert list(bars) == [1.325, 6.0]
+        assert "2 runs from points" in tab.page.locator("body").inner_text()
+        tab.screenshot("experiments-whatif.png")
         assert tab.errors == []
         tab.close()

@@ -21,7 +21,7 @@ from dashboard.runs import run_key
 from foundation.processes import free_port
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 
-from .conftest import ENGINE_A, ENGINE_B, NOW, TRACE_SLUGS, episode, loop_alert
+from .conftest import ENGINE_A, ENGINE_B, NOW, TRACE_SLUGS, episode, loop_alert, whatif_dir
 
 
 def context(api: StaticDetectorAPI, runs_dir: Path | None = None) -> Context:
@@ -428,62 +428,10 @@ def test_the_history_table_links_each_episodes_runbook_section(api: StaticDetect
     }  # a link that is not a web link is never shown
 
 
-def _whatif(points_dir: Path) -> Path:
-    """A what-if's DIR in ``reproduce whatif``'s shapes: whatif.json beside its points."""
-    root = points_dir.parent / "whatif"
-    shutil.copytree(points_dir, root / "points")
-
-    def point(within: int, late: int, failed: int, loops: int, **extra: Any) -> dict[str, Any]:
-        calls = within + late + failed
-        return {
-            "load": 2.7, "runs": 1, "calls": calls,
-            "within_deadline": within, "late": late, "failed": failed,
-            "within_deadline_share": within / calls, "late_share": late / calls,
-            "failed_share": failed / calls,
-            "executions_per_call": 3.34 if loops else 1.01, "collapses": 1, "loops": loops,
-            "loop_at_s": [28.0] if loops else [None], "loop_for_s": [41.5] if loops else [0.0],
-            "recovered": 0 if loops else 1, "safe": not loops, **extra,
-        }  # fmt: skip
-
-    body = {
-        "load": 2.7,
-        "workload_text": "the study's pulse",
-        "safe_rule": "A load counts as safe when none of its seeds' runs enters a metastable collapse.",
-        "policies": {
-            "none": {
-                "does": "a plain proxy",
-                "at_load": point(171, 0, 609, 1, alerts={"VLLMMetastableRetryLoop": [30.0]}),
-                "headroom": {
-                    "headroom_load": 1.325,
-                    "kind": "bracketed",
-                    "precision_reached": 0.0687,
-                    "lower_limit": 0.5,
-                    "upper_limit": 6.0,
-                    "tried": [{"load": 1.325, "safe": True}, {"load": 2.7, "safe": False}],
-                },
-            },
-            "coalescing": {
-                "does": "a retry attaches to its call's execution still running",
-                "at_load": point(418, 360, 2, 0),
-                "headroom": {
-                    "headroom_load": 6.0,
-                    "kind": "at-least",
-                    "precision_reached": None,
-                    "lower_limit": 0.5,
-                    "upper_limit": 6.0,
-                    "tried": [{"load": 6.0, "safe": True}],
-                },
-            },
-        },
-    }
-    (root / "whatif.json").write_text(json.dumps(body))
-    return root
-
-
 def test_experiments_shows_a_whatif_side_by_side_with_headroom(
     api: StaticDetectorAPI, runs_dir: Path
 ) -> None:
-    root = _whatif(runs_dir)
+    root = whatif_dir(runs_dir)
     page = str(experiments.layout(context(api, root)))
     assert "whatif-table" in page and "graph-whatif-delivery" in page and "graph-whatif-headroom" in page
     # the policies side by side: fates, executions per call, loops and alerts, and the headroom
@@ -501,7 +449,7 @@ def test_experiments_shows_a_whatif_side_by_side_with_headroom(
 
 
 def test_experiments_names_a_broken_whatif(api: StaticDetectorAPI, runs_dir: Path) -> None:
-    root = _whatif(runs_dir)
+    root = whatif_dir(runs_dir)
     (root / "whatif.json").write_text(json.dumps({"policies": {"none": {"does": "x"}}}))
     assert "policy 'none' needs an 'at_load' object" in str(experiments.layout(context(api, root)))
 
