@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from exporter.proxy import ENDED_WITHOUT_ANSWER, Answer, Ending, Proxy, header_map
-from exporter.relay import Relay, Subscription
+from exporter.relay import READ_BYTES, Relay, Subscription
 from exporter.validation import GENERATION_ROUTES
 from foundation.errors import error_body, error_type
 from foundation.server import PROXY_ERROR, SHUT_DOWN_UNANSWERED
@@ -282,15 +282,15 @@ class Exchange:
                 if relay.overrun(sub) and not self._dropped:
                     self._drop(relay, sub)
                 return
-            if relay.stream:
-                data = relay.read(sub)
-                if data:
-                    frame = b"%x\r\n%b\r\n" % (len(data), data)
-                    if not self.response_started:
-                        frame = self._head_bytes(200, relay.content_type, None, True) + frame
-                    self.connection.write(frame)
-            if relay.outcome is None:
-                return
+            # bounded reads while the connection takes them: what it does not take stays in the
+            # relay, where its lag is seen, instead of all at once in the transport's buffer
+            while relay.stream and self.connection.writable and (data := relay.read(sub, READ_BYTES)):
+                frame = b"%x\r\n%b\r\n" % (len(data), data)
+                if not self.response_started:
+                    frame = self._head_bytes(200, relay.content_type, None, True) + frame
+                self.connection.write(frame)
+            if relay.outcome is None or (relay.stream and sub.offset < relay.end):
+                return  # more to come, or the rest to write on resume
         self._end(relay, sub)
 
     def _drop(self, relay: Relay, sub: Subscription) -> None:

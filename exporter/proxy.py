@@ -50,7 +50,7 @@ from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, 
 from exporter.execution import Execution
 from exporter.metrics import ProxyMetrics
 from exporter.policy import Attempt, Cancel, Created, Dispatch, Drop, Effect, Policy, Shed, StartTimer
-from exporter.relay import Outcome, Relay, Subscription, UpstreamRequest
+from exporter.relay import READ_BYTES, Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
     UpstreamBroken,
@@ -882,7 +882,7 @@ class SubscriberResponse(Response):
         try:
             while not sub.left:
                 if relay.stream:
-                    data = relay.read(sub)
+                    data = relay.read(sub, READ_BYTES)  # bounded: the rest waits in the relay
                     if data:
                         if not headers_sent:
                             await send(self._start(200, relay.content_type))

@@ -31,6 +31,8 @@ from enum import StrEnum
 from typing import Any
 
 BLOCK_BYTES = 16 * 1024
+#: The most a streaming subscriber's writer takes from the relay at a time: four blocks.
+READ_BYTES = 4 * BLOCK_BYTES
 
 
 class Outcome(StrEnum):
@@ -208,26 +210,34 @@ class Relay:
         i = bisect.bisect_right(self._block_starts, offset) - 1
         return self._sealed_stored - self._stored_before[i] + len(self._tail) > self.limit_bytes
 
-    def read(self, sub: Subscription) -> bytes:
-        """Everything from the subscriber's offset to the end; advances the offset."""
+    def read(self, sub: Subscription, max_bytes: int | None = None) -> bytes:
+        """From the subscriber's offset to the end, or at most ``max_bytes`` of it; advances the
+        offset by what it returns. A writer bounds its reads (``READ_BYTES``) so that what a
+        client has not taken stays in the relay, where its lag is seen (``overrun``), and never
+        all at once in a transport's buffer."""
         offset = sub.offset
-        if offset >= self.end:
+        end = self.end if max_bytes is None else min(self.end, offset + max_bytes)
+        if offset >= end:
             return b""
-        sub.offset = self.end
+        sub.offset = end
         if offset >= self._tail_start:
-            return bytes(self._tail[offset - self._tail_start :])
-        return self._read_blocks(offset)
+            return bytes(self._tail[offset - self._tail_start : end - self._tail_start])
+        return self._read_blocks(offset, end)
 
-    def _read_blocks(self, offset: int) -> bytes:
+    def _read_blocks(self, offset: int, end: int) -> bytes:
         i = bisect.bisect_right(self._block_starts, offset) - 1
         parts: list[bytes] = []
         first_start = self._block_starts[i]
-        for block in self._blocks[i:]:
+        for j in range(i, len(self._blocks)):
+            if self._block_starts[j] >= end:
+                break
+            block = self._blocks[j]
             if block is None:
                 raise RuntimeError("replay block released while a subscriber still needed it")
             parts.append(zlib.decompress(block))
-        parts.append(bytes(self._tail))
-        return b"".join(parts)[offset - first_start :]
+        if end > self._tail_start:
+            parts.append(bytes(self._tail[: end - self._tail_start]))
+        return b"".join(parts)[offset - first_start : end - first_start]
 
     async def wait(self, sub: Subscription) -> None:
         """Until there is something new for ``sub``, the execution ends, or the client leaves."""

@@ -92,6 +92,41 @@ def stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -
     return sock
 
 
+def fast_reader_body(url: str, body: dict[str, object], headers: dict[str, str]) -> bytes:
+    """POST a streaming completion and take every byte as it comes, on a raw socket with a large
+    receive buffer (``connection: close``), parsing the response once the server has closed it:
+    a reader that keeps up whatever the machine's load (httpx, parsing 12 MB of chunks in Python
+    on a busy CI machine, fell behind by more than the replay limit and was rightly dropped)."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.settimeout(60)
+        sock.connect((parts.hostname, parts.port))
+        head = f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
+        head += f"content-length: {len(payload)}\r\nconnection: close\r\n"
+        head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        sock.sendall(head.encode() + b"\r\n" + payload)
+        raw = bytearray()
+        while data := sock.recv(1 << 20):
+            raw += data
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/v1/completions", headers=[("host", parts.netloc)]))
+    conn.receive_data(bytes(raw))
+    conn.receive_data(b"")
+    got = bytearray()
+    while True:
+        event = conn.next_event()
+        if isinstance(event, h11.Response):
+            assert event.status_code == 200, event
+        elif isinstance(event, h11.Data):
+            got += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return bytes(got)
+        else:
+            raise AssertionError(f"the response ended early: {event!r}")
+
+
 def read_until_closed(sock: socket.socket, timeout_s: float) -> tuple[bytes, bool]:
     """What the socket still receives, and whether the server closed it within ``timeout_s``."""
     sock.settimeout(timeout_s)
@@ -112,7 +147,12 @@ def test_a_client_that_stops_reading_is_dropped_past_the_replay_limit(
 ) -> None:
     """A subscriber lagging the stream by more than --replay-limit-bytes is closed and counted as
     disconnected; the reader coalesced on the same execution gets its whole stream, and the
-    proxy does not keep (nor later decompress at once) the stalled client's backlog."""
+    proxy does not keep (nor later decompress at once) the stalled client's backlog.
+
+    With a reader fast enough to let the stream run ahead, the stalled client's writer found
+    megabytes waiting when it first read, took them all at once into its transport's buffer
+    (its offset at the end, so its lag was never seen), and was left open holding them: its
+    reads are now bounded (``relay.READ_BYTES``)."""
     n = 60_000  # about 12 MB of SSE: far past the limit, the client's window and the socket buffers
     limit = 64 * 1024
     with proxy_process(upstream.url, "--replay-limit-bytes", str(limit), "--drain-timeout", "0") as p:
@@ -132,9 +172,7 @@ def test_a_client_that_stops_reading_is_dropped_past_the_replay_limit(
             got: dict[str, bytes] = {}
 
             def read() -> None:
-                headers = {"x-call-id": call}
-                r = httpx.post(f"{p.url}/v1/completions", json=body, headers=headers, timeout=60)
-                got["reader"] = r.content
+                got["reader"] = fast_reader_body(p.url, body, {"x-call-id": call})
 
             reader = threading.Thread(target=read)
             reader.start()

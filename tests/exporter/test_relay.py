@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from exporter.relay import BLOCK_BYTES, Outcome, Relay
+from exporter.relay import BLOCK_BYTES, READ_BYTES, Outcome, Relay
 
 
 def _chunk(i: int) -> bytes:
@@ -25,6 +25,28 @@ def test_a_late_subscriber_gets_everything_from_the_start_across_compressed_bloc
     assert relay.read(late) == b""
     assert relay.stored_bytes() < len(b"".join(sent)) / 4  # blocks compress
     assert relay.attachable
+
+
+def test_a_bounded_read_leaves_the_rest_in_the_relay_where_its_lag_is_seen() -> None:
+    """A writer that found megabytes waiting took them all at once into its transport's buffer:
+    its offset at the end, its lag was never seen again, and a client that was not reading kept
+    them. Bounded reads return at most what was asked, from any offset, in order, and what is
+    left unread still counts against the bound."""
+    relay = Relay(3, None, stream=True, created_at=0.0, limit_bytes=BLOCK_BYTES)
+    sub = relay.subscribe(1)
+    chunks = [_chunk(i) for i in range(20_000)]  # 1.4 MB: about 90 blocks, compressed past the bound
+    for c in chunks:
+        relay.append(c)
+    sent = b"".join(chunks)
+    first = relay.read(sub, READ_BYTES)
+    assert first == sent[:READ_BYTES]
+    assert relay.overrun(sub)  # the rest is still unread, and far past the bound
+    got = [first]
+    while data := relay.read(sub, 1000):  # any size, across block and tail boundaries
+        assert len(data) <= 1000
+        got.append(data)
+    assert b"".join(got) == sent and not relay.overrun(sub)
+    assert relay.read(sub, READ_BYTES) == b""
 
 
 def test_past_the_limit_the_relay_stops_attaching_and_releases_what_was_read() -> None:
