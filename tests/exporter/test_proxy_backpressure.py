@@ -76,13 +76,13 @@ def test_a_slow_reader_gets_every_event_once_and_in_order(start_proxy: StartProx
     assert m[("retrywatch_attempt_duration_seconds_count", (("outcome", "delivered"),))] == 1
 
 
-def stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
-    """Send a streaming completion on a socket with a tiny receive buffer and read nothing: a
-    client that stopped reading. The caller closes it."""
+def send_completion(url: str, body: dict[str, object], headers: dict[str, str], rcvbuf: int) -> socket.socket:
+    """A socket with a receive buffer of ``rcvbuf`` bytes (set before connect) that has sent a
+    streaming completion with ``headers``. The caller reads and closes it."""
     parts = urlsplit(url)
     payload = json.dumps(body).encode()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.settimeout(30)
     sock.connect((parts.hostname, parts.port))
     head = f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
@@ -92,26 +92,24 @@ def stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -
     return sock
 
 
+def stalled_client(url: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
+    """Send a streaming completion on a socket with a tiny receive buffer and read nothing: a
+    client that stopped reading. The caller closes it."""
+    return send_completion(url, body, headers, rcvbuf=4096)
+
+
 def fast_reader_body(url: str, body: dict[str, object], headers: dict[str, str]) -> bytes:
     """POST a streaming completion and take every byte as it comes, on a raw socket with a large
     receive buffer (``connection: close``), parsing the response once the server has closed it:
     a reader that keeps up whatever the machine's load (httpx, parsing 12 MB of chunks in Python
     on a busy CI machine, fell behind by more than the replay limit and was rightly dropped)."""
-    parts = urlsplit(url)
-    payload = json.dumps(body).encode()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    with send_completion(url, body, {**headers, "connection": "close"}, rcvbuf=8 << 20) as sock:
         sock.settimeout(60)
-        sock.connect((parts.hostname, parts.port))
-        head = f"POST /v1/completions HTTP/1.1\r\nhost: {parts.netloc}\r\ncontent-type: application/json\r\n"
-        head += f"content-length: {len(payload)}\r\nconnection: close\r\n"
-        head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-        sock.sendall(head.encode() + b"\r\n" + payload)
         raw = bytearray()
         while data := sock.recv(1 << 20):
             raw += data
     conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="POST", target="/v1/completions", headers=[("host", parts.netloc)]))
+    conn.send(h11.Request(method="POST", target="/v1/completions", headers=[("host", urlsplit(url).netloc)]))
     conn.receive_data(bytes(raw))
     conn.receive_data(b"")
     got = bytearray()
