@@ -386,6 +386,33 @@ VLLM_SCENARIOS: tuple[AlertScenarios, ...] = (
         ),
     ),
     AlertScenarios(
+        "VLLMAbandonedWorkSustained",
+        (
+            # Cancellation on, the loop held in front of vLLM: from 300 to 600 s it admits prompt
+            # tokens as before (2000/s) while it finishes a tenth of Ĉ (0.2/s, 200 prompt tokens/s),
+            # its queue never empty. At 300 + x the finishes over 60 s are 2 - 0.03x per second
+            # (<= 0.3 Ĉ = 0.6 from x = 46.7) and the unfinished share 30x/2000 (>= 0.5 from
+            # x = 33.3): onset 350, firing 240 s later. After 600 + y the finishes are 0.2 + 0.03y
+            # (above 0.6 from y = 13.3): clear 615; the unfinished share at 610 is 1 - 500/2000.
+            Case(
+                "cancellation on: admitting at capacity, finishing a tenth of it, for minutes",
+                {
+                    **_STATED_CAPACITY,
+                    'vllm:request_success_total{finished_reason="length"}': counter(2, 0.2),
+                    'vllm:e2e_request_latency_seconds_bucket{le="120.0"}': counter(2, 0.2),
+                    "vllm:e2e_request_latency_seconds_count": counter(2, 0.2),
+                    "vllm:request_queue_time_seconds_sum": counter(2, 0.2),
+                    "vllm:request_queue_time_seconds_count": counter(2, 0.2),
+                    "vllm:request_prompt_tokens_sum": counter(2000, 200),
+                },
+                onset_s=350,
+                clear_s=615,
+                value_at_fire=0.9,
+                value_at_last=0.75,
+            ),
+        ),
+    ),
+    AlertScenarios(
         "VLLMQueueBeyondDeadline",
         (
             # The waiting queue at 300 from 300 to 600 s: 300 / (2/s x 120 s) = 1.25 deadlines.

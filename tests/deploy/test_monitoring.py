@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from detector.signals import PROMETHEUS_JOBS
+from detector.thresholds import ALERTS as THRESHOLD_ALERTS
 from foundation.processes import ManagedProcess, free_port
 from rules.generate import RULES_PATH
 from tests.deploy.conftest import DEPLOY, tool
@@ -22,7 +23,8 @@ PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
 ALERTMANAGER_YML = DEPLOY / "alertmanager" / "alertmanager.yml"
 RULES = yaml.safe_load(RULES_PATH.read_text(encoding="utf-8"))
 ALERTS = [r for r in RULES["groups"][0]["rules"] if "alert" in r]
-LOOP = "VLLMMetastableRetryLoop"
+#: Each tier's loop pages: the critical cause alerts, which the shipped Alertmanager's inhibition names.
+LOOP_PAGES = {a.name for a in THRESHOLD_ALERTS if a.severity == "critical" and a.kind == "cause"}
 NO_DATA = "VLLMRetrywatchNoData"
 
 
@@ -85,6 +87,16 @@ def shipped_alertmanager(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+def test_the_shipped_inhibition_names_every_loop_page() -> None:
+    """The Alertmanager's inhibition source is each tier's loop pages, no more and no fewer."""
+    config = yaml.safe_load(ALERTMANAGER_YML.read_text(encoding="utf-8"))
+    [rule] = config["inhibit_rules"]
+    [matcher] = rule["source_matchers"]
+    names = re.fullmatch(r'alertname=~"([A-Za-z|]+)"', matcher)
+    assert names is not None, matcher
+    assert set(names.group(1).split("|")) == LOOP_PAGES
+
+
 def test_the_retry_loop_inhibits_its_replicas_warnings_but_not_its_missing_data(
     shipped_alertmanager: str,
 ) -> None:
@@ -94,7 +106,7 @@ def test_the_retry_loop_inhibits_its_replicas_warnings_but_not_its_missing_data(
     replica is inhibited."""
     severity = {a["alert"]: a["labels"]["severity"] for a in ALERTS}
     firing = [("replica-1", name) for name in severity] + [
-        ("replica-2", name) for name in severity if name not in (LOOP, "VLLMRetryLoopSuspected")
+        ("replica-2", name) for name in severity if name not in LOOP_PAGES
     ]
     alerts = [
         {"labels": {"alertname": name, "instance": instance, "severity": severity[name]}}

@@ -35,6 +35,7 @@ EXPECTED = {
     "VLLMCallsNotDeliveredInTime": ("critical", "symptom", "proxy"),
     "VLLMRetrywatchNoData": ("warning", "data", "proxy"),
     "VLLMRetryLoopSuspected": ("critical", "cause", "vllm"),
+    "VLLMAbandonedWorkSustained": ("critical", "cause", "vllm"),
     "VLLMQueueBeyondDeadline": ("warning", "cause", "vllm"),
     "VLLMRequestsNotAnsweredInTime": ("critical", "symptom", "vllm"),
     "VLLMTierNoData": ("warning", "data", "vllm"),
