@@ -466,10 +466,7 @@ VLLM_ABANDONED_WORK_HOLD_DEADLINES = 2.0
 VLLM_ABANDONED_WORK_SUSTAINED = AlertRule(
     name="VLLMAbandonedWorkSustained",
     severity="critical",
-    summary=(
-        "vLLM has worked at saturation for minutes on requests whose clients leave before they "
-        "finish."
-    ),
+    summary="vLLM has worked at saturation for minutes on requests whose clients leave before they end.",
     description=(
         "Instance {instance}{engine_model} has kept a waiting queue for "
         f"{VLLM_ABANDONED_WORK_HOLD_DEADLINES * DEFAULT_DEADLINE_S / 60:g} minutes while finishing "
