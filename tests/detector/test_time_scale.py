@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -25,29 +24,14 @@ from detector.thresholds import tier_rules as _tier_rules
 from foundation.processes import free_port
 from foundation.timeseries import read_series, write_series
 from reproduce.conditions import block
-from reproduce.engine.config import EngineConfig, StepTimeModel
 from reproduce.httpdriver.detectorproc import DetectorProcess
 from reproduce.sim import SimSpec, simulate
 from reproduce.validate import RETRY_LOOP, RunInfo, replay_firings
 from tests.detector.conftest import wait_until
+from tests.reproduce.small_engine import CAPACITY, ENGINE, WORKLOAD
 
 PROXY = _tier_rules("proxy")  # these runs are the proxy tier's: a proxy's series
 
-# A small simulated engine (Ĉ ≈ 9.77 calls/s at the study's scale), the diagnostic block's pulse.
-ENGINE = EngineConfig(
-    num_gpu_blocks=4_000,
-    step_time=StepTimeModel(0.002, 1e-4, 0.0, 0.0),
-    model_name="test",
-    max_model_len=4096,
-)
-WORKLOAD: dict[str, Any] = {
-    "prompt_mean": 1200,
-    "prompt_std": 0,
-    "shared_prefix_len": 200,
-    "response_median": 20,
-    "response_sigma": 0,
-}
-CAPACITY = 9.77
 CONDITIONS = ("retries-on-cancel-off", "retries-off-cancel-off")
 
 # The episodes of the study-scale run of retries-on-cancel-off, seed 1, as the engine model
