@@ -17,7 +17,6 @@ from pathlib import Path
 
 import click
 
-from exporter.policy import Cancellation, PolicyConfig
 from foundation.redact import redact_url
 from reproduce.backends.engines import (
     CPU_ENGINE_NICENESS,
@@ -113,7 +112,7 @@ def calibrate_http_command(
     from reproduce.calibrate import CalibrationError
     from reproduce.httpdriver.calibration import calibrate_http
     from reproduce.httpdriver.protocol import cpu_scaled, study
-    from reproduce.httpdriver.proxyproc import ProxyProcess
+    from reproduce.httpdriver.proxyproc import NO_CONTROL, ProxyProcess
 
     if gpu and backend != "vllm":
         raise click.BadParameter(f"needs --backend vllm, not {backend!r}", param_hint="'--gpu'")
@@ -144,9 +143,8 @@ def calibrate_http_command(
             click.echo(f"engine {endpoint.model_name} at {redact_url(endpoint.url)}", err=True)
             send_url = None
             if via_proxy:
-                no_control = PolicyConfig(coalesce=False, cancellation=Cancellation.OFF)
                 proxy = ProxyProcess(
-                    no_control, upstream=endpoint.url, workdir=workdir, vocab_size=endpoint.vocab_size
+                    NO_CONTROL, upstream=endpoint.url, workdir=workdir, vocab_size=endpoint.vocab_size
                 )
                 send_url = stack.enter_context(proxy)
             result = calibrate_http(

@@ -23,36 +23,44 @@ Nothing here is tuned to an outcome: the fit uses the probes only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from reproduce import calibrate
+from reproduce.backends.engines import EngineEndpoint
 from reproduce.backends.models import ModelInfo
 from reproduce.calibrate import CalibrationResult, StageRunner
 from reproduce.conditions import RunSpec
 from reproduce.engine import EngineConfig
 from reproduce.engine.config import GIB, StepTimeModel
 from reproduce.httpdriver.attempt import completion_body, run_attempt
-from reproduce.httpdriver.calibration import StageCalls, calibrate_settled, stage_lengths
+from reproduce.httpdriver.calibration import StageCalls, calibrate_http, calibrate_settled, stage_lengths
 from reproduce.httpdriver.protocol import HttpProtocol
+from reproduce.httpdriver.proxyproc import NO_CONTROL, ProxyProcess
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry
 from reproduce.traceworkload import TraceWorkload
 
 __all__ = [
     "COLUMNS",
+    "MeasuredEngine",
     "StepProbe",
     "comparison_rows",
     "comparison_table",
     "cpu_engine_config",
+    "measure_engine",
     "probe_step_times",
     "sim_calibration",
     "sim_stage_runner",
+    "simulate_beside",
     "simulate_runs",
     "step_time_from_probe",
 ]
@@ -201,6 +209,65 @@ def sim_calibration(
     stage_s, confirm_s = stage_lengths(protocol)
     runner = sim_stage_runner(config, protocol, seed=seed, stage_calls=stage_calls)
     return calibrate_settled(runner, start_rate, stage_s=stage_s, confirm_stage_s=confirm_s)
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredEngine:
+    """A real vLLM on CPU as the comparison measures it (``measure_engine``): its idle probe, its
+    Ĉ through a proxy with no control, and the engine model fitted to the probe alone."""
+
+    probe: StepProbe
+    calibration: CalibrationResult
+    sim_engine: EngineConfig
+
+
+def measure_engine(
+    endpoint: EngineEndpoint,
+    model: ModelInfo,
+    protocol: HttpProtocol,
+    workdir: Path,
+    *,
+    log: Callable[[str], None],
+    stage_calls: StageCalls | None = None,
+    probe_multiple: float = 2.0,
+) -> MeasuredEngine:
+    """Probe the idle engine at ``endpoint``, fit the engine model to the probe, and calibrate the
+    engine through a no-control proxy (its folder under ``workdir``) on the protocol's calls or
+    ``stage_calls``'s (``calibrate_http``'s ``probe_multiple`` passed on)."""
+    probe = probe_step_times(endpoint.url, endpoint.model_name, endpoint.vocab_size)
+    log(f"step probe: {json.dumps(dataclasses.asdict(probe))}")
+    with ProxyProcess(
+        NO_CONTROL, upstream=endpoint.url, workdir=workdir / "calibration", vocab_size=endpoint.vocab_size
+    ) as proxy_url:
+        calibration = calibrate_http(
+            endpoint.url,
+            endpoint.model_name,
+            endpoint.vocab_size,
+            protocol,
+            send_url=proxy_url,
+            probe_multiple=probe_multiple,
+            log=log,
+            stage_calls=stage_calls,
+        )
+    log(f"vLLM: Ĉ = {calibration.capacity:.3f} calls/s: {json.dumps(calibration.to_dict())}")
+    return MeasuredEngine(probe, calibration, cpu_engine_config(model, step_time_from_probe(probe)))
+
+
+def simulate_beside(
+    measured: MeasuredEngine,
+    runs: Sequence[RunSpec],
+    protocol: HttpProtocol,
+    *,
+    log: Callable[[str], None],
+    stage_calls: StageCalls | None = None,
+) -> list[dict[str, Any]]:
+    """``runs`` simulated on the engine model of ``measured``, at the Ĉ its own calibration finds
+    by the real engine's method from the real engine's first stage (each world driven in
+    multiples of its own Ĉ, as the protocol prescribes)."""
+    first_rate = measured.calibration.stages[0].planned_rate
+    sim_cal = sim_calibration(measured.sim_engine, protocol, first_rate, stage_calls=stage_calls)
+    log(f"simulator: Ĉ = {sim_cal.capacity:.3f} calls/s by the same calibration")
+    return simulate_runs(runs, measured.sim_engine, protocol, sim_cal.capacity)
 
 
 def simulate_runs(

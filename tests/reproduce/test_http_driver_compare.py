@@ -14,11 +14,13 @@ from reproduce.conditions import expand
 from reproduce.httpdriver.calibration import trace_mix
 from reproduce.httpdriver.compare import (
     COLUMNS,
+    MeasuredEngine,
     StepProbe,
     comparison_rows,
     comparison_table,
     cpu_engine_config,
     sim_calibration,
+    simulate_beside,
     simulate_runs,
     step_time_from_probe,
 )
@@ -136,10 +138,15 @@ def test_a_trace_on_the_engine_model_at_the_protocols_token_scale() -> None:
     assert sum(p for p, _ in mix) < 0.2 * sum(p for p, _ in unscaled)  # x0.1, cut to the context
     assert all(p < protocol.max_context and p + o <= protocol.max_context for p, o in mix)
     config = cpu_engine_config(model_info("small"), step_time_from_probe(PROBE))
-    result = sim_calibration(config, protocol, 2.0, stage_calls=mix_stage_calls(mix))
+    stage_calls = mix_stage_calls(mix)
+    # the engine as if it were its model: the simulator calibrates from its first stage again
+    measured = MeasuredEngine(PROBE, sim_calibration(config, protocol, 2.0, stage_calls=stage_calls), config)
     (spec,) = expand("composition", models="small", runs=1, conditions=["no-control"])
     run = replace(spec, condition=replace(spec.condition, workload=workload, variant=workload.variant))
-    (entry,) = simulate_runs([run], config, protocol, result.capacity)
+    lines: list[str] = []
+    (entry,) = simulate_beside(measured, [run], protocol, log=lines.append, stage_calls=stage_calls)
+    assert lines == [f"simulator: Ĉ = {measured.calibration.capacity:.3f} calls/s by the same calibration"]
+    assert entry["capacity"] == measured.calibration.capacity
     assert entry["pulse"] is None and entry["calls"]["offered"] == len(mix)
     assert entry["collapses"], "3 Ĉ for a minute of trace, a deadline of 12 s: a collapse"
     table = comparison_table(comparison_rows([entry], [entry]))

@@ -27,7 +27,6 @@ waking late) is void and runs once more: its outcome would measure the machine's
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import time
@@ -39,24 +38,13 @@ import httpx
 import pytest
 
 from detector.thresholds import ALERTS, TIERS
-from exporter.policy import Cancellation, PolicyConfig
 from foundation.timeseries import Snapshot, parse_exposition
 from reproduce.backends.engines import EngineEndpoint
 from reproduce.backends.models import model_info
 from reproduce.conditions import RunSpec, expand
-from reproduce.httpdriver.calibration import calibrate_http
-from reproduce.httpdriver.compare import (
-    comparison_rows,
-    comparison_table,
-    cpu_engine_config,
-    probe_step_times,
-    sim_calibration,
-    simulate_runs,
-    step_time_from_probe,
-)
+from reproduce.httpdriver.compare import comparison_rows, comparison_table, measure_engine, simulate_beside
 from reproduce.httpdriver.openloop import fell_behind
 from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled, with_pulse
-from reproduce.httpdriver.proxyproc import ProxyProcess
 from reproduce.registry import Backend, RunJob, get_backend
 from reproduce.summary import run_dir, write_summary
 from reproduce.validate import BACKLOG, RETRY_LOOP, tier_pages, validate_dir
@@ -110,27 +98,12 @@ def _run_while_the_client_keeps_up(
 
 def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, tmp_path: Path) -> None:
     protocol = cpu_scaled(K).with_hold(CI_HOLD_S)
-    # The simulator's engine model of this CPU engine, from probes of the idle engine (not outcomes).
-    probe = probe_step_times(engine.url, engine.model_name, engine.vocab_size)
-    sim_engine = cpu_engine_config(model_info(MODEL), step_time_from_probe(probe))
-    print("step probe:", json.dumps(dataclasses.asdict(probe)))
-    no_control = PolicyConfig(coalesce=False, cancellation=Cancellation.OFF)
-    with ProxyProcess(
-        no_control, upstream=engine.url, workdir=tmp_path / "calibration", vocab_size=engine.vocab_size
-    ) as proxy_url:
-        calibration = calibrate_http(
-            engine.url,
-            engine.model_name,
-            engine.vocab_size,
-            protocol,
-            send_url=proxy_url,
-            probe_multiple=1.0,
-            log=print,
-        )
-    capacity = calibration.capacity
+    # Ĉ through a no-control proxy, and the simulator's engine model of this CPU engine from
+    # probes of the idle engine (not outcomes).
+    measured = measure_engine(engine, model_info(MODEL), protocol, tmp_path, log=print, probe_multiple=1.0)
+    capacity = measured.calibration.capacity
     assert capacity > 0
-    assert calibration.saturated_stage > 0
-    print(f"Ĉ = {capacity:.3f} calls/s: {json.dumps(calibration.to_dict())}")
+    assert measured.calibration.saturated_stage > 0
 
     targets = tmp_path / "prometheus" / "targets.json"
     backend = get_backend(
@@ -175,10 +148,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     print("client during the pulse:", json.dumps(loop["client"]["pulse_send"]))
 
     # The simulator's prediction for the same scaled protocol, at its own calibrated Ĉ.
-    sim_calibration_result = sim_calibration(sim_engine, protocol, calibration.stages[0].planned_rate)
-    sim_capacity = sim_calibration_result.capacity
-    print(f"simulator: Ĉ = {sim_capacity:.3f} calls/s by the same calibration")
-    sim_entries = simulate_runs([loop_run, recipe_run], sim_engine, protocol, sim_capacity)
+    sim_entries = simulate_beside(measured, [loop_run, recipe_run], protocol, log=print)
     table = comparison_table(comparison_rows(entries, sim_entries))
     (tmp_path / "comparison.md").write_text(table + "\n", encoding="utf-8")
     print(
