@@ -387,7 +387,9 @@ NO_DATA = AlertRule(
 # capacity while almost nothing finishes (the admitted prompt tokens never reach a finished
 # request), or, with it off, finishes at about Ĉ nearly all later than the deadline after queueing
 # most of it. A recovering engine passes through each of these for a while after a pulse, with its
-# queue draining: what tells the loop apart is a queue that holds well beyond one deadline's work.
+# queue draining: what tells the loop apart is a queue that holds well beyond one deadline's work
+# (VLLMRetryLoopSuspected) or, where the queue is not vLLM's, the cancellation-on shape held for
+# two deadlines (VLLMAbandonedWorkSustained).
 # Tuned on simulated training runs only (the paper block, seeds 4000-4002; see docs/results.md).
 
 # NOTE (tuning, on the paper block's simulated training runs of seeds 4000-4002 only: 207
