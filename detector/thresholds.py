@@ -464,6 +464,7 @@ VLLM_RETRY_LOOP_SUSPECTED = AlertRule(
 # (the twelve held in a proxy's queue for 5.7 to 8.6). Held for 2 deadlines, it fires in every
 # one of them and in no recovering run.
 VLLM_ABANDONED_WORK_HOLD_DEADLINES = 2.0
+_ABANDONED_WORK_HOLD_S = VLLM_ABANDONED_WORK_HOLD_DEADLINES * DEFAULT_DEADLINE_S  # its `for`
 
 VLLM_ABANDONED_WORK_SUSTAINED = AlertRule(
     name="VLLMAbandonedWorkSustained",
@@ -471,7 +472,7 @@ VLLM_ABANDONED_WORK_SUSTAINED = AlertRule(
     summary="vLLM has worked at saturation for minutes on requests whose clients leave before they end.",
     description=(
         "Instance {instance}{engine_model} has kept a waiting queue for "
-        f"{VLLM_ABANDONED_WORK_HOLD_DEADLINES * DEFAULT_DEADLINE_S / 60:g} minutes while finishing "
+        f"{_ABANDONED_WORK_HOLD_S / 60:g} minutes while finishing "
         "almost nothing: {value:.0%} of the prompt tokens it admits reach no finished request, "
         "their clients gone and the requests aborted. Most likely a retry loop, held in a queue in "
         "front of vLLM (a proxy's, a gateway's) or in its own. Confirm with the proxy's "
@@ -484,7 +485,7 @@ VLLM_ABANDONED_WORK_SUSTAINED = AlertRule(
             Cmp("vllm_waiting_requests", ">=", 1.0),
         )
     ),
-    for_s=VLLM_ABANDONED_WORK_HOLD_DEADLINES * DEFAULT_DEADLINE_S,
+    for_s=_ABANDONED_WORK_HOLD_S,
     keep_firing_for_s=120.0,
     value_signal="vllm_unfinished_fraction",
     unit="ratio",
