@@ -329,9 +329,10 @@ def run(
         raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
     backend_options += (("gpu=true",) if gpu else ()) + ((f"engine_url={engine_url}",) if engine_url else ())
     from detector.rundir import DERIVED, SUMMARY, RunDirError, read_summary
+    from reproduce.dirlock import DirBusy
     from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
-    from reproduce.runner import run_many
+    from reproduce.runner import cap_jobs, run_many
 
     trace = _trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
     if block_slug is None and trace is None:
@@ -393,7 +394,7 @@ def run(
             engine,
             specs,
             out,
-            jobs=jobs,
+            jobs=cap_jobs(jobs, lambda note: click.echo(note, err=True)),
             time_scale=time_scale,
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed}
@@ -401,6 +402,8 @@ def run(
         )
     except PresetError as exc:  # a model the backend does not know, found before anything is written
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
+    except DirBusy as exc:  # another invocation writes DIR: nothing was written
+        raise click.BadParameter(str(exc), param_hint="'--out'") from None
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
     recovered = sum(1 for e in entries if e.get("recovered"))

@@ -1,8 +1,12 @@
-"""The runner: parallel runs, summary.json's contract, series files, reruns into one folder."""
+"""The runner: parallel runs, summary.json's contract, series files, reruns into one folder, one
+writer per folder at a time, and jobs capped at the cores."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +15,9 @@ import pytest
 from detector.rundir import RunDirError, read_summary
 from foundation.timeseries import read_series
 from reproduce.conditions import expand
+from reproduce.dirlock import LOCK_FILE
 from reproduce.registry import BackendNotFound, backend_names, get_backend
-from reproduce.runner import run_many
+from reproduce.runner import cap_jobs, run_many, usable_cores
 
 # A small engine and short prompts so a scaled run takes a fraction of a second: Ĉ = 9.77 calls/s
 # by the simulator's own calibration; its KV cache holds about 50 prompts, as the study's engine
@@ -113,7 +118,7 @@ def test_a_summary_that_cannot_be_read_stops_the_runs_and_stays(tmp_path: Path) 
     with pytest.raises(RunDirError, match="not valid JSON"):
         run_many(get_backend("sim", **SMALL), runs, tmp_path, time_scale=10, progress=False)
     assert (tmp_path / "summary.json").read_text() == '{"runs": [{"slug": "earlier"}]'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_FILE) == ["summary.json"]
 
 
 def test_nothing_is_created_before_the_backend_accepts_the_runs(tmp_path: Path) -> None:
@@ -136,3 +141,47 @@ def test_a_validation_and_a_report_of_earlier_runs_are_removed_with_them(tmp_pat
     run_many(get_backend("sim", **SMALL), runs, tmp_path, time_scale=10, progress=False)
     assert not any((tmp_path / name).exists() for name in DERIVED)
     assert (tmp_path / "notes.txt").exists() and (tmp_path / "summary.json").exists()
+
+
+# Holds DIR's lock, as a sweep writing it does, until killed.
+_HOLDER = (
+    "import sys, time; from pathlib import Path; from reproduce.dirlock import hold\n"
+    "with hold(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(120)\n"
+)
+
+
+def test_a_dir_being_written_is_refused_at_once_and_free_again_when_its_writer_dies(tmp_path: Path) -> None:
+    # Two invocations into one DIR each rewrote the summary from what it read first: runs lost.
+    from click.testing import CliRunner
+
+    from reproduce.cli import reproduce
+
+    runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)
+    run_many(get_backend("sim", **SMALL), runs[:1], tmp_path, time_scale=10, progress=False)
+    before = (tmp_path / "summary.json").read_text()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        options = [f"--backend-option={k}={json.dumps(v)}" for k, v in SMALL.items()]
+        result = CliRunner().invoke(
+            reproduce,
+            ["run", "--block", "diagnostic", "--model", "qwen2.5-7b-h100", "--runs", "1",
+             "--time-scale", "10", "--no-progress", *options, "--out", str(tmp_path)],
+        )  # fmt: skip
+        assert result.exit_code == 2 and f"pid {holder.pid}" in result.output, result.output
+        assert (tmp_path / "summary.json").read_text() == before  # nothing run, nothing lost
+        holder.send_signal(signal.SIGKILL)  # the kernel releases its lock
+        holder.wait(timeout=30)
+    finally:
+        holder.kill()
+        holder.wait()
+    run_many(get_backend("sim", **SMALL), runs[1:2], tmp_path, time_scale=10, progress=False)
+    assert [r["slug"] for r in read_summary(tmp_path)["runs"]] == [r.slug for r in runs[:2]]
+
+
+def test_jobs_are_capped_at_the_usable_cores() -> None:
+    notes: list[str] = []
+    cores = usable_cores()
+    assert cap_jobs(cores, notes.append) == cores and not notes
+    assert cap_jobs(cores + 7, notes.append) == cores
+    assert notes == [f"--jobs {cores + 7} capped to {cores}: the cores this process may use"]
