@@ -18,7 +18,9 @@ the study's pulse (``--load`` is the pulse's multiple of Ĉ) or a request trace
 Every point (policy, load, seed) is a run of ``reproduce.runner.run_many`` in ``DIR/points`` (a
 reproduce output directory of its own: ``reproduce validate DIR/points`` reads it). A rerun
 into the same DIR skips the points already there, so an interrupted what-if resumes; a DIR whose
-points were run with other settings is refused, never mixed.
+points were run with other settings is refused, never mixed, and so is a DIR holding any one point
+whose own record (the sweep's settings it was run with, ``STAMP``, and the run's condition, model,
+seed and time scale) is not this sweep's. One sweep writes a DIR at a time (``reproduce.dirlock``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from reproduce.conditions import (
     TraceWorkload,
     block,
 )
+from reproduce.dirlock import hold
 from reproduce.groundtruth import CALLS_FILE, CallTimes, read_calls
 from reproduce.registry import Backend
 from reproduce.runner import run_many
@@ -49,6 +52,7 @@ __all__ = [
     "BLOCK",
     "POINTS",
     "POLICIES",
+    "STAMP",
     "Point",
     "WhatIf",
     "WhatIfError",
@@ -100,6 +104,9 @@ PRECISION = 0.05
 #: stay above Ĉ, so only "collapse" finds where a trace replayed above Ĉ stops being served).
 CRITERIA = ("metastable", "collapse")
 _DIGITS = 4  # loads are rounded to this many decimals (they name the points' runs)
+#: The key under which each point's summary entry records the settings of the sweep that ran it.
+STAMP = "whatif_setup"
+_VARIANT = "load"  # a point's variant: this and its load (``WhatIf.spec``)
 
 
 class WhatIfError(ValueError):
@@ -170,7 +177,7 @@ class WhatIf:
             POLICIES[policy],
             client=self.client,
             workload=at_load(self.workload, load),
-            variant=f"load{load:g}",
+            variant=f"{_VARIANT}{load:g}",
         )
         return RunSpec(BLOCK, condition, self.model, run, self.seed + run)
 
@@ -294,14 +301,40 @@ class _Points:
             return
         meta = read_summary(self.dir).get("meta", {})
         theirs = meta.get("whatif") if isinstance(meta, dict) else None
-        ours = json.loads(json.dumps(self.whatif.setup()))
-        if theirs != ours:
-            given = theirs if isinstance(theirs, dict) else {}
-            differ = sorted(k for k in {*given, *ours} if given.get(k) != ours.get(k))
+        differ = _differing(theirs, _plain(self.whatif.setup()))
+        if differ:
             raise WhatIfError(
                 f"{self.dir} holds points run with other settings (they differ in "
                 f"{', '.join(differ)}): pick another DIR, or move it away"
             )
+        for slug, entry in self._done().items():
+            why = self._foreign(entry)
+            if why:
+                raise WhatIfError(
+                    f"{self.dir}: point {slug!r} was not run with this sweep's settings ({why}); a "
+                    f"what-if never mixes it in: remove it (its entry in {SUMMARY}, runs/{slug}), "
+                    "or pick another DIR"
+                )
+
+    def _foreign(self, entry: Mapping[str, Any]) -> str | None:
+        """Why ``entry`` is not a point of this sweep (None: it is): what its stamp and its own
+        record of the run say, against what this sweep would run under its slug."""
+        theirs = entry.get(STAMP)
+        if not isinstance(theirs, dict):
+            return f"it records no {STAMP}: not a what-if's point"
+        differ = _differing(theirs, _plain(self.whatif.setup()))
+        policy, variant, run = entry.get("condition"), str(entry.get("variant")), entry.get("run")
+        try:
+            load = float(variant.removeprefix(_VARIANT)) if variant.startswith(_VARIANT) else math.nan
+        except ValueError:
+            load = math.nan
+        if policy not in POLICIES or not isinstance(run, int) or not math.isfinite(load):
+            return f"{policy!r} at {variant!r}, run {run!r}, names no point of a what-if"
+        spec = self.whatif.spec(str(policy), load, run)
+        own = {"slug": spec.slug, "settings": spec.condition.describe(), "model": spec.model,
+               "seed": spec.seed, "time_scale": self.whatif.time_scale}  # fmt: skip
+        differ += [k for k in _differing({k: entry.get(k) for k in own}, _plain(own)) if k not in differ]
+        return f"it differs in {', '.join(differ)}" if differ else None
 
     def _done(self) -> dict[str, dict[str, Any]]:
         if not (self.dir / SUMMARY).exists():
@@ -320,21 +353,38 @@ class _Points:
             run_many(
                 w.backend, missing, self.dir, jobs=w.jobs, time_scale=w.time_scale, progress=w.progress,
                 meta={"block": BLOCK, "model": w.model, "seed": w.seed, "whatif": w.setup()},
+                stamp={STAMP: w.setup()},
             )  # fmt: skip
 
     def judge(self, policy: str, load: float, *, alerts: bool) -> Point:
         slugs = [self.whatif.spec(policy, load, r).slug for r in range(self.whatif.seeds)]
         entries = self._done()
         infos = {i.slug: i for i in load_runs(self.dir)}
+        lost = [s for s in slugs if s not in infos or s not in entries]
+        if lost:
+            raise RunDirError(f"{self.dir}/{SUMMARY} lost point {lost[0]!r}: was DIR written by another?")
         return _judge(policy, load, [infos[s] for s in slugs], entries, alerts)
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as ``summary.json`` records it (JSON; NaN and infinities null)."""
+    return json.loads(json.dumps(value), parse_constant=lambda _: None)
+
+
+def _differing(theirs: Any, ours: Mapping[str, Any]) -> list[str]:
+    """The keys in which a recorded mapping (anything else counts as empty) differs from ours."""
+    given = theirs if isinstance(theirs, dict) else {}
+    return sorted(k for k in {*given, *ours} if given.get(k) != ours.get(k))
+
+
 def compare(whatif: WhatIf, policies: Sequence[str], out: Path) -> dict[str, dict[str, Any]]:
-    """The workload at its own load under each policy: policy -> its point (with alerts)."""
-    points = _Points(whatif, out)
-    load = load_of(whatif.workload)
-    points.ensure([(p, load) for p in policies])
-    return {p: points.judge(p, load, alerts=True).to_dict() for p in policies}
+    """The workload at its own load under each policy: policy -> its point (with alerts).
+    ``DirBusy`` when another sweep writes ``out``."""
+    with hold(out):
+        points = _Points(whatif, out)
+        load = load_of(whatif.workload)
+        points.ensure([(p, load) for p in policies])
+        return {p: points.judge(p, load, alerts=True).to_dict() for p in policies}
 
 
 @dataclass
@@ -419,14 +469,28 @@ def headroom(
     metastable collapse (``criterion`` "collapse": any collapse), to within ``precision``
     (assuming more load never helps: bisection).
     The workload's own load counts first (when inside the range), then the upper limit, the
-    lower, and midpoints; each round runs every policy's next load in one batch."""
+    lower, and midpoints; each round runs every policy's next load in one batch. ``DirBusy`` when
+    another sweep writes ``out``."""
     if not (0 < lo < hi and math.isfinite(hi)):
         raise WhatIfError(f"the headroom search needs 0 < LO < HI, got {lo!r}:{hi!r}")
     if not (math.isfinite(precision) and precision > 0):
         raise WhatIfError(f"the precision must be a positive multiple of Ĉ, got {precision!r}")
-    points = _Points(whatif, out)
     if criterion not in CRITERIA:
         raise WhatIfError(f"unknown criterion {criterion!r}; known: {', '.join(CRITERIA)}")
+    with hold(out):
+        return _search(_Points(whatif, out), policies, lo, hi, precision, criterion, on_round)
+
+
+def _search(
+    points: _Points,
+    policies: Sequence[str],
+    lo: float,
+    hi: float,
+    precision: float,
+    criterion: str,
+    on_round: Callable[[int, dict[str, float]], None] | None,
+) -> dict[str, dict[str, Any]]:
+    whatif = points.whatif
     searches = {p: _Search(lo, hi, criterion) for p in policies}
     own = round(load_of(whatif.workload), _DIGITS)
     if lo <= own <= hi:  # the workload's own load (compare's points) brackets the search too

@@ -1,6 +1,7 @@
 """``retrywatch reproduce whatif``: one workload under each named proxy policy, and (with
 ``--headroom``) each policy's headroom; writes ``DIR/whatif.json``, ``DIR/report.md`` and
-``DIR/report.html`` (``reproduce.whatif``, ``reproduce.whatif_report``)."""
+``DIR/report.html`` (``reproduce.whatif``, ``reproduce.whatif_report``). One sweep writes a DIR
+at a time: a second is refused at once, naming the first (``reproduce.dirlock``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from reproduce.cli import (
     _trace_workload,
 )
 from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, TraceWorkload
+from reproduce.dirlock import DirBusy, hold
+from reproduce.runner import cap_jobs
 from reproduce.traces import FORMATS
 from reproduce.whatif import (
     CRITERIA,
@@ -122,7 +125,11 @@ def _workload_text(workload: PulseWorkload | TraceWorkload) -> str:
     help="K: the study's durations divided by K.",
 )
 @click.option(
-    "--jobs", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True, help="Parallel processes."
+    "--jobs",
+    type=click.IntRange(1, MAX_JOBS),
+    default=1,
+    show_default=True,
+    help="Parallel processes (at most the cores this process may use).",
 )
 @click.option("--headroom", is_flag=True, help="Also search each policy's headroom (bisection over load).")
 @click.option(
@@ -203,6 +210,7 @@ def whatif_command(
         raise click.BadParameter(str(exc), param_hint="'--backend'") from None
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    jobs = cap_jobs(jobs, lambda note: click.echo(note, err=True))
     setup = WhatIf(
         backend=engine, backend_name=backend, backend_options=options, model=model,
         client=ClientProfile(name=spec.name, base=spec.config), workload=workload,
@@ -213,6 +221,8 @@ def whatif_command(
         click.echo(f"headroom round {n}: " + ", ".join(f"{p} at {x:g}x" for p, x in loads.items()), err=True)
 
     try:
+        # held until the command ends: the points, whatif.json and the report are one sweep's
+        click.get_current_context().with_resource(hold(out))
         points = compare(setup, policies, out)
         found = (
             search_headroom(
@@ -228,7 +238,7 @@ def whatif_command(
             if headroom
             else {}
         )
-    except WhatIfError as exc:
+    except (DirBusy, WhatIfError) as exc:
         raise click.BadParameter(str(exc), param_hint="'--out'") from None
     except PresetError as exc:
         raise click.BadParameter(str(exc), param_hint="'--model'") from None

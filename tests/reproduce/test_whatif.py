@@ -1,18 +1,27 @@
 """``reproduce whatif`` through its command on the simulator: the composition block's ordering
-on the pulse, a headroom search that resumes from the points already in DIR, and usage errors."""
+on the pulse, a headroom search that resumes from the points already in DIR, usage errors, and
+a DIR that one sweep writes at a time, whose workers die with it, whose finished points are never
+lost and whose points of other settings are refused."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
-from detector.rundir import read_summary
+from detector.rundir import RunDirError, read_summary
 from reproduce.cli import reproduce
-from reproduce.whatif import CRITERIA, POLICIES, POLICY_SOURCES, Point, WhatIfError, parse_policies
+from reproduce.runner import usable_cores
+from reproduce.whatif import CRITERIA, POLICIES, POLICY_SOURCES, STAMP, Point, WhatIfError, parse_policies
 
 from .test_runner import SMALL
 
@@ -20,6 +29,7 @@ from .test_runner import SMALL
 # policies runs in a few seconds. Seed 21 tunes nothing.
 OPTIONS = [f"--backend-option={k}={json.dumps(v)}" for k, v in SMALL.items()]
 BASE = ["whatif", "--time-scale", "10", "--seed", "21", "--no-progress", "--jobs", "2", *OPTIONS]
+COMPOSITION = ("--policies", "none,budget,coalescing,lookup-first")
 
 
 def invoke(*args: str) -> Any:
@@ -29,7 +39,7 @@ def invoke(*args: str) -> Any:
 @pytest.fixture(scope="module")
 def composition(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("whatif")
-    result = invoke("--policies", "none,budget,coalescing,lookup-first", "--out", str(out))
+    result = invoke(*COMPOSITION, "--out", str(out))
     assert result.exit_code == 0, result.output
     return out
 
@@ -101,3 +111,151 @@ def test_the_headroom_criterion_says_what_makes_a_load_unsafe() -> None:
     assert [served.safe_under(c) for c in CRITERIA] == [True, True]
     result = CliRunner().invoke(reproduce, ["whatif", "--headroom", "--unsafe-on", "sometimes"])
     assert result.exit_code == 2 and "--unsafe-on" in result.output
+
+
+# --- one sweep per DIR, workers that die with it, points that are never lost or mixed ---------
+
+_BOUND_S = 60.0  # the longest a tiny sweep's step may take on a busy machine
+
+
+def _ppid_and_state(pid: int) -> tuple[int, str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name, which may hold spaces
+    return int(fields[1]), fields[0]
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (_ppid_and_state(int(entry.name)) or (0, ""))[0] == pid:
+            found.add(int(entry.name))
+    return found
+
+
+def _living(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie waiting to be reaped has exited)."""
+    return {p for p in pids if (s := _ppid_and_state(p)) is not None and s[1] != "Z"}
+
+
+def _start_sweep(out: Path) -> tuple[subprocess.Popen[bytes], set[int]]:
+    """A what-if of the composition's settings as a process of its own, once its first point is
+    in DIR and its workers run the others; returns it and its workers."""
+    command = [sys.executable, "-m", "retrywatch", "reproduce", *BASE, *COMPOSITION, "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + _BOUND_S
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if read_summary(out / "points")["runs"]:
+                break
+        except RunDirError:  # not written yet, or between its writes
+            pass
+        time.sleep(0.05)
+    workers = _children(process.pid)
+    if process.poll() is not None or not workers:
+        process.kill()
+        pytest.fail(f"the sweep ended or ran no workers: {process.communicate()[1].decode()[-2000:]}")
+    return process, workers
+
+
+def _gone(pids: set[int]) -> set[int]:
+    """Waits (bounded) for ``pids`` to exit; returns those that did not."""
+    deadline = time.monotonic() + 10.0
+    while _living(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _living(pids)
+
+
+needs_workers = pytest.mark.skipif(
+    usable_cores() < 2 or not Path("/proc/self/stat").exists(),
+    reason="needs two cores (jobs are capped to them) and /proc",
+)
+
+
+@needs_workers
+def test_a_killed_sweep_holds_dir_till_it_dies_leaves_no_worker_and_resumes_to_the_same_result(
+    composition: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "w"
+    process, workers = _start_sweep(out)
+    try:
+        # A second sweep into DIR is refused at once, naming the first; nothing of it is written.
+        # (Both kept on running, each rewriting the summary from what it read first: runs lost.)
+        second = invoke("--policies", "none", "--out", str(out))
+        assert second.exit_code == 2 and f"pid {process.pid}" in second.output, second.output
+        assert "being written by another sweep" in second.output
+        finished = {r["slug"]: r for r in read_summary(out / "points")["runs"]}
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=_BOUND_S)
+    finally:
+        process.kill()
+    # Its workers were left blocked, their parent 1, forever.
+    assert not _gone(workers), "workers outlived their sweep"
+    resumed = invoke(*COMPOSITION, "--out", str(out))  # the kernel released the lock
+    assert resumed.exit_code == 0, resumed.output
+    after = {r["slug"]: r for r in read_summary(out / "points")["runs"]}
+    assert all(after[slug] == entry for slug, entry in finished.items())  # kept, not run again
+    # the same runs and verdicts as the uninterrupted sweep's (the headroom test may have run more)
+    whole = {r["slug"]: r for r in read_summary(composition / "points")["runs"]}
+    assert {s: _timeless(r) for s, r in after.items()} == {s: _timeless(whole[s]) for s in after}
+    body, full = (json.loads((d / "whatif.json").read_text())["policies"] for d in (out, composition))
+    assert full and all(body[p]["at_load"] == full[p]["at_load"] for p in full)
+
+
+def _timeless(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k not in ("wall_s", "cpu_s")}
+
+
+@needs_workers
+def test_sigterm_stops_a_sweep_and_its_workers_promptly_keeping_finished_points(tmp_path: Path) -> None:
+    out = tmp_path / "w"
+    process, workers = _start_sweep(out)
+    try:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=10.0)
+    finally:
+        process.kill()
+    assert code == 128 + signal.SIGTERM
+    assert not _gone(workers), "workers outlived their sweep"
+    kept = read_summary(out / "points")["runs"]
+    assert kept and all(STAMP in r for r in kept)
+    assert not list((out / "points").glob(".summary.*"))  # no summary left half-written
+
+
+def _move_point(source: Path, into: Path, slug: str, change: Callable[[dict[str, Any]], None]) -> None:
+    """Copy ``source``'s point ``slug`` (its entry, changed by ``change``, and its run folder) into
+    ``into``'s points, in place of the one there."""
+    entry = next(r for r in read_summary(source / "points")["runs"] if r["slug"] == slug)
+    change(entry)
+    summary = read_summary(into / "points")
+    summary["runs"] = [entry if r["slug"] == slug else r for r in summary["runs"]]
+    (into / "points" / "summary.json").write_text(json.dumps(summary))
+    shutil.rmtree(into / "points" / "runs" / slug)
+    shutil.copytree(source / "points" / "runs" / slug, into / "points" / "runs" / slug)
+
+
+def test_a_point_of_other_settings_in_dir_is_refused_not_mixed_in(composition: Path, tmp_path: Path) -> None:
+    # A point run with --client none, copied in, moved none's headroom from 1.15x to 2.7x Ĉ: only
+    # DIR's own settings were checked, not each point's.
+    other = tmp_path / "other"
+    result = CliRunner().invoke(
+        reproduce, [*BASE, "--jobs", "256", "--client", "none", "--policies", "none", "--out", str(other)],
+        catch_exceptions=False,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"--jobs 256 capped to {usable_cores()}" in result.stderr  # and it ran
+    dir_ = tmp_path / "dir"
+    shutil.copytree(composition, dir_)
+    slug = next(r["slug"] for r in read_summary(other / "points")["runs"])
+    _move_point(other, dir_, slug, lambda entry: None)
+    before = (dir_ / "points" / "summary.json").read_text()
+    again = invoke("--policies", "none", "--headroom", "--out", str(dir_))
+    assert again.exit_code == 2 and f"point {slug!r}" in again.output, again.output
+    assert "differs in client" in again.output
+    assert (dir_ / "points" / "summary.json").read_text() == before  # nothing run, nothing lost
+    # A run of `reproduce run` (it records no what-if's settings) is refused too, whatever it says.
+    _move_point(composition, dir_, slug, lambda entry: entry.pop(STAMP))
+    again = invoke("--policies", "none", "--out", str(dir_))
+    assert again.exit_code == 2 and f"records no {STAMP}" in again.output, again.output
