@@ -30,11 +30,12 @@ _HELD: dict[Path, tuple[int, int]] = {}  # directory -> (pid, thread) holding it
 
 
 class DirBusy(RuntimeError):
-    """Another process writes the directory now."""
+    """Another process (or thread) writes the directory now."""
 
 
 def _holder() -> str:
-    command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))
+    words = [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else []
+    command = " ".join(" ".join(words).split())  # one line, whatever the arguments hold
     if len(command) > _ARGV_CHARS:
         command = command[: _ARGV_CHARS - 3] + "..."
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -187,6 +187,7 @@ def test_a_killed_sweep_holds_dir_till_it_dies_leaves_no_worker_and_resumes_to_t
         assert second.exit_code == 2 and f"pid {process.pid}" in second.output, second.output
         assert "being written by another sweep" in second.output
         finished = {r["slug"]: r for r in read_summary(out / "points")["runs"]}
+        assert _living(workers) and process.poll() is None  # killed mid-sweep
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=_BOUND_S)
     finally:
@@ -213,6 +214,7 @@ def test_sigterm_stops_a_sweep_and_its_workers_promptly_keeping_finished_points(
     out = tmp_path / "w"
     process, workers = _start_sweep(out)
     try:
+        assert _living(workers) and process.poll() is None  # stopped mid-sweep
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=10.0)
     finally:
