@@ -168,8 +168,8 @@ def calibrate(
             )
         rate *= factor
     raise CalibrationError(
-        f"no stage saturated the engine in {max_stages} stages (last rate {rate / factor:g} calls/s); "
-        "raise start_rate or max_stages"
+        f"no stage saturated the engine in {max_stages} stages (last rate {rate / factor:g} calls/s): "
+        "its capacity is higher; start from a higher rate (--start-rate)"
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from reproduce.calibrate import calibrate, sim_stage_runner
+from reproduce.calibrate import CalibrationError, calibrate, sim_stage_runner
 from reproduce.engine.config import EngineConfig
 from reproduce.traceworkload import TraceFacts
 from reproduce.workload import PlannedCall
@@ -35,8 +35,11 @@ __all__ = ["CACHE_ENV", "TraceCapacity", "cache_path", "mix_stage_calls", "trace
 #: Where the cache lives (a directory); ``~/.cache/retrywatch`` when unset.
 CACHE_ENV = "RETRYWATCH_CACHE_DIR"
 _CACHE_FILE = "capacity.json"
-#: The first stage's rate, calls/s, as ``retrywatch reproduce calibrate`` starts.
+#: The first stage's rate, calls/s, as ``retrywatch reproduce calibrate`` starts; each next
+#: stage's rate is ``STAGE_FACTOR`` times the last, for at most ``MAX_STAGES`` (docs/protocol.md §5).
 START_RATE = 1.0
+STAGE_FACTOR = 1.5
+MAX_STAGES = 12
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,15 @@ def trace_capacity(
     if isinstance(hit, dict) and isinstance(hit.get("capacity"), int | float) and hit["capacity"] > 0:
         return TraceCapacity(float(hit["capacity"]), str(hit.get("method", "")), True, key)
     runner = sim_stage_runner(config, seed=seed, stage_calls=mix_stage_calls(facts.mix))
-    result = calibrate(runner, START_RATE)
+    try:
+        result = calibrate(runner, START_RATE, factor=STAGE_FACTOR, max_stages=MAX_STAGES)
+    except CalibrationError:  # a mix of very short calls: Ĉ beyond the last stage
+        last = START_RATE * STAGE_FACTOR ** (MAX_STAGES - 1)
+        raise CalibrationError(
+            f"the trace's token mix (mean prompt {facts.mean_prompt_tokens:.0f}, mean output "
+            f"{facts.mean_output_tokens:.0f} tokens) did not saturate {model} by {last:.0f} calls/s, "
+            "the calibration's last stage: give Ĉ with --backend-option capacity=C (calls/s)"
+        ) from None
     method = (
         f"docs/protocol.md §5 on the simulator, the trace's token mix (mean prompt "
         f"{facts.mean_prompt_tokens:.0f}, mean output {facts.mean_output_tokens:.0f} tokens; "

@@ -14,6 +14,9 @@ trace is never in memory):
   burst shape), in the run's own seconds.
 
 A bad file raises ``reproduce.traces.TraceError``: one line naming the file, line and column.
+So does a trace that is not a regular file (a pipe cannot be read twice), and a load that would
+make the replay last longer than ``MAX_REPLAY_S`` (its span is (calls - 1) / (load × Ĉ), so the
+run's memory and time stay bounded whatever ``--load`` says).
 """
 
 from __future__ import annotations
@@ -31,19 +34,34 @@ from reproduce.traces import (
     TraceCall,
     TraceError,
     TraceRecord,
+    is_regular_file,
     read_trace,
     rescale_to_rate,
     to_trace_calls,
     window,
 )
 
-__all__ = ["MAX_CONTEXT", "MIX_SAMPLE", "TraceFacts", "TraceWorkload", "scale_tokens", "scaled_length"]
+__all__ = [
+    "MAX_CONTEXT",
+    "MAX_REPLAY_CALLS",
+    "MAX_REPLAY_S",
+    "MIX_SAMPLE",
+    "TraceFacts",
+    "TraceWorkload",
+    "scale_tokens",
+    "scaled_length",
+]
 
 #: How many (prompt, output) pairs of a trace's token mix the calibration draws from (a seeded
 #: reservoir sample over the whole window: memory stays bounded whatever the trace's length).
 MIX_SAMPLE = 20_000
 #: The longest context a replayed call may have (the study's engine: docs/protocol.md §2).
 MAX_CONTEXT = 32_768
+#: The longest replay, in run seconds from its first call to its last (a day): what ``--load``
+#: may stretch a trace to. The simulator's series and an HTTP run's wall time grow with it.
+MAX_REPLAY_S = 86_400.0
+#: The most calls a replay holds (its plan keeps every call): a longer window is refused.
+MAX_REPLAY_CALLS = 1_000_000
 
 
 def scaled_length(tokens: int, token_scale: float) -> int:
@@ -123,19 +141,29 @@ class TraceWorkload:
 
     def scan(self, sample: int = MIX_SAMPLE, seed: int = 0) -> TraceFacts:
         """Stream the window once: count, mean rate and the token mix (digest and sample)."""
+        if Path(self.path).exists() and not is_regular_file(self.path):
+            raise TraceError(
+                f"{self.path}: not a regular file (a pipe or a device): a replay reads its trace "
+                "twice, once for its rate and token mix and once for its calls; save it to a file first"
+            )
         rng = random.Random(f"trace-mix-{seed}")
         digest = hashlib.blake2b(digest_size=12)
         mix: list[tuple[int, int]] = []
         n = 0
         first = last = 0.0
         prompt_sum = output_sum = 0
-        for call in to_trace_calls(self.records(), max_context=MAX_CONTEXT):
+        for call in to_trace_calls(self.records(), max_context=MAX_CONTEXT, source=self.path):
             planned = call.planned
             pair = (planned.prompt_len, planned.response_len)
             if n == 0:
                 first = planned.arrival_s
             last = planned.arrival_s
             n += 1
+            if n > MAX_REPLAY_CALLS:
+                raise TraceError(
+                    f"{self.path}: window {self.window_text} holds more than {MAX_REPLAY_CALLS:,} calls, "
+                    "more than a replay holds; take a shorter --window"
+                )
             prompt_sum += pair[0]
             output_sum += pair[1]
             digest.update(f"{pair[0]},{pair[1]};".encode())
@@ -167,12 +195,32 @@ class TraceWorkload:
         run seconds; streams the file a second time. ``token_scale`` multiplies every length
         (prompt, output and prefix block, so blocks stay shared as the trace says), as a scaled
         protocol divides the study's lengths for an engine that cannot run faster; prompts are
-        then cut to the engine's ``max_context``."""
-        target = self.load * capacity
-        records = rescale_to_rate(self.records(), target, self.facts.source_rate)
+        then cut to the engine's ``max_context``. A replay longer than ``MAX_REPLAY_S`` is a
+        ``TraceError`` (``replay_span_s``)."""
+        self.check_capacity(capacity)
+        records = rescale_to_rate(self.records(), self.load * capacity, self.facts.source_rate)
         if token_scale != 1.0:
             records = (scale_tokens(r, token_scale) for r in records)
-        return to_trace_calls(records, max_context=max_context)
+        return to_trace_calls(records, max_context=max_context, source=self.path)
+
+    def replay_span_s(self, capacity: float) -> float:
+        """Run seconds from the first call to the last at ``load`` × ``capacity``: (calls - 1) /
+        (load × Ĉ), whatever the trace's own span."""
+        target = self.load * capacity
+        if not (math.isfinite(target) and target > 0):
+            raise TraceError(f"the target rate must be a positive number of calls per second, got {target!r}")
+        return (self.facts.calls - 1) / target
+
+    def check_capacity(self, capacity: float) -> None:
+        """Raise ``TraceError`` unless the replay at ``load`` × ``capacity`` lasts at most
+        ``MAX_REPLAY_S`` (a backend calls it once Ĉ is known, before any run starts)."""
+        span = self.replay_span_s(capacity)
+        if not span <= MAX_REPLAY_S:
+            raise TraceError(
+                f"{self.path}: at load {self.load:g} x Ĉ ({capacity:.4g} calls/s) its {self.facts.calls} "
+                f"calls would replay over {span:.4g} s, more than the {MAX_REPLAY_S:g} s a replay may "
+                "last; raise --load or take a shorter --window"
+            )
 
     def scaled_mix(self, token_scale: float = 1.0) -> tuple[tuple[int, int], ...]:
         """The sampled token mix (``facts.mix``) with ``calls``' ``token_scale``: what a

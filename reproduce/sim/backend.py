@@ -97,6 +97,8 @@ class SimBackend(Backend):
                 found = (capacity, {"method": "docs/protocol.md §5 on the simulator, mixed prompts"})
             else:
                 found = (preset_capacity(r.model), {"method": f"the study's calibration of {r.model}"})
+            if isinstance(workload, TraceWorkload):  # a load that stretches it too far, before any run
+                workload.check_capacity(found[0])
             self.capacities[key], self.capacity_sources[key] = found
 
     def capacity_of(self, r: RunSpec) -> tuple[float, dict[str, object]]:

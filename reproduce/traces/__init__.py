@@ -3,8 +3,9 @@
 The public surface a run plan calls:
 
 * ``read_trace(source, format=None, ...)``: stream a trace file (or lines) into
-  ``TraceRecord``s, in time order, arrivals counted from the first request
-  (``reproduce.traces.reader``; layouts in ``reproduce.traces.layouts``).
+  ``TraceRecord``s, in time order, arrivals counted from the first request, every line and
+  reorder window bounded, a pipe read once (``reproduce.traces.reader``; layouts in
+  ``reproduce.traces.layouts``); ``is_regular_file``: whether a path can be read twice.
 * ``mean_rate``, ``rescale_to_rate``, ``rescale_arrivals``, ``window``, ``parse_window``:
   pure functions over the record stream (``reproduce.traces.scaling``).
 * ``to_trace_calls`` / ``to_planned_calls``: records as ``PlannedCall``s, with prompt segments
@@ -19,7 +20,7 @@ docs/traces.md describes the layouts and where to get each public trace.
 from reproduce.traces.facts import TraceStats, trace_stats
 from reproduce.traces.layouts import FORMATS
 from reproduce.traces.planned import TraceCall, to_planned_calls, to_trace_calls, trace_segments
-from reproduce.traces.reader import read_trace
+from reproduce.traces.reader import is_regular_file, read_trace
 from reproduce.traces.records import TraceError, TraceRecord
 from reproduce.traces.scaling import mean_rate, parse_window, rescale_arrivals, rescale_to_rate, window
 
@@ -29,6 +30,7 @@ __all__ = [
     "TraceError",
     "TraceRecord",
     "TraceStats",
+    "is_regular_file",
     "mean_rate",
     "parse_window",
     "read_trace",

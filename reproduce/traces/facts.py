@@ -2,8 +2,10 @@
 prompt and output length percentiles (``python -m reproduce.traces.stats FILE`` prints them).
 
 Minutes are counted from the trace's first request; every minute of the span counts, the empty
-ones too, so the median minute of a bursty trace can be far below its busiest. Lengths are kept
-in compact integer arrays (8 bytes a call) for exact percentiles (nearest rank).
+ones too, so the median minute of a bursty trace can be far below its busiest. Only the minutes
+that hold calls are kept (the empty ones are counted, not listed), so a span of decades costs
+no more than its calls. Lengths are kept in compact integer arrays (8 bytes a call) for exact
+percentiles (nearest rank).
 """
 
 from __future__ import annotations
@@ -65,17 +67,22 @@ def trace_stats(records: Iterable[TraceRecord]) -> TraceStats:
     n = len(prompts)
     if n == 0:
         raise TraceError("the trace has no calls")
-    span_minutes = int(last // 60.0) + 1
-    counts = sorted(minutes.get(m, 0) for m in range(span_minutes))
-    mid = len(counts) // 2
-    median = float(counts[mid]) if len(counts) % 2 else (counts[mid - 1] + counts[mid]) / 2.0
+    busy = sorted(minutes.values())
+    empty = int(last // 60.0) + 1 - len(busy)
+
+    def count_at(rank: int) -> int:  # the minutes' counts in order: the empty ones, then ``busy``
+        return 0 if rank < empty else busy[rank - empty]
+
+    span = empty + len(busy)
+    mid = span // 2
+    median = float(count_at(mid)) if span % 2 else (count_at(mid - 1) + count_at(mid)) / 2.0
     sorted_prompts = sorted(prompts)
     sorted_outputs = sorted(outputs)
     return TraceStats(
         calls=n,
         duration_s=last,
         mean_rate=(n - 1) / last if n > 1 and last > 0 else 0.0,
-        busiest_minute_calls=counts[-1],
+        busiest_minute_calls=busy[-1],
         median_minute_calls=median,
         prompt_p={p: percentile(sorted_prompts, p) for p in PERCENTILES},
         prompt_max=sorted_prompts[-1],

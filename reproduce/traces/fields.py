@@ -15,13 +15,23 @@ from datetime import date
 
 from reproduce.traces.records import row_error
 
-__all__ = ["AzureClock", "json_count", "json_seconds", "number_of", "parse_count", "parse_seconds"]
+__all__ = [
+    "MAX_TOKENS",
+    "AzureClock",
+    "json_count",
+    "json_seconds",
+    "number_of",
+    "parse_count",
+    "parse_seconds",
+]
 
 _EPOCH_ORDINAL = date(1970, 1, 1).toordinal()
+#: The largest token count read: far beyond any model's context, still a machine integer.
+MAX_TOKENS = 1_000_000_000
 
 
 def parse_count(text: str, source: str, line: int, column: str) -> int:
-    """A token count: a whole number >= 0 (``12`` or ``12.0``)."""
+    """A token count: a whole number from 0 to ``MAX_TOKENS`` (``12`` or ``12.0``)."""
     try:
         return _nonnegative(int(text), text, source, line, column)
     except ValueError:
@@ -38,7 +48,13 @@ def parse_count(text: str, source: str, line: int, column: str) -> int:
 def _nonnegative(value: int, text: str, source: str, line: int, column: str) -> int:
     if value < 0:
         raise row_error(source, line, column, f"negative: {text.strip()[:40]!r}")
+    if value > MAX_TOKENS:
+        raise row_error(source, line, column, _too_many(text.strip()[:40]))
     return value
+
+
+def _too_many(text: str) -> str:
+    return f"more tokens than any model's context (at most {MAX_TOKENS:,}): {text!r}"
 
 
 def parse_seconds(text: str, source: str, line: int, column: str, scale: float = 1.0) -> float:
@@ -65,12 +81,14 @@ def number_of(value: object, source: str, line: int, key: str) -> float:
 
 
 def json_count(value: object, source: str, line: int, key: str) -> int:
-    """A JSON token count: a whole number >= 0."""
+    """A JSON token count: a whole number from 0 to ``MAX_TOKENS``."""
     number = number_of(value, source, line, key)
     if not (math.isfinite(number) and number.is_integer()):
         raise row_error(source, line, key, f"not a whole number of tokens: {value!r:.40}")
     if number < 0:
         raise row_error(source, line, key, f"negative: {value!r:.40}")
+    if number > MAX_TOKENS:
+        raise row_error(source, line, key, _too_many(f"{value!r:.40}"))
     return int(number)
 
 
@@ -118,10 +136,15 @@ class AzureClock:
         if rest.endswith("Z"):
             rest = rest[:-1]
         elif len(rest) > 8 and rest[-6] in "+-" and rest[-3] == ":":
+            off_hours, off_minutes = rest[-5:-3], rest[-2:]
+            if not (off_hours.isdigit() and off_minutes.isdigit()):
+                raise ValueError(text)
+            if int(off_hours) > 23 or int(off_minutes) > 59:  # ISO 8601: -23:59 to +23:59
+                raise ValueError(text)
             sign = 1 if rest[-6] == "+" else -1
-            offset = sign * (int(rest[-5:-3]) * 3600 + int(rest[-2:]) * 60)
+            offset = sign * (int(off_hours) * 3600 + int(off_minutes) * 60)
             rest = rest[:-6]
-        if rest[2] != ":" or rest[5] != ":" or not rest[6:8].isdigit():
+        if rest[2] != ":" or rest[5] != ":" or not (rest[0:2] + rest[3:5] + rest[6:8]).isdigit():
             raise ValueError(text)
         hours, minutes, secs = int(rest[0:2]), int(rest[3:5]), float(rest[6:])
         if hours > 23 or minutes > 59 or not 0.0 <= secs < 61.0:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from reproduce.traces.records import TraceError, TraceRecord
+from reproduce.traces.records import TraceError, TraceRecord, row_error
 from reproduce.workload import PlannedCall
 
 __all__ = [
@@ -90,19 +90,37 @@ def to_trace_calls(
     call_id_prefix: str = "t",
     max_context: int | None = None,
     max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS,
+    source: str = "<trace>",
 ) -> Iterator[TraceCall]:
     """Each record as a ``TraceCall`` (streams).
 
-    A record's own call id is kept; otherwise ``{call_id_prefix}-{index:06d}``. Lengths of 0
-    become 1 (an engine needs a prompt token and asks for at least one output token). With
+    A record's own call id is kept; otherwise ``{call_id_prefix}-{index:06d}``. A call id is one
+    call: a second row with the same id is a ``TraceError`` naming both lines (rows are calls,
+    not attempts: the replay makes its own retries, and a repeated id would otherwise make later
+    rows attach to the first one's execution); ``source`` names the trace in that message, and
+    the ids are kept (memory grows with the calls that carry one, as the plan's calls do).
+    Lengths of 0 become 1 (an engine needs a prompt token and asks for at least one output
+    token). With
     ``max_context``, the prompt is cut to ``max_context - 1`` and the response to what is left,
     as ``reproduce.workload`` does.
     """
     if max_context is not None and max_context < 2:
         raise TraceError(f"max_context must leave room for a prompt and one output token, got {max_context}")
     seen: OrderedDict[int, None] = OrderedDict()
+    lines: dict[str, int] = {}  # the trace's own call ids so far, and their rows' lines
     for index, record in enumerate(records):
         call_id = record.call_id or f"{call_id_prefix}-{index:06d}"
+        first = lines.get(call_id)
+        if first is not None:
+            raise row_error(
+                source,
+                record.line,
+                "call_id",
+                f"{call_id!r} is also the call id of line {first}; a trace has one row per call "
+                "(the replay makes its own retries)",
+            )
+        if record.call_id:
+            lines[call_id] = record.line
         prompt = max(1, record.prompt_tokens)
         response = max(1, record.output_tokens)
         if max_context is not None:
@@ -140,9 +158,14 @@ def to_planned_calls(
     call_id_prefix: str = "t",
     max_context: int | None = None,
     max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS,
+    source: str = "<trace>",
 ) -> Iterator[PlannedCall]:
     """Each record as today's ``PlannedCall`` (see ``to_trace_calls``; segments dropped)."""
     for call in to_trace_calls(
-        records, call_id_prefix=call_id_prefix, max_context=max_context, max_tracked_blocks=max_tracked_blocks
+        records,
+        call_id_prefix=call_id_prefix,
+        max_context=max_context,
+        max_tracked_blocks=max_tracked_blocks,
+        source=source,
     ):
         yield call.planned

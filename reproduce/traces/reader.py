@@ -16,6 +16,15 @@ window (a heap holding the rows of one window: memory stays bounded by the windo
 file); a row further behind is refused.
 Logs written at completion rather than arrival are out of order by about one latency: pass a
 window of that size, or sort the file first.
+
+NOTE: bounded memory, whatever the input. A line longer than ``max_line_chars`` (1,000,000 by
+default: a Mooncake line with a long prompt's block ids is a few KB) is refused with its line
+number, so an endless line (``/dev/zero``, a gzip of NULs) costs one line's worth; a reorder
+window holds at most ``MAX_REORDER_ROWS`` rows.
+
+NOTE: pipes. A path is opened once and read once: its first bytes (gzip or not) are read from
+the same stream that is then parsed, so a FIFO or ``<(cat FILE)`` loses nothing. A FIFO whose
+writer does not open it within ``writer_wait_s`` seconds is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -24,12 +33,15 @@ import codecs
 import csv
 import gzip
 import heapq
+import io
 import json
 import os
+import select
+import stat
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from reproduce.traces.layouts import (
     FORMATS,
@@ -44,10 +56,27 @@ from reproduce.traces.layouts import (
 )
 from reproduce.traces.records import TraceError, TraceRecord, row_error
 
-__all__ = ["DEFAULT_BLOCK_TOKENS", "TraceSource", "read_trace"]
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "MAX_LINE_CHARS",
+    "MAX_REORDER_ROWS",
+    "WRITER_WAIT_S",
+    "TraceSource",
+    "is_regular_file",
+    "read_trace",
+]
 
 #: Block size assumed for the retrywatch layout's ``prefix_blocks`` (Mooncake's convention).
 DEFAULT_BLOCK_TOKENS = 512
+#: The longest line read (characters, its line ending not counted); a longer one is an error.
+MAX_LINE_CHARS = 1_000_000
+#: The most rows a reorder window may hold at once (memory: about 200 bytes each).
+MAX_REORDER_ROWS = 1_000_000
+#: How long a FIFO given as the trace is waited on for its writer, seconds.
+WRITER_WAIT_S = 30.0
 
 TraceSource = str | os.PathLike[str] | Iterable[str]
 
@@ -59,12 +88,16 @@ def read_trace(
     reorder_window_s: float = 0.0,
     keep_failed: bool = False,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    max_line_chars: int = MAX_LINE_CHARS,
+    writer_wait_s: float = WRITER_WAIT_S,
 ) -> Iterator[TraceRecord]:
     """Stream the requests of a trace, in time order, arrivals counted from the first one.
 
     ``format``: one of ``FORMATS``; autodetected from the header when None. ``keep_failed``
     keeps BurstGPT's failed rows (0 response tokens). ``block_tokens``: tokens per prefix block
-    of the retrywatch layout. Raises ``TraceError`` (one line: line and column) on a bad row.
+    of the retrywatch layout. ``max_line_chars``: the longest line read. ``writer_wait_s``: how
+    long a FIFO is waited on for a writer. Raises ``TraceError`` (one line: line and column) on
+    a bad row.
     """
     if format is not None and format not in FORMATS:
         raise TraceError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
@@ -72,9 +105,22 @@ def read_trace(
         raise TraceError(f"reorder_window_s must be >= 0 seconds, got {reorder_window_s!r}")
     if block_tokens < 1:
         raise TraceError(f"block_tokens must be >= 1, got {block_tokens!r}")
+    if max_line_chars < 1:
+        raise TraceError(f"max_line_chars must be >= 1, got {max_line_chars!r}")
     if isinstance(source, str | os.PathLike):
-        return _read_path(Path(source), format, reorder_window_s, keep_failed, block_tokens)
-    return _read_lines(iter(source), format, reorder_window_s, keep_failed, block_tokens)
+        return _read_path(
+            Path(source), format, reorder_window_s, keep_failed, block_tokens, max_line_chars, writer_wait_s
+        )
+    lines = _bounded(iter(source), "<stream>", max_line_chars)
+    return _read_lines(lines, format, reorder_window_s, keep_failed, block_tokens)
+
+
+def is_regular_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file (one that can be read twice), not a pipe or a device."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _read_lines(
@@ -85,30 +131,108 @@ def _read_lines(
 
 
 def _read_path(
-    path: Path, fmt: str | None, window: float, keep_failed: bool, block_tokens: int
+    path: Path,
+    fmt: str | None,
+    window: float,
+    keep_failed: bool,
+    block_tokens: int,
+    max_line_chars: int,
+    writer_wait_s: float,
 ) -> Iterator[TraceRecord]:
     try:
-        fh = _open(path)
+        fh = _open(path, writer_wait_s)
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with fh:
-        rows, time_column = _rows(_lines(fh, str(path)), str(path), fmt, keep_failed, block_tokens)
+        lines = _lines(fh, str(path), max_line_chars)
+        rows, time_column = _rows(lines, str(path), fmt, keep_failed, block_tokens)
         yield from _ordered(rows, str(path), time_column, window)
 
 
-def _open(path: Path) -> IO[str]:
-    with path.open("rb") as probe:
-        magic = probe.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
-    return path.open(encoding="utf-8-sig", newline="")
+class _Prefixed(io.RawIOBase):
+    """A binary stream with the bytes already read from it put back in front (a pipe cannot seek)."""
+
+    def __init__(self, head: bytes, rest: io.FileIO) -> None:
+        super().__init__()
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer, /) -> int | None:
+        if not self._head:
+            return self._rest.readinto(buffer)
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), len(self._head))
+        view[:n] = self._head[:n]
+        self._head = self._head[n:]
+        return n
+
+    def close(self) -> None:
+        self._rest.close()
+        super().close()
 
 
-def _lines(fh: IO[str], source: str) -> Iterator[str]:
+def _open_fifo(path: Path, writer_wait_s: float) -> io.FileIO:
+    """A FIFO opened for reading once a writer has written to it (not blocking forever on none)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        yield from fh
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        if not poller.poll(max(0.0, writer_wait_s) * 1000.0):
+            raise TraceError(
+                f"{path}: a pipe nothing was written to within {writer_wait_s:g} s; start its writer first"
+            )
+        os.set_blocking(fd, True)
+        return io.FileIO(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open(path: Path, writer_wait_s: float) -> IO[str]:
+    """The file as text, decompressed if its first bytes say gzip; read once, from the start."""
+    fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    raw = _open_fifo(path, writer_wait_s) if fifo else io.FileIO(path, "rb")
+    try:
+        head = b""
+        while len(head) < 2:
+            chunk = raw.read(2 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except BaseException:
+        raw.close()
+        raise
+    binary = io.BufferedReader(_Prefixed(head, raw), buffer_size=1 << 16)
+    if head == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=binary, mode="rb"), encoding="utf-8-sig", newline="")
+    return io.TextIOWrapper(binary, encoding="utf-8-sig", newline="")
+
+
+def _lines(fh: IO[str], source: str, max_chars: int) -> Iterator[str]:
+    """The lines of ``fh``, none longer than ``max_chars`` (read at most that far: bounded)."""
+    line_number = 0
+    try:
+        while line := fh.readline(max_chars + 2):  # room for the line ending
+            line_number += 1
+            if len(line) > max_chars and len(line.rstrip("\r\n")) > max_chars:
+                raise row_error(source, line_number, None, _too_long(max_chars))
+            yield line
     except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, OSError) as exc:
         raise TraceError(f"{source}: cannot read past the last good row: {exc}") from None
+
+
+def _bounded(lines: Iterator[str], source: str, max_chars: int) -> Iterator[str]:
+    for line_number, line in enumerate(lines, start=1):
+        if len(line) > max_chars and len(line.rstrip("\r\n")) > max_chars:
+            raise row_error(source, line_number, None, _too_long(max_chars))
+        yield line
+
+
+def _too_long(max_chars: int) -> str:
+    return f"a line longer than {max_chars:,} characters: not a row of a trace"
 
 
 def _rows(
@@ -199,6 +323,8 @@ def _json_object(text: str, source: str, line: int) -> dict[str, object]:
         raise row_error(source, line, None, f"not JSON ({exc.msg} at character {exc.pos})") from None
     except ValueError as exc:  # an integer of more digits than Python converts
         raise row_error(source, line, None, f"not JSON that can be read ({exc})") from None
+    except RecursionError:
+        raise row_error(source, line, None, "not JSON that can be read (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise row_error(source, line, None, "not a JSON object")
     return obj
@@ -250,6 +376,14 @@ def _ordered(
         if row.time_s < last_t - window:
             raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
         heapq.heappush(heap, (row.time_s, line, row))
+        if len(heap) > MAX_REORDER_ROWS:
+            raise row_error(
+                source,
+                line,
+                column,
+                f"more than {MAX_REORDER_ROWS:,} rows within reorder_window_s={window:g} s; "
+                "narrow the window",
+            )
         if row.time_s > last_t:
             last_t, last_line = row.time_s, line
         while heap[0][0] < last_t - window:

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from foundation import metricnames as mn
 from foundation.timeseries import read_series
+from reproduce.calibrate import CalibrationError
 from reproduce.cli import TRACE_BLOCK, TRACE_CONDITION
 from reproduce.client import ClientConfig
 from reproduce.conditions import block
@@ -24,7 +25,7 @@ from reproduce.plan import plan_trace
 from reproduce.sim.engine_link import Engine
 from reproduce.tracecapacity import CACHE_ENV, trace_capacity
 from reproduce.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
-from reproduce.traceworkload import TraceWorkload
+from reproduce.traceworkload import MAX_REPLAY_S, TraceWorkload
 from reproduce.validate import load_runs
 from reproduce.workload import segment_token_ids
 from retrywatch.cli import main
@@ -125,6 +126,41 @@ def test_capacity_is_calibrated_on_the_trace_mix_and_cached(tmp_path: Path, monk
     assert not trace_capacity(MODEL, config, facts).cached  # an unreadable cache: recalibrated
 
 
+def test_a_mix_too_short_to_calibrate_names_the_option_that_gives_capacity(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    short = tmp_path / "short.csv"
+    short.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{i},8,1\n" for i in range(50)))
+    config = Engine.for_preset(MODEL).model.config
+    with pytest.raises(CalibrationError) as info:
+        trace_capacity(MODEL, config, TraceWorkload(str(short)).facts)
+    message = str(info.value)
+    assert "(mean prompt 8, mean output 1 tokens) did not saturate" in message
+    assert message.endswith("give Ĉ with --backend-option capacity=C (calls/s)")
+
+
+def test_a_load_may_not_stretch_a_replay_past_its_bound() -> None:
+    workload = TraceWorkload(str(EXAMPLE), load=1e-9)
+    assert workload.replay_span_s(10.0) == pytest.approx(119 / 1e-8)
+    with pytest.raises(TraceError, match=r"at load 1e-09 x Ĉ \(10 calls/s\) its 120 calls would replay over"):
+        workload.calls(10.0)
+    slowest = 119 / MAX_REPLAY_S / 10.0  # the lowest load that fits at Ĉ = 10
+    TraceWorkload(str(EXAMPLE), load=slowest * 1.01).check_capacity(10.0)
+    with pytest.raises(TraceError, match="raise --load or take a shorter --window"):
+        TraceWorkload(str(EXAMPLE), load=slowest * 0.99).check_capacity(10.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_pipe_is_refused_as_a_replays_trace_without_waiting_for_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace.pipe"
+    os.mkfifo(fifo)  # no writer: opening it would wait
+    with pytest.raises(
+        TraceError, match=r"not a regular file \(a pipe or a device\): a replay reads its trace twice"
+    ):
+        _ = TraceWorkload(str(fifo)).facts
+
+
 def _span(deadline: float = 120.0, window: float = 60.0) -> JudgedSpan:
     return JudgedSpan(0.0, 2_000.0, 0.0, window, deadline, 1.0)
 
@@ -220,6 +256,43 @@ def test_a_bad_trace_is_one_line_naming_row_and_column(tmp_path: Path) -> None:
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"Error: Invalid value for '--trace': {bad}: line 3, column 'prompt_tokens': not a number: 'x'"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "arrival_s,prompt_tokens,output_tokens,call_id\n"
+            + "".join(f"{i},10,5,same\n" for i in range(200)),
+            "line 3, column 'call_id': 'same' is also the call id of line 2; a trace has one row per call",
+        ),
+        (
+            '{"arrival_s": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+            "line 1: not JSON that can be read (nested too deeply)",
+        ),
+    ],
+)
+def test_a_trace_the_replay_cannot_take_is_a_usage_error(tmp_path: Path, text: str, expected: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    result = CliRunner().invoke(main, ["reproduce", "run", "--trace", str(bad), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Invalid value for '--trace': {bad}: {expected}" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_load_that_stretches_the_replay_too_far_is_refused_before_any_run(tmp_path: Path) -> None:
+    args = ["reproduce", "run", "--trace", str(EXAMPLE), "--load", "1e-9", "--backend-option", "capacity=1"]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1, result.output
+    assert (
+        result.output.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"Error: TraceError: {EXAMPLE}: at load 1e-09 x Ĉ (1 calls/s) its 120 calls would replay over"
+        )
     )
     assert not (tmp_path / "o").exists()
 

@@ -133,3 +133,21 @@ def test_the_retrywatch_layout_keeps_call_ids() -> None:
     calls = list(to_planned_calls(read_trace(EXAMPLE)))
     assert [c.call_id for c in calls[:3]] == ["c0000", "c0001", "c0002"]
     assert len({c.call_id for c in calls}) == 120
+
+
+def test_a_call_id_on_two_rows_is_refused_naming_both_lines() -> None:
+    """Rows are calls: a repeated id would replay its later rows as attached retries of the first."""
+    rows = "arrival_s,prompt_tokens,output_tokens,call_id\n0,1,1,a\n1,1,1,b\n2,1,1,\n3,1,1,a\n"
+    calls = to_planned_calls(read_trace(iter(rows.splitlines(keepends=True))), source="mine.csv")
+    with pytest.raises(TraceError) as info:
+        list(calls)
+    assert str(info.value) == (
+        "mine.csv: line 5, column 'call_id': 'a' is also the call id of line 2; a trace has one row "
+        "per call (the replay makes its own retries)"
+    )
+    # a generated id that a trace's own id already took
+    taken = [TraceRecord(0.0, 1, 1, call_id="t-000001", line=2), TraceRecord(1.0, 1, 1, line=3)]
+    with pytest.raises(
+        TraceError, match="line 3, column 'call_id': 't-000001' is also the call id of line 2"
+    ):
+        list(to_planned_calls(taken))

@@ -5,12 +5,16 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from reproduce.traces import FORMATS, TraceError, TraceRecord, read_trace
+from reproduce.traces.reader import MAX_LINE_CHARS
 
 DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
 AZURE_CODE = DATA / "azure_code_2023_30min.csv.gz"
@@ -80,6 +84,14 @@ def test_azure_2024_offsets_and_missing_fractions(tmp_path: Path) -> None:
     assert [r.prompt_tokens for r in records] == [2162, 2399, 76, 2376, 7670, 10]
     assert records[1].arrival_s == pytest.approx(0.007405, abs=1e-6)
     assert records[-1].arrival_s == pytest.approx(0.99007, abs=1e-6)
+
+
+@pytest.mark.parametrize("offset", ["+99:99", "+24:00", "-05:60", "+0a:00", "+ 1:00"])
+def test_an_azure_offset_out_of_range_is_refused(tmp_path: Path, offset: str) -> None:
+    text = f"TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.5{offset},1,1\n"
+    assert message_of(tmp_path, text).startswith("line 2, column 'TIMESTAMP': not a timestamp")
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00.5-23:59,1,1\n"
+    assert [r.prompt_tokens for r in read_trace(write(tmp_path, text))] == [1]
 
 
 def test_azure_offsets_are_applied(tmp_path: Path) -> None:
@@ -363,3 +375,99 @@ def test_gzip_is_detected_by_content_not_name(tmp_path: Path) -> None:
     assert list(read_trace(path)) == list(read_trace(MOONCAKE))
     json_lines = [json.loads(line) for line in MOONCAKE.read_text().splitlines()[:3]]
     assert [r.prompt_tokens for r in read_trace(json.dumps(o) for o in json_lines)] == [6758, 7322, 7236]
+
+
+HEADER = "arrival_s,prompt_tokens,output_tokens\n"
+
+
+def test_a_line_over_the_cap_is_refused_naming_it(tmp_path: Path) -> None:
+    long_line = "0," + "1" * (MAX_LINE_CHARS - 4) + "0,1\n"  # one character over
+    assert len(long_line.rstrip()) == MAX_LINE_CHARS + 1
+    text = HEADER + "0,1,1\n" + long_line
+    expected = f"line 3: a line longer than {MAX_LINE_CHARS:,} characters"
+    assert message_of(tmp_path, text).startswith(expected)
+    assert message_of(tmp_path, text.replace("\n", "\r\n")).startswith(expected)
+    gz = tmp_path / "long.csv.gz"
+    gz.write_bytes(gzip.compress(text.encode()))
+    with pytest.raises(TraceError, match=f"{gz}: {expected}"):
+        list(read_trace(gz))
+    with pytest.raises(TraceError, match=f"<stream>: {expected}"):
+        list(read_trace(iter(text.splitlines(keepends=True))))
+    # a line of exactly the cap is read (its fields each under the csv module's own limit)
+    fits = HEADER + "0,1,1" + "," * (MAX_LINE_CHARS - 5) + "\n"
+    assert [r.prompt_tokens for r in read_trace(write(tmp_path, fits))] == [1]
+
+
+def test_an_endless_line_costs_one_lines_worth(tmp_path: Path) -> None:
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    with pytest.raises(TraceError, match=r"^/dev/zero: line 1: a line longer than 1,000 characters"):
+        list(read_trace("/dev/zero", max_line_chars=1000))
+    nuls = tmp_path / "nuls.gz"
+    nuls.write_bytes(gzip.compress(bytes(5_000_000)))  # 5 MB of NULs in a few KB
+    with pytest.raises(TraceError, match="line 1: a line longer than 1,000 characters"):
+        list(read_trace(nuls, max_line_chars=1000))
+
+
+def test_a_json_line_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
+    deep = '{"arrival_s": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    first = '{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}'
+    for lines, line in (([deep], 1), ([first, deep], 2)):
+        message = message_of(tmp_path, "\n".join(lines) + "\n", "deep.jsonl")
+        assert message == f"line {line}: not JSON that can be read (nested too deeply)"
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "column"),
+    [
+        (HEADER + "0,1e300,1\n", "trace.csv", "prompt_tokens"),
+        (HEADER + "0,1,1000000001\n", "trace.csv", "output_tokens"),
+        ('{"arrival_s": 0, "prompt_tokens": 1e300, "output_tokens": 1}\n', "trace.jsonl", "prompt_tokens"),
+    ],
+)
+def test_a_token_count_beyond_any_context_is_refused(
+    tmp_path: Path, text: str, name: str, column: str
+) -> None:
+    assert message_of(tmp_path, text, name).startswith(
+        f"line 2, column '{column}': more tokens than any model's context"
+        if name.endswith(".csv")
+        else f"line 1, column '{column}': more tokens than any model's context"
+    )
+
+
+def feed(fifo: Path, data: bytes, delay_s: float = 0.0) -> threading.Thread:
+    """A writer thread: opens the FIFO (after ``delay_s``), writes ``data`` in small pieces, closes."""
+
+    def write() -> None:
+        time.sleep(delay_s)
+        with fifo.open("wb") as fh:
+            for i in range(0, len(data), 1000):
+                fh.write(data[i : i + 1000])
+                fh.flush()
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_fifo_is_read_once_and_whole(tmp_path: Path, compress: bool) -> None:
+    data = AZURE_CONV.read_bytes()
+    fifo = tmp_path / "trace.pipe"
+    os.mkfifo(fifo)
+    writer = feed(fifo, gzip.compress(data) if compress else data, delay_s=0.2)
+    records = list(read_trace(fifo, "azure"))
+    writer.join(10)
+    assert records == list(read_trace(AZURE_CONV))  # the first 8 KiB too
+    assert len(records) == 1_445
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_without_a_writer_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace.pipe"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    with pytest.raises(TraceError, match=f"^{fifo}: a pipe nothing was written to within 0.2 s"):
+        list(read_trace(fifo, writer_wait_s=0.2))
+    assert time.monotonic() - start < 5

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,23 @@ def test_facts_of_a_small_trace() -> None:
     assert stats.sessions == 2
     with pytest.raises(TraceError, match="no calls"):
         trace_stats([])
+
+
+def test_the_median_minute_of_a_long_span_costs_only_its_calls() -> None:
+    # four calls, the last 54 years after the others: 28 million minutes, three of them busy
+    records = [TraceRecord(0.0, 1, 1), TraceRecord(1.0, 1, 1), TraceRecord(2.0, 1, 1)]
+    records.append(TraceRecord(1.7e9, 3, 4))
+    tracemalloc.start()
+    try:
+        stats = trace_stats(records)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000  # bytes: no list of the span's minutes
+    assert (stats.busiest_minute_calls, stats.median_minute_calls) == (3, 0.0)
+    # an even number of minutes, the median between an empty and a busy one
+    even = trace_stats([TraceRecord(0.0, 1, 1), TraceRecord(0.5, 1, 1), TraceRecord(200.0, 1, 1)])
+    assert (even.busiest_minute_calls, even.median_minute_calls) == (2, 0.5)  # minutes 2, 0, 0, 1
 
 
 def test_nearest_rank_percentile() -> None:
@@ -77,3 +97,49 @@ def test_the_command_reports_a_bad_row_in_one_line(tmp_path: Path) -> None:
     done = run_stats(str(bad))
     assert done.returncode == 1
     assert done.stderr.strip() == f"Error: {bad}: line 3, column 'prompt_tokens': not a number: 'x'"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        (
+            "huge.csv",
+            "arrival_s,prompt_tokens,output_tokens\n0,1,1\n1,1e300,1\n",
+            "line 3, column 'prompt_tokens': more tokens than any model's context "
+            "(at most 1,000,000,000): '1e300'",
+        ),
+        (
+            "deep.jsonl",
+            '{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}\n'
+            + '{"arrival_s": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+            "line 2: not JSON that can be read (nested too deeply)",
+        ),
+    ],
+)  # fmt: skip
+def test_the_command_reports_what_it_cannot_count_in_one_line(
+    tmp_path: Path, name: str, text: str, expected: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    done = run_stats(str(path))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"Error: {path}: {expected}"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_the_command_reads_a_pipe_whole(tmp_path: Path) -> None:
+    """``stats --format azure <(cat FILE)``: the layout named, the pipe read once from its first byte."""
+    fifo = tmp_path / "trace.pipe"
+    os.mkfifo(fifo)
+    data = (DATA / "azure_conv_2023_5min.csv").read_bytes()
+
+    def write() -> None:
+        with fifo.open("wb") as fh:
+            fh.write(data)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    done = run_stats("--json", "--format", "azure", str(fifo))
+    writer.join(10)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["calls"] == 1_445
