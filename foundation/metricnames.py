@@ -78,7 +78,7 @@ STRAY_BYTES: Final = "stray_bytes"
 HEAD_TOO_LARGE: Final = "head_too_large"
 UPSTREAM_FAULT_KINDS: Final = (STRAY_BYTES, HEAD_TOO_LARGE)
 
-# --- vLLM's own names (served unchanged) ----------------------------------------------
+# --- vLLM's own names (served unchanged; vLLM 0.32's: foundation.vllmreleases has older ones) --
 VLLM_PROMPT_TOKENS: Final = "vllm:prompt_tokens_total"
 VLLM_PREFIX_CACHE_QUERIES: Final = "vllm:prefix_cache_queries_total"
 VLLM_PREFIX_CACHE_HITS: Final = "vllm:prefix_cache_hits_total"
@@ -86,6 +86,7 @@ VLLM_GENERATION_TOKENS: Final = "vllm:generation_tokens_total"
 VLLM_REQUEST_SUCCESS: Final = "vllm:request_success_total"  # {finished_reason=...}
 VLLM_NUM_WAITING: Final = "vllm:num_requests_waiting"
 VLLM_NUM_RUNNING: Final = "vllm:num_requests_running"
+VLLM_NUM_WAITING_BY_REASON: Final = "vllm:num_requests_waiting_by_reason"  # {reason=...}
 VLLM_NUM_PREEMPTIONS: Final = "vllm:num_preemptions_total"
 VLLM_ADMISSION_REJECTIONS: Final = "vllm:admission_rejections_total"  # {reason=...}
 VLLM_KV_CACHE_USAGE: Final = "vllm:kv_cache_usage_perc"
