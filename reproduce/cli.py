@@ -328,7 +328,7 @@ def run(
     if engine_url is not None and backend != "external":
         raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
     backend_options += (("gpu=true",) if gpu else ()) + ((f"engine_url={engine_url}",) if engine_url else ())
-    from detector.rundir import DERIVED, SUMMARY, RunDirError, read_summary
+    from foundation.rundir import DERIVED, SUMMARY, RunDirError, read_summary
     from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import run_many
@@ -448,7 +448,7 @@ def _trace_workload(
 @click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def report(out_dir: Path) -> None:
     """Write DIR/report.md (tables) and DIR/report.html (plotly figures)."""
-    from detector.rundir import NotARunDir, RunDirError
+    from foundation.rundir import NotARunDir, RunDirError
     from reproduce.report import write_report
 
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from detector.rundir import SUMMARY, RunDirError
+from foundation.rundir import SUMMARY, RunDirError
 from reproduce.cli import (
     LOAD,
     MAX_JOBS,

@@ -28,7 +28,7 @@ from dashboard.figures import (
 )
 from dashboard.pages import Page, text_choice
 from dashboard.runs import run_key, run_label, run_signals
-from detector.rundir import RunDirError, read_whatif
+from foundation.rundir import RunDirError, read_whatif
 
 if TYPE_CHECKING:
     from dashboard.app import Context

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from detector.rundir import read_summary
+from foundation.rundir import read_summary
 from reproduce.cli import reproduce
 from reproduce.whatif import CRITERIA, POLICIES, POLICY_SOURCES, Point, WhatIfError, parse_policies
 
