@@ -65,7 +65,7 @@ def attempt(proxy: Proxy) -> Timed:
     assert isinstance(outcome, Joined), "the attempt was not admitted"
 
     def end() -> None:
-        proxy._complete(outcome.relay)
+        proxy.complete(outcome.relay)
         proxy.subscriber_delivered(outcome.subscription, proxy.now())
 
     return elapsed_us, end

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.dashboard
 
-from dashboard.app import Context, DashboardConfig
+from dashboard.context import Context, DashboardConfig
 from dashboard.data import instance_label
 from dashboard.pages import live
 from foundation.processes import ManagedProcess, free_port

@@ -94,7 +94,8 @@ def dashboard(
     """Run the operators' Dash dashboard."""
     from a2wsgi import WSGIMiddleware
 
-    from dashboard.app import DashboardConfig, create_app  # lazy: Dash is heavy
+    from dashboard.app import create_app  # lazy: Dash is heavy
+    from dashboard.context import DashboardConfig
     from foundation.bounds import HttpBounds, base_url
     from foundation.server import serve
 

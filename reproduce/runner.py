@@ -5,7 +5,7 @@ time. A progress bar (tqdm) counts runs. The summary is rewritten after every fi
 an interrupted invocation keeps what it finished; entries of other runs already in ``DIR``
 (another block run into the same folder) are kept, and a rerun replaces its own by slug; a
 summary there that cannot be read is an error, never replaced. Nothing is created before the
-backend's ``prepare`` accepts the runs; a validation or report there (``detector.rundir.DERIVED``)
+backend's ``prepare`` accepts the runs; a validation or report there (``foundation.rundir.DERIVED``)
 is removed, as it describes the runs before.
 
 One invocation writes a DIR at a time (``reproduce.dirlock``): a second is refused at once. The
@@ -31,7 +31,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from detector.rundir import DERIVED, SUMMARY, read_summary
+from foundation.rundir import DERIVED, SUMMARY, read_summary
 from reproduce.conditions import RunSpec
 from reproduce.dirlock import hold
 from reproduce.registry import Backend, RunJob

@@ -6,7 +6,7 @@ computes the outcomes (``reproduce.outcomes``) on the run's plan (``reproduce.pl
 the run's entry as the contract in docs/architecture.md asks. A run without a pulse (a replayed
 trace) is judged by its ground truth over time instead (``reproduce.groundtruth``): its
 collapses, each with the burst that started it, and ``recovered`` when none runs to its end.
-``write_summary`` writes the file atomically; ``detector.rundir`` reads it.
+``write_summary`` writes the file atomically; ``foundation.rundir`` reads it.
 """
 
 from __future__ import annotations

@@ -49,7 +49,10 @@ from typing import Any
 
 import click
 
-from detector.rundir import (
+from detector.signals import WINDOWS, Windows
+from detector.thresholds import ALERTS, ALERTS_BY_NAME, TIERS, AlertKind, AlertRule
+from foundation import metricnames as mn
+from foundation.rundir import (
     SUMMARY,
     VALIDATION,
     VALIDATION_MD,
@@ -58,9 +61,6 @@ from detector.rundir import (
     read_summary,
     series_path,
 )
-from detector.signals import WINDOWS, Windows
-from detector.thresholds import ALERTS, ALERTS_BY_NAME, TIERS, AlertKind, AlertRule
-from foundation import metricnames as mn
 from foundation.timeseries import read_series
 from reproduce.groundtruth import (
     CALLS_FILE,

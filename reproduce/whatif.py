@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from detector.rundir import SUMMARY, WHATIF, WHATIF_POINTS, RunDirError, read_summary
+from foundation.rundir import SUMMARY, WHATIF, WHATIF_POINTS, RunDirError, read_summary
 from reproduce.conditions import (
     ClientProfile,
     Condition,

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import click
 
-from detector.rundir import SUMMARY, RunDirError
-from reproduce.cli import (
+from foundation.rundir import SUMMARY, RunDirError
+from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, TraceWorkload
+from reproduce.dirlock import DirBusy, hold
+from reproduce.options import (
     LOAD,
     MAX_JOBS,
     MAX_RUNS,
     TIME_SCALE,
     OutputPath,
-    _parse_options,
-    _trace_workload,
+    parse_backend_options,
+    trace_workload,
 )
-from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, TraceWorkload
-from reproduce.dirlock import DirBusy, hold
 from reproduce.runner import cap_jobs
 from reproduce.traces import FORMATS
 from reproduce.whatif import (
@@ -189,7 +189,7 @@ def whatif_command(
     except WhatIfError as exc:
         raise click.BadParameter(str(exc), param_hint="'--policies'") from None
     lo, hi = _range(range_text)
-    trace = _trace_workload(trace_path, trace_format, load or 1.0, window_text, None)
+    trace = trace_workload(trace_path, trace_format, load or 1.0, window_text, None)
     workload: PulseWorkload | TraceWorkload = trace if trace is not None else PulseWorkload()
     if load is not None:
         workload = at_load(workload, load)
@@ -203,7 +203,7 @@ def whatif_command(
             "pick another DIR",
             param_hint="'--out'",
         )
-    options = _parse_options(backend_options)
+    options = parse_backend_options(backend_options)
     try:
         engine = get_backend(backend, **options)
     except BackendNotFound as exc:

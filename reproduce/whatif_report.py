@@ -21,7 +21,7 @@ from dashboard.figures import (
     whatif_loops_text,
     whatif_rows,
 )
-from detector.rundir import REPORT_HTML, REPORT_MD
+from foundation.rundir import REPORT_HTML, REPORT_MD
 from reproduce.report import STYLE, demote, markdown_renderer
 
 __all__ = ["render_markdown", "write_whatif_report"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import yaml
 
-from detector.rundir import RunDirError, read_summary, run_slug, series_path
+from foundation.rundir import RunDirError, read_summary, run_slug, series_path
 from foundation.timeseries import Snapshot, read_series
 
 Key = tuple[str, float, float | None]  # (alertname, fired_at_s, resolved_at_s)

@@ -11,12 +11,11 @@ from urllib.parse import urljoin
 
 from dash import html
 
+from dashboard.context import Context
 from detector.signals import MAX_INSTANCE_CHARS
 
 if TYPE_CHECKING:
     import dash
-
-    from dashboard.app import Context
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,14 @@ shaded behind every panel and the alerts fired in a row of their own. A what-if'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dash
 import plotly.graph_objects as go
 from dash import Input, Output, dcc, html
 
 from dashboard import figures, style
+from dashboard.context import Context
 from dashboard.figures import (
     alert_row,
     collapse_marks,
@@ -28,10 +29,7 @@ from dashboard.figures import (
 )
 from dashboard.pages import Page, text_choice
 from dashboard.runs import run_key, run_label, run_signals
-from detector.rundir import RunDirError, read_whatif
-
-if TYPE_CHECKING:
-    from dashboard.app import Context
+from foundation.rundir import RunDirError, read_whatif
 
 # What a hand-edited or corrupt reproduce output raises while it is read: shown, never a 500.
 BROKEN = (RunDirError, ValueError, TypeError, KeyError, AttributeError, OSError)

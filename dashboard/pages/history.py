@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dash
 import plotly.graph_objects as go
 from dash import Input, Output, dcc, html
 
 from dashboard import style
+from dashboard.context import Context
 from dashboard.data import DetectorError, Episode
 from dashboard.figures import episodes_timeline_figure
 from dashboard.pages import Page, range_choice, runbook_link, text_choice
-
-if TYPE_CHECKING:
-    from dashboard.app import Context
 
 RANGES: tuple[tuple[str, int], ...] = (
     ("1 h", 3600),

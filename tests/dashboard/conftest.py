@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from werkzeug.serving import make_server
 
-from dashboard.app import DashboardConfig, create_app
+from dashboard.app import create_app
+from dashboard.context import DashboardConfig
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, write_series
 from reproduce.tracecapacity import CACHE_ENV

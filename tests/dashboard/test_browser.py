@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from dashboard.app import DashboardConfig
+from dashboard.context import DashboardConfig
 from tests.dashboard.staticapi import StaticDetectorAPI
 
 from .conftest import DRAW_TIMEOUT_MS, ENGINE_B, TRACE_SLUGS, Page, ServedApp, loop_alert, whatif_dir

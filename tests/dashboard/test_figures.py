@@ -20,8 +20,8 @@ from dashboard.figures import (
     queue_figure,
     run_shades,
 )
-from detector.rundir import RunDirError
 from detector.thresholds import ALERTS_BY_NAME
+from foundation.rundir import RunDirError
 
 
 def make_run(

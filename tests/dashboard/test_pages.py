@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from dashboard import figures
-from dashboard.app import Context, DashboardConfig, create_app
+from dashboard.app import create_app
+from dashboard.context import Context, DashboardConfig
 from dashboard.data import DetectorClient
 from dashboard.figures import MAX_POINTS
 from dashboard.pages import experiments, history, live

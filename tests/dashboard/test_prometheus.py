@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dashboard.app import DashboardConfig, create_app
+from dashboard.app import create_app
+from dashboard.context import DashboardConfig
 from dashboard.data import DetectorUnavailable
 from dashboard.pages import live
 from dashboard.prometheus import PrometheusSignals

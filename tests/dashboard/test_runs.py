@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from dashboard.runs import STEP_SIGNALS, load_runs, run_key, run_label, run_signals, series_signals
-from detector.rundir import RunDirError
 from foundation import metricnames as mn
+from foundation.rundir import RunDirError
 from foundation.timeseries import Snapshot, read_series, write_series
 from tests.dashboard.conftest import summary_run, write_run_series
 

@@ -43,7 +43,7 @@ def _serve_api(app: FastAPI) -> tuple[uvicorn.Server, threading.Thread, str]:
 
 def _dashboard_sees_two_engines(api_url: str, sick: str, well: str, now: float) -> None:
     """The dashboard's live page, on the real detector API: one engine per instance."""
-    from dashboard.app import Context, DashboardConfig
+    from dashboard.context import Context, DashboardConfig
     from dashboard.pages import live
 
     ctx = Context(DashboardConfig(detector_url=api_url))

@@ -61,7 +61,7 @@ def test_a_fault_relaying_an_execution_fails_it_with_a_502_its_client_reads(
     p = start_proxy()
     # The first step of relaying that runs before anything reaches the client: a stream's first
     # event inspected for the engine's refusal, a body's first chunk accounted.
-    step = "_first_event_is_error" if stream else "_first_token"
+    step = "first_event_is_error" if stream else "_first_token"
     original = getattr(p.proxy, step)
 
     def broken(*args: Any) -> Any:

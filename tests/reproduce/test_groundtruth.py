@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from detector.rundir import RunDirError, read_summary, series_path
 from foundation import metricnames as mn
+from foundation.rundir import RunDirError, read_summary, series_path
 from foundation.timeseries import Snapshot, read_series
 from reproduce.conditions import expand
 from reproduce.groundtruth import (

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from detector.rundir import read_summary
 from foundation import metricnames as mn
+from foundation.rundir import read_summary
 from foundation.timeseries import read_series
 from reproduce.clients import PROFILES, with_client
 from reproduce.conditions import expand

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from detector.rundir import RunDirError
+from foundation.rundir import RunDirError
 from reproduce.conditions import expand
 from reproduce.registry import get_backend
 from reproduce.report import render_markdown, write_report

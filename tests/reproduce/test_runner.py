@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from detector.rundir import RunDirError, read_summary
+from foundation.rundir import RunDirError, read_summary
 from foundation.timeseries import read_series
 from reproduce.conditions import expand
 from reproduce.dirlock import LOCK_FILE
@@ -132,7 +132,7 @@ def test_nothing_is_created_before_the_backend_accepts_the_runs(tmp_path: Path) 
 
 def test_a_validation_and_a_report_of_earlier_runs_are_removed_with_them(tmp_path: Path) -> None:
     # They described the runs before, and the dashboard's Experiments page showed them beside the new.
-    from detector.rundir import DERIVED
+    from foundation.rundir import DERIVED
 
     for name in DERIVED:
         (tmp_path / name).write_text("of the runs before\n")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from detector.rundir import RunDirError
 from detector.thresholds import ALERTS_BY_NAME, AlertRule
 from foundation import metricnames as mn
+from foundation.rundir import RunDirError
 from foundation.timeseries import Snapshot, write_series
 from reproduce.groundtruth import Collapse, Window
 from reproduce.validate import (

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from detector.rundir import RunDirError, read_summary
+from foundation.rundir import RunDirError, read_summary
 from reproduce.cli import reproduce
 from reproduce.runner import usable_cores
 from reproduce.whatif import CRITERIA, POLICIES, POLICY_SOURCES, STAMP, Point, WhatIfError, parse_policies

@@ -1,0 +1,117 @@
+"""The options ``retrywatch reproduce``'s commands share, and ``retrywatch emulate``'s: the bounds of
+their numbers (time scale, pulse multiple, load, start rate, runs, jobs), the output path that is
+refused before any work starts, and the parsers of ``--backend-option`` and of ``--trace`` with its
+options. The commands themselves live in ``reproduce/cli.py`` and beside what they drive."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from foundation.options import FiniteFloatRange
+from reproduce.conditions import TraceWorkload
+from reproduce.traces import TraceError, parse_window
+
+__all__ = [
+    "LOAD",
+    "MAX_JOBS",
+    "MAX_RUNS",
+    "PULSE_MULTIPLE",
+    "START_RATE",
+    "TIME_SCALE",
+    "OutputPath",
+    "parse_backend_options",
+    "trace_workload",
+]
+
+#: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
+TIME_SCALE = FiniteFloatRange(min=0.001, max=1000.0)
+#: Bounds of ``reproduce run``: runs per condition (the study's counts are 3 to 5), and worker
+#: processes (each a simulator of its own).
+MAX_RUNS = 1000
+MAX_JOBS = 256
+#: ``--pulse-multiple``: the pulse's rate as a multiple of Ĉ (the study's sweep: 1.5 to 2.7).
+PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
+#: ``--load``: a trace's mean call rate as a multiple of Ĉ.
+LOAD = FiniteFloatRange(min=0, min_open=True, max=100.0)
+#: ``--start-rate`` of the calibrations: the first stage's calls per second.
+START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
+
+
+class OutputPath(click.Path):
+    """``click.Path`` that refuses an empty name (which would mean the current directory) and a
+    place that cannot be created or written (its nearest existing parent is a file, or not
+    writable): a usage error before the command starts its work, so nothing it computes is lost
+    for want of somewhere to write it. Nothing is created here."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path is not an output path.", param, ctx)
+        path = super().convert(value, param, ctx)
+        target = Path(os.fsdecode(path)).absolute()
+        parent = target
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if parent != target and not parent.is_dir():
+            self.fail(f"{target} cannot be created: {parent} is not a directory.", param, ctx)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            self.fail(f"{target} cannot be written: {parent} is not writable.", param, ctx)
+        return path
+
+
+def parse_backend_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``--backend-option KEY=VALUE`` pairs as keyword arguments: VALUE as JSON where it is JSON,
+    else as text; dashes in KEY become underscores."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--backend-option")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        options[key.replace("-", "_")] = value
+    return options
+
+
+def trace_workload(
+    path: Path | None,
+    trace_format: str | None,
+    load: float,
+    window_text: str | None,
+    pulse_multiple: float | None,
+) -> TraceWorkload | None:
+    """``--trace`` and its options as a workload, its first pass already read (a bad file is a
+    one-line usage error naming its line and column, before any run)."""
+    source = click.get_current_context().get_parameter_source
+    given = [
+        name
+        for name, param in (
+            ("--trace-format", "trace_format"),
+            ("--load", "load"),
+            ("--window", "window_text"),
+        )
+        if source(param) is not click.core.ParameterSource.DEFAULT
+    ]
+    if path is None:
+        if given:
+            raise click.BadParameter("needs --trace FILE", param_hint=f"'{given[0]}'")
+        return None
+    if pulse_multiple is not None:
+        raise click.BadParameter("a trace replay has no pulse", param_hint="'--pulse-multiple'")
+    try:
+        start, end = parse_window(window_text) if window_text is not None else (0.0, math.inf)
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--window'") from None
+    try:
+        workload = TraceWorkload(str(path), trace_format, load, start, end)
+        _ = workload.facts
+    except TraceError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--trace'") from None
+    return workload
