@@ -21,9 +21,9 @@ from foundation.rundir import (
     SUMMARY,
     WHATIF,
     WHATIF_POINTS,
-    RunDirError,
     read_summary,
     read_validation,
+    regular_file,
     run_slug,
     series_path,
 )
@@ -34,6 +34,9 @@ RATE_WINDOW_S = 30.0  # at the study's scale
 # step of the series: the finest it holds, so a replayed trace's bursts are drawn unsmoothed.
 STEP_SIGNALS: tuple[str, str] = ("call_arrival_rate_step", "delivered_within_deadline_rate_step")
 MAX_RUNS = 5000
+# The largest metrics series drawn: a study-scale run's is ~2 MB; a day of 1-s snapshots ~500 MB,
+# more than a page should parse in a request.
+MAX_SERIES_BYTES = 256 * 1024 * 1024
 
 
 def time_scale(run: Mapping[str, Any]) -> float:
@@ -86,7 +89,9 @@ class RunsDir:
         raise KeyError(f"no run {run_id!r} in {self.root}")
 
     def series_path(self, run: Mapping[str, Any]) -> Path:
-        return series_path(self.root, run)
+        """The run's metrics series, if it is a regular file inside the DIR of at most
+        ``MAX_SERIES_BYTES`` (RunDirError otherwise: a FIFO there would block its reader)."""
+        return regular_file(series_path(self.root, run), self.root, MAX_SERIES_BYTES)
 
 
 run_key = run_slug  # a run's identifier on the pages: its slug
@@ -237,11 +242,7 @@ def _ratio_series(ratio: Ratio, signals: Mapping[str, np.ndarray]) -> np.ndarray
 
 def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Read a run's metrics series and compute its signals."""
-    path = runs_dir.series_path(run)
-    try:
-        snapshots = list(read_series(path))
-    except FileNotFoundError as exc:
-        raise RunDirError(f"metrics series {path} of run {run_key(run)!r} does not exist") from exc
+    snapshots = list(read_series(runs_dir.series_path(run)))
     capacity, deadline = capacity_deadline(run)
     return series_signals(
         snapshots,

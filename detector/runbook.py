@@ -70,7 +70,8 @@ class RunbookPatternError(ValueError):
 
 def check_pattern(pattern: str) -> str:
     """``pattern`` if it is an absolute http(s) URL with ``{alert}`` or ``{anchor}`` and no
-    other field; else :class:`RunbookPatternError` saying why."""
+    other field, and no blank, control character or literal brace; else
+    :class:`RunbookPatternError` saying why."""
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(pattern) if name is not None}
     except ValueError as exc:
@@ -80,7 +81,14 @@ def check_pattern(pattern: str) -> str:
             f"{pattern!r} must contain {{alert}} (the alert's name) or {{anchor}} (in lower case), "
             "and no other {field}"
         )
-    parts = urlsplit(runbook_url(pattern, "Alert"))
+    url = runbook_url(pattern, "Alert")
+    # Prometheus expands an alert's annotations as Go templates ("{{"), and a URL has no blanks,
+    # control characters or braces (percent-encode them).
+    if any(c.isspace() or not c.isprintable() or c in "{}" for c in url):
+        raise RunbookPatternError(
+            f"{pattern!r} must give a URL without spaces, control characters or braces (percent-encode them)"
+        )
+    parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise RunbookPatternError(
             f"{pattern!r} is not an absolute http(s) URL, e.g. https://wiki.example/retrywatch#{{alert}}"

@@ -11,12 +11,15 @@ through this module.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "DERIVED",
+    "MAX_JSON_BYTES",
     "REPORT_HTML",
     "REPORT_MD",
     "SUMMARY",
@@ -29,6 +32,7 @@ __all__ = [
     "read_summary",
     "read_validation",
     "read_whatif",
+    "regular_file",
     "run_slug",
     "series_path",
 ]
@@ -45,6 +49,16 @@ WHATIF_POINTS = "points"
 #: What ``reproduce validate`` and ``reproduce report`` derive from the runs of a DIR: stale once
 #: its runs change, so ``reproduce run`` removes them.
 DERIVED = (VALIDATION, VALIDATION_MD, REPORT_MD, REPORT_HTML)
+#: The largest JSON file of a DIR read (a summary of 5000 runs is ~10 MB).
+MAX_JSON_BYTES = 64 * 1024 * 1024
+# What a path that is not a regular file is, for the message (anything else: "not a regular file").
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
 
 
 class RunDirError(ValueError):
@@ -57,9 +71,47 @@ class NotARunDir(RunDirError):
     a usage mistake, which a command reports as one (exit 2) before it creates anything."""
 
 
-def _read_json(path: Path) -> Any:
+def regular_file(path: Path, root: Path, max_bytes: int) -> Path:
+    """``path``, checked without opening it: a regular file (after symlinks) inside ``root`` of
+    at most ``max_bytes``; otherwise RunDirError saying what it is. A FIFO, a device or a socket
+    is never opened (opening one for reading can wait forever), nor a file outside ``root``.
+
+    NOTE: a file swapped for a FIFO between this check and its read is not covered; ``_read_json``
+    below is, by opening without waiting and checking the open file again."""
+    resolved = path.resolve()
+    if root.resolve() not in resolved.parents:
+        raise RunDirError(f"{path} leads outside the runs directory {root}")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        found = os.stat(resolved)
+    except FileNotFoundError as exc:
+        raise RunDirError(f"{path} does not exist") from exc
+    _check_stat(path, found, max_bytes)
+    return resolved
+
+
+def _check_stat(path: Path, st: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "something else")
+        raise RunDirError(f"{path} is not a regular file ({kind}); it is not read")
+    if st.st_size > max_bytes:
+        raise RunDirError(f"{path} is {st.st_size} bytes, over the {max_bytes}-byte bound; it is not read")
+
+
+def _read_json(path: Path, root: Path) -> Any:
+    """``path``'s JSON, read only if it is a regular file inside ``root`` (``regular_file``)."""
+    resolved = regular_file(path, root, MAX_JSON_BYTES)
+    # O_NONBLOCK: a file swapped for a FIFO since the check opens at once instead of waiting
+    # for a writer, and the check on the open file refuses it.
+    fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    with os.fdopen(fd, "rb") as fh:
+        _check_stat(path, os.fstat(fd), MAX_JSON_BYTES)
+        raw = fh.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise RunDirError(f"{path} is over the {MAX_JSON_BYTES}-byte bound; it is not read")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RunDirError(f"{path} is not UTF-8 text ({exc})") from exc
     except json.JSONDecodeError as exc:
         raise RunDirError(f"{path} is not valid JSON ({exc})") from exc
 
@@ -69,12 +121,12 @@ def read_summary(out: Path) -> dict[str, Any]:
     if not out.is_dir():
         raise NotARunDir(f"runs directory {out} does not exist")
     path = out / SUMMARY
-    if not path.is_file():
+    if not path.exists():
         raise NotARunDir(
             f"{path}: not found; {SUMMARY} does not exist until `retrywatch reproduce run ... --out {out}`"
             " writes it"
         )
-    data = _read_json(path)
+    data = _read_json(path, out)
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise RunDirError(f"{path} must hold {{'runs': [...]}}")
     return data
@@ -85,7 +137,7 @@ def read_validation(out: Path) -> dict[str, Any] | None:
     path = out / VALIDATION
     if not path.exists():
         return None
-    data = _read_json(path)
+    data = _read_json(path, out)
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise RunDirError(f"{path} must hold {{'runs': [...]}}")
     return data
@@ -96,7 +148,7 @@ def read_whatif(out: Path) -> dict[str, Any] | None:
     path = out / WHATIF
     if not path.exists():
         return None
-    data = _read_json(path)
+    data = _read_json(path, out)
     if not isinstance(data, dict) or not isinstance(data.get("policies"), dict):
         raise RunDirError(f"{path} must hold {{'policies': {{...}}}}")
     return data

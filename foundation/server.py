@@ -49,7 +49,10 @@ idle connections and lets the requests in flight finish for up to ``--drain-time
 calls the app's ``on_drain_expired`` hook (the proxy ends each live execution: a stream with an
 SSE error event, any other answer with a JSON error), gives those last writes a moment, cancels
 what is left (a request not answered yet gets a JSON 503) and returns: the process exits with
-status 0. A second signal cuts the drain short.
+status 0. A second signal cuts the drain short. A worker thread still busy then (a WSGI app's
+request stuck in a blocking call: cancelling its task does not stop its thread) would hold the
+exit forever, as Python joins thread pools' workers at exit: ``serve`` gives them
+``EXIT_GRACE_S`` once the main thread is done, then ends the process without them (a warning).
 
 NOTE: the subclass relies on uvicorn's httptools protocol (its parser callbacks and request
 cycle); the black-box tests in ``tests/exporter/test_server.py`` pin the behaviour down for any
@@ -64,9 +67,11 @@ import functools
 import http
 import logging
 import math
+import os
 import resource
 import signal
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator
@@ -87,6 +92,7 @@ log = logging.getLogger("retrywatch.server")
 
 LINGER_S = 1.0  # after a 4xx the server sent itself: read and discard this long, then close
 FINAL_WRITE_S = 2.0  # after the drain bound: for the last error events and answers to be written
+EXIT_GRACE_S = 2.0  # once the main thread is done: for worker threads to end before the process does
 SWEEP_MAX_S = 0.5  # the deadline sweep runs at least this often (more often for short timeouts)
 FD_HEADROOM = 64  # descriptors beyond those the connections hold (listeners, logs, the database)
 RESERVE_METHODS = frozenset({b"GET", b"HEAD"})  # what a connection past --max-connections serves
@@ -791,3 +797,29 @@ def serve(
         app, bounds, on_drain_expired, takeover=takeover, loop="auto", log_level=log_level, log_config=None
     )
     DrainingServer(config).run()
+    _exit_despite_stuck_threads()
+
+
+def _exit_despite_stuck_threads() -> None:
+    """Once the interpreter starts to exit, give the other threads ``EXIT_GRACE_S`` to end, then
+    end the process without them: reached only while one still runs (a normal exit ends this
+    daemon thread first), e.g. a request's worker blocked for good."""
+    exiting = threading.Event()
+
+    def watch() -> None:
+        exiting.wait()
+        time.sleep(EXIT_GRACE_S)
+        main = threading.main_thread()
+        stuck = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not main]
+        log.warning(
+            "exit: threads still busy %g s after the server stopped (%s); exiting without them",
+            EXIT_GRACE_S,
+            ", ".join(stuck),
+        )
+        logging.shutdown()  # flushed: os._exit skips the interpreter's own exit
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-watchdog", daemon=True).start()
+    # NOTE: threading's exit hooks (private; concurrent.futures joins its pools' workers in one)
+    # run last registered first, so this one is called before any pool's join begins.
+    getattr(threading, "_register_atexit")(exiting.set)  # noqa: B009

@@ -67,13 +67,22 @@ def bundle(
 
 
 def foreign_entries(out_dir: Path) -> list[Path]:
-    """What ``out_dir`` holds that is no file of a bundle (writing there would mix the two)."""
+    """What ``out_dir`` holds that is no file of a bundle (writing there would mix the two): a
+    bundle file's name that is a link, a FIFO or a directory is not one either (writing would go
+    through the link, or wait for a reader forever)."""
     if not out_dir.exists():
         return []
     if not out_dir.is_dir():
         return [out_dir]
-    ours = {out_dir / name for name in BUNDLE_FILES} | {(out_dir / DASHBOARD_FILE).parent}
-    return sorted(p for p in out_dir.rglob("*") if p not in ours)
+    files = {out_dir / name for name in BUNDLE_FILES}
+    folder = (out_dir / DASHBOARD_FILE).parent
+
+    def ours(path: Path) -> bool:
+        if path.is_symlink():
+            return False
+        return path.is_file() if path in files else path == folder and path.is_dir()
+
+    return sorted(p for p in out_dir.rglob("*") if not ours(p))
 
 
 def write_bundle(out_dir: Path, files: dict[str, str]) -> list[Path]:
@@ -87,12 +96,28 @@ def write_bundle(out_dir: Path, files: dict[str, str]) -> list[Path]:
             f"{out_dir} holds files that are not the bundle's ({names}): choose an empty directory"
         )
     written = []
-    for name, text in files.items():
-        path = out_dir / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
+    try:
+        for name, text in files.items():
+            path = out_dir / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            written.append(path)
+    except OSError as exc:  # a read-only file system, no permission, a disk full, a file on the way
+        blocker = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
+        where = "" if exc.filename in (None, str(out_dir)) else f"{exc.filename}: "
+        why = f"{blocker} is a file, not a directory" if blocker else where + (exc.strerror or str(exc))
+        raise BundleError(f"cannot write the bundle into {out_dir}: {why}") from exc
     return written
+
+
+def _job(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """The job as both the rules (``rules.stated``) and the dashboard (``dashboard.grafana``) can
+    write it, or the reason why not, naming the option."""
+    try:
+        grafana.Options(vllm_job=stated.check_job(value))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return value
 
 
 def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -109,6 +134,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     "--vllm-job",
     default=grafana.DEFAULT_VLLM_JOB,
     show_default=True,
+    callback=_job,
     help="The scrape job of vLLM's own targets in your Prometheus.",
 )
 @click.option(

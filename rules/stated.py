@@ -47,9 +47,14 @@ def _replace(text: str, old: str, new: str) -> str:
 
 
 def check_job(job: str) -> str:
-    """A scrape job name that fits in a PromQL string as it is."""
-    if not job or any(c in job for c in '"\\\n{}'):
-        raise StatedError(f"not a usable scrape job name: {job!r}")
+    """A scrape job name that fits in a PromQL string as it is (``up{job="..."}``): one line of
+    printable characters (no tab, CR or U+2028) without the string's quote and escape, ``"`` and
+    ``\\``. A Prometheus label value may hold any of them; such a job is refused, not escaped."""
+    if not job or not job.isprintable() or any(c in job for c in '"\\'):
+        raise StatedError(
+            f"not a usable scrape job name: {job!r}: one line of printable characters, without "
+            "a double quote or a backslash"
+        )
     return job
 
 
@@ -64,10 +69,13 @@ def in_time_bucket(deadline_s: float) -> str:
 
 
 def _record(comment: str, name: str, job: str, value: float) -> str:
+    # A literal block, as the generated rules write PromQL: the job's characters stay as they are
+    # (a plain scalar would end at " #" and break at ": ").
     return (
         f"      # {comment}\n"
         f"      - record: {name}\n"
-        f"        expr: max by (instance) ({_up(job)}) * 0 + {value!r}\n"
+        f"        expr: |-\n"
+        f"          max by (instance) ({_up(job)}) * 0 + {value!r}\n"
     )
 
 

@@ -4,6 +4,7 @@ the runbook, each what its generator gives for the options; promtool accepts the
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -131,7 +132,15 @@ def test_a_directory_holding_other_files_is_refused_untouched(tmp_path: Path) ->
         (["--deadline", "0.1"], "below vLLM's first e2e latency bucket"),
         (["--capacity", "-2"], "--capacity"),
         (["--vllm-job", 'vllm"}'], "scrape job"),
+        # each of them a traceback before: the rules' YAML broke on them
+        (["--vllm-job", "vllm\tx"], "'--vllm-job': not a usable scrape job name: 'vllm\\tx'"),
+        (["--vllm-job", "vllm\rx"], "'--vllm-job': not a usable scrape job name"),
+        (["--vllm-job", "vllm\u2028x"], "'--vllm-job': not a usable scrape job name"),
+        (["--vllm-job", "vllm\\x"], "'--vllm-job': not a usable scrape job name"),
         (["--runbook-url", "not a url"], "--runbook-url"),
+        # promtool refused the rules: Prometheus expands an annotation as a Go template
+        (["--runbook-url", "https://wiki.example/{{{{x}}}}#{alert}"], "without spaces, control characters"),
+        (["--runbook-url", "https://wiki.example/\n#{alert}"], "without spaces, control characters"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_written(
@@ -140,7 +149,72 @@ def test_bad_options_are_refused_before_anything_is_written(
     out = tmp_path / "bundle"
     code, output = _run("--out", str(out), *args)
     assert code == 2 and says in output, output
+    assert "Traceback" not in output and len([line for line in output.splitlines() if "Error" in line]) == 1
     assert not out.exists()
+
+
+JOB = "vllm #x: y ü"  # ": " and " #" ended a plain YAML scalar: the rules held a cut PromQL
+
+
+@pytest.mark.promtool
+def test_a_job_name_that_yaml_would_cut_is_written_whole_and_promtool_accepts_it(tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    assert _run("--out", str(out), "--vllm-job", JOB, "--capacity", "2.5") == (0, _wrote(out))
+    rules = yaml.safe_load((out / mixin.RULES_FILE).read_text(encoding="utf-8"))
+    assert rules == yaml.safe_load(stated.render(vllm_job=JOB, capacity=2.5))
+    stated_records = rules["groups"][0]["rules"][:2]
+    assert all(r["expr"].startswith(f'max by (instance) (up{{job="{JOB}"}}) * 0 + ') for r in stated_records)
+    missing = "instance:retrywatch_vllmtier_data_missing:bool"  # what VLLMTierNoData reads
+    no_data = next(r for g in rules["groups"] for r in g["rules"] if r.get("record") == missing)
+    assert f'up{{job="{JOB}"}}' in no_data["expr"] and 'job="vllm"' not in no_data["expr"]
+    spec = yaml.safe_load((out / mixin.PROMETHEUS_RULE_FILE).read_text(encoding="utf-8"))["spec"]
+    assert spec["groups"] == rules["groups"]
+    checked = subprocess.run(
+        [require("promtool"), "check", "rules", str(out / mixin.RULES_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _wrote(out: Path) -> str:
+    return "".join(f"wrote {out / name}\n" for name in mixin.BUNDLE_FILES)
+
+
+def test_an_out_under_a_file_is_one_line_and_nothing_is_written(tmp_path: Path) -> None:
+    (tmp_path / "somefile").write_text("mine", encoding="utf-8")
+    code, output = _run("--out", str(tmp_path / "somefile" / "sub"))
+    assert (code, output) == (
+        1,
+        f"Error: cannot write the bundle into {tmp_path}/somefile/sub: {tmp_path}/somefile is a file, "
+        "not a directory\n",
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["somefile"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_the_file_system_refuses_is_one_line() -> None:
+    """procfs takes no new directory, whoever asks (root included)."""
+    code, output = _run("--out", "/proc/retrywatch-bundle")
+    assert code == 1 and output.startswith("Error: cannot write the bundle into /proc/retrywatch-bundle: ")
+    assert output.count("\n") == 1 and "Traceback" not in output
+
+
+@pytest.mark.parametrize("make", ["fifo", "link"])
+def test_a_bundle_files_name_that_is_a_fifo_or_a_link_is_refused_untouched(tmp_path: Path, make: str) -> None:
+    """A FIFO there would hold the write forever; a link would be written through."""
+    out, outside = tmp_path / "bundle", tmp_path / "elsewhere.md"
+    out.mkdir()
+    outside.write_text("mine", encoding="utf-8")
+    if make == "fifo":
+        os.mkfifo(out / mixin.RUNBOOK_FILE)
+    else:
+        (out / mixin.RUNBOOK_FILE).symlink_to(outside)
+    code, output = _run("--out", str(out))
+    assert code == 1 and f"not the bundle's ({out / mixin.RUNBOOK_FILE})" in output, output
+    assert [p.name for p in out.iterdir()] == [mixin.RUNBOOK_FILE]
+    assert outside.read_text(encoding="utf-8") == "mine"
 
 
 @pytest.mark.promtool

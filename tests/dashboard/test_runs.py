@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from dashboard.runs import STEP_SIGNALS, load_runs, run_key, run_label, run_signals, series_signals
+from dashboard.app import create_app
+from dashboard.context import DashboardConfig
+from dashboard.runs import (
+    MAX_SERIES_BYTES,
+    STEP_SIGNALS,
+    load_runs,
+    run_key,
+    run_label,
+    run_signals,
+    series_signals,
+)
 from foundation import metricnames as mn
-from foundation.rundir import RunDirError
+from foundation.rundir import MAX_JSON_BYTES, RunDirError, read_whatif
 from foundation.timeseries import Snapshot, read_series, write_series
 from tests.dashboard.conftest import summary_run, write_run_series
 
@@ -165,3 +179,104 @@ def test_runs_of_one_condition_at_two_loads_keep_their_own_alerts(runs_dir: Path
     first, second = loaded.runs
     assert loaded.alerts[run_key(first)] == [] and len(loaded.alerts[run_key(second)]) == 2
     assert "no-control (t-load1)" in run_label(first) and "no-control (t-load3)" in run_label(second)
+
+
+RETRIES_ON = "diagnostic__retries-on__qwen2.5-7b__r1"
+PROMPT_S = 10.0  # a read that waits (a FIFO with no writer) would still be waiting
+
+
+def _promptly(call: Callable[[], Any]) -> Any:
+    """``call()``'s result or raised error, failing (not hanging) the test if it blocks."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = call()
+        except Exception as exc:  # handed to the test
+            out["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(PROMPT_S)
+    assert not worker.is_alive(), "blocked reading the runs directory"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (os.mkfifo, r"not a regular file \(a FIFO\)"),
+        (Path.mkdir, r"not a regular file \(a directory\)"),
+        (lambda p: os.truncate(p.open("w").name, MAX_SERIES_BYTES + 1), "over the .*-byte bound"),
+        (lambda p: p.symlink_to("/dev/zero"), "leaves the runs directory"),
+    ],
+    ids=["fifo", "directory", "too-large", "symlink-outside"],
+)
+def test_a_series_that_is_not_a_bounded_regular_file_is_never_read(
+    runs_dir: Path, make: Callable[[Path], None], said: str
+) -> None:
+    """A FIFO as a run's metrics.jsonl used to hold the page's callback (and SIGTERM) forever."""
+    loaded = load_runs(runs_dir)
+    run = loaded.run(RETRIES_ON)
+    path = runs_dir / run["series"]
+    path.unlink()
+    make(path)
+    with pytest.raises(RunDirError, match=said):
+        _promptly(lambda: run_signals(loaded, run))
+    loaded.alerts.clear()  # not validated: the detector's replay would read it
+    with pytest.raises(RunDirError, match=said):
+        _promptly(lambda: loaded.run_alerts(run))
+
+
+def test_the_experiments_page_shows_a_fifo_series_as_a_note(runs_dir: Path) -> None:
+    """Through the page's own callback, as a browser asks for the run."""
+    series = runs_dir / load_runs(runs_dir).run(RETRIES_ON)["series"]
+    series.unlink()
+    os.mkfifo(series)
+    app = create_app(DashboardConfig(detector_url="http://127.0.0.1:9", runs_dir=runs_dir))
+    client = app.server.test_client()
+    (spec,) = [
+        c for c in client.get("/_dash-dependencies").get_json() if "experiments-run-summary" in c["output"]
+    ]
+    outputs = [_prop(o) for o in spec["output"].strip(".").split("...")]
+    body = {
+        "output": spec["output"],
+        "outputs": outputs,
+        "inputs": [_prop("experiments-run.value", RETRIES_ON)],
+        "changedPropIds": ["experiments-run.value"],
+    }
+    got = _promptly(lambda: client.post("/_dash-update-component", json=body))
+    assert got.status_code == 200
+    summary = got.get_json()["response"]["experiments-run-summary"]["children"]
+    assert summary == f"cannot read run: {series} is not a regular file (a FIFO); it is not read"
+
+
+def _prop(key: str, value: object = None) -> dict[str, object]:
+    ident, prop = key.rsplit(".", 1)
+    return {"id": ident, "property": prop, "value": value}
+
+
+@pytest.mark.parametrize("name", ["summary.json", "validation.json", "whatif.json"])
+def test_a_fifo_or_an_outside_link_for_a_runs_json_file_is_refused_not_read(
+    runs_dir: Path, name: str
+) -> None:
+    def read() -> Any:
+        return read_whatif(runs_dir) if name == "whatif.json" else load_runs(runs_dir)
+
+    path = runs_dir / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    with pytest.raises(RunDirError, match=rf"{name} is not a regular file \(a FIFO\)"):
+        _promptly(read)
+    path.unlink()
+    outside = runs_dir.parent / f"outside-{name}"
+    outside.write_text(json.dumps({"runs": [], "policies": {}}))
+    path.symlink_to(outside)
+    with pytest.raises(RunDirError, match="leads outside the runs directory"):
+        _promptly(read)
+    path.unlink()
+    os.truncate(path.open("w").name, MAX_JSON_BYTES + 1)
+    with pytest.raises(RunDirError, match="-byte bound"):
+        _promptly(read)

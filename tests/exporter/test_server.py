@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from exporter.validation import MAX_JSON_DEPTH
+from foundation.processes import free_port
 from tests.exporter.support import ProxyProcess, Upstream, errors_logged, proxy_process
 
 SHORT = ("--head-timeout", "1", "--body-timeout", "1", "--keep-alive-timeout", "1")
@@ -682,3 +683,59 @@ def test_a_default_proxy_start_under_a_low_open_file_limit_warns_of_nothing(
     with proxy_process(upstream.url, "--max-connections", "5000", log=chosen, open_files=(1024, 4096)) as p:
         assert httpx.get(f"{p.url}/metrics", timeout=WAIT_S).status_code == 200
     assert "lower --max-connections or raise the hard limit" in chosen.read_text()
+
+
+_STUCK_WSGI = """
+import logging, sys, threading
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from a2wsgi import WSGIMiddleware
+from foundation.bounds import HttpBounds
+from foundation.server import serve
+def app(environ, start_response):  # a request stuck for good in its worker thread
+    print("stuck", flush=True)
+    threading.Event().wait()
+serve(WSGIMiddleware(app, workers=2), HttpBounds(port=int(sys.argv[1]), drain_timeout_s=0.5), None, "info")
+"""
+
+
+def test_sigterm_ends_a_wsgi_app_whose_request_is_stuck_in_its_worker_thread(tmp_path: Path) -> None:
+    """A request blocked for good in a WSGI worker (the dashboard's callbacks run in a2wsgi's
+    thread pool) is cut at the drain bound; the process then exits, status 0, instead of waiting
+    at exit for that worker forever, and says which thread it left."""
+    port = free_port()
+    log = tmp_path / "stuck.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_WSGI, str(port)], stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    try:
+        answer: dict[str, int] = {}
+        client = threading.Thread(
+            target=lambda: answer.update(
+                status=httpx.get(f"http://127.0.0.1:{port}/", timeout=WAIT_S).status_code
+            ),
+            daemon=True,
+        )
+        deadline = time.monotonic() + WAIT_S
+        while not _listening(port):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        client.start()
+        while b"stuck" not in log.read_bytes():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0, log.read_text()
+        client.join(timeout=WAIT_S)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert answer == {"status": 503}
+    assert "exiting without them" in log.read_text() and "(WSGI_0)" in log.read_text()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
