@@ -61,18 +61,9 @@ from detector.rundir import (
 from detector.signals import WINDOWS, Windows
 from detector.thresholds import ALERTS, ALERTS_BY_NAME, TIERS, AlertKind, AlertRule
 from foundation import metricnames as mn
+from foundation.groundtruth import Collapse, GroundTruth, GroundTruthError, Window
 from foundation.timeseries import read_series
-from reproduce.groundtruth import (
-    CALLS_FILE,
-    Collapse,
-    GroundTruth,
-    JudgedSpan,
-    Window,
-    agrees_with_recovery,
-    ground_truth,
-    read_calls,
-)
-from reproduce.plan import RECOVERY_WINDOW_S
+from reproduce.groundtruth import CALLS_FILE, collapsed_to_the_end, legacy_truth
 
 PAPER = "paper"  # the block made of every block: runs carry their own block's name
 RETRY_LOOP = "VLLMMetastableRetryLoop"
@@ -133,6 +124,9 @@ class RunInfo:
     #: A replayed trace: no pulse; ``pulse_start_s`` / ``pulse_end_s`` hold the burst it is
     #: aligned on, and its windows are aligned to the run's start.
     trace: bool = False
+    #: The run's ground-truth record (summary.json's ``collapses`` and ``judged``); None for a run
+    #: written before runs recorded it that has no call records to compute it from.
+    truth: GroundTruth | None = field(default=None, compare=False, repr=False)
 
     @property
     def recovery_at_s(self) -> float | None:
@@ -150,20 +144,6 @@ class RunInfo:
     def slug(self) -> str:
         condition = f"{self.condition}-{self.variant}" if self.variant else self.condition
         return f"{self.block}__{condition}__{self.model}__r{self.run}"
-
-    def span(self) -> JudgedSpan:
-        """The run's judged span for its ground truth (``reproduce.groundtruth``)."""
-        return JudgedSpan(
-            start_s=0.0,
-            end_s=self.judged_end_s,
-            align_s=0.0 if self.trace else self.pulse_end_s,
-            window_s=RECOVERY_WINDOW_S / self.time_scale,
-            deadline_s=self.deadline_s,
-            capacity=self.capacity,
-            time_scale=self.time_scale,
-            pulse_start_s=None if self.trace else self.pulse_start_s,
-            pulse_end_s=None if self.trace else self.pulse_end_s,
-        )
 
 
 @dataclass
@@ -316,6 +296,12 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
         series = series_path(out_dir, run, must_exist=True)
         hold_end = run.get("hold_end_s")
         calls = series.parent / CALLS_FILE
+        try:
+            truth = (
+                GroundTruth.from_entry(run) if GroundTruth.recorded(run) else legacy_truth(run, calls, series)
+            )
+        except GroundTruthError as exc:
+            raise RunDirError(f"{where}: {exc}") from None
         infos.append(
             RunInfo(
                 block=str(_field(run, "block", where)),
@@ -337,17 +323,16 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 hold_end_s=None if hold_end is None else _number(hold_end, where),
                 calls=calls if calls.is_file() else None,
                 trace=trace,
+                truth=truth,
             )
         )
     return infos
 
 
 def truth_of(info: RunInfo) -> GroundTruth | None:
-    """The run's ground truth over time, from its call records and series; None when the run
-    did not write its call records."""
-    if info.calls is None:
-        return None
-    return ground_truth(read_calls(info.calls), read_series(info.series), info.span())
+    """The run's ground truth over time, as its summary entry recorded it (None: a run written
+    before runs recorded it, without call records to compute it from)."""
+    return info.truth
 
 
 # --- scoring -----------------------------------------------------------------------------
@@ -824,7 +809,8 @@ def _ground_truth_summary(results: Sequence[RunResult]) -> dict[str, Any]:
     disagree = [
         r.info.slug
         for r in judged
-        if not agrees_with_recovery(GroundTruth(r.info.span(), [], r.collapses or []), r.info.recovered)
+        if collapsed_to_the_end(r.collapses or [], 0.0 if r.info.trace else r.info.pulse_start_s)
+        == r.info.recovered
     ]
     collapses = [c for r in judged for c in r.collapses or []]
     return {
@@ -1389,7 +1375,7 @@ def validate_dir(
             raise RunDirError(f"{out_dir / SUMMARY}: no run of block {block!r}")
     results = []
     for info in infos:
-        truth = truth_of(info)
+        truth = info.truth
         results.append(
             RunResult(
                 info,

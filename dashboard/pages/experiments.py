@@ -110,13 +110,13 @@ def run_view(ctx: Context, run_id: str | None) -> RunView:
         for build in builders
     ]
     try:
+        collapses = run_collapses(run)  # every run's ground-truth record: its collapses shaded
+        figs = [collapse_marks(fig, collapses, legend=i == 0) for i, fig in enumerate(figs)]
         if trace:
-            collapses = run_collapses(run)
-            figs = [collapse_marks(fig, collapses, legend=i == 0) for i, fig in enumerate(figs)]
             state = f"{trace_text(run)}: {collapses_text(collapses)}"
         else:
             figs = [pulse_marks(fig, run.get("pulse")) for fig in figs]
-            state = _recovery_text(run)
+            state = _recovery_text(run) + ("" if "collapses" not in run else f"; {collapses_text(collapses)}")
     except BROKEN as exc:
         state = f"summary entry unreadable ({exc!r})"
     if trace:  # drawn after the collapse bands, so over them

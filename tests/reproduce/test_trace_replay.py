@@ -180,7 +180,7 @@ def test_validate_scores_a_replay_against_its_collapses(replayed: Path) -> None:
     (info,) = load_runs(replayed)
     (run,) = json.loads((replayed / "summary.json").read_text())["runs"]
     assert info.trace and info.pulse_start_s == pytest.approx(run["burst"]["start_s"])
-    assert info.span().align_s == 0.0 and info.span().pulse_end_s is None
+    assert info.truth is not None and info.truth.span.align_s == 0.0 and info.truth.span.pulse_end_s is None
     result = CliRunner().invoke(main, ["reproduce", "validate", str(replayed)])
     assert result.exit_code == 0, result.output
     report = json.loads((replayed / "validation.json").read_text())
