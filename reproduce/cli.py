@@ -29,6 +29,8 @@ from reproduce.conditions import (
     expand,
 )
 from reproduce.traces import FORMATS, TraceError, parse_window
+from reproduce.workloads.base import Workload
+from reproduce.workloads.steps import STEP_S, SteppedWorkload, StepsError, parse_steps
 
 #: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
 TIME_SCALE = FiniteFloatRange(min=0.001, max=1000.0)
@@ -44,6 +46,10 @@ _DEFAULT_PULSE_MULTIPLE = PulseWorkload().pulse_multiple
 LOAD = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: A trace replay without ``--block``: the study's client (retries on) through a plain proxy.
 TRACE_BLOCK, TRACE_CONDITION = "composition", "no-control"
+#: ``--steps``, ``--step-s``: a stepped load (``reproduce.workloads.steps``).
+STEPS_HELP = "A stepped load instead of the pulse: these multiples of Ĉ in turn (0.5,1,1.5,2)."
+STEP_S_HELP = "--steps: how long each step is held (study seconds; docs/reproducing.md)."
+STEP_SECONDS = FiniteFloatRange(min=0, min_open=True, max=86_400.0)
 #: ``--start-rate`` of the calibrations: the first stage's calls per second.
 START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 
@@ -277,6 +283,8 @@ def _capacity_hint(model: str, capacity: float) -> str:
     default=None,
     help="Replay this request trace instead of the pulse (docs/traces.md), on any backend.",
 )
+@click.option("--steps", "steps_text", default=None, help=STEPS_HELP)
+@click.option("--step-s", type=STEP_SECONDS, default=STEP_S, show_default=True, help=STEP_S_HELP)
 @click.option(
     "--trace-format",
     type=click.Choice(FORMATS),
@@ -315,6 +323,8 @@ def run(
     pulse_multiple: float | None,
     client: str,
     trace_path: Path | None,
+    steps_text: str | None,
+    step_s: float,
     trace_format: str | None,
     load: float,
     window_text: str | None,
@@ -334,19 +344,20 @@ def run(
     from reproduce.runner import run_many
 
     trace = _trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
-    if block_slug is None and trace is None:
-        raise click.BadParameter("give a block to run (or --trace FILE to replay)", param_hint="'--block'")
-    if trace is not None and block_slug is None:
+    workload = _steps_workload(steps_text, step_s, trace, pulse_multiple) or trace  # instead of the pulse
+    if block_slug is None and workload is None:
+        raise click.BadParameter(
+            "give a block to run (or --trace FILE to replay, --steps to step)", param_hint="'--block'"
+        )
+    if workload is not None and block_slug is None:
         block_slug, conditions = TRACE_BLOCK, conditions or (TRACE_CONDITION,)
     assert block_slug is not None
     try:
         specs = expand(block_slug, models=model, runs=runs, seed=seed, conditions=list(conditions) or None)
     except ConditionError as exc:
         raise click.BadParameter(str(exc), param_hint="'--condition'") from None
-    if trace is not None:
-        specs = [
-            replace(s, condition=replace(s.condition, workload=trace, variant=trace.variant)) for s in specs
-        ]
+    if workload is not None:
+        specs = [replace(s, condition=s.condition.with_workload(workload)) for s in specs]
     # A condition named twice runs once (twice, its runs wrote the same files, listed twice).
     unique: dict[str, RunSpec] = {}
     for spec in specs:
@@ -361,7 +372,7 @@ def run(
         raise click.BadParameter(str(exc), param_hint="'--client'") from None
     specs = [with_client(spec, clients) for spec in specs]
     if pulse_multiple is not None:
-        from reproduce.httpdriver.protocol import with_pulse
+        from reproduce.workloads.pulse import with_pulse
 
         specs = [with_pulse(spec, pulse_multiple) for spec in specs]
     options = _parse_options(backend_options)
@@ -397,7 +408,7 @@ def run(
             time_scale=time_scale,
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed}
-            | ({"trace": trace.describe()} if trace is not None else {}),
+            | ({workload.kind: workload.describe()} if workload is not None else {}),
         )
     except PresetError as exc:  # a model the backend does not know, found before anything is written
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
@@ -407,15 +418,36 @@ def run(
     click.echo(f"{len(entries)} runs ({recovered} recovered) -> {out / 'summary.json'}")
 
 
+def _steps_workload(
+    text: str | None, step_s: float, trace: Workload | None, pulse_multiple: float | None
+) -> SteppedWorkload | None:
+    """``--steps`` and ``--step-s`` as a workload (none without ``--steps``)."""
+    source = click.get_current_context().get_parameter_source
+    if text is None:
+        if source("step_s") is not click.core.ParameterSource.DEFAULT:
+            raise click.BadParameter("needs --steps", param_hint="'--step-s'")
+        return None
+    for given, hint in ((trace is not None, "'--trace'"), (pulse_multiple is not None, "'--pulse-multiple'")):
+        if given:
+            raise click.BadParameter("a stepped load is a workload of its own", param_hint=hint)
+    try:
+        return SteppedWorkload(parse_steps(text), step_s)
+    except StepsError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--steps'") from None
+
+
 def _trace_workload(
     path: Path | None,
     trace_format: str | None,
     load: float,
     window_text: str | None,
     pulse_multiple: float | None,
+    *,
+    load_needs_trace: bool = True,
 ) -> TraceWorkload | None:
     """``--trace`` and its options as a workload, its first pass already read (a bad file is a
-    one-line usage error naming its line and column, before any run)."""
+    one-line usage error naming its line and column, before any run). ``load_needs_trace``:
+    ``--load`` is a trace's option (``run``), not every workload's (``whatif``)."""
     source = click.get_current_context().get_parameter_source
     given = [
         name
@@ -424,7 +456,7 @@ def _trace_workload(
             ("--load", "load"),
             ("--window", "window_text"),
         )
-        if source(param) is not click.core.ParameterSource.DEFAULT
+        if source(param) is not click.core.ParameterSource.DEFAULT and (load_needs_trace or param != "load")
     ]
     if path is None:
         if given:

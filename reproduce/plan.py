@@ -11,9 +11,9 @@ Whatever judges a run reads the :class:`Timeline` its plan derives: ``reproduce.
 and, through summary.json, reports, validation and the dashboard. Every backend (simulator,
 emulated engine, real vLLM) judges a run on the phases it ran, not on the protocol's.
 
-A workload without a designated pulse (a request-trace replay, :func:`plan_trace`) plans its
-calls the same way; its one phase is named ``trace``, and without a phase named ``pulse`` it
-has no pulse timeline: it is judged by its ground truth over time (``reproduce.groundtruth``).
+Each kind of workload plans itself into a :class:`RunPlan` (``reproduce.workloads``): a workload
+without a designated pulse (a request-trace replay, a stepped load) has no phase named ``pulse``,
+so it has no pulse timeline: it is judged by its ground truth over time (``reproduce.groundtruth``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from reproduce.client import ClientConfig
-from reproduce.traces.planned import TRACE_PHASE, Segments
-from reproduce.traceworkload import MAX_CONTEXT, TraceWorkload
+from reproduce.traces.planned import Segments
 from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 
 __all__ = [
@@ -37,7 +36,6 @@ __all__ = [
     "Timeline",
     "check_pulse",
     "plan_run",
-    "plan_trace",
 ]
 
 #: The phase whose calls are the pulse cohort; every phase after it is the hold.
@@ -215,41 +213,6 @@ def plan_run(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
         time_scale=k,
         phases=_phases(workload),
         window_s=RECOVERY_WINDOW_S / k,
-    )
-
-
-def plan_trace(
-    workload: TraceWorkload,
-    capacity: float,
-    client: ClientConfig,
-    time_scale: float = 1.0,
-    *,
-    token_scale: float = 1.0,
-    max_context: int = MAX_CONTEXT,
-) -> RunPlan:
-    """Plan a replay of ``workload`` at its load × ``capacity`` (Ĉ, calls per run-second, as the
-    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``),
-    every token length × ``token_scale`` and cut to ``max_context`` (``TraceWorkload.calls``).
-
-    The trace is streamed: one pass for its facts (``TraceWorkload.facts``), one for its calls.
-    """
-    k = time_scale
-    calls: list[PlannedCall] = []
-    segments: dict[str, Segments] = {}
-    for call in workload.calls(capacity, token_scale=token_scale, max_context=max_context):
-        calls.append(call.planned)
-        if call.blocks:  # prefix blocks: the engine's prefix cache needs them
-            segments[call.planned.call_id] = call.segments
-    end = calls[-1].arrival_s if calls else 0.0
-    phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
-    return RunPlan(
-        calls=tuple(calls),
-        client=client.scaled(k),
-        time_scale=k,
-        phases=(phase,),
-        window_s=RECOVERY_WINDOW_S / k,
-        segments=segments,
-        tail_s=(RECOVERY_WINDOWS + 1) * RECOVERY_WINDOW_S / k,
     )
 
 

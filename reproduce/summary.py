@@ -125,6 +125,7 @@ def _identity(
         "backend": backend,
         "capacity": capacity,
         "settings": run.condition.describe(),
+        "workload": {"kind": run.condition.workload.kind, "label": run.condition.workload.label()},
         "time_scale": plan.time_scale,
         "deadline_s": plan.deadline_s,
         "duration_s": duration_s,

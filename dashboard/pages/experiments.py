@@ -65,7 +65,11 @@ def _blank(summary: str) -> RunView:
 
 
 def trace_text(run: dict[str, Any]) -> str:
-    """The trace a run replayed and at what load (``settings``), e.g. ``trace azure_code at 3x Ĉ``."""
+    """The workload a run without a pulse ran, in words (its entry's ``workload.label``; an entry
+    written before it: the trace it replayed and at what load, e.g. ``trace azure_code at 3x Ĉ``)."""
+    label = (run.get("workload") or {}).get("label")
+    if isinstance(label, str):
+        return label
     settings = run.get("settings") or {}
     name, load, window = settings.get("trace"), settings.get("load"), settings.get("window")
     text = f"trace {name or '?'}" + ("" if load is None else f" at {float(load):g}x Ĉ")

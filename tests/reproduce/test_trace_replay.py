@@ -20,11 +20,10 @@ from reproduce.client import ClientConfig
 from reproduce.conditions import block
 from reproduce.groundtruth import JudgedSpan, burst_before
 from reproduce.httpdriver.protocol import cpu_scaled, study
-from reproduce.plan import plan_trace
 from reproduce.sim.engine_link import Engine
 from reproduce.tracecapacity import CACHE_ENV, trace_capacity
 from reproduce.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
-from reproduce.traceworkload import TraceWorkload
+from reproduce.traceworkload import TraceWorkload, plan_trace
 from reproduce.validate import load_runs
 from reproduce.workload import segment_token_ids
 from retrywatch.cli import main
