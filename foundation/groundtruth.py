@@ -70,7 +70,9 @@ class JudgedSpan:
     window_s: float
     deadline_s: float
     capacity: float  # Ĉ, calls per run-second
-    time_scale: float = 1.0
+    #: The recovery rule's growth limit of the waiting executions, per run-second (the plan's);
+    #: None: the rule's own (a span in study seconds).
+    max_growth_per_s: float | None = None
     pulse_start_s: float | None = None
     pulse_end_s: float | None = None
 
@@ -220,6 +222,7 @@ class GroundTruth:
                 "end_s": _round(span.end_s),
                 "align_s": _round(span.align_s),
                 "window_s": span.window_s,
+                "max_growth_per_s": span.max_growth_per_s,
                 "pulse": None
                 if span.pulse_start_s is None or span.pulse_end_s is None
                 else _stretch_dict((span.pulse_start_s, span.pulse_end_s)),
@@ -235,8 +238,8 @@ class GroundTruth:
 
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any]) -> GroundTruth:
-        """The record of one summary.json run entry; its deadline, Ĉ and time scale are the
-        entry's own. A missing or malformed record raises :class:`GroundTruthError`."""
+        """The record of one summary.json run entry; its deadline and Ĉ are the entry's own. A
+        missing or malformed record raises :class:`GroundTruthError`."""
         where = f"summary run {entry.get('slug') or entry.get('series') or '?'!r}"
         judged = entry.get("judged")
         if not isinstance(judged, Mapping):
@@ -252,7 +255,7 @@ class GroundTruth:
             window_s=_seconds(judged.get("window_s"), f"{where}: judged.window_s"),
             deadline_s=_seconds(entry.get("deadline_s"), f"{where}: deadline_s"),
             capacity=_seconds(entry.get("capacity"), f"{where}: capacity"),
-            time_scale=_seconds(entry.get("time_scale", 1.0), f"{where}: time_scale"),
+            max_growth_per_s=_optional(judged.get("max_growth_per_s"), f"{where}: judged.max_growth_per_s"),
             pulse_start_s=None if pulse is None else pulse[0],
             pulse_end_s=None if pulse is None else pulse[1],
         )

@@ -14,13 +14,14 @@ others (a trace replay can replace the pulse workload, say):
 A block groups conditions with the models it ran on and the study's run counts per model.
 ``--block paper`` is every block. The study's "no control" is a plain proxy: no coalescing, no
 budget, no cap; cancellation as the block states. Every duration a condition carries is at the
-study's scale; ``ProxyPolicy.config`` divides the policy's by the time scale.
+study's scale; ``ProxyPolicy.config`` gives the policy's in a run plan's seconds.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
 from reproduce.client import ClientConfig
@@ -29,6 +30,9 @@ from reproduce.traceworkload import TraceWorkload
 from reproduce.workloads.base import Workload
 from reproduce.workloads.pulse import PulseWorkload
 from reproduce.workloads.steps import SteppedWorkload
+
+if TYPE_CHECKING:
+    from reproduce.plan import RunPlan
 
 __all__ = [
     "BLOCKS",
@@ -79,27 +83,26 @@ class ProxyPolicy:
     queue_order: QueueOrder = QueueOrder.FIFO
     deadline_check: bool = False
 
-    def config(self, deadline_s: float, time_scale: float = 1.0) -> PolicyConfig:
-        """The proxy's ``PolicyConfig``, every duration of the policy divided by ``time_scale``.
+    def config(self, plan: RunPlan) -> PolicyConfig:
+        """The proxy's ``PolicyConfig`` for the run ``plan`` plans, every duration of the policy in
+        its run seconds (``RunPlan.run_s``).
 
-        ``deadline_s`` is the clients' deadline in run seconds (the run plan's, already scaled);
-        the proxy knows it so that its delivered-within-deadline counter and the deadline check
-        are meaningful.
+        The clients' deadline is the plan's; the proxy knows it so that its
+        delivered-within-deadline counter and the deadline check are meaningful.
         """
-        k = float(time_scale)
         return PolicyConfig(
             coalesce=self.coalesce,
             cancellation=self.cancellation,
-            cancel_after_s=DEFERRED_CANCEL_S / k,
+            cancel_after_s=plan.run_s(DEFERRED_CANCEL_S),
             retry_budget=self.retry_budget,
-            budget_window_s=BUDGET_WINDOW_S / k,
+            budget_window_s=plan.run_s(BUDGET_WINDOW_S),
             budget_order=self.budget_order,
             max_outstanding=self.proxy_cap,
             queue_order=self.queue_order,
             lifo_threshold=LIFO_THRESHOLD,
             deadline_check=self.deadline_check,
-            deadline_s=deadline_s,
-            retry_memory_s=RETRY_MEMORY_S / k,
+            deadline_s=plan.deadline_s,
+            retry_memory_s=plan.run_s(RETRY_MEMORY_S),
         )
 
     def describe(self) -> dict[str, object]:

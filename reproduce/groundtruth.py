@@ -49,7 +49,8 @@ from foundation import metricnames as mn
 from foundation.groundtruth import Collapse, GroundTruth, JudgedSpan, Window
 from foundation.timeseries import Snapshot
 from reproduce.client import CallRecord
-from reproduce.outcomes import RecoveryRule, counter_rate, mean_and_slope, waiting_series
+from reproduce.outcomes import counter_rate, mean_and_slope, waiting_series
+from reproduce.plan import RecoveryRule
 
 __all__ = [
     "CALLS_FILE",
@@ -116,7 +117,7 @@ def span_of(run: Mapping[str, Any]) -> JudgedSpan:
         window_s=float(window),
         deadline_s=float(run["deadline_s"]),
         capacity=float(run["capacity"]),
-        time_scale=float(run.get("time_scale") or 1.0),
+        max_growth_per_s=RecoveryRule().max_growth_per_s * float(run.get("time_scale") or 1.0),
         pulse_start_s=pulse_start,
         pulse_end_s=pulse_end,
     )
@@ -150,7 +151,8 @@ def judge_windows(
 ) -> list[Window]:
     """Every window of the span, judged by the recovery rule's thresholds."""
     rule = rule or RecoveryRule()
-    growth_limit = rule.max_growth_per_s * span.time_scale  # per run-second
+    # the plan's limit, per run-second (a span without one is in study seconds: the rule's own)
+    growth_limit = rule.max_growth_per_s if span.max_growth_per_s is None else span.max_growth_per_s
     waiting = waiting_series(snapshots)
     ordered = sorted(calls, key=lambda c: c.planned_at)
     planned = [c.planned_at for c in ordered]

@@ -105,7 +105,7 @@ def judged_span(plan: RunPlan, capacity: float, duration_s: float) -> JudgedSpan
         window_s=plan.window_s,
         deadline_s=plan.deadline_s,
         capacity=capacity,
-        time_scale=plan.time_scale,
+        max_growth_per_s=plan.max_growth_per_s,
         pulse_start_s=None if timeline is None else timeline.pulse_start,
         pulse_end_s=None if timeline is None else timeline.pulse_end,
     )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from reproduce.client import ClientConfig
-from reproduce.plan import RECOVERY_WINDOW_S, RECOVERY_WINDOWS, Phase, RunPlan
+from reproduce.plan import REPLAY_TAIL_WINDOWS, Phase, RunPlan, make_plan
 from reproduce.traces import (
     FORMATS,
     TraceCall,
@@ -254,7 +254,6 @@ def plan_trace(
 
     The trace is streamed: one pass for its facts (``TraceWorkload.facts``), one for its calls.
     """
-    k = time_scale
     calls: list[PlannedCall] = []
     segments: dict[str, Segments] = {}
     for call in workload.calls(capacity, token_scale=token_scale, max_context=max_context):
@@ -263,12 +262,4 @@ def plan_trace(
             segments[call.planned.call_id] = call.segments
     end = calls[-1].arrival_s if calls else 0.0
     phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
-    return RunPlan(
-        calls=tuple(calls),
-        client=client.scaled(k),
-        time_scale=k,
-        phases=(phase,),
-        window_s=RECOVERY_WINDOW_S / k,
-        segments=segments,
-        tail_s=(RECOVERY_WINDOWS + 1) * RECOVERY_WINDOW_S / k,
-    )
+    return make_plan(calls, (phase,), client, time_scale, segments=segments, tail_windows=REPLAY_TAIL_WINDOWS)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from reproduce.conditions import Condition, PulseWorkload, engine_cap_for
-from reproduce.plan import RunPlan
+from reproduce.plan import RunPlan, generated_spec
 from reproduce.workload import MAX_CONTEXT, WorkloadSpec
 from reproduce.workloads.base import Shaping
 
@@ -82,9 +82,8 @@ class HttpProtocol:
     def workload(self, capacity: float, *, seed: int) -> WorkloadSpec:
         """The study's pulse under this protocol at Ĉ = ``capacity`` calls per run-second (the
         calibration's probe)."""
-        k = self.time_scale
         fields = {**PulseWorkload().fields(hold_s=self.hold_s), **self.shaping().fields}
-        return WorkloadSpec(capacity=capacity / k, seed=seed, time_scale=k, **fields)
+        return generated_spec(capacity, seed=seed, time_scale=self.time_scale, **fields)
 
     @property
     def token_scale(self) -> float:

@@ -127,14 +127,13 @@ class _World:
     """The state of one run: the environment, the client, the policy, the engine and the calls."""
 
     def __init__(self, spec: SimSpec, plan: RunPlan, capacity: float, engine: engine_link.Engine) -> None:
-        k = plan.time_scale
         self.spec = spec
         self.plan = plan
         self.capacity = capacity
         self.env = Environment()
         self.rng = random.Random(f"retrywatch-sim-{spec.seed}")
         self.client = ClientModel(plan.client, self.rng)
-        self.policy = Policy(spec.condition.policy.config(plan.deadline_s, k))
+        self.policy = Policy(spec.condition.policy.config(plan))
         self.engine = engine
         self.engine.bind(self.env, self._on_engine_event)
         self.by_subscriber: dict[int, _Call] = {}
@@ -147,7 +146,7 @@ class _World:
         self.arrived = 0
         self.snapshots: list[Snapshot] = []
         self.scraper = Scraper(
-            self.policy, engine.metrics_samples, capacity=capacity, window_s=PROXY_WINDOW_S / k
+            self.policy, engine.metrics_samples, capacity=capacity, window_s=plan.run_s(PROXY_WINDOW_S)
         )
 
     # --- arrivals and attempts ------------------------------------------------------
@@ -303,7 +302,7 @@ class _World:
         self.snapshots.append(self.scraper.snapshot(self.env.now))
 
     def run(self) -> float:
-        every = self.spec.snapshot_every_s / self.plan.time_scale
+        every = self.plan.run_s(self.spec.snapshot_every_s)
         last_arrival = self.trace[-1].arrival_s if self.trace else 0.0
         limit = last_arrival + self.client.config.horizon_s
         n = len(self.trace)

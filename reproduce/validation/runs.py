@@ -72,6 +72,11 @@ class RunInfo:
     #: written before runs recorded it that has no call records to compute it from.
     truth: GroundTruth | None = field(default=None, compare=False, repr=False)
 
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in this run's seconds (the run's time scale, as its
+        plan applied it): the one place validation converts one."""
+        return study_s / self.time_scale
+
     @property
     def recovery_at_s(self) -> float | None:
         """When the run recovered, from its start; None if it did not."""

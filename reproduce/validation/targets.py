@@ -19,11 +19,11 @@ RETRY_LOOP = "VLLMMetastableRetryLoop"
 SILENCE = "no collapse is silent"
 BACKLOG = "VLLMBacklogBeyondDeadline"
 # The retry-loop alert must fire within this long after the pulse's end, in the study's seconds
-# (divided by the run's time scale).
+# (a run's: ``RunInfo.run_s``).
 RETRY_LOOP_LEAD_TARGET_S = 120.0
 # No collapse is silent: in a run that never recovers, a critical alert fires within this long
-# after the collapse that lasts to the end of the hold began (study seconds, divided by the
-# run's time scale) and is still firing at the hold's end. A miss is known only one deadline
+# after the collapse that lasts to the end of the hold began (study seconds; a
+# run's: ``RunInfo.run_s``) and is still firing at the hold's end. A miss is known only one deadline
 # after its call arrived, so the symptom alert cannot fire sooner than about a deadline.
 SILENCE_TARGET_S = 300.0
 # A late firing is put beside when the loop formed: executions created over this window (study
@@ -78,7 +78,7 @@ def loop_formed_at_s(info: RunInfo, before_s: float) -> float | None:
     the pulse's end) or the run's series is not there."""
     if not info.series.exists():
         return None
-    window = LOOP_FORMATION_WINDOW_S / info.time_scale
+    window = info.run_s(LOOP_FORMATION_WINDOW_S)
     points = [
         (snap.t, created)
         for snap in read_series(info.series)
@@ -151,7 +151,7 @@ def check_silence(results: Sequence[RunResult]) -> dict[str, Any]:
         if first is not None:
             delay = first.fired_at_s - start
             delays.append(delay)
-            if delay > SILENCE_TARGET_S / r.info.time_scale:
+            if delay > r.info.run_s(SILENCE_TARGET_S):
                 late.append(_run_ref(r, after_collapse_s=round(delay, 3), alertname=first.alertname))
         if not any(
             f.fired_at_s <= end and (f.resolved_at_s is None or f.resolved_at_s >= end) for f in critical
@@ -186,7 +186,7 @@ def check_targets(results: Sequence[RunResult]) -> dict[str, Any]:
         info = r.info
         loop = firings_of(r, RETRY_LOOP)
         backlog = firings_of(r, BACKLOG)
-        lead_target = RETRY_LOOP_LEAD_TARGET_S / info.time_scale
+        lead_target = info.run_s(RETRY_LOOP_LEAD_TARGET_S)
         first_loop = first_after(loop, info.pulse_start_s)
         if not info.recovered:
             if first_loop is None:

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from reproduce.plan import plan_run
-from reproduce.workload import PULSE_MULTIPLE, WorkloadSpec, paper_phases
+from reproduce.plan import generated_spec, plan_run
+from reproduce.workload import PULSE_MULTIPLE, paper_phases
 from reproduce.workloads.base import STUDY_MIX, Shaping, TokenMix
 
 if TYPE_CHECKING:
@@ -74,9 +74,8 @@ class PulseWorkload:
     def plan(
         self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
     ) -> RunPlan:
-        k = time_scale
         fields = {**self.fields(hold_s=shaping.hold_s), **shaping.fields}
-        return plan_run(WorkloadSpec(capacity=capacity / k, seed=seed, time_scale=k, **fields), client)
+        return plan_run(generated_spec(capacity, seed=seed, time_scale=time_scale, **fields), client)
 
 
 def with_pulse(run: RunSpec, multiple: float) -> RunSpec:

@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
-from reproduce.plan import RECOVERY_WINDOW_S, RECOVERY_WINDOWS, plan_run
-from reproduce.workload import WorkloadSpec
+from reproduce.plan import REPLAY_TAIL_WINDOWS, generated_spec, plan_run
 from reproduce.workloads.base import STUDY_MIX, Shaping, TokenMix
 
 if TYPE_CHECKING:
@@ -105,16 +104,14 @@ class SteppedWorkload:
     def plan(
         self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
     ) -> RunPlan:
-        k = time_scale
-        spec = WorkloadSpec(
-            capacity=capacity / k,
+        spec = generated_spec(
+            capacity,
             seed=seed,
-            time_scale=k,
+            time_scale=time_scale,
             **{
                 **shaping.fields,
                 "phases": tuple((self.step_s, m) for m in self.steps),
                 "phase_names": tuple(f"step{i + 1}" for i in range(len(self.steps))),
             },
         )
-        # As a replay's: after the last step, time for the recovery rule's two good windows.
-        return replace(plan_run(spec, client), tail_s=(RECOVERY_WINDOWS + 1) * RECOVERY_WINDOW_S / k)
+        return plan_run(spec, client, tail_windows=REPLAY_TAIL_WINDOWS)
