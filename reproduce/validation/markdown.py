@@ -152,12 +152,13 @@ def _cell(a: Mapping[str, Any]) -> str:
 
 
 def _trace_reading(report: Mapping[str, Any]) -> list[str]:
-    """How to read the pulse's figures on replayed traces, which have none (docs/traces.md)."""
+    """How to read the pulse's figures on runs without a pulse (a replayed trace, a stepped load:
+    ``validation.json``'s ``trace``), which have none (docs/traces.md)."""
     traces = sum(1 for r in report["runs"] if r.get("trace"))
     if not traces:
         return []
     return [
-        f"- {traces} of the runs replay a request trace, which has no pulse: for them, read every "
+        f"- {traces} of the runs have no pulse (a replayed trace, a stepped load): for them, read every "
         '"pulse" below as the burst the run is aligned on (the busiest 60-s stretch before its first '
         "collapse, or its busiest stretch when nothing collapsed; `burst` in summary.json) and "
         '"the hold" as the whole run, to three windows after its last call (docs/traces.md).'

@@ -192,7 +192,7 @@ def test_validate_scores_a_replay_against_its_collapses(replayed: Path) -> None:
     # The pulse's figures say how to read them on a trace, which has none.
     assert report["runs"][0]["trace"] is True
     assert (
-        '1 of the runs replay a request trace, which has no pulse: for them, read every "pulse"'
+        '1 of the runs have no pulse (a replayed trace, a stepped load): for them, read every "pulse"'
         in (replayed / "validation.md").read_text()
     )
 

@@ -130,6 +130,8 @@ def test_a_stepped_run_records_its_ground_truth_and_validates(stepped: Path) -> 
     report = json.loads((stepped / "validation.json").read_text())
     assert report["runs"][0]["collapses"] == run["collapses"]  # read, not recomputed
     assert report["alerts"]["VLLMCallsNotDeliveredInTime"]["collapses"] == len(run["collapses"])
+    assert report["runs"][0]["trace"] is True  # no pulse: aligned on the burst behind its collapse
+    assert "1 of the runs have no pulse" in (stepped / "validation.md").read_text()
     drawn = run_collapses(run)  # the dashboard shades the same collapses
     assert [(c.start_s, c.end_s) for c in drawn] == [(c["start_s"], c["end_s"]) for c in run["collapses"]]
 
