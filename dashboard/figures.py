@@ -25,6 +25,7 @@ from dashboard.data import engine_name
 from dashboard.runs import STEP_SIGNALS, condition_text
 from detector.signals import WINDOWS
 from detector.thresholds import ALERTS_BY_NAME, DELIVERY_BURN_THRESHOLD, SEVERITIES
+from foundation.groundtruth import Collapse, GroundTruthError, collapses_of
 from foundation.rundir import RunDirError
 
 # --- palette (Okabe & Ito, 2008) -------------------------------------------------------
@@ -858,7 +859,7 @@ def pulse_marks(fig: go.Figure, pulse: Mapping[str, Any] | None) -> go.Figure:
     return fig
 
 
-# --- a replayed trace's run: its collapses, the bursts behind them, the alerts over them -------
+# --- a run's collapses (its ground-truth record), the bursts behind them, the alerts over them ---
 
 COLLAPSE_COLOUR = GREY
 METASTABLE_COLOUR = REDDISH_PURPLE
@@ -869,83 +870,34 @@ ALERT_ROW: tuple[float, float] = (0.93, 1.0)
 BURST_ROW: tuple[float, float] = (0.0, 0.05)
 
 
-@dataclass(frozen=True)
-class Collapse:
-    """A collapse of a run without a pulse (summary.json's ``collapses``; run seconds):
-    ``metastable_at`` the first time inside it the retry loop held (None: never, or unknown);
-    ``burst`` the stretch of arrivals that started it (None: not named)."""
-
-    start: float
-    end: float
-    ended: bool
-    metastable: bool | None = None
-    metastable_at: float | None = None
-    metastable_for: float | None = None
-    burst: tuple[float, float] | None = None
-
-
 def is_trace_run(run: Mapping[str, Any]) -> bool:
-    """A run without a pulse whose entry is judged by its collapses (a replayed trace)."""
+    """A run without a pulse (a replayed trace, a stepped load): judged by its collapses alone,
+    its arrivals drawn, its alerts in a row of their own."""
     return not run.get("pulse") and ("collapses" in run or "burst" in run)
 
 
-def _seconds(value: Any, what: str) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError) as exc:
-        raise RunDirError(f"{what} must be a number of seconds, got {value!r}") from exc
-    if not math.isfinite(out):
-        raise RunDirError(f"{what} must be a finite number of seconds, got {value!r}")
-    return out
-
-
-def _optional_seconds(value: Any, what: str) -> float | None:
-    return None if value is None else _seconds(value, what)
-
-
-def _stretch(value: Any, what: str) -> tuple[float, float]:
-    if not isinstance(value, Mapping):
-        raise RunDirError(f"{what} must be an object with start_s and end_s, got {value!r}")
-    return _seconds(value.get("start_s"), f"{what}.start_s"), _seconds(value.get("end_s"), f"{what}.end_s")
-
-
 def run_collapses(run: Mapping[str, Any]) -> list[Collapse]:
-    """A trace run's collapses from its summary entry; an entry of the wrong shape (collapses
-    not a list, a collapse without its start or end) raises ``RunDirError`` naming what."""
-    where = f"summary run {run.get('slug') or run.get('series') or '?'!r}"
-    raw = _require(run, "collapses")
-    if not isinstance(raw, list):
-        raise RunDirError(f"{where}: 'collapses' must be a list, got {type(raw).__name__}")
-    out = []
-    for i, item in enumerate(raw):
-        what = f"{where}: collapses[{i}]"
-        if not isinstance(item, Mapping):
-            raise RunDirError(f"{what} must be an object, got {item!r}")
-        metastable = item.get("metastable")
-        out.append(
-            Collapse(
-                start=_seconds(item.get("start_s"), f"{what}.start_s"),
-                end=_seconds(item.get("end_s"), f"{what}.end_s"),
-                ended=bool(item.get("ended", True)),
-                metastable=None if metastable is None else bool(metastable),
-                metastable_at=_optional_seconds(item.get("metastable_at_s"), f"{what}.metastable_at_s"),
-                metastable_for=_optional_seconds(item.get("metastable_for_s"), f"{what}.metastable_for_s"),
-                burst=None if item.get("burst") is None else _stretch(item["burst"], f"{what}.burst"),
-            )
-        )
-    return out
+    """A run's collapses from its summary entry's ground-truth record (every run written since
+    runs record it; an older entry without ``collapses`` has none to draw); an entry of the wrong
+    shape (collapses not a list, a collapse without its start or end) raises ``RunDirError``."""
+    if "collapses" not in run and not is_trace_run(run):
+        return []
+    try:
+        return list(collapses_of(run))
+    except GroundTruthError as exc:
+        raise RunDirError(str(exc)) from None
 
 
 def collapse_marks(fig: go.Figure, collapses: Sequence[Collapse], *, legend: bool = True) -> go.Figure:
-    """Mark a trace run's collapses on a time panel (seconds axis): each a grey band behind the
+    """Mark a run's collapses on a time panel (seconds axis): each a grey band behind the
     lines, its metastable stretch (from ``metastable_at`` to its end) a reddish-purple band over
     it, and the burst that started it a bar along the plot's foot. With ``legend``, one entry
     each for what is drawn."""
     drawn: dict[str, str] = {}
     for c in collapses:
         fig.add_vrect(
-            x0=c.start,
-            x1=max(c.end, c.start),
+            x0=c.start_s,
+            x1=max(c.end_s, c.start_s),
             fillcolor=COLLAPSE_COLOUR,
             opacity=0.2,
             line_width=0,
@@ -953,10 +905,10 @@ def collapse_marks(fig: go.Figure, collapses: Sequence[Collapse], *, legend: boo
             name="collapse",
         )
         drawn["collapse"] = COLLAPSE_COLOUR
-        if c.metastable_at is not None:
+        if c.metastable_at_s is not None:
             fig.add_vrect(
-                x0=c.metastable_at,
-                x1=max(c.end, c.metastable_at),
+                x0=c.metastable_at_s,
+                x1=max(c.end_s, c.metastable_at_s),
                 fillcolor=METASTABLE_COLOUR,
                 opacity=0.22,
                 line_width=0,
@@ -1015,7 +967,7 @@ def alert_row(fig: go.Figure, shades: Iterable[Shade], now: float | None) -> go.
 
 
 def collapses_text(collapses: Sequence[Collapse]) -> str:
-    """A trace run's collapses in words: how many (how many metastable), each's stretch, the
+    """A run's collapses in words: how many (how many metastable), each's stretch, the
     burst behind it and when its loop held; ``no collapse`` for none."""
     if not collapses:
         return "no collapse"
@@ -1023,12 +975,12 @@ def collapses_text(collapses: Sequence[Collapse]) -> str:
     head = f"{len(collapses)} collapse{'s' if len(collapses) != 1 else ''} ({metastable} metastable)"
     parts = []
     for c in collapses:
-        text = f"{c.start:.0f}–{c.end:.0f} s" if c.ended else f"{c.start:.0f} s to the run's end"
+        text = f"{c.start_s:.0f}–{c.end_s:.0f} s" if c.ended else f"{c.start_s:.0f} s to the end"
         if c.burst is not None:
             text += f" after the burst at {c.burst[0]:.0f}–{c.burst[1]:.0f} s"
-        if c.metastable_at is not None:
-            held = "" if c.metastable_for is None else f", held {c.metastable_for:.0f} s"
-            text += f", metastable from {c.metastable_at:.0f} s{held}"
+        if c.metastable_at_s is not None:
+            held = "" if c.metastable_for_s is None else f", held {c.metastable_for_s:.0f} s"
+            text += f", metastable from {c.metastable_at_s:.0f} s{held}"
         elif c.metastable is None:
             text += ", metastable unknown"
         parts.append(text)

@@ -31,12 +31,17 @@ from reproduce.options import (
     MAX_RUNS,
     PULSE_MULTIPLE,
     START_RATE,
+    STEP_S_HELP,
+    STEP_SECONDS,
+    STEPS_HELP,
     TIME_SCALE,
     OutputPath,
     parse_backend_options,
+    steps_workload,
     trace_workload,
 )
 from reproduce.traces import FORMATS
+from reproduce.workloads.steps import STEP_S
 
 #: A condition's own pulse (the study's), unless it says otherwise.
 _DEFAULT_PULSE_MULTIPLE = PulseWorkload().pulse_multiple
@@ -238,6 +243,8 @@ def _capacity_hint(model: str, capacity: float) -> str:
     default=None,
     help="Replay this request trace instead of the pulse (docs/traces.md), on any backend.",
 )
+@click.option("--steps", "steps_text", default=None, help=STEPS_HELP)
+@click.option("--step-s", type=STEP_SECONDS, default=STEP_S, show_default=True, help=STEP_S_HELP)
 @click.option(
     "--trace-format",
     type=click.Choice(FORMATS),
@@ -276,6 +283,8 @@ def run(
     pulse_multiple: float | None,
     client: str,
     trace_path: Path | None,
+    steps_text: str | None,
+    step_s: float,
     trace_format: str | None,
     load: float,
     window_text: str | None,
@@ -296,19 +305,20 @@ def run(
     from reproduce.runner import cap_jobs, run_many
 
     trace = trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
-    if block_slug is None and trace is None:
-        raise click.BadParameter("give a block to run (or --trace FILE to replay)", param_hint="'--block'")
-    if trace is not None and block_slug is None:
+    workload = steps_workload(steps_text, step_s, trace, pulse_multiple) or trace  # instead of the pulse
+    if block_slug is None and workload is None:
+        raise click.BadParameter(
+            "give a block to run (or --trace FILE to replay, --steps to step)", param_hint="'--block'"
+        )
+    if workload is not None and block_slug is None:
         block_slug, conditions = TRACE_BLOCK, conditions or (TRACE_CONDITION,)
     assert block_slug is not None
     try:
         specs = expand(block_slug, models=model, runs=runs, seed=seed, conditions=list(conditions) or None)
     except ConditionError as exc:
         raise click.BadParameter(str(exc), param_hint="'--condition'") from None
-    if trace is not None:
-        specs = [
-            replace(s, condition=replace(s.condition, workload=trace, variant=trace.variant)) for s in specs
-        ]
+    if workload is not None:
+        specs = [replace(s, condition=s.condition.with_workload(workload)) for s in specs]
     # A condition named twice runs once (twice, its runs wrote the same files, listed twice).
     unique: dict[str, RunSpec] = {}
     for spec in specs:
@@ -323,7 +333,7 @@ def run(
         raise click.BadParameter(str(exc), param_hint="'--client'") from None
     specs = [with_client(spec, clients) for spec in specs]
     if pulse_multiple is not None:
-        from reproduce.httpdriver.protocol import with_pulse
+        from reproduce.workloads.pulse import with_pulse
 
         specs = [with_pulse(spec, pulse_multiple) for spec in specs]
     options = parse_backend_options(backend_options)
@@ -359,7 +369,7 @@ def run(
             time_scale=time_scale,
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed}
-            | ({"trace": trace.describe()} if trace is not None else {}),
+            | ({workload.kind: workload.describe()} if workload is not None else {}),
         )
     except PresetError as exc:  # a model the backend does not know, found before anything is written
         raise click.BadParameter(str(exc), param_hint="'--model'") from None

@@ -7,26 +7,32 @@ others (a trace replay can replace the pulse workload, say):
   cap with FIFO/LIFO and the deadline check;
 * ``ClientProfile``: the clients (the study's, or a ``--client`` profile) and retries on or off;
 * ``EngineSettings``: the engine's queue cap Q, tokens per step, per-execution tracing;
-* ``PulseWorkload``: the pulse's multiple of Ĉ (``reproduce.workload.PULSE_PROTOCOL``), mixed prompts;
-  or ``TraceWorkload`` (``reproduce.traceworkload``): a request trace replayed at a load.
+* a ``Workload`` (``reproduce.workloads``): the study's pulse (``PulseWorkload``, its multiple of Ĉ,
+  mixed prompts), a request trace replayed at a load (``TraceWorkload``) or a stepped load
+  (``SteppedWorkload``).
 
 A block groups conditions with the models it ran on and the study's run counts per model.
 ``--block paper`` is every block. The study's "no control" is a plain proxy: no coalescing, no
 budget, no cap; cancellation as the block states. Every duration a condition carries is at the
-study's scale; ``ProxyPolicy.config`` divides the policy's by the time scale.
+study's scale; ``ProxyPolicy.config`` gives the policy's in a run plan's seconds.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
 from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_serving
 from reproduce.traceworkload import TraceWorkload
-from reproduce.workload import PULSE_MULTIPLE, paper_phases
+from reproduce.workloads.base import Workload
+from reproduce.workloads.pulse import PulseWorkload
+from reproduce.workloads.steps import SteppedWorkload
+
+if TYPE_CHECKING:
+    from reproduce.plan import RunPlan
 
 __all__ = [
     "BLOCKS",
@@ -40,7 +46,9 @@ __all__ = [
     "ProxyPolicy",
     "PulseWorkload",
     "RunSpec",
+    "SteppedWorkload",
     "TraceWorkload",
+    "Workload",
     "block",
     "block_slugs",
     "expand",
@@ -75,27 +83,26 @@ class ProxyPolicy:
     queue_order: QueueOrder = QueueOrder.FIFO
     deadline_check: bool = False
 
-    def config(self, deadline_s: float, time_scale: float = 1.0) -> PolicyConfig:
-        """The proxy's ``PolicyConfig``, every duration of the policy divided by ``time_scale``.
+    def config(self, plan: RunPlan) -> PolicyConfig:
+        """The proxy's ``PolicyConfig`` for the run ``plan`` plans, every duration of the policy in
+        its run seconds (``RunPlan.run_s``).
 
-        ``deadline_s`` is the clients' deadline in run seconds (the run plan's, already scaled);
-        the proxy knows it so that its delivered-within-deadline counter and the deadline check
-        are meaningful.
+        The clients' deadline is the plan's; the proxy knows it so that its
+        delivered-within-deadline counter and the deadline check are meaningful.
         """
-        k = float(time_scale)
         return PolicyConfig(
             coalesce=self.coalesce,
             cancellation=self.cancellation,
-            cancel_after_s=DEFERRED_CANCEL_S / k,
+            cancel_after_s=plan.run_s(DEFERRED_CANCEL_S),
             retry_budget=self.retry_budget,
-            budget_window_s=BUDGET_WINDOW_S / k,
+            budget_window_s=plan.run_s(BUDGET_WINDOW_S),
             budget_order=self.budget_order,
             max_outstanding=self.proxy_cap,
             queue_order=self.queue_order,
             lifo_threshold=LIFO_THRESHOLD,
             deadline_check=self.deadline_check,
-            deadline_s=deadline_s,
-            retry_memory_s=RETRY_MEMORY_S / k,
+            deadline_s=plan.deadline_s,
+            retry_memory_s=plan.run_s(RETRY_MEMORY_S),
         )
 
     def describe(self) -> dict[str, object]:
@@ -148,26 +155,6 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
-class PulseWorkload:
-    """The load: the protocol's pulse (``reproduce.workload.PULSE_PROTOCOL``) at ``pulse_multiple``
-    Ĉ, with mixed prompt lengths or not. A trace replay is the other workload part
-    (``TraceWorkload``)."""
-
-    pulse_multiple: float = PULSE_MULTIPLE
-    mixed_prompts: bool = False
-
-    def fields(self, *, hold_s: float | None = None) -> dict[str, Any]:
-        """The ``WorkloadSpec`` fields this part sets (phases at the study's scale)."""
-        return {
-            "phases": paper_phases(self.pulse_multiple, hold_s=hold_s),
-            "mixed_prompts": self.mixed_prompts,
-        }
-
-    def describe(self) -> dict[str, object]:
-        return {"pulse_multiple": self.pulse_multiple, "mixed_prompts": self.mixed_prompts}
-
-
-@dataclass(frozen=True)
 class Condition:
     """One experimental condition: a name and the parts it sets (proxy policy, client profile,
     engine settings, workload). Durations are at the study's scale (seconds)."""
@@ -176,15 +163,12 @@ class Condition:
     policy: ProxyPolicy = ProxyPolicy()
     client: ClientProfile = ClientProfile()
     engine: EngineSettings = EngineSettings()
-    workload: PulseWorkload | TraceWorkload = PulseWorkload()
+    workload: Workload = field(default_factory=PulseWorkload)
     variant: str = ""  # distinguishes cells sharing a slug (the trigger sweep's pulse)
 
-    @property
-    def pulse(self) -> PulseWorkload:
-        """The condition's pulse workload; a ``ConditionError`` for a trace replay (none)."""
-        if not isinstance(self.workload, PulseWorkload):
-            raise ConditionError(f"condition {self.key!r} replays a trace: it has no pulse")
-        return self.workload
+    def with_workload(self, workload: Workload) -> Condition:
+        """This condition with ``workload`` instead, its runs named by the workload's variant."""
+        return replace(self, workload=workload, variant=workload.variant)
 
     @property
     def key(self) -> str:
@@ -320,7 +304,7 @@ _BUDGET_CANCEL = (
     _DEFERRED,
 )
 
-_MIXED = tuple(replace(c, workload=replace(c.pulse, mixed_prompts=True)) for c in _DIAGNOSTIC)
+_MIXED = tuple(replace(c, workload=PulseWorkload(mixed_prompts=True)) for c in _DIAGNOSTIC)
 
 
 def _all_models(primary: int, others: int) -> dict[str, int]:

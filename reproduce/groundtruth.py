@@ -25,6 +25,11 @@ A run without a pulse (a replayed trace) names, for each collapse, the *burst* t
 (:func:`burst_before`, the one definition): the busiest stretch of one window's length whose
 start lies at most one deadline plus one window before the collapse's start, and not after it.
 
+The record is computed once, when a run ends (:func:`truth_record`, by ``reproduce.summary``),
+and written into its summary entry; its types (``Collapse``, ``Window``, ``JudgedSpan``,
+``GroundTruth``) live in ``foundation.groundtruth`` so that every reader shares them. An entry
+written before runs recorded it is computed once on read (:func:`legacy_truth`).
+
 NOTE: every time here is in the run's own seconds, like summary.json's: with ``--time-scale K``
 the window and the deadline are already divided by K and Ĉ is in calls per run-second.
 """
@@ -40,11 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from foundation import metricnames as mn
+from foundation.groundtruth import Collapse, GroundTruth, JudgedSpan, Window
 from foundation.rundir import RunDirError
 from foundation.timeseries import Snapshot
 from reproduce.client import CallRecord
-from reproduce.outcomes import RecoveryRule, counter_rate, mean_and_slope, waiting_series
-from reproduce.plan import RECOVERY_WINDOW_S
+from reproduce.outcomes import counter_rate, mean_and_slope, waiting_series
+from reproduce.plan import RecoveryRule
 
 __all__ = [
     "CALLS_FILE",
@@ -57,11 +63,14 @@ __all__ = [
     "burst_before",
     "busiest_stretch",
     "calls_of_records",
+    "collapsed_to_the_end",
     "find_collapses",
     "ground_truth",
     "judge_windows",
+    "legacy_truth",
     "read_calls",
     "span_of",
+    "truth_record",
 ]
 
 #: The call records a run writes beside its metrics series (``reproduce/summary.py``).
@@ -83,55 +92,32 @@ class CallTimes:
         return self.delivered_at is not None and self.delivered_at <= self.first_sent_at + deadline_s + _EPS
 
 
-@dataclass(frozen=True)
-class JudgedSpan:
-    """The part of a run that is judged, and the clock it is judged on (run seconds)."""
-
-    start_s: float
-    end_s: float
-    align_s: float  # a window boundary: the pulse's end, or the run's start
-    window_s: float
-    deadline_s: float
-    capacity: float  # Ĉ, calls per run-second
-    time_scale: float = 1.0
-    pulse_start_s: float | None = None
-    pulse_end_s: float | None = None
-
-    def windows(self) -> list[tuple[float, float]]:
-        """Windows of ``window_s`` covering [start_s, end_s), one boundary at ``align_s``; the
-        first (and a last, shorter one) are cut to the span."""
-        w = self.window_s
-        first = self.align_s - math.ceil((self.align_s - self.start_s) / w - _EPS) * w
-        out = []
-        a = first
-        while a < self.end_s - _EPS:
-            b = a + w
-            out.append((max(a, self.start_s), min(b, self.end_s)))
-            a = b
-        return out
-
-
 def span_of(run: Mapping[str, Any]) -> JudgedSpan:
-    """The judged span of one summary.json run entry: the run's start to the end of the hold
-    (``hold_end_s``; without one, ``duration_s``), windows aligned to the pulse's end when the
-    run had a pulse (``pulse.end_s``), at its time scale and deadline, against its Ĉ."""
-    k = float(run.get("time_scale") or 1.0)
+    """The judged span of a summary.json run entry written before runs recorded their ground
+    truth (``legacy_truth``): the run's start to the end of the hold (``hold_end_s``; without
+    one, ``duration_s``), windows aligned to the pulse's end when the run had a pulse, the
+    window its plan recorded (``plan.window_s``), at its deadline, against its Ĉ."""
     pulse = run.get("pulse") if isinstance(run.get("pulse"), Mapping) else None
     pulse_start = None if pulse is None or pulse.get("start_s") is None else float(pulse["start_s"])
     pulse_end = None if pulse is None or pulse.get("end_s") is None else float(pulse["end_s"])
     end = run.get("hold_end_s")
     if end is None:
         end = run.get("duration_s")
-    if end is None:
-        raise RunDirError(f"run {run.get('slug', '?')!r}: needs 'hold_end_s' or 'duration_s'")
+    plan = run.get("plan")
+    window = plan.get("window_s") if isinstance(plan, Mapping) else None
+    if end is None or window is None:
+        raise RunDirError(
+            f"run {run.get('slug', '?')!r}: needs 'hold_end_s' or 'duration_s', and 'plan.window_s' "
+            "(a summary.json written before runs recorded their plan: run it again)"
+        )
     return JudgedSpan(
         start_s=0.0,
         end_s=float(end),
         align_s=pulse_end if pulse_end is not None else 0.0,
-        window_s=RECOVERY_WINDOW_S / k,
+        window_s=float(window),
         deadline_s=float(run["deadline_s"]),
         capacity=float(run["capacity"]),
-        time_scale=k,
+        max_growth_per_s=RecoveryRule().max_growth_per_s * float(run.get("time_scale") or 1.0),
         pulse_start_s=pulse_start,
         pulse_end_s=pulse_end,
     )
@@ -157,25 +143,6 @@ def read_calls(path: Path) -> list[CallTimes]:
     return calls
 
 
-@dataclass(frozen=True)
-class Window:
-    """One judged window: its calls (by planned arrival) and the waiting executions."""
-
-    start_s: float
-    end_s: float
-    calls: int
-    delivered_within_deadline: float  # share of its calls; 1.0 for a window without calls
-    waiting_mean: float  # NaN: no scrape in the window
-    waiting_slope_per_s: float
-    delivered_ok: bool
-    queue_ok: bool
-
-    @property
-    def ok(self) -> bool:
-        """Good as the recovery rule counts a window: delivered and drained."""
-        return self.delivered_ok and self.queue_ok
-
-
 def judge_windows(
     calls: Sequence[CallTimes],
     snapshots: Sequence[Snapshot],
@@ -184,7 +151,8 @@ def judge_windows(
 ) -> list[Window]:
     """Every window of the span, judged by the recovery rule's thresholds."""
     rule = rule or RecoveryRule()
-    growth_limit = rule.max_growth_per_s * span.time_scale  # per run-second
+    # the plan's limit, per run-second (a span without one is in study seconds: the rule's own)
+    growth_limit = rule.max_growth_per_s if span.max_growth_per_s is None else span.max_growth_per_s
     waiting = waiting_series(snapshots)
     ordered = sorted(calls, key=lambda c: c.planned_at)
     planned = [c.planned_at for c in ordered]
@@ -202,40 +170,6 @@ def judge_windows(
             Window(start, end, len(members), share, mean, slope, share >= rule.min_delivered, queue_ok)
         )
     return out
-
-
-@dataclass(frozen=True)
-class Collapse:
-    """A stretch of the run in which its calls were not delivered within the deadline.
-    ``ended``: False when it ran to the end of the judged span (never recovered);
-    ``metastable_at_s``: the first time inside it that first attempts arrived below Ĉ while
-    executions were created at or above Ĉ (None: never, or unknown); ``metastable_for_s``: how
-    long that held in all (a control that breaks the loop soon after it forms holds it briefly);
-    ``burst``: in a run without a pulse, the burst that started it (:func:`burst_before`)."""
-
-    start_s: float
-    end_s: float
-    ended: bool
-    metastable: bool | None = None
-    metastable_at_s: float | None = None
-    metastable_for_s: float | None = None
-    burst: tuple[float, float] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        burst = (
-            {}
-            if self.burst is None
-            else {"burst": {"start_s": round(self.burst[0], 3), "end_s": round(self.burst[1], 3)}}
-        )
-        return {
-            **burst,
-            "start_s": round(self.start_s, 3),
-            "end_s": round(self.end_s, 3),
-            "metastable": self.metastable,
-            "ended": self.ended,
-            "metastable_at_s": None if self.metastable_at_s is None else round(self.metastable_at_s, 3),
-            "metastable_for_s": None if self.metastable_for_s is None else round(self.metastable_for_s, 3),
-        }
 
 
 def busiest_stretch(
@@ -328,26 +262,24 @@ def _has_proxy_counters(snapshots: Sequence[Snapshot]) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class GroundTruth:
-    """A run's judged windows and collapses."""
-
-    span: JudgedSpan
-    windows: list[Window]
-    collapses: list[Collapse]
-
-
 def ground_truth(calls: Iterable[CallTimes], snapshots: Iterable[Snapshot], span: JudgedSpan) -> GroundTruth:
-    """The collapses of one run, each marked metastable or not (None without proxy counters)."""
+    """The collapses of one run, each marked metastable or not (None without proxy counters),
+    and the overload the run is aligned on: its pulse; without one, the burst behind its first
+    collapse, or its busiest stretch when nothing collapsed."""
     calls = list(calls)
     snapshots = sorted(snapshots, key=lambda s: s.t)
     windows = judge_windows(calls, snapshots, span)
     found = find_collapses(windows, calls, span.deadline_s)
     known = _has_proxy_counters(snapshots)
-    planned = sorted(c.planned_at for c in calls) if span.pulse_end_s is None else []
+    pulse = (
+        None
+        if span.pulse_start_s is None or span.pulse_end_s is None
+        else (span.pulse_start_s, span.pulse_end_s)
+    )
+    planned = sorted(c.planned_at for c in calls) if pulse is None else []
     marked = []
     for c in found:
-        burst = burst_before(planned, c.start_s, span) if span.pulse_end_s is None else None
+        burst = burst_before(planned, c.start_s, span) if pulse is None else None
         if not known:
             marked.append(Collapse(c.start_s, c.end_s, c.ended, burst=burst))
             continue
@@ -355,7 +287,36 @@ def ground_truth(calls: Iterable[CallTimes], snapshots: Iterable[Snapshot], span
         marked.append(
             Collapse(c.start_s, c.end_s, c.ended, at is not None, at, held if at is not None else 0.0, burst)
         )
-    return GroundTruth(span, windows, marked)
+    if pulse is not None:
+        overload = pulse
+    elif marked and marked[0].burst is not None:
+        overload = marked[0].burst
+    else:
+        overload = busiest_stretch(planned, span.start_s, span.end_s, span.window_s)
+    return GroundTruth(span, windows, marked, overload)
+
+
+def legacy_truth(entry: Mapping[str, Any], calls_path: Path, series_path: Path) -> GroundTruth | None:
+    """The ground truth of a run entry written before runs recorded it (no ``judged``), computed
+    once on read from the run's call records and series; None without its call records."""
+    if not calls_path.is_file():
+        return None
+    from foundation.timeseries import read_series
+
+    return ground_truth(read_calls(calls_path), read_series(series_path), span_of(entry))
+
+
+def truth_record(
+    calls: Iterable[CallTimes], snapshots: Iterable[Snapshot], span: JudgedSpan
+) -> dict[str, Any]:
+    """The record a run's summary entry holds (``collapses`` and ``judged``), computed once when
+    the run ends."""
+    return ground_truth(calls, snapshots, span).entry_fields()
+
+
+def collapsed_to_the_end(collapses: Iterable[Collapse], from_s: float) -> bool:
+    """A collapse under way at or after ``from_s`` runs to the end of the judged span."""
+    return any(not c.ended and c.end_s > from_s for c in collapses)
 
 
 def agrees_with_recovery(truth: GroundTruth, recovered: bool) -> bool:
@@ -366,5 +327,4 @@ def agrees_with_recovery(truth: GroundTruth, recovered: bool) -> bool:
     it (up to 10 s on the paper block's seeds 7321 and 12421), with base calls still running when
     the pulse arrives, slowed past their deadline by the pulse's prefills sharing every step."""
     pulse_start = truth.span.pulse_start_s if truth.span.pulse_start_s is not None else truth.span.start_s
-    to_the_end = any(not c.ended and c.end_s > pulse_start for c in truth.collapses)
-    return to_the_end == (not recovered)
+    return collapsed_to_the_end(truth.collapses, pulse_start) == (not recovered)

@@ -16,6 +16,8 @@ import click
 from foundation.options import FiniteFloatRange
 from reproduce.conditions import TraceWorkload
 from reproduce.traces import TraceError, parse_window
+from reproduce.workloads.base import Workload
+from reproduce.workloads.steps import SteppedWorkload, StepsError, parse_steps
 
 __all__ = [
     "LOAD",
@@ -23,9 +25,13 @@ __all__ = [
     "MAX_RUNS",
     "PULSE_MULTIPLE",
     "START_RATE",
+    "STEPS_HELP",
+    "STEP_SECONDS",
+    "STEP_S_HELP",
     "TIME_SCALE",
     "OutputPath",
     "parse_backend_options",
+    "steps_workload",
     "trace_workload",
 ]
 
@@ -41,6 +47,10 @@ PULSE_MULTIPLE = FiniteFloatRange(min=0, min_open=True, max=100.0)
 LOAD = FiniteFloatRange(min=0, min_open=True, max=100.0)
 #: ``--start-rate`` of the calibrations: the first stage's calls per second.
 START_RATE = FiniteFloatRange(min=0, min_open=True, max=100.0)
+#: ``--steps``, ``--step-s``: a stepped load (``reproduce.workloads.steps``).
+STEPS_HELP = "A stepped load instead of the pulse: these multiples of Ĉ in turn (0.5,1,1.5,2)."
+STEP_S_HELP = "--steps: how long each step is held (study seconds; docs/reproducing.md)."
+STEP_SECONDS = FiniteFloatRange(min=0, min_open=True, max=86_400.0)
 
 
 class OutputPath(click.Path):
@@ -80,15 +90,36 @@ def parse_backend_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
+def steps_workload(
+    text: str | None, step_s: float, trace: Workload | None, pulse_multiple: float | None
+) -> SteppedWorkload | None:
+    """``--steps`` and ``--step-s`` as a workload (none without ``--steps``)."""
+    source = click.get_current_context().get_parameter_source
+    if text is None:
+        if source("step_s") is not click.core.ParameterSource.DEFAULT:
+            raise click.BadParameter("needs --steps", param_hint="'--step-s'")
+        return None
+    for given, hint in ((trace is not None, "'--trace'"), (pulse_multiple is not None, "'--pulse-multiple'")):
+        if given:
+            raise click.BadParameter("a stepped load is a workload of its own", param_hint=hint)
+    try:
+        return SteppedWorkload(parse_steps(text), step_s)
+    except StepsError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--steps'") from None
+
+
 def trace_workload(
     path: Path | None,
     trace_format: str | None,
     load: float,
     window_text: str | None,
     pulse_multiple: float | None,
+    *,
+    load_needs_trace: bool = True,
 ) -> TraceWorkload | None:
     """``--trace`` and its options as a workload, its first pass already read (a bad file is a
-    one-line usage error naming its line and column, before any run)."""
+    one-line usage error naming its line and column, before any run). ``load_needs_trace``:
+    ``--load`` is a trace's option (``run``), not every workload's (``whatif``)."""
     source = click.get_current_context().get_parameter_source
     given = [
         name
@@ -97,7 +128,7 @@ def trace_workload(
             ("--load", "load"),
             ("--window", "window_text"),
         )
-        if source(param) is not click.core.ParameterSource.DEFAULT
+        if source(param) is not click.core.ParameterSource.DEFAULT and (load_needs_trace or param != "load")
     ]
     if path is None:
         if given:

@@ -24,7 +24,7 @@ from typing import Protocol
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord
-from reproduce.plan import Timeline
+from reproduce.plan import RecoveryRule, Timeline
 
 __all__ = [
     "RecoveryRule",
@@ -43,15 +43,6 @@ __all__ = [
     "trace_shares",
     "waiting_series",
 ]
-
-
-@dataclass(frozen=True)
-class RecoveryRule:
-    """docs/protocol.md §6's recovery thresholds, at the study's scale."""
-
-    min_delivered: float = 0.98  # share of a window's calls delivered within the deadline
-    max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
-    max_growth_per_s: float = 0.01  # their growth (least-squares slope) over a window
 
 
 # --- delivery -------------------------------------------------------------------------
@@ -162,14 +153,15 @@ def recovery(
 ) -> tuple[bool, float | None, list[dict[str, object]]]:
     """The recovery rule: the first two consecutive hold windows that each deliver at least
     ``min_delivered`` of their calls within the deadline while the waiting executions average at
-    most ``max_waiting`` and grow by at most ``max_growth_per_s``. Returns (recovered, time from
+    most ``max_waiting`` and grow by at most the timeline's ``max_growth_per_s`` (the plan's, in
+    run seconds). Returns (recovered, time from
     the pulse's end to the end of the second window, per-window detail).
 
     A window with no calls meets the delivery part; one with no scrape fails the waiting part
     (unknown is not healthy).
     """
     rule = rule or RecoveryRule()
-    growth_limit = rule.max_growth_per_s * timeline.time_scale  # per run-second
+    growth_limit = timeline.max_growth_per_s  # the plan's, per run-second
     detail: list[dict[str, object]] = []
     ok_prev = False
     for start, end in timeline.windows():

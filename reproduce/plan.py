@@ -11,33 +11,36 @@ Whatever judges a run reads the :class:`Timeline` its plan derives: ``reproduce.
 and, through summary.json, reports, validation and the dashboard. Every backend (simulator,
 emulated engine, real vLLM) judges a run on the phases it ran, not on the protocol's.
 
-A workload without a designated pulse (a request-trace replay, :func:`plan_trace`) plans its
-calls the same way; its one phase is named ``trace``, and without a phase named ``pulse`` it
-has no pulse timeline: it is judged by its ground truth over time (``reproduce.groundtruth``).
+Each kind of workload plans itself into a :class:`RunPlan` (``reproduce.workloads``): a workload
+without a designated pulse (a request-trace replay, a stepped load) has no phase named ``pulse``,
+so it has no pulse timeline: it is judged by its ground truth over time (``reproduce.groundtruth``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from reproduce.client import ClientConfig
-from reproduce.traces.planned import TRACE_PHASE, Segments
-from reproduce.traceworkload import MAX_CONTEXT, TraceWorkload
+from reproduce.traces.planned import Segments
 from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 
 __all__ = [
     "PULSE",
     "RECOVERY_WINDOWS",
     "RECOVERY_WINDOW_S",
+    "REPLAY_TAIL_WINDOWS",
     "Phase",
     "PlanError",
+    "RecoveryRule",
     "RunPlan",
     "Timeline",
     "check_pulse",
+    "generated_spec",
+    "make_plan",
     "plan_run",
-    "plan_trace",
 ]
 
 #: The phase whose calls are the pulse cohort; every phase after it is the hold.
@@ -46,6 +49,19 @@ PULSE = "pulse"
 RECOVERY_WINDOW_S = 60.0
 #: Consecutive good windows the recovery rule asks for (docs/protocol.md §6).
 RECOVERY_WINDOWS = 2
+#: How long a run without a hold (a replayed trace, a stepped load) goes on after its last call
+#: is done, in recovery windows: time for the recovery rule's two good windows to be seen.
+REPLAY_TAIL_WINDOWS = RECOVERY_WINDOWS + 1
+
+
+@dataclass(frozen=True)
+class RecoveryRule:
+    """docs/protocol.md §6's recovery thresholds, at the study's scale: the plan gives judges its
+    growth limit in run seconds (:attr:`RunPlan.max_growth_per_s`)."""
+
+    min_delivered: float = 0.98  # share of a window's calls delivered within the deadline
+    max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
+    max_growth_per_s: float = 0.01  # their growth (least-squares slope) over a window, per study second
 
 
 class PlanError(ValueError):
@@ -76,10 +92,10 @@ class Timeline:
     deadline_s: float
     horizon_s: float
     window_s: float
-    time_scale: float = 1.0
+    max_growth_per_s: float = RecoveryRule().max_growth_per_s  # the recovery rule's, per run-second
 
     def __post_init__(self) -> None:
-        for name in ("deadline_s", "horizon_s", "window_s", "time_scale"):
+        for name in ("deadline_s", "horizon_s", "window_s", "max_growth_per_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"Timeline.{name} must be a positive number, got {value!r}")
@@ -151,6 +167,15 @@ class RunPlan:
     def horizon_s(self) -> float:
         return self.client.horizon_s
 
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in this run's seconds: the one place K divides one."""
+        return study_s / self.time_scale
+
+    @property
+    def max_growth_per_s(self) -> float:
+        """The recovery rule's growth limit of the waiting executions, per run-second."""
+        return RecoveryRule().max_growth_per_s * self.time_scale
+
     @property
     def pulse(self) -> Phase | None:
         """The phase named ``pulse``, or None (a workload without a designated pulse)."""
@@ -174,7 +199,7 @@ class RunPlan:
             deadline_s=self.deadline_s,
             horizon_s=self.horizon_s,
             window_s=self.window_s,
-            time_scale=self.time_scale,
+            max_growth_per_s=self.max_growth_per_s,
         )
 
     def prompt_segments(self, call: PlannedCall) -> Segments:
@@ -202,54 +227,42 @@ def _phases(workload: WorkloadSpec) -> tuple[Phase, ...]:
     )
 
 
-def plan_run(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
-    """Plan a run of ``workload`` (its trace, its phases) for clients of ``client``.
-
-    ``client`` and the recovery window are at the study's scale and are divided by the
-    workload's time scale here, once; the workload divides its own arrivals and phases.
-    """
-    k = workload.time_scale
-    return RunPlan(
-        calls=tuple(generate_trace(workload)),
-        client=client.scaled(k),
-        time_scale=k,
-        phases=_phases(workload),
-        window_s=RECOVERY_WINDOW_S / k,
-    )
-
-
-def plan_trace(
-    workload: TraceWorkload,
-    capacity: float,
+def make_plan(
+    calls: Iterable[PlannedCall],
+    phases: Iterable[Phase],
     client: ClientConfig,
-    time_scale: float = 1.0,
+    time_scale: float,
     *,
-    token_scale: float = 1.0,
-    max_context: int = MAX_CONTEXT,
+    segments: Mapping[str, Segments] | None = None,
+    tail_windows: int = 0,
 ) -> RunPlan:
-    """Plan a replay of ``workload`` at its load × ``capacity`` (Ĉ, calls per run-second, as the
-    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``),
-    every token length × ``token_scale`` and cut to ``max_context`` (``TraceWorkload.calls``).
-
-    The trace is streamed: one pass for its facts (``TraceWorkload.facts``), one for its calls.
-    """
+    """A plan of ``calls`` and ``phases`` (already in run seconds) for clients of ``client``: the
+    one place where a study-scale client, the recovery window and the tail after the last call
+    (``tail_windows`` recovery windows) are divided by the time scale."""
     k = time_scale
-    calls: list[PlannedCall] = []
-    segments: dict[str, Segments] = {}
-    for call in workload.calls(capacity, token_scale=token_scale, max_context=max_context):
-        calls.append(call.planned)
-        if call.blocks:  # prefix blocks: the engine's prefix cache needs them
-            segments[call.planned.call_id] = call.segments
-    end = calls[-1].arrival_s if calls else 0.0
-    phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
     return RunPlan(
         calls=tuple(calls),
         client=client.scaled(k),
         time_scale=k,
-        phases=(phase,),
+        phases=tuple(phases),
         window_s=RECOVERY_WINDOW_S / k,
-        segments=segments,
-        tail_s=(RECOVERY_WINDOWS + 1) * RECOVERY_WINDOW_S / k,
+        segments=dict(segments or {}),
+        tail_s=tail_windows * RECOVERY_WINDOW_S / k,
+    )
+
+
+def generated_spec(capacity: float, *, seed: int, time_scale: float, **fields: Any) -> WorkloadSpec:
+    """The spec of a generated workload (``fields``: phases and lengths at the study's scale) for
+    a run at Ĉ = ``capacity`` calls per run-second: the spec takes Ĉ per study second and
+    divides its own arrivals and phases by the time scale."""
+    return WorkloadSpec(capacity=capacity / time_scale, seed=seed, time_scale=time_scale, **fields)
+
+
+def plan_run(workload: WorkloadSpec, client: ClientConfig, *, tail_windows: int = 0) -> RunPlan:
+    """Plan a run of ``workload`` (its trace, its phases) for clients of ``client`` (at the
+    study's scale, put in run seconds by :func:`make_plan`)."""
+    return make_plan(
+        generate_trace(workload), _phases(workload), client, workload.time_scale, tail_windows=tail_windows
     )
 
 

@@ -3,9 +3,11 @@
 A backend hands over the call records and the metrics series of a run; this module writes the
 series to ``DIR/runs/<slug>/metrics.jsonl`` (and the call records to ``attempts.jsonl``),
 computes the outcomes (``reproduce.outcomes``) on the run's plan (``reproduce.plan``) and shapes
-the run's entry as the contract in docs/architecture.md asks. A run without a pulse (a replayed
-trace) is judged by its ground truth over time instead (``reproduce.groundtruth``): its
-collapses, each with the burst that started it, and ``recovered`` when none runs to its end.
+the run's entry as the contract in docs/architecture.md asks. Every run's ground truth over time
+(``reproduce.groundtruth``: its judged span and windows, its collapses) is computed here, once,
+and written into its entry, where validation, the what-if and the dashboard read it. A run
+without a pulse (a replayed trace, a stepped load) is judged by it alone: its collapses, each
+with the burst that started it, and ``recovered`` when none runs to its end.
 ``write_summary`` writes the file atomically; ``foundation.rundir`` reads it.
 """
 
@@ -19,20 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from foundation.groundtruth import GroundTruth, JudgedSpan
 from foundation.timeseries import Snapshot, write_series
 from reproduce.client import CallRecord
 from reproduce.conditions import RunSpec
-from reproduce.groundtruth import (
-    GroundTruth,
-    JudgedSpan,
-    busiest_stretch,
-    calls_of_records,
-    ground_truth,
-)
+from reproduce.groundtruth import calls_of_records, ground_truth
 from reproduce.outcomes import cohort_delivery, compute_outcomes, counts, rates_x_capacity
 from reproduce.plan import RECOVERY_WINDOWS, RunPlan
 
-__all__ = ["run_dir", "run_entry", "write_run_files", "write_summary"]
+__all__ = ["judged_span", "run_dir", "run_entry", "write_run_files", "write_summary"]
 
 
 def run_dir(out: Path, run: RunSpec) -> Path:
@@ -68,9 +65,12 @@ def run_entry(
 ) -> dict[str, Any]:
     """The summary entry of one run (``capacity`` in calls per run-second), judged on the
     timeline of the run's own ``plan``: its pulse, cohorts and windows are the phases it ran;
-    without a pulse, on its ground truth over time (:func:`trace_outcomes`)."""
+    without a pulse, on its ground truth over time (:func:`trace_outcomes`). Every entry holds
+    the run's ground-truth record (``collapses`` and ``judged``: ``reproduce.groundtruth``)."""
+    snapshots = sorted(snapshots, key=lambda s: s.t)
+    truth = ground_truth(calls_of_records(calls), snapshots, judged_span(plan, capacity, duration_s))
     if plan.pulse is None:
-        outcomes = trace_outcomes(calls, snapshots, plan, capacity, duration_s)
+        outcomes = trace_outcomes(calls, snapshots, plan, capacity, duration_s, truth)
     else:
         timeline = plan.timeline()
         outcomes = {
@@ -79,13 +79,36 @@ def run_entry(
             "hold_end_s": timeline.hold_end,
             **compute_outcomes(calls, snapshots, timeline, capacity),
         }
-    entry: dict[str, Any] = {**_identity(run, backend, capacity, plan, series, duration_s), **outcomes}
+    entry: dict[str, Any] = {
+        **_identity(run, backend, capacity, plan, series, duration_s),
+        **outcomes,
+        **truth.entry_fields(),
+    }
     if trace is not None:
         entry["trace"] = dict(trace)
     if extra:
         entry.update(extra)
     safe: dict[str, Any] = _json_safe(entry)
     return safe
+
+
+def judged_span(plan: RunPlan, capacity: float, duration_s: float) -> JudgedSpan:
+    """The span a run's ground truth judges, from its plan: a pulse run from its start to the end
+    of its hold, windows aligned to the pulse's end; a run without a pulse over its whole length,
+    windows aligned to its start. The window and deadline are the plan's (run seconds)."""
+    pulse = plan.pulse
+    timeline = None if pulse is None else plan.timeline()
+    return JudgedSpan(
+        start_s=0.0,
+        end_s=duration_s if timeline is None else timeline.hold_end,
+        align_s=0.0 if timeline is None else timeline.pulse_end,
+        window_s=plan.window_s,
+        deadline_s=plan.deadline_s,
+        capacity=capacity,
+        max_growth_per_s=plan.max_growth_per_s,
+        pulse_start_s=None if timeline is None else timeline.pulse_start,
+        pulse_end_s=None if timeline is None else timeline.pulse_end,
+    )
 
 
 def _identity(
@@ -102,6 +125,7 @@ def _identity(
         "backend": backend,
         "capacity": capacity,
         "settings": run.condition.describe(),
+        "workload": {"kind": run.condition.workload.kind, "label": run.condition.workload.label()},
         "time_scale": plan.time_scale,
         "deadline_s": plan.deadline_s,
         "duration_s": duration_s,
@@ -116,32 +140,21 @@ def trace_outcomes(
     plan: RunPlan,
     capacity: float,
     duration_s: float,
+    truth: GroundTruth,
 ) -> dict[str, Any]:
-    """A run without a pulse, judged over its whole length (docs/protocol.md §9): its collapses,
-    each with the burst that started it; ``recovered`` unless one runs to the run's end; the
-    ``burst`` validation aligns the run on (the first collapse's, or the run's busiest stretch
-    without one) and ``recovery_time_s`` from that burst's end to the end of the last collapse
-    plus the two good windows that ended it. Delivery, rates and counts are over the whole run."""
-    snapshots = sorted(snapshots, key=lambda s: s.t)
-    span = JudgedSpan(
-        start_s=0.0,
-        end_s=duration_s,
-        align_s=0.0,
-        window_s=plan.window_s,
-        deadline_s=plan.deadline_s,
-        capacity=capacity,
-        time_scale=plan.time_scale,
-    )
-    truth: GroundTruth = ground_truth(calls_of_records(calls), snapshots, span)
+    """A run without a pulse, judged over its whole length (docs/protocol.md §9) by its ground
+    truth ``truth``: ``recovered`` unless a collapse runs to the run's end; the ``burst``
+    validation aligns the run on (the truth's overload: the first collapse's burst, or the run's
+    busiest stretch without one) and ``recovery_time_s`` from that burst's end to the end of the
+    last collapse plus the two good windows that ended it. Delivery, rates and counts are over
+    the whole run."""
     collapses = truth.collapses
     recovered = all(c.ended for c in collapses)
-    if collapses and collapses[0].burst is not None:
-        burst = collapses[0].burst
-    else:
-        burst = busiest_stretch(sorted(c.planned_at for c in calls), span.start_s, span.end_s, span.window_s)
+    assert truth.overload is not None  # a span without a pulse always names one
+    burst = truth.overload
     recovery_time = None
     if recovered:
-        last_end = collapses[-1].end_s + RECOVERY_WINDOWS * span.window_s if collapses else burst[1]
+        last_end = collapses[-1].end_s + RECOVERY_WINDOWS * truth.span.window_s if collapses else burst[1]
         recovery_time = max(last_end - burst[1], 0.0)
     return {
         "pulse": None,
@@ -150,7 +163,6 @@ def trace_outcomes(
         "burst": {"start_s": burst[0], "end_s": burst[1]},
         "recovered": recovered,
         "recovery_time_s": recovery_time,
-        "collapses": [c.to_dict() for c in collapses],
         "delivery": cohort_delivery(calls, {"trace": (0.0, math.inf)}, plan.deadline_s, plan.horizon_s),
         "rates_x_capacity": rates_x_capacity(snapshots, 0.0, duration_s, capacity),
         **counts(calls, snapshots),

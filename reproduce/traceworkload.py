@@ -28,7 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
+from typing import ClassVar
 
+from reproduce.client import ClientConfig
+from reproduce.plan import REPLAY_TAIL_WINDOWS, Phase, RunPlan, make_plan
 from reproduce.traces import (
     FORMATS,
     TraceCall,
@@ -40,6 +43,9 @@ from reproduce.traces import (
     to_trace_calls,
     window,
 )
+from reproduce.traces.planned import TRACE_PHASE, Segments
+from reproduce.workload import MAX_CONTEXT, PlannedCall
+from reproduce.workloads.base import Shaping, TokenMix
 
 __all__ = [
     "MAX_CONTEXT",
@@ -48,6 +54,7 @@ __all__ = [
     "MIX_SAMPLE",
     "TraceFacts",
     "TraceWorkload",
+    "plan_trace",
     "scale_tokens",
     "scaled_length",
 ]
@@ -55,8 +62,6 @@ __all__ = [
 #: How many (prompt, output) pairs of a trace's token mix the calibration draws from (a seeded
 #: reservoir sample over the whole window: memory stays bounded whatever the trace's length).
 MIX_SAMPLE = 20_000
-#: The longest context a replayed call may have (the study's engine: docs/protocol.md §2).
-MAX_CONTEXT = 32_768
 #: The longest replay, in run seconds from its first call to its last (a day): what ``--load``
 #: may stretch a trace to. The simulator's series and an HTTP run's wall time grow with it.
 MAX_REPLAY_S = 86_400.0
@@ -98,6 +103,8 @@ class TraceFacts:
 class TraceWorkload:
     """Replay ``path`` (layout ``format``, detected when None) over ``[start_s, end_s)`` of it
     (seconds from its first request) at ``load`` × Ĉ mean call rate."""
+
+    kind: ClassVar[str] = "trace"
 
     path: str
     format: str | None = None
@@ -237,3 +244,63 @@ class TraceWorkload:
             "load": self.load,
             "window": self.window_text,
         }
+
+    def at_load(self, load: float) -> TraceWorkload:
+        return replace(self, load=float(load))
+
+    def identity(self) -> dict[str, object]:
+        """Its file (resolved) and its calls' digest: the same replay whatever its load."""
+        described = {k: v for k, v in self.describe().items() if k != "load"}
+        return {**described, "path": str(Path(self.path).resolve()), "calls": self.facts.mix_digest}
+
+    def text(self) -> str:
+        return f"trace {self.name} (window {self.window_text})"
+
+    def label(self) -> str:
+        whole = self.start_s == 0 and math.isinf(self.end_s)
+        return f"trace {self.name} at {self.load:g}x Ĉ" + ("" if whole else f" (window {self.window_text} s)")
+
+    def mix(self) -> TokenMix:
+        return TokenMix(f"trace:{self.facts.mix_digest}", facts=self.facts)
+
+    def plan(
+        self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
+    ) -> RunPlan:
+        """Its calls at ``load`` × Ĉ, lengths × the shaping's token scale (``seed`` unused: the
+        trace fixes every call)."""
+        return plan_trace(
+            self,
+            capacity,
+            client,
+            time_scale,
+            token_scale=shaping.token_scale,
+            max_context=shaping.max_context,
+        )
+
+
+def plan_trace(
+    workload: TraceWorkload,
+    capacity: float,
+    client: ClientConfig,
+    time_scale: float = 1.0,
+    *,
+    token_scale: float = 1.0,
+    max_context: int = MAX_CONTEXT,
+) -> RunPlan:
+    """Plan a replay of ``workload`` at its load × ``capacity`` (Ĉ, calls per run-second, as the
+    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``),
+    every token length × ``token_scale`` and cut to ``max_context`` (``TraceWorkload.calls``).
+    Its one phase is named ``trace``: without a pulse, the run is judged by its ground truth
+    over time.
+
+    The trace is streamed: one pass for its facts (``TraceWorkload.facts``), one for its calls.
+    """
+    calls: list[PlannedCall] = []
+    segments: dict[str, Segments] = {}
+    for call in workload.calls(capacity, token_scale=token_scale, max_context=max_context):
+        calls.append(call.planned)
+        if call.blocks:  # prefix blocks: the engine's prefix cache needs them
+            segments[call.planned.call_id] = call.segments
+    end = calls[-1].arrival_s if calls else 0.0
+    phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
+    return make_plan(calls, (phase,), client, time_scale, segments=segments, tail_windows=REPLAY_TAIL_WINDOWS)

@@ -2,9 +2,8 @@
 
 An operator asks which of the proxy's policies keeps the service out of the retry loop, at what
 cost in late and failed calls, and how much more load the engine takes under each before it
-tips. This module answers both on any workload part of a condition (``reproduce.conditions``):
-the study's pulse (``--load`` is the pulse's multiple of Ĉ) or a request trace
-(``TraceWorkload``; ``--load`` is its mean rate as a multiple of Ĉ).
+tips. This module answers both on any workload (``reproduce.workloads``): ``--load`` is its
+``Workload.load`` (the pulse's multiple of Ĉ, a trace's mean rate, a stepped load's top step).
 
 * :data:`POLICIES`: the named policies, each taken from a condition the study declared;
 * :func:`compare`: the workload at one load under each policy, judged per policy (delivered
@@ -28,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,8 @@ from reproduce.conditions import (
     ClientProfile,
     Condition,
     ProxyPolicy,
-    PulseWorkload,
     RunSpec,
-    TraceWorkload,
+    Workload,
     block,
 )
 from reproduce.dirlock import hold
@@ -56,7 +54,6 @@ __all__ = [
     "Point",
     "WhatIf",
     "WhatIfError",
-    "at_load",
     "compare",
     "headroom",
     "parse_policies",
@@ -124,17 +121,6 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def at_load(workload: PulseWorkload | TraceWorkload, load: float) -> PulseWorkload | TraceWorkload:
-    """``workload`` at ``load`` × Ĉ: the pulse's multiple, or the trace's mean rate."""
-    if isinstance(workload, TraceWorkload):
-        return replace(workload, load=load)
-    return replace(workload, pulse_multiple=load)
-
-
-def load_of(workload: PulseWorkload | TraceWorkload) -> float:
-    return workload.load if isinstance(workload, TraceWorkload) else workload.pulse_multiple
-
-
 @dataclass(frozen=True)
 class WhatIf:
     """What every point shares: the backend (by name and options), the model, the clients, the
@@ -145,7 +131,7 @@ class WhatIf:
     backend_options: Mapping[str, Any]
     model: str
     client: ClientProfile
-    workload: PulseWorkload | TraceWorkload
+    workload: Workload
     seed: int = 0
     seeds: int = 1
     time_scale: float = 1.0
@@ -154,19 +140,12 @@ class WhatIf:
 
     def setup(self) -> dict[str, Any]:
         """What a DIR's points were run with (a rerun must match it to reuse them)."""
-        workload = {k: v for k, v in self.workload.describe().items() if k not in ("load", "pulse_multiple")}
-        if isinstance(self.workload, TraceWorkload):
-            workload["path"] = str(Path(self.workload.path).resolve())
-            workload["calls"] = self.workload.facts.mix_digest
         return {
             "backend": self.backend_name,
             "backend_options": dict(self.backend_options),
             "model": self.model,
             "client": self.client.describe(),
-            "workload": {
-                "kind": "trace" if isinstance(self.workload, TraceWorkload) else "pulse",
-                **workload,
-            },
+            "workload": {"kind": self.workload.kind, **self.workload.identity()},
             "seed": self.seed,
             "time_scale": self.time_scale,
         }
@@ -176,7 +155,7 @@ class WhatIf:
             policy,
             POLICIES[policy],
             client=self.client,
-            workload=at_load(self.workload, load),
+            workload=self.workload.at_load(load),
             variant=f"{_VARIANT}{load:g}",
         )
         return RunSpec(BLOCK, condition, self.model, run, self.seed + run)
@@ -382,7 +361,7 @@ def compare(whatif: WhatIf, policies: Sequence[str], out: Path) -> dict[str, dic
     ``DirBusy`` when another sweep writes ``out``."""
     with hold(out):
         points = _Points(whatif, out)
-        load = load_of(whatif.workload)
+        load = whatif.workload.load
         points.ensure([(p, load) for p in policies])
         return {p: points.judge(p, load, alerts=True).to_dict() for p in policies}
 
@@ -492,7 +471,7 @@ def _search(
 ) -> dict[str, dict[str, Any]]:
     whatif = points.whatif
     searches = {p: _Search(lo, hi, criterion) for p in policies}
-    own = round(load_of(whatif.workload), _DIGITS)
+    own = round(whatif.workload.load, _DIGITS)
     if lo <= own <= hi:  # the workload's own load (compare's points) brackets the search too
         points.ensure([(p, own) for p in policies])
         for p in policies:

@@ -11,15 +11,19 @@ from pathlib import Path
 import click
 
 from foundation.rundir import SUMMARY, RunDirError
-from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, TraceWorkload
+from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, Workload
 from reproduce.dirlock import DirBusy, hold
 from reproduce.options import (
     LOAD,
     MAX_JOBS,
     MAX_RUNS,
+    STEP_S_HELP,
+    STEP_SECONDS,
+    STEPS_HELP,
     TIME_SCALE,
     OutputPath,
     parse_backend_options,
+    steps_workload,
     trace_workload,
 )
 from reproduce.runner import cap_jobs
@@ -31,7 +35,6 @@ from reproduce.whatif import (
     PRECISION,
     WhatIf,
     WhatIfError,
-    at_load,
     compare,
     parse_policies,
     policy_table,
@@ -40,6 +43,7 @@ from reproduce.whatif import (
 from reproduce.whatif import (
     headroom as search_headroom,
 )
+from reproduce.workloads.steps import STEP_S
 
 #: How a load counts as safe in a headroom search (whatif.json's ``safe_rule``; docs/reproducing.md).
 SAFE_RULE = (
@@ -62,12 +66,6 @@ def _range(text: str) -> tuple[float, float]:
     return bounds
 
 
-def _workload_text(workload: PulseWorkload | TraceWorkload) -> str:
-    if isinstance(workload, TraceWorkload):
-        return f"trace {workload.name} (window {workload.window_text})"
-    return "the study's pulse (base 0.6x, pulse at LOAD x Ĉ, hold 0.6x)"
-
-
 @click.command("whatif")
 @click.option(
     "--trace",
@@ -76,6 +74,8 @@ def _workload_text(workload: PulseWorkload | TraceWorkload) -> str:
     default=None,
     help="Replay this request trace instead of the pulse (docs/traces.md).",
 )
+@click.option("--steps", "steps_text", default=None, help=STEPS_HELP)
+@click.option("--step-s", type=STEP_SECONDS, default=STEP_S, show_default=True, help=STEP_S_HELP)
 @click.option(
     "--trace-format", type=click.Choice(FORMATS), default=None, help="--trace's layout [from its header]."
 )
@@ -84,7 +84,8 @@ def _workload_text(workload: PulseWorkload | TraceWorkload) -> str:
     "--load",
     type=LOAD,
     default=None,
-    help="The workload's load, a multiple of Ĉ: the pulse's rate [2.7], or the trace's mean rate [1].",
+    help="The workload's load, a multiple of Ĉ: the pulse's rate [2.7], the trace's mean rate [1], or "
+    "the top step (the steps scaled with it) [the largest of --steps].",
 )
 @click.option(
     "--client",
@@ -157,6 +158,8 @@ def _workload_text(workload: PulseWorkload | TraceWorkload) -> str:
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def whatif_command(
     trace_path: Path | None,
+    steps_text: str | None,
+    step_s: float,
     trace_format: str | None,
     window_text: str | None,
     load: float | None,
@@ -176,7 +179,7 @@ def whatif_command(
     criterion: str,
     progress: bool,
 ) -> None:
-    """Run one workload (the pulse, or --trace) under each named proxy policy; with --headroom,
+    """Run one workload (the pulse, --trace or --steps) under each named proxy policy; with --headroom,
     search each one's largest safe load. Writes DIR/whatif.json, DIR/report.md and report.html."""
     from reproduce.client import ClientConfigError
     from reproduce.clients import parse_client
@@ -189,10 +192,10 @@ def whatif_command(
     except WhatIfError as exc:
         raise click.BadParameter(str(exc), param_hint="'--policies'") from None
     lo, hi = _range(range_text)
-    trace = trace_workload(trace_path, trace_format, load or 1.0, window_text, None)
-    workload: PulseWorkload | TraceWorkload = trace if trace is not None else PulseWorkload()
+    trace = trace_workload(trace_path, trace_format, load or 1.0, window_text, None, load_needs_trace=False)
+    workload: Workload = steps_workload(steps_text, step_s, trace, None) or trace or PulseWorkload()
     if load is not None:
-        workload = at_load(workload, load)
+        workload = workload.at_load(load)
     try:
         spec = parse_client(client)
     except ClientConfigError as exc:
@@ -249,9 +252,9 @@ def whatif_command(
     sources = {row["policy"]: row for row in policy_table()}
     body = {
         "setup": setup.setup(),
-        "load": workload.load if isinstance(workload, TraceWorkload) else workload.pulse_multiple,
+        "load": workload.load,
         "workload": workload.describe(),
-        "workload_text": _workload_text(workload),
+        "workload_text": workload.text(),
         "seeds": list(range(seed, seed + seeds)),
         "safe_rule": SAFE_RULE,
         "policies": {

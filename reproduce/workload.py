@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
+    "MAX_CONTEXT",
     "PULSE_MULTIPLE",
     "PULSE_PROTOCOL",
     "PlannedCall",
@@ -31,6 +32,9 @@ __all__ = [
     "segment_token_ids",
     "shared_prefix_segment_id",
 ]
+
+#: The longest context a call may have (the study's engine: docs/protocol.md §2).
+MAX_CONTEXT = 32_768
 
 # median 300, mean ~400: mean = median * exp(sigma^2 / 2)  =>  sigma = sqrt(2 ln(4/3))
 _RESPONSE_SIGMA_DEFAULT = math.sqrt(2.0 * math.log(400.0 / 300.0))
@@ -89,7 +93,7 @@ class WorkloadSpec:
     mixed_fraction: float = 0.5
     response_median: float = 300.0
     response_sigma: float = _RESPONSE_SIGMA_DEFAULT
-    max_context: int = 32_768
+    max_context: int = MAX_CONTEXT
     time_scale: float = 1.0
     call_id_prefix: str = field(default="")
 

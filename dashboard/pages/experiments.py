@@ -63,7 +63,11 @@ def _blank(summary: str) -> RunView:
 
 
 def trace_text(run: dict[str, Any]) -> str:
-    """The trace a run replayed and at what load (``settings``), e.g. ``trace azure_code at 3x Ĉ``."""
+    """The workload a run without a pulse ran, in words (its entry's ``workload.label``; an entry
+    written before it: the trace it replayed and at what load, e.g. ``trace azure_code at 3x Ĉ``)."""
+    label = (run.get("workload") or {}).get("label")
+    if isinstance(label, str):
+        return label
     settings = run.get("settings") or {}
     name, load, window = settings.get("trace"), settings.get("load"), settings.get("window")
     text = f"trace {name or '?'}" + ("" if load is None else f" at {float(load):g}x Ĉ")
@@ -108,13 +112,13 @@ def run_view(ctx: Context, run_id: str | None) -> RunView:
         for build in builders
     ]
     try:
+        collapses = run_collapses(run)  # every run's ground-truth record: its collapses shaded
+        figs = [collapse_marks(fig, collapses, legend=i == 0) for i, fig in enumerate(figs)]
         if trace:
-            collapses = run_collapses(run)
-            figs = [collapse_marks(fig, collapses, legend=i == 0) for i, fig in enumerate(figs)]
             state = f"{trace_text(run)}: {collapses_text(collapses)}"
         else:
             figs = [pulse_marks(fig, run.get("pulse")) for fig in figs]
-            state = _recovery_text(run)
+            state = _recovery_text(run) + ("" if "collapses" not in run else f"; {collapses_text(collapses)}")
     except BROKEN as exc:
         state = f"summary entry unreadable ({exc!r})"
     if trace:  # drawn after the collapse bands, so over them

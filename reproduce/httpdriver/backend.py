@@ -269,7 +269,7 @@ class HttpBackend(Backend):
         if q_study is not None:
             queue_cap = self.queue_cap or scaled_queue_cap(q_study, capacity, plan.deadline_s)
         engine = self.engine_for(run, folder, queue_cap)
-        policy = run.condition.policy.config(deadline_s=plan.deadline_s, time_scale=plan.time_scale)
+        policy = run.condition.policy.config(plan)
         with engine as endpoint:
             if self.kind == "external":
                 # A shared engine may still hold the previous run's executions (the proxy's exit

@@ -47,7 +47,6 @@ from reproduce.httpdriver.protocol import HttpProtocol
 from reproduce.httpdriver.proxyproc import NO_CONTROL, ProxyProcess
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry
-from reproduce.traceworkload import TraceWorkload
 
 __all__ = [
     "COLUMNS",
@@ -279,26 +278,15 @@ def simulate_runs(
     is judged on its own plan, as the HTTP runs are.
     """
     entries = []
+    options = protocol.shaping().options()
     for run in runs:
-        workload: dict[str, Any]
-        if isinstance(run.condition.workload, TraceWorkload):  # its lengths as the protocol sends them
-            workload = {"token_scale": protocol.token_scale, "max_context": protocol.max_context}
-        else:
-            workload = {
-                **run.condition.pulse.fields(hold_s=protocol.hold_s),
-                "prompt_mean": protocol.prompt_mean,
-                "prompt_std": protocol.prompt_std,
-                "shared_prefix_len": protocol.shared_prefix_len,
-                "response_median": protocol.response_median,
-                "max_context": protocol.max_context,
-            }
         spec = SimSpec(
             model=config.model_name,
             condition=run.condition,
             seed=run.seed,
             capacity=capacity,
             time_scale=protocol.time_scale,
-            workload=workload,
+            workload=options,
             engine={"max_num_batched_tokens": config.max_num_batched_tokens},
             engine_config=config,
         )

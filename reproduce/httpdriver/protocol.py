@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from reproduce.conditions import Condition, PulseWorkload, RunSpec, TraceWorkload, engine_cap_for
-from reproduce.plan import RunPlan, plan_run, plan_trace
-from reproduce.workload import WorkloadSpec
+from reproduce.conditions import Condition, PulseWorkload, engine_cap_for
+from reproduce.plan import RunPlan, generated_spec
+from reproduce.workload import MAX_CONTEXT, WorkloadSpec
+from reproduce.workloads.base import Shaping
 
 __all__ = [
     "CI_HOLD_S",
@@ -30,7 +31,6 @@ __all__ = [
     "cpu_scaled",
     "scaled_queue_cap",
     "study",
-    "with_pulse",
 ]
 
 #: Ĉ of the calibration behind the study's engine cap Q = 338 = ⌈120 s x 2.81⌉ (docs/protocol.md §4).
@@ -67,7 +67,7 @@ class HttpProtocol:
     shared_prefix_len: int = 2_000
     mixed_prompt_len: int = 3_000
     response_median: float = 300.0
-    max_context: int = 32_768
+    max_context: int = MAX_CONTEXT
     hold_s: float | None = None  # None: the protocol's hold
     scrape_interval_s: float = 5.0  # the simulator's cadence, at the study's scale
 
@@ -79,20 +79,11 @@ class HttpProtocol:
         if self.hold_s is not None and not (math.isfinite(self.hold_s) and self.hold_s > 0):
             raise ValueError(f"HttpProtocol.hold_s must be positive, got {self.hold_s!r}")
 
-    def workload(self, capacity: float, *, seed: int, pulse: PulseWorkload | None = None) -> WorkloadSpec:
-        """The trace spec at Ĉ = ``capacity`` calls per run-second (the study's pulse by default)."""
-        return WorkloadSpec(
-            capacity=capacity / self.time_scale,
-            seed=seed,
-            **(pulse or PulseWorkload()).fields(hold_s=self.hold_s),
-            prompt_mean=self.prompt_mean,
-            prompt_std=self.prompt_std,
-            shared_prefix_len=self.shared_prefix_len,
-            mixed_prompt_len=self.mixed_prompt_len,
-            response_median=self.response_median,
-            max_context=self.max_context,
-            time_scale=self.time_scale,
-        )
+    def workload(self, capacity: float, *, seed: int) -> WorkloadSpec:
+        """The study's pulse under this protocol at Ĉ = ``capacity`` calls per run-second (the
+        calibration's probe)."""
+        fields = {**PulseWorkload().fields(hold_s=self.hold_s), **self.shaping().fields}
+        return generated_spec(capacity, seed=seed, time_scale=self.time_scale, **fields)
 
     @property
     def token_scale(self) -> float:
@@ -100,23 +91,33 @@ class HttpProtocol:
         replayed trace's lengths are multiplied by it as well."""
         return self.prompt_mean / _STUDY_PROMPT_MEAN
 
+    def shaping(self) -> Shaping:
+        """How this protocol shapes any workload: its token lengths and context, a recorded
+        trace's lengths × :attr:`token_scale`, the pulse's hold."""
+        return Shaping(
+            {
+                "prompt_mean": self.prompt_mean,
+                "prompt_std": self.prompt_std,
+                "shared_prefix_len": self.shared_prefix_len,
+                "mixed_prompt_len": self.mixed_prompt_len,
+                "response_median": self.response_median,
+                "max_context": self.max_context,
+            },
+            token_scale=self.token_scale,
+            hold_s=self.hold_s,
+        )
+
     def plan(self, capacity: float, condition: Condition, *, seed: int) -> RunPlan:
-        """The run of ``condition`` at Ĉ = ``capacity`` calls per run-second, planned once: its
-        calls, phases and client (the condition's retries) in run seconds. A trace replay
-        (``TraceWorkload``) keeps the trace's arrivals, at its load × Ĉ, and its lengths × the
-        protocol's ``token_scale``, cut to the protocol's context."""
-        workload = condition.workload
-        if isinstance(workload, TraceWorkload):
-            return plan_trace(
-                workload,
-                capacity,
-                condition.client.config(),
-                self.time_scale,
-                token_scale=self.token_scale,
-                max_context=self.max_context,
-            )
-        spec = self.workload(capacity, seed=seed, pulse=workload)
-        return plan_run(spec, condition.client.config())
+        """The run of ``condition`` at Ĉ = ``capacity`` calls per run-second, planned once by its
+        workload (``reproduce.workloads``) under this protocol's :meth:`shaping`: its calls,
+        phases and client (the condition's retries) in run seconds."""
+        return condition.workload.plan(
+            capacity,
+            condition.client.config(),
+            seed=seed,
+            time_scale=self.time_scale,
+            shaping=self.shaping(),
+        )
 
     @property
     def scrape_every_s(self) -> float:
@@ -161,12 +162,3 @@ def scaled_queue_cap(q_study: int, capacity: float, deadline_s: float) -> int:
     """
     full = engine_cap_for(STUDY_CAPACITY, _STUDY_DEADLINE_S)
     return max(1, math.ceil(q_study / full * deadline_s * capacity))
-
-
-def with_pulse(run: RunSpec, multiple: float) -> RunSpec:
-    """``run`` with its pulse at ``multiple`` x Ĉ, named as the trigger sweep names its pulses."""
-    if not (math.isfinite(multiple) and multiple > 0):
-        raise ValueError(f"a pulse multiple must be positive, got {multiple!r}")
-    workload = replace(run.condition.pulse, pulse_multiple=float(multiple))
-    condition = replace(run.condition, workload=workload, variant=f"pulse-{multiple:g}")
-    return replace(run, condition=condition)

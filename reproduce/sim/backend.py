@@ -1,11 +1,12 @@
-"""The ``sim`` backend of ``retrywatch reproduce run``: each run is one simulated run (a pulse, or
-a replayed trace).
+"""The ``sim`` backend of ``retrywatch reproduce run``: each run is one simulated run of any
+workload (``reproduce.workloads``).
 
-Ĉ is the preset's calibrated capacity; a mixed-prompts condition recalibrates it on the
-simulator (docs/protocol.md §7), once per model, and a trace replay calibrates it on the trace's
-own token mix (``reproduce.tracecapacity``, cached), before the runs start. Every run's entry
-says which Ĉ it ran at and how it was found (``capacity_source``). Runs are independent and
-deterministic for their seed, so they run in parallel worker processes.
+Ĉ depends on the workload's token mix (``Workload.mix``): the study's is the preset's calibrated
+capacity; mixed prompts recalibrate it on the simulator (docs/protocol.md §7), once per model,
+and a trace's own mix calibrates it on that mix (``reproduce.tracecapacity``, cached), before
+the runs start. Every run's entry says which Ĉ it ran at and how it was found
+(``capacity_source``). Runs are independent and deterministic for their seed, so they run in
+parallel worker processes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reproduce.client import ClientConfig
-from reproduce.conditions import PRIMARY_MODEL, RunSpec, TraceWorkload
+from reproduce.conditions import PRIMARY_MODEL, RunSpec
 from reproduce.engine.presets import PRESET_NAMES, PresetError, preset_capacity
 from reproduce.plan import PlanError, check_pulse
 from reproduce.registry import Backend, RunJob, register_backend
@@ -25,7 +26,9 @@ from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.summary import run_entry, write_run_files
 from reproduce.tracecapacity import trace_capacity
+from reproduce.traceworkload import TraceFacts
 from reproduce.workload import WorkloadSpec
+from reproduce.workloads.base import Shaping
 
 __all__ = ["SimBackend"]
 
@@ -66,7 +69,7 @@ class SimBackend(Backend):
             if not isinstance(getattr(self, name), Mapping):
                 raise ValueError(f"{name} must be a JSON object, not {getattr(self, name)!r}")
         try:
-            workload = WorkloadSpec(capacity=1.0, **self.workload)
+            workload = WorkloadSpec(capacity=1.0, **Shaping.of(self.workload).fields)
             engine_link.Engine.for_preset(PRIMARY_MODEL, overrides=self.engine)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
@@ -85,20 +88,19 @@ class SimBackend(Backend):
             key = self._capacity_key(r)
             if key in self.capacities:
                 continue
-            workload = r.condition.workload
+            mix = r.condition.workload.mix()
             if self.capacity is not None:
                 found: tuple[float, dict[str, object]] = (self.capacity, {"method": "given (capacity=)"})
-            elif isinstance(workload, TraceWorkload):
-                found = self._trace_capacity(r, workload)
-            elif workload.mixed_prompts:
+            elif mix.facts is not None:
+                found = self._trace_capacity(r, mix.facts)
+            elif mix.mixed_prompts:
                 capacity = engine_link.calibrated_capacity(
                     r.model, mixed_prompts=True, workload=self.workload, engine=self.engine
                 )
                 found = (capacity, {"method": "docs/protocol.md §5 on the simulator, mixed prompts"})
             else:
                 found = (preset_capacity(r.model), {"method": f"the study's calibration of {r.model}"})
-            if isinstance(workload, TraceWorkload):  # a load that stretches it too far, before any run
-                workload.check_capacity(found[0])
+            r.condition.workload.check_capacity(found[0])  # a load that stretches it too far, before any run
             self.capacities[key], self.capacity_sources[key] = found
 
     def capacity_of(self, r: RunSpec) -> tuple[float, dict[str, object]]:
@@ -109,18 +111,19 @@ class SimBackend(Backend):
         return self.capacities[key], self.capacity_sources[key]
 
     def _capacity_key(self, r: RunSpec) -> tuple[str, str]:
-        workload = r.condition.workload
-        if isinstance(workload, TraceWorkload):
-            return r.model, f"trace:{workload.facts.mix_digest}:{r.condition.engine.tokens_per_step}"
-        return r.model, "mixed" if workload.mixed_prompts else "study"
+        """Ĉ depends on the model and the workload's token mix (a trace's, on tokens per step)."""
+        mix = r.condition.workload.mix()
+        if mix.facts is not None:
+            return r.model, f"{mix.key}:{r.condition.engine.tokens_per_step}"
+        return r.model, mix.key
 
-    def _trace_capacity(self, r: RunSpec, workload: TraceWorkload) -> tuple[float, dict[str, object]]:
+    def _trace_capacity(self, r: RunSpec, facts: TraceFacts) -> tuple[float, dict[str, object]]:
         tokens_per_step = r.condition.engine.tokens_per_step
         config = engine_link.Engine.for_preset(
             r.model, tokens_per_step=tokens_per_step, overrides=self.engine
         ).model.config
         settings = f"tokens_per_step={tokens_per_step}|engine={json.dumps(self.engine, sort_keys=True)}"
-        found = trace_capacity(r.model, config, workload.facts, settings=settings)
+        found = trace_capacity(r.model, config, facts, settings=settings)
         return found.capacity, found.describe()
 
     def spec_for(self, job: RunJob) -> SimSpec:

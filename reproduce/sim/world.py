@@ -45,14 +45,15 @@ from exporter.policy import (
 from foundation.metricnames import ShedReason
 from foundation.timeseries import Snapshot
 from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
-from reproduce.conditions import Condition, TraceWorkload
+from reproduce.conditions import Condition
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.presets import preset_capacity
-from reproduce.plan import RunPlan, plan_run, plan_trace
+from reproduce.plan import RunPlan
 from reproduce.sim import engine_link
 from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
 from reproduce.simenv import Environment, EventHandle
-from reproduce.workload import PlannedCall, WorkloadSpec
+from reproduce.workload import PlannedCall
+from reproduce.workloads.base import Shaping
 
 __all__ = ["SimResult", "SimSpec", "simulate"]
 
@@ -63,8 +64,9 @@ SNAPSHOT_EVERY_S = 5.0  # at the study's scale
 class SimSpec:
     """Everything one simulated run needs. Durations are at the study's scale; ``time_scale``
     divides them. ``capacity`` is Ĉ of the engine in calls per simulated second (None: the
-    preset's calibrated value). ``workload`` overrides fields of ``WorkloadSpec`` (e.g. shorter
-    prompts for a quick test); ``engine`` overrides fields of the preset's ``EngineConfig``."""
+    preset's calibrated value). ``workload`` shapes the workload (``reproduce.workloads.Shaping``:
+    fields of ``WorkloadSpec``, e.g. shorter prompts for a quick test, a trace's ``token_scale``);
+    ``engine`` overrides fields of the preset's ``EngineConfig``."""
 
     model: str
     condition: Condition
@@ -82,18 +84,14 @@ class SimSpec:
         overrides): its calls, phases and client in run seconds. The run follows this plan and
         is judged on it."""
         cond = self.condition
-        k = self.time_scale
         capacity = self.capacity if self.capacity is not None else preset_capacity(self.model)
-        if isinstance(cond.workload, TraceWorkload):
-            # ``workload`` may scale a trace's lengths as a scaled protocol does (its token_scale
-            # and max_context: ``reproduce.httpdriver.compare``)
-            scaling = {
-                key: self.workload[key] for key in ("token_scale", "max_context") if key in self.workload
-            }
-            return plan_trace(cond.workload, capacity, cond.client.config(self.client), k, **scaling)
-        fields: dict[str, Any] = {**cond.workload.fields(), **self.workload}
-        workload = WorkloadSpec(capacity=capacity / k, seed=self.seed, time_scale=k, **fields)
-        return plan_run(workload, cond.client.config(self.client))
+        return cond.workload.plan(
+            capacity,
+            cond.client.config(self.client),
+            seed=self.seed,
+            time_scale=self.time_scale,
+            shaping=Shaping.of(self.workload),
+        )
 
 
 @dataclass
@@ -129,14 +127,13 @@ class _World:
     """The state of one run: the environment, the client, the policy, the engine and the calls."""
 
     def __init__(self, spec: SimSpec, plan: RunPlan, capacity: float, engine: engine_link.Engine) -> None:
-        k = plan.time_scale
         self.spec = spec
         self.plan = plan
         self.capacity = capacity
         self.env = Environment()
         self.rng = random.Random(f"retrywatch-sim-{spec.seed}")
         self.client = ClientModel(plan.client, self.rng)
-        self.policy = Policy(spec.condition.policy.config(plan.deadline_s, k))
+        self.policy = Policy(spec.condition.policy.config(plan))
         self.engine = engine
         self.engine.bind(self.env, self._on_engine_event)
         self.by_subscriber: dict[int, _Call] = {}
@@ -149,7 +146,7 @@ class _World:
         self.arrived = 0
         self.snapshots: list[Snapshot] = []
         self.scraper = Scraper(
-            self.policy, engine.metrics_samples, capacity=capacity, window_s=PROXY_WINDOW_S / k
+            self.policy, engine.metrics_samples, capacity=capacity, window_s=plan.run_s(PROXY_WINDOW_S)
         )
 
     # --- arrivals and attempts ------------------------------------------------------
@@ -305,7 +302,7 @@ class _World:
         self.snapshots.append(self.scraper.snapshot(self.env.now))
 
     def run(self) -> float:
-        every = self.spec.snapshot_every_s / self.plan.time_scale
+        every = self.plan.run_s(self.spec.snapshot_every_s)
         last_arrival = self.trace[-1].arrival_s if self.trace else 0.0
         limit = last_arrival + self.client.config.horizon_s
         n = len(self.trace)

@@ -21,6 +21,7 @@ from dashboard.figures import (
     run_shades,
 )
 from detector.thresholds import ALERTS_BY_NAME
+from foundation.groundtruth import Collapse
 from foundation.rundir import RunDirError
 
 
@@ -401,7 +402,7 @@ def test_trace_runs_are_told_from_pulse_runs() -> None:
 
 def test_collapses_are_bands_behind_the_panel_with_the_metastable_stretch_and_the_burst_apart() -> None:
     collapses = figures.run_collapses(TRACE_ENTRY)
-    assert collapses[0] == figures.Collapse(60.0, 420.0, True, True, 205.0, 50.0, (28.1, 88.1))
+    assert collapses[0] == Collapse(60.0, 420.0, True, True, 205.0, 50.0, (28.1, 88.1))
     assert collapses[1].burst is None and collapses[1].metastable is False and not collapses[1].ended
     fig = figures.collapse_marks(attempts_figure({}, x_kind="seconds"), collapses)
     assert [(s.x0, s.x1, s.layer) for s in named(fig, "collapse")] == [
@@ -437,7 +438,7 @@ def test_alerts_over_a_trace_run_are_a_row_of_their_own_along_the_top() -> None:
 def test_collapses_in_words() -> None:
     text = figures.collapses_text(figures.run_collapses(TRACE_ENTRY))
     assert text.startswith("2 collapses (1 metastable): 60–420 s after the burst at 28–88 s")
-    assert "metastable from 205 s, held 50 s" in text and "500 s to the run's end" in text
+    assert "metastable from 205 s, held 50 s" in text and "500 s to the end" in text
     assert figures.collapses_text([]) == "no collapse"
 
 

@@ -143,6 +143,20 @@ def test_history_filters_by_alert_engine_and_time(api: StaticDetectorAPI) -> Non
     assert count == "0 episodes"  # "0" is every vLLM's engine label, not an engine
 
 
+def test_a_pulse_runs_recorded_collapses_are_shaded_as_a_traces_are(
+    api: StaticDetectorAPI, runs_dir: Path
+) -> None:
+    summary = json.loads((runs_dir / "summary.json").read_text())
+    collapse = {"start_s": 125.0, "end_s": 947.0, "ended": False, "metastable_at_s": 300.0}
+    summary["runs"][1]["collapses"] = [collapse]  # the ground-truth record every run now writes
+    (runs_dir / "summary.json").write_text(json.dumps(summary))
+    view = experiments.run_view(context(api, runs_dir), "diagnostic__retries-on__qwen2.5-7b__r1")
+    for fig in view.panels:
+        assert [(s.x0, s.x1) for s in fig.layout.shapes if s.name == "collapse"] == [(125.0, 947.0)]
+        assert [(s.x0, s.x1) for s in fig.layout.shapes if s.name == "metastable"] == [(300.0, 947.0)]
+    assert "not recovered" in view.summary and "1 collapse (0 metastable)" in view.summary
+
+
 def test_experiments_layout_and_run_callback(api: StaticDetectorAPI, runs_dir: Path) -> None:
     ctx = context(api, runs_dir)
     page = experiments.layout(ctx)
@@ -542,7 +556,8 @@ def test_the_arrivals_panel_shows_for_a_trace_run_and_stays_hidden_for_a_pulse_r
         {"collapses": [{"end_s": 3.0}]},
         {"collapses": [{"start_s": 60.0, "end_s": 420.0, "burst": "early"}]},
         {"collapses": None},
-        {"settings": "azure"},
+        {"workload": "azure"},
+        {"workload": None, "settings": "azure"},  # an entry from before ``workload``
     ],
 )
 def test_a_hand_edited_trace_run_is_a_note_not_a_500(

@@ -7,7 +7,9 @@ from dataclasses import replace
 import pytest
 
 from exporter.policy import BudgetOrder, Cancellation, QueueOrder
+from reproduce.client import ClientConfig
 from reproduce.conditions import BLOCKS, PAPER, ConditionError, PulseWorkload, block, engine_cap_for, expand
+from reproduce.plan import RunPlan
 
 
 def test_paper_has_the_studys_137_runs() -> None:
@@ -59,17 +61,21 @@ def test_trigger_sweep_cells() -> None:
     assert len(expand("trigger-sweep")) == 18
 
 
+def _plan(time_scale: float = 1.0) -> RunPlan:
+    return RunPlan(calls=(), client=ClientConfig().scaled(time_scale), time_scale=time_scale)
+
+
 def test_policy_mapping_of_key_conditions() -> None:
-    lookup = block("composition").condition("lookup-first").policy.config(120.0)
+    lookup = block("composition").condition("lookup-first").policy.config(_plan())
     assert lookup.coalesce and lookup.retry_budget == 0.1 and lookup.budget_order is BudgetOrder.LOOKUP_FIRST
     assert lookup.cancellation is Cancellation.OFF
-    plain = block("queue-policy").condition("no-control").policy.config(120.0)
+    plain = block("queue-policy").condition("no-control").policy.config(_plan())
     assert not plain.coalesce and plain.cancellation is Cancellation.ON and plain.max_outstanding is None
-    lifo = block("queue-policy").condition("lifo").policy.config(120.0)
+    lifo = block("queue-policy").condition("lifo").policy.config(_plan())
     assert lifo.max_outstanding == 100 and lifo.queue_order is QueueOrder.LIFO and lifo.lifo_threshold == 50
-    check = block("queue-policy").condition("deadline-check").policy.config(120.0)
+    check = block("queue-policy").condition("deadline-check").policy.config(_plan())
     assert check.deadline_check and check.deadline_s == 120.0
-    deferred = block("deferral").condition("deferred-cancellation").policy.config(12.0, time_scale=10)
+    deferred = block("deferral").condition("deferred-cancellation").policy.config(_plan(10.0))
     assert deferred.cancellation is Cancellation.DEFERRED and deferred.coalesce
     assert deferred.cancel_after_s == pytest.approx(1.0) and deferred.budget_window_s == pytest.approx(6.0)
     assert block("engine-cap").condition("engine-cap-100").engine.engine_queue_cap == 100

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from foundation import metricnames as mn
+from foundation.groundtruth import GroundTruth
 from foundation.rundir import RunDirError, read_summary, series_path
-from foundation.timeseries import Snapshot, read_series
+from foundation.timeseries import Snapshot
 from reproduce.conditions import expand
 from reproduce.groundtruth import (
     CALLS_FILE,
@@ -17,6 +18,7 @@ from reproduce.groundtruth import (
     JudgedSpan,
     agrees_with_recovery,
     ground_truth,
+    legacy_truth,
     read_calls,
     span_of,
 )
@@ -146,12 +148,15 @@ def test_span_of_a_summary_entry_reads_its_times() -> None:
         "deadline_s": 12.0,
         "capacity": 97.7,
         "duration_s": 180.0,
+        "plan": {"window_s": 6.0},
     }
     span = span_of(entry)
     assert (span.end_s, span.align_s, span.window_s, span.deadline_s) == (94.7, 22.7, 6.0, 12.0)
     assert span_of({**entry, "hold_end_s": None}).end_s == 180.0
     with pytest.raises(RunDirError, match="needs 'hold_end_s' or 'duration_s'"):
         span_of({k: v for k, v in entry.items() if k not in ("hold_end_s", "duration_s")})
+    with pytest.raises(RunDirError, match=r"'plan\.window_s'"):  # never a window re-derived from K
+        span_of({k: v for k, v in entry.items() if k != "plan"})
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +178,12 @@ def scaled_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_it_agrees_with_the_recovery_verdict_on_simulated_runs(scaled_runs: Path) -> None:
     verdicts, drained = [], 0
     for run in read_summary(scaled_runs)["runs"]:
+        truth = GroundTruth.from_entry(run)  # recorded when the run ended, every run
         series = series_path(scaled_runs, run, must_exist=True)
-        truth = ground_truth(read_calls(series.parent / CALLS_FILE), read_series(series), span_of(run))
+        legacy = {k: v for k, v in run.items() if k not in ("judged", "collapses")}
+        # an entry written before the record is computed once on read, to the same record
+        again = legacy_truth(legacy, series.parent / CALLS_FILE, series)
+        assert again is not None and again.entry_fields() == truth.entry_fields()
         assert agrees_with_recovery(truth, run["recovered"]), (run["slug"], truth.collapses)
         if run["recovered"] and truth.collapses:
             # the recovery time is the end of the two good windows after the collapse

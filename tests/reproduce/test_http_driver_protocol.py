@@ -71,7 +71,8 @@ def test_backend_options_are_checked_up_front() -> None:
 
 def test_with_pulse_changes_only_the_pulse_and_names_it() -> None:
     from reproduce.conditions import expand
-    from reproduce.httpdriver.protocol import CI_PULSE_MULTIPLE, with_pulse
+    from reproduce.httpdriver.protocol import CI_PULSE_MULTIPLE
+    from reproduce.workloads.pulse import with_pulse
 
     (run,) = expand("diagnostic", models="small", runs=1, conditions=["retries-on-cancel-off"])
     ci = with_pulse(run, CI_PULSE_MULTIPLE)

@@ -21,11 +21,10 @@ from reproduce.client import ClientConfig
 from reproduce.conditions import block
 from reproduce.groundtruth import JudgedSpan, burst_before
 from reproduce.httpdriver.protocol import cpu_scaled, study
-from reproduce.plan import plan_trace
 from reproduce.sim.engine_link import Engine
 from reproduce.tracecapacity import CACHE_ENV, trace_capacity
 from reproduce.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
-from reproduce.traceworkload import MAX_REPLAY_S, TraceWorkload
+from reproduce.traceworkload import MAX_REPLAY_S, TraceWorkload, plan_trace
 from reproduce.validate import load_runs
 from reproduce.workload import segment_token_ids
 from retrywatch.cli import main
@@ -216,7 +215,7 @@ def test_validate_scores_a_replay_against_its_collapses(replayed: Path) -> None:
     (info,) = load_runs(replayed)
     (run,) = json.loads((replayed / "summary.json").read_text())["runs"]
     assert info.trace and info.pulse_start_s == pytest.approx(run["burst"]["start_s"])
-    assert info.span().align_s == 0.0 and info.span().pulse_end_s is None
+    assert info.truth is not None and info.truth.span.align_s == 0.0 and info.truth.span.pulse_end_s is None
     result = CliRunner().invoke(main, ["reproduce", "validate", str(replayed)])
     assert result.exit_code == 0, result.output
     report = json.loads((replayed / "validation.json").read_text())
@@ -229,7 +228,7 @@ def test_validate_scores_a_replay_against_its_collapses(replayed: Path) -> None:
     # The pulse's figures say how to read them on a trace, which has none.
     assert report["runs"][0]["trace"] is True
     assert (
-        '1 of the runs replay a request trace, which has no pulse: for them, read every "pulse"'
+        '1 of the runs have no pulse (a replayed trace, a stepped load): for them, read every "pulse"'
         in (replayed / "validation.md").read_text()
     )
 

@@ -44,10 +44,11 @@ from reproduce.backends.models import model_info
 from reproduce.conditions import RunSpec, expand
 from reproduce.httpdriver.compare import comparison_rows, comparison_table, measure_engine, simulate_beside
 from reproduce.httpdriver.openloop import fell_behind
-from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled, with_pulse
+from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled
 from reproduce.registry import Backend, RunJob, get_backend
 from reproduce.summary import run_dir, write_summary
 from reproduce.validate import BACKLOG, RETRY_LOOP, tier_pages, validate_dir
+from reproduce.workloads.pulse import with_pulse
 from tests.reproduce.prometheus_beside import Prometheus, prometheus_beside
 from tests.reproduce.vllm_helpers import running_vllm
 

@@ -1,0 +1,11 @@
+"""Every kind of workload by name (``Workload.kind``): a new kind is its module and a line here."""
+
+from __future__ import annotations
+
+from reproduce.traceworkload import TraceWorkload
+from reproduce.workloads.pulse import PulseWorkload
+from reproduce.workloads.steps import SteppedWorkload
+
+__all__ = ["WORKLOADS"]
+
+WORKLOADS: dict[str, type] = {w.kind: w for w in (PulseWorkload, TraceWorkload, SteppedWorkload)}
