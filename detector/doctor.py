@@ -1,9 +1,6 @@
-"""``retrywatch doctor``'s checks: what a vLLM (and a proxy, a Prometheus) serves of what the alerts
-read, and so which alerts can evaluate there, and why the others cannot.
-
-Reading is bounded (each answer whole within a timeout and a size: ``foundation.bounds``) and
-nothing read is kept but series names, label names and the two stated numbers' values: no
-sample of a prompt, no credential (every URL shown masked: ``foundation.redact``).
+"""``retrywatch doctor``'s verdicts: what a vLLM (and a proxy, a Prometheus) serves of what the
+alerts read, and so which alerts can evaluate there, and why the others cannot; the report as a
+few plain lines or JSON. Pure: ``detector.doctorread`` reads the endpoints.
 
 What each alert needs comes from its declaration (``detector.needs``); the verdict of an alert
 follows its condition tree: a comparison needs its signal, ``All`` every term, ``AnyOf`` one term
@@ -13,84 +10,40 @@ alternatives has every series present, where Ĉ and the deadline count as presen
 Ĉ, learned (the rules' online estimate, in Prometheus). The vLLM tier reads requests finished
 within the deadline off vLLM's e2e latency bucket at the deadline (``deadline_bucket``): a bucket
 vLLM does not serve cannot tell the deadline, and a deadline between buckets is read at the bound
-below it.
+below it. Nothing read is shown but series names and the two numbers (no sample of a prompt), and
+every URL is shown masked (``foundation.redact``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
-
-import httpx
+from typing import Literal
 
 from detector.needs import Need, Selector, is_learned, signal_needs
-from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOBS, TIERS, UP, Tier, deadline_bucket
-from detector.sources import read_whole
+from detector.signals import DEFAULT_DEADLINE_S, TIERS, UP, Tier, deadline_bucket
 from detector.thresholds import ALERTS, AlertRule, AnyOf, Cmp, Condition, leaves
 from foundation import metricnames as mn
-from foundation.bounds import MAX_METRICS_BYTES, ends_at_api_root, without_api_root
-from foundation.redact import redact_text, redact_url
-from foundation.timeseries import Sample, parse_exposition
+from foundation.timeseries import Sample
 from foundation.vllmbuckets import le_label
-from foundation.vllmreleases import CANONICAL, FAMILIES, ReleaseFamily, release_for
+from foundation.vllmreleases import CANONICAL, ReleaseFamily, release_for
 
 Status = Literal["ok", "approximate", "partial", "blocked"]
 #: Exit status when a page (an alert of severity critical) cannot fire.
 EXIT_PAGE_BLOCKED = 1
-#: The largest answer of a Prometheus read: a fleet's series names and label names.
-MAX_PROMETHEUS_BYTES = 64 * 1024 * 1024
-#: The largest proxy /metrics: vLLM's, which it passes through, and its own (as the detector reads).
-MAX_PROXY_BYTES = 2 * MAX_METRICS_BYTES
-
+#: The series of the two numbers an operator states (the rules read each "> 0").
+STATED = (mn.CAPACITY, mn.CLIENT_DEADLINE)
 _E2E_BUCKET = f"{mn.VLLM_E2E_LATENCY}_bucket"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
-_STATED = (mn.CAPACITY, mn.CLIENT_DEADLINE)  # the series of the two numbers an operator states
 NO_CAPACITY = "no Ĉ stated (--capacity) or learned yet"
 #: How Ĉ is learned when not stated (detector.signals: the online estimate, in both evaluators).
 LEARNING = "learned online once vLLM's queue has stayed non-empty for 5 minutes"
 NO_DEADLINE = "no deadline: not stated (--deadline) nor exported by the proxy"
 NO_PROXY = "no proxy (--proxy URL)"
-
-
-class ReadError(Exception):
-    """An endpoint that did not answer as expected; the message has its credentials masked."""
-
-
-# --- reading ------------------------------------------------------------------------------
-
-
-def metrics_url(url: str) -> str:
-    """A ``/metrics`` URL from a server's address (``http://HOST:PORT``), its OpenAI base URL
-    (``.../v1``) or the ``/metrics`` URL itself."""
-    if ends_at_api_root(url):
-        url = without_api_root(url)
-    url = url.rstrip("/")
-    return url if url.endswith("/metrics") else url + "/metrics"
-
-
-def _get(client: httpx.Client, url: str, max_bytes: int, timeout_s: float, **params: str) -> bytes:
-    started = time.monotonic()
-    try:
-        with client.stream("GET", url, params=params or None) as resp:
-            body = read_whole(resp.iter_bytes(), started=started, timeout_s=timeout_s, max_bytes=max_bytes)
-            if resp.status_code != 200:
-                raise ReadError(f"HTTP {resp.status_code}")
-    except (httpx.HTTPError, ValueError) as exc:
-        raise ReadError(redact_text(str(exc) or type(exc).__name__, [url])) from None
-    return body
-
-
-def read_metrics(client: httpx.Client, url: str, *, max_bytes: int, timeout_s: float) -> list[Sample]:
-    """The samples of one ``/metrics`` (histograms kept), or :class:`ReadError`."""
-    body = _get(client, url, max_bytes, timeout_s)
-    try:
-        return parse_exposition(body.decode("utf-8", errors="replace"), keep_histograms=True)
-    except ValueError as exc:
-        raise ReadError(f"not a Prometheus exposition ({exc})") from None
+#: Where keeping vLLM's colons through a Prometheus scrape is told.
+COLONS_DOC = "docs/operator.md, Keep vLLM's colons"
 
 
 @dataclass
@@ -102,68 +55,8 @@ class PrometheusView:
     jobs_up: frozenset[str]  # jobs with a target up
     # alert name -> (health, last error, evaluated yet); None when the rules could not be read
     rules: dict[str, tuple[str, str, bool]] | None
-
-
-def _query(client: httpx.Client, base: str, query: str, timeout_s: float) -> list[dict[str, Any]]:
-    body = _get(client, f"{base}/api/v1/query", MAX_PROMETHEUS_BYTES, timeout_s, query=query)
-    try:
-        answer = json.loads(body)
-        result = answer["data"]["result"]
-        assert isinstance(result, list)
-        return result
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise ReadError("not a Prometheus query API answer") from None
-
-
-def _labels_read() -> list[str]:
-    """The label names worth keeping: those vLLM's series carry in any release, and those the
-    rules match on."""
-    names = {lb for f in FAMILIES for s in f.served() for lb in s.labels}
-    for rule in ALERTS:
-        for signal in dict.fromkeys(leaf.signal for leaf in leaves(rule.condition)):
-            for alt in signal_needs(signal):
-                names |= {m[0] for series in alt for m in Selector.parse(series).matchers}
-    return sorted(names | {"le"})
-
-
-def read_prometheus(
-    client: httpx.Client, url: str, *, selector: str, vllm_job: str, timeout_s: float
-) -> PrometheusView:
-    """Query a Prometheus for vLLM's and the proxy's series under ``selector`` (label matchers,
-    or ""), the learned records, the targets up and the alerting rules loaded."""
-    base = url.rstrip("/")
-    extra = f",{selector}" if selector else ""
-    by = ", ".join(["__name__", *_labels_read()])
-    rows = _query(client, base, f'group by ({by}) ({{__name__=~"vllm:.+|retrywatch_.+"{extra}}})', timeout_s)
-    samples: list[Sample] = []
-    for row in rows:
-        metric = dict(row.get("metric", {}))
-        name = str(metric.pop("__name__", ""))
-        samples.append((name, {str(k): str(v) for k, v in metric.items()}, 1.0))
-    samples = [s for s in samples if s[0] not in _STATED]  # their values, below
-    stated = "|".join(_STATED)
-    for row in _query(client, base, f'max by (__name__) ({{__name__=~"{stated}"{extra}}} > 0)', timeout_s):
-        samples.append((str(row["metric"]["__name__"]), {}, float(row["value"][1])))
-    records = _query(client, base, 'group by (__name__) ({__name__=~"instance:retrywatch_.+"})', timeout_s)
-    learned = frozenset(str(r["metric"]["__name__"]) for r in records)
-    jobs = "|".join(sorted({vllm_job, PROMETHEUS_JOBS["proxy"]}))
-    up = _query(client, base, f'group by (job) (up{{job=~"{jobs}"{extra}}} == 1)', timeout_s)
-    jobs_up = frozenset(str(r["metric"].get("job", "")) for r in up)
-    rules: dict[str, tuple[str, str, bool]] | None = None
-    try:
-        body = _get(client, f"{base}/api/v1/rules", MAX_PROMETHEUS_BYTES, timeout_s, type="alert")
-        rules = {}
-        for group in json.loads(body)["data"]["groups"]:
-            for rule in group["rules"]:
-                evaluated = not str(rule.get("lastEvaluation", "")).startswith("0001-")
-                rules[str(rule["name"])] = (
-                    str(rule.get("health", "")),
-                    str(rule.get("lastError", "")),
-                    evaluated,
-                )
-    except (ReadError, ValueError, KeyError, TypeError):
-        rules = None
-    return PrometheusView(samples, learned, jobs_up, rules)
+    #: vLLM's series held with each colon written as _ (scraped as OpenMetrics): their names
+    colons_lost: tuple[str, ...] = ()
 
 
 # --- the verdicts -------------------------------------------------------------------------
@@ -238,14 +131,14 @@ class _Facts:
     samples: Sequence[Sample]
     learned: frozenset[str]
     family: ReleaseFamily | None
-    proxy_read: bool
-    vllm_read: bool
+    no_proxy: str | None  # why no proxy series can be there; None: a proxy was read
+    no_vllm: str | None  # why no vLLM series can be there; None: vLLM's were read
     deadline: float
     by_name: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, labels, value in self.samples:
-            if name in _STATED and not (math.isfinite(value) and value > 0):
+            if name in STATED and not (math.isfinite(value) and value > 0):
                 continue  # the rules read them "> 0": a proxy not told its deadline exports NaN
             self.by_name.setdefault(name, []).append(labels)
 
@@ -278,9 +171,9 @@ class _Facts:
         if name == mn.CLIENT_DEADLINE:
             return NO_DEADLINE
         if name.startswith("retrywatch_"):
-            return f"missing {series}" if self.proxy_read else NO_PROXY
-        if not self.vllm_read:
-            return "vLLM's series not read (no endpoint serving them answered)"
+            return self.no_proxy or f"missing {series}"
+        if self.no_vllm is not None:
+            return self.no_vllm
         if name == _E2E_BUCKET and name in self.by_name:
             return self._bucket_why()
         return f"missing {_family_name(name)}{self._hint(_family_name(name))}"
@@ -456,16 +349,17 @@ def diagnose(
     if prometheus is not None:
         up = up or bool(prometheus.jobs_up)
     samples = [*seen, *stated, *([(UP, {}, 1.0)] if up else [])]
+    proxy_given = any(e.role == "proxy" for e in endpoints)
     proxy_seen = proxy_samples is not None or any(s[0].startswith("retrywatch_") for s in seen)
     facts = _Facts(
         samples,
         learned,
         family,
-        proxy_read=proxy_seen,
-        vllm_read=any(s[0].startswith("vllm:") for s in seen),
+        no_proxy=None if proxy_seen else ("the proxy did not answer" if proxy_given else NO_PROXY),
+        no_vllm=None if any(s[0].startswith("vllm:") for s in seen) else _no_vllm(endpoints, prometheus),
         deadline=dl.value or DEFAULT_DEADLINE_S,
     )
-    tiers: tuple[Tier, ...] = TIERS if proxy_seen else ("vllm",)
+    tiers: tuple[Tier, ...] = TIERS if proxy_seen or proxy_given else ("vllm",)
     rules = prometheus.rules if prometheus is not None else None
     alerts = tuple(
         _verdict(rule, facts, rules, prometheus is not None)
@@ -516,6 +410,20 @@ def diagnose(
         tiers=tiers,
         alerts=alerts,
     )
+
+
+def _no_vllm(endpoints: Sequence[Endpoint], prometheus: PrometheusView | None) -> str:
+    """Why none of vLLM's series is at hand."""
+    if prometheus is not None and prometheus.colons_lost:
+        return (
+            f"Prometheus holds vLLM's series with each colon written as _ ({prometheus.colons_lost[0]}): "
+            f"keep the colons ({COLONS_DOC})"
+        )
+    if prometheus is not None:
+        return "Prometheus holds none of vLLM's series (is vLLM scraped, under --selector?)"
+    if any(e.answered for e in endpoints):
+        return "no vLLM series in what answered (is it vLLM's /metrics?)"
+    return "no endpoint serving vLLM's series answered"
 
 
 def _rules_line(prometheus: PrometheusView | None, tiers: Sequence[Tier]) -> str | None:
@@ -600,52 +508,3 @@ def render_text(report: Report) -> str:
     verdict = f"{len(blocked)} of {pages} pages cannot fire" if blocked else f"every page ({pages}) can fire"
     lines.append(f"{'verdict':<11} {verdict}")
     return "\n".join(lines) + "\n"
-
-
-def run(
-    *,
-    vllm: str | None,
-    proxy: str | None,
-    prometheus: str | None,
-    selector: str = "",
-    vllm_job: str = PROMETHEUS_JOBS["vllm"],
-    capacity: float | None = None,
-    deadline: float | None = None,
-    timeout_s: float = 5.0,
-    transport: httpx.BaseTransport | None = None,
-) -> Report:
-    """Read what is given and diagnose it."""
-    endpoints: list[Endpoint] = []
-    vllm_samples = proxy_samples = None
-    view = None
-    with httpx.Client(timeout=timeout_s, transport=transport, follow_redirects=False) as client:
-        for role, url, max_bytes in (("vLLM", vllm, MAX_METRICS_BYTES), ("proxy", proxy, MAX_PROXY_BYTES)):
-            if url is None:
-                continue
-            target = metrics_url(url)
-            try:
-                read = read_metrics(client, target, max_bytes=max_bytes, timeout_s=timeout_s)
-            except ReadError as exc:
-                endpoints.append(Endpoint(role, redact_url(target), str(exc)))
-                continue
-            endpoints.append(Endpoint(role, redact_url(target)))
-            if role == "vLLM":
-                vllm_samples = read
-            else:
-                proxy_samples = read
-        if prometheus is not None:
-            try:
-                view = read_prometheus(
-                    client, prometheus, selector=selector, vllm_job=vllm_job, timeout_s=timeout_s
-                )
-                endpoints.append(Endpoint("Prometheus", redact_url(prometheus)))
-            except ReadError as exc:
-                endpoints.append(Endpoint("Prometheus", redact_url(prometheus), str(exc)))
-    return diagnose(
-        endpoints=endpoints,
-        vllm_samples=vllm_samples,
-        proxy_samples=proxy_samples,
-        prometheus=view,
-        capacity=capacity,
-        deadline=deadline,
-    )

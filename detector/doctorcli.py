@@ -81,7 +81,8 @@ def doctor(
 ) -> None:
     """Say which vLLM release this looks like, which series the alerts read are present, and which
     alerts can evaluate; exit 1 when a page cannot fire."""
-    from detector.doctor import render_text, run
+    from detector.doctor import render_text
+    from detector.doctorread import run
 
     if not (vllm or proxy or prometheus):
         raise click.UsageError("give --vllm URL (and optionally --proxy URL, --prometheus URL)")

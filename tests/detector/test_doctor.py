@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from detector.doctor import ReadError, read_metrics
+from detector.doctorread import ReadError, read_metrics
 from detector.needs import alert_series, signal_needs
 from detector.signals import RAW, UP
 from detector.thresholds import ALERTS, ALERTS_BY_NAME
@@ -182,6 +182,12 @@ def test_behind_a_real_proxys_metrics_both_tiers_are_judged(server: TestServer) 
         assert "no deadline: not stated (--deadline) nor exported by the proxy" in line(
             out, "VLLMMetastableRetryLoop"
         )
+        # a proxy given that does not answer: its tier is judged, and cannot page
+        proxy.status = 502
+        code, out = doctor("--vllm", server.url, "--proxy", proxy.url, "--capacity", "2", "--deadline", "120")
+        assert code == 1 and "proxy       " in out and "did not answer: HTTP 502" in out
+        assert line(out, "VLLMMetastableRetryLoop").endswith("the proxy did not answer")
+        assert line(out, "VLLMRetryLoopSuspected").startswith("  ok")
     finally:
         proxy.close()
 
@@ -233,3 +239,11 @@ def test_through_a_real_prometheus_without_the_rules_no_page_can_fire(
     assert "rules       0 of 5 retrywatch alerts loaded, 0 evaluating" in out
     for page in VLLM_PAGES:
         assert line(out, page).endswith("not loaded in Prometheus' rules (retrywatch mixin)")
+    # scraped as OpenMetrics, vLLM's colons become _: the doctor says so rather than "missing"
+    server.body = server.body.replace("vllm:", "vllm_")
+    wait_until(lambda: "keep the colons" in doctor(*args)[1], 30, "the colons lost in Prometheus")
+    code, out = doctor(*args)
+    assert code == 1 and "release     unknown" in out
+    assert "Prometheus holds vLLM's series with each colon written as _ (vllm_" in line(
+        out, "VLLMRetryLoopSuspected"
+    )
