@@ -350,7 +350,10 @@ def diagnose(
         up = up or bool(prometheus.jobs_up)
     samples = [*seen, *stated, *([(UP, {}, 1.0)] if up else [])]
     proxy_given = any(e.role == "proxy" for e in endpoints)
-    proxy_seen = proxy_samples is not None or any(s[0].startswith("retrywatch_") for s in seen)
+    # the proxy's own series (the stated rules record the two numbers under its names too)
+    proxy_seen = proxy_samples is not None or any(
+        s[0].startswith("retrywatch_") and s[0] not in STATED for s in seen
+    )
     facts = _Facts(
         samples,
         learned,

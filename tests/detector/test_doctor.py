@@ -19,9 +19,11 @@ from detector.thresholds import ALERTS, ALERTS_BY_NAME
 from exporter.metrics import ProxyMetrics
 from exporter.policy import Policy, PolicyConfig
 from foundation import metricnames as mn
+from foundation.processes import ManagedProcess, free_port
 from foundation.vllmreleases import ReleaseFamily, covering
 from retrywatch.cli import main
-from tests.detector.conftest import TestServer, wait_until
+from rules import stated
+from tests.detector.conftest import TestServer, need, wait_until
 
 MAX_MODEL_LEN = 2048
 VLLM_PAGES = [r.name for r in ALERTS if r.tier == "vllm" and r.severity == "critical"]
@@ -247,3 +249,34 @@ def test_through_a_real_prometheus_without_the_rules_no_page_can_fire(
     assert "Prometheus holds vLLM's series with each colon written as _ (vllm_" in line(
         out, "VLLMRetryLoopSuspected"
     )
+
+
+@pytest.mark.promtool  # needs Debian's prometheus package
+def test_through_a_real_prometheus_with_the_stated_rules_every_page_can_fire(
+    server: TestServer, tmp_path: Path
+) -> None:
+    """The rules as ``retrywatch mixin --tier vllm`` renders them, Ĉ and the deadline stated in
+    them: loaded and evaluating, and Ĉ read from the series they record."""
+    server.body = vllm_text(family("0.32.0"))
+    rules = tmp_path / "rules.yml"
+    rules.write_text(stated.render(vllm_job="vllm", deadline_s=120.0, capacity=2.5, proxy_tier=False))
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files: ['{rules}']\n"
+        "scrape_configs:\n  - job_name: vllm\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{server.port}']\n"
+    )
+    argv = [need("prometheus"), f"--web.listen-address=127.0.0.1:{port}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--config.file={cfg}"]  # fmt: skip
+    with ManagedProcess(argv, log_path=tmp_path / "prometheus.log", bound_s=120, name="Prometheus") as proc:
+        prom = f"http://127.0.0.1:{port}"
+        proc.wait_ready(f"{prom}/-/ready", timeout_s=20, poll_s=0.1)
+        wait_until(lambda: doctor("--prometheus", prom)[0] == 0, 30, "every page able to fire")
+        code, out = doctor("--prometheus", prom, "--vllm", server.url)
+    assert code == 0, out
+    assert "rules       5 of 5 retrywatch alerts loaded, 5 evaluating" in out
+    assert "Ĉ           2.5 calls/s (exported)" in out and "deadline    120 s (exported)" in out
+    assert "release     vLLM 0.32.0-0.34.0 (V1)" in out and "Prometheus lacks" not in out
+    assert out.rstrip().endswith("every page (3) can fire")
