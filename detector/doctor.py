@@ -52,7 +52,7 @@ class PrometheusView:
 
     samples: list[Sample]
     learned: frozenset[str]  # learned records present (the Ĉ estimate)
-    jobs_up: frozenset[str]  # jobs with a target up
+    jobs: frozenset[str]  # the jobs the rules read ``up`` of that have a target, up or down
     # alert name -> (health, last error, evaluated yet); None when the rules could not be read
     rules: dict[str, tuple[str, str, bool]] | None
     #: vLLM's series held with each colon written as _ (scraped as OpenMetrics): their names
@@ -165,7 +165,7 @@ class _Facts:
         sel = Selector.parse(series)
         name = sel.name
         if name == UP:
-            return "no endpoint answered"
+            return "Prometheus scrapes no target of the jobs the rules read (--vllm-job)"
         if name == mn.CAPACITY or is_learned(series):
             return NO_CAPACITY
         if name == mn.CLIENT_DEADLINE:
@@ -345,9 +345,8 @@ def diagnose(
         stated.append((mn.CAPACITY, {}, capacity))
     if deadline is not None:
         stated.append((mn.CLIENT_DEADLINE, {}, deadline))
-    up = any(e.answered for e in endpoints if e.role != "Prometheus")
-    if prometheus is not None:
-        up = up or bool(prometheus.jobs_up)
+    # NoData reads ``up``: the detector records every scrape, answered or not; a Prometheus, its targets
+    up = bool(prometheus.jobs) if prometheus is not None else True
     samples = [*seen, *stated, *([(UP, {}, 1.0)] if up else [])]
     proxy_given = any(e.role == "proxy" for e in endpoints)
     # the proxy's own series (the stated rules record the two numbers under its names too)
@@ -464,11 +463,16 @@ def render_text(report: Report) -> str:
     for e in report.endpoints:
         state = "answered" if e.answered else f"did not answer: {e.error}"
         lines.append(f"{e.role:<11} {e.url}: {state}")
-    release = f"vLLM {report.release}" if report.release else "unknown (no vLLM release 0.6.0-0.34 matches)"
-    lines.append(f"{'release':<11} {release}")
     total = len(report.series_present) + len(report.series_missing)
+    if report.release:
+        release = f"vLLM {report.release}"
+    elif report.series_present:
+        release = "unknown (no vLLM release 0.6.0-0.34 matches)"
+    else:
+        release = "unknown: no vLLM series read"
+    lines.append(f"{'release':<11} {release}")
     series = f"{len(report.series_present)} of {total} vLLM series the alerts read are present"
-    if report.series_missing:
+    if report.series_missing and report.series_present:
         series += "; missing " + ", ".join(report.series_missing)
     lines.append(f"{'series':<11} {series}")
     if report.lacking_in_prometheus:

@@ -115,10 +115,10 @@ def read_prometheus(
     learned = frozenset(str(r["metric"]["__name__"]) for r in records)
     # each job as a PromQL string (JSON's escaping is PromQL's), not in a regular expression
     ups = " or ".join(
-        f"up{{job={json.dumps(job)}{extra}}} == 1" for job in sorted({vllm_job, PROMETHEUS_JOBS["proxy"]})
+        f"up{{job={json.dumps(job)}{extra}}}" for job in sorted({vllm_job, PROMETHEUS_JOBS["proxy"]})
     )
     up = _query(client, base, f"group by (job) ({ups})", timeout_s)
-    jobs_up = frozenset(str(r["metric"].get("job", "")) for r in up)
+    jobs = frozenset(str(r["metric"].get("job", "")) for r in up)
     rules: dict[str, tuple[str, str, bool]] | None = None
     try:
         body = _get(client, f"{base}/api/v1/rules", MAX_PROMETHEUS_BYTES, timeout_s, type="alert")
@@ -133,7 +133,7 @@ def read_prometheus(
                 )
     except (ReadError, ValueError, KeyError, TypeError):
         rules = None
-    return PrometheusView(samples, learned, jobs_up, rules, tuple(sorted(colons_lost)))
+    return PrometheusView(samples, learned, jobs, rules, tuple(sorted(colons_lost)))
 
 
 def run(

@@ -207,7 +207,9 @@ def test_json_credentials_and_an_engine_that_does_not_answer(server: TestServer)
     server.status = 503
     code, out = doctor("--vllm", server.url)
     assert code == 1 and "did not answer: HTTP 503" in out and "Traceback" not in out
-    assert line(out, "VLLMRequestsNotAnsweredInTime").startswith("  CANNOT")
+    assert "release     unknown: no vLLM series read" in out
+    assert line(out, "VLLMRequestsNotAnsweredInTime").endswith("no endpoint serving vLLM's series answered")
+    assert line(out, "VLLMTierNoData").startswith("  ok")  # it fires on a target that does not answer
 
 
 def test_usage_errors_are_one_line() -> None:
