@@ -19,6 +19,10 @@ NOTE on what is not followed:
   value, a series of its own (:func:`is_learned`), not its inputs: it exists only after an hour of
   saturated history;
 - comparisons with a constant (``> 0``) filter values, not series: a series present is enough.
+
+The Python evaluator (``SignalEngine``) needs no more than the rules: it reads the same series,
+and where a ratio sums several signals it counts a missing one as zero (``foundation.ratios``),
+where PromQL's ``+`` needs both.
 """
 
 from __future__ import annotations
