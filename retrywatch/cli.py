@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "emulate": ("reproduce.emulate.cli:emulate", "Serve the engine model over HTTP in wall time."),
     "reproduce": ("reproduce.cli:reproduce", "Calibrate, run, report and validate pulse experiments."),
     "detect": ("detector.cli:detect", "Run the detector: signals, alerts, episodes, notifications."),
+    "doctor": (
+        "detector.doctorcli:doctor",
+        "Say which alerts can evaluate against a vLLM (and a proxy, a Prometheus), and why not.",
+    ),
     "dashboard": ("dashboard.cli:dashboard", "Run the operators' Dash dashboard."),
     "mixin": (
         "retrywatch.mixin:mixin",

@@ -95,6 +95,14 @@ def test_metric_names_the_project_relies_on(engine: EngineEndpoint) -> None:
     assert labels == {("engine", "model_name")}
 
 
+def test_doctor_names_the_release_and_every_vllm_tier_page_can_fire(engine: EngineEndpoint) -> None:
+    from detector.doctorread import run
+
+    report = run(vllm=engine.url, proxy=None, prometheus=None, capacity=2.0, deadline=120.0)
+    assert report.release == "0.32.0-0.34.0 (V1)" and report.series_missing == ()
+    assert report.exit_code == 0, [(a.name, a.reasons) for a in report.alerts]
+
+
 def test_out_of_vocabulary_token_is_a_clean_400_and_the_engine_survives(engine: EngineEndpoint) -> None:
     body = {"model": engine.model_name, "prompt": [5, 6, 40_000], "max_tokens": 2}
     response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=30)
