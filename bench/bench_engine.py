@@ -16,7 +16,7 @@ from reproduce.engine import EngineEvent, EngineModel, EngineRequest, EventKind,
 from reproduce.engine.presets import STUDY_CAPACITY
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
-from reproduce.workload import WorkloadSpec, generate_trace, paper_phases, prompt_segments
+from reproduce.workloads.calls import WorkloadSpec, generate_trace, paper_phases, prompt_segments
 
 
 def scenario(

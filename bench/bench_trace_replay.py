@@ -31,13 +31,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from reproduce.traces import read_trace
+from reproduce.workloads.traces import read_trace
 
 SLICE = (
-    Path(__file__).resolve().parent.parent / "reproduce" / "traces" / "data" / "azure_code_2023_30min.csv.gz"
+    Path(__file__).resolve().parent.parent
+    / "reproduce"
+    / "workloads"
+    / "traces"
+    / "data"
+    / "azure_code_2023_30min.csv.gz"
 )
 MODEL = "qwen2.5-7b-h100"
-#: Ĉ of the slice's token mix on the simulator (``reproduce.tracecapacity``, seed 0), measured once.
+#: Ĉ of the slice's token mix on the simulator (``reproduce.workloads.tracecapacity``, seed 0), measured once.
 DEFAULT_CAPACITY = 21.62
 
 

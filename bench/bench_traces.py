@@ -1,4 +1,4 @@
-"""How fast ``reproduce.traces.read_trace`` streams a trace, and that its memory stays flat.
+"""How fast ``reproduce.workloads.traces.read_trace`` streams a trace, and that its memory stays flat.
 
 Writes a generated trace of N records (1,000,000 by default) in each layout asked for to a
 temporary file, line by line, then streams it through ``read_trace`` and prints the records per
@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TextIO
 
-from reproduce.traces import read_trace
+from reproduce.workloads.traces import read_trace
 
 LAYOUTS = ("azure", "burstgpt", "mooncake", "retrywatch")
 

@@ -36,10 +36,17 @@ from detector.sources.replay import load_snapshots
 from reproduce.engine import EngineConfig, EngineModel, EngineRequest, EventKind, preset
 from reproduce.engine.presets import PRESET_NAMES, preset_capacity
 from reproduce.engine.process import EngineProcess
-from reproduce.outcomes import RecoveryRule
+from reproduce.judge.outcomes import RecoveryRule
+from reproduce.judge.validate import (
+    RETRY_LOOP,
+    RunResult,
+    check_targets,
+    load_runs,
+    replay_firings,
+    score_alert,
+)
 from reproduce.simenv import Environment
-from reproduce.validate import RETRY_LOOP, RunResult, check_targets, load_runs, replay_firings, score_alert
-from reproduce.workload import WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workloads.calls import WorkloadSpec, generate_trace, prompt_segments
 
 SIGNALS = ("creation_capacity_ratio", "backlog_deadline_ratio", "orphaned_fraction", "cancelled_fraction")
 

@@ -1,6 +1,6 @@
 """The server-sent events of an OpenAI-style stream, and the error objects they carry: the one
 parser, used by the proxy (its look at a stream's first event) and by the harness's attempts
-(``reproduce.httpdriver.attempt``).
+(``reproduce.harness.attempt``).
 
 An event's payload is its ``data:`` line's text: a JSON object, or ``[DONE]`` at the end of a
 stream. vLLM reports an error inside a stream as ``data: {"error": {..., "code": 503}}`` (its

@@ -1,7 +1,7 @@
 """The ground-truth record of a run, as summary.json holds it: its judged span, its judged windows
 and its collapses (docs/protocol.md, "Ground truth over time").
 
-``reproduce`` computes the record once, when the run ends (``reproduce.groundtruth``), and writes
+``reproduce`` computes the record once, when the run ends (``reproduce.judge.groundtruth``), and writes
 it into the run's summary entry: ``"collapses"`` (each with its burst where the workload names
 one, and whether it was metastable) and ``"judged"`` (the span, the stretch of overload the run is
 aligned on, and each judged window). Validation, the what-if and the dashboard read it with

@@ -2,8 +2,8 @@
 ``DIR/validation.json``, a what-if's ``DIR/whatif.json`` and the runs' metrics series paths,
 with the one error class.
 
-``retrywatch reproduce run`` writes the directory (``reproduce/summary.py``; shapes in
-docs/architecture.md); the alerts' validation (``reproduce/validate.py``), the dashboard's
+``retrywatch reproduce run`` writes the directory (``reproduce/judge/summary.py``; shapes in
+docs/architecture.md); the alerts' validation (``reproduce/judge/validate.py``), the dashboard's
 Experiments page, the rules' equivalence check and the reproduce report and runner read it
 through this module.
 """

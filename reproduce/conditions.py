@@ -24,15 +24,15 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from exporter.policy import BudgetOrder, Cancellation, PolicyConfig, QueueOrder
-from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_serving
-from reproduce.traceworkload import TraceWorkload
 from reproduce.workloads.base import Workload
+from reproduce.workloads.client import ClientConfig
 from reproduce.workloads.pulse import PulseWorkload
 from reproduce.workloads.steps import SteppedWorkload
+from reproduce.workloads.trace import TraceWorkload
 
 if TYPE_CHECKING:
-    from reproduce.plan import RunPlan
+    from reproduce.workloads.plan import RunPlan
 
 __all__ = [
     "BLOCKS",
@@ -120,7 +120,7 @@ class ProxyPolicy:
 @dataclass(frozen=True)
 class ClientProfile:
     """Who the clients are (``name`` and ``base``: the study's client unless ``--client`` names
-    another, ``reproduce.clients``) and whether the condition lets them retry: ``retries`` None
+    another, ``reproduce.workloads.clients``) and whether the condition lets them retry: ``retries`` None
     keeps the client's own, 0 turns retries off."""
 
     retries: int | None = None

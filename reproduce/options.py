@@ -15,9 +15,9 @@ import click
 
 from foundation.options import FiniteFloatRange
 from reproduce.conditions import TraceWorkload
-from reproduce.traces import TraceError, parse_window
 from reproduce.workloads.base import Workload
 from reproduce.workloads.steps import SteppedWorkload, StepsError, parse_steps
+from reproduce.workloads.traces import TraceError, parse_window
 
 __all__ = [
     "LOAD",

@@ -1,7 +1,7 @@
 """Backends of ``retrywatch reproduce run``, chosen by name from a registry.
 
 A backend executes one run (a block, a condition, a model, a run index) and returns its
-summary entry (``reproduce.summary.run_entry``), having written the run's series under the
+summary entry (``reproduce.judge.summary.run_entry``), having written the run's series under the
 output directory. The simulator registers ``sim``; the HTTP backends (real vLLM, the emulated
 engine, an external engine) register themselves in their own module, listed in ``LAZY_MODULES``
 so that the registry imports it only when that backend is asked for.
@@ -66,9 +66,9 @@ _FACTORIES: dict[str, BackendFactory] = {}
 #: backend name -> module whose import registers it
 LAZY_MODULES: dict[str, str] = {
     "sim": "reproduce.sim.backend",
-    "vllm": "reproduce.httpdriver.backend",
-    "emulated": "reproduce.httpdriver.backend",
-    "external": "reproduce.httpdriver.backend",
+    "vllm": "reproduce.harness.backend",
+    "emulated": "reproduce.harness.backend",
+    "external": "reproduce.harness.backend",
 }
 
 

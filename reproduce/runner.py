@@ -34,8 +34,8 @@ from tqdm import tqdm
 from foundation.rundir import DERIVED, SUMMARY, read_summary
 from reproduce.conditions import RunSpec
 from reproduce.dirlock import hold
+from reproduce.judge.summary import write_summary
 from reproduce.registry import Backend, RunJob
-from reproduce.summary import write_summary
 
 __all__ = ["cap_jobs", "run_many", "usable_cores"]
 

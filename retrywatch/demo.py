@@ -35,11 +35,11 @@ from foundation.metricnames import VLLM_NUM_WAITING
 from foundation.options import FiniteFloatRange, listen_host
 from foundation.processes import ManagedProcess, ProcessStartError, log_tail
 from foundation.timeseries import parse_exposition
-from reproduce.client import ClientConfig
 from reproduce.engine.presets import PresetError, preset_capacity
+from reproduce.workloads.client import ClientConfig
 
 if TYPE_CHECKING:
-    from reproduce.httpdriver.openloop import OpenLoopStats
+    from reproduce.harness.openloop import OpenLoopStats
 
 __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 
@@ -250,9 +250,9 @@ async def _episodes(http: httpx.AsyncClient, detector_url: str) -> list[str]:
 
 
 async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed: int) -> None:
-    from reproduce.httpdriver.openloop import OpenLoopStats
-    from reproduce.plan import plan_run
-    from reproduce.workload import WorkloadSpec
+    from reproduce.harness.openloop import OpenLoopStats
+    from reproduce.workloads.calls import WorkloadSpec
+    from reproduce.workloads.plan import plan_run
     from retrywatch.demo_load import run_load
 
     spec = WorkloadSpec(

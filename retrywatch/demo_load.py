@@ -1,18 +1,18 @@
 """The demo's load: the study's open-loop client replaying a pulse of retrying calls over real sockets.
 
 The demos drive their engines with the same driver the experiments use
-(``reproduce.httpdriver.openloop.OpenLoopClient``): every planned call of a workload trace
+(``reproduce.harness.openloop.OpenLoopClient``): every planned call of a workload trace
 starts at its planned time whether or not earlier calls were answered (open loop), and its
 attempts follow the study's client model (deadline on the whole attempt, backoff, Retry-After,
-giving up). The run is planned once (``reproduce.plan.plan_run``: the trace, its phases and
+giving up). The run is planned once (``reproduce.workloads.plan.plan_run``: the trace, its phases and
 the client, divided by the time scale there). The demo reads the client's live counts
 (``OpenLoopStats``) for its progress lines, and bounds the calls in progress.
 """
 
 from __future__ import annotations
 
-from reproduce.httpdriver.openloop import OpenLoopClient, OpenLoopStats
-from reproduce.plan import RunPlan
+from reproduce.harness.openloop import OpenLoopClient, OpenLoopStats
+from reproduce.workloads.plan import RunPlan
 
 __all__ = ["MAX_CALLS_IN_PROGRESS", "run_load"]
 

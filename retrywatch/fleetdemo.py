@@ -48,8 +48,8 @@ from exporter.settings import ProxySettings
 from foundation.logs import announce, check_port, setup_logging
 from foundation.options import FiniteFloatRange
 from foundation.processes import ManagedProcess, log_tail
-from reproduce.client import ClientConfig
 from reproduce.engine.presets import preset_capacity
+from reproduce.workloads.client import ClientConfig
 from retrywatch import demo as single
 from rules.generate import RULES_PATH
 
@@ -523,9 +523,9 @@ async def drive(
 ) -> dict[str, list[str]]:
     """Drive the pulse through nginx for ``duration_s`` (or until ``stop_when(firing)``), reporting
     the clients' counts and each replica's firing alerts; every alert that fired, by instance."""
-    from reproduce.httpdriver.openloop import OpenLoopStats
-    from reproduce.plan import plan_run
-    from reproduce.workload import WorkloadSpec, paper_phases
+    from reproduce.harness.openloop import OpenLoopStats
+    from reproduce.workloads.calls import WorkloadSpec, paper_phases
+    from reproduce.workloads.plan import plan_run
     from retrywatch.demo_load import run_load
 
     plan = fleet.plan

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from foundation.processes import free_port
-from reproduce.httpdriver.openloop import OpenLoopStats
+from reproduce.harness.openloop import OpenLoopStats
 from retrywatch.demo import closing_summary, dashboard_link, dashboard_range_s, demo_commands, demo_plan
 
 

@@ -1,7 +1,7 @@
 """Engine presets of the study (docs/protocol.md §2): three models on one H100 80 GB at 90% memory.
 
 Architectures and memory are facts; the step-time coefficients are fitted by
-``python -m reproduce.fit_presets`` to the protocol's calibration inputs only (Ĉ per model, and
+``python -m reproduce.engine.fit_presets`` to the protocol's calibration inputs only (Ĉ per model, and
 Qwen2.5-7B's low-load time to first and last token), never to outcomes, and stored in
 ``presets_fitted.json`` beside this file. Until a fit exists a preset uses the physical prior
 below (weights read once per step, 2 FLOPs per parameter per prompt token, KV bytes read per
@@ -72,7 +72,7 @@ def preset_serving(model: str) -> str | None:
 
 
 #: Ĉ of each preset in calls per second: the study's calibration (docs/protocol.md §5), the target
-#: that ``python -m reproduce.fit_presets`` fits each preset's step time to reproduce (within ±3%).
+#: that ``python -m reproduce.engine.fit_presets`` fits each preset's step time to reproduce (within ±3%).
 STUDY_CAPACITY: dict[str, float] = {
     "qwen2.5-7b-h100": 2.78,
     "qwen3-14b-h100": 1.09,
@@ -113,7 +113,7 @@ def fitted_step_times() -> dict[str, dict[str, Any]]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PresetError(
-            f"{FITTED_FILE} is not valid JSON ({exc}); rerun python -m reproduce.fit_presets"
+            f"{FITTED_FILE} is not valid JSON ({exc}); rerun python -m reproduce.engine.fit_presets"
         ) from exc
     presets = data.get("presets", {})
     if not isinstance(presets, dict):

@@ -3,7 +3,7 @@ workload (``reproduce.workloads``).
 
 Ĉ depends on the workload's token mix (``Workload.mix``): the study's is the preset's calibrated
 capacity; mixed prompts recalibrate it on the simulator (docs/protocol.md §7), once per model,
-and a trace's own mix calibrates it on that mix (``reproduce.tracecapacity``, cached), before
+and a trace's own mix calibrates it on that mix (``reproduce.workloads.tracecapacity``, cached), before
 the runs start. Every run's entry says which Ĉ it ran at and how it was found
 (``capacity_source``). Runs are independent and deterministic for their seed, so they run in
 parallel worker processes.
@@ -17,18 +17,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from reproduce.client import ClientConfig
 from reproduce.conditions import PRIMARY_MODEL, RunSpec
 from reproduce.engine.presets import PRESET_NAMES, PresetError, preset_capacity
-from reproduce.plan import PlanError, check_pulse
+from reproduce.judge.summary import run_entry, write_run_files
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.sim import engine_link
 from reproduce.sim.world import SimSpec, simulate
-from reproduce.summary import run_entry, write_run_files
-from reproduce.tracecapacity import trace_capacity
-from reproduce.traceworkload import TraceFacts
-from reproduce.workload import WorkloadSpec
 from reproduce.workloads.base import Shaping
+from reproduce.workloads.calls import WorkloadSpec
+from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import PlanError, check_pulse
+from reproduce.workloads.trace import TraceFacts
+from reproduce.workloads.tracecapacity import trace_capacity
 
 __all__ = ["SimBackend"]
 

@@ -18,9 +18,9 @@ from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
 from reproduce.engine.model import EventKind as _EngineEventKind
 from reproduce.engine.presets import preset
 from reproduce.engine.process import EngineProcess
-from reproduce.outcomes import RetryExecution, retry_timing, trace_shares
+from reproduce.judge.outcomes import RetryExecution, retry_timing, trace_shares
 from reproduce.simenv import Environment
-from reproduce.workload import WorkloadSpec
+from reproduce.workloads.calls import WorkloadSpec
 
 __all__ = [
     "Engine",
@@ -146,7 +146,7 @@ class Engine:
         return trace_shares(self.model.trace_records())
 
     def retry_timing(self, retries: Sequence[tuple[int, int | None, float]]) -> dict[str, float | None]:
-        """When the executions of retries were first scheduled (``reproduce.outcomes.retry_timing``).
+        """When the executions of retries were first scheduled (``reproduce.judge.outcomes.retry_timing``).
 
         ``retries``: (execution id, the call's previous execution id or None, the retry's
         deadline) for every execution a retry created; those the engine refused are left out.

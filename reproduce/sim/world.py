@@ -44,16 +44,16 @@ from exporter.policy import (
 )
 from foundation.metricnames import ShedReason
 from foundation.timeseries import Snapshot
-from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
 from reproduce.conditions import Condition
 from reproduce.engine.config import EngineConfig
 from reproduce.engine.presets import preset_capacity
-from reproduce.plan import RunPlan
 from reproduce.sim import engine_link
 from reproduce.sim.metrics import PROXY_WINDOW_S, Scraper
 from reproduce.simenv import Environment, EventHandle
-from reproduce.workload import PlannedCall
 from reproduce.workloads.base import Shaping
+from reproduce.workloads.calls import PlannedCall
+from reproduce.workloads.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
+from reproduce.workloads.plan import RunPlan
 
 __all__ = ["SimResult", "SimSpec", "simulate"]
 

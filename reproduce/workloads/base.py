@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from reproduce.workload import MAX_CONTEXT
+from reproduce.workloads.calls import MAX_CONTEXT
 
 if TYPE_CHECKING:
-    from reproduce.client import ClientConfig
-    from reproduce.plan import RunPlan
-    from reproduce.traceworkload import TraceFacts
+    from reproduce.workloads.client import ClientConfig
+    from reproduce.workloads.plan import RunPlan
+    from reproduce.workloads.trace import TraceFacts
 
 __all__ = ["STUDY_MIX", "Shaping", "TokenMix", "Workload"]
 

@@ -1,5 +1,5 @@
 """The study's pulse (docs/protocol.md §3) as a workload: base 0.6 Ĉ, a pulse at a multiple of Ĉ,
-hold 0.6 Ĉ (``reproduce.workload.PULSE_PROTOCOL``), with mixed prompt lengths or not.
+hold 0.6 Ĉ (``reproduce.workloads.calls.PULSE_PROTOCOL``), with mixed prompt lengths or not.
 
 Its plan has a phase named ``pulse``, so its runs are judged on the protocol's timeline
 (cohorts, recovery windows aligned to the pulse's end) as well as by their ground truth.
@@ -11,14 +11,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from reproduce.plan import generated_spec, plan_run
-from reproduce.workload import PULSE_MULTIPLE, paper_phases
 from reproduce.workloads.base import STUDY_MIX, Shaping, TokenMix
+from reproduce.workloads.calls import PULSE_MULTIPLE, paper_phases
+from reproduce.workloads.plan import generated_spec, plan_run
 
 if TYPE_CHECKING:
-    from reproduce.client import ClientConfig
     from reproduce.conditions import RunSpec
-    from reproduce.plan import RunPlan
+    from reproduce.workloads.client import ClientConfig
+    from reproduce.workloads.plan import RunPlan
 
 __all__ = ["PulseWorkload", "with_pulse"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from reproduce.traceworkload import TraceWorkload
 from reproduce.workloads.pulse import PulseWorkload
 from reproduce.workloads.steps import SteppedWorkload
+from reproduce.workloads.trace import TraceWorkload
 
 __all__ = ["WORKLOADS"]
 

@@ -5,7 +5,7 @@ lengths.
 Where the pulse asks whether one burst tips the engine, a stepped load walks the load up (or
 down) and shows at which step the service stops delivering within the deadline and whether it
 comes back. It has no designated pulse: its runs are judged by their ground truth over time
-(``reproduce.groundtruth``), each collapse aligned on the burst behind it, as a replayed trace's.
+(``reproduce.judge.groundtruth``), each collapse aligned on the burst behind it, as a replayed trace's.
 
 The default hold of a step, :data:`STEP_S` = 300 s (study seconds), is the length of the
 protocol's calibration stages (docs/protocol.md §5), long enough to see a queue grow at a load,
@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
-from reproduce.plan import REPLAY_TAIL_WINDOWS, generated_spec, plan_run
 from reproduce.workloads.base import STUDY_MIX, Shaping, TokenMix
+from reproduce.workloads.plan import REPLAY_TAIL_WINDOWS, generated_spec, plan_run
 
 if TYPE_CHECKING:
-    from reproduce.client import ClientConfig
-    from reproduce.plan import RunPlan
+    from reproduce.workloads.client import ClientConfig
+    from reproduce.workloads.plan import RunPlan
 
 __all__ = ["STEP_S", "SteppedWorkload", "parse_steps"]
 

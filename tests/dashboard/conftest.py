@@ -21,7 +21,7 @@ from dashboard.app import create_app
 from dashboard.context import DashboardConfig
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, write_series
-from reproduce.tracecapacity import CACHE_ENV
+from reproduce.workloads.tracecapacity import CACHE_ENV
 from tests.dashboard.staticapi import StaticDetectorAPI, synthetic_history
 from tests.systemtools import require
 
@@ -269,7 +269,14 @@ def whatif_dir(points_dir: Path) -> Path:
     return root
 
 
-TRACE = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "azure_code_2023_30min.csv.gz"
+TRACE = (
+    Path(__file__).resolve().parents[2]
+    / "reproduce"
+    / "workloads"
+    / "traces"
+    / "data"
+    / "azure_code_2023_30min.csv.gz"
+)
 TRACE_MODEL = "qwen2.5-7b-h100"
 # The shipped slice whole (a few seconds on the simulator): at 3 Ĉ its busiest minutes collapse
 # the engine into the retry loop; at 1 Ĉ nothing collapses. A window of 5 or 10 minutes of it at

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
 from foundation.processes import ManagedProcess, free_port
 from reproduce.conditions import PAPER, expand
-from reproduce.httpdriver.protocol import scaled_queue_cap
+from reproduce.harness.protocol import scaled_queue_cap
 from retrywatch.cli import main as cli
 from tests.deploy.conftest import REPO
 

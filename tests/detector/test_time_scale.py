@@ -24,9 +24,9 @@ from detector.thresholds import tier_rules as _tier_rules
 from foundation.processes import free_port
 from foundation.timeseries import read_series, write_series
 from reproduce.conditions import block
-from reproduce.httpdriver.detectorproc import DetectorProcess
+from reproduce.harness.detectorproc import DetectorProcess
+from reproduce.judge.validate import RETRY_LOOP, RunInfo, replay_firings
 from reproduce.sim import SimSpec, simulate
-from reproduce.validate import RETRY_LOOP, RunInfo, replay_firings
 from tests.detector.conftest import wait_until
 from tests.reproduce.small_engine import CAPACITY, ENGINE, WORKLOAD
 

@@ -17,7 +17,7 @@ from reproduce.calibrate import (
 from reproduce.engine import EngineConfig, EngineModel, EngineRequest, EventKind, StepTimeModel
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
-from reproduce.workload import WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workloads.calls import WorkloadSpec, generate_trace, prompt_segments
 
 SMALL_ENGINE = EngineConfig(
     num_gpu_blocks=3_000,

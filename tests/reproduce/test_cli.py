@@ -14,7 +14,12 @@ from retrywatch.cli import main
 from tests.reproduce.test_runner import SMALL
 
 TRACE = (
-    Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "mooncake_conversation_4min.jsonl"
+    Path(__file__).resolve().parents[2]
+    / "reproduce"
+    / "workloads"
+    / "traces"
+    / "data"
+    / "mooncake_conversation_4min.jsonl"
 )
 
 

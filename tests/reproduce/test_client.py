@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from reproduce.client import AttemptOutcome, CallRecord, ClientConfig, ClientConfigError, ClientModel
+from reproduce.workloads.client import (
+    AttemptOutcome,
+    CallRecord,
+    ClientConfig,
+    ClientConfigError,
+    ClientModel,
+)
 
 
 def make_client(retries: int = 3, seed: int = 1) -> ClientModel:

@@ -1,4 +1,4 @@
-"""Client profiles (``reproduce.clients``) as the client model carries them out: each profile's
+"""Client profiles (``reproduce.workloads.clients``) as the client model carries them out: each profile's
 numbers as its library's source has them, its backoff and caps, its Retry-After handling, which
 failures it retries, when it gives an attempt up, and ``--client``'s parsing."""
 
@@ -12,9 +12,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from reproduce.client import AttemptOutcome, Backoff, CallRecord, ClientConfig, ClientConfigError, ClientModel
-from reproduce.clients import KEYS, PROFILES, parse_client, with_client
 from reproduce.conditions import block, expand
+from reproduce.workloads.client import (
+    AttemptOutcome,
+    Backoff,
+    CallRecord,
+    ClientConfig,
+    ClientConfigError,
+    ClientModel,
+)
+from reproduce.workloads.clients import KEYS, PROFILES, parse_client, with_client
 from retrywatch.cli import main
 from tests.reproduce.test_cli import small_options
 

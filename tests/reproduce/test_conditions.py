@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from exporter.policy import BudgetOrder, Cancellation, QueueOrder
-from reproduce.client import ClientConfig
 from reproduce.conditions import BLOCKS, PAPER, ConditionError, PulseWorkload, block, engine_cap_for, expand
-from reproduce.plan import RunPlan
+from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import RunPlan
 
 
 def test_paper_has_the_studys_137_runs() -> None:

@@ -51,15 +51,15 @@ def test_prior_scales_with_model_size() -> None:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_fitted_presets_meet_the_calibration_inputs(name: str) -> None:
     """The checked-in fit still holds for the engine model as it is (rerun fit_presets if not)."""
+    from reproduce.engine.fit_presets import TOLERANCE, mean_capacity
     from reproduce.engine.presets import STUDY_CAPACITY
-    from reproduce.fit_presets import TOLERANCE, mean_capacity
 
     config = preset(name)
     assert mean_capacity(name, config.step_time) == pytest.approx(STUDY_CAPACITY[name], rel=TOLERANCE)
 
 
 def test_qwen_low_load_reference() -> None:
-    from reproduce.fit_presets import LOW_LOAD_RATE, REFERENCE_PRESET, TTFT_TARGET, TTLT_TARGET
+    from reproduce.engine.fit_presets import LOW_LOAD_RATE, REFERENCE_PRESET, TTFT_TARGET, TTLT_TARGET
 
     summary = sim_latency(preset(REFERENCE_PRESET), LOW_LOAD_RATE)
     assert summary.median_ttft_s == pytest.approx(TTFT_TARGET, rel=0.05)

@@ -16,7 +16,7 @@ from reproduce.engine import (
 )
 from reproduce.engine.process import EngineProcess
 from reproduce.simenv import Environment
-from reproduce.workload import WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workloads.calls import WorkloadSpec, generate_trace, prompt_segments
 
 STEP = StepTimeModel(fixed_s=0.01, per_prompt_token_s=1e-4, per_running_s=0.0, per_context_token_s=0.0)
 

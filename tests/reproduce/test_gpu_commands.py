@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.backends.commands import EngineFlagsError, cpu_flags, gpu_env, study_gpu_flags, vllm_command
-from reproduce.backends.engines import CPU_ENGINE_NICENESS, VllmBackend
-from reproduce.backends.models import ModelConfigError, list_models, model_info, prepare_model_dir
 from reproduce.conditions import block, expand
-from reproduce.httpdriver.backend import HttpBackend, HttpBackendError
-from reproduce.httpdriver.protocol import STUDY_CAPACITY, scaled_queue_cap, study
+from reproduce.harness.backend import HttpBackend, HttpBackendError
+from reproduce.harness.commands import EngineFlagsError, cpu_flags, gpu_env, study_gpu_flags, vllm_command
+from reproduce.harness.engines import CPU_ENGINE_NICENESS, VllmBackend
+from reproduce.harness.models import ModelConfigError, list_models, model_info, prepare_model_dir
+from reproduce.harness.protocol import STUDY_CAPACITY, scaled_queue_cap, study
 
 GPU_MODELS = {
     # name: (layers, hidden, query heads, KV heads, head dim, vocab): docs/protocol.md §2, the model cards

@@ -12,7 +12,7 @@ from foundation.groundtruth import GroundTruth
 from foundation.rundir import RunDirError, read_summary, series_path
 from foundation.timeseries import Snapshot
 from reproduce.conditions import expand
-from reproduce.groundtruth import (
+from reproduce.judge.groundtruth import (
     CALLS_FILE,
     CallTimes,
     JudgedSpan,

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from reproduce.client import AttemptOutcome
-from reproduce.httpdriver.attempt import AttemptResult, completion_body, parse_retry_after, run_attempt
+from reproduce.harness.attempt import AttemptResult, completion_body, parse_retry_after, run_attempt
+from reproduce.workloads.client import AttemptOutcome
 
 URL = "http://engine.test/v1/completions"
 SSE = {"content-type": "text/event-stream; charset=utf-8"}

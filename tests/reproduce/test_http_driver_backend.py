@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.httpdriver.backend import announce_proxy
+from reproduce.harness.backend import announce_proxy
 from reproduce.registry import get_backend
 
 

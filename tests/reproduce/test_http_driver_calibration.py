@@ -14,16 +14,16 @@ from reproduce.calibrate import (
     TimedStageObservation,
     calibrate,
 )
-from reproduce.client import AttemptRecord, CallRecord
-from reproduce.httpdriver.calibration import (
+from reproduce.harness.calibration import (
     arrival_noise_floor,
     calibrate_settled,
     settled_capacity,
     settled_samples,
     stage_lengths,
 )
-from reproduce.httpdriver.openloop import OpenLoopStats, fell_behind, send_lag
-from reproduce.httpdriver.protocol import cpu_scaled
+from reproduce.harness.openloop import OpenLoopStats, fell_behind, send_lag
+from reproduce.harness.protocol import cpu_scaled
+from reproduce.workloads.client import AttemptRecord, CallRecord
 
 
 def batching_engine(c_full: float, half_batch: float) -> StageRunner:

@@ -1,4 +1,4 @@
-"""Real runs beside the simulator (``reproduce.httpdriver.compare``): the fit from probes, the
+"""Real runs beside the simulator (``reproduce.harness.compare``): the fit from probes, the
 engine model of vLLM on CPU, its calibration, and the table, on synthetic summaries."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from reproduce.backends.models import model_info
 from reproduce.conditions import expand
-from reproduce.httpdriver.calibration import trace_mix
-from reproduce.httpdriver.compare import (
+from reproduce.harness.calibration import trace_mix
+from reproduce.harness.compare import (
     COLUMNS,
     MeasuredEngine,
     StepProbe,
@@ -24,14 +23,20 @@ from reproduce.httpdriver.compare import (
     simulate_runs,
     step_time_from_probe,
 )
-from reproduce.httpdriver.protocol import cpu_scaled
-from reproduce.tracecapacity import mix_stage_calls
-from reproduce.traceworkload import TraceWorkload
+from reproduce.harness.models import model_info
+from reproduce.harness.protocol import cpu_scaled
+from reproduce.workloads.trace import TraceWorkload
+from reproduce.workloads.tracecapacity import mix_stage_calls
 
 #: About what the ``small`` configuration measures on a 2-core machine.
 PROBE = StepProbe(256, 0.05, 2_048, 0.30, 0.012, 32, 0.040)
 MOONCAKE = (
-    Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "mooncake_conversation_4min.jsonl"
+    Path(__file__).resolve().parents[2]
+    / "reproduce"
+    / "workloads"
+    / "traces"
+    / "data"
+    / "mooncake_conversation_4min.jsonl"
 )
 
 
@@ -127,7 +132,7 @@ def test_no_execution_created_gives_no_orphaned_share() -> None:
 
 
 def test_a_trace_on_the_engine_model_at_the_protocols_token_scale() -> None:
-    """A trace replayed beside a real vLLM (``reproduce.httpdriver.tracecompare``): the engine
+    """A trace replayed beside a real vLLM (``reproduce.harness.tracecompare``): the engine
     model is calibrated on the trace's mix as the protocol sends it (lengths x its token scale)
     and replays the trace at its own Ĉ, judged on its collapses; the table takes a trace's columns."""
     protocol = cpu_scaled(10)
@@ -158,7 +163,7 @@ def test_a_trace_on_the_engine_model_at_the_protocols_token_scale() -> None:
 def test_tracecompare_refuses_bad_input_before_any_engine_starts(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from reproduce.httpdriver.tracecompare import main
+    from reproduce.harness.tracecompare import main
 
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,x,1\n")

@@ -8,9 +8,9 @@ import contextlib
 import json
 import time
 
-from reproduce.client import ClientConfig
-from reproduce.httpdriver.openloop import OpenLoopClient, OpenLoopStats
-from reproduce.workload import PlannedCall
+from reproduce.harness.openloop import OpenLoopClient, OpenLoopStats
+from reproduce.workloads.calls import PlannedCall
+from reproduce.workloads.client import ClientConfig
 
 _DONE = b'data: {"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
 

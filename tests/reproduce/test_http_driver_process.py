@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from foundation.processes import free_port
-from reproduce.backends.engines import BackendError, ExternalBackend, find_python
-from reproduce.backends.vllm_setup import write_dist_alias
+from reproduce.harness.engines import BackendError, ExternalBackend, find_python
+from reproduce.harness.vllm_setup import write_dist_alias
 
 
 def test_external_backend_refuses_a_bad_url_and_a_dead_engine_without_printing_credentials() -> None:

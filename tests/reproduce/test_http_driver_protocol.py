@@ -7,9 +7,9 @@ import statistics
 import pytest
 
 from reproduce.conditions import block
-from reproduce.httpdriver.backend import HttpBackend, HttpBackendError
-from reproduce.httpdriver.protocol import cpu_scaled, study
-from reproduce.workload import generate_trace
+from reproduce.harness.backend import HttpBackend, HttpBackendError
+from reproduce.harness.protocol import cpu_scaled, study
+from reproduce.workloads.calls import generate_trace
 
 RETRIES_ON = block("diagnostic").condition("retries-on-cancel-off")
 
@@ -71,7 +71,7 @@ def test_backend_options_are_checked_up_front() -> None:
 
 def test_with_pulse_changes_only_the_pulse_and_names_it() -> None:
     from reproduce.conditions import expand
-    from reproduce.httpdriver.protocol import CI_PULSE_MULTIPLE
+    from reproduce.harness.protocol import CI_PULSE_MULTIPLE
     from reproduce.workloads.pulse import with_pulse
 
     (run,) = expand("diagnostic", models="small", runs=1, conditions=["retries-on-cancel-off"])

@@ -18,10 +18,10 @@ import pytest
 from foundation import metricnames as mn
 from foundation.rundir import read_summary
 from foundation.timeseries import read_series
-from reproduce.clients import PROFILES, with_client
 from reproduce.conditions import expand
+from reproduce.judge.summary import write_summary
 from reproduce.registry import RunJob, get_backend
-from reproduce.summary import write_summary
+from reproduce.workloads.clients import PROFILES, with_client
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,8 @@ import pytest
 
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot
-from reproduce.client import AttemptOutcome, AttemptRecord, CallRecord, ClientConfig
 from reproduce.engine.model import ExecutionTrace
-from reproduce.outcomes import (
+from reproduce.judge.outcomes import (
     RecoveryRule,
     RetryExecution,
     compute_outcomes,
@@ -18,8 +17,9 @@ from reproduce.outcomes import (
     retry_timing,
     trace_shares,
 )
-from reproduce.plan import RunPlan, plan_run
-from reproduce.workload import WorkloadSpec
+from reproduce.workloads.calls import WorkloadSpec
+from reproduce.workloads.client import AttemptOutcome, AttemptRecord, CallRecord, ClientConfig
+from reproduce.workloads.plan import RunPlan, plan_run
 
 
 def study_plan(time_scale: float = 1.0) -> RunPlan:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from reproduce.client import ClientConfig
-from reproduce.plan import Phase, PlanError, RunPlan, plan_run
-from reproduce.workload import WorkloadSpec, generate_trace
+from reproduce.workloads.calls import WorkloadSpec, generate_trace
+from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import Phase, PlanError, RunPlan, plan_run
 from retrywatch.cli import main
 
 

@@ -9,11 +9,11 @@ import pytest
 
 from foundation.rundir import RunDirError
 from reproduce.conditions import expand
+from reproduce.judge.report import render_markdown, write_report
+from reproduce.judge.summary import write_summary
+from reproduce.judge.validate import validate_dir
 from reproduce.registry import get_backend
-from reproduce.report import render_markdown, write_report
 from reproduce.runner import run_many
-from reproduce.summary import write_summary
-from reproduce.validate import validate_dir
 from tests.dashboard.conftest import Page, browser  # noqa: F401 (the fixture)
 from tests.reproduce.test_runner import SMALL
 

@@ -9,11 +9,11 @@ import pytest
 
 from foundation import metricnames as mn
 from foundation.vllmbuckets import SERIES_HISTOGRAMS
-from reproduce.client import AttemptOutcome, ClientConfig
-from reproduce.clients import parse_client
 from reproduce.conditions import Condition, block
-from reproduce.outcomes import compute_outcomes
+from reproduce.judge.outcomes import compute_outcomes
 from reproduce.sim import SimResult, SimSpec, simulate
+from reproduce.workloads.client import AttemptOutcome, ClientConfig
+from reproduce.workloads.clients import parse_client
 from tests.reproduce.small_engine import CAPACITY, ENGINE, WORKLOAD
 
 TIME_SCALE = 10.0

@@ -17,19 +17,19 @@ from foundation import metricnames as mn
 from foundation.timeseries import read_series
 from reproduce.calibrate import CalibrationError
 from reproduce.cli import TRACE_BLOCK, TRACE_CONDITION
-from reproduce.client import ClientConfig
 from reproduce.conditions import block
-from reproduce.groundtruth import JudgedSpan, burst_before
-from reproduce.httpdriver.protocol import cpu_scaled, study
+from reproduce.harness.protocol import cpu_scaled, study
+from reproduce.judge.groundtruth import JudgedSpan, burst_before
+from reproduce.judge.validate import load_runs
 from reproduce.sim.engine_link import Engine
-from reproduce.tracecapacity import CACHE_ENV, trace_capacity
-from reproduce.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
-from reproduce.traceworkload import MAX_REPLAY_S, TraceWorkload, plan_trace
-from reproduce.validate import load_runs
-from reproduce.workload import segment_token_ids
+from reproduce.workloads.calls import segment_token_ids
+from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.trace import MAX_REPLAY_S, TraceWorkload, plan_trace
+from reproduce.workloads.tracecapacity import CACHE_ENV, trace_capacity
+from reproduce.workloads.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
 from retrywatch.cli import main
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
 AZURE = DATA / "azure_code_2023_30min.csv.gz"
 MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"
 EXAMPLE = DATA / "retrywatch_example.csv"

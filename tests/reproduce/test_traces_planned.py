@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from reproduce.engine.kvcache import BlockPool, prompt_layout
-from reproduce.traces import (
+from reproduce.workloads.calls import PlannedCall
+from reproduce.workloads.traces import (
     TraceError,
     TraceRecord,
     read_trace,
@@ -18,9 +19,8 @@ from reproduce.traces import (
     to_trace_calls,
     trace_segments,
 )
-from reproduce.workload import PlannedCall
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
 MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"
 EXAMPLE = DATA / "retrywatch_example.csv"
 ENGINE_BLOCK = 16

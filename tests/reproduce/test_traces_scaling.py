@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.traces import (
+from reproduce.workloads.traces import (
     TraceError,
     TraceRecord,
     mean_rate,
@@ -21,7 +21,7 @@ from reproduce.traces import (
     window,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
 AZURE_CODE = DATA / "azure_code_2023_30min.csv.gz"
 
 

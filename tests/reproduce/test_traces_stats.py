@@ -1,4 +1,4 @@
-"""The facts of a trace, and the ``python -m reproduce.traces.stats`` command that prints them."""
+"""The facts of a trace, and the ``python -m reproduce.workloads.traces.stats`` command that prints them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.traces import TraceError, TraceRecord, trace_stats
-from reproduce.traces.facts import percentile
+from reproduce.workloads.traces import TraceError, TraceRecord, trace_stats
+from reproduce.workloads.traces.facts import percentile
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = REPO / "reproduce" / "traces" / "data"
+DATA = REPO / "reproduce" / "workloads" / "traces" / "data"
 
 
 def test_facts_of_a_small_trace() -> None:
@@ -66,7 +66,7 @@ def test_nearest_rank_percentile() -> None:
 
 def run_stats(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-W", "error", "-m", "reproduce.traces.stats", *args],
+        [sys.executable, "-W", "error", "-m", "reproduce.workloads.traces.stats", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

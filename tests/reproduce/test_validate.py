@@ -14,8 +14,8 @@ from detector.thresholds import ALERTS_BY_NAME, AlertRule
 from foundation import metricnames as mn
 from foundation.rundir import RunDirError
 from foundation.timeseries import Snapshot, write_series
-from reproduce.groundtruth import Collapse, Window
-from reproduce.validate import (
+from reproduce.judge.groundtruth import Collapse, Window
+from reproduce.judge.validate import (
     BACKLOG,
     RETRY_LOOP,
     SILENCE,

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from foundation.groundtruth import Collapse, Window
-from reproduce import validate
+from reproduce.judge import validate
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def results(ns: Any) -> list[Any]:
-    """The runs, built from ``ns``'s ``RunInfo``, ``RunResult`` and ``Firing`` (``reproduce.validate``)."""
+    """The runs, built from ``ns``'s ``RunInfo``, ``RunResult`` and ``Firing``
+    (``reproduce.judge.validate``)."""
 
     def info(run: int, **kw: Any) -> Any:
         base: dict[str, Any] = {

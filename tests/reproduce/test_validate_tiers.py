@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from detector.thresholds import ALERTS, CALLS_NOT_DELIVERED_IN_TIME, RETRY_LOOP, TIERS, AlertRule
-from reproduce.groundtruth import Collapse
-from reproduce.validate import Firing, RunResult, build_report, render_markdown, tier_pages
+from reproduce.judge.groundtruth import Collapse
+from reproduce.judge.validate import Firing, RunResult, build_report, render_markdown, tier_pages
 from tests.reproduce.test_validate import _info
 
 FULL = RETRY_LOOP.name

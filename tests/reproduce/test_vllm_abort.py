@@ -17,12 +17,12 @@ import pytest
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, parse_exposition
 from foundation.vllmbuckets import SERIES_HISTOGRAMS
-from reproduce.backends.engines import EngineEndpoint
-from reproduce.backends.models import model_info
 from reproduce.engine import EngineEvent, EngineModel, EngineRequest, EventKind, StepTimeModel
-from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
-from reproduce.httpdriver.calibration import wait_engine_idle
-from reproduce.httpdriver.compare import cpu_engine_config
+from reproduce.harness.attempt import AttemptResult, completion_body, run_attempt
+from reproduce.harness.calibration import wait_engine_idle
+from reproduce.harness.compare import cpu_engine_config
+from reproduce.harness.engines import EngineEndpoint
+from reproduce.harness.models import model_info
 from tests.reproduce.vllm_helpers import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

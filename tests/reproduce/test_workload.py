@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reproduce.workload import (
+from reproduce.workloads.calls import (
     PlannedCall,
     WorkloadError,
     WorkloadSpec,

@@ -15,22 +15,29 @@ from click.testing import CliRunner
 
 from dashboard.figures import run_collapses
 from foundation.groundtruth import GroundTruth
-from reproduce.client import ClientConfig
 from reproduce.conditions import RunSpec, block
+from reproduce.judge.summary import run_entry
+from reproduce.judge.validate import load_runs
 from reproduce.sim.world import SimSpec, simulate
-from reproduce.summary import run_entry
-from reproduce.traceworkload import TraceWorkload
-from reproduce.validate import load_runs
 from reproduce.workloads.base import Shaping, Workload
+from reproduce.workloads.client import ClientConfig
 from reproduce.workloads.pulse import PulseWorkload
 from reproduce.workloads.registry import WORKLOADS
 from reproduce.workloads.steps import STEP_S, SteppedWorkload, StepsError, parse_steps
+from reproduce.workloads.trace import TraceWorkload
 from retrywatch.cli import main
 
 from .test_runner import SMALL
 
 MODEL = "qwen2.5-7b-h100"
-EXAMPLE = Path(__file__).resolve().parents[2] / "reproduce" / "traces" / "data" / "retrywatch_example.csv"
+EXAMPLE = (
+    Path(__file__).resolve().parents[2]
+    / "reproduce"
+    / "workloads"
+    / "traces"
+    / "data"
+    / "retrywatch_example.csv"
+)
 #: One of each kind, at a load that collapses the small engine for a while.
 SAMPLES: dict[str, Workload] = {
     "pulse": PulseWorkload(2.7),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reproduce.backends.engines import EngineEndpoint, VllmBackend
+from reproduce.harness.engines import EngineEndpoint, VllmBackend
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,508 @@
+"""The what-if: one workload under each named proxy policy, and each policy's headroom.
+
+An operator asks which of the proxy's policies keeps the service out of the retry loop, at what
+cost in late and failed calls, and how much more load the engine takes under each before it
+tips. This module answers both on any workload (``reproduce.workloads``): ``--load`` is its
+``Workload.load`` (the pulse's multiple of Ĉ, a trace's mean rate, a stepped load's top step).
+
+* :data:`POLICIES`: the named policies, each taken from a condition the study declared;
+* :func:`compare`: the workload at one load under each policy, judged per policy (delivered
+  within the deadline, late, failed; executions per call; collapses and whether a retry loop
+  formed, by ``reproduce.judge.groundtruth``; the alerts the detector's replay fired, as
+  ``reproduce validate`` replays them);
+* :func:`headroom`: per policy, the largest load at which no run enters a metastable collapse,
+  by bisection to a stated precision (every policy's next load runs in one batch, so the batch
+  fans out over ``jobs`` processes).
+
+Every point (policy, load, seed) is a run of ``reproduce.runner.run_many`` in ``DIR/points`` (a
+reproduce output directory of its own: ``reproduce validate DIR/points`` reads it). A rerun
+into the same DIR skips the points already there, so an interrupted what-if resumes; a DIR whose
+points were run with other settings is refused, never mixed, and so is a DIR holding any one point
+whose own record (the sweep's settings it was run with, ``STAMP``, and the run's condition, model,
+seed and time scale) is not this sweep's. One sweep writes a DIR at a time (``reproduce.dirlock``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from foundation.rundir import SUMMARY, WHATIF, WHATIF_POINTS, RunDirError, read_summary
+from reproduce.conditions import (
+    ClientProfile,
+    Condition,
+    ProxyPolicy,
+    RunSpec,
+    Workload,
+    block,
+)
+from reproduce.dirlock import hold
+from reproduce.judge.groundtruth import CALLS_FILE, CallTimes, read_calls
+from reproduce.judge.validate import RunInfo, load_runs, replay_firings, truth_of
+from reproduce.registry import Backend
+from reproduce.runner import run_many
+
+__all__ = [
+    "BLOCK",
+    "POINTS",
+    "POLICIES",
+    "STAMP",
+    "Point",
+    "WhatIf",
+    "WhatIfError",
+    "compare",
+    "headroom",
+    "parse_policies",
+    "write_whatif",
+]
+
+#: The block name of every what-if run, and the folder under DIR that holds the points.
+BLOCK = "whatif"
+POINTS = WHATIF_POINTS
+
+#: The named policies: name -> (block, condition) of the study whose proxy policy it is.
+POLICY_SOURCES: dict[str, tuple[str, str]] = {
+    "none": ("composition", "no-control"),
+    "cancel": ("budget-cancel", "cancellation"),
+    "default": ("deferral", "deferred-cancellation"),
+    "coalescing": ("composition", "coalescing"),
+    "budget": ("composition", "retry-budget"),
+    "budget-first": ("composition", "budget-first"),
+    "lookup-first": ("composition", "lookup-first"),
+    "proxy-cap": ("queue-policy", "proxy-cap"),
+    "deadline-check": ("queue-policy", "deadline-check"),
+    "lifo": ("queue-policy", "lifo"),
+}
+#: What each named policy does, in words (docs/reproducing.md's table is this one).
+POLICY_HELP: dict[str, str] = {
+    "none": "a plain proxy: no coalescing, no budget, no cap, cancellation off",
+    "cancel": "cancellation on: a client's disconnect aborts its execution at once",
+    "default": "the default recipe: coalescing and cancellation deferred by 10 s",
+    "coalescing": "a retry attaches to its call's execution still running",
+    "budget": "a retry budget of 10% of first attempts over 60 s (Retry-After when spent)",
+    "budget-first": "coalescing and the budget, the budget checked before coalescing",
+    "lookup-first": "coalescing and the budget, coalescing looked up first",
+    "proxy-cap": "cancellation on and at most 100 outstanding at the proxy (FIFO)",
+    "deadline-check": "proxy-cap, and an attempt past its deadline is not dispatched",
+    "lifo": "proxy-cap served last-in-first-out past 50 waiting",
+}
+POLICIES: dict[str, ProxyPolicy] = {
+    name: block(b).condition(c).policy for name, (b, c) in POLICY_SOURCES.items()
+}
+#: Bisection bounds of ``--headroom`` (multiples of Ĉ) and its default precision.
+HEADROOM_RANGE = (0.5, 6.0)
+PRECISION = 0.05
+#: What makes a load unsafe in the headroom search: a metastable collapse (the default), or any
+#: collapse (a sustained overload above Ĉ is a collapse but never metastable: first attempts
+#: stay above Ĉ, so only "collapse" finds where a trace replayed above Ĉ stops being served).
+CRITERIA = ("metastable", "collapse")
+_DIGITS = 4  # loads are rounded to this many decimals (they name the points' runs)
+#: The key under which each point's summary entry records the settings of the sweep that ran it.
+STAMP = "whatif_setup"
+_VARIANT = "load"  # a point's variant: this and its load (``WhatIf.spec``)
+
+
+class WhatIfError(ValueError):
+    """A what-if that cannot be run as asked (an unknown policy, a DIR of other settings)."""
+
+
+def parse_policies(text: str) -> list[str]:
+    """``none,default,budget`` as names of :data:`POLICIES` (each once, in the order given)."""
+    names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names:
+        raise WhatIfError(f"no policy given; known: {', '.join(POLICIES)}")
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise WhatIfError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
+    return names
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """What every point shares: the backend (by name and options), the model, the clients, the
+    workload (its load set per point), the seeds and the time scale."""
+
+    backend: Backend
+    backend_name: str
+    backend_options: Mapping[str, Any]
+    model: str
+    client: ClientProfile
+    workload: Workload
+    seed: int = 0
+    seeds: int = 1
+    time_scale: float = 1.0
+    jobs: int = 1
+    progress: bool = True
+
+    def setup(self) -> dict[str, Any]:
+        """What a DIR's points were run with (a rerun must match it to reuse them)."""
+        return {
+            "backend": self.backend_name,
+            "backend_options": dict(self.backend_options),
+            "model": self.model,
+            "client": self.client.describe(),
+            "workload": {"kind": self.workload.kind, **self.workload.identity()},
+            "seed": self.seed,
+            "time_scale": self.time_scale,
+        }
+
+    def spec(self, policy: str, load: float, run: int) -> RunSpec:
+        condition = Condition(
+            policy,
+            POLICIES[policy],
+            client=self.client,
+            workload=self.workload.at_load(load),
+            variant=f"{_VARIANT}{load:g}",
+        )
+        return RunSpec(BLOCK, condition, self.model, run, self.seed + run)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One (policy, load) judged over its seeds' runs."""
+
+    policy: str
+    load: float
+    runs: int
+    calls: int
+    within_deadline: int
+    late: int
+    failed: int
+    executions: float
+    collapses: int
+    loops: int  # runs that entered a metastable collapse (or one of unknown kind)
+    loop_at_s: list[float | None]  # per run: when its first metastable collapse began, or None
+    loop_for_s: list[float]  # per run: how long its loop held in all (0: none)
+    pulse: dict[str, int] | None = None  # the pulse cohort's within / late / failed (pulse runs)
+    alerts: dict[str, list[float]] = field(default_factory=dict)  # alertname -> first fired, per run
+    recovered: int = 0
+
+    @property
+    def safe(self) -> bool:
+        """No run entered a metastable collapse (a collapse whose kind is unknown counts as one)."""
+        return self.loops == 0
+
+    def safe_under(self, criterion: str) -> bool:
+        """Safe by ``criterion`` (:data:`CRITERIA`): no metastable collapse, or no collapse at all."""
+        return self.safe and (criterion == "metastable" or self.collapses == 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        def share(n: int) -> float | None:
+            return round(n / self.calls, 4) if self.calls else None
+
+        out: dict[str, Any] = {
+            "load": self.load,
+            "runs": self.runs,
+            "calls": self.calls,
+            "within_deadline": self.within_deadline,
+            "late": self.late,
+            "failed": self.failed,
+            "within_deadline_share": share(self.within_deadline),
+            "late_share": share(self.late),
+            "failed_share": share(self.failed),
+            "executions_per_call": round(self.executions / self.calls, 4) if self.calls else None,
+            "collapses": self.collapses,
+            "loops": self.loops,
+            "loop_at_s": self.loop_at_s,
+            "loop_for_s": self.loop_for_s,
+            "recovered": self.recovered,
+            "safe": self.safe,
+        }
+        if self.pulse is not None:
+            out["pulse"] = self.pulse
+        if self.alerts:
+            out["alerts"] = self.alerts
+        return out
+
+
+def _fates(calls: Sequence[CallTimes], deadline_s: float) -> tuple[int, int, int]:
+    """Delivered within the deadline, delivered late, never delivered."""
+    within = sum(c.within(deadline_s) for c in calls)
+    failed = sum(c.delivered_at is None for c in calls)
+    return within, len(calls) - within - failed, failed
+
+
+def _judge(
+    policy: str, load: float, infos: Sequence[RunInfo], entries: Mapping[str, Mapping[str, Any]], alerts: bool
+) -> Point:
+    calls = within = late = failed = collapses = loops = recovered = 0
+    executions = 0.0
+    loop_at: list[float | None] = []
+    loop_for: list[float] = []
+    pulse: dict[str, int] | None = None
+    fired: dict[str, list[float]] = {}
+    for info in infos:
+        entry = entries[info.slug]
+        if info.calls is None:
+            raise RunDirError(f"run {info.slug!r} has no {CALLS_FILE}: it cannot be judged")
+        records = read_calls(info.calls)
+        w, lt, f = _fates(records, info.deadline_s)
+        calls, within, late, failed = calls + len(records), within + w, late + lt, failed + f
+        executions += float(entry.get("executions", {}).get("created") or 0.0)
+        recovered += bool(entry.get("recovered"))
+        if not info.trace:
+            cohort = [c for c in records if info.pulse_start_s <= c.planned_at < info.pulse_end_s]
+            w, lt, f = _fates(cohort, info.deadline_s)
+            pulse = pulse or {"calls": 0, "within_deadline": 0, "late": 0, "failed": 0}
+            for key, n in (("calls", len(cohort)), ("within_deadline", w), ("late", lt), ("failed", f)):
+                pulse[key] += n
+        truth = truth_of(info)
+        found = [] if truth is None else truth.collapses
+        collapses += len(found)
+        loop = [c for c in found if c.metastable is not False]
+        loops += bool(loop) or truth is None
+        loop_at.append(next((c.metastable_at_s for c in loop if c.metastable_at_s is not None), None))
+        loop_for.append(round(sum(c.metastable_for_s or 0.0 for c in loop), 3))
+        if alerts:
+            for firing in replay_firings(info):
+                fired.setdefault(firing.alertname, [])
+                fired[firing.alertname].append(firing.fired_at_s)
+    return Point(
+        policy, load, len(infos), calls, within, late, failed, executions, collapses, loops, loop_at,
+        loop_for, pulse, {k: sorted(v) for k, v in sorted(fired.items())}, recovered,
+    )  # fmt: skip
+
+
+class _Points:
+    """The points of a DIR: run those missing (in one batch over ``jobs`` processes), judge any."""
+
+    def __init__(self, whatif: WhatIf, out: Path) -> None:
+        self.whatif = whatif
+        self.dir = out / POINTS
+        self._check_setup()
+
+    def _check_setup(self) -> None:
+        if not (self.dir / SUMMARY).exists():
+            return
+        meta = read_summary(self.dir).get("meta", {})
+        theirs = meta.get("whatif") if isinstance(meta, dict) else None
+        differ = _differing(theirs, _plain(self.whatif.setup()))
+        if differ:
+            raise WhatIfError(
+                f"{self.dir} holds points run with other settings (they differ in "
+                f"{', '.join(differ)}): pick another DIR, or move it away"
+            )
+        for slug, entry in self._done().items():
+            why = self._foreign(entry)
+            if why:
+                raise WhatIfError(
+                    f"{self.dir}: point {slug!r} was not run with this sweep's settings ({why}); a "
+                    f"what-if never mixes it in: remove it (its entry in {SUMMARY}, runs/{slug}), "
+                    "or pick another DIR"
+                )
+
+    def _foreign(self, entry: Mapping[str, Any]) -> str | None:
+        """Why ``entry`` is not a point of this sweep (None: it is): what its stamp and its own
+        record of the run say, against what this sweep would run under its slug."""
+        theirs = entry.get(STAMP)
+        if not isinstance(theirs, dict):
+            return f"it records no {STAMP}: not a what-if's point"
+        differ = _differing(theirs, _plain(self.whatif.setup()))
+        policy, variant, run = entry.get("condition"), str(entry.get("variant")), entry.get("run")
+        try:
+            load = float(variant.removeprefix(_VARIANT)) if variant.startswith(_VARIANT) else math.nan
+        except ValueError:
+            load = math.nan
+        if policy not in POLICIES or not isinstance(run, int) or not math.isfinite(load):
+            return f"{policy!r} at {variant!r}, run {run!r}, names no point of a what-if"
+        spec = self.whatif.spec(str(policy), load, run)
+        own = {"slug": spec.slug, "settings": spec.condition.describe(), "model": spec.model,
+               "seed": spec.seed, "time_scale": self.whatif.time_scale}  # fmt: skip
+        differ += [k for k in _differing({k: entry.get(k) for k in own}, _plain(own)) if k not in differ]
+        return f"it differs in {', '.join(differ)}" if differ else None
+
+    def _done(self) -> dict[str, dict[str, Any]]:
+        if not (self.dir / SUMMARY).exists():
+            return {}
+        return {
+            str(r["slug"]): r for r in read_summary(self.dir)["runs"] if isinstance(r, dict) and "slug" in r
+        }
+
+    def ensure(self, asked: Sequence[tuple[str, float]]) -> None:
+        """Run every (policy, load)'s seeds not yet in DIR."""
+        w = self.whatif
+        done = self._done()
+        specs = [w.spec(p, load, r) for p, load in asked for r in range(w.seeds)]
+        missing = list({s.slug: s for s in specs if s.slug not in done}.values())
+        if missing:
+            run_many(
+                w.backend, missing, self.dir, jobs=w.jobs, time_scale=w.time_scale, progress=w.progress,
+                meta={"block": BLOCK, "model": w.model, "seed": w.seed, "whatif": w.setup()},
+                stamp={STAMP: w.setup()},
+            )  # fmt: skip
+
+    def judge(self, policy: str, load: float, *, alerts: bool) -> Point:
+        slugs = [self.whatif.spec(policy, load, r).slug for r in range(self.whatif.seeds)]
+        entries = self._done()
+        infos = {i.slug: i for i in load_runs(self.dir)}
+        lost = [s for s in slugs if s not in infos or s not in entries]
+        if lost:
+            raise RunDirError(f"{self.dir}/{SUMMARY} lost point {lost[0]!r}: was DIR written by another?")
+        return _judge(policy, load, [infos[s] for s in slugs], entries, alerts)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as ``summary.json`` records it (JSON; NaN and infinities null)."""
+    return json.loads(json.dumps(value), parse_constant=lambda _: None)
+
+
+def _differing(theirs: Any, ours: Mapping[str, Any]) -> list[str]:
+    """The keys in which a recorded mapping (anything else counts as empty) differs from ours."""
+    given = theirs if isinstance(theirs, dict) else {}
+    return sorted(k for k in {*given, *ours} if given.get(k) != ours.get(k))
+
+
+def compare(whatif: WhatIf, policies: Sequence[str], out: Path) -> dict[str, dict[str, Any]]:
+    """The workload at its own load under each policy: policy -> its point (with alerts).
+    ``DirBusy`` when another sweep writes ``out``."""
+    with hold(out):
+        points = _Points(whatif, out)
+        load = whatif.workload.load
+        points.ensure([(p, load) for p in policies])
+        return {p: points.judge(p, load, alerts=True).to_dict() for p in policies}
+
+
+@dataclass
+class _Search:
+    """One policy's bisection: ``safe`` the largest load found safe, ``unsafe`` the smallest found
+    unsafe (None: none yet); ``tried`` every load run, with its verdict."""
+
+    lo: float
+    hi: float
+    criterion: str = "metastable"
+    safe: float | None = None
+    unsafe: float | None = None
+    tried: list[dict[str, Any]] = field(default_factory=list)
+
+    def next_load(self, precision: float) -> float | None:
+        tried = {t["load"] for t in self.tried}
+        if self.unsafe is None:
+            return self.hi if self.hi not in tried else None  # safe at the upper limit: a bound
+        if self.safe is None:
+            return self.lo if self.lo not in tried else None  # unsafe at the lower limit
+        if self.unsafe - self.safe <= precision + 1e-9:
+            return None
+        return round((self.safe + self.unsafe) / 2, _DIGITS)
+
+    def record(self, point: Point) -> None:
+        safe = point.safe_under(self.criterion)
+        self.tried.append(
+            {
+                "load": point.load,
+                "safe": safe,
+                "loops": point.loops,
+                "collapses": point.collapses,
+                "runs": point.runs,
+            }
+        )
+        if safe:
+            self.safe = point.load if self.safe is None else max(self.safe, point.load)
+        else:
+            self.unsafe = point.load if self.unsafe is None else min(self.unsafe, point.load)
+
+    def result(self, precision: float) -> dict[str, Any]:
+        if self.safe is None:
+            kind, text = (
+                "below",
+                f"unsafe ({self.criterion}) already at the search's lower limit, {self.lo:g}x Ĉ",
+            )
+        elif self.unsafe is None:
+            kind, text = "at-least", f"still safe at the search's upper limit, {self.hi:g}x Ĉ: a lower bound"
+        else:
+            kind, text = (
+                "bracketed",
+                f"safe at {self.safe:g}x Ĉ, unsafe ({self.criterion}) at {self.unsafe:g}x Ĉ",
+            )
+        reached = (
+            None if self.safe is None or self.unsafe is None else round(self.unsafe - self.safe, _DIGITS)
+        )
+        return {
+            "headroom_load": self.safe,
+            "criterion": self.criterion,
+            "kind": kind,
+            "says": text,
+            "precision_asked": precision,
+            "precision_reached": reached,
+            "lower_limit": self.lo,
+            "upper_limit": self.hi,
+            "tried": sorted(self.tried, key=lambda t: t["load"]),
+        }
+
+
+def headroom(
+    whatif: WhatIf,
+    policies: Sequence[str],
+    out: Path,
+    *,
+    lo: float = HEADROOM_RANGE[0],
+    hi: float = HEADROOM_RANGE[1],
+    precision: float = PRECISION,
+    criterion: str = "metastable",
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Per policy, the largest load in ``[lo, hi]`` at which none of the seeds' runs enters a
+    metastable collapse (``criterion`` "collapse": any collapse), to within ``precision``
+    (assuming more load never helps: bisection).
+    The workload's own load counts first (when inside the range), then the upper limit, the
+    lower, and midpoints; each round runs every policy's next load in one batch. ``DirBusy`` when
+    another sweep writes ``out``."""
+    if not (0 < lo < hi and math.isfinite(hi)):
+        raise WhatIfError(f"the headroom search needs 0 < LO < HI, got {lo!r}:{hi!r}")
+    if not (math.isfinite(precision) and precision > 0):
+        raise WhatIfError(f"the precision must be a positive multiple of Ĉ, got {precision!r}")
+    if criterion not in CRITERIA:
+        raise WhatIfError(f"unknown criterion {criterion!r}; known: {', '.join(CRITERIA)}")
+    with hold(out):
+        return _search(_Points(whatif, out), policies, lo, hi, precision, criterion, on_round)
+
+
+def _search(
+    points: _Points,
+    policies: Sequence[str],
+    lo: float,
+    hi: float,
+    precision: float,
+    criterion: str,
+    on_round: Callable[[int, dict[str, float]], None] | None,
+) -> dict[str, dict[str, Any]]:
+    whatif = points.whatif
+    searches = {p: _Search(lo, hi, criterion) for p in policies}
+    own = round(whatif.workload.load, _DIGITS)
+    if lo <= own <= hi:  # the workload's own load (compare's points) brackets the search too
+        points.ensure([(p, own) for p in policies])
+        for p in policies:
+            searches[p].record(points.judge(p, own, alerts=False))
+    rounds = 0
+    while True:
+        asked = {p: s.next_load(precision) for p, s in searches.items()}
+        todo = {p: load for p, load in asked.items() if load is not None}
+        if not todo:
+            break
+        rounds += 1
+        if on_round is not None:
+            on_round(rounds, todo)
+        points.ensure(list(todo.items()))
+        for p, load in todo.items():
+            searches[p].record(points.judge(p, load, alerts=False))
+    return {p: s.result(precision) for p, s in searches.items()}
+
+
+def write_whatif(out: Path, body: Mapping[str, Any]) -> Path:
+    """Write ``out/whatif.json`` (atomically enough: whole text at once)."""
+    path = out / WHATIF
+    tmp = out / f".{WHATIF}.tmp"
+    tmp.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def policy_table() -> list[dict[str, str]]:
+    """Every named policy, the study's condition it comes from and what it does."""
+    return [
+        {"policy": name, "from": f"{b} / {c}", "does": POLICY_HELP[name]}
+        for name, (b, c) in POLICY_SOURCES.items()
+    ]

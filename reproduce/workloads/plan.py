@@ -1,0 +1,274 @@
+"""The run plan: a run planned once, from its workload, and the clock it is judged on.
+
+A :class:`RunPlan` holds what is fixed before a run starts, in the run's own seconds: the
+planned calls (arrival, prompt and response lengths), the workload's phases where it has
+them (name, start, end, multiple of Ĉ: a pulse run's base / pulse / hold), the client the
+calls follow (deadline, backoff, horizon) and the time scale. :func:`plan_run` is the one
+place where a workload and a client given at the study's scale are divided by the time scale.
+
+Whatever judges a run reads the :class:`Timeline` its plan derives: ``reproduce.judge.outcomes``
+(cohorts, recovery windows), ``reproduce.judge.summary`` (the run's entry, with the plan's phases)
+and, through summary.json, reports, validation and the dashboard. Every backend (simulator,
+emulated engine, real vLLM) judges a run on the phases it ran, not on the protocol's.
+
+Each kind of workload plans itself into a :class:`RunPlan` (``reproduce.workloads``): a workload
+without a designated pulse (a request-trace replay, a stepped load) has no phase named ``pulse``,
+so it has no pulse timeline: it is judged by its ground truth over time (``reproduce.judge.groundtruth``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from reproduce.workloads.calls import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
+from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.traces.planned import Segments
+
+__all__ = [
+    "PULSE",
+    "RECOVERY_WINDOWS",
+    "RECOVERY_WINDOW_S",
+    "REPLAY_TAIL_WINDOWS",
+    "Phase",
+    "PlanError",
+    "RecoveryRule",
+    "RunPlan",
+    "Timeline",
+    "check_pulse",
+    "generated_spec",
+    "make_plan",
+    "plan_run",
+]
+
+#: The phase whose calls are the pulse cohort; every phase after it is the hold.
+PULSE = "pulse"
+#: The hold's recovery windows (docs/protocol.md §6), at the study's scale.
+RECOVERY_WINDOW_S = 60.0
+#: Consecutive good windows the recovery rule asks for (docs/protocol.md §6).
+RECOVERY_WINDOWS = 2
+#: How long a run without a hold (a replayed trace, a stepped load) goes on after its last call
+#: is done, in recovery windows: time for the recovery rule's two good windows to be seen.
+REPLAY_TAIL_WINDOWS = RECOVERY_WINDOWS + 1
+
+
+@dataclass(frozen=True)
+class RecoveryRule:
+    """docs/protocol.md §6's recovery thresholds, at the study's scale: the plan gives judges its
+    growth limit in run seconds (:attr:`RunPlan.max_growth_per_s`)."""
+
+    min_delivered: float = 0.98  # share of a window's calls delivered within the deadline
+    max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
+    max_growth_per_s: float = 0.01  # their growth (least-squares slope) over a window, per study second
+
+
+class PlanError(ValueError):
+    """A plan that cannot be built or judged as asked; the message says what is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One phase of a workload in run seconds: calls arrive at ``multiple`` x Ĉ in ``[start_s, end_s)``."""
+
+    name: str
+    start_s: float
+    end_s: float
+    multiple: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "start_s": self.start_s, "end_s": self.end_s, "multiple": self.multiple}
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A pulse run's clock (run seconds): the pulse, the hold after it, the deadline, the horizon
+    and the recovery windows. Built by :meth:`RunPlan.timeline` from the phases the run ran."""
+
+    pulse_start: float
+    pulse_end: float
+    hold_end: float
+    deadline_s: float
+    horizon_s: float
+    window_s: float
+    max_growth_per_s: float = RecoveryRule().max_growth_per_s  # the recovery rule's, per run-second
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "horizon_s", "window_s", "max_growth_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"Timeline.{name} must be a positive number, got {value!r}")
+        bounds = (self.pulse_start, self.pulse_end, self.hold_end)
+        ordered = 0 <= self.pulse_start < self.pulse_end < self.hold_end
+        if not (ordered and all(math.isfinite(b) for b in bounds)):
+            raise ValueError(f"Timeline needs 0 <= pulse_start < pulse_end < hold_end, got {bounds!r}")
+
+    @property
+    def base_s(self) -> float:
+        """How long calls arrived before the pulse."""
+        return self.pulse_start
+
+    @property
+    def pulse_s(self) -> float:
+        return self.pulse_end - self.pulse_start
+
+    @property
+    def hold_s(self) -> float:
+        return self.hold_end - self.pulse_end
+
+    @property
+    def primary_start(self) -> float:
+        """The hold minus its first deadline (347 s in the study)."""
+        return self.pulse_end + self.deadline_s
+
+    def windows(self) -> list[tuple[float, float]]:
+        """The hold's recovery windows, aligned to the pulse's end."""
+        n = int(self.hold_s / self.window_s + 1e-9)
+        return [
+            (self.pulse_end + i * self.window_s, self.pulse_end + (i + 1) * self.window_s) for i in range(n)
+        ]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run, planned: its calls, its phases (optional), its client and its time scale.
+
+    Every time is in run seconds: ``client``'s durations and ``window_s`` are already divided by
+    ``time_scale``, as are the calls' arrivals and the phases.
+    """
+
+    calls: tuple[PlannedCall, ...]
+    client: ClientConfig
+    time_scale: float = 1.0
+    phases: tuple[Phase, ...] = ()
+    window_s: float = RECOVERY_WINDOW_S
+    #: A trace's prompts as chained segments (prefix blocks), by call id, for the calls that
+    #: have blocks; every other call's prompt is ``workload.prompt_segments`` of it.
+    segments: Mapping[str, Segments] = field(default_factory=dict)
+    #: How long the run goes on after its last call is done (within the horizon): a replay
+    #: without a hold needs time for the recovery rule's two good windows to be seen.
+    tail_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise PlanError(f"time_scale must be positive, got {self.time_scale!r}")
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise PlanError(f"window_s must be positive, got {self.window_s!r}")
+        names = [p.name for p in self.phases]
+        if len(set(names)) != len(names):
+            raise PlanError(f"phase names must be unique, got {names!r}")
+
+    @property
+    def deadline_s(self) -> float:
+        return self.client.deadline_s
+
+    @property
+    def horizon_s(self) -> float:
+        return self.client.horizon_s
+
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in this run's seconds: the one place K divides one."""
+        return study_s / self.time_scale
+
+    @property
+    def max_growth_per_s(self) -> float:
+        """The recovery rule's growth limit of the waiting executions, per run-second."""
+        return RecoveryRule().max_growth_per_s * self.time_scale
+
+    @property
+    def pulse(self) -> Phase | None:
+        """The phase named ``pulse``, or None (a workload without a designated pulse)."""
+        return next((p for p in self.phases if p.name == PULSE), None)
+
+    def timeline(self) -> Timeline:
+        """The clock this run is judged on: its own pulse, and every phase after it as the hold."""
+        pulse = self.pulse
+        if pulse is None:
+            raise PlanError(
+                "this run's workload has no phase named 'pulse', so it has no pulse to judge "
+                f"(its phases: {', '.join(p.name for p in self.phases) or 'none'})"
+            )
+        after = [p for p in self.phases if p.start_s >= pulse.end_s]
+        if not after:
+            raise PlanError("a pulse run needs a phase after its pulse (the hold) to judge recovery on")
+        return Timeline(
+            pulse_start=pulse.start_s,
+            pulse_end=pulse.end_s,
+            hold_end=max(p.end_s for p in after),
+            deadline_s=self.deadline_s,
+            horizon_s=self.horizon_s,
+            window_s=self.window_s,
+            max_growth_per_s=self.max_growth_per_s,
+        )
+
+    def prompt_segments(self, call: PlannedCall) -> Segments:
+        """``call``'s prompt as the engine model's segments."""
+        return self.segments.get(call.call_id) or prompt_segments(call)
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale,
+        and the client's numbers in run seconds."""
+        return {
+            "time_scale": self.time_scale,
+            "deadline_s": self.deadline_s,
+            "horizon_s": self.horizon_s,
+            "window_s": self.window_s,
+            "client": self.client.describe(),
+            "calls": len(self.calls),
+            "phases": [p.to_dict() for p in self.phases],
+        }
+
+
+def _phases(workload: WorkloadSpec) -> tuple[Phase, ...]:
+    return tuple(
+        Phase(name, start, end, multiple)
+        for (name, start, end), (_, multiple) in zip(workload.phase_bounds(), workload.phases, strict=True)
+    )
+
+
+def make_plan(
+    calls: Iterable[PlannedCall],
+    phases: Iterable[Phase],
+    client: ClientConfig,
+    time_scale: float,
+    *,
+    segments: Mapping[str, Segments] | None = None,
+    tail_windows: int = 0,
+) -> RunPlan:
+    """A plan of ``calls`` and ``phases`` (already in run seconds) for clients of ``client``: the
+    one place where a study-scale client, the recovery window and the tail after the last call
+    (``tail_windows`` recovery windows) are divided by the time scale."""
+    k = time_scale
+    return RunPlan(
+        calls=tuple(calls),
+        client=client.scaled(k),
+        time_scale=k,
+        phases=tuple(phases),
+        window_s=RECOVERY_WINDOW_S / k,
+        segments=dict(segments or {}),
+        tail_s=tail_windows * RECOVERY_WINDOW_S / k,
+    )
+
+
+def generated_spec(capacity: float, *, seed: int, time_scale: float, **fields: Any) -> WorkloadSpec:
+    """The spec of a generated workload (``fields``: phases and lengths at the study's scale) for
+    a run at Ĉ = ``capacity`` calls per run-second: the spec takes Ĉ per study second and
+    divides its own arrivals and phases by the time scale."""
+    return WorkloadSpec(capacity=capacity / time_scale, seed=seed, time_scale=time_scale, **fields)
+
+
+def plan_run(workload: WorkloadSpec, client: ClientConfig, *, tail_windows: int = 0) -> RunPlan:
+    """Plan a run of ``workload`` (its trace, its phases) for clients of ``client`` (at the
+    study's scale, put in run seconds by :func:`make_plan`)."""
+    return make_plan(
+        generate_trace(workload), _phases(workload), client, workload.time_scale, tail_windows=tail_windows
+    )
+
+
+def check_pulse(workload: WorkloadSpec) -> None:
+    """Raise :class:`PlanError` unless a run of ``workload`` has a pulse and a hold to judge
+    (before any run starts, instead of in the middle of one)."""
+    RunPlan(
+        calls=(), client=ClientConfig(), time_scale=workload.time_scale, phases=_phases(workload)
+    ).timeline()

@@ -1,0 +1,398 @@
+"""Streaming a trace file into ``TraceRecord``s: opening, layout detection, time order.
+
+``read_trace`` is a generator: it reads one row at a time (a week-long trace is never loaded
+whole), from a path (plain, or gzip-compressed: detected from its first bytes) or from any
+iterable of text lines (a pipe, a socket's lines, an endless generator).
+
+The layout comes from the header (CSV) or the first record (JSON lines); ``format`` names it
+when the header does not tell, e.g. a CSV file without a header, whose columns are then taken
+in the layout's documented order.
+
+NOTE: time order. Arrivals count from the trace's first (earliest) request, so the reader needs
+rows in time order. Equal timestamps are fine. A row earlier than the one before it is refused
+with its line and column, unless ``reorder_window_s`` > 0: then a row may be up to that many
+seconds earlier than the latest row read before it, and rows are sorted within that bounded
+window (a heap holding the rows of one window: memory stays bounded by the window, not the
+file); a row further behind is refused.
+Logs written at completion rather than arrival are out of order by about one latency: pass a
+window of that size, or sort the file first.
+
+NOTE: bounded memory, whatever the input. A line longer than ``max_line_chars`` (1,000,000 by
+default: a Mooncake line with a long prompt's block ids is a few KB) is refused with its line
+number, so an endless line (``/dev/zero``, a gzip of NULs) costs one line's worth; a reorder
+window holds at most ``MAX_REORDER_ROWS`` rows.
+
+NOTE: pipes. A path is opened once and read once: its first bytes (gzip or not) are read from
+the same stream that is then parsed, so a FIFO or ``<(cat FILE)`` loses nothing. A FIFO whose
+writer does not open it within ``writer_wait_s`` seconds is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import gzip
+import heapq
+import io
+import json
+import os
+import select
+import stat
+from collections.abc import Iterable, Iterator
+from itertools import chain
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from reproduce.workloads.traces.layouts import (
+    FORMATS,
+    CsvParser,
+    Row,
+    csv_layout,
+    default_columns,
+    detect_csv,
+    detect_json,
+    json_parser,
+    names_columns_of,
+)
+from reproduce.workloads.traces.records import TraceError, TraceRecord, row_error
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "MAX_LINE_CHARS",
+    "MAX_REORDER_ROWS",
+    "WRITER_WAIT_S",
+    "TraceSource",
+    "is_regular_file",
+    "read_trace",
+]
+
+#: Block size assumed for the retrywatch layout's ``prefix_blocks`` (Mooncake's convention).
+DEFAULT_BLOCK_TOKENS = 512
+#: The longest line read (characters, its line ending not counted); a longer one is an error.
+MAX_LINE_CHARS = 1_000_000
+#: The most rows a reorder window may hold at once (memory: about 200 bytes each).
+MAX_REORDER_ROWS = 1_000_000
+#: How long a FIFO given as the trace is waited on for its writer, seconds.
+WRITER_WAIT_S = 30.0
+
+TraceSource = str | os.PathLike[str] | Iterable[str]
+
+
+def read_trace(
+    source: TraceSource,
+    format: str | None = None,
+    *,
+    reorder_window_s: float = 0.0,
+    keep_failed: bool = False,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    max_line_chars: int = MAX_LINE_CHARS,
+    writer_wait_s: float = WRITER_WAIT_S,
+) -> Iterator[TraceRecord]:
+    """Stream the requests of a trace, in time order, arrivals counted from the first one.
+
+    ``format``: one of ``FORMATS``; autodetected from the header when None. ``keep_failed``
+    keeps BurstGPT's failed rows (0 response tokens). ``block_tokens``: tokens per prefix block
+    of the retrywatch layout. ``max_line_chars``: the longest line read. ``writer_wait_s``: how
+    long a FIFO is waited on for a writer. Raises ``TraceError`` (one line: line and column) on
+    a bad row.
+    """
+    if format is not None and format not in FORMATS:
+        raise TraceError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
+    if not reorder_window_s >= 0.0:
+        raise TraceError(f"reorder_window_s must be >= 0 seconds, got {reorder_window_s!r}")
+    if block_tokens < 1:
+        raise TraceError(f"block_tokens must be >= 1, got {block_tokens!r}")
+    if max_line_chars < 1:
+        raise TraceError(f"max_line_chars must be >= 1, got {max_line_chars!r}")
+    if isinstance(source, str | os.PathLike):
+        return _read_path(
+            Path(source), format, reorder_window_s, keep_failed, block_tokens, max_line_chars, writer_wait_s
+        )
+    lines = _bounded(iter(source), "<stream>", max_line_chars)
+    return _read_lines(lines, format, reorder_window_s, keep_failed, block_tokens)
+
+
+def is_regular_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file (one that can be read twice), not a pipe or a device."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _read_lines(
+    lines: Iterator[str], fmt: str | None, window: float, keep_failed: bool, block_tokens: int
+) -> Iterator[TraceRecord]:
+    rows, time_column = _rows(lines, "<stream>", fmt, keep_failed, block_tokens)
+    yield from _ordered(rows, "<stream>", time_column, window)
+
+
+def _read_path(
+    path: Path,
+    fmt: str | None,
+    window: float,
+    keep_failed: bool,
+    block_tokens: int,
+    max_line_chars: int,
+    writer_wait_s: float,
+) -> Iterator[TraceRecord]:
+    try:
+        fh = _open(path, writer_wait_s)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    with fh:
+        lines = _lines(fh, str(path), max_line_chars)
+        rows, time_column = _rows(lines, str(path), fmt, keep_failed, block_tokens)
+        yield from _ordered(rows, str(path), time_column, window)
+
+
+class _Prefixed(io.RawIOBase):
+    """A binary stream with the bytes already read from it put back in front (a pipe cannot seek)."""
+
+    def __init__(self, head: bytes, rest: io.FileIO) -> None:
+        super().__init__()
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer, /) -> int | None:
+        if not self._head:
+            return self._rest.readinto(buffer)
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), len(self._head))
+        view[:n] = self._head[:n]
+        self._head = self._head[n:]
+        return n
+
+    def close(self) -> None:
+        self._rest.close()
+        super().close()
+
+
+def _open_fifo(path: Path, writer_wait_s: float) -> io.FileIO:
+    """A FIFO opened for reading once a writer has written to it (not blocking forever on none)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        if not poller.poll(max(0.0, writer_wait_s) * 1000.0):
+            raise TraceError(
+                f"{path}: a pipe nothing was written to within {writer_wait_s:g} s; start its writer first"
+            )
+        os.set_blocking(fd, True)
+        return io.FileIO(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open(path: Path, writer_wait_s: float) -> IO[str]:
+    """The file as text, decompressed if its first bytes say gzip; read once, from the start."""
+    fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    raw = _open_fifo(path, writer_wait_s) if fifo else io.FileIO(path, "rb")
+    try:
+        head = b""
+        while len(head) < 2:
+            chunk = raw.read(2 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except BaseException:
+        raw.close()
+        raise
+    binary = io.BufferedReader(_Prefixed(head, raw), buffer_size=1 << 16)
+    if head == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.GzipFile(fileobj=binary, mode="rb"), encoding="utf-8-sig", newline="")
+    return io.TextIOWrapper(binary, encoding="utf-8-sig", newline="")
+
+
+def _lines(fh: IO[str], source: str, max_chars: int) -> Iterator[str]:
+    """The lines of ``fh``, none longer than ``max_chars`` (read at most that far: bounded)."""
+    line_number = 0
+    try:
+        while line := fh.readline(max_chars + 2):  # room for the line ending
+            line_number += 1
+            if len(line) > max_chars and len(line.rstrip("\r\n")) > max_chars:
+                raise row_error(source, line_number, None, _too_long(max_chars))
+            yield line
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, OSError) as exc:
+        raise TraceError(f"{source}: cannot read past the last good row: {exc}") from None
+
+
+def _bounded(lines: Iterator[str], source: str, max_chars: int) -> Iterator[str]:
+    for line_number, line in enumerate(lines, start=1):
+        if len(line) > max_chars and len(line.rstrip("\r\n")) > max_chars:
+            raise row_error(source, line_number, None, _too_long(max_chars))
+        yield line
+
+
+def _too_long(max_chars: int) -> str:
+    return f"a line longer than {max_chars:,} characters: not a row of a trace"
+
+
+def _rows(
+    lines: Iterator[str], source: str, fmt: str | None, keep_failed: bool, block_tokens: int
+) -> tuple[Iterator[tuple[Row, int]], str]:
+    """The parsed rows (with their line numbers) and the layout's time column."""
+    first = ""
+    skipped = 0
+    for first in lines:
+        if first.strip():
+            break
+        skipped += 1
+    else:
+        raise TraceError(f"{source}: empty: no header and no rows")
+    first = first.removeprefix(codecs.BOM_UTF8.decode())
+    if first.lstrip().startswith("{"):
+        return _json_rows(chain([first], lines), source, fmt, skipped, block_tokens)
+    header = next(csv.reader([first]))
+    detected = detect_csv(header)
+    if fmt is None and detected is None:
+        raise TraceError(
+            f"{source}: line {skipped + 1}: the header {first.strip()[:80]!r} is no known layout; "
+            f"pass the format ({', '.join(FORMATS)}) or use the retrywatch layout's columns"
+        )
+    layout = fmt if fmt is not None else detected
+    assert layout is not None
+    if layout == "mooncake":
+        raise row_error(source, skipped + 1, None, "a mooncake trace is JSON lines, this line is not")
+    has_header = detected == layout or names_columns_of(layout, header)
+    reader = csv.reader(lines if has_header else chain([first], lines))
+    columns = header if has_header else default_columns(layout, len(header))
+    parser, time_column = csv_layout(
+        layout, columns, source, keep_failed=keep_failed, block_tokens=block_tokens
+    )
+    offset = skipped + 1 if has_header else skipped
+    return _csv_rows(reader, parser, offset, source), time_column
+
+
+def _csv_rows(
+    reader: Iterator[list[str]], parser: CsvParser, offset: int, source: str
+) -> Iterator[tuple[Row, int]]:
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a field over the csv module's size limit, a stray quote
+            raise row_error(source, offset + reader.line_num, None, f"not CSV: {exc}") from None  # type: ignore[attr-defined]
+        if not fields or (len(fields) == 1 and not fields[0].strip()):
+            continue
+        line = offset + reader.line_num  # type: ignore[attr-defined]
+        row = parser(fields, line)
+        if row is not None:
+            yield row, line
+
+
+def _json_rows(
+    lines: Iterator[str], source: str, fmt: str | None, skipped: int, block_tokens: int
+) -> tuple[Iterator[tuple[Row, int]], str]:
+    first = next(lines)
+    obj = _json_object(first, source, skipped + 1)
+    layout = fmt if fmt is not None else detect_json(obj)
+    if layout is None:
+        raise TraceError(
+            f"{source}: line {skipped + 1}: a JSON record of no known layout (keys "
+            f"{', '.join(sorted(obj))[:80]}); pass the format ({', '.join(FORMATS)})"
+        )
+    parser, time_key = json_parser(layout, source, block_tokens=block_tokens)
+
+    def rows() -> Iterator[tuple[Row, int]]:
+        row = parser(obj, skipped + 1)
+        if row is not None:
+            yield row, skipped + 1
+        for n, text in enumerate(lines, start=skipped + 2):
+            if not text.strip():
+                continue
+            row = parser(_json_object(text, source, n), n)
+            if row is not None:
+                yield row, n
+
+    return rows(), time_key
+
+
+def _json_object(text: str, source: str, line: int) -> dict[str, object]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise row_error(source, line, None, f"not JSON ({exc.msg} at character {exc.pos})") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise row_error(source, line, None, f"not JSON that can be read ({exc})") from None
+    except RecursionError:
+        raise row_error(source, line, None, "not JSON that can be read (nested too deeply)") from None
+    if not isinstance(obj, dict):
+        raise row_error(source, line, None, "not a JSON object")
+    return obj
+
+
+def _record(row: Row, base: float, line: int) -> TraceRecord:
+    return TraceRecord(
+        arrival_s=row.time_s - base,
+        prompt_tokens=row.prompt_tokens,
+        output_tokens=row.output_tokens,
+        call_id=row.call_id,
+        session=row.session,
+        tenant=row.tenant,
+        prefix_blocks=row.prefix_blocks,
+        block_tokens=row.block_tokens,
+        line=line,
+    )
+
+
+def _unsorted(
+    source: str, line: int, column: str, earlier_than: int, by_s: float, window: float
+) -> TraceError:
+    return row_error(
+        source,
+        line,
+        column,
+        f"{by_s:.6g} s earlier than line {earlier_than}: the trace must be in time order "
+        f"(or out of order by at most reorder_window_s={window:g} s); sort it first or widen the window",
+    )
+
+
+def _ordered(
+    rows: Iterator[tuple[Row, int]], source: str, column: str, window: float
+) -> Iterator[TraceRecord]:
+    base: float | None = None
+    last_t = float("-inf")
+    last_line = 0
+    if window == 0.0:
+        for row, line in rows:
+            if row.time_s < last_t:
+                raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
+            if base is None:
+                base = row.time_s
+            last_t, last_line = row.time_s, line
+            yield _record(row, base, line)
+        return
+    heap: list[tuple[float, int, Row]] = []
+    for row, line in rows:
+        if row.time_s < last_t - window:
+            raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
+        heapq.heappush(heap, (row.time_s, line, row))
+        if len(heap) > MAX_REORDER_ROWS:
+            raise row_error(
+                source,
+                line,
+                column,
+                f"more than {MAX_REORDER_ROWS:,} rows within reorder_window_s={window:g} s; "
+                "narrow the window",
+            )
+        if row.time_s > last_t:
+            last_t, last_line = row.time_s, line
+        while heap[0][0] < last_t - window:
+            t, held_line, held = heapq.heappop(heap)
+            if base is None:
+                base = t
+            yield _record(held, base, held_line)
+    while heap:
+        t, held_line, held = heapq.heappop(heap)
+        if base is None:
+            base = t
+        yield _record(held, base, held_line)
