@@ -39,7 +39,7 @@ log = logging.getLogger("retrywatch.detector")
 MAX_BODY_BYTES = 2 * MAX_METRICS_BYTES
 #: Series one target's answer may hold (``retrywatch detect --series-limit``), as Prometheus'
 #: ``sample_limit``: every sample counts, those of families the detector drops too. vLLM 0.32
-#: exposes about 450 per engine (its histograms' buckets most of them), a proxy some 100 more:
+#: exposes about 420 per engine (its histograms' buckets most of them), a proxy some 100 more:
 #: room for a 16-engine data-parallel vLLM behind one target.
 SERIES_LIMIT = 10_000
 MAX_TARGETS = 64
