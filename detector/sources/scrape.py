@@ -107,7 +107,8 @@ class ScrapeSource:
         result = FetchResult()
         for url, read in zip(self.urls, self._readers.map(self._read, self.urls), strict=True):
             instance = self.instances[url]
-            self._refused(url, read if isinstance(read, ExpositionRefused) else None)
+            if isinstance(read, ExpositionRefused) or not isinstance(read, Exception):
+                self._refused(url, read if isinstance(read, ExpositionRefused) else None)
             if isinstance(read, Exception):
                 result.down.append(instance)
                 result.error = f"{instance}: {redact_text(str(read), [url])}"
@@ -122,8 +123,8 @@ class ScrapeSource:
         return result
 
     def _refused(self, url: str, refusal: ExpositionRefused | None) -> None:
-        """Log a target's refused answer as an error when its reason changes, and once when its
-        answers are taken again (not on every scrape)."""
+        """Log a target's refused answer (``refusal``; None: an answer taken) as an error when its
+        reason changes, and once when an answer of it is taken again (not on every scrape)."""
         before = self._refusing.get(url)
         instance = self.instances[url]
         if refusal is None:
