@@ -216,7 +216,7 @@ def parse_exposition(
     """
     samples: list[Sample] = []
     keep_all = keep_histograms is True
-    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
     count = 0
     for family in text_string_to_metric_families(text):
         is_distribution = family.type in ("histogram", "summary", "gaugehistogram")
@@ -230,7 +230,7 @@ def parse_exposition(
             if max_series is not None and count > max_series:
                 raise TooManySeries(f"more than {max_series} series (the series limit)")
             if unique:
-                key = (s.name, tuple(sorted(s.labels.items())))
+                key = (s.name, frozenset(s.labels.items()))
                 if key in seen:
                     raise DuplicateSeries(f"the series {_series_text(s.name, s.labels)} appears twice")
                 seen.add(key)
