@@ -27,6 +27,7 @@ import click
 from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
 from detector.signals import DEFAULT_DEADLINE_S, MAX_INSTANCES, PROMETHEUS_JOBS, TIERS, Tier
+from detector.sources.scrape import SERIES_LIMIT
 from detector.thresholds import tier_rules
 from foundation.logs import announce, check_port, log_options, setup_logging
 from foundation.options import FiniteFloatRange, listen_host
@@ -124,6 +125,16 @@ def _env(name: str) -> str:
     "retrywatch_detector_engines_left_out. An engine the source stops naming is forgotten.",
 )
 @click.option(
+    "--series-limit",
+    type=click.IntRange(min=1),
+    default=SERIES_LIMIT,
+    show_default=True,
+    envvar=_env("SERIES_LIMIT"),
+    help="Series an --exporter target's answer may hold (Prometheus' sample_limit); past it, or "
+    "with a series twice, the answer is refused and the target counts as down (logged, and "
+    "counted in retrywatch_detector_scrapes_refused_total).",
+)
+@click.option(
     "--retention",
     "retention_days",
     type=FiniteFloatRange(min=0.0),
@@ -152,6 +163,7 @@ def detect(
     capacity: float | None,
     deadline: float | None,
     max_engines: int,
+    series_limit: int,
     retention_days: float,
     runbook_pattern: str | None,
     host: str,
@@ -185,7 +197,7 @@ def detect(
         if exporters:
             from detector.sources.scrape import ScrapeSource
 
-            source = ScrapeSource(list(exporters))
+            source = ScrapeSource(list(exporters), series_limit=series_limit)
         elif prometheus:
             from detector.sources.prometheus import PrometheusSource
 

@@ -42,6 +42,7 @@ from detector.signals import MAX_INSTANCES, SIGNALS, EngineLabels, SignalConfig,
 from detector.sources import Source
 from detector.store import EpisodeStore, store_error
 from detector.thresholds import AlertRule, tier_rules
+from foundation.timeseries import DuplicateSeries, TooManySeries
 
 log = logging.getLogger("retrywatch.detector")
 
@@ -158,6 +159,15 @@ class DetectorMetrics:
         self.source_errors = Counter(
             "retrywatch_detector_source_errors_total", "Fetches from the source that failed.", registry=r
         )
+        self.scrapes_refused = Counter(
+            "retrywatch_detector_scrapes_refused_total",
+            "Targets' answers refused whole, by reason: series_limit (more series than"
+            " --series-limit), duplicate_series (one series twice).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in (TooManySeries.reason, DuplicateSeries.reason):
+            self.scrapes_refused.labels(reason=reason)
         self.source_up = Gauge(
             "retrywatch_detector_source_up", "1 when the last fetch succeeded.", registry=r
         )
@@ -314,6 +324,8 @@ class Detector:
                 left_out = self.signals.add(snap)
             left_out += sum(not self.signals.mark_down(instance, now) for instance in result.down)
             self._engines_left_out(left_out)
+            for reason in result.refused:
+                self.metrics.scrapes_refused.labels(reason=reason).inc()
             if result.error:
                 self.metrics.source_errors.inc()
                 self.status.last_error = result.error

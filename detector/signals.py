@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 import typing
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,6 +107,11 @@ ALL_ENGINES = "all"
 UP = "up"
 #: Engines one detector follows at most (``retrywatch detect --max-engines``).
 MAX_INSTANCES = 256
+#: Counter series whose last value one engine's history keeps (those the signals read; the
+#: least recently seen goes first): a vLLM engine has about 30 (the e2e histogram's buckets most
+#: of them), so room for 100 data-parallel engines; label sets that churn (a new ``model_name``
+#: every scrape) must not grow it without bound.
+MAX_COUNTER_SERIES = 4096
 
 # --- raw quantities: sums of samples per instance ---------------------------------------
 
@@ -836,8 +842,11 @@ class _EngineHistory:
     # counters are stored as the sum of their series' increases (monotonic), so a rate is one
     # subtraction; each series' reset is told apart from the others (see :meth:`SignalEngine.add`)
     last_adj: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
-    # each counter series' last value and when it was last seen
-    counters: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = field(default_factory=dict)
+    # each counter series' last value and when it was last seen, the least recently seen first
+    # (at most MAX_COUNTER_SERIES: see :meth:`SignalEngine._increases`)
+    counters: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = field(
+        default_factory=OrderedDict
+    )
 
 
 def _by_instance(snapshot: Snapshot, default_instance: str) -> dict[str, list[Sample]]:
@@ -871,7 +880,7 @@ def split_snapshot(snapshot: Snapshot, default_instance: str = "") -> dict[str, 
                 out[instance] = entry = (row, engine, labels.get("model_name", ""))
             elif engine != entry[1] and entry[1] != ALL_ENGINES:  # data parallel: several engines
                 out[instance] = entry = (row, ALL_ENGINES, entry[2])
-        if math.isnan(value):
+        if not math.isfinite(value):  # no reading: a queue or a count cannot be infinite
             continue
         for idx, flt in targets:
             if flt is not None and labels.get(flt[0]) != flt[1]:
@@ -931,7 +940,8 @@ class SignalEngine:
         ``sum by (instance) (rate(...))`` rates each series before summing: one of several series
         under an instance (a data-parallel vLLM's engines, several proxies behind one
         ``instance``) that restarts, vanishes or first appears is no jump of the sum. A value
-        that is not finite is skipped."""
+        that is not finite is no reading, as NaN is (a queue of +Inf is a missing queue: its
+        tier's NoData names it, where a rule on it would fire on a value it cannot report)."""
         left_out = 0
         for instance, samples in _by_instance(snapshot, default_instance).items():
             hist = self._follow(instance, snapshot.t)
@@ -965,7 +975,8 @@ class SignalEngine:
         """``samples`` with each counter's value replaced by its series' increase since the
         series' previous sample (a value below it: a reset, the series restarted from zero; a
         series not seen before: 0, as ``rate()`` counts from a series' first sample); NaN for a
-        value that is not finite. Series unseen for the retention are forgotten."""
+        value that is not finite. Series unseen for the retention are forgotten, and past
+        :data:`MAX_COUNTER_SERIES` the least recently seen."""
         out: list[Sample] = []
         counters = hist.counters
         for name, labels, value in samples:
@@ -974,16 +985,16 @@ class SignalEngine:
                 if not math.isfinite(value):
                     value = math.nan
                 else:
-                    prev = counters.get(key)
-                    counters[key] = (value, t)
+                    prev = counters.pop(key, None)
+                    counters[key] = (value, t)  # the most recently seen last
                     if prev is None:
                         value = 0.0
                     elif value >= prev[0]:
                         value -= prev[0]
             out.append((name, labels, value))
         horizon = t - self.retention_s
-        if any(seen < horizon for _, seen in counters.values()):
-            hist.counters = {k: v for k, v in counters.items() if v[1] >= horizon}
+        while counters and (len(counters) > MAX_COUNTER_SERIES or next(iter(counters.values()))[1] < horizon):
+            counters.popitem(last=False)
         return out
 
     def mark_down(self, instance: str, at: float) -> bool:

@@ -167,25 +167,75 @@ def read_series(path: Path) -> Iterator[Snapshot]:
                 raise ValueError(f"{path}:{lineno}: not a metrics snapshot ({exc})") from exc
 
 
-def parse_exposition(text: str, *, keep_histograms: bool | Collection[str] = False) -> list[Sample]:
+class ExpositionRefused(ValueError):
+    """An exposition a scrape refuses whole, as Prometheus fails a scrape past its
+    ``sample_limit``: every sample of the answer is dropped. ``reason`` names why (a label value of
+    the detector's ``retrywatch_detector_scrapes_refused_total``)."""
+
+    reason = "refused"
+
+
+class TooManySeries(ExpositionRefused):
+    """More series than the scrape's limit (``parse_exposition``'s ``max_series``)."""
+
+    reason = "series_limit"
+
+
+class DuplicateSeries(ExpositionRefused):
+    """One series (a name and a label set) twice in one exposition: which sample is the series'
+    value is anyone's guess, and a reader that sums by labels counts it twice."""
+
+    reason = "duplicate_series"
+
+
+#: The longest series text an error quotes (a label value may be long).
+_QUOTED_CHARS = 200
+
+
+def _series_text(name: str, labels: Labels) -> str:
+    text = format_sample(name, labels, 0.0).rsplit(" ", 1)[0]
+    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "..."
+
+
+def parse_exposition(
+    text: str,
+    *,
+    keep_histograms: bool | Collection[str] = False,
+    max_series: int | None = None,
+    unique: bool = False,
+) -> list[Sample]:
     """Parse Prometheus plain-text exposition (colons kept) into samples.
 
     Counters keep their ``_total`` name; histogram and summary series are dropped unless
     ``keep_histograms`` is True (all of them) or a collection of family names (those:
     a metrics series keeps ``foundation.vllmbuckets.SERIES_HISTOGRAMS``).
+
+    A scrape's checks, over every sample of the text (those dropped too, as Prometheus counts
+    them): more than ``max_series`` samples raise :class:`TooManySeries` (parsing stops there);
+    with ``unique``, a series twice raises :class:`DuplicateSeries` naming it.
     """
     samples: list[Sample] = []
     keep_all = keep_histograms is True
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+    count = 0
     for family in text_string_to_metric_families(text):
         is_distribution = family.type in ("histogram", "summary", "gaugehistogram")
-        if is_distribution and not (
-            keep_all or (not isinstance(keep_histograms, bool) and family.name in keep_histograms)
-        ):
-            continue
+        keep = (
+            not is_distribution
+            or keep_all
+            or (not isinstance(keep_histograms, bool) and family.name in keep_histograms)
+        )
         for s in family.samples:
-            if s.name.endswith("_created"):
-                continue
-            samples.append((s.name, dict(s.labels), float(s.value)))
+            count += 1
+            if max_series is not None and count > max_series:
+                raise TooManySeries(f"more than {max_series} series (the series limit)")
+            if unique:
+                key = (s.name, frozenset(s.labels.items()))
+                if key in seen:
+                    raise DuplicateSeries(f"the series {_series_text(s.name, s.labels)} appears twice")
+                seen.add(key)
+            if keep and not s.name.endswith("_created"):
+                samples.append((s.name, dict(s.labels), float(s.value)))
     return samples
 
 

@@ -20,6 +20,8 @@ class FetchResult:
     snapshots: list[Snapshot] = field(default_factory=list)
     down: list[str] = field(default_factory=list)  # instances that could not be read
     error: str | None = None
+    # why each answer refused whole was (``foundation.timeseries.ExpositionRefused.reason``)
+    refused: list[str] = field(default_factory=list)
 
 
 class Source(Protocol):

@@ -14,6 +14,9 @@ Backend options (``--backend-option KEY=VALUE``):
   on the emulated engine it defaults to the simulator's Ĉ of the run's workload × the time scale),
   ``hold_s`` (study-scale hold, default 720), ``detect`` (default true: ``retrywatch detect``
   runs live against the proxy; its episodes go into the entry as ``live_alerts``),
+  ``detect_vllm`` (default false: ``retrywatch detect --tier vllm`` runs live against the
+  engine's own ``/metrics`` too, as an operator without the proxy runs it; its episodes go into
+  the entry as ``live_alerts_vllm``),
   ``queue_cap`` (the engine cap Q of conditions that have one; default: the study's Q scaled
   to this engine's Ĉ and deadline), ``sizes``, ``prometheus_targets`` (a file where each run's
   proxy address is written, as Prometheus' file-based service discovery reads it, while the run
@@ -131,6 +134,7 @@ class HttpBackend(Backend):
         if self.queue_cap is not None and self.queue_cap < 1:
             raise HttpBackendError(f"queue_cap must be >= 1, got {self.queue_cap}")
         self.detect = bool(options.pop("detect", True))
+        self.detect_vllm = bool(options.pop("detect_vllm", False))
         self.sizes: str | None = options.pop("sizes", None)
         targets = options.pop("prometheus_targets", None)
         self.prometheus_targets = None if targets is None else Path(targets)
@@ -155,7 +159,7 @@ class HttpBackend(Backend):
         if unknown:
             raise HttpBackendError(
                 f"backend {kind!r} takes no option {', '.join(sorted(unknown))} "
-                f"(it takes capacity, hold_s, sizes, queue_cap, detect, prometheus_targets, "
+                f"(it takes capacity, hold_s, sizes, queue_cap, detect, detect_vllm, prometheus_targets, "
                 f"{', '.join(sorted(allowed))})"
             )
         if kind == "vllm" and "python" not in options:
@@ -289,17 +293,24 @@ class HttpBackend(Backend):
                 if self.prometheus_targets is not None:
                     stack.callback(announce_proxy, self.prometheus_targets, None, run.slug)
                     announce_proxy(self.prometheus_targets, proxy_url, run.slug)
-                detector = None
-                if self.detect:
-                    detector = DetectorProcess(
-                        f"{proxy_url}/metrics",
-                        workdir=folder,
-                        capacity=capacity,
-                        deadline_s=plan.deadline_s,
-                        interval_s=max(1.0, protocol.scrape_every_s),
-                        time_scale=plan.time_scale,
-                    )
-                    stack.enter_context(detector)
+                detectors: dict[str, DetectorProcess] = {}
+                for key, on, url, tier in (
+                    ("live_alerts", self.detect, proxy_url, "proxy"),
+                    ("live_alerts_vllm", self.detect_vllm, endpoint.url, "vllm"),
+                ):
+                    if on:
+                        detectors[key] = stack.enter_context(
+                            DetectorProcess(
+                                f"{url}/metrics",
+                                workdir=folder,
+                                capacity=capacity,
+                                deadline_s=plan.deadline_s,
+                                interval_s=max(1.0, protocol.scrape_every_s),
+                                time_scale=plan.time_scale,
+                                tier=tier,
+                                name="detector" if tier == "proxy" else f"detector-{tier}",
+                            )
+                        )
                 t0_unix = time.time()
                 calls, snapshots, duration, stats = asyncio.run(
                     drive_run(
@@ -311,7 +322,7 @@ class HttpBackend(Backend):
                         seed=run.seed,
                     )
                 )
-                live_alerts = detector.episodes(t0_unix) if detector is not None else None
+                live = {key: detector.episodes(t0_unix) for key, detector in detectors.items()}
         series = write_run_files(job.out, run, snapshots, calls)
         return run_entry(
             run=run,
@@ -330,7 +341,8 @@ class HttpBackend(Backend):
                     "startup_s": endpoint.startup_s,
                 },
                 "client": stats,
-                "live_alerts": live_alerts,
+                "live_alerts": live.get("live_alerts"),
+                **({"live_alerts_vllm": live["live_alerts_vllm"]} if "live_alerts_vllm" in live else {}),
                 "protocol": {
                     "prompt_mean": protocol.prompt_mean,
                     "shared_prefix_len": protocol.shared_prefix_len,

