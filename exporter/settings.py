@@ -66,7 +66,9 @@ class ProxySettings(PolicyConfig):
             "left unanswered), or none (never coalesce)."
         ),
     )
-    deadline_auto: bool = False  # infer the deadline from attempts that ended in a disconnect
+    # --deadline auto: none stated, the learned one in force (exporter.deadlines), as without
+    # --deadline; said out loud, it lets --deadline-check shed on the learned deadline
+    deadline_auto: bool = False
     capacity: float | None = knob(
         None,
         flag="capacity",
