@@ -19,6 +19,7 @@ least-squares slope. With samples on the evaluation grid the two evaluators agre
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from foundation import metricnames as mn
 from foundation.ratios import RATIOS, Ratio
 from foundation.timeseries import Sample, Snapshot
 from foundation.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
+
+log = logging.getLogger("retrywatch.detector")
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,10 @@ TIERS: tuple[Tier, ...] = typing.get_args(Tier)
 #: that job's ``up``).
 PROMETHEUS_JOBS: dict[Tier, str] = {"proxy": "retrywatch", "vllm": "vllm"}
 PROMETHEUS_JOB = PROMETHEUS_JOBS["proxy"]
-#: The clients' deadline the vLLM tier assumes when the operator states none (``--deadline``, or
-#: the proxy's gauge): the study's (and a common client timeout). It must be one of vLLM's
-#: latency buckets, since finishes within it are read off the e2e histogram at that bucket.
+#: The clients' deadline the rendered rules' vLLM tier assumes where no series states one (the
+#: study's, and a common client timeout), as does a replay (``SignalConfig.assumed_deadline``);
+#: ``retrywatch detect`` assumes none: stated, else the proxy's, else missing. It must be one of
+#: vLLM's latency buckets, since finishes within it are read off the e2e histogram at that bucket.
 DEFAULT_DEADLINE_S = 120.0
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
 VLLM_ENGINE_INFO_RECORD = "instance:retrywatch_vllmtier_engine:info"
@@ -126,6 +130,10 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     "queued": (mn.EXECUTIONS_QUEUED, None),
     "capacity_gauge": (mn.CAPACITY, None),
     "deadline_gauge": (mn.CLIENT_DEADLINE, None),
+    # where the proxy's deadline comes from, and the abandons a learned one rests on
+    "deadline_stated": (mn.CLIENT_DEADLINE_SOURCE, ("source", mn.DEADLINE_STATED)),
+    "deadline_learned": (mn.CLIENT_DEADLINE_SOURCE, ("source", mn.DEADLINE_LEARNED)),
+    "deadline_abandons": (mn.CLIENT_DEADLINE_ABANDONS, ("class", mn.DEADLINE_CLASSES[0])),
     "prompt_tokens": (mn.VLLM_PROMPT_TOKENS, None),
     "prefix_queries": (mn.VLLM_PREFIX_CACHE_QUERIES, None),
     "upstream_up": (mn.UPSTREAM_UP, None),
@@ -169,6 +177,46 @@ def deadline_bucket(deadline: float) -> float | None:
     None below the first bound."""
     i = bisect.bisect_right(REQUEST_LATENCY_BUCKETS, deadline + 1e-9)
     return REQUEST_LATENCY_BUCKETS[i - 1] if i else None
+
+
+def between_buckets(deadline: float) -> str | None:
+    """None when ``deadline`` is one of vLLM's e2e bounds; else a sentence saying which bucket
+    counts as in time. NOTE: the bucket at or below the deadline, deliberately: finishes just
+    under the deadline count as late, so the vLLM tier's late share and error ratio err high
+    (an alert a little early), never low (a loop missed)."""
+    bucket = deadline_bucket(deadline)
+    if bucket is not None and abs(bucket - deadline) <= 1e-9:
+        return None
+    if bucket is None:
+        return (
+            f"the deadline {deadline:g} s is below vLLM's first e2e bucket "
+            f"({REQUEST_LATENCY_BUCKETS[0]:g} s): finishes in time cannot be told"
+        )
+    return (
+        f"the deadline {deadline:g} s falls between vLLM's e2e buckets: finishes within {bucket:g} s "
+        f"count as in time, those from {bucket:g} to {deadline:g} s as late"
+    )
+
+
+def describe_deadline(
+    stated: float | None,
+    exported: float | None = None,
+    source: str | None = None,
+    abandons: float | None = None,
+    assumed: float | None = None,
+) -> str:
+    """How a deadline was found, for a start line or a log line: ``stated 120 s`` (the
+    operator's), ``stated by the proxy 120 s``, ``learned 93 s from 57 abandons``, ``the
+    proxy's 120 s`` (no source series), ``assumed 120 s`` or ``missing``."""
+    if stated is not None:
+        return f"stated {stated:g} s"
+    if exported is not None:
+        if source == mn.DEADLINE_STATED:
+            return f"stated by the proxy {exported:g} s"
+        if source == mn.DEADLINE_LEARNED:
+            return f"learned {exported:.3g} s from {int(abandons or 0)} abandons"
+        return f"the proxy's {exported:g} s"
+    return "missing" if assumed is None else f"assumed {assumed:g} s"
 
 
 @dataclass(frozen=True)
@@ -806,6 +854,9 @@ class SignalConfig:
 
     capacity: float | None = None
     deadline: float | None = None
+    # the vLLM tier's deadline where none is stated nor exported (real seconds; None: missing, and
+    # the tier's NoData says so): the rendered rules' default, which a replay compares against
+    assumed_deadline: float | None = DEFAULT_DEADLINE_S
     windows: Windows = WINDOWS
     time_scale: float = 1.0
     # the delivery SLO's objective (the Prometheus rules are rendered at the default)
@@ -828,6 +879,7 @@ class _EngineHistory:
     engine: str = ""
     model: str = ""
     source_up: bool = True
+    deadline_note: str = ""  # how its deadline was found, last said (``SignalEngine._note_deadline``)
     last_report: float = -math.inf  # the last scrape or down mark that named this instance
     # the online Ĉ estimate's samples per tier: (time, saturated completion or finish rate)
     capacity_samples: dict[Tier, list[tuple[float, float]]] = field(
@@ -1126,6 +1178,28 @@ class SignalEngine:
         g = self._gauge(hist, "deadline_gauge", now)
         return g if g is not None and g > 0 else None
 
+    def _note_deadline(self, instance: str, hist: _EngineHistory, now: float, deadline: float | None) -> None:
+        """Say (once per change) how this instance's deadline was found, and warn where it falls
+        between vLLM's e2e buckets."""
+        source = None
+        if self._gauge(hist, "deadline_stated", now) == 1.0:
+            source = mn.DEADLINE_STATED
+        elif self._gauge(hist, "deadline_learned", now) == 1.0:
+            source = mn.DEADLINE_LEARNED
+        exported = self._deadline(hist, now) if self.config.deadline is None else None
+        assumed = self.config.assumed_deadline
+        note = describe_deadline(
+            self.config.deadline, exported, source, self._gauge(hist, "deadline_abandons", now), assumed
+        )
+        if note == hist.deadline_note:
+            return
+        hist.deadline_note = note
+        between = None if deadline is None else between_buckets(deadline)
+        if between is not None:
+            log.warning("instance %s: deadline %s; %s", instance, note, between)
+        else:
+            log.info("instance %s: deadline %s", instance, note)
+
     def _vllm_tier(self, hist: _EngineHistory, now: float, v: dict[str, float | None]) -> list[str]:
         """The vLLM tier's signals into ``v`` (they read vLLM's series, Ĉ and the deadline
         alone); returns what its NoData reports missing."""
@@ -1142,12 +1216,13 @@ class SignalEngine:
         v["vllm_queue_time_finish_rate"] = rate("vllm_queue_time_count")
         v["vllm_waiting_requests"] = self._gauge(hist, "waiting", now)
         v["vllm_capacity"] = capacity = self._capacity(hist, now, "vllm")
-        stated = self._deadline(hist, now)
-        # unscaled: the default is real seconds, as is every stated deadline at K = 1
-        v["vllm_deadline"] = deadline = (
-            stated if stated is not None else DEFAULT_DEADLINE_S / self.config.time_scale
-        )
-        bucket = deadline_bucket(deadline)
+        deadline = self._deadline(hist, now)
+        assumed = self.config.assumed_deadline
+        if deadline is None and assumed is not None:
+            # unscaled: the assumed one is real seconds, as is every stated deadline at K = 1
+            deadline = assumed / self.config.time_scale
+        v["vllm_deadline"] = deadline
+        bucket = None if deadline is None else deadline_bucket(deadline)
         in_time_key = None if bucket is None else f"vllm_e2e_le_{le_label(bucket)}"
 
         def in_time(width: float) -> float | None:
@@ -1177,6 +1252,8 @@ class SignalEngine:
                 missing.append(RAW[key][0])
         if capacity is None:
             missing.append("capacity")
+        if deadline is None:
+            missing.append("deadline")
         return missing
 
     def _compute_one(self, instance: str, hist: _EngineHistory, now: float) -> SignalFrame:
@@ -1214,6 +1291,7 @@ class SignalEngine:
             v[f"delivery_burn_rate_{span}"] = None if errors is None else errors / (1 - self.config.objective)
 
         missing_vllm = self._vllm_tier(hist, now, v)
+        self._note_deadline(instance, hist, now, v["vllm_deadline"])
         missing: list[str] = []
         if not hist.source_up:
             missing.append("source")
