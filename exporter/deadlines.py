@@ -107,13 +107,15 @@ def find_classes(ages: Iterable[float]) -> tuple[LearnedDeadline, ...]:
     # Each age's window count, densest first: a candidate centre for a cluster.
     windows = sorted(((count(x - WINDOW, x + WINDOW), x) for x in logs), key=lambda c: (-c[0], c[1]))
     centres: list[float] = []
+    tried: list[float] = []  # where a window was tried: those near one add nothing (and cost)
     found: list[LearnedDeadline] = []
     for held, x in windows:
         if held < need or len(found) == MAX_CLASSES:
             break
-        if any(abs(x - c) <= 4 * WINDOW for c in centres):
-            continue  # a shoulder of a cluster already found
+        if any(abs(x - c) <= 4 * WINDOW for c in centres) or any(abs(x - t) <= WINDOW for t in tried):
+            continue  # a shoulder of a cluster already found, or a window already tried
         centre = _recentre(logs, x)
+        tried += (x, centre)
         peak = count(centre - WINDOW, centre + WINDOW)
         flanks = count(centre - 4 * WINDOW, centre + 4 * WINDOW) - peak
         if peak < need or peak < SHARPNESS * flanks / 3:  # flanks span 3 windows' width
