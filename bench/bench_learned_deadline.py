@@ -51,7 +51,7 @@ def run(mixture: str, seeds: int) -> None:
     weights = [w for w, _ in parts]
     draws = [d for _, d in parts]
     # errors[checkpoint][truth index] -> relative errors (None: no class found)
-    errors = {c: [[] for _ in truths] for c in CHECKPOINTS}  # type: list
+    errors: dict[int, list[list[float | None]]] = {c: [[] for _ in truths] for c in CHECKPOINTS}
     in_force_ok = dict.fromkeys(CHECKPOINTS, 0)
     quantile_ok = dict.fromkeys(CHECKPOINTS, 0)
     for seed in range(seeds):

@@ -232,7 +232,9 @@ def detect(
             f"the writer lease's file {exc.filename}: {exc.strerror}", param_hint="--db"
         ) from None
     # No deadline assumed: stated, else the proxy's per instance, else missing (see --deadline).
-    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale, assumed_deadline=None)
+    config = SignalConfig(
+        capacity=capacity, deadline=deadline, time_scale=time_scale, assumed_deadline=None, log_deadlines=True
+    )
     detector = Detector(
         source,
         store,

@@ -839,6 +839,9 @@ class SignalFrame:
     missing: tuple[str, ...] = ()  # what the proxy tier's NoData reports missing
     # what each tier's NoData reports missing (the proxy tier's is ``missing``)
     missing_by_tier: dict[Tier, tuple[str, ...]] = field(default_factory=dict)
+    # how its deadline was found (``stated 120 s``, ``learned 93 s from 57 abandons``, ``missing``),
+    # and where it falls between vLLM's e2e buckets, which one counts as in time
+    deadline_note: str = ""
 
     def missing_for(self, tier: Tier) -> tuple[str, ...]:
         """What ``tier``'s NoData reports missing."""
@@ -857,6 +860,9 @@ class SignalConfig:
     # the vLLM tier's deadline where none is stated nor exported (real seconds; None: missing, and
     # the tier's NoData says so): the rendered rules' default, which a replay compares against
     assumed_deadline: float | None = DEFAULT_DEADLINE_S
+    # log each instance's deadline once as found, and warn where it falls between vLLM's e2e
+    # buckets (the live detector does; a replay does not)
+    log_deadlines: bool = False
     windows: Windows = WINDOWS
     time_scale: float = 1.0
     # the delivery SLO's objective (the Prometheus rules are rendered at the default)
@@ -879,7 +885,8 @@ class _EngineHistory:
     engine: str = ""
     model: str = ""
     source_up: bool = True
-    deadline_note: str = ""  # how its deadline was found, last said (``SignalEngine._note_deadline``)
+    # where its deadline came from and its value, when last logged (``SignalEngine._note_deadline``)
+    deadline_key: tuple[float | None, float | None, str | None, float | None] | None = None
     last_report: float = -math.inf  # the last scrape or down mark that named this instance
     # the online Ĉ estimate's samples per tier: (time, saturated completion or finish rate)
     capacity_samples: dict[Tier, list[tuple[float, float]]] = field(
@@ -1178,27 +1185,31 @@ class SignalEngine:
         g = self._gauge(hist, "deadline_gauge", now)
         return g if g is not None and g > 0 else None
 
-    def _note_deadline(self, instance: str, hist: _EngineHistory, now: float, deadline: float | None) -> None:
-        """Say (once per change) how this instance's deadline was found, and warn where it falls
-        between vLLM's e2e buckets."""
+    def _note_deadline(self, instance: str, hist: _EngineHistory, now: float, deadline: float | None) -> str:
+        """How this instance's deadline was found (:func:`describe_deadline`), with the sentence
+        of :func:`between_buckets` where it falls between vLLM's e2e buckets; logged once per
+        change of where it comes from or of its value (not of the abandons it rests on) when
+        ``SignalConfig.log_deadlines``."""
         source = None
         if self._gauge(hist, "deadline_stated", now) == 1.0:
             source = mn.DEADLINE_STATED
         elif self._gauge(hist, "deadline_learned", now) == 1.0:
             source = mn.DEADLINE_LEARNED
-        exported = self._deadline(hist, now) if self.config.deadline is None else None
+        stated = self.config.deadline
+        exported = self._deadline(hist, now) if stated is None else None
         assumed = self.config.assumed_deadline
-        note = describe_deadline(
-            self.config.deadline, exported, source, self._gauge(hist, "deadline_abandons", now), assumed
-        )
-        if note == hist.deadline_note:
-            return
-        hist.deadline_note = note
+        assumed = None if assumed is None else assumed / self.config.time_scale
+        abandons = self._gauge(hist, "deadline_abandons", now)
+        note = describe_deadline(stated, exported, source, abandons, assumed)
         between = None if deadline is None else between_buckets(deadline)
-        if between is not None:
-            log.warning("instance %s: deadline %s; %s", instance, note, between)
-        else:
-            log.info("instance %s: deadline %s", instance, note)
+        key = (stated, exported, source, assumed)
+        if self.config.log_deadlines and key != hist.deadline_key:
+            if between is not None:
+                log.warning("instance %s: deadline %s; %s", instance, note, between)
+            else:
+                log.info("instance %s: deadline %s", instance, note)
+        hist.deadline_key = key
+        return note if between is None else f"{note}; {between}"
 
     def _vllm_tier(self, hist: _EngineHistory, now: float, v: dict[str, float | None]) -> list[str]:
         """The vLLM tier's signals into ``v`` (they read vLLM's series, Ĉ and the deadline
@@ -1291,7 +1302,7 @@ class SignalEngine:
             v[f"delivery_burn_rate_{span}"] = None if errors is None else errors / (1 - self.config.objective)
 
         missing_vllm = self._vllm_tier(hist, now, v)
-        self._note_deadline(instance, hist, now, v["vllm_deadline"])
+        deadline_note = self._note_deadline(instance, hist, now, v["vllm_deadline"])
         missing: list[str] = []
         if not hist.source_up:
             missing.append("source")
@@ -1316,6 +1327,7 @@ class SignalEngine:
             values=v,
             missing=tuple(missing),
             missing_by_tier={"proxy": tuple(missing), "vllm": tuple(missing_vllm)},
+            deadline_note=deadline_note,
         )
 
     def _last_row(self, hist: _EngineHistory, now: float) -> list[float] | None:

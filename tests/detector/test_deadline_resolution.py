@@ -13,8 +13,8 @@ from detector.signals import SignalConfig, SignalEngine, SignalFrame, between_bu
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot
 
-# As ``retrywatch detect`` configures the engine: no deadline assumed.
-DETECT = {"capacity": 2.0, "assumed_deadline": None}
+# As ``retrywatch detect`` configures the engine: no deadline assumed, each one logged as found.
+DETECT = {"capacity": 2.0, "assumed_deadline": None, "log_deadlines": True}
 
 
 def _scrape(t: float, proxy: tuple[float, str, float] | None) -> Snapshot:
@@ -43,6 +43,28 @@ def _frame(config: SignalConfig, proxy: tuple[float, str, float] | None) -> Sign
         eng.add(_scrape(float(t), proxy), "i")
     (frame,) = eng.compute(120.0)
     return frame
+
+
+def test_each_deadline_is_logged_once_not_per_abandon(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "retrywatch.detector")
+    eng = SignalEngine(SignalConfig(**DETECT))
+    for t in range(0, 125, 5):  # the abandons grow, the learned deadline holds
+        eng.add(_scrape(float(t), (120.0, mn.DEADLINE_LEARNED, 50 + t)), "i")
+        eng.compute(float(t))
+    for t in range(125, 250, 5):  # the proxy's learned deadline moves
+        eng.add(_scrape(float(t), (60.0, mn.DEADLINE_LEARNED, 200)), "i")
+        (frame,) = eng.compute(float(t))
+    assert caplog.messages == [
+        "instance i: deadline learned 120 s from 50 abandons",
+        "instance i: deadline learned 60 s from 200 abandons",
+    ]
+    assert frame.deadline_note == "learned 60 s from 200 abandons"
+
+
+def test_a_replay_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "retrywatch.detector")
+    frame = _frame(SignalConfig(capacity=2.0), (93.0, mn.DEADLINE_LEARNED, 57))
+    assert caplog.messages == [] and frame.deadline_note.startswith("learned 93 s from 57 abandons; ")
 
 
 def test_the_operators_deadline_wins_over_the_proxys_learned_one(caplog: pytest.LogCaptureFixture) -> None:
@@ -80,6 +102,7 @@ def test_without_either_the_vllm_tier_says_it_lacks_the_deadline(caplog: pytest.
     # a replay compares against the rendered rules, which assume their default: so does it
     replayed = _frame(SignalConfig(capacity=2.0), None)
     assert replayed.values["vllm_deadline"] == 120.0 and "deadline" not in replayed.missing_for("vllm")
+    assert replayed.deadline_note == "assumed 120 s"
 
 
 def test_a_learned_deadline_between_vllms_buckets_is_warned_of_and_counted_at_the_bucket_below(
@@ -87,6 +110,9 @@ def test_a_learned_deadline_between_vllms_buckets_is_warned_of_and_counted_at_th
 ) -> None:
     frame = _frame(SignalConfig(**DETECT), (93.0, mn.DEADLINE_LEARNED, 57))
     assert frame.values["vllm_deadline"] == 93.0
+    assert frame.deadline_note.endswith(
+        "finishes within 60 s count as in time, those from 60 to 93 s as late"
+    )
     # every finish is within 60 s here: counted at the 60-s bucket, none is late
     assert frame.values["vllm_late_fraction"] == pytest.approx(0.0)
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
