@@ -179,6 +179,11 @@ def deadline_bucket(deadline: float) -> float | None:
     return REQUEST_LATENCY_BUCKETS[i - 1] if i else None
 
 
+def _seconds(x: float) -> str:
+    """Seconds as a deadline is said: three significant digits, whole seconds from 1000."""
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
 def between_buckets(deadline: float) -> str | None:
     """None when ``deadline`` is one of vLLM's e2e bounds; else a sentence saying which bucket
     counts as in time. NOTE: the bucket at or below the deadline, deliberately: finishes just
@@ -189,12 +194,12 @@ def between_buckets(deadline: float) -> str | None:
         return None
     if bucket is None:
         return (
-            f"the deadline {deadline:g} s is below vLLM's first e2e bucket "
+            f"the deadline {_seconds(deadline)} s is below vLLM's first e2e bucket "
             f"({REQUEST_LATENCY_BUCKETS[0]:g} s): finishes in time cannot be told"
         )
     return (
-        f"the deadline {deadline:g} s falls between vLLM's e2e buckets: finishes within {bucket:g} s "
-        f"count as in time, those from {bucket:g} to {deadline:g} s as late"
+        f"the deadline {_seconds(deadline)} s falls between vLLM's e2e buckets: finishes within "
+        f"{bucket:g} s count as in time, those from {bucket:g} to {_seconds(deadline)} s as late"
     )
 
 
@@ -209,14 +214,14 @@ def describe_deadline(
     operator's), ``stated by the proxy 120 s``, ``learned 93 s from 57 abandons``, ``the
     proxy's 120 s`` (no source series), ``assumed 120 s`` or ``missing``."""
     if stated is not None:
-        return f"stated {stated:g} s"
+        return f"stated {_seconds(stated)} s"
     if exported is not None:
         if source == mn.DEADLINE_STATED:
-            return f"stated by the proxy {exported:g} s"
+            return f"stated by the proxy {_seconds(exported)} s"
         if source == mn.DEADLINE_LEARNED:
-            return f"learned {exported:.3g} s from {int(abandons or 0)} abandons"
-        return f"the proxy's {exported:g} s"
-    return "missing" if assumed is None else f"assumed {assumed:g} s"
+            return f"learned {_seconds(exported)} s from {int(abandons or 0)} abandons"
+        return f"the proxy's {_seconds(exported)} s"
+    return "missing" if assumed is None else f"assumed {_seconds(assumed)} s"
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,7 @@ def test_the_start_line_says_how_the_deadline_is_found() -> None:
     assert between_buckets(60.0) is None
     assert describe_deadline(None) == "missing"
     assert describe_deadline(None, 30.0) == "the proxy's 30 s"  # an older proxy: no source series
+    # said in three significant digits, whole seconds from 1000
+    assert describe_deadline(None, 2.06259, mn.DEADLINE_LEARNED, 14) == "learned 2.06 s from 14 abandons"
+    assert describe_deadline(None, 1920.4, mn.DEADLINE_LEARNED, 9) == "learned 1920 s from 9 abandons"
+    assert "within 2 s count as in time, those from 2 to 2.06 s as late" in (between_buckets(2.06259) or "")
