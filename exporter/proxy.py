@@ -157,7 +157,7 @@ class Proxy:
         self.settings = settings
         self.policy = Policy(settings.policy_config())
         if settings.deadline_auto:
-            self.policy.set_deadline(None)  # until inferred (see ProxySettings.policy_config)
+            self.policy.set_deadline(None)  # until learned (see ProxySettings.policy_config)
         self.metrics = ProxyMetrics(
             self.policy,
             settings.window_s,

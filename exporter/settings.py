@@ -314,7 +314,7 @@ class ProxySettings(PolicyConfig):
 
         NOTE: the policy's config needs a deadline whenever the check is on. With --deadline
         auto there is none yet: the config gets a placeholder and the proxy clears it at once
-        (``Policy.set_deadline(None)``) until a deadline has been inferred; the check skips
+        (``Policy.set_deadline(None)``) until a deadline has been learned; the check skips
         attempts while no deadline is known."""
         values = {f.name: getattr(self, f.name) for f in fields(PolicyConfig)}
         if self.deadline_auto and self.deadline_check:
