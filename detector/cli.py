@@ -26,7 +26,7 @@ import click
 
 from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
-from detector.signals import DEFAULT_DEADLINE_S, MAX_INSTANCES, PROMETHEUS_JOBS, TIERS, Tier
+from detector.signals import MAX_INSTANCES, PROMETHEUS_JOBS, TIERS, Tier, between_buckets, describe_deadline
 from detector.sources.scrape import SERIES_LIMIT
 from detector.thresholds import tier_rules
 from foundation.logs import announce, check_port, log_options, setup_logging
@@ -111,9 +111,10 @@ def _env(name: str) -> str:
     "--deadline",
     type=FiniteFloatRange(min=0.0, min_open=True),
     envvar=_env("DEADLINE"),
-    help="Client deadline in s (default: the proxy's gauge; the vLLM tier: else "
-    f"{DEFAULT_DEADLINE_S:g}). Only a proxy given its deadline counts the calls that miss it (the "
-    "proxy tier's symptom alert's data).",
+    help="Client deadline in s (default: the proxy's gauge, stated to it or learned by it from the "
+    "ages at which clients abandon attempts; without either the deadline is missing and the "
+    "alerts that need it say so). Only a proxy that knows the deadline counts the calls that miss it "
+    "(the proxy tier's symptom alert's data).",
 )
 @click.option(
     "--max-engines",
@@ -242,7 +243,10 @@ def detect(
         raise click.BadParameter(
             f"the writer lease's file {exc.filename}: {exc.strerror}", param_hint="--db"
         ) from None
-    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale)
+    # No deadline assumed: stated, else the proxy's per instance, else missing (see --deadline).
+    config = SignalConfig(
+        capacity=capacity, deadline=deadline, time_scale=time_scale, assumed_deadline=None, log_deadlines=True
+    )
     detector = Detector(
         source,
         store,
@@ -258,7 +262,7 @@ def detect(
     announce(
         f"retrywatch detector on {base_url(host, port)} (/alerts, /episodes, /runbook, /metrics) "
         f"reading {_source_text(source.name, exporters, prometheus, replay, tier)}; "
-        f"episodes in {redact_url(db)}; runbook links {pattern}"
+        f"episodes in {redact_url(db)}; runbook links {pattern}; {deadline_text(deadline)}"
     )
     if replay_source is not None:
         _run_replay(detector, replay_source, interval, replay_speed)
@@ -272,6 +276,16 @@ def detect(
     finally:
         detector.stop()
         store.close()
+
+
+def deadline_text(deadline: float | None) -> str:
+    """The start line's word on the deadline: stated (with a warning where it falls between
+    vLLM's e2e buckets), or where it will come from."""
+    if deadline is None:
+        return "deadline: the proxy's per instance (stated to it or learned; logged once known), else missing"
+    between = between_buckets(deadline)
+    text = f"deadline: {describe_deadline(deadline)}"
+    return text if between is None else f"{text} (WARNING: {between})"
 
 
 def _source_text(

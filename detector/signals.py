@@ -19,6 +19,7 @@ least-squares slope. With samples on the evaluation grid the two evaluators agre
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import typing
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from foundation import metricnames as mn
 from foundation.ratios import RATIOS, Ratio
 from foundation.timeseries import Sample, Snapshot
 from foundation.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
+
+log = logging.getLogger("retrywatch.detector")
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,10 @@ TIERS: tuple[Tier, ...] = typing.get_args(Tier)
 #: that job's ``up``).
 PROMETHEUS_JOBS: dict[Tier, str] = {"proxy": "retrywatch", "vllm": "vllm"}
 PROMETHEUS_JOB = PROMETHEUS_JOBS["proxy"]
-#: The clients' deadline the vLLM tier assumes when the operator states none (``--deadline``, or
-#: the proxy's gauge): the study's (and a common client timeout). It must be one of vLLM's
-#: latency buckets, since finishes within it are read off the e2e histogram at that bucket.
+#: The clients' deadline the rendered rules' vLLM tier assumes where no series states one (the
+#: study's, and a common client timeout), as does a replay (``SignalConfig.assumed_deadline``);
+#: ``retrywatch detect`` assumes none: stated, else the proxy's, else missing. It must be one of
+#: vLLM's latency buckets, since finishes within it are read off the e2e histogram at that bucket.
 DEFAULT_DEADLINE_S = 120.0
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
 VLLM_ENGINE_INFO_RECORD = "instance:retrywatch_vllmtier_engine:info"
@@ -132,6 +136,10 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     "queued": (mn.EXECUTIONS_QUEUED, None),
     "capacity_gauge": (mn.CAPACITY, None),
     "deadline_gauge": (mn.CLIENT_DEADLINE, None),
+    # where the proxy's deadline comes from, and the abandons a learned one rests on
+    "deadline_stated": (mn.CLIENT_DEADLINE_SOURCE, ("source", mn.DEADLINE_STATED)),
+    "deadline_learned": (mn.CLIENT_DEADLINE_SOURCE, ("source", mn.DEADLINE_LEARNED)),
+    "deadline_abandons": (mn.CLIENT_DEADLINE_ABANDONS, ("class", mn.DEADLINE_CLASSES[0])),
     "prompt_tokens": (mn.VLLM_PROMPT_TOKENS, None),
     "prefix_queries": (mn.VLLM_PREFIX_CACHE_QUERIES, None),
     "upstream_up": (mn.UPSTREAM_UP, None),
@@ -175,6 +183,51 @@ def deadline_bucket(deadline: float) -> float | None:
     None below the first bound."""
     i = bisect.bisect_right(REQUEST_LATENCY_BUCKETS, deadline + 1e-9)
     return REQUEST_LATENCY_BUCKETS[i - 1] if i else None
+
+
+def _seconds(x: float) -> str:
+    """Seconds as a deadline is said: three significant digits, whole seconds from 1000."""
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def between_buckets(deadline: float) -> str | None:
+    """None when ``deadline`` is one of vLLM's e2e bounds; else a sentence saying which bucket
+    counts as in time. NOTE: the bucket at or below the deadline, deliberately: finishes just
+    under the deadline count as late, so the vLLM tier's late share and error ratio err high
+    (an alert a little early), never low (a loop missed)."""
+    bucket = deadline_bucket(deadline)
+    if bucket is not None and abs(bucket - deadline) <= 1e-9:
+        return None
+    if bucket is None:
+        return (
+            f"the deadline {_seconds(deadline)} s is below vLLM's first e2e bucket "
+            f"({REQUEST_LATENCY_BUCKETS[0]:g} s): finishes in time cannot be told"
+        )
+    return (
+        f"the deadline {_seconds(deadline)} s falls between vLLM's e2e buckets: finishes within "
+        f"{bucket:g} s count as in time, those from {bucket:g} to {_seconds(deadline)} s as late"
+    )
+
+
+def describe_deadline(
+    stated: float | None,
+    exported: float | None = None,
+    source: str | None = None,
+    abandons: float | None = None,
+    assumed: float | None = None,
+) -> str:
+    """How a deadline was found, for a start line or a log line: ``stated 120 s`` (the
+    operator's), ``stated by the proxy 120 s``, ``learned 93 s from 57 abandons``, ``the
+    proxy's 120 s`` (no source series), ``assumed 120 s`` or ``missing``."""
+    if stated is not None:
+        return f"stated {_seconds(stated)} s"
+    if exported is not None:
+        if source == mn.DEADLINE_STATED:
+            return f"stated by the proxy {_seconds(exported)} s"
+        if source == mn.DEADLINE_LEARNED:
+            return f"learned {_seconds(exported)} s from {int(abandons or 0)} abandons"
+        return f"the proxy's {_seconds(exported)} s"
+    return "missing" if assumed is None else f"assumed {_seconds(assumed)} s"
 
 
 @dataclass(frozen=True)
@@ -797,6 +850,9 @@ class SignalFrame:
     missing: tuple[str, ...] = ()  # what the proxy tier's NoData reports missing
     # what each tier's NoData reports missing (the proxy tier's is ``missing``)
     missing_by_tier: dict[Tier, tuple[str, ...]] = field(default_factory=dict)
+    # how its deadline was found (``stated 120 s``, ``learned 93 s from 57 abandons``, ``missing``),
+    # and where it falls between vLLM's e2e buckets, which one counts as in time
+    deadline_note: str = ""
 
     def missing_for(self, tier: Tier) -> tuple[str, ...]:
         """What ``tier``'s NoData reports missing."""
@@ -812,6 +868,12 @@ class SignalConfig:
 
     capacity: float | None = None
     deadline: float | None = None
+    # the vLLM tier's deadline where none is stated nor exported (real seconds; None: missing, and
+    # the tier's NoData says so): the rendered rules' default, which a replay compares against
+    assumed_deadline: float | None = DEFAULT_DEADLINE_S
+    # log each instance's deadline once as found, and warn where it falls between vLLM's e2e
+    # buckets (the live detector does; a replay does not)
+    log_deadlines: bool = False
     windows: Windows = WINDOWS
     time_scale: float = 1.0
     # the delivery SLO's objective (the Prometheus rules are rendered at the default)
@@ -834,6 +896,8 @@ class _EngineHistory:
     engine: str = ""
     model: str = ""
     source_up: bool = True
+    # where its deadline came from and its value, when last logged (``SignalEngine._note_deadline``)
+    deadline_key: tuple[float | None, float | None, str | None, float | None] | None = None
     last_report: float = -math.inf  # the last scrape or down mark that named this instance
     # the online Ĉ estimate's samples per tier: (time, saturated completion or finish rate)
     capacity_samples: dict[Tier, list[tuple[float, float]]] = field(
@@ -1137,6 +1201,32 @@ class SignalEngine:
         g = self._gauge(hist, "deadline_gauge", now)
         return g if g is not None and g > 0 else None
 
+    def _note_deadline(self, instance: str, hist: _EngineHistory, now: float, deadline: float | None) -> str:
+        """How this instance's deadline was found (:func:`describe_deadline`), with the sentence
+        of :func:`between_buckets` where it falls between vLLM's e2e buckets; logged once per
+        change of where it comes from or of its value (not of the abandons it rests on) when
+        ``SignalConfig.log_deadlines``."""
+        source = None
+        if self._gauge(hist, "deadline_stated", now) == 1.0:
+            source = mn.DEADLINE_STATED
+        elif self._gauge(hist, "deadline_learned", now) == 1.0:
+            source = mn.DEADLINE_LEARNED
+        stated = self.config.deadline
+        exported = self._deadline(hist, now) if stated is None else None
+        assumed = self.config.assumed_deadline
+        assumed = None if assumed is None else assumed / self.config.time_scale
+        abandons = self._gauge(hist, "deadline_abandons", now)
+        note = describe_deadline(stated, exported, source, abandons, assumed)
+        between = None if deadline is None else between_buckets(deadline)
+        key = (stated, exported, source, assumed)
+        if self.config.log_deadlines and key != hist.deadline_key:
+            if between is not None:
+                log.warning("instance %s: deadline %s; %s", instance, note, between)
+            else:
+                log.info("instance %s: deadline %s", instance, note)
+        hist.deadline_key = key
+        return note if between is None else f"{note}; {between}"
+
     def _vllm_tier(self, hist: _EngineHistory, now: float, v: dict[str, float | None]) -> list[str]:
         """The vLLM tier's signals into ``v`` (they read vLLM's series, Ĉ and the deadline
         alone); returns what its NoData reports missing."""
@@ -1153,12 +1243,13 @@ class SignalEngine:
         v["vllm_queue_time_finish_rate"] = rate("vllm_queue_time_count")
         v["vllm_waiting_requests"] = self._gauge(hist, "waiting", now)
         v["vllm_capacity"] = capacity = self._capacity(hist, now, "vllm")
-        stated = self._deadline(hist, now)
-        # unscaled: the default is real seconds, as is every stated deadline at K = 1
-        v["vllm_deadline"] = deadline = (
-            stated if stated is not None else DEFAULT_DEADLINE_S / self.config.time_scale
-        )
-        bucket = deadline_bucket(deadline)
+        deadline = self._deadline(hist, now)
+        assumed = self.config.assumed_deadline
+        if deadline is None and assumed is not None:
+            # unscaled: the assumed one is real seconds, as is every stated deadline at K = 1
+            deadline = assumed / self.config.time_scale
+        v["vllm_deadline"] = deadline
+        bucket = None if deadline is None else deadline_bucket(deadline)
         in_time_key = None if bucket is None else f"vllm_e2e_le_{le_label(bucket)}"
 
         def in_time(width: float) -> float | None:
@@ -1188,6 +1279,8 @@ class SignalEngine:
                 missing.append(RAW[key][0])
         if capacity is None:
             missing.append("capacity")
+        if deadline is None:
+            missing.append("deadline")
         return missing
 
     def _compute_one(self, instance: str, hist: _EngineHistory, now: float) -> SignalFrame:
@@ -1225,6 +1318,7 @@ class SignalEngine:
             v[f"delivery_burn_rate_{span}"] = None if errors is None else errors / (1 - self.config.objective)
 
         missing_vllm = self._vllm_tier(hist, now, v)
+        deadline_note = self._note_deadline(instance, hist, now, v["vllm_deadline"])
         missing: list[str] = []
         if not hist.source_up:
             missing.append("source")
@@ -1249,6 +1343,7 @@ class SignalEngine:
             values=v,
             missing=tuple(missing),
             missing_by_tier={"proxy": tuple(missing), "vllm": tuple(missing_vllm)},
+            deadline_note=deadline_note,
         )
 
     def _last_row(self, hist: _EngineHistory, now: float) -> list[float] | None:

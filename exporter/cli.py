@@ -91,7 +91,8 @@ def _parse_deadline(value: str | None) -> tuple[float | None, bool]:
     envvar=env_var("deadline"),
     show_envvar=True,
     default=None,
-    help="Clients' deadline on an attempt: seconds, or 'auto' to infer it.",
+    help="Clients' deadline on an attempt in seconds (default: learned from the ages at which "
+    "clients abandon attempts; 'auto': the same, and --deadline-check may shed by it).",
 )
 @log_options
 def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from exporter.deadlines import DeadlineLearner
 from exporter.policy import AttemptKind, Policy, PolicyCounters
 from exporter.upstreamtext import WINDOW_VLLM_FAMILIES as WINDOW_VLLM_FAMILIES
 from exporter.upstreamtext import Digest, digest, digest_sliced, scan_vllm
@@ -123,28 +123,6 @@ class SlidingWindow:
         return self.samples[-1].waiting if self.samples else None
 
 
-class DeadlineEstimator:
-    """Infers the clients' deadline from attempt durations that ended in a client disconnect:
-    the 0.9 quantile of the most recent ones (clients that give up at their deadline make the
-    upper part of that distribution)."""
-
-    QUANTILE = 0.9
-    MIN_SAMPLES = 5
-
-    def __init__(self, max_samples: int = 256) -> None:
-        self.durations: deque[float] = deque(maxlen=max_samples)
-
-    def observe(self, duration_s: float) -> None:
-        if duration_s > 0 and math.isfinite(duration_s):
-            self.durations.append(duration_s)
-
-    def estimate(self) -> float | None:
-        if len(self.durations) < self.MIN_SAMPLES:
-            return None
-        cuts = statistics.quantiles(self.durations, n=10, method="inclusive")
-        return max(cuts[int(self.QUANTILE * 10) - 1], 1e-3)
-
-
 class PolicyCollector(Collector):
     """Yields the retrywatch families fresh from the policy and the window on every scrape."""
 
@@ -154,11 +132,15 @@ class PolicyCollector(Collector):
         window: SlidingWindow,
         capacity: float | None,
         upstream_up: Callable[[], bool],
+        deadlines: DeadlineLearner | None = None,
+        deadline_stated: bool = False,
     ) -> None:
         self.policy = policy
         self.window = window
         self.capacity = capacity
         self.upstream_up = upstream_up
+        self.deadlines = deadlines if deadlines is not None else DeadlineLearner()
+        self.deadline_stated = deadline_stated
 
     def collect(self) -> Iterator[Metric]:
         c = self.policy.counters
@@ -216,8 +198,7 @@ class PolicyCollector(Collector):
         yield GaugeMetricFamily(mn.SUBSCRIBERS, "Attempts waiting for an execution.", value=g.subscribers)
         capacity = self.capacity if self.capacity is not None else math.nan
         yield GaugeMetricFamily(mn.CAPACITY, "Engine capacity Ĉ in calls/s (--capacity).", value=capacity)
-        deadline = self.policy.deadline_s if self.policy.deadline_s is not None else math.nan
-        yield GaugeMetricFamily(mn.CLIENT_DEADLINE, "The clients' deadline on an attempt.", value=deadline)
+        yield from self._deadline_families()
         yield GaugeMetricFamily(
             mn.UPSTREAM_UP,
             "1 if the upstream answered its last probe.",
@@ -249,6 +230,42 @@ class PolicyCollector(Collector):
             value=w.prompt_token_gap(),
         )
 
+    def _deadline_families(self) -> Iterator[Metric]:
+        """The deadline in force, where it comes from, and each client class's learned one."""
+        deadline = self.policy.deadline_s
+        yield GaugeMetricFamily(
+            mn.CLIENT_DEADLINE,
+            "The clients' deadline on an attempt in force: stated (--deadline), else learned.",
+            value=_nan_if_unknown(deadline),
+        )
+        if self.deadline_stated:
+            source = mn.DEADLINE_STATED
+        else:
+            source = mn.DEADLINE_UNKNOWN if deadline is None else mn.DEADLINE_LEARNED
+        sources = GaugeMetricFamily(
+            mn.CLIENT_DEADLINE_SOURCE, "1 on where the deadline in force comes from.", labels=["source"]
+        )
+        for name in mn.DEADLINE_SOURCES:
+            sources.add_metric([name], 1.0 if name == source else 0.0)
+        yield sources
+        classes = self.deadlines.classes()
+        learned = GaugeMetricFamily(
+            mn.CLIENT_DEADLINE_LEARNED,
+            "Each client class's deadline learned from abandon ages, most abandons first; NaN: none.",
+            labels=["class"],
+        )
+        abandons = GaugeMetricFamily(
+            mn.CLIENT_DEADLINE_ABANDONS,
+            "The recent abandons each learned client class's deadline rests on.",
+            labels=["class"],
+        )
+        for i, label in enumerate(mn.DEADLINE_CLASSES):
+            found = classes[i] if i < len(classes) else None
+            learned.add_metric([label], math.nan if found is None else found.deadline_s)
+            abandons.add_metric([label], 0.0 if found is None else float(found.abandons))
+        yield learned
+        yield abandons
+
 
 class UpstreamFaultsCollector(Collector):
     """``retrywatch_upstream_faults_total``: what the upstream did that HTTP does not allow and
@@ -278,7 +295,10 @@ class ProxyMetrics:
         capacity: float | None,
         max_staleness_s: float = 15.0,
         upstream_name: str = "the upstream",
+        deadline_stated: bool | None = None,
     ) -> None:
+        """``deadline_stated``: whether the policy's deadline is the operator's (default: whether
+        the policy has one now); where it is not, the proxy sets the learned one on the policy."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.window = SlidingWindow(window_s)
         self.upstream_name = upstream_name  # for the log: its credentials masked
@@ -294,7 +314,11 @@ class ProxyMetrics:
         self._digesting: tuple[str, asyncio.Task[Digest]] | None = None
         self._upstream_text_usable = True
         self._upstream_own_families = False  # the upstream's text carries retrywatch_ families
-        self.collector = PolicyCollector(policy, self.window, capacity, lambda: self.upstream_up)
+        self.deadlines = DeadlineLearner()
+        stated = policy.deadline_s is not None if deadline_stated is None else deadline_stated
+        self.collector = PolicyCollector(
+            policy, self.window, capacity, lambda: self.upstream_up, self.deadlines, stated
+        )
         self.registry.register(self.collector)
         self.ttft = Histogram(
             _base(mn.TIME_TO_FIRST_TOKEN),
@@ -311,7 +335,6 @@ class ProxyMetrics:
         )
         self._duration_children = {o: self.attempt_duration.labels(outcome=o) for o in mn.ATTEMPT_OUTCOMES}
         self.policy = policy
-        self.deadlines = DeadlineEstimator()
         self.faults = UpstreamFaultsCollector()
         self.registry.register(self.faults)
 

@@ -157,13 +157,14 @@ class Proxy:
         self.settings = settings
         self.policy = Policy(settings.policy_config())
         if settings.deadline_auto:
-            self.policy.set_deadline(None)  # until inferred (see ProxySettings.policy_config)
+            self.policy.set_deadline(None)  # until learned (see ProxySettings.policy_config)
         self.metrics = ProxyMetrics(
             self.policy,
             settings.window_s,
             settings.capacity,
             settings.upstream_metrics_max_staleness_s,
             upstream_name=redact_url(settings.upstream_base),
+            deadline_stated=settings.deadline_s is not None,
         )
         base, connect_s, idle_s = (
             settings.upstream_base,
@@ -270,10 +271,10 @@ class Proxy:
 
     def _sample(self) -> None:
         self.metrics.sample(self.now())
-        if self.settings.deadline_auto:
-            estimate = self.metrics.deadlines.estimate()
-            if estimate is not None:
-                self.policy.set_deadline(estimate)
+        if self.settings.deadline_s is None:  # none stated: the learned one, once there is one
+            learned = self.metrics.deadlines.in_force()
+            if learned is not None and learned.deadline_s != self.policy.deadline_s:
+                self.policy.set_deadline(learned.deadline_s)
 
     def _refresh_upstream_metrics(self) -> asyncio.Task[None] | None:
         """Start a fetch of the upstream's /metrics unless the last one is under a second old or

@@ -66,7 +66,9 @@ class ProxySettings(PolicyConfig):
             "left unanswered), or none (never coalesce)."
         ),
     )
-    deadline_auto: bool = False  # infer the deadline from attempts that ended in a disconnect
+    # --deadline auto: none stated, the learned one in force (exporter.deadlines), as without
+    # --deadline; said out loud, it lets --deadline-check shed on the learned deadline
+    deadline_auto: bool = False
     capacity: float | None = knob(
         None,
         flag="capacity",
@@ -312,7 +314,7 @@ class ProxySettings(PolicyConfig):
 
         NOTE: the policy's config needs a deadline whenever the check is on. With --deadline
         auto there is none yet: the config gets a placeholder and the proxy clears it at once
-        (``Policy.set_deadline(None)``) until a deadline has been inferred; the check skips
+        (``Policy.set_deadline(None)``) until a deadline has been learned; the check skips
         attempts while no deadline is known."""
         values = {f.name: getattr(self, f.name) for f in fields(PolicyConfig)}
         if self.deadline_auto and self.deadline_check:

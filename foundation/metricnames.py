@@ -53,7 +53,7 @@ EXECUTIONS_LIVE: Final = "retrywatch_executions_live"
 EXECUTIONS_QUEUED: Final = "retrywatch_executions_queued"
 SUBSCRIBERS: Final = "retrywatch_subscribers"
 CAPACITY: Final = "retrywatch_capacity_calls_per_second"
-CLIENT_DEADLINE: Final = "retrywatch_client_deadline_seconds"
+CLIENT_DEADLINE: Final = "retrywatch_client_deadline_seconds"  # the deadline in force; NaN: unknown
 UPSTREAM_UP: Final = "retrywatch_upstream_up"
 
 # --- retrywatch histograms -----------------------------------------------------------
@@ -99,3 +99,16 @@ VLLM_DECODE_TIME: Final = "vllm:request_decode_time_seconds"
 VLLM_INTER_TOKEN_LATENCY: Final = "vllm:inter_token_latency_seconds"
 VLLM_REQUEST_PROMPT_TOKENS: Final = "vllm:request_prompt_tokens"
 VLLM_REQUEST_GENERATION_TOKENS: Final = "vllm:request_generation_tokens"
+
+# --- the clients' deadline learned from abandon ages (exporter.deadlines), appended -------
+# where the deadline in force comes from: 1 on one of DEADLINE_SOURCES, 0 on the others
+CLIENT_DEADLINE_SOURCE: Final = "retrywatch_client_deadline_source"  # {source=...}
+DEADLINE_STATED: Final = "stated"  # --deadline S
+DEADLINE_LEARNED: Final = "learned"  # from the ages at which clients abandoned attempts
+DEADLINE_UNKNOWN: Final = "unknown"  # neither, yet
+DEADLINE_SOURCES: Final = (DEADLINE_STATED, DEADLINE_LEARNED, DEADLINE_UNKNOWN)
+# each client class's learned deadline (NaN: no such class now) and the abandons it rests on;
+# classes ranked by abandons, "1" the most (the one whose deadline is in force when learned)
+CLIENT_DEADLINE_LEARNED: Final = "retrywatch_client_deadline_learned_seconds"  # {class=...}
+CLIENT_DEADLINE_ABANDONS: Final = "retrywatch_client_deadline_abandons"  # {class=...}
+DEADLINE_CLASSES: Final = ("1", "2", "3")

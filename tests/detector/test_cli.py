@@ -255,7 +255,8 @@ def test_the_default_database_is_in_the_state_directory_and_the_source_changes_a
     lines = log.read_text().splitlines()
     assert lines[0] == (
         f"retrywatch detector on {base} (/alerts, /episodes, /runbook, /metrics) reading the proxies "
-        f"{http_server.url}/metrics; episodes in sqlite:///{db}; runbook links {base}/runbook#{{alert}}"
+        f"{http_server.url}/metrics; episodes in sqlite:///{db}; runbook links {base}/runbook#{{alert}}; "
+        "deadline: the proxy's per instance (stated to it or learned; logged once known), else missing"
     )
     # Quiet by default: the start line and one line per change of the source, nothing per scrape.
     assert [line.split(" ", 3)[2:] for line in lines[1:]] == [
@@ -408,14 +409,15 @@ def test_on_vllm_alone_it_evaluates_the_vllm_tier_and_says_nothing_of_the_proxy(
     tmp_path: Path, http_server: TestServer
 ) -> None:
     """``detect --exporter http://VLLM/metrics --tier vllm``: the queue beyond the deadline fires
-    from vLLM's series and the stated Ĉ alone; the proxy tier's NoData does not (with
+    from vLLM's series and the stated Ĉ and deadline alone; the proxy tier's NoData does not (with
     ``--tier proxy`` it does); vLLM's scrape failing raises the vLLM tier's NoData."""
     k = 50.0  # the 1000-s scenario in 20 s, the queue's 300 s in 6; Ĉ = 2/s written, so 100/s
     http_server.body_fn = _vllm_alone("the waiting queue holds 1.25 deadlines of work while vLLM admits", k)
     port = free_port()
     log = tmp_path / "detector.log"
     args = [sys.executable, "-m", "retrywatch", "detect", "--exporter", http_server.url + "/metrics",
-            "--tier", "vllm", "--capacity", str(2 * k), "--time-scale", str(k), "--interval", "0.1",
+            "--tier", "vllm", "--capacity", str(2 * k), "--deadline", str(120 / k), "--time-scale", str(k),
+            "--interval", "0.1",
             "--db", f"sqlite:///{tmp_path / 'd.db'}", "--port", str(port)]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
 
@@ -425,6 +427,8 @@ def test_on_vllm_alone_it_evaluates_the_vllm_tier_and_says_nothing_of_the_proxy(
     with ManagedProcess(args, log_path=log, bound_s=None, name="detector"):
         wait_until(lambda: "VLLMQueueBeyondDeadline" in names(), 30, "the vLLM tier's warning")
         assert "reading vLLM's own metrics at " in log.read_text()
+        # 2.4 s lies between vLLM's 2- and 2.5-s buckets: the start line says which one counts
+        assert "deadline: stated 2.4 s (WARNING: the deadline 2.4 s falls between" in log.read_text()
         firing = {a["alertname"] for a in httpx.get(f"{base}/alerts", timeout=2).json()["alerts"]}
         assert firing <= {"VLLMQueueBeyondDeadline"}
         http_server.status = 500  # vLLM's /metrics fails

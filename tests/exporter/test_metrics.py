@@ -1,4 +1,5 @@
-"""The metrics module: the collector on a fresh registry, the window, the vLLM scan, the deadline."""
+"""The metrics module: the collector on a fresh registry, the window, the vLLM scan (the learned
+deadline: test_deadlines)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from exporter.metrics import DeadlineEstimator, ProxyMetrics, SlidingWindow, WindowSample
+from exporter.metrics import ProxyMetrics, SlidingWindow, WindowSample
 from exporter.policy import Attempt, Created, Policy, PolicyConfig
 from exporter.upstreamtext import (
     SLICE_CHARS,
@@ -71,17 +72,6 @@ def test_window_rates_and_the_prompt_token_gap() -> None:
     assert w.rate("created") == 0.0
     assert math.isnan(w.prompt_token_gap())
     assert len(w.samples) == 2
-
-
-def test_deadline_estimate_needs_samples_and_takes_a_high_quantile() -> None:
-    d = DeadlineEstimator()
-    for x in (1.0, 2.0, 120.0, 119.0):
-        d.observe(x)
-    assert d.estimate() is None
-    for _ in range(20):
-        d.observe(120.0)
-    estimate = d.estimate()
-    assert estimate is not None and 119.0 <= estimate <= 120.0
 
 
 def test_collector_reads_the_policy_fresh_with_every_label_up_front() -> None:

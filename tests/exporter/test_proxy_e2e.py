@@ -541,17 +541,6 @@ def test_admin_lists_live_executions_behind_a_token(start_proxy: StartProxy, ups
     assert "secret prompt" not in r.text
 
 
-def test_deadline_auto_is_inferred_from_disconnects(start_proxy: StartProxy) -> None:
-    p = start_proxy(deadline_auto=True, deadline_check=True, cancellation="on")
-    assert _value(p, "retrywatch_client_deadline_seconds") != _value(
-        p, "retrywatch_client_deadline_seconds"
-    )  # NaN
-    for _ in range(5):
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{p.url}/v1/completions", json=_body(1), headers=_headers(ttft="3"), timeout=0.25)
-    _wait_for(lambda: 0.2 <= _value(p, "retrywatch_client_deadline_seconds") < 1.0)
-
-
 def test_past_the_replay_limit_a_retry_creates_a_new_execution(
     start_proxy: StartProxy, upstream: Upstream
 ) -> None:
