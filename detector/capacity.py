@@ -47,6 +47,7 @@ __all__ = [
     "WindowTotals",
     "fit_step_cost",
     "predict_capacity",
+    "predict_over",
     "split_windows",
     "window_totals",
 ]
@@ -254,3 +255,25 @@ def predict_capacity(
     half = len(parts) // 2
     spread = [estimate] + [c for c in (capacity(fit_step_cost(h)) for h in (parts[:half], parts[half:])) if c]
     return CapacityPrediction(estimate, min(spread), max(spread), uncached, output, batch, cost)
+
+
+def predict_over(
+    times: Sequence[float],
+    rows: Sequence[Sequence[float]],
+    columns: Mapping[str, int],
+    now: float,
+    *,
+    window_s: float = PREDICT_WINDOW_S,
+    part_s: float = PART_S,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+) -> CapacityPrediction | None:
+    """The prediction over ``[now - window_s, now]`` of a history kept as rows (``columns``: each
+    of :data:`PREDICTOR_SERIES`' column; NaN: not in that scrape), as the detector keeps one."""
+    samples: list[tuple[float, dict[str, float]]] = []
+    for t, row in zip(times, rows, strict=True):
+        if now - window_s - 1e-9 <= t <= now + 1e-9:
+            samples.append((t, {name: row[j] for name, j in columns.items() if math.isfinite(row[j])}))
+    whole = window_totals(samples)
+    if whole is None:
+        return None
+    return predict_capacity(whole, split_windows(samples, part_s), max_num_seqs=max_num_seqs)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from detector.capacity import (
+    CAPACITY_SOURCES,
     PREDICTOR_SERIES,
     StepCost,
     WindowTotals,
@@ -17,7 +19,13 @@ from detector.capacity import (
     split_windows,
     window_totals,
 )
+from detector.service import Detector
+from detector.signals import SignalConfig, SignalEngine
+from detector.sources.replay import ReplaySource
+from detector.store import EpisodeStore
+from detector.thresholds import tier_rules
 from foundation import metricnames as mn
+from foundation.timeseries import Snapshot, write_series
 from reproduce.conditions import block
 from reproduce.engine.presets import STUDY_CAPACITY
 from reproduce.sim import SimSpec, simulate
@@ -40,6 +48,14 @@ def _simulated(model: str, seed: int, workload: dict[str, object]) -> Samples:
                 values[name] = values.get(name, 0.0) + value
         out.append((snap.t, values))
     return out
+
+
+def _vllm_only(model: str, seed: int, workload: dict[str, object]) -> list[Snapshot]:
+    """A simulated run's snapshots as a vLLM without the proxy serves them (no ``retrywatch_``
+    series, so no stated Ĉ)."""
+    cond = block("diagnostic").condition("retries-off-cancel-off")
+    snaps = simulate(SimSpec(model=model, condition=cond, seed=seed, workload=workload)).snapshots
+    return [Snapshot(t=s.t, samples=[x for x in s.samples if x[0].startswith("vllm:")]) for s in snaps]
 
 
 def _predict(samples: Samples, until: float) -> float:
@@ -208,3 +224,76 @@ def test_a_counter_reset_counts_as_an_increase_from_zero() -> None:
     assert isinstance(w, WindowTotals)
     assert w.increase[name] == 50.0 + 20.0 + 10.0
     assert not math.isnan(w.busy)
+
+
+# --- in the detector: stated > saturated measurement > prediction ---
+
+
+def _source(values: dict[str, float | None], key: str) -> str:
+    code = values[key]
+    assert code is not None
+    return CAPACITY_SOURCES[int(code)]
+
+
+def test_the_vllm_tier_knows_capacity_before_any_saturation() -> None:
+    engine = SignalEngine()
+    for snap in _vllm_only("qwen3-14b-h100", 13, LOW_LOAD):
+        engine.add(snap, "vllm-a")
+        if snap.t == 240.0:
+            break
+    frame = engine.compute(240.0)[0]
+    assert "capacity" not in frame.missing_for("vllm")
+    assert _source(frame.values, "vllm_capacity_source") == "predicted"
+    assert frame.values["vllm_capacity"] == frame.values["capacity_predicted"]
+    assert frame.values["vllm_capacity"] == pytest.approx(STUDY_CAPACITY["qwen3-14b-h100"], rel=0.2)
+
+    stated = SignalEngine(SignalConfig(capacity=1.5))
+    for snap in _vllm_only("qwen3-14b-h100", 13, LOW_LOAD):
+        stated.add(snap, "vllm-a")
+        if snap.t == 240.0:
+            break
+    frame = stated.compute(240.0)[0]
+    assert frame.values["vllm_capacity"] == 1.5
+    assert _source(frame.values, "vllm_capacity_source") == "stated"
+    assert frame.values["capacity_predicted"] == pytest.approx(STUDY_CAPACITY["qwen3-14b-h100"], rel=0.2)
+
+
+def test_a_saturated_measurement_takes_over_from_the_prediction() -> None:
+    """Four minutes at 0.6 Ĉ, then 1.5 Ĉ until vLLM's queue has not emptied for five minutes."""
+    workload = {
+        "phases": ((240.0, 0.6), (420.0, 1.5), (30.0, 0.01)),
+        "phase_names": ("base", "pulse", "hold"),
+    }
+    engine = SignalEngine()
+    sources: dict[float, str] = {}
+    for snap in _vllm_only("qwen2.5-7b-h100", 14, workload):
+        engine.add(snap, "vllm-a")
+        if snap.t in (235.0, 650.0):
+            frame = engine.compute(snap.t)[0]
+            sources[snap.t] = _source(frame.values, "vllm_capacity_source")
+            if snap.t == 650.0:
+                measured = frame.values["vllm_capacity"]
+    assert sources == {235.0: "predicted", 650.0: "saturated"}
+    assert measured == pytest.approx(STUDY_CAPACITY["qwen2.5-7b-h100"], rel=0.1)
+
+
+def test_the_detector_publishes_capacity_with_its_source(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    write_series(path, _vllm_only("llama3.1-8b-h100", 15, LOW_LOAD))
+    source = ReplaySource(path, instance="vllm-a")
+    det = Detector(source, EpisodeStore(f"sqlite:///{tmp_path / 'd.db'}"), rules=tier_rules("vllm"))
+    try:
+        for t in [s.t for s in source.snapshots if s.t <= 240.0]:
+            det.tick(t)
+    finally:
+        det.stop()
+    registry = det.metrics.registry
+    labels = {"instance": "vllm-a", "tier": "vllm", "source": "predicted"}
+    published = registry.get_sample_value("retrywatch_detector_capacity_calls_per_second", labels)
+    assert published == pytest.approx(STUDY_CAPACITY["llama3.1-8b-h100"], rel=0.2)
+    predicted = registry.get_sample_value(
+        "retrywatch_detector_capacity_predicted_calls_per_second", {"instance": "vllm-a"}
+    )
+    assert predicted == published
+    stated = {**labels, "source": "stated"}
+    assert registry.get_sample_value("retrywatch_detector_capacity_calls_per_second", stated) is None
