@@ -269,6 +269,8 @@ def predict_over(
 ) -> CapacityPrediction | None:
     """The prediction over ``[now - window_s, now]`` of a history kept as rows (``columns``: each
     of :data:`PREDICTOR_SERIES`' column; NaN: not in that scrape), as the detector keeps one."""
+    if not rows or not math.isfinite(rows[-1][columns[_ITL_COUNT]]):
+        return None  # vLLM exports no inter-token latency (or the source drops histograms)
     samples: list[tuple[float, dict[str, float]]] = []
     for t, row in zip(times, rows, strict=True):
         if now - window_s - 1e-9 <= t <= now + 1e-9:

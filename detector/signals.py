@@ -1112,8 +1112,9 @@ class SignalEngine:
         return value
 
     def _predicted(self, hist: _EngineHistory, now: float) -> predictor.CapacityPrediction | None:
-        """Ĉ predicted from vLLM's series over the last five minutes (``detector.capacity``)."""
-        if hist.predicted[0] != now:
+        """Ĉ predicted from vLLM's series over the last five minutes (``detector.capacity``),
+        refitted once per sub-window of the fit (a five-minute figure moves little faster)."""
+        if not 0.0 <= now - hist.predicted[0] < predictor.PART_S / self.config.time_scale:
             lo, hi = self._window(hist, now, predictor.PREDICT_WINDOW_S / self.config.time_scale)
             prediction = predictor.predict_over(
                 hist.times[lo:hi],
