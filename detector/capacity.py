@@ -24,8 +24,9 @@ and generation-token histograms' sums over their counts). The range is the least
 the same prediction fitted on each half of the sub-windows and on all of them: the fit's noise,
 not the model's error (docs/results.md, "Ĉ learned before saturation", measures that: within
 ±11 % of the calibrated Ĉ on every preset and trace mix tried, from 5 or 10 minutes below
-saturation). Not modelled: a token budget that binds before the KV cache or ``max_num_seqs`` does,
-and preemption.
+saturation). It needs vLLM 0.10.2 or later (``vllm:inter_token_latency_seconds``; older releases
+name it otherwise, ``foundation.vllmreleases``): without it there is no prediction. Not
+modelled: a token budget that binds before the KV cache or ``max_num_seqs`` does, and preemption.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from foundation import metricnames as mn
 
 __all__ = [
     "CAPACITY_SOURCES",
+    "COUNTERS",
     "DEFAULT_MAX_NUM_SEQS",
+    "GAUGES",
+    "MIN_FIT_WINDOWS",
     "PART_S",
     "PREDICTOR_SERIES",
     "PREDICT_WINDOW_S",
