@@ -32,6 +32,7 @@ import numpy as np
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from detector.capacity import CAPACITY_SOURCES
 from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.evaluator import Evaluator, Transition
 from detector.lease import LeaseState, WriterLease, lease_for
@@ -223,6 +224,19 @@ class DetectorMetrics:
             "Resolved episodes deleted, with their notification rows, past the retention.",
             registry=r,
         )
+        self.capacity = Gauge(
+            "retrywatch_detector_capacity_calls_per_second",
+            "Ĉ in force per engine and tier, labelled with its source: stated, saturated (measured"
+            " while vLLM's queue never emptied) or predicted (below saturation, detector.capacity).",
+            ["instance", "tier", "source"],
+            registry=r,
+        )
+        self.capacity_predicted = Gauge(
+            "retrywatch_detector_capacity_predicted_calls_per_second",
+            "Ĉ predicted below saturation from vLLM's own series, whichever Ĉ is in force.",
+            ["instance"],
+            registry=r,
+        )
         self.writer = Gauge(
             "retrywatch_detector_writer",
             "1 while this detector holds its database's writer lease (it writes episodes and"
@@ -346,6 +360,7 @@ class Detector:
             self.metrics.evaluations.inc()
             self.metrics.source_up.set(1.0 if self.status.up else 0.0)
             self.metrics.engines.set(len(frames))
+            self._publish_capacity(frames)
             counts = {r.name: 0 for r in self.rules}
             for alert in self.evaluator.firing():
                 counts[alert.alertname] += 1
@@ -354,6 +369,25 @@ class Detector:
         self._sync_database(now)
         self.metrics.eval_seconds.set(time.perf_counter() - start)
         return transitions
+
+    def _publish_capacity(self, frames: Sequence[SignalFrame]) -> None:
+        """Ĉ in force per engine and tier with its source, and the prediction (this evaluation's
+        engines only: one label set each, so an engine that left takes its series with it)."""
+        in_force, predicted = self.metrics.capacity, self.metrics.capacity_predicted
+        in_force.clear()
+        predicted.clear()
+        for frame in frames:
+            instance, v = frame.labels.instance, frame.values
+            for tier, value, source in (
+                ("proxy", v.get("capacity"), v.get("capacity_source")),
+                ("vllm", v.get("vllm_capacity"), v.get("vllm_capacity_source")),
+            ):
+                if value is not None and source is not None:
+                    in_force.labels(instance=instance, tier=tier, source=CAPACITY_SOURCES[int(source)]).set(
+                        value
+                    )
+            if v.get("capacity_predicted") is not None:
+                predicted.labels(instance=instance).set(v["capacity_predicted"])  # type: ignore[arg-type]
 
     def _sync_database(self, now: float) -> None:
         """Start the database work for the evaluation at ``now`` and wait for it at most

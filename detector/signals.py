@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
+from detector import capacity as predictor
 from foundation import metricnames as mn
 from foundation.ratios import RATIOS, Ratio
 from foundation.timeseries import Sample, Snapshot
@@ -156,6 +157,8 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     "vllm_queue_time_sum": (f"{mn.VLLM_QUEUE_TIME}_sum", None),
     "vllm_queue_time_count": (f"{mn.VLLM_QUEUE_TIME}_count", None),
     "vllm_finished_prompt_tokens": (f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum", None),
+    # what Ĉ's prediction below saturation reads (``detector.capacity``)
+    **{f"predictor {name}": (name, None) for name in predictor.PREDICTOR_SERIES},
 }
 RAW_KEYS: tuple[str, ...] = tuple(RAW)
 _RAW_INDEX = {key: i for i, key in enumerate(RAW_KEYS)}
@@ -167,6 +170,7 @@ for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
 _COUNTER_IDX: tuple[int, ...] = tuple(
     i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith(("_total", "_bucket", "_count", "_sum"))
 )
+_PREDICTOR_COLUMNS = {name: _RAW_INDEX[f"predictor {name}"] for name in predictor.PREDICTOR_SERIES}
 _COUNTER_NAMES: frozenset[str] = frozenset(RAW[RAW_KEYS[i]][0] for i in _COUNTER_IDX)
 
 # Series without which no verdict is possible (NoData fires when one is missing). The proxy
@@ -903,6 +907,10 @@ class _EngineHistory:
     capacity_samples: dict[Tier, list[tuple[float, float]]] = field(
         default_factory=lambda: {tier: [] for tier in TIERS}
     )
+    # where each tier's Ĉ came from (``predictor.CAPACITY_SOURCES``), and Ĉ predicted below
+    # saturation at the time of the last computation (``detector.capacity``)
+    capacity_source: dict[Tier, str | None] = field(default_factory=dict)
+    predicted: tuple[float, predictor.CapacityPrediction | None] = (math.nan, None)
     # counters are stored as the sum of their series' increases (monotonic), so a rate is one
     # subtraction; each series' reset is told apart from the others (see :meth:`SignalEngine.add`)
     last_adj: list[float] = field(default_factory=lambda: [math.nan] * len(RAW_KEYS))
@@ -1172,8 +1180,31 @@ class SignalEngine:
         return min(vals) if vals else None
 
     def _capacity(self, hist: _EngineHistory, now: float, tier: Tier) -> float | None:
-        """Ĉ: the operator's, else the exported gauge, else the tier's online estimate (the
-        finish rate over windows where vLLM's queue never emptied, averaged)."""
+        """Ĉ and its source (into ``hist.capacity_source``): stated (the operator's, else the
+        exported gauge), else the tier's saturated measurement (the finish rate over windows
+        where vLLM's queue never emptied, averaged), else predicted below saturation."""
+        value, hist.capacity_source[tier] = self._capacity_and_source(hist, now, tier)
+        return value
+
+    def _predicted(self, hist: _EngineHistory, now: float) -> predictor.CapacityPrediction | None:
+        """Ĉ predicted from vLLM's series over the last five minutes (``detector.capacity``),
+        refitted once per sub-window of the fit (a five-minute figure moves little faster)."""
+        if not 0.0 <= now - hist.predicted[0] < predictor.PART_S / self.config.time_scale:
+            lo, hi = self._window(hist, now, predictor.PREDICT_WINDOW_S / self.config.time_scale)
+            prediction = predictor.predict_over(
+                hist.times[lo:hi],
+                hist.rows[lo:hi],
+                _PREDICTOR_COLUMNS,
+                now,
+                window_s=predictor.PREDICT_WINDOW_S / self.config.time_scale,
+                part_s=predictor.PART_S / self.config.time_scale,
+            )
+            hist.predicted = (now, prediction)
+        return hist.predicted[1]
+
+    def _capacity_and_source(
+        self, hist: _EngineHistory, now: float, tier: Tier
+    ) -> tuple[float | None, str | None]:
         w = self.windows
         # The online estimate is updated on every computation, whichever Ĉ is in use.
         samples = hist.capacity_samples[tier]
@@ -1184,15 +1215,15 @@ class SignalEngine:
             if any(r is not None for r in rates) and fresh:
                 samples.append((now, sum(r or 0.0 for r in rates)))
         if self.config.capacity is not None:
-            return self.config.capacity
+            return self.config.capacity, "stated"
         gauge = self._gauge(hist, "capacity_gauge", now)
         if gauge is not None and gauge > 0:
-            return gauge
+            return gauge, "stated"
         recent = [v for t, v in samples if now - w.capacity_estimate_s <= t <= now]
-        if recent:
-            est = sum(recent) / len(recent)
-            return est if est > 0 else None
-        return None
+        if recent and sum(recent) > 0:
+            return sum(recent) / len(recent), "saturated"
+        prediction = self._predicted(hist, now)
+        return (None, None) if prediction is None else (prediction.capacity, "predicted")
 
     def _deadline(self, hist: _EngineHistory, now: float) -> float | None:
         """The operator's deadline, else the exported gauge; None when neither is known."""
@@ -1330,6 +1361,15 @@ class SignalEngine:
             missing.append("capacity")
         if deadline is None:
             missing.append("deadline")
+        prediction = self._predicted(hist, now)
+        v["capacity_predicted"] = None if prediction is None else prediction.capacity
+        sources: tuple[tuple[Tier, str], ...] = (
+            ("proxy", "capacity_source"),
+            ("vllm", "vllm_capacity_source"),
+        )
+        for tier, key in sources:
+            source = hist.capacity_source.get(tier)
+            v[key] = None if source is None else float(predictor.CAPACITY_SOURCES.index(source))
         if not hist.source_up or waiting is None:
             # NOTE: like Prometheus, where a down target's series go stale at once and every
             # signal is joined on vLLM's engine labels: no signal, only the NoData verdict.
