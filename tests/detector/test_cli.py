@@ -307,9 +307,14 @@ def test_runbook_links_follow_the_option_and_the_detector_serves_its_runbook_and
                 return list(httpx.get(f"{base}/alerts", timeout=5).json()["alerts"])
             return []
 
-        wait_until(lambda: bool(firing()), 60, "the NoData alert")
-        alerts = firing()
-        episodes = httpx.get(f"{base}/episodes", timeout=5).json()["episodes"]
+        def stored() -> list[dict[str, str]]:
+            with contextlib.suppress(httpx.HTTPError):
+                return list(httpx.get(f"{base}/episodes", timeout=5).json()["episodes"])
+            return []
+
+        # The episode is written by the database's worker after the alert fires: wait for both.
+        wait_until(lambda: bool(firing()) and bool(stored()), 60, "the NoData alert and its episode")
+        alerts, episodes = firing(), stored()
         index = httpx.get(f"{base}/", timeout=5)
         runbook = httpx.get(f"{base}/runbook", timeout=5)
     finally:

@@ -471,3 +471,13 @@ def test_a_fifo_without_a_writer_is_an_error_not_a_hang(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match=f"^{fifo}: a pipe nothing was written to within 0.2 s"):
         list(read_trace(fifo, writer_wait_s=0.2))
     assert time.monotonic() - start < 5
+
+
+def test_a_quote_left_open_costs_one_rows_worth_whatever_its_lines(tmp_path: Path) -> None:
+    # Every line is short, but the quote never closes: the csv module would gather one row forever.
+    endless = HEADER + '0,1,"' + "x\n" * 5_000
+    with pytest.raises(TraceError, match=r"line 2: a row longer than 1,000 characters"):
+        list(read_trace(write(tmp_path, endless), max_line_chars=1000))
+    # A quoted field over a few lines, within the bound, is still one row.
+    quoted = HEADER + '0,1,1\n1,2,"3\n"\n'
+    assert [r.prompt_tokens for r in read_trace(write(tmp_path, quoted))] == [1, 2]

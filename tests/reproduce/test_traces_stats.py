@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from reproduce.workloads.traces import TraceError, TraceRecord, trace_stats
-from reproduce.workloads.traces.facts import percentile
+from reproduce.workloads.traces.facts import format_stats, percentile
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "reproduce" / "workloads" / "traces" / "data"
@@ -143,3 +143,21 @@ def test_the_command_reads_a_pipe_whole(tmp_path: Path) -> None:
     writer.join(10)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["calls"] == 1_445
+
+
+def test_a_stream_past_the_kept_calls_is_sampled_and_its_minutes_cost_their_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from reproduce.workloads.traces import facts
+
+    monkeypatch.setattr(facts, "MAX_KEPT", 100)
+    # 1,000 calls, one every 10 minutes for a while, then a burst: far more calls than kept.
+    records = [TraceRecord(600.0 * i, 1 + i % 7, 2) for i in range(900)]
+    records += [TraceRecord(600.0 * 900 + 0.01 * i, 500, 3) for i in range(100)]
+    stats = trace_stats(iter(records))
+    assert stats.calls == 1000 and stats.lengths_from == 100
+    assert stats.prompt_max == 500 and stats.output_max == 3  # exact, whatever the sample
+    assert stats.busiest_minute_calls == 100 and stats.median_minute_calls == 0.0
+    assert "percentiles of a sample of 100" in format_stats(stats)
+    with pytest.raises(TraceError, match="not in arrival order"):
+        trace_stats([TraceRecord(120.0, 1, 1), TraceRecord(0.0, 1, 1)])

@@ -112,7 +112,7 @@ def read_trace(
             Path(source), format, reorder_window_s, keep_failed, block_tokens, max_line_chars, writer_wait_s
         )
     lines = _bounded(iter(source), "<stream>", max_line_chars)
-    return _read_lines(lines, format, reorder_window_s, keep_failed, block_tokens)
+    return _read_lines(lines, format, reorder_window_s, keep_failed, block_tokens, max_line_chars)
 
 
 def is_regular_file(path: str | os.PathLike[str]) -> bool:
@@ -124,9 +124,14 @@ def is_regular_file(path: str | os.PathLike[str]) -> bool:
 
 
 def _read_lines(
-    lines: Iterator[str], fmt: str | None, window: float, keep_failed: bool, block_tokens: int
+    lines: Iterator[str],
+    fmt: str | None,
+    window: float,
+    keep_failed: bool,
+    block_tokens: int,
+    max_line_chars: int,
 ) -> Iterator[TraceRecord]:
-    rows, time_column = _rows(lines, "<stream>", fmt, keep_failed, block_tokens)
+    rows, time_column = _rows(lines, "<stream>", fmt, keep_failed, block_tokens, max_line_chars)
     yield from _ordered(rows, "<stream>", time_column, window)
 
 
@@ -145,7 +150,7 @@ def _read_path(
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with fh:
         lines = _lines(fh, str(path), max_line_chars)
-        rows, time_column = _rows(lines, str(path), fmt, keep_failed, block_tokens)
+        rows, time_column = _rows(lines, str(path), fmt, keep_failed, block_tokens, max_line_chars)
         yield from _ordered(rows, str(path), time_column, window)
 
 
@@ -236,9 +241,15 @@ def _too_long(max_chars: int) -> str:
 
 
 def _rows(
-    lines: Iterator[str], source: str, fmt: str | None, keep_failed: bool, block_tokens: int
+    lines: Iterator[str],
+    source: str,
+    fmt: str | None,
+    keep_failed: bool,
+    block_tokens: int,
+    max_chars: int = MAX_LINE_CHARS,
 ) -> tuple[Iterator[tuple[Row, int]], str]:
-    """The parsed rows (with their line numbers) and the layout's time column."""
+    """The parsed rows (with their line numbers) and the layout's time column; a CSV row over
+    ``max_chars`` characters, whatever lines it spans, is an error (``_RowSpan``)."""
     first = ""
     skipped = 0
     for first in lines:
@@ -262,19 +273,54 @@ def _rows(
     if layout == "mooncake":
         raise row_error(source, skipped + 1, None, "a mooncake trace is JSON lines, this line is not")
     has_header = detected == layout or names_columns_of(layout, header)
-    reader = csv.reader(lines if has_header else chain([first], lines))
+    offset = skipped + 1 if has_header else skipped
+    span = _RowSpan(lines if has_header else chain([first], lines), source, max_chars, offset)
+    reader = csv.reader(span)
     columns = header if has_header else default_columns(layout, len(header))
     parser, time_column = csv_layout(
         layout, columns, source, keep_failed=keep_failed, block_tokens=block_tokens
     )
-    offset = skipped + 1 if has_header else skipped
-    return _csv_rows(reader, parser, offset, source), time_column
+    return _csv_rows(reader, parser, offset, source, span), time_column
+
+
+class _RowSpan:
+    """The lines a CSV reader takes, bounded per row: a quoted field may hold line breaks, so a
+    row can span lines, and one that never closes its quote would grow without end. A row over
+    ``max_chars`` characters, whatever its lines, is an error naming the line it began on."""
+
+    def __init__(self, lines: Iterator[str], source: str, max_chars: int, offset: int) -> None:
+        self._lines = lines
+        self._offset = offset  # the lines before the first one taken
+        self._source = source
+        self._max_chars = max_chars
+        self.line = 0  # lines taken so far
+        self._row_line = 1  # the line the row being read began on
+        self._row_chars = 0
+
+    def __iter__(self) -> _RowSpan:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._lines)
+        self.line += 1
+        self._row_chars += len(line.rstrip("\r\n"))
+        if self._row_chars > self._max_chars:
+            raise row_error(self._source, self._offset + self._row_line, None, _too_long_row(self._max_chars))
+        return line
+
+    def row_done(self) -> None:
+        self._row_line, self._row_chars = self.line + 1, 0
+
+
+def _too_long_row(max_chars: int) -> str:
+    return f"a row longer than {max_chars:,} characters (a quoted field left open?): not a row of a trace"
 
 
 def _csv_rows(
-    reader: Iterator[list[str]], parser: CsvParser, offset: int, source: str
+    reader: Iterator[list[str]], parser: CsvParser, offset: int, source: str, span: _RowSpan
 ) -> Iterator[tuple[Row, int]]:
     while True:
+        span.row_done()
         try:
             fields = next(reader)
         except StopIteration:
