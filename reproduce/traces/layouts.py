@@ -12,6 +12,13 @@
 * ``retrywatch``: our own, as CSV or JSON lines: ``arrival_s``, ``prompt_tokens``,
   ``output_tokens``, and optionally ``call_id``, ``session``, ``tenant``, ``prefix_blocks``
   (JSON: a list of integers; CSV: integers separated by spaces) of ``block_tokens`` tokens each.
+* ``recording``: the proxy's recording (``retrywatch proxy --record DIR``, ``exporter.recorder``),
+  JSON lines, one per attempt: ``arrival_s`` (Unix seconds), ``prompt_tokens``,
+  ``output_tokens`` (null where the engine sent no usage), ``max_tokens``, ``attempt`` (0 for a
+  call's first attempt), ``fate``, ``ended``, ``client`` (a hash of the caller's credentials).
+  Calls are first attempts: a retry (``attempt`` > 0) is skipped, since the replay's client
+  model makes its own retries (``RecordingParser`` counts them). A call's output length is its
+  recorded one, else its ``max_tokens``; a call with neither is skipped and counted.
 
 A layout binds a header to a row parser that returns a ``Row`` (the time in seconds on the
 trace's own clock, not yet counted from its first request), or ``None`` for a row it drops.
@@ -35,8 +42,10 @@ from reproduce.traces.records import TraceError, row_error
 __all__ = [
     "FORMATS",
     "MOONCAKE_BLOCK_TOKENS",
+    "RECORDING_KEYS",
     "CsvParser",
     "JsonParser",
+    "RecordingParser",
     "Row",
     "csv_layout",
     "default_columns",
@@ -46,7 +55,7 @@ __all__ = [
     "names_columns_of",
 ]
 
-FORMATS = ("azure", "burstgpt", "mooncake", "retrywatch")
+FORMATS = ("azure", "burstgpt", "mooncake", "recording", "retrywatch")
 #: Mooncake's prefix blocks are 512 tokens (its trace README).
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -65,6 +74,8 @@ BURSTGPT_NEW = (
 )
 RETRYWATCH_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
 RETRYWATCH_ALL = (*RETRYWATCH_COLUMNS, "call_id", "session", "tenant", "prefix_blocks")
+#: The keys that tell a recording's line (``exporter.recorder``) from a retrywatch one.
+RECORDING_KEYS = ("arrival_s", "attempt", "fate", "ended")
 
 
 class Row(NamedTuple):
@@ -100,6 +111,8 @@ def detect_json(obj: Mapping[str, object]) -> str | None:
     """The layout a JSON-lines record belongs to, or None."""
     if "input_length" in obj and "timestamp" in obj:
         return "mooncake"
+    if all(k in obj for k in RECORDING_KEYS):
+        return "recording"
     if all(k in obj for k in RETRYWATCH_COLUMNS):
         return "retrywatch"
     return None
@@ -244,8 +257,39 @@ def _json_text(obj: Mapping[str, object], key: str, source: str, line: int) -> s
     return str(value)
 
 
+class RecordingParser:
+    """The row parser of a proxy recording: a call per first attempt; retries and calls of no
+    known output length are skipped and counted here (the reader's notes)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.retries = 0
+        self.unknown_output = 0
+
+    def __call__(self, obj: Mapping[str, object], line: int) -> Row | None:
+        source = self.source
+        attempt = json_count(_key(obj, "attempt", source, line), source, line, "attempt")
+        if attempt > 0:
+            self.retries += 1
+            return None
+        arrival = json_seconds(_key(obj, "arrival_s", source, line), source, line, "arrival_s")
+        prompt = json_count(_key(obj, "prompt_tokens", source, line), source, line, "prompt_tokens")
+        output: int | None = None
+        for key in ("output_tokens", "max_tokens"):
+            value = obj.get(key)
+            if value is not None:
+                output = json_count(value, source, line, key)
+                break
+        if output is None:
+            self.unknown_output += 1
+            return None
+        return Row(arrival, prompt, output, tenant=_json_text(obj, "client", source, line))
+
+
 def json_parser(fmt: str, source: str, *, block_tokens: int) -> tuple[JsonParser, str]:
     """The record parser of a JSON-lines layout, and the name of its time key."""
+    if fmt == "recording":
+        return RecordingParser(source), "arrival_s"
     if fmt == "mooncake":
 
         def mooncake(obj: Mapping[str, object], line: int) -> Row | None:
@@ -275,4 +319,6 @@ def json_parser(fmt: str, source: str, *, block_tokens: int) -> tuple[JsonParser
             )
 
         return retrywatch, "arrival_s"
-    raise TraceError(f"{fmt} is not a JSON-lines layout; JSON-lines layouts are mooncake, retrywatch")
+    raise TraceError(
+        f"{fmt} is not a JSON-lines layout; JSON-lines layouts are mooncake, recording, retrywatch"
+    )
