@@ -423,6 +423,13 @@ def _json_rows(
             row = parser(record, n)
             if row is not None:
                 yield row, n
+            if recording is not None and recording.ready:
+                yield from recording.ready
+                recording.ready.clear()
+        if recording is not None:
+            recording.flush()
+            yield from recording.ready
+            recording.ready.clear()
         if recording is not None and (recording.retries or recording.unknown_output):
             notes.append(
                 f"{source}: {recording.retries} retries (attempt > 0) skipped: the replay's client "

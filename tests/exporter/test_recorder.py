@@ -7,6 +7,8 @@ import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from exporter.recorder import RecordWriter, format_record, recording_files, usage_of
+from reproduce.tracecapacity import CACHE_ENV
 from reproduce.traces import read_trace
 from tests.exporter.support import Upstream, proxy_process, scrape, start_upstream, until
 
@@ -128,6 +131,23 @@ def test_a_recording_reads_as_calls_from_first_attempts_in_arrival_order(tmp_pat
         {"arrival_s": 100.0, "end_s": 107.0, "prompt_tokens": 4, "output_tokens": None, "attempt": 0},
         {"arrival_s": 108.0, "end_s": 109.0, "prompt_tokens": 4, "output_tokens": 8, "attempt": 1},
         {"arrival_s": 110.0, "end_s": 111.0, "prompt_tokens": 6, "output_tokens": None, "attempt": 0},
+        # a first attempt whose client left; its retry was given 42 tokens: the call's length
+        {
+            "arrival_s": 111.0,
+            "end_s": 111.5,
+            "prompt_tokens": 7,
+            "output_tokens": None,
+            "attempt": 0,
+            "call": "x",
+        },
+        {
+            "arrival_s": 111.6,
+            "end_s": 113.0,
+            "prompt_tokens": 7,
+            "output_tokens": 42,
+            "attempt": 1,
+            "call": "x",
+        },
     ]
     common: dict[str, Any] = {"fate": "created", "ended": "delivered", "client": "ab12"}
     rows[1]["max_tokens"] = 12
@@ -136,10 +156,14 @@ def test_a_recording_reads_as_calls_from_first_attempts_in_arrival_order(tmp_pat
     (tmp_path / "attempts-2.jsonl").write_text("\n".join(lines[2:]) + '\n{"arrival_s": 112, "pro')
     notes: list[str] = []
     records = list(read_trace(tmp_path, notes=notes))
-    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in records] == [(0.0, 4, 12), (5.0, 5, 9)]
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in records] == [
+        (0.0, 4, 12),
+        (5.0, 5, 9),
+        (11.0, 7, 42),
+    ]
     assert records[0].tenant == "ab12"
     text = " ".join(notes)
-    assert "torn last line" in text and "1 retries" in text and "1 call(s) of no known output" in text
+    assert "torn last line" in text and "2 retries" in text and "1 call(s) of no known output" in text
 
 
 # --- a real proxy -------------------------------------------------------------------------------
@@ -170,11 +194,16 @@ def test_a_proxy_records_its_calls_and_retries_and_no_text(upstream: Upstream, t
         with client.stream("POST", url, json=_body(4, stream=True), headers=_headers("d")) as r:
             assert r.status_code == 200
             r.read()
+        slow = _headers("e") | {"x-test-ttft": "1.0"}
+        with pytest.raises(httpx.ReadTimeout):  # its client leaves before the answer ...
+            client.post(url, json=_body(6), headers=slow, timeout=0.3)
+        r = client.post(url, json=_body(6), headers=slow)  # ... and retries: given 6 tokens
+        assert r.status_code == 200, r.text
 
         def written() -> float:
             return scrape(proxy.url).get(("retrywatch_recorder_records_written_total", ()), 0.0)
 
-        assert until(lambda: written() == 5, timeout_s=5)
+        assert until(lambda: written() == 7, timeout_s=5)
         assert scrape(proxy.url)[("retrywatch_recorder_records_dropped_total", ())] == 0
     raw = _lines(record)
     assert [(r["attempt"], r["fate"], r["ended"]) for r in raw] == [
@@ -183,16 +212,28 @@ def test_a_proxy_records_its_calls_and_retries_and_no_text(upstream: Upstream, t
         (1, "created", "delivered"),
         (0, "created", "delivered"),
         (0, "created", "delivered"),
+        (0, "created", "left"),
+        (1, "attached", "delivered"),
     ]
     assert raw[1]["call"] == raw[2]["call"] != raw[0]["call"]
     assert len({r["client"] for r in raw}) == 1 and raw[0]["client"]
     assert raw[0]["usage"] is True and raw[4]["usage"] is False  # the test upstream's streams carry none
     notes: list[str] = []
     calls = list(read_trace(record, notes=notes))
-    # a, b, c from the engine's usage; d's stream had none: its max_tokens
-    assert [c.output_tokens for c in calls] == [3, 5, 7, 4]
+    # a, b, c from the engine's usage; d's stream had none: its max_tokens; e's from its retry
+    assert [c.output_tokens for c in calls] == [3, 5, 7, 4, 6]
     assert calls[0].arrival_s == 0.0 and all(a.arrival_s < b.arrival_s for a, b in itertools.pairwise(calls))
-    assert any("1 retries" in n for n in notes)
+    assert any("2 retries" in n for n in notes)
+    out = tmp_path / "replay"
+    args = [
+        sys.executable, "-m", "retrywatch", "reproduce", "run", "--trace", str(record),
+        "--backend-option", "capacity=4", "--runs", "1", "--seed", "1", "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs and all(run["calls"]["offered"] == 5 for run in runs)  # the calls, not the attempts
     for f in record.iterdir():
         data = f.read_bytes()
         assert b"zebra" not in data and SECRET_KEY.encode() not in data and b"Bearer" not in data
