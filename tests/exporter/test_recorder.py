@@ -17,11 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
+from exporter.cli import proxy
 from exporter.recorder import RecordWriter, format_record, recording_files, usage_of
 from reproduce.tracecapacity import CACHE_ENV
 from reproduce.traces import read_trace
-from tests.exporter.support import Upstream, proxy_process, scrape, start_upstream, until
+from tests.exporter.support import Upstream, free_port, proxy_process, scrape, start_upstream, until
 
 SECRET_PROMPT = "zebra-quokka-7731 the secret prompt"
 SECRET_KEY = "sk-recorder-secret-0042"
@@ -271,3 +273,15 @@ def test_a_recording_survives_kill_9_losing_at_most_the_last_second(
     calls = list(read_trace(record))
     before = sum(1 for t in ended if t < killed_at - 1.0)
     assert before <= len(calls) <= len(ended)
+
+
+def test_a_record_directory_that_cannot_be_made_is_one_usage_line(tmp_path: Path) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    runner = CliRunner()
+    args = ["--upstream", "http://127.0.0.1:1", "--port", str(free_port()), "--record", str(taken)]
+    result = runner.invoke(proxy, args)
+    assert result.exit_code == 2 and "--record" in result.output and "Traceback" not in result.output
+    result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--record-max-bytes", "10"])
+    assert result.exit_code == 2 and "--record-max-bytes" in result.output
+    assert list(taken.parent.iterdir()) == [taken]  # nothing written
