@@ -23,6 +23,7 @@ from exporter.cli import proxy
 from exporter.recorder import RecordWriter, format_record, recording_files, usage_of
 from reproduce.tracecapacity import CACHE_ENV
 from reproduce.traces import read_trace
+from reproduce.traces.stats import main as stats_main
 from tests.exporter.support import Upstream, free_port, proxy_process, scrape, start_upstream, until
 
 SECRET_PROMPT = "zebra-quokka-7731 the secret prompt"
@@ -166,6 +167,9 @@ def test_a_recording_reads_as_calls_from_first_attempts_in_arrival_order(tmp_pat
     assert records[0].tenant == "ab12"
     text = " ".join(notes)
     assert "torn last line" in text and "2 retries" in text and "1 call(s) of no known output" in text
+    result = CliRunner().invoke(stats_main, [str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"calls": 3' in result.output and "note:" in result.output and "2 retries" in result.output
 
 
 # --- a real proxy -------------------------------------------------------------------------------
@@ -272,7 +276,9 @@ def test_a_recording_survives_kill_9_losing_at_most_the_last_second(
     assert len(ended) > 10
     calls = list(read_trace(record))
     before = sum(1 for t in ended if t < killed_at - 1.0)
-    assert before <= len(calls) <= len(ended)
+    # every answer given more than a second before the kill is recorded (one being read when
+    # the proxy died may be recorded and not received)
+    assert before <= len(calls) <= len(ended) + 1
 
 
 def test_a_record_directory_that_cannot_be_made_is_one_usage_line(tmp_path: Path) -> None:
