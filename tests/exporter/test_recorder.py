@@ -291,3 +291,33 @@ def test_a_record_directory_that_cannot_be_made_is_one_usage_line(tmp_path: Path
     result = runner.invoke(proxy, ["--upstream", "http://127.0.0.1:1", "--record-max-bytes", "10"])
     assert result.exit_code == 2 and "--record-max-bytes" in result.output
     assert list(taken.parent.iterdir()) == [taken]  # nothing written
+
+
+def test_a_shed_attempt_and_an_engine_refusal_are_recorded_with_their_fates(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    record = tmp_path / "rec"
+    args = ("--record", str(record), "--max-outstanding", "1", "--max-queued", "0")
+    with proxy_process(upstream.url, *args) as proxy, httpx.Client(timeout=30) as client:
+        url = f"{proxy.url}/v1/completions"
+        slow = threading.Thread(
+            target=lambda: client.post(url, json=_body(2), headers=_headers("s1") | {"x-test-ttft": "1.0"})
+        )
+        slow.start()
+        assert until(lambda: len(upstream.requests(call_id="s1")) == 1)
+        shed = client.post(url, json=_body(2), headers=_headers("s2"))  # the engine's one place is taken
+        assert shed.status_code == 503
+        slow.join(10)
+        refused = client.post(url, json=_body(2), headers=_headers("r1") | {"x-test-mode": "refuse-http"})
+        assert refused.status_code == 503
+
+        def written() -> float:
+            return scrape(proxy.url).get(("retrywatch_recorder_records_written_total", ()), 0.0)
+
+        assert until(lambda: written() == 3, timeout_s=5)
+    ended = {(r["fate"], r["shed_reason"], r["ended"]) for r in _lines(record)}
+    assert ended == {
+        ("shed", "proxy_queue", "shed"),
+        ("created", None, "delivered"),
+        ("created", None, "refused"),
+    }
