@@ -199,10 +199,15 @@ class RecordWriter:
 
     def _run(self) -> None:
         self._enforce_bounds(None)
+        enforced_at = self.clock()
         while True:
             stopping = self._stop.wait(self.flush_s)
             try:
-                self._write_queued(self.clock())
+                now = self.clock()
+                if now - enforced_at >= self.rotate_s:  # an idle proxy's old files go too
+                    enforced_at = now
+                    self._enforce_bounds(None if self._file is None else self._file.name)
+                self._write_queued(now)
             except OSError as exc:
                 log.warning("recording to %s failed (%s); a new file is tried", self.directory, exc)
                 self._close_file()

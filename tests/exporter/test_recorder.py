@@ -85,6 +85,17 @@ def test_deletes_files_past_the_age_bound_and_nothing_of_anyone_else(tmp_path: P
     assert [r["call"] for r in _lines(tmp_path)] == ["c1"]
 
 
+def test_an_idle_writer_still_deletes_files_past_the_age_bound(tmp_path: Path) -> None:
+    writer = RecordWriter(tmp_path, max_bytes=1 << 20, max_age_s=3600, rotate_s=0.05, flush_s=0.01)
+    try:
+        old = tmp_path / "attempts-20000101T000000.000000Z-000001.jsonl"
+        old.write_text(format_record(_record(0)))
+        os.utime(old, (time.time() - 7200, time.time() - 7200))
+        assert until(lambda: not old.exists(), timeout_s=5)  # no record offered meanwhile
+    finally:
+        writer.close()
+
+
 def test_a_full_queue_drops_and_counts_and_never_blocks(tmp_path: Path) -> None:
     stalled = threading.Event()
     go_on = threading.Event()
