@@ -211,7 +211,7 @@ def test_a_proxy_records_its_calls_and_retries_and_no_text(upstream: Upstream, t
         with client.stream("POST", url, json=_body(4, stream=True), headers=_headers("d")) as r:
             assert r.status_code == 200
             r.read()
-        slow = _headers("e") | {"x-test-ttft": "1.0"}
+        slow = _headers("e") | {"x-test-ttft": "2.0"}
         with pytest.raises(httpx.ReadTimeout):  # its client leaves before the answer ...
             client.post(url, json=_body(6), headers=slow, timeout=0.3)
         r = client.post(url, json=_body(6), headers=slow)  # ... and retries: given 6 tokens
