@@ -13,6 +13,11 @@ per 4-KiB page of a 64-MiB buffer (pages the previous call did not read), then t
 buffer the kernel backs with transparent huge pages (``madvise``; left out where it refuses).
 They show how much of a just-woken process's slowness is the data it touches and the TLB.
 
+With ``--record``, two rows more: an attempt and its end (completion and delivery) timed
+together, by the proxy as above and by one recording its traffic (``--record DIR``, in a temporary
+directory): what the recorder adds to the event loop's work per attempt (its writer thread's work
+is not on the loop).
+
 A proxy in front of an engine sits idle between most requests. The gap between the hot figure
 and the idle ones is what running the same code in a process that has just woken costs (cold
 caches, and on a virtual machine whatever the host did meanwhile); the no-op shows what waking
@@ -27,6 +32,7 @@ import asyncio
 import contextlib
 import mmap
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -69,6 +75,14 @@ def attempt(proxy: Proxy) -> Timed:
         proxy.subscriber_delivered(outcome.subscription, proxy.now())
 
     return elapsed_us, end
+
+
+def attempt_and_end(proxy: Proxy) -> Timed:
+    """One attempt and its end (completion and delivery), timed together."""
+    t0 = time.perf_counter_ns()
+    _, end = attempt(proxy)
+    end()
+    return (time.perf_counter_ns() - t0) / 1e3, lambda: None
 
 
 def nothing(proxy: Proxy) -> Timed:
@@ -133,10 +147,20 @@ async def timings(proxy: Proxy, work: Callable[[Proxy], Timed], gap_s: float, at
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attempts", type=int, default=300, help="attempts timed per gap")
+    parser.add_argument("--record", action="store_true", help="also time an attempt and its end, recording")
     args = parser.parse_args()
     proxy = DecisionOnly(ProxySettings(upstream="http://127.0.0.1:9", cancellation=Cancellation.ON))
 
     timed = works()
+    if args.record:
+        record_dir = tempfile.mkdtemp(prefix="bench-record-")
+        recording = DecisionOnly(
+            ProxySettings(upstream="http://127.0.0.1:9", cancellation=Cancellation.ON, record=record_dir)
+        )
+        timed += [
+            ("attempt + end", attempt_and_end),
+            ("attempt + end, recording", lambda _proxy: attempt_and_end(recording)),
+        ]
 
     async def run() -> None:
         await timings(proxy, attempt, 0.0, 200)  # warm up

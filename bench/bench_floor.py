@@ -28,6 +28,8 @@ Paths (``--paths``, comma-separated):
   ``daemon off;``, one worker, loopback, ``proxy_buffering off``, kept-alive upstream
   connections);
 * ``proxy``: ``retrywatch proxy`` on its defaults;
+* ``proxy-record``: ``retrywatch proxy`` recording its traffic (``--record DIR``, in the path's
+  work directory), to measure the recorder beside ``proxy``;
 * ``asgi-uvicorn``: the forwarding floor under uvicorn (``bench/asgi_floor.py``);
 * ``asgi-granian``, ``rsgi-granian``: the same floor under granian (``bench/granian_floor.py``),
   one worker, one runtime thread, uvloop (skipped if granian, from PyPI, is not installed);
@@ -293,6 +295,15 @@ def _command(
     commands: dict[str, list[str]] = {
         "nginx": ["nginx", "-p", workdir, "-c", os.path.join(workdir, "nginx.conf"), "-e", "stderr"],
         "proxy": [py, "-m", "retrywatch", "proxy", *proxy_args],
+        "proxy-record": [
+            py,
+            "-m",
+            "retrywatch",
+            "proxy",
+            *proxy_args,
+            "--record",
+            os.path.join(workdir, "rec"),
+        ],
         "proxy-probe": [
             *stalls,
             "--probe",

@@ -30,7 +30,7 @@ TRACES = (
     ("azure_conv_2023_5min.csv", None),
     ("mooncake_conversation_4min.jsonl", None),
 )
-TRACE_DIR = Path(__file__).resolve().parents[1] / "reproduce" / "traces" / "data"
+TRACE_DIR = Path(__file__).resolve().parents[1] / "reproduce" / "workloads" / "traces" / "data"
 # The study's base load for ten minutes, then a short tail the harness needs (a pulse phase).
 LOW_LOAD = '{"phases": [[600, 0.6], [30, 0.6], [30, 0.6]], "phase_names": ["base", "pulse", "hold"]}'
 TOLERANCE = 0.15

@@ -108,10 +108,14 @@ def proxy(deadline: str | None, log_level: str, log_format: str, **options: Any)
         raise click.UsageError(str(exc)) from None
     check_port(settings.host, settings.port)
     setup_logging(log_level, log_format, [settings.upstream])
-    app = Proxy(settings)
+    try:
+        app = Proxy(settings)
+    except OSError as exc:  # --record DIR that cannot be made or written
+        raise click.UsageError(f"--record: {exc}") from None
     announce(
         f"retrywatch proxy on {base_url(settings.host, settings.port)} (metrics /metrics) in front of "
         f"{redact_url(settings.upstream_base)}; state: in memory only"
+        + ("" if settings.record is None else f"; recording attempts to {settings.record}")
     )
     serve(
         app.app,

@@ -49,7 +49,19 @@ from exporter.admin import executions_listing
 from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
 from exporter.execution import Execution
 from exporter.metrics import ProxyMetrics
-from exporter.policy import Attempt, Cancel, Created, Dispatch, Drop, Effect, Policy, Shed, StartTimer
+from exporter.policy import (
+    Attempt,
+    Cancel,
+    Created,
+    Decision,
+    Dispatch,
+    Drop,
+    Effect,
+    Policy,
+    Shed,
+    StartTimer,
+)
+from exporter.recorder import AttemptRecorder, open_recorder
 from exporter.relay import READ_BYTES, Outcome, Relay, Subscription, UpstreamRequest
 from exporter.settings import ProxySettings
 from exporter.upstream import (
@@ -175,6 +187,13 @@ class Proxy:
         self.upstream = UpstreamClient(base, connect_s, on_fault=fault)
         self.pool = UpstreamPool(base, connect_s, max_idle_s=idle_s, on_fault=fault)
         self.relays: dict[int, Relay] = {}
+        # --record DIR: every attempt's record, written off the loop (``exporter.recorder``)
+        self.recorder: AttemptRecorder | None = None
+        if settings.record is not None:
+            self.recorder = open_recorder(
+                settings.record, settings.record_max_bytes, settings.record_max_age_s
+            )
+            self.metrics.registry.register(self.recorder.collector())
         self.executions: dict[int, Execution] = {}  # the upstream requests in flight
         # Bytes of the non-streaming answers held at once (``exporter.execution``), bounded by
         # --answer-buffer-bytes; each relay gives its own back when done (``Relay._release``).
@@ -252,6 +271,8 @@ class Proxy:
             await asyncio.gather(self._sampler, return_exceptions=True)
             await self.upstream.aclose()
             self.pool.close()
+            if self.recorder is not None:
+                self.recorder.close()
 
     @staticmethod
     def now() -> float:
@@ -404,6 +425,8 @@ class Proxy:
         decision = result.decision
         if isinstance(decision, Shed):
             self.metrics.observe_attempt("shed", self.now() - started)
+            if self.recorder is not None:
+                self._record_arrival(started, prompt_tokens, body, key, headers, result.decision, None)
             return self._shed_answer(decision)
         if isinstance(decision, Created):
             upstream_request = UpstreamRequest(route, raw, forwardable_headers(raw_headers))
@@ -422,7 +445,23 @@ class Proxy:
         # The upstream request goes out first (a dispatch writes it at once on an idle pooled
         # connection): the subscription is set up while the engine works on it.
         self.apply(result.effects)
+        if self.recorder is not None:
+            self._record_arrival(started, prompt_tokens, body, key, headers, decision, relay)
         return Joined(relay, relay.subscribe(decision.subscriber_id))
+
+    def _record_arrival(
+        self,
+        started: float,
+        prompt_tokens: int,
+        body: dict[str, Any],
+        key: str | None,
+        headers: Mapping[str, str],
+        decision: Decision,
+        relay: Relay | None,
+    ) -> None:
+        assert self.recorder is not None
+        caller = caller_scope(headers)
+        self.recorder.arrived(started, prompt_tokens, body, key, caller, decision, relay, self.now())
 
     def _answer_released(self, size: int) -> None:
         self.answers_held -= size
@@ -526,7 +565,7 @@ class Proxy:
             if last.endswith(ends) and relay.outcome is None:
                 self.complete(relay)
 
-        return sink
+        return sink if self.recorder is None else self.recorder.watch(relay, sink)
 
     def first_event_is_error(self, relay: Relay, event: bytes) -> bool:
         """Whether a stream's first SSE event is the engine's error (vLLM's in-stream refusal);
@@ -556,6 +595,8 @@ class Proxy:
         """The execution's response ended whole: the policy hears of it, the relay finishes."""
         effects = self.policy.on_completed(self.now(), relay.execution_id)
         self._clear_timer(relay.execution_id)
+        if self.recorder is not None:
+            self.recorder.completed(relay)
         self.relays.pop(relay.execution_id, None)
         relay.finish(Outcome.COMPLETED)
         self.apply(effects)
@@ -578,6 +619,8 @@ class Proxy:
     def subscriber_left(self, subscription: Subscription, started: float) -> None:
         now = self.now()
         self.metrics.observe_attempt("disconnected", now - started)
+        if self.recorder is not None:
+            self.recorder.ended(subscription, "left", now)
         self.apply(self.policy.on_subscriber_left(now, subscription.subscriber_id))
 
     def log_overrun(self, relay: Relay, subscription: Subscription) -> None:
@@ -594,6 +637,8 @@ class Proxy:
     def subscriber_delivered(self, subscription: Subscription, started: float) -> None:
         now = self.now()
         self.metrics.observe_attempt("delivered", now - started)
+        if self.recorder is not None:
+            self.recorder.ended(subscription, "delivered", now)
         self.policy.on_subscriber_delivered(now, subscription.subscriber_id)
 
     def settle(self, relay: Relay, sub: Subscription, started: float, response_started: bool) -> Ending:
@@ -616,6 +661,8 @@ class Proxy:
             self.subscriber_delivered(sub, started)
             return Ending.STREAM_END
         now = self.now()
+        if self.recorder is not None:
+            self.recorder.ended(sub, "refused" if outcome is Outcome.REFUSED else "failed", now)
         if outcome is Outcome.REFUSED:
             self.metrics.observe_attempt("refused", now - started)
         else:

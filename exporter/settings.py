@@ -234,6 +234,28 @@ class ProxySettings(PolicyConfig):
         ),
     )
 
+    record: str | None = knob(
+        None,
+        flag="record",
+        help=(
+            "Record the traffic to this directory: one JSON line per attempt (times, token counts, "
+            "hashes; never text), a trace the replayer reads (docs/traces.md). Off unless given."
+        ),
+    )
+    record_max_bytes: int = knob(
+        1024 * 1024 * 1024,
+        flag="record-max-bytes",
+        help="The recording's files together at most this many bytes; the oldest are deleted.",
+        minimum=1024 * 1024,
+    )
+    record_max_age_s: float = knob(
+        8 * 86400.0,
+        flag="record-max-age",
+        help="The recording's files older than this many seconds are deleted.",
+        minimum=0,
+        exclusive=True,
+    )
+
     def __post_init__(self) -> None:
         # Accept the flags' string values as well as the enums (frozen: set through object).
         for name, enum in (*_ENUMS.items(), ("key_without_id", KeyWithoutId)):
@@ -273,6 +295,8 @@ class ProxySettings(PolicyConfig):
                 "--admin-token must be one or more visible ASCII characters (no spaces, no control or "
                 "non-ASCII characters): it is sent in an HTTP header"
             )
+        if self.record is not None and not self.record.strip():
+            raise SettingsError("--record must be a directory")
         if not self.call_id_header.strip():
             raise SettingsError("--call-id-header must be a header name")
         try:

@@ -239,7 +239,7 @@ def _capacity_hint(model: str, capacity: float) -> str:
 @click.option(
     "--trace",
     "trace_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     default=None,
     help="Replay this request trace instead of the pulse (docs/traces.md), on any backend.",
 )

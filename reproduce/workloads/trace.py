@@ -148,7 +148,8 @@ class TraceWorkload:
 
     def scan(self, sample: int = MIX_SAMPLE, seed: int = 0) -> TraceFacts:
         """Stream the window once: count, mean rate and the token mix (digest and sample)."""
-        if Path(self.path).exists() and not is_regular_file(self.path):
+        path = Path(self.path)
+        if path.exists() and not (is_regular_file(path) or path.is_dir()):
             raise TraceError(
                 f"{self.path}: not a regular file (a pipe or a device): a replay reads its trace "
                 "twice, once for its rate and token mix and once for its calls; save it to a file first"

@@ -186,7 +186,7 @@ def test_unknown_format_and_bad_options() -> None:
         read_trace(AZURE_CONV, "sharegpt")
     with pytest.raises(TraceError, match="reorder_window_s must be >= 0"):
         read_trace(AZURE_CONV, reorder_window_s=-1)
-    assert FORMATS == ("azure", "burstgpt", "mooncake", "retrywatch")
+    assert FORMATS == ("azure", "burstgpt", "mooncake", "recording", "retrywatch")
 
 
 def message_of(tmp_path: Path, text: str, name: str = "trace.csv", **kwargs: object) -> str:

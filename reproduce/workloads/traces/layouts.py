@@ -12,6 +12,14 @@
 * ``retrywatch``: our own, as CSV or JSON lines: ``arrival_s``, ``prompt_tokens``,
   ``output_tokens``, and optionally ``call_id``, ``session``, ``tenant``, ``prefix_blocks``
   (JSON: a list of integers; CSV: integers separated by spaces) of ``block_tokens`` tokens each.
+* ``recording``: the proxy's recording (``retrywatch proxy --record DIR``, ``exporter.recorder``),
+  JSON lines, one per attempt: ``arrival_s`` (Unix seconds), ``prompt_tokens``,
+  ``output_tokens`` (null where the engine sent no usage), ``max_tokens``, ``attempt`` (0 for a
+  call's first attempt), ``fate``, ``ended``, ``client`` (a hash of the caller's credentials).
+  Calls are first attempts: a retry (``attempt`` > 0) is skipped, since the replay's client
+  model makes its own retries (``RecordingParser`` counts them). A call's output length is its
+  first attempt's, else that of a retry of it (the same ``call`` hash), else its
+  ``max_tokens``; a call with none is skipped and counted.
 
 A layout binds a header to a row parser that returns a ``Row`` (the time in seconds on the
 trace's own clock, not yet counted from its first request), or ``None`` for a row it drops.
@@ -20,6 +28,7 @@ Columns are found by name, so extra columns and any column order are fine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -35,8 +44,10 @@ from reproduce.workloads.traces.records import TraceError, row_error
 __all__ = [
     "FORMATS",
     "MOONCAKE_BLOCK_TOKENS",
+    "RECORDING_KEYS",
     "CsvParser",
     "JsonParser",
+    "RecordingParser",
     "Row",
     "csv_layout",
     "default_columns",
@@ -46,7 +57,7 @@ __all__ = [
     "names_columns_of",
 ]
 
-FORMATS = ("azure", "burstgpt", "mooncake", "retrywatch")
+FORMATS = ("azure", "burstgpt", "mooncake", "recording", "retrywatch")
 #: Mooncake's prefix blocks are 512 tokens (its trace README).
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -65,6 +76,12 @@ BURSTGPT_NEW = (
 )
 RETRYWATCH_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
 RETRYWATCH_ALL = (*RETRYWATCH_COLUMNS, "call_id", "session", "tenant", "prefix_blocks")
+#: How long (seconds of the recording's end times) a first attempt without a known output length
+#: waits for a retry of its call that knows it, and how many wait at most.
+RECORDING_JOIN_S = 300.0
+RECORDING_MAX_WAITING = 100_000
+#: The keys that tell a recording's line (``exporter.recorder``) from a retrywatch one.
+RECORDING_KEYS = ("arrival_s", "attempt", "fate", "ended")
 
 
 class Row(NamedTuple):
@@ -100,6 +117,8 @@ def detect_json(obj: Mapping[str, object]) -> str | None:
     """The layout a JSON-lines record belongs to, or None."""
     if "input_length" in obj and "timestamp" in obj:
         return "mooncake"
+    if all(k in obj for k in RECORDING_KEYS):
+        return "recording"
     if all(k in obj for k in RETRYWATCH_COLUMNS):
         return "retrywatch"
     return None
@@ -244,8 +263,86 @@ def _json_text(obj: Mapping[str, object], key: str, source: str, line: int) -> s
     return str(value)
 
 
+class RecordingParser:
+    """The row parser of a proxy recording: a call per first attempt; retries and calls of no
+    known output length are skipped and counted here (the reader's notes).
+
+    NOTE: a first attempt that ended without the engine's usage (its client left, it was shed)
+    waits for a retry of its call that has it: the call's output length is what its retry was
+    given. It waits until ``JOIN_S`` seconds of the recording's end times have passed, or the end
+    of its file (``flush``); then its ``max_tokens`` stands in, or it is skipped. The reader takes
+    the rows made ready so (``ready``) after each line."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.retries = 0
+        self.unknown_output = 0
+        self.ready: list[tuple[Row, int]] = []
+        self._waiting: dict[str, tuple[Row, int | None, int, float]] = {}  # by call hash
+        self._latest_end = 0.0
+
+    def __call__(self, obj: Mapping[str, object], line: int) -> Row | None:
+        source = self.source
+        end = obj.get("end_s")
+        if isinstance(end, int | float) and not isinstance(end, bool) and end > self._latest_end:
+            self._latest_end = float(end)
+            self._expire(self._latest_end - RECORDING_JOIN_S)
+        attempt = json_count(_key(obj, "attempt", source, line), source, line, "attempt")
+        output = self._count(obj, "output_tokens", line)
+        call = _json_text(obj, "call", source, line)
+        if attempt > 0:
+            self.retries += 1
+            if call is not None and output is not None and (waiting := self._waiting.pop(call, None)):
+                self.ready.append((waiting[0]._replace(output_tokens=output), waiting[2]))
+            return None
+        arrival = json_seconds(_key(obj, "arrival_s", source, line), source, line, "arrival_s")
+        prompt = json_count(_key(obj, "prompt_tokens", source, line), source, line, "prompt_tokens")
+        row = Row(arrival, prompt, output or 0, tenant=_json_text(obj, "client", source, line))
+        if output is not None:
+            return row
+        max_tokens = self._count(obj, "max_tokens", line)
+        if call is None:
+            return self._fallback(row, max_tokens)
+        if len(self._waiting) >= RECORDING_MAX_WAITING:
+            self._expire(math.inf, 1)
+        old = self._waiting.pop(call, None)  # the same call's first attempt again: that one is done
+        if old is not None:
+            self._settle(old)
+        self._waiting[call] = (row, max_tokens, line, float(end) if isinstance(end, int | float) else 0.0)
+        return None
+
+    def _count(self, obj: Mapping[str, object], key: str, line: int) -> int | None:
+        value = obj.get(key)
+        return None if value is None else json_count(value, self.source, line, key)
+
+    def _fallback(self, row: Row, max_tokens: int | None) -> Row | None:
+        if max_tokens is None:
+            self.unknown_output += 1
+            return None
+        return row._replace(output_tokens=max_tokens)
+
+    def _settle(self, waiting: tuple[Row, int | None, int, float]) -> None:
+        row = self._fallback(waiting[0], waiting[1])
+        if row is not None:
+            self.ready.append((row, waiting[2]))
+
+    def _expire(self, before: float, at_most: float = math.inf) -> None:
+        """Settle the waiting first attempts that ended before ``before`` (oldest first)."""
+        for done, (call, waiting) in enumerate(list(self._waiting.items())):
+            if waiting[3] >= before or done >= at_most:
+                break
+            del self._waiting[call]
+            self._settle(waiting)
+
+    def flush(self) -> None:
+        """The end of the file: every first attempt still waiting is settled."""
+        self._expire(math.inf)
+
+
 def json_parser(fmt: str, source: str, *, block_tokens: int) -> tuple[JsonParser, str]:
     """The record parser of a JSON-lines layout, and the name of its time key."""
+    if fmt == "recording":
+        return RecordingParser(source), "arrival_s"
     if fmt == "mooncake":
 
         def mooncake(obj: Mapping[str, object], line: int) -> Row | None:
@@ -275,4 +372,6 @@ def json_parser(fmt: str, source: str, *, block_tokens: int) -> tuple[JsonParser
             )
 
         return retrywatch, "arrival_s"
-    raise TraceError(f"{fmt} is not a JSON-lines layout; JSON-lines layouts are mooncake, retrywatch")
+    raise TraceError(
+        f"{fmt} is not a JSON-lines layout; JSON-lines layouts are mooncake, recording, retrywatch"
+    )

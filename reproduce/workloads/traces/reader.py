@@ -22,6 +22,13 @@ default: a Mooncake line with a long prompt's block ids is a few KB) is refused 
 number, so an endless line (``/dev/zero``, a gzip of NULs) costs one line's worth; a reorder
 window holds at most ``MAX_REORDER_ROWS`` rows.
 
+NOTE: directories. A directory is read as one trace: its files (``*.jsonl``, ``*.csv``, either
+``.gz`` too; hidden ones skipped) in name order, the proxy's recording (``retrywatch proxy
+--record DIR``: files named by their UTC start time) among them. A recording's lines are written
+when attempts end, so its rows are sorted within ``RECORDING_REORDER_S`` at least; a row further
+behind (an attempt longer than that) is skipped and noted, as is a torn last line (a proxy killed
+mid-write), never an error. What was skipped is told in ``notes`` (a list the caller passes).
+
 NOTE: pipes. A path is opened once and read once: its first bytes (gzip or not) are read from
 the same stream that is then parsed, so a FIFO or ``<(cat FILE)`` loses nothing. A FIFO whose
 writer does not open it within ``writer_wait_s`` seconds is an error, not a hang.
@@ -46,6 +53,7 @@ from typing import IO, TYPE_CHECKING
 from reproduce.workloads.traces.layouts import (
     FORMATS,
     CsvParser,
+    RecordingParser,
     Row,
     csv_layout,
     default_columns,
@@ -63,6 +71,7 @@ __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "MAX_LINE_CHARS",
     "MAX_REORDER_ROWS",
+    "RECORDING_REORDER_S",
     "WRITER_WAIT_S",
     "TraceSource",
     "is_regular_file",
@@ -77,6 +86,11 @@ MAX_LINE_CHARS = 1_000_000
 MAX_REORDER_ROWS = 1_000_000
 #: How long a FIFO given as the trace is waited on for its writer, seconds.
 WRITER_WAIT_S = 30.0
+#: The least reorder window of a recording, seconds: its lines come at attempts' ends, so an
+#: attempt's row is behind those of later arrivals by up to its duration.
+RECORDING_REORDER_S = 600.0
+#: The file names a directory given as the trace is read from.
+_TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".csv", ".csv.gz")
 
 TraceSource = str | os.PathLike[str] | Iterable[str]
 
@@ -90,14 +104,17 @@ def read_trace(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     max_line_chars: int = MAX_LINE_CHARS,
     writer_wait_s: float = WRITER_WAIT_S,
+    notes: list[str] | None = None,
 ) -> Iterator[TraceRecord]:
     """Stream the requests of a trace, in time order, arrivals counted from the first one.
 
     ``format``: one of ``FORMATS``; autodetected from the header when None. ``keep_failed``
     keeps BurstGPT's failed rows (0 response tokens). ``block_tokens``: tokens per prefix block
     of the retrywatch layout. ``max_line_chars``: the longest line read. ``writer_wait_s``: how
-    long a FIFO is waited on for a writer. Raises ``TraceError`` (one line: line and column) on
-    a bad row.
+    long a FIFO is waited on for a writer. ``notes``, if given, gets one line for each thing
+    skipped on purpose (a recording's retries, a torn last line). A directory is read as one
+    trace (its files in name order). Raises ``TraceError`` (one line: line and column) on a bad
+    row.
     """
     if format is not None and format not in FORMATS:
         raise TraceError(f"unknown trace format {format!r}; known: {', '.join(FORMATS)}")
@@ -107,12 +124,18 @@ def read_trace(
         raise TraceError(f"block_tokens must be >= 1, got {block_tokens!r}")
     if max_line_chars < 1:
         raise TraceError(f"max_line_chars must be >= 1, got {max_line_chars!r}")
+    told = notes if notes is not None else []
     if isinstance(source, str | os.PathLike):
+        path = Path(source)
+        if path.is_dir():
+            return _read_directory(
+                path, format, reorder_window_s, keep_failed, block_tokens, max_line_chars, told
+            )
         return _read_path(
-            Path(source), format, reorder_window_s, keep_failed, block_tokens, max_line_chars, writer_wait_s
+            path, format, reorder_window_s, keep_failed, block_tokens, max_line_chars, writer_wait_s, told
         )
     lines = _bounded(iter(source), "<stream>", max_line_chars)
-    return _read_lines(lines, format, reorder_window_s, keep_failed, block_tokens, max_line_chars)
+    return _read_lines(lines, format, reorder_window_s, keep_failed, block_tokens, max_line_chars, told)
 
 
 def is_regular_file(path: str | os.PathLike[str]) -> bool:
@@ -130,9 +153,78 @@ def _read_lines(
     keep_failed: bool,
     block_tokens: int,
     max_line_chars: int,
+    notes: list[str],
 ) -> Iterator[TraceRecord]:
-    rows, time_column = _rows(lines, "<stream>", fmt, keep_failed, block_tokens, max_line_chars)
-    yield from _ordered(rows, "<stream>", time_column, window)
+    rows, time_column, layout = _rows(
+        lines, "<stream>", fmt, keep_failed, block_tokens, notes, max_line_chars
+    )
+    yield from _in_order(rows, "<stream>", time_column, window, layout, notes)
+
+
+def _read_directory(
+    path: Path,
+    fmt: str | None,
+    window: float,
+    keep_failed: bool,
+    block_tokens: int,
+    max_line_chars: int,
+    notes: list[str],
+) -> Iterator[TraceRecord]:
+    """Every trace file of a directory, in name order, as one trace."""
+    try:
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if not p.name.startswith(".") and p.name.endswith(_TRACE_SUFFIXES) and is_regular_file(p)
+        )
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not files:
+        raise TraceError(f"{path}: a directory without trace files ({', '.join(_TRACE_SUFFIXES)})")
+    layouts: list[str] = []
+
+    def rows() -> Iterator[tuple[Row, int]]:
+        for file in files:
+            try:
+                fh = _open(file, 0.0)
+            except OSError as exc:
+                raise TraceError(f"{file}: cannot read: {exc.strerror or exc}") from None
+            with fh:
+                lines = _lines(fh, str(file), max_line_chars)
+                head = next(lines, "")
+                if not head.endswith("\n"):  # empty, or one torn line: a file just begun
+                    if head.strip():
+                        notes.append(f"{file}: line 1: a torn last line (a proxy stopped mid-write) skipped")
+                    continue
+                found, _, layout = _rows(
+                    chain([head], lines), str(file), fmt, keep_failed, block_tokens, notes, max_line_chars
+                )
+                layouts.append(layout)
+                yield from found
+
+    found = rows()
+    first = next(found, None)
+    if first is None:
+        raise TraceError(f"{path}: no rows in its {len(files)} trace file(s)")
+    yield from _in_order(chain([first], found), str(path), "arrival_s", window, layouts[0], notes)
+
+
+def _in_order(
+    rows: Iterator[tuple[Row, int]], source: str, column: str, window: float, layout: str, notes: list[str]
+) -> Iterator[TraceRecord]:
+    """``_ordered``; a recording's rows within ``RECORDING_REORDER_S`` at least, a row further
+    behind skipped and noted."""
+    if layout != "recording":
+        yield from _ordered(rows, source, column, window)
+        return
+    window = max(window, RECORDING_REORDER_S)
+    late = [0]
+    yield from _ordered(rows, source, column, window, late)
+    if late[0]:
+        notes.append(
+            f"{source}: {late[0]} row(s) more than {window:g} s behind a later arrival skipped "
+            "(attempts longer than the reorder window)"
+        )
 
 
 def _read_path(
@@ -143,6 +235,7 @@ def _read_path(
     block_tokens: int,
     max_line_chars: int,
     writer_wait_s: float,
+    notes: list[str],
 ) -> Iterator[TraceRecord]:
     try:
         fh = _open(path, writer_wait_s)
@@ -150,8 +243,10 @@ def _read_path(
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with fh:
         lines = _lines(fh, str(path), max_line_chars)
-        rows, time_column = _rows(lines, str(path), fmt, keep_failed, block_tokens, max_line_chars)
-        yield from _ordered(rows, str(path), time_column, window)
+        rows, time_column, layout = _rows(
+            lines, str(path), fmt, keep_failed, block_tokens, notes, max_line_chars
+        )
+        yield from _in_order(rows, str(path), time_column, window, layout, notes)
 
 
 class _Prefixed(io.RawIOBase):
@@ -246,10 +341,11 @@ def _rows(
     fmt: str | None,
     keep_failed: bool,
     block_tokens: int,
+    notes: list[str],
     max_chars: int = MAX_LINE_CHARS,
-) -> tuple[Iterator[tuple[Row, int]], str]:
-    """The parsed rows (with their line numbers) and the layout's time column; a CSV row over
-    ``max_chars`` characters, whatever lines it spans, is an error (``_RowSpan``)."""
+) -> tuple[Iterator[tuple[Row, int]], str, str]:
+    """The parsed rows (with their line numbers), the layout's time column and the layout; a CSV
+    row over ``max_chars`` characters, whatever lines it spans, is an error (``_RowSpan``)."""
     first = ""
     skipped = 0
     for first in lines:
@@ -260,7 +356,7 @@ def _rows(
         raise TraceError(f"{source}: empty: no header and no rows")
     first = first.removeprefix(codecs.BOM_UTF8.decode())
     if first.lstrip().startswith("{"):
-        return _json_rows(chain([first], lines), source, fmt, skipped, block_tokens)
+        return _json_rows(chain([first], lines), source, fmt, skipped, block_tokens, notes)
     header = next(csv.reader([first]))
     detected = detect_csv(header)
     if fmt is None and detected is None:
@@ -270,8 +366,8 @@ def _rows(
         )
     layout = fmt if fmt is not None else detected
     assert layout is not None
-    if layout == "mooncake":
-        raise row_error(source, skipped + 1, None, "a mooncake trace is JSON lines, this line is not")
+    if layout in ("mooncake", "recording"):
+        raise row_error(source, skipped + 1, None, f"a {layout} trace is JSON lines, this line is not")
     has_header = detected == layout or names_columns_of(layout, header)
     offset = skipped + 1 if has_header else skipped
     span = _RowSpan(lines if has_header else chain([first], lines), source, max_chars, offset)
@@ -280,7 +376,7 @@ def _rows(
     parser, time_column = csv_layout(
         layout, columns, source, keep_failed=keep_failed, block_tokens=block_tokens
     )
-    return _csv_rows(reader, parser, offset, source, span), time_column
+    return _csv_rows(reader, parser, offset, source, span), time_column, layout
 
 
 class _RowSpan:
@@ -336,8 +432,8 @@ def _csv_rows(
 
 
 def _json_rows(
-    lines: Iterator[str], source: str, fmt: str | None, skipped: int, block_tokens: int
-) -> tuple[Iterator[tuple[Row, int]], str]:
+    lines: Iterator[str], source: str, fmt: str | None, skipped: int, block_tokens: int, notes: list[str]
+) -> tuple[Iterator[tuple[Row, int]], str, str]:
     first = next(lines)
     obj = _json_object(first, source, skipped + 1)
     layout = fmt if fmt is not None else detect_json(obj)
@@ -348,6 +444,8 @@ def _json_rows(
         )
     parser, time_key = json_parser(layout, source, block_tokens=block_tokens)
 
+    recording = parser if isinstance(parser, RecordingParser) else None
+
     def rows() -> Iterator[tuple[Row, int]]:
         row = parser(obj, skipped + 1)
         if row is not None:
@@ -355,11 +453,33 @@ def _json_rows(
         for n, text in enumerate(lines, start=skipped + 2):
             if not text.strip():
                 continue
-            row = parser(_json_object(text, source, n), n)
+            try:
+                record = _json_object(text, source, n)
+            except TraceError:
+                # NOTE: a recording's last line without its line end was cut by a proxy killed
+                # mid-write: what came before it is whole.
+                if recording is None or text.endswith("\n"):
+                    raise
+                notes.append(f"{source}: line {n}: a torn last line (a proxy stopped mid-write) skipped")
+                continue
+            row = parser(record, n)
             if row is not None:
                 yield row, n
+            if recording is not None and recording.ready:
+                yield from recording.ready
+                recording.ready.clear()
+        if recording is not None:
+            recording.flush()
+            yield from recording.ready
+            recording.ready.clear()
+        if recording is not None and (recording.retries or recording.unknown_output):
+            notes.append(
+                f"{source}: {recording.retries} retries (attempt > 0) skipped: the replay's client "
+                f"model makes its own; {recording.unknown_output} call(s) of no known output length "
+                "skipped"
+            )
 
-    return rows(), time_key
+    return rows(), time_key, layout
 
 
 def _json_object(text: str, source: str, line: int) -> dict[str, object]:
@@ -403,8 +523,10 @@ def _unsorted(
 
 
 def _ordered(
-    rows: Iterator[tuple[Row, int]], source: str, column: str, window: float
+    rows: Iterator[tuple[Row, int]], source: str, column: str, window: float, late: list[int] | None = None
 ) -> Iterator[TraceRecord]:
+    """The rows in time order (sorted within ``window``); a row further behind is an error, or,
+    with ``late`` (a one-item count), skipped and counted."""
     base: float | None = None
     last_t = float("-inf")
     last_line = 0
@@ -420,6 +542,9 @@ def _ordered(
     heap: list[tuple[float, int, Row]] = []
     for row, line in rows:
         if row.time_s < last_t - window:
+            if late:
+                late[0] += 1
+                continue
             raise _unsorted(source, line, column, last_line, last_t - row.time_s, window)
         heapq.heappush(heap, (row.time_s, line, row))
         if len(heap) > MAX_REORDER_ROWS:

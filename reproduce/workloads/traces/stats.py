@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 
 @click.command(name="stats")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())
 @click.option(
     "--format", "fmt", type=click.Choice(FORMATS), default=None, help="Layout, if the header does not tell."
 )
@@ -36,14 +36,21 @@ def main(
     window_text: str | None,
     as_json: bool,
 ) -> None:
-    """Print the facts of TRACE (any layout retrywatch reads; gzip too)."""
+    """Print the facts of TRACE (any layout retrywatch reads; gzip too; a directory of trace
+    files, such as a proxy's recording, as one). What was skipped on purpose (a recording's
+    retries, a torn last line) is told on stderr."""
+    notes: list[str] = []
     try:
-        records = read_trace(trace, fmt, reorder_window_s=reorder_window_s, keep_failed=keep_failed)
+        records = read_trace(
+            trace, fmt, reorder_window_s=reorder_window_s, keep_failed=keep_failed, notes=notes
+        )
         if window_text is not None:
             records = window(records, *parse_window(window_text))
         stats = trace_stats(records)
     except TraceError as exc:
         raise click.ClickException(str(exc)) from None
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     click.echo(json.dumps(asdict(stats)) if as_json else format_stats(stats))
 
 
