@@ -195,7 +195,7 @@ def format_statuses(statuses: frozenset[int]) -> str:
     return ",".join(parts)
 
 
-@dataclass
+@dataclass(slots=True)
 class AttemptRecord:
     """One attempt of a call: when it was sent, its first byte, its end and how it ended."""
 
@@ -227,7 +227,7 @@ class AttemptRecord:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class CallRecord:
     """One call: its plan (arrival, lengths, phase), its attempts and when it was delivered."""
 

@@ -42,11 +42,12 @@ from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from foundation import metricnames as mn
 from foundation.timeseries import Sample
 from reproduce.engine.config import EngineConfig
-from reproduce.engine.kvcache import BlockPool, prompt_layout
+from reproduce.engine.kvcache import BlockPool, layout_and_length
 from reproduce.engine.vllmstats import VllmStats
 
 __all__ = [
@@ -84,9 +85,10 @@ class EventKind(StrEnum):
     ABORTED = "aborted"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """One execution sent to the engine: its prompt as chained segments and its output length."""
+class EngineRequest(NamedTuple):
+    """One execution sent to the engine: its prompt as chained segments and its output length.
+
+    (A named tuple, like ``EngineEvent``: immutable, and made once or twice per call.)"""
 
     request_id: str
     segments: tuple[tuple[Hashable, int], ...]
@@ -97,8 +99,7 @@ class EngineRequest:
         return sum(n for _, n in self.segments)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineEvent:
+class EngineEvent(NamedTuple):
     """Something the driver must learn about an execution, at simulated/engine time ``t``.
 
     ``output_tokens``: tokens output so far (the full length for FINISHED).
@@ -374,8 +375,7 @@ class EngineModel:
             raise EngineRequestError(f"request {rid!r} is already live in the engine")
         if request.max_tokens < 1:
             raise EngineRequestError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
-        layout = prompt_layout(request.segments, self._bs) if request.segments else []
-        prompt_len = request.prompt_len
+        layout, prompt_len = layout_and_length(request.segments, self._bs)
         if prompt_len < 1:
             raise EngineRequestError(f"request {rid!r} has an empty prompt")
         total = prompt_len + request.max_tokens
@@ -696,17 +696,13 @@ class EngineModel:
             need = -(-(hit_tokens + n) // bs) - hit_blocks
             # vLLM's --scheduler-reserve-full-isl: the whole sequence must fit, not the chunk
             gate = -(-length // bs) - hit_blocks if reserve_full else need
-            if gate + free_hit > pool.num_free:
+            if gate + free_hit > pool.free_empty + pool.free_cached:  # (``pool.num_free``)
                 break
             waiting.popleft()
             self._num_waiting -= 1
             if hit_blocks:
-                layout = ex.layout
-                held = ex.held
-                for j, h in enumerate(hits):
-                    if h:
-                        pool.hold(layout[j][0], 0, h)
-                        held[j] = h
+                pool.hold_hits(ex.layout, hits)
+                ex.held = hits  # (it held nothing while waiting)
             ex.held_total = hit_blocks
             pool.allocate(need)
             ex.private = need
@@ -753,12 +749,16 @@ class EngineModel:
         for ex, n in step.chunks:
             if ex.state != _PREFILL:
                 continue
-            ex.computed += n
-            prompt_part = min(ex.computed, ex.prompt_len) - min(ex.computed - n, ex.prompt_len)
-            ex.computed_prompt += max(0, prompt_part)
+            before = ex.computed
+            computed = ex.computed = before + n
+            prompt_len = ex.prompt_len
+            if before < prompt_len:  # prompt tokens (not a recomputed output) among these
+                ex.computed_prompt += (computed if computed < prompt_len else prompt_len) - before
             if caching:
-                self._commit(ex, min(ex.computed, ex.prompt_len) // bs)
-            if ex.computed >= ex.target and ex.abort_step != s:
+                full_blocks = (computed if computed < prompt_len else prompt_len) // bs
+                if full_blocks > ex.held_total:
+                    self._commit(ex, full_blocks)
+            if computed >= ex.target and ex.abort_step != s:
                 # an abort that arrived during this step discards its output (see the class NOTE)
                 self._prefill_done(ex, s, now, events, output=ex.abort_requested_step is None)
 
@@ -826,42 +826,39 @@ class EngineModel:
         """``ex`` computed its whole prompt in step ``s``; with ``output`` False (an abort arrived
         during the step) its token is discarded: it only moves on to decode in the step in flight."""
         self._prefilling.remove(ex)
+        out = ex.out
         if output:
-            ex.out += 1
+            out = ex.out = out + 1
             self.generation_tokens_total += 1
-        if output and ex.first_token:  # its first token after a preemption
-            self.vllm_stats.later_tokens(now - ex.last_token_at, 1)
-            ex.last_token_at = now
-        if output and not ex.first_token:
-            ex.first_token = True
-            ex.first_token_at = ex.last_token_at = now
-            self.vllm_stats.first_token(ex.arrival, now)
-            self.prompt_tokens_total += ex.prompt_len
-            if ex.trace is not None:
-                ex.trace.first_token_at = now
-            events.append(
-                EngineEvent(
-                    EventKind.FIRST_TOKEN, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt
-                )
-            )
-        if output and ex.out >= ex.max_tokens:
-            events.append(self._finish(ex, now))
-            return
+            if ex.first_token:  # its first token after a preemption
+                self.vllm_stats.later_tokens(now - ex.last_token_at, 1)
+                ex.last_token_at = now
+            else:
+                ex.first_token = True
+                ex.first_token_at = ex.last_token_at = now
+                self.vllm_stats.first_token(ex.arrival, now)
+                self.prompt_tokens_total += ex.prompt_len
+                if ex.trace is not None:
+                    ex.trace.first_token_at = now
+                events.append(EngineEvent(EventKind.FIRST_TOKEN, ex.rid, now, out, ex.computed_prompt))
+            if out >= ex.max_tokens:
+                events.append(self._finish(ex, now))
+                return
         ex.state = _DECODE
         ex.s0 = s
-        ex.base_ctx = ex.target
-        ex.base_out = ex.out
+        target = ex.base_ctx = ex.target
+        ex.base_out = out
         self._n_dec += 1
-        self._ctx_base += ex.base_ctx - s
+        self._ctx_base += target - s
         bs = self._bs
-        self._seq += 1
-        heapq.heappush(self._finish_heap, (s + ex.max_tokens - ex.base_out, self._seq, ex.epoch, ex))
-        ex.next_block = s + bs * (-(-ex.target // bs)) - ex.target + 1
-        self._seq += 1
-        ex.block_seq = self._seq
-        heapq.heappush(self._block_heap, (ex.next_block, self._seq, ex.epoch, ex))
+        seq = self._seq
+        last = s + ex.max_tokens - out
+        heapq.heappush(self._finish_heap, (last, seq + 1, ex.epoch, ex))
+        ex.next_block = s + bs * (-(-target // bs)) - target + 1
+        self._seq = ex.block_seq = seq + 2
+        heapq.heappush(self._block_heap, (ex.next_block, seq + 2, ex.epoch, ex))
         if ex.trace is not None:
-            ex.trace.decode_spans.append((s + 1, s + ex.max_tokens - ex.base_out))
+            ex.trace.decode_spans.append((s + 1, last))
 
     def _leave_decode(self, ex: _Exec, last_step: int) -> None:
         """Take ``ex`` out of the decode sums; its output count is fixed at ``last_step``."""
@@ -874,15 +871,8 @@ class EngineModel:
             ex.trace.decode_spans[-1] = (first, last_step)
 
     def _release(self, ex: _Exec) -> None:
-        pool = self._pool
-        layout = ex.layout
-        held = ex.held
-        for j, h in enumerate(held):
-            if h:
-                pool.hold(layout[j][0], h, 0)
-                held[j] = 0
+        self._pool.release(ex.layout, ex.held if ex.held_total else None, ex.private)
         ex.held_total = 0
-        pool.release_private(ex.private)
         ex.private = 0
 
     def _leave_running(self, ex: _Exec, last_step: int) -> None:
@@ -898,23 +888,18 @@ class EngineModel:
         if ex.aborting:  # pragma: no cover - an execution with a pending abort never finishes
             ex.aborting = False
             self._aborting -= 1
-        del self._running[ex.rid]
+        rid = ex.rid
+        del self._running[rid]
         self._release(ex)
         ex.state = _DONE
-        del self._live[ex.rid]
+        del self._live[rid]
         self.request_success_total["length"] += 1
-        self.vllm_stats.finished(
-            arrival=ex.arrival,
-            scheduled=ex.scheduled_first,
-            first_token=ex.first_token_at,
-            now=now,
-            prompt_tokens=ex.prompt_len,
-            output_tokens=ex.out,
-        )
+        out = ex.out
+        self.vllm_stats.finished(ex.arrival, ex.scheduled_first, ex.first_token_at, now, ex.prompt_len, out)
         if ex.trace is not None:
             ex.trace.finished_at = now
-            ex.trace.output_tokens = ex.out
-        return EngineEvent(EventKind.FINISHED, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt)
+            ex.trace.output_tokens = out
+        return EngineEvent(EventKind.FINISHED, rid, now, out, ex.computed_prompt)
 
     def _remove(self, ex: _Exec, now: float) -> EngineEvent:
         """Drop an aborted execution (waiting, or running after its in-flight steps)."""
