@@ -550,10 +550,11 @@ class Policy:
         self.sweep_deadlines(now)
         kind, call_started_at = self._classify(now, attempt)
         self.counters.attempts[kind] += 1
-        if kind is AttemptKind.FIRST:
+        first = kind is AttemptKind.FIRST
+        if first:
             self._await_delivery(now, attempt.key)
-        if kind is AttemptKind.FIRST and self._budget is not None:
-            self._budget.record_first(now)
+            if self._budget is not None:
+                self._budget.record_first(now)
 
         departure_key = None if attempt.identified else attempt.key
         call_key = attempt.key if attempt.identified else None
@@ -562,7 +563,7 @@ class Policy:
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
             return self._shed(now, kind, ShedReason.RETRY_BUDGET, wait, departure_key, call_started_at)
 
-        live = self._attach_target(attempt, kind)
+        live = None if first else self._attach_target(attempt, kind)
         if live is not None:
             attached = self._attach(now, kind, live, call_started_at, departure_key, call_key)
             return AttemptResult(attached, [])

@@ -452,6 +452,11 @@ class EngineModel:
         """When the last step of ``step`` (one step, or the last of a coalesced run) started."""
         return step.ends[-2] if step.num_steps > 1 else step.start
 
+    @property
+    def has_pending_events(self) -> bool:
+        """Whether ``drain_events`` has events to hand on."""
+        return bool(self._pending)
+
     def drain_events(self) -> list[EngineEvent]:
         """Events produced while scheduling (aborts of executions that never ran) that no
         ``finish_step`` will return because ``start_step`` found nothing to run."""
