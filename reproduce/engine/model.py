@@ -229,7 +229,7 @@ class _Exec:
         self.epoch = 0
         self.s0 = 0
         self.next_block = 0  # step at which this decode needs its next KV block
-        self.block_seq = -1  # the block-heap entry that is current (older ones are stale)
+        self.block_seq = -1  # its current entry in the engine's _block_due (older ones are stale)
         self.base_ctx = 0
         self.base_out = 0
         self.computed_prompt = 0
@@ -290,7 +290,11 @@ class EngineModel:
         self._n_dec = 0
         self._ctx_base = 0  # sum over decodes of (context after prefill - prefill's step index)
         self._finish_heap: list[tuple[int, int, int, _Exec]] = []
-        self._block_heap: list[tuple[int, int, int, _Exec]] = []
+        # decodes by the step at which they need their next KV block, as (seq, execution): an
+        # entry is current while its seq is the execution's block_seq (older ones are stale).
+        # Every step's decodes are due at one later step (a bucket queue, not a heap: no step
+        # before the next one to run is ever listed, ``check``).
+        self._block_due: dict[int, list[tuple[int, _Exec]]] = {}
         self._abort_due: dict[int, list[_Exec]] = {}
         self._aborting = 0  # live executions whose abort is pending (in flight, or waiting)
         self._waiting_aborts: list[_Exec] = []  # aborted while the next step's admission stood
@@ -475,13 +479,9 @@ class EngineModel:
         preempted = 0
 
         # 1. running decodes: one token each; some need a new KV block this step.
-        heap = self._block_heap
-        if heap and heap[0][0] <= s:
-            due: list[_Exec] = []
-            while heap and heap[0][0] <= s:
-                _, seq, _, ex = heapq.heappop(heap)
-                if ex.block_seq == seq and ex.state == _DECODE:
-                    due.append(ex)
+        entries = self._block_due.pop(s, None)
+        if entries:
+            due = [ex for seq, ex in entries if ex.block_seq == seq and ex.state == _DECODE]
             need = len(due)
             if not pool.allocate(need):
                 # preempt the newest running executions until the remaining decodes fit
@@ -494,13 +494,16 @@ class EngineModel:
                         need -= 1
                 pool.allocate(need)
             next_at = s + bs
+            later = self._block_due.setdefault(next_at, [])
+            seq = self._seq
             for ex in due:
                 if ex.state == _DECODE:
                     ex.private += 1
                     ex.next_block = next_at
-                    self._seq += 1
-                    ex.block_seq = self._seq
-                    heapq.heappush(heap, (next_at, self._seq, ex.epoch, ex))
+                    seq += 1
+                    ex.block_seq = seq
+                    later.append((seq, ex))
+            self._seq = seq
 
         # 2. running prefills (chunked), in admission order.
         chunks: list[tuple[_Exec, int]] = []
@@ -608,28 +611,23 @@ class EngineModel:
             return duration
         bs = self._bs
         end = s + m  # steps s+1 .. s+m-1 are added
-        heap = self._block_heap
+        block_due = self._block_due
         early: list[tuple[_Exec, int, int]] = []
         need = 0
-        while heap and heap[0][0] < end:
-            at, seq, _, ex = heapq.heappop(heap)
-            if ex.block_seq == seq and ex.state == _DECODE:
-                count = 1 + (end - 1 - at) // bs
-                early.append((ex, at, count))
-                need += count
+        for at in range(s + 1, end):  # (step s's were taken by start_step)
+            for seq, ex in block_due.pop(at, ()):
+                if ex.block_seq == seq and ex.state == _DECODE:
+                    count = 1 + (end - 1 - at) // bs
+                    early.append((ex, at, count))
+                    need += count
         if need > self._pool.num_free:
             for ex, at, _ in early:  # some step would preempt: step one by one instead
-                self._seq += 1
-                ex.block_seq = self._seq
-                heapq.heappush(heap, (at, self._seq, ex.epoch, ex))
+                self._need_block_at(ex, at)
             return duration
         # The blocks are taken when the run ends (finish_step), in the same order and from the
         # same LRU state as step by step: nothing else touches the pool during the run.
         for ex, at, count in early:
-            ex.next_block = at + bs * count
-            self._seq += 1
-            ex.block_seq = self._seq
-            heapq.heappush(heap, (ex.next_block, self._seq, ex.epoch, ex))
+            self._need_block_at(ex, at + bs * count)
         n_dec = step.num_decode
         per_step = self._step_time.duration(0, n_dec, 0)
         per_ctx = self._step_time.per_context_token_s
@@ -663,16 +661,12 @@ class EngineModel:
         if keep < step.num_steps:
             bs = self._bs
             cut = step.index + keep  # first step no longer run
-            heap = self._block_heap
             early = step.early
             for i, (ex, first, count) in enumerate(early):
                 kept = 0 if first >= cut else min(count, 1 + (cut - 1 - first) // bs)
                 if kept < count:
                     early[i] = (ex, first, kept)
-                    ex.next_block = first + bs * kept
-                    self._seq += 1
-                    ex.block_seq = self._seq
-                    heapq.heappush(heap, (ex.next_block, self._seq, ex.epoch, ex))
+                    self._need_block_at(ex, first + bs * kept)
             step.num_steps = keep
             del ends[keep:]
             self._next_step = step.index + keep
@@ -859,11 +853,21 @@ class EngineModel:
         seq = self._seq
         last = s + ex.max_tokens - out
         heapq.heappush(self._finish_heap, (last, seq + 1, ex.epoch, ex))
-        ex.next_block = s + bs * (-(-target // bs)) - target + 1
-        self._seq = ex.block_seq = seq + 2
-        heapq.heappush(self._block_heap, (ex.next_block, seq + 2, ex.epoch, ex))
+        self._seq = seq + 1
+        self._need_block_at(ex, s + bs * (-(-target // bs)) - target + 1)
         if ex.trace is not None:
             ex.trace.decode_spans.append((s + 1, last))
+
+    def _need_block_at(self, ex: _Exec, step: int) -> None:
+        """The decode ``ex`` needs its next KV block at ``step`` (its earlier entry is stale)."""
+        self._seq = seq = self._seq + 1
+        ex.block_seq = seq
+        ex.next_block = step
+        entries = self._block_due.get(step)
+        if entries is None:
+            self._block_due[step] = [(seq, ex)]
+        else:
+            entries.append((seq, ex))
 
     def _leave_decode(self, ex: _Exec, last_step: int) -> None:
         """Take ``ex`` out of the decode sums; its output count is fixed at ``last_step``."""
@@ -1024,6 +1028,8 @@ class EngineModel:
         assert total == pool.num_blocks, (private, held, pool.free_empty, pool.free_cached, pool.num_blocks)
         aborting = sum(1 for ex in self._live.values() if ex.aborting)
         assert aborting == self._aborting, (aborting, self._aborting)
+        # no decode needs a block at a step that has already run (``_block_due``)
+        assert min(self._block_due, default=self._next_step) >= self._next_step, self._next_step
         for ex in self._running.values():
             blocks = ex.held_total + ex.private
             tokens = ex.computed if ex.state == _PREFILL else ex.base_ctx + (self._last_finished - ex.s0)
