@@ -24,8 +24,8 @@ So, in this model:
 
 NOTE (speed): a step costs O(executions that change phase), not O(running): decodes are
 counted, not iterated (one global step index; each decode execution knows the step at which
-it finishes and at which it needs its next KV block, kept in heaps); sums of running and
-context tokens are maintained incrementally.
+it finishes, kept in a heap, and the step at which it needs its next KV block, kept in a
+bucket per step); sums of running and context tokens are maintained incrementally.
 
 vLLM's counters, gauges and histograms follow vLLM's real rules, written down (with the vLLM
 source function of each) in ``reproduce.engine.vllmstats``: ``vllm:prompt_tokens_total`` adds a
