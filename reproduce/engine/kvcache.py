@@ -211,10 +211,6 @@ class BlockPool:
                     held[j] = 0
         self.free_empty += private
 
-    def release_private(self, n: int) -> None:
-        """Return ``n`` private blocks (partial blocks, output tokens) as empty."""
-        self.free_empty += n
-
     def _evict(self, n: int) -> None:
         lru = self._lru
         segments = self._segments
