@@ -317,6 +317,11 @@ class EngineModel:
         self._gauge_running = 0
         self._gauge_kv_usage = 0.0
         self.vllm_stats = VllmStats(config.max_model_len)
+        # label set -> its label dicts (``metrics_samples``): plain, by finish reason, by rejection reason
+        self._label_dicts: dict[
+            tuple[tuple[str, str], ...],
+            tuple[dict[str, str], dict[str, dict[str, str]], dict[str, dict[str, str]]],
+        ] = {}
         # traces
         self.trace_enabled = trace
         self.traces: dict[str, ExecutionTrace] = {}
@@ -995,26 +1000,32 @@ class EngineModel:
         """vLLM's counters, gauges and histograms (``_bucket``/``_count``/``_sum``, last) as
         ``(name, labels, value)`` with vLLM's names and label sets."""
         base = dict(labels or {})
-
-        def lab(**extra: str) -> dict[str, str]:
-            return {**base, **extra}
-
+        # NOTE (speed): the label dicts are made once per label set and shared by every export
+        # (a simulated run keeps each one; samples are never mutated), as the histograms' are
+        made = self._label_dicts.get(key := tuple(base.items()))
+        if made is None:
+            # vLLM labels the rejections by model_name and reason only (no engine)
+            frontend = {k: v for k, v in base.items() if k != "engine"}
+            made = self._label_dicts[key] = (
+                base,
+                {reason: {**base, "finished_reason": reason} for reason in FINISHED_REASONS},
+                {reason: {**frontend, "reason": reason} for reason in REJECTION_REASONS},
+            )
+        plain, finished, rejected = made
         samples: list[Sample] = [
-            (mn.VLLM_PROMPT_TOKENS, lab(), float(self.prompt_tokens_total)),
-            (mn.VLLM_PREFIX_CACHE_QUERIES, lab(), float(self.prefix_cache_queries_total)),
-            (mn.VLLM_PREFIX_CACHE_HITS, lab(), float(self.prefix_cache_hits_total)),
-            (mn.VLLM_GENERATION_TOKENS, lab(), float(self.generation_tokens_total)),
-            (mn.VLLM_NUM_PREEMPTIONS, lab(), float(self.num_preemptions_total)),
-            (mn.VLLM_NUM_WAITING, lab(), float(self._gauge_waiting)),
-            (mn.VLLM_NUM_RUNNING, lab(), float(self._gauge_running)),
-            (mn.VLLM_KV_CACHE_USAGE, lab(), float(self._gauge_kv_usage)),
+            (mn.VLLM_PROMPT_TOKENS, plain, float(self.prompt_tokens_total)),
+            (mn.VLLM_PREFIX_CACHE_QUERIES, plain, float(self.prefix_cache_queries_total)),
+            (mn.VLLM_PREFIX_CACHE_HITS, plain, float(self.prefix_cache_hits_total)),
+            (mn.VLLM_GENERATION_TOKENS, plain, float(self.generation_tokens_total)),
+            (mn.VLLM_NUM_PREEMPTIONS, plain, float(self.num_preemptions_total)),
+            (mn.VLLM_NUM_WAITING, plain, float(self._gauge_waiting)),
+            (mn.VLLM_NUM_RUNNING, plain, float(self._gauge_running)),
+            (mn.VLLM_KV_CACHE_USAGE, plain, float(self._gauge_kv_usage)),
         ]
         for reason, value in self.request_success_total.items():
-            samples.append((mn.VLLM_REQUEST_SUCCESS, lab(finished_reason=reason), float(value)))
-        # vLLM labels this family by model_name and reason only (no engine)
-        frontend = {k: v for k, v in base.items() if k != "engine"}
+            samples.append((mn.VLLM_REQUEST_SUCCESS, finished[reason], float(value)))
         for reason, value in self.admission_rejections_total.items():
-            samples.append((mn.VLLM_ADMISSION_REJECTIONS, {**frontend, "reason": reason}, float(value)))
+            samples.append((mn.VLLM_ADMISSION_REJECTIONS, rejected[reason], float(value)))
         samples.extend(self.vllm_stats.samples(base))
         return samples
 
