@@ -10,12 +10,15 @@ files), with Ĉ given (``--backend-option capacity=``) so that calibration is no
   with it (``--repeats`` times each, medians), two replays of the hour at once as two child
   processes (as ``--jobs 2`` runs them): their simulated seconds together per wall second of
   the longer simulation. Target: ≥ 1,000× real time with two jobs.
+  With ``--baseline DIR`` (a checkout of the code before a change, e.g. a ``git worktree``),
+  each repeat also replays the hour with that code, in turn with the current code's replay,
+  so that both see the same machine: the same line for it, then the ratio of the medians.
 * **memory**: ``--calls`` calls (1,000,000 by default) synthesized on the fly in the retrywatch
   layout, row by row (the Azure slice's lengths and gaps, repeated): the child's peak resident
   memory (``ru_maxrss``). Target: ≤ 2 GiB, the trace streamed.
 
     .venv/bin/python bench/bench_trace_replay.py [--calls 1000000] [--skip-memory] [--capacity C]
-        [--repeats 3]
+        [--repeats 3] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -71,15 +74,19 @@ def write(path: Path, rows: Iterator[tuple[float, int, int]]) -> int:
     return n
 
 
-def start(trace: Path, out: Path, capacity: float) -> subprocess.Popen[bytes]:
-    """Start the replay as a child process."""
+def start(trace: Path, out: Path, capacity: float, code: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start the replay as a child process (with the code checked out at ``code``, if given)."""
+    env = {**os.environ, "RETRYWATCH_CACHE_DIR": str(out / "cache")}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     return subprocess.Popen(
         [
             sys.executable, "-m", "retrywatch", "reproduce", "run", "--trace", str(trace), "--load", "1",
             "--model", MODEL, "--runs", "1", "--seed", "1", "--out", str(out), "--no-progress",
             "--backend-option", f"capacity={capacity}",
         ],
-        env={**os.environ, "RETRYWATCH_CACHE_DIR": str(out / "cache")},
+        env=env,
+        cwd=code,  # ``python -m`` puts it first on the path
         stdout=subprocess.DEVNULL,  # its one line naming its summary
     )  # fmt: skip
 
@@ -98,10 +105,12 @@ def finish(
     return entry, wall, peak
 
 
-def replay(trace: Path, out: Path, capacity: float) -> tuple[dict[str, object], float, float]:
+def replay(
+    trace: Path, out: Path, capacity: float, code: Path | None = None
+) -> tuple[dict[str, object], float, float]:
     """Run the replay as a child process; its summary entry, wall time and peak RSS (MiB)."""
     started = time.perf_counter()
-    return finish(start(trace, out, capacity), out, started)
+    return finish(start(trace, out, capacity, code), out, started)
 
 
 def simulated(entry: dict[str, object]) -> tuple[float, float]:
@@ -109,16 +118,43 @@ def simulated(entry: dict[str, object]) -> tuple[float, float]:
     return float(entry["duration_s"]), float(entry["wall_s"])  # type: ignore[arg-type]
 
 
-def two_jobs(trace: Path, root: Path, capacity: float) -> tuple[float, float]:
+def two_jobs(trace: Path, root: Path, capacity: float, code: Path | None = None) -> tuple[float, float]:
     """Two replays at once, as two child processes: their simulated seconds together per wall
     second of the longer simulation, and the wall time of the two commands."""
     outs = [root / "job-a", root / "job-b"]
     started = time.perf_counter()
-    children = [start(trace, out, capacity) for out in outs]
+    children = [start(trace, out, capacity, code) for out in outs]
     entries = [finish(child, out, started)[0] for child, out in zip(children, outs, strict=True)]
     wall = time.perf_counter() - started
     runs = [simulated(e) for e in entries]
     return sum(s for s, _ in runs) / max(w for _, w in runs), wall
+
+
+class Speed:
+    """The speed figures of one code over the repeats."""
+
+    def __init__(self, code: Path | None) -> None:
+        self.code = code
+        self.one: list[float] = []  # the simulation's wall seconds, one job
+        self.two: list[float] = []  # simulated seconds per wall second, two jobs
+        self.sim_s = self.wall = self.peak = self.both_wall = 0.0
+
+    def measure(self, hour: Path, root: Path, capacity: float) -> None:
+        entry, self.wall, self.peak = replay(hour, root / "one", capacity, self.code)
+        self.sim_s, sim_wall = simulated(entry)
+        self.one.append(sim_wall)
+        rate, self.both_wall = two_jobs(hour, root / "two", capacity, self.code)
+        self.two.append(rate)
+
+    def line(self, n: int, capacity: float, repeats: int) -> str:
+        sim_s, sim_wall, two = self.sim_s, statistics.median(self.one), statistics.median(self.two)
+        return (
+            f"speed: an hour of trace ({n:,} calls) at --load 1, Ĉ = {capacity:g} calls/s, "
+            f"medians of {repeats}: one job {sim_s:.0f} simulated s in {sim_wall:.2f} s of simulation = "
+            f"{sim_s / sim_wall:,.0f}x real time, {n / sim_wall:,.0f} calls per wall s (the whole command "
+            f"{self.wall:.1f} s, peak RSS {self.peak:.0f} MiB); two jobs at once {two:,.0f}x real "
+            f"time together (the two commands {self.both_wall:.1f} s)"
+        )
 
 
 def main() -> None:
@@ -127,28 +163,29 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each speed figure (medians)")
+    parser.add_argument(
+        "--baseline", type=Path, help="a checkout of the code before a change, measured in turn with this one"
+    )
     args = parser.parse_args()
+    if args.baseline is not None and not (args.baseline / "retrywatch" / "__main__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a checkout of retrywatch")
     rows = slice_rows()
     with tempfile.TemporaryDirectory(prefix="bench-trace-replay-") as tmp:
         root = Path(tmp)
         hour = root / "hour.csv"
         n = write(hour, repeated(rows, 2 * len(rows)))
-        one: list[float] = []
-        two: list[float] = []
+        now = Speed(None)
+        before = Speed(args.baseline) if args.baseline is not None else None
         for r in range(args.repeats):  # in turn, so that both see the same machine
-            entry, wall, peak = replay(hour, root / f"speed-{r}", args.capacity)
-            sim_s, sim_wall = simulated(entry)
-            one.append(sim_wall)
-            rate, both_wall = two_jobs(hour, root / f"two-{r}", args.capacity)
-            two.append(rate)
-        sim_wall = statistics.median(one)
-        print(
-            f"speed: an hour of trace ({n:,} calls) at --load 1, Ĉ = {args.capacity:g} calls/s, "
-            f"medians of {args.repeats}: one job {sim_s:.0f} simulated s in {sim_wall:.2f} s of simulation = "
-            f"{sim_s / sim_wall:,.0f}x real time, {n / sim_wall:,.0f} calls per wall s (the whole command "
-            f"{wall:.1f} s, peak RSS {peak:.0f} MiB); two jobs at once {statistics.median(two):,.0f}x real "
-            f"time together (the two commands {both_wall:.1f} s)"
-        )
+            now.measure(hour, root / f"speed-{r}", args.capacity)
+            if before is not None:
+                before.measure(hour, root / f"before-{r}", args.capacity)
+        print(now.line(n, args.capacity, args.repeats))
+        if before is not None:
+            print(f"before ({args.baseline}): {before.line(n, args.capacity, args.repeats)}")
+            one = statistics.median(before.one) / statistics.median(now.one)
+            two = statistics.median(now.two) / statistics.median(before.two)
+            print(f"one job {one:.2f}x as fast as before, two jobs {two:.2f}x (ratios of the medians)")
         if args.skip_memory:
             return
         big = root / "million.csv"

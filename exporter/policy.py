@@ -182,7 +182,7 @@ class PolicyConfig:
 # --- what the driver tells the policy ---------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Attempt:
     """One incoming attempt, reduced to what the policy needs (never the prompt itself).
 
@@ -201,7 +201,7 @@ class Attempt:
 # --- what the policy decides --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Attached:
     """The attempt joined a live execution as a new subscriber (replay, then live output)."""
 
@@ -210,7 +210,7 @@ class Attached:
     execution_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Created:
     """The attempt created a new execution; ``queued`` if it waits in the proxy queue."""
 
@@ -220,7 +220,7 @@ class Created:
     queued: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shed:
     """The attempt was refused before reaching the engine."""
 
@@ -232,28 +232,28 @@ class Shed:
 Decision = Attached | Created | Shed
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Dispatch:
     """Send this execution to the engine now."""
 
     execution_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Cancel:
     """Close this execution's upstream connection so the engine aborts it."""
 
     execution_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Drop:
     """This queued execution was dropped before dispatch; release what the driver holds for it."""
 
     execution_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StartTimer:
     """Call ``Policy.on_timer(at, execution_id)`` at time ``at`` (deferred cancellation)."""
 
@@ -264,7 +264,7 @@ class StartTimer:
 Effect = Dispatch | Cancel | Drop | StartTimer
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AttemptResult:
     decision: Decision
     effects: list[Effect]
@@ -273,7 +273,7 @@ class AttemptResult:
 # --- state -----------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Execution:
     """One unit of engine work and the subscribers waiting for its output."""
 
@@ -294,7 +294,7 @@ class Execution:
         return self.state is not ExecutionState.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class Subscriber:
     subscriber_id: int
     execution_id: int
@@ -550,10 +550,11 @@ class Policy:
         self.sweep_deadlines(now)
         kind, call_started_at = self._classify(now, attempt)
         self.counters.attempts[kind] += 1
-        if kind is AttemptKind.FIRST:
+        first = kind is AttemptKind.FIRST
+        if first:
             self._await_delivery(now, attempt.key)
-        if kind is AttemptKind.FIRST and self._budget is not None:
-            self._budget.record_first(now)
+            if self._budget is not None:
+                self._budget.record_first(now)
 
         departure_key = None if attempt.identified else attempt.key
         call_key = attempt.key if attempt.identified else None
@@ -562,7 +563,7 @@ class Policy:
             wait = self.estimated_first_token_wait_s(attempt.prompt_tokens)
             return self._shed(now, kind, ShedReason.RETRY_BUDGET, wait, departure_key, call_started_at)
 
-        live = self._attach_target(attempt, kind)
+        live = None if first else self._attach_target(attempt, kind)
         if live is not None:
             attached = self._attach(now, kind, live, call_started_at, departure_key, call_key)
             return AttemptResult(attached, [])

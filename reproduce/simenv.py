@@ -64,14 +64,16 @@ class Environment:
 
     def schedule(self, at: float, callback: Callable[..., Any], *args: Any) -> EventHandle:
         """Call ``callback(*args)`` at simulated time ``at`` (>= now)."""
-        if not math.isfinite(at):
-            raise SimulationError(f"event time must be finite, got {at!r}")
-        if at < self._now:
+        if not self._now <= at < math.inf:  # (one comparison chain on the hot path; NaN fails it)
+            if not math.isfinite(at):
+                raise SimulationError(f"event time must be finite, got {at!r}")
             raise SimulationError(f"cannot schedule at {at!r}: the clock is already at {self._now!r}")
-        handle = EventHandle(float(at), self._seq, callback, args)
-        self._seq += 1
+        at = float(at)
+        seq = self._seq
+        handle = EventHandle(at, seq, callback, args)
+        self._seq = seq + 1
         self._live += 1
-        heapq.heappush(self._heap, (handle.at, handle.seq, handle))
+        heapq.heappush(self._heap, (at, seq, handle))
         return handle
 
     def schedule_in(self, delay: float, callback: Callable[..., Any], *args: Any) -> EventHandle:

@@ -24,20 +24,27 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-__all__ = ["BlockPool", "prompt_layout"]
+__all__ = ["BlockPool", "layout_and_length", "prompt_layout"]
 
 
 def prompt_layout(segments: Sequence[tuple[Hashable, int]], block_size: int) -> list[tuple[Hashable, int]]:
     """``(segment_id, full blocks owned)`` for each segment: the blocks that end inside it."""
+    return layout_and_length(segments, block_size)[0]
+
+
+def layout_and_length(
+    segments: Sequence[tuple[Hashable, int]], block_size: int
+) -> tuple[list[tuple[Hashable, int]], int]:
+    """``prompt_layout`` and the prompt's length in tokens, in one pass."""
     layout: list[tuple[Hashable, int]] = []
     offset = 0
     for segment_id, n_tokens in segments:
         if n_tokens <= 0:
             raise ValueError(f"segment {segment_id!r} has {n_tokens} tokens; every segment needs >= 1")
-        owned = (offset + n_tokens) // block_size - offset // block_size
-        layout.append((segment_id, owned))
-        offset += n_tokens
-    return layout
+        end = offset + n_tokens
+        layout.append((segment_id, end // block_size - offset // block_size))
+        offset = end
+    return layout, offset
 
 
 class _Segment:
@@ -110,9 +117,11 @@ class BlockPool:
         segment's cached blocks with blocks the holder filled (never free before)."""
         if old == new:
             return
-        evictable_before = seg.cached - seg.max_held
-        if grow_to > seg.cached:
-            seg.cached = grow_to
+        cached = seg.cached
+        max_held = seg.max_held
+        evictable_before = cached - max_held
+        if grow_to > cached:
+            seg.cached = cached = grow_to
         hist = seg.hist
         if old > 0:
             left = hist[old] - 1
@@ -122,19 +131,21 @@ class BlockPool:
                 del hist[old]
         if new > 0:
             hist[new] = hist.get(new, 0) + 1
-        if new > seg.max_held:
-            seg.max_held = new
-        elif old == seg.max_held and old not in hist:
-            seg.max_held = max(hist) if hist else 0
-        evictable_after = seg.cached - seg.max_held
+        if new > max_held:
+            seg.max_held = max_held = new
+        elif old == max_held and old not in hist:
+            seg.max_held = max_held = max(hist) if hist else 0
+        evictable_after = cached - max_held
         self.free_cached += evictable_after - evictable_before
+        lru = self._lru
         if evictable_after > 0:
-            if evictable_after > evictable_before or segment_id not in self._lru:
-                self._lru[segment_id] = None
-                self._lru.move_to_end(segment_id)
-        elif segment_id in self._lru:
-            del self._lru[segment_id]
-        if seg.cached == 0 and not hist:
+            if segment_id not in lru:
+                lru[segment_id] = None
+            elif evictable_after > evictable_before:
+                lru.move_to_end(segment_id)
+        elif segment_id in lru:
+            del lru[segment_id]
+        if cached == 0 and not hist:
             del self._segments[segment_id]
 
     def hold(self, segment_id: Hashable, old: int, new: int) -> None:
@@ -147,6 +158,15 @@ class BlockPool:
         if new > seg.cached:
             raise ValueError(f"cannot hold {new} blocks of segment {segment_id!r}: {seg.cached} cached")
         self._set_hold(segment_id, seg, old, new)
+
+    def hold_hits(self, layout: Sequence[tuple[Hashable, int]], hits: list[int]) -> None:
+        """A newly admitted execution holding nothing now holds the blocks ``lookup`` found:
+        ``hits[j]`` blocks of each segment of its ``layout`` (all cached)."""
+        segments = self._segments
+        for j, h in enumerate(hits):
+            if h:
+                segment_id = layout[j][0]
+                self._set_hold(segment_id, segments[segment_id], 0, h)
 
     def commit(self, segment_id: Hashable, held: int, upto: int) -> int:
         """An execution holding ``held`` blocks of a segment has filled its private blocks up
@@ -179,9 +199,17 @@ class BlockPool:
         self.free_empty -= n
         return True
 
-    def release_private(self, n: int) -> None:
-        """Return ``n`` private blocks (partial blocks, output tokens) as empty."""
-        self.free_empty += n
+    def release(self, layout: Sequence[tuple[Hashable, int]], held: list[int] | None, private: int) -> None:
+        """An execution leaves: it no longer holds ``held[j]`` cached blocks of each segment of
+        its ``layout`` (None: none; the list is zeroed) and returns ``private`` blocks as empty."""
+        if held is not None:
+            segments = self._segments
+            for j, h in enumerate(held):
+                if h:
+                    segment_id = layout[j][0]
+                    self._set_hold(segment_id, segments[segment_id], h, 0)
+                    held[j] = 0
+        self.free_empty += private
 
     def _evict(self, n: int) -> None:
         lru = self._lru

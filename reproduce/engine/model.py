@@ -24,8 +24,8 @@ So, in this model:
 
 NOTE (speed): a step costs O(executions that change phase), not O(running): decodes are
 counted, not iterated (one global step index; each decode execution knows the step at which
-it finishes and at which it needs its next KV block, kept in heaps); sums of running and
-context tokens are maintained incrementally.
+it finishes, kept in a heap, and the step at which it needs its next KV block, kept in a
+bucket per step); sums of running and context tokens are maintained incrementally.
 
 vLLM's counters, gauges and histograms follow vLLM's real rules, written down (with the vLLM
 source function of each) in ``reproduce.engine.vllmstats``: ``vllm:prompt_tokens_total`` adds a
@@ -42,11 +42,12 @@ from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from foundation import metricnames as mn
 from foundation.timeseries import Sample
 from reproduce.engine.config import EngineConfig
-from reproduce.engine.kvcache import BlockPool, prompt_layout
+from reproduce.engine.kvcache import BlockPool, layout_and_length
 from reproduce.engine.vllmstats import VllmStats
 
 __all__ = [
@@ -84,9 +85,10 @@ class EventKind(StrEnum):
     ABORTED = "aborted"
 
 
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """One execution sent to the engine: its prompt as chained segments and its output length."""
+class EngineRequest(NamedTuple):
+    """One execution sent to the engine: its prompt as chained segments and its output length.
+
+    (A named tuple, like ``EngineEvent``: immutable, and made once or twice per call.)"""
 
     request_id: str
     segments: tuple[tuple[Hashable, int], ...]
@@ -97,8 +99,7 @@ class EngineRequest:
         return sum(n for _, n in self.segments)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineEvent:
+class EngineEvent(NamedTuple):
     """Something the driver must learn about an execution, at simulated/engine time ``t``.
 
     ``output_tokens``: tokens output so far (the full length for FINISHED).
@@ -228,7 +229,7 @@ class _Exec:
         self.epoch = 0
         self.s0 = 0
         self.next_block = 0  # step at which this decode needs its next KV block
-        self.block_seq = -1  # the block-heap entry that is current (older ones are stale)
+        self.block_seq = -1  # its current entry in the engine's _block_due (older ones are stale)
         self.base_ctx = 0
         self.base_out = 0
         self.computed_prompt = 0
@@ -289,7 +290,11 @@ class EngineModel:
         self._n_dec = 0
         self._ctx_base = 0  # sum over decodes of (context after prefill - prefill's step index)
         self._finish_heap: list[tuple[int, int, int, _Exec]] = []
-        self._block_heap: list[tuple[int, int, int, _Exec]] = []
+        # decodes by the step at which they need their next KV block, as (seq, execution): an
+        # entry is current while its seq is the execution's block_seq (older ones are stale).
+        # Every step's decodes are due at one later step (a bucket queue, not a heap: no step
+        # before the next one to run is ever listed, ``check``).
+        self._block_due: dict[int, list[tuple[int, _Exec]]] = {}
         self._abort_due: dict[int, list[_Exec]] = {}
         self._aborting = 0  # live executions whose abort is pending (in flight, or waiting)
         self._waiting_aborts: list[_Exec] = []  # aborted while the next step's admission stood
@@ -312,6 +317,11 @@ class EngineModel:
         self._gauge_running = 0
         self._gauge_kv_usage = 0.0
         self.vllm_stats = VllmStats(config.max_model_len)
+        # label set -> its label dicts (``metrics_samples``): plain, by finish reason, by rejection reason
+        self._label_dicts: dict[
+            tuple[tuple[str, str], ...],
+            tuple[dict[str, str], dict[str, dict[str, str]], dict[str, dict[str, str]]],
+        ] = {}
         # traces
         self.trace_enabled = trace
         self.traces: dict[str, ExecutionTrace] = {}
@@ -374,8 +384,7 @@ class EngineModel:
             raise EngineRequestError(f"request {rid!r} is already live in the engine")
         if request.max_tokens < 1:
             raise EngineRequestError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
-        layout = prompt_layout(request.segments, self._bs) if request.segments else []
-        prompt_len = request.prompt_len
+        layout, prompt_len = layout_and_length(request.segments, self._bs)
         if prompt_len < 1:
             raise EngineRequestError(f"request {rid!r} has an empty prompt")
         total = prompt_len + request.max_tokens
@@ -452,6 +461,11 @@ class EngineModel:
         """When the last step of ``step`` (one step, or the last of a coalesced run) started."""
         return step.ends[-2] if step.num_steps > 1 else step.start
 
+    @property
+    def has_pending_events(self) -> bool:
+        """Whether ``drain_events`` has events to hand on."""
+        return bool(self._pending)
+
     def drain_events(self) -> list[EngineEvent]:
         """Events produced while scheduling (aborts of executions that never ran) that no
         ``finish_step`` will return because ``start_step`` found nothing to run."""
@@ -470,13 +484,9 @@ class EngineModel:
         preempted = 0
 
         # 1. running decodes: one token each; some need a new KV block this step.
-        heap = self._block_heap
-        if heap and heap[0][0] <= s:
-            due: list[_Exec] = []
-            while heap and heap[0][0] <= s:
-                _, seq, _, ex = heapq.heappop(heap)
-                if ex.block_seq == seq and ex.state == _DECODE:
-                    due.append(ex)
+        entries = self._block_due.pop(s, None)
+        if entries:
+            due = [ex for seq, ex in entries if ex.block_seq == seq and ex.state == _DECODE]
             need = len(due)
             if not pool.allocate(need):
                 # preempt the newest running executions until the remaining decodes fit
@@ -489,13 +499,16 @@ class EngineModel:
                         need -= 1
                 pool.allocate(need)
             next_at = s + bs
+            later = self._block_due.setdefault(next_at, [])
+            seq = self._seq
             for ex in due:
                 if ex.state == _DECODE:
                     ex.private += 1
                     ex.next_block = next_at
-                    self._seq += 1
-                    ex.block_seq = self._seq
-                    heapq.heappush(heap, (next_at, self._seq, ex.epoch, ex))
+                    seq += 1
+                    ex.block_seq = seq
+                    later.append((seq, ex))
+            self._seq = seq
 
         # 2. running prefills (chunked), in admission order.
         chunks: list[tuple[_Exec, int]] = []
@@ -603,28 +616,23 @@ class EngineModel:
             return duration
         bs = self._bs
         end = s + m  # steps s+1 .. s+m-1 are added
-        heap = self._block_heap
+        block_due = self._block_due
         early: list[tuple[_Exec, int, int]] = []
         need = 0
-        while heap and heap[0][0] < end:
-            at, seq, _, ex = heapq.heappop(heap)
-            if ex.block_seq == seq and ex.state == _DECODE:
-                count = 1 + (end - 1 - at) // bs
-                early.append((ex, at, count))
-                need += count
+        for at in range(s + 1, end):  # (step s's were taken by start_step)
+            for seq, ex in block_due.pop(at, ()):
+                if ex.block_seq == seq and ex.state == _DECODE:
+                    count = 1 + (end - 1 - at) // bs
+                    early.append((ex, at, count))
+                    need += count
         if need > self._pool.num_free:
             for ex, at, _ in early:  # some step would preempt: step one by one instead
-                self._seq += 1
-                ex.block_seq = self._seq
-                heapq.heappush(heap, (at, self._seq, ex.epoch, ex))
+                self._need_block_at(ex, at)
             return duration
         # The blocks are taken when the run ends (finish_step), in the same order and from the
         # same LRU state as step by step: nothing else touches the pool during the run.
         for ex, at, count in early:
-            ex.next_block = at + bs * count
-            self._seq += 1
-            ex.block_seq = self._seq
-            heapq.heappush(heap, (ex.next_block, self._seq, ex.epoch, ex))
+            self._need_block_at(ex, at + bs * count)
         n_dec = step.num_decode
         per_step = self._step_time.duration(0, n_dec, 0)
         per_ctx = self._step_time.per_context_token_s
@@ -658,16 +666,12 @@ class EngineModel:
         if keep < step.num_steps:
             bs = self._bs
             cut = step.index + keep  # first step no longer run
-            heap = self._block_heap
             early = step.early
             for i, (ex, first, count) in enumerate(early):
                 kept = 0 if first >= cut else min(count, 1 + (cut - 1 - first) // bs)
                 if kept < count:
                     early[i] = (ex, first, kept)
-                    ex.next_block = first + bs * kept
-                    self._seq += 1
-                    ex.block_seq = self._seq
-                    heapq.heappush(heap, (ex.next_block, self._seq, ex.epoch, ex))
+                    self._need_block_at(ex, first + bs * kept)
             step.num_steps = keep
             del ends[keep:]
             self._next_step = step.index + keep
@@ -696,17 +700,13 @@ class EngineModel:
             need = -(-(hit_tokens + n) // bs) - hit_blocks
             # vLLM's --scheduler-reserve-full-isl: the whole sequence must fit, not the chunk
             gate = -(-length // bs) - hit_blocks if reserve_full else need
-            if gate + free_hit > pool.num_free:
+            if gate + free_hit > pool.free_empty + pool.free_cached:  # (``pool.num_free``)
                 break
             waiting.popleft()
             self._num_waiting -= 1
             if hit_blocks:
-                layout = ex.layout
-                held = ex.held
-                for j, h in enumerate(hits):
-                    if h:
-                        pool.hold(layout[j][0], 0, h)
-                        held[j] = h
+                pool.hold_hits(ex.layout, hits)
+                ex.held = hits  # (it held nothing while waiting)
             ex.held_total = hit_blocks
             pool.allocate(need)
             ex.private = need
@@ -753,12 +753,16 @@ class EngineModel:
         for ex, n in step.chunks:
             if ex.state != _PREFILL:
                 continue
-            ex.computed += n
-            prompt_part = min(ex.computed, ex.prompt_len) - min(ex.computed - n, ex.prompt_len)
-            ex.computed_prompt += max(0, prompt_part)
+            before = ex.computed
+            computed = ex.computed = before + n
+            prompt_len = ex.prompt_len
+            if before < prompt_len:  # prompt tokens (not a recomputed output) among these
+                ex.computed_prompt += (computed if computed < prompt_len else prompt_len) - before
             if caching:
-                self._commit(ex, min(ex.computed, ex.prompt_len) // bs)
-            if ex.computed >= ex.target and ex.abort_step != s:
+                full_blocks = (computed if computed < prompt_len else prompt_len) // bs
+                if full_blocks > ex.held_total:
+                    self._commit(ex, full_blocks)
+            if computed >= ex.target and ex.abort_step != s:
                 # an abort that arrived during this step discards its output (see the class NOTE)
                 self._prefill_done(ex, s, now, events, output=ex.abort_requested_step is None)
 
@@ -826,42 +830,49 @@ class EngineModel:
         """``ex`` computed its whole prompt in step ``s``; with ``output`` False (an abort arrived
         during the step) its token is discarded: it only moves on to decode in the step in flight."""
         self._prefilling.remove(ex)
+        out = ex.out
         if output:
-            ex.out += 1
+            out = ex.out = out + 1
             self.generation_tokens_total += 1
-        if output and ex.first_token:  # its first token after a preemption
-            self.vllm_stats.later_tokens(now - ex.last_token_at, 1)
-            ex.last_token_at = now
-        if output and not ex.first_token:
-            ex.first_token = True
-            ex.first_token_at = ex.last_token_at = now
-            self.vllm_stats.first_token(ex.arrival, now)
-            self.prompt_tokens_total += ex.prompt_len
-            if ex.trace is not None:
-                ex.trace.first_token_at = now
-            events.append(
-                EngineEvent(
-                    EventKind.FIRST_TOKEN, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt
-                )
-            )
-        if output and ex.out >= ex.max_tokens:
-            events.append(self._finish(ex, now))
-            return
+            if ex.first_token:  # its first token after a preemption
+                self.vllm_stats.later_tokens(now - ex.last_token_at, 1)
+                ex.last_token_at = now
+            else:
+                ex.first_token = True
+                ex.first_token_at = ex.last_token_at = now
+                self.vllm_stats.first_token(ex.arrival, now)
+                self.prompt_tokens_total += ex.prompt_len
+                if ex.trace is not None:
+                    ex.trace.first_token_at = now
+                events.append(EngineEvent(EventKind.FIRST_TOKEN, ex.rid, now, out, ex.computed_prompt))
+            if out >= ex.max_tokens:
+                events.append(self._finish(ex, now))
+                return
         ex.state = _DECODE
         ex.s0 = s
-        ex.base_ctx = ex.target
-        ex.base_out = ex.out
+        target = ex.base_ctx = ex.target
+        ex.base_out = out
         self._n_dec += 1
-        self._ctx_base += ex.base_ctx - s
+        self._ctx_base += target - s
         bs = self._bs
-        self._seq += 1
-        heapq.heappush(self._finish_heap, (s + ex.max_tokens - ex.base_out, self._seq, ex.epoch, ex))
-        ex.next_block = s + bs * (-(-ex.target // bs)) - ex.target + 1
-        self._seq += 1
-        ex.block_seq = self._seq
-        heapq.heappush(self._block_heap, (ex.next_block, self._seq, ex.epoch, ex))
+        seq = self._seq
+        last = s + ex.max_tokens - out
+        heapq.heappush(self._finish_heap, (last, seq + 1, ex.epoch, ex))
+        self._seq = seq + 1
+        self._need_block_at(ex, s + bs * (-(-target // bs)) - target + 1)
         if ex.trace is not None:
-            ex.trace.decode_spans.append((s + 1, s + ex.max_tokens - ex.base_out))
+            ex.trace.decode_spans.append((s + 1, last))
+
+    def _need_block_at(self, ex: _Exec, step: int) -> None:
+        """The decode ``ex`` needs its next KV block at ``step`` (its earlier entry is stale)."""
+        self._seq = seq = self._seq + 1
+        ex.block_seq = seq
+        ex.next_block = step
+        entries = self._block_due.get(step)
+        if entries is None:
+            self._block_due[step] = [(seq, ex)]
+        else:
+            entries.append((seq, ex))
 
     def _leave_decode(self, ex: _Exec, last_step: int) -> None:
         """Take ``ex`` out of the decode sums; its output count is fixed at ``last_step``."""
@@ -874,15 +885,8 @@ class EngineModel:
             ex.trace.decode_spans[-1] = (first, last_step)
 
     def _release(self, ex: _Exec) -> None:
-        pool = self._pool
-        layout = ex.layout
-        held = ex.held
-        for j, h in enumerate(held):
-            if h:
-                pool.hold(layout[j][0], h, 0)
-                held[j] = 0
+        self._pool.release(ex.layout, ex.held if ex.held_total else None, ex.private)
         ex.held_total = 0
-        pool.release_private(ex.private)
         ex.private = 0
 
     def _leave_running(self, ex: _Exec, last_step: int) -> None:
@@ -898,23 +902,18 @@ class EngineModel:
         if ex.aborting:  # pragma: no cover - an execution with a pending abort never finishes
             ex.aborting = False
             self._aborting -= 1
-        del self._running[ex.rid]
+        rid = ex.rid
+        del self._running[rid]
         self._release(ex)
         ex.state = _DONE
-        del self._live[ex.rid]
+        del self._live[rid]
         self.request_success_total["length"] += 1
-        self.vllm_stats.finished(
-            arrival=ex.arrival,
-            scheduled=ex.scheduled_first,
-            first_token=ex.first_token_at,
-            now=now,
-            prompt_tokens=ex.prompt_len,
-            output_tokens=ex.out,
-        )
+        out = ex.out
+        self.vllm_stats.finished(ex.arrival, ex.scheduled_first, ex.first_token_at, now, ex.prompt_len, out)
         if ex.trace is not None:
             ex.trace.finished_at = now
-            ex.trace.output_tokens = ex.out
-        return EngineEvent(EventKind.FINISHED, ex.rid, now, ex.out, computed_prompt_tokens=ex.computed_prompt)
+            ex.trace.output_tokens = out
+        return EngineEvent(EventKind.FINISHED, rid, now, out, ex.computed_prompt)
 
     def _remove(self, ex: _Exec, now: float) -> EngineEvent:
         """Drop an aborted execution (waiting, or running after its in-flight steps)."""
@@ -1001,26 +1000,32 @@ class EngineModel:
         """vLLM's counters, gauges and histograms (``_bucket``/``_count``/``_sum``, last) as
         ``(name, labels, value)`` with vLLM's names and label sets."""
         base = dict(labels or {})
-
-        def lab(**extra: str) -> dict[str, str]:
-            return {**base, **extra}
-
+        # NOTE (speed): the label dicts are made once per label set and shared by every export
+        # (a simulated run keeps each one; samples are never mutated), as the histograms' are
+        made = self._label_dicts.get(key := tuple(base.items()))
+        if made is None:
+            # vLLM labels the rejections by model_name and reason only (no engine)
+            frontend = {k: v for k, v in base.items() if k != "engine"}
+            made = self._label_dicts[key] = (
+                base,
+                {reason: {**base, "finished_reason": reason} for reason in FINISHED_REASONS},
+                {reason: {**frontend, "reason": reason} for reason in REJECTION_REASONS},
+            )
+        plain, finished, rejected = made
         samples: list[Sample] = [
-            (mn.VLLM_PROMPT_TOKENS, lab(), float(self.prompt_tokens_total)),
-            (mn.VLLM_PREFIX_CACHE_QUERIES, lab(), float(self.prefix_cache_queries_total)),
-            (mn.VLLM_PREFIX_CACHE_HITS, lab(), float(self.prefix_cache_hits_total)),
-            (mn.VLLM_GENERATION_TOKENS, lab(), float(self.generation_tokens_total)),
-            (mn.VLLM_NUM_PREEMPTIONS, lab(), float(self.num_preemptions_total)),
-            (mn.VLLM_NUM_WAITING, lab(), float(self._gauge_waiting)),
-            (mn.VLLM_NUM_RUNNING, lab(), float(self._gauge_running)),
-            (mn.VLLM_KV_CACHE_USAGE, lab(), float(self._gauge_kv_usage)),
+            (mn.VLLM_PROMPT_TOKENS, plain, float(self.prompt_tokens_total)),
+            (mn.VLLM_PREFIX_CACHE_QUERIES, plain, float(self.prefix_cache_queries_total)),
+            (mn.VLLM_PREFIX_CACHE_HITS, plain, float(self.prefix_cache_hits_total)),
+            (mn.VLLM_GENERATION_TOKENS, plain, float(self.generation_tokens_total)),
+            (mn.VLLM_NUM_PREEMPTIONS, plain, float(self.num_preemptions_total)),
+            (mn.VLLM_NUM_WAITING, plain, float(self._gauge_waiting)),
+            (mn.VLLM_NUM_RUNNING, plain, float(self._gauge_running)),
+            (mn.VLLM_KV_CACHE_USAGE, plain, float(self._gauge_kv_usage)),
         ]
         for reason, value in self.request_success_total.items():
-            samples.append((mn.VLLM_REQUEST_SUCCESS, lab(finished_reason=reason), float(value)))
-        # vLLM labels this family by model_name and reason only (no engine)
-        frontend = {k: v for k, v in base.items() if k != "engine"}
+            samples.append((mn.VLLM_REQUEST_SUCCESS, finished[reason], float(value)))
         for reason, value in self.admission_rejections_total.items():
-            samples.append((mn.VLLM_ADMISSION_REJECTIONS, {**frontend, "reason": reason}, float(value)))
+            samples.append((mn.VLLM_ADMISSION_REJECTIONS, rejected[reason], float(value)))
         samples.extend(self.vllm_stats.samples(base))
         return samples
 
@@ -1034,6 +1039,8 @@ class EngineModel:
         assert total == pool.num_blocks, (private, held, pool.free_empty, pool.free_cached, pool.num_blocks)
         aborting = sum(1 for ex in self._live.values() if ex.aborting)
         assert aborting == self._aborting, (aborting, self._aborting)
+        # no decode needs a block at a step that has already run (``_block_due``)
+        assert min(self._block_due, default=self._next_step) >= self._next_step, self._next_step
         for ex in self._running.values():
             blocks = ex.held_total + ex.private
             tokens = ex.computed if ex.state == _PREFILL else ex.base_ctx + (self._last_finished - ex.s0)

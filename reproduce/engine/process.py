@@ -52,9 +52,10 @@ class EngineProcess:
 
     def submit(self, request: EngineRequest) -> bool:
         """Queue an execution now; False when the engine's queue cap refuses it."""
-        self.sync()
+        if self._step_handle is not None:
+            self.sync()
         accepted = self.engine.add_request(request, self.env.now)
-        if accepted:
+        if accepted and self._step_handle is None:
             self._kick()
         return accepted
 
@@ -68,12 +69,13 @@ class EngineProcess:
     def _kick(self) -> None:
         if self._step_handle is not None:
             return
-        if self.engine.start_step(self.env.now) is not None:
-            end = self.engine.step_end
+        engine = self.engine
+        if engine.start_step(self.env.now) is not None:
+            end = engine.step_end
             assert end is not None
             self._step_handle = self.env.schedule(end, self._on_step_end)
-        else:
-            self._forward(self.engine.drain_events())
+        elif engine.has_pending_events:
+            self._forward(engine.drain_events())
 
     def _on_step_end(self) -> None:
         self._step_handle = None

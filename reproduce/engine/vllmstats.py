@@ -172,7 +172,6 @@ class VllmStats:
 
     def finished(
         self,
-        *,
         arrival: float,
         scheduled: float,
         first_token: float,

@@ -9,13 +9,11 @@ shares docs/protocol.md §6 asks for.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from enum import StrEnum
 from typing import Any
 
 from foundation.timeseries import Sample
 from reproduce.engine.config import EngineConfig, StepTimeModel
-from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest
-from reproduce.engine.model import EventKind as _EngineEventKind
+from reproduce.engine.model import EngineEvent, EngineModel, EngineRequest, EventKind
 from reproduce.engine.presets import preset
 from reproduce.engine.process import EngineProcess
 from reproduce.judge.outcomes import RetryExecution, retry_timing, trace_shares
@@ -29,19 +27,6 @@ __all__ = [
     "calibrated_capacity",
     "preset_config",
 ]
-
-
-class EventKind(StrEnum):
-    FIRST_TOKEN = "first_token"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-_KINDS = {
-    _EngineEventKind.FIRST_TOKEN: EventKind.FIRST_TOKEN,
-    _EngineEventKind.FINISHED: EventKind.FINISHED,
-    _EngineEventKind.ABORTED: EventKind.ABORTED,
-}
 
 
 def preset_config(model: str, **options: Any) -> EngineConfig:
@@ -116,10 +101,11 @@ class Engine:
         self, execution_id: int, segments: Sequence[tuple[Hashable, int]], max_tokens: int, now: float
     ) -> bool:
         """Queue an execution; False when the engine's queue cap refuses it."""
-        assert self.process is not None, "bind() the engine to an environment first"
+        process = self.process
+        assert process is not None, "bind() the engine to an environment first"
         rid = str(execution_id)
         self._ids[rid] = execution_id
-        if self.process.submit(EngineRequest(rid, tuple(segments), max_tokens)):
+        if process.submit(EngineRequest(rid, tuple(segments), max_tokens)):
             return True
         del self._ids[rid]
         return False
@@ -129,13 +115,9 @@ class Engine:
         self.process.abort(str(execution_id))
 
     def _forward(self, event: EngineEvent) -> None:
-        execution_id = self._ids.get(event.request_id)
-        if execution_id is None:
-            return
-        kind = _KINDS[event.kind]
-        if kind is not EventKind.FIRST_TOKEN:
-            del self._ids[event.request_id]
-        if self._on_event is not None:
+        kind, rid = event.kind, event.request_id
+        execution_id = self._ids.get(rid) if kind is EventKind.FIRST_TOKEN else self._ids.pop(rid, None)
+        if execution_id is not None and self._on_event is not None:
             self._on_event(kind, execution_id)
 
     def metrics_samples(self) -> list[Sample]:

@@ -195,7 +195,7 @@ def format_statuses(statuses: frozenset[int]) -> str:
     return ",".join(parts)
 
 
-@dataclass
+@dataclass(slots=True)
 class AttemptRecord:
     """One attempt of a call: when it was sent, its first byte, its end and how it ended."""
 
@@ -227,7 +227,7 @@ class AttemptRecord:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class CallRecord:
     """One call: its plan (arrival, lengths, phase), its attempts and when it was delivered."""
 
@@ -324,11 +324,12 @@ class ClientModel:
         ``deadline_at``."""
         if call.done:
             raise ValueError(f"call {call.call_id!r} is over; it sends no more attempts")
-        if call.attempts and call.attempts[-1].open:
+        attempts = call.attempts
+        if attempts and attempts[-1].outcome is None:  # (``AttemptRecord.open``)
             raise ValueError(f"call {call.call_id!r} still has an attempt outstanding")
-        attempt = AttemptRecord(index=len(call.attempts), sent_at=now, deadline_at=now)
+        attempt = AttemptRecord(len(attempts), now, now)
         attempt.deadline_at = self.give_up_at(attempt, now)
-        call.attempts.append(attempt)
+        attempts.append(attempt)
         return attempt
 
     def give_up_at(self, attempt: AttemptRecord, last_byte_at: float) -> float:
@@ -336,12 +337,12 @@ class ClientModel:
         having come at ``last_byte_at``: the sooner of its whole-attempt limit and its read
         timeout after that byte; infinity when neither bounds it any more."""
         cfg = self.config
-        ends = [math.inf]
+        end = math.inf
         if cfg.attempt_timeout_s is not None:
-            ends.append(attempt.sent_at + cfg.attempt_timeout_s)
+            end = min(end, attempt.sent_at + cfg.attempt_timeout_s)
         if cfg.read_timeout_s is not None:
-            ends.append(last_byte_at + cfg.read_timeout_s)
-        return min(ends)
+            end = min(end, last_byte_at + cfg.read_timeout_s)
+        return end
 
     def attempt_limit_at(self, attempt: AttemptRecord) -> float:
         """When the whole-attempt limit gives the attempt up (infinity: it has none). The
@@ -432,6 +433,7 @@ class ClientModel:
         return wait
 
     def _open_attempt(self, call: CallRecord) -> AttemptRecord:
-        if not call.attempts or not call.attempts[-1].open:
+        attempts = call.attempts
+        if not attempts or attempts[-1].outcome is not None:  # (``AttemptRecord.open``)
             raise ValueError(f"call {call.call_id!r} has no attempt outstanding")
-        return call.attempts[-1]
+        return attempts[-1]

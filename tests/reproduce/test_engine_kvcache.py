@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reproduce.engine.kvcache import BlockPool, prompt_layout
+from reproduce.engine.kvcache import BlockPool, layout_and_length, prompt_layout
 
 
 def test_layout_gives_each_block_to_the_segment_it_ends_in() -> None:
@@ -12,6 +12,34 @@ def test_layout_gives_each_block_to_the_segment_it_ends_in() -> None:
     assert prompt_layout([("p", 32), ("u", 3)], 16) == [("p", 2), ("u", 0)]
     with pytest.raises(ValueError, match="tokens"):
         prompt_layout([("p", 0)], 4)
+
+
+def test_layout_and_length_in_one_pass() -> None:
+    assert layout_and_length([("p", 30), ("u", 10)], 4) == ([("p", 7), ("u", 3)], 40)
+    assert layout_and_length([], 16) == ([], 0)
+
+
+def test_an_execution_holds_its_hits_and_releases_them_with_its_private_blocks() -> None:
+    pool = BlockPool(20)
+    assert pool.allocate(8)
+    pool.commit("p", 0, 5)
+    pool.commit("u", 0, 3)
+    pool.release([("p", 5), ("u", 3)], [5, 3], 0)  # the first execution leaves
+    assert pool.free_cached == 8 and pool.num_free == 20
+    layout = [("p", 5), ("v", 4)]
+    hits, total, free_hit = pool.lookup(layout, 100)
+    assert (hits, total, free_hit) == ([5, 0], 5, 5)
+    pool.hold_hits(layout, hits)
+    assert pool.allocate(4)  # its own blocks, private until filled
+    assert pool.free_cached == 3 and pool.num_free == 11
+    pool.check()
+    held = list(hits)
+    pool.release(layout, held, 4)
+    assert held == [0, 0]
+    assert pool.free_cached == 8 and pool.num_free == 20 and pool.usage == 0.0
+    pool.release(layout, None, 0)  # holding nothing, it returns nothing
+    pool.check()
+    assert pool.num_free == 20
 
 
 def test_commit_then_hit_then_release_makes_blocks_evictable() -> None:
