@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from reproduce.conditions import (
     block_slugs,
     expand,
 )
+from reproduce.executors import EXECUTORS, Executor, ExecutorError, get_executor
+from reproduce.registry import Backend
 from reproduce.traces import FORMATS, TraceError, parse_window
 
 #: ``--time-scale`` of ``reproduce run`` and ``emulate``: engine seconds per wall second.
@@ -120,6 +123,20 @@ class ReproduceGroup(click.Group):
 @click.group(cls=ReproduceGroup)
 def reproduce() -> None:
     """Reproduce the study's pulse experiments on a simulated or a real engine."""
+
+
+def _executor(name: str, jobs: int, address: str | None, engine: Backend) -> Executor:
+    """``--executor``/``--address``/``--jobs`` as the executor of ``engine``'s runs, closed when the
+    command ends; a usage error when they do not fit."""
+    from reproduce.runner import cap_jobs
+
+    try:
+        executor = get_executor(name, jobs=cap_jobs(jobs, lambda n: click.echo(n, err=True)), address=address)
+        executor.check(engine)
+    except ExecutorError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--executor'") from None
+    click.get_current_context().with_resource(closing(executor))
+    return executor
 
 
 def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -239,6 +256,19 @@ def _capacity_hint(model: str, capacity: float) -> str:
     "--jobs", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True, help="Parallel processes."
 )
 @click.option(
+    "--executor",
+    "executor_name",
+    type=click.Choice(sorted(EXECUTORS)),
+    default="local",
+    show_default=True,
+    help="Where the runs execute: processes here (--jobs), or a Ray cluster (docs/reproducing.md).",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="--executor ray: the cluster's HOST:PORT [RAY_ADDRESS, else a Ray started here].",
+)
+@click.option(
     "--out",
     type=OutputPath(path_type=Path, file_okay=False),
     required=True,
@@ -307,6 +337,8 @@ def run(
     runs: int | None,
     seed: int,
     jobs: int,
+    executor_name: str,
+    address: str | None,
     out: Path,
     time_scale: float,
     backend_options: tuple[str, ...],
@@ -332,7 +364,7 @@ def run(
     from reproduce.dirlock import DirBusy
     from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
-    from reproduce.runner import cap_jobs, run_many
+    from reproduce.runner import run_many
 
     trace = _trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
     if block_slug is None and trace is None:
@@ -372,6 +404,7 @@ def run(
         raise click.BadParameter(str(exc), param_hint="'--backend'") from None
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    executor = _executor(executor_name, jobs, address, engine)
     derived = [name for name in DERIVED if (out / name).exists()]
     if derived and not force:
         # A run makes the report and validation of the runs before it stale, and removes them.
@@ -394,7 +427,7 @@ def run(
             engine,
             specs,
             out,
-            jobs=cap_jobs(jobs, lambda note: click.echo(note, err=True)),
+            executor=executor,
             time_scale=time_scale,
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed}
