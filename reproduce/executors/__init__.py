@@ -81,7 +81,7 @@ EXECUTORS: dict[str, Callable[[int, str | None], Executor]] = {"local": _local, 
 
 def get_executor(name: str, *, jobs: int = 1, address: str | None = None) -> Executor:
     """The executor called ``name``: ``local`` with ``jobs`` worker processes, or ``ray`` on the
-    cluster at ``address`` (None: ``RAY_ADDRESS``, else a Ray started on this machine)."""
+    running cluster at ``address`` (None: ``RAY_ADDRESS``)."""
     factory = EXECUTORS.get(name)
     if factory is None:
         raise ExecutorError(f"unknown executor {name!r} (known: {', '.join(EXECUTORS)})")

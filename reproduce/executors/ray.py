@@ -18,7 +18,8 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from types import ModuleType
@@ -41,14 +42,21 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 class RayExecutor:
-    """Runs on the Ray cluster at ``address`` (None: ``RAY_ADDRESS``, else a Ray started on this
-    machine for the sweep, on loopback); connects at the first run, disconnects at :meth:`close`."""
+    """Runs on the running Ray cluster at ``address`` (None: ``RAY_ADDRESS``); connects at the
+    first run, disconnects at :meth:`close`. It starts no Ray of its own: on one machine ``local``
+    does the same work, and a Ray started here would leave a token under ``~/.ray`` that keeps a
+    later cluster's nodes out."""
 
     name = "ray"
 
     def __init__(self, address: str | None = None) -> None:
         if importlib.util.find_spec("ray") is None:
             raise ExecutorError(RAY_MISSING)
+        address = address or os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise ExecutorError(
+                "--executor ray needs --address HOST:PORT, a running Ray cluster's (or RAY_ADDRESS)"
+            )
         self.address = address
         self._ray: ModuleType | None = None
 
@@ -65,13 +73,15 @@ class RayExecutor:
         shared = ray.put(backend)
         pending = {task.remote(shared, job): job for job in jobs}
         try:
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
-                for ref in done:
-                    job = pending.pop(ref)
-                    entry, files = _result(ray, ref)
-                    _unpack(job.out, files)
-                    finished(entry)
+            with _sigterm_between_waits() as deliver:
+                while pending:
+                    done, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+                    for ref in done:
+                        job = pending.pop(ref)
+                        entry, files = _result(ray, ref)
+                        _unpack(job.out, files)
+                        finished(entry)
+                    deliver()
         except BaseException:
             for ref in pending:
                 ray.cancel(ref, force=True)
@@ -85,24 +95,42 @@ class RayExecutor:
     def _connect(self) -> ModuleType:
         if self._ray is not None:
             return self._ray
-        target = self.address or os.environ.get("RAY_ADDRESS")
-        if target is None or target.rpartition(":")[0] in _LOOPBACK:
+        if self.address.rpartition(":")[0] in _LOOPBACK:
             os.environ.setdefault(_LOOPBACK_ONLY, "0")  # read when Ray is first imported
         ray = importlib.import_module("ray")
-        options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-        if target is None:  # Ray started here, for this sweep: no dashboard, this process's cores
-            from reproduce.executors.local import usable_cores
-
-            options |= {"include_dashboard": False, "num_cpus": usable_cores()}
         main = threading.current_thread() is threading.main_thread()
         before = signal.getsignal(signal.SIGTERM) if main else None
         try:
-            ray.init(address=self.address, **options)
+            ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
         finally:
             if main:  # ray.init takes SIGTERM over; the sweep's own handling stays
                 signal.signal(signal.SIGTERM, before)
         self._ray = ray
         return ray
+
+
+@contextmanager
+def _sigterm_between_waits() -> Iterator[Callable[[], None]]:
+    """While the driver waits on Ray: a SIGTERM is held, and handed to the handler before (the
+    sweep's, which exits through its clean-up) when the returned function is called between
+    waits, or at the end. (Ray's waits catch an exit a handler raises inside them and exit with
+    code 1 instead, skipping the clean-up.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    caught: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+
+    def deliver() -> None:
+        if caught:
+            signal.signal(signal.SIGTERM, before)
+            signal.raise_signal(signal.SIGTERM)
+
+    try:
+        yield deliver
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    deliver()
 
 
 def _run_shipped(backend: Backend, job: RunJob) -> tuple[dict[str, Any], dict[str, bytes]]:

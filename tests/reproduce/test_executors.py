@@ -12,8 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +90,18 @@ class _InProcess(Backend):
 
 
 @pytest.mark.ray
-def test_a_backend_that_runs_in_this_process_is_refused_on_ray_before_anything_is_written(
-    tmp_path: Path,
+def test_ray_needs_a_cluster_and_refuses_a_backend_that_runs_in_this_process_before_any_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "out"
+    result = invoke("whatif", "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 2 and "--executor ray needs --address HOST:PORT" in result.output
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)
+    on_ray = get_executor("ray", address="127.0.0.1:1")  # connects only when it runs a run
     with pytest.raises(ExecutorError, match="'in-process' runs one run at a time in this process"):
-        run_many(_InProcess(), runs, tmp_path / "out", executor=get_executor("ray"), progress=False)
-    assert not (tmp_path / "out").exists()
+        run_many(_InProcess(), runs, out, executor=on_ray, progress=False)
+    assert not out.exists()
 
 
 # --- a real Ray cluster: a head and a worker node on this machine, both on 127.0.0.1 ------------
@@ -102,7 +109,10 @@ def test_a_backend_that_runs_in_this_process_is_refused_on_ray_before_anything_i
 # NOTE: Ray swaps 127.0.0.1 for the machine's interface address (and then listens on every
 # interface) unless the head is told it is a single-machine Ray (this variable, Ray's name for
 # it); a worker node refuses that setting, so it joins with Ray's swap turned off instead.
-_HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+_HEAD_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Every process of the cluster and its drivers: no usage report, and no token (a stale
+# ~/.ray/auth_token left by an earlier Ray on this machine would keep the worker node out).
+_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 _KEEP_LOOPBACK = (
     "import ray._private.services as s; s.resolve_ip_for_localhost = lambda host: host; "
     "from ray.scripts.scripts import main; main()"
@@ -151,25 +161,37 @@ def _stop(sessions: set[int]) -> None:
             time.sleep(0.1)
 
 
-def _listening(pids: set[int]) -> list[str]:
-    """The local addresses ``pids`` listen on (TCP and UDP), by ``ss``."""
-    done = subprocess.run(["ss", "-Htulnp"], capture_output=True, text=True, timeout=30, check=True)
+_LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:")
+
+
+def _off_loopback(pids: set[int]) -> list[str]:
+    """The sockets of ``pids`` (TCP and UDP, listening or connected, by ``ss``) with an end that
+    is not on 127.0.0.1 (a listener's wildcard peer aside), as ``ss`` prints them."""
+    done = subprocess.run(["ss", "-Htuanp"], capture_output=True, text=True, timeout=30, check=True)
+    mine = [line.split() for line in done.stdout.splitlines() if any(f"pid={p}," in line for p in pids)]
+    assert mine, "no socket of Ray's processes found"
     return [
-        line.split()[4] for line in done.stdout.splitlines() if any(f"pid={pid}," in line for pid in pids)
+        " ".join(fields)
+        for fields in mine
+        if not (fields[4].startswith(_LOOPBACK) and (fields[5].startswith(_LOOPBACK) or "*" in fields[5]))
     ]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, set[int]]]:
+def cluster() -> Iterator[tuple[str, set[int]]]:
+    with ray_cluster() as found:
+        yield found
+
+
+@contextmanager
+def ray_cluster() -> Iterator[tuple[str, set[int]]]:
     """A head and a worker node of one CPU each, in a temp dir of their own; their address and
     sessions. Stopped by their processes' ids, never by ``ray stop`` (which ends every Ray here)."""
-    import tempfile
-
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="rw-ray-", dir="/tmp")  # short: Ray's socket paths live under it
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = _ENV
     common = ["--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats"]
     commands = (
         ([ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
@@ -229,41 +251,62 @@ def _tasks(sessions: set[int]) -> set[int]:
     return {pid for pid in _processes(sessions) if _cmdline(pid).startswith("ray::_run_shipped")}
 
 
+def _ended(sessions: set[int]) -> set[int]:
+    """Waits (bounded) for the cluster's runs to end; those still running."""
+    deadline = time.monotonic() + 30.0
+    while _tasks(sessions) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _tasks(sessions)
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_sweep_on_ray_gives_the_local_result_and_resumes_after_its_driver_or_a_worker_is_killed(
+def test_a_sweep_on_ray_gives_the_local_result_and_resumes_after_its_driver_is_stopped_or_killed(
     cluster: tuple[str, set[int]], tmp_path: Path
 ) -> None:
     address, sessions = cluster
-    # Every Ray process listens on 127.0.0.1 alone (never the machine's interfaces).
-    listening = _listening(_processes(sessions))
-    assert listening and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in listening), (
-        listening
-    )
+    # Every Ray process listens and connects on 127.0.0.1 alone (never the machine's interfaces).
+    assert not _off_loopback(_processes(sessions))
 
     local = tmp_path / "local"
-    done = subprocess.run(_sweep(local, "--jobs", "2"), capture_output=True, timeout=_BOUND_S)
+    done = subprocess.run(_sweep(local, "--jobs", "2"), env=_ENV, capture_output=True, timeout=_BOUND_S)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
 
-    # The driver killed outright once a point is in DIR: the points finished stay, its tasks end.
+    # A SIGTERM stops the driver at once, and its runs on the cluster with it.
     out = tmp_path / "ray"
     on_ray = ["--executor", "ray", "--address", address]
-    driver = subprocess.Popen(_sweep(out, *on_ray), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    driver = subprocess.Popen(
+        _sweep(out, *on_ray), env=_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
-        finished = _wait_for(lambda: _entries(out), driver)
+        _wait_for(lambda: _tasks(sessions), driver)
+        driver.send_signal(signal.SIGTERM)
+        stopped = driver.wait(timeout=15.0)
+        assert stopped == 128 + signal.SIGTERM, driver.communicate()[1].decode()[-3000:]
+    finally:
+        driver.kill()
+    assert not _ended(sessions), "runs of a stopped driver went on on the cluster"
+
+    # The driver killed outright once a point is in DIR: the points finished stay, its tasks end.
+    before = len(_entries(out))
+    driver = subprocess.Popen(
+        _sweep(out, *on_ray), env=_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        finished = _wait_for(lambda: len(e := _entries(out)) > before and e, driver)
+        assert not _off_loopback({driver.pid})  # the driver too stays on 127.0.0.1
         assert driver.poll() is None and len(finished) < 6  # killed mid-sweep
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=_BOUND_S)
     finally:
         driver.kill()
-    deadline = time.monotonic() + 30.0
-    while _tasks(sessions) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _tasks(sessions), "runs of a killed driver went on on the cluster"
+    assert not _ended(sessions), "runs of a killed driver went on on the cluster"
     assert _entries(out) == finished
 
     # The rerun resumes; a Ray worker killed mid-run costs that run a retry, nothing else.
-    rerun = subprocess.Popen(_sweep(out, *on_ray), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rerun = subprocess.Popen(
+        _sweep(out, *on_ray), env=_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         worker = min(_wait_for(lambda: _tasks(sessions), rerun))
         os.kill(worker, signal.SIGKILL)
