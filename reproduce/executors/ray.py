@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ __all__ = ["RAY_MISSING", "RayExecutor"]
 #: The one line a sweep that names Ray gets where Ray is not installed.
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'retrywatch[ray]'"
 _RETRIES = 3  # times a run lost with its worker or node is run again
+_PROBE_S = 10.0  # how long the cluster's address has to accept a connection
 _POLL_S = 0.5  # how often the driver wakes while it waits (a SIGTERM is handled between waits)
 # NOTE: Ray swaps a loopback address (its own or the cluster's) for this machine's interface
 # address unless told that this is a single-machine Ray; a cluster bound to 127.0.0.1 alone is
@@ -57,6 +59,7 @@ class RayExecutor:
             raise ExecutorError(
                 "--executor ray needs --address HOST:PORT, a running Ray cluster's (or RAY_ADDRESS)"
             )
+        _probe(address)
         self.address = address
         self._ray: ModuleType | None = None
 
@@ -107,6 +110,18 @@ class RayExecutor:
                 signal.signal(signal.SIGTERM, before)
         self._ray = ray
         return ray
+
+
+def _probe(address: str) -> None:
+    """Refuse an ``address`` that is not HOST:PORT or where nothing answers (Ray itself would retry
+    it for ever, before any run)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ExecutorError(f"--address must be HOST:PORT, not {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_S).close()
+    except OSError as exc:
+        raise ExecutorError(f"no Ray cluster answers at {address}: {exc.strerror or exc}") from None
 
 
 @contextmanager

@@ -97,10 +97,21 @@ def test_ray_needs_a_cluster_and_refuses_a_backend_that_runs_in_this_process_bef
     out = tmp_path / "out"
     result = invoke("whatif", "--executor", "ray", "--out", str(out))
     assert result.exit_code == 2 and "--executor ray needs --address HOST:PORT" in result.output
+    for address, says in (
+        (f"127.0.0.1:{_free_port()}", "no Ray cluster answers at"),
+        ("nowhere", "HOST:PORT"),
+    ):
+        result = invoke(
+            "run", "--block", "diagnostic", "--executor", "ray", "--address", address, "--out", str(out)
+        )
+        assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)
-    on_ray = get_executor("ray", address="127.0.0.1:1")  # connects only when it runs a run
-    with pytest.raises(ExecutorError, match="'in-process' runs one run at a time in this process"):
-        run_many(_InProcess(), runs, out, executor=on_ray, progress=False)
+    with socket.socket() as listening:  # answers, as a cluster would; never asked to run anything
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        on_ray = get_executor("ray", address=f"127.0.0.1:{listening.getsockname()[1]}")
+        with pytest.raises(ExecutorError, match="'in-process' runs one run at a time in this process"):
+            run_many(_InProcess(), runs, out, executor=on_ray, progress=False)
     assert not out.exists()
 
 
