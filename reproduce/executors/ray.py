@@ -98,7 +98,7 @@ class RayExecutor:
     def _connect(self) -> ModuleType:
         if self._ray is not None:
             return self._ray
-        if self.address.rpartition(":")[0] in _LOOPBACK:
+        if self.address.removeprefix("ray://").rpartition(":")[0] in _LOOPBACK:
             os.environ.setdefault(_LOOPBACK_ONLY, "0")  # read when Ray is first imported
         ray = importlib.import_module("ray")
         main = threading.current_thread() is threading.main_thread()
