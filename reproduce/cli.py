@@ -25,6 +25,7 @@ from reproduce.conditions import (
     block_slugs,
     expand,
 )
+from reproduce.executors import EXECUTORS
 from reproduce.options import (
     LOAD,
     MAX_JOBS,
@@ -38,6 +39,7 @@ from reproduce.options import (
     OutputPath,
     parse_backend_options,
     steps_workload,
+    sweep_executor,
     trace_workload,
 )
 from reproduce.workloads.steps import STEP_S
@@ -205,6 +207,19 @@ def _capacity_hint(model: str, capacity: float) -> str:
     "--jobs", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True, help="Parallel processes."
 )
 @click.option(
+    "--executor",
+    "executor_name",
+    type=click.Choice(sorted(EXECUTORS)),
+    default="local",
+    show_default=True,
+    help="Where the runs execute: processes here (--jobs), or a Ray cluster (docs/reproducing.md).",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="--executor ray: the cluster's HOST:PORT [RAY_ADDRESS, else a Ray started here].",
+)
+@click.option(
     "--out",
     type=OutputPath(path_type=Path, file_okay=False),
     required=True,
@@ -275,6 +290,8 @@ def run(
     runs: int | None,
     seed: int,
     jobs: int,
+    executor_name: str,
+    address: str | None,
     out: Path,
     time_scale: float,
     backend_options: tuple[str, ...],
@@ -302,7 +319,7 @@ def run(
     from reproduce.dirlock import DirBusy
     from reproduce.engine.presets import PresetError
     from reproduce.registry import BackendNotFound, get_backend
-    from reproduce.runner import cap_jobs, run_many
+    from reproduce.runner import run_many
 
     trace = trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
     workload = steps_workload(steps_text, step_s, trace, pulse_multiple) or trace  # instead of the pulse
@@ -343,6 +360,7 @@ def run(
         raise click.BadParameter(str(exc), param_hint="'--backend'") from None
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    executor = sweep_executor(executor_name, jobs, address, engine)
     derived = [name for name in DERIVED if (out / name).exists()]
     if derived and not force:
         # A run makes the report and validation of the runs before it stale, and removes them.
@@ -365,7 +383,7 @@ def run(
             engine,
             specs,
             out,
-            jobs=cap_jobs(jobs, lambda note: click.echo(note, err=True)),
+            executor=executor,
             time_scale=time_scale,
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed}

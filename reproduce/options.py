@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import click
 
 from foundation.options import FiniteFloatRange
 from reproduce.conditions import TraceWorkload
+from reproduce.executors import Executor, ExecutorError, get_executor
+from reproduce.registry import Backend
 from reproduce.workloads.base import Workload
 from reproduce.workloads.steps import SteppedWorkload, StepsError, parse_steps
 from reproduce.workloads.traces import TraceError, parse_window
@@ -32,6 +35,7 @@ __all__ = [
     "OutputPath",
     "parse_backend_options",
     "steps_workload",
+    "sweep_executor",
     "trace_workload",
 ]
 
@@ -72,6 +76,20 @@ class OutputPath(click.Path):
         if not os.access(parent, os.W_OK | os.X_OK):
             self.fail(f"{target} cannot be written: {parent} is not writable.", param, ctx)
         return path
+
+
+def sweep_executor(name: str, jobs: int, address: str | None, engine: Backend) -> Executor:
+    """``--executor``/``--address``/``--jobs`` as the executor of ``engine``'s runs, closed when the
+    command ends; a usage error when they do not fit."""
+    from reproduce.runner import cap_jobs
+
+    try:
+        executor = get_executor(name, jobs=cap_jobs(jobs, lambda n: click.echo(n, err=True)), address=address)
+        executor.check(engine)
+    except ExecutorError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--executor'") from None
+    click.get_current_context().with_resource(closing(executor))
+    return executor
 
 
 def parse_backend_options(pairs: tuple[str, ...]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Checks every test of the suite shares: a test whose markers stand for system tools
-(``promtool``, ``browser``, ``postgres``, ``balancer``) is skipped before it starts when one is
+(``promtool``, ``browser``, ``postgres``, ``balancer``, ``ray``) is skipped before it starts when one is
 missing, with one line naming the tool and its ``apt-get install``; under ``CI=true`` it fails
 instead (``tests/systemtools.py`` owns the tools and that rule)."""
 

@@ -1,6 +1,7 @@
 """The system tools the tests run (Debian's Prometheus, Alertmanager, Chromium, PostgreSQL, nginx,
 HAProxy and tc; kubectl from the machine image; uv from PyPI, as the README's quick start installs
-it): where each is found, which package brings it,
+it; Ray, the project's ``ray`` extra, in the project's venv): where each is found, which package
+brings it,
 and what a missing one does to a test that needs it.
 
 On a developer's machine a missing tool skips the test with one line naming the tool and the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,9 @@ class Tool:
     ci_installs: bool = True
     # The command that installs it, where that is not Debian's apt-get.
     installer: str | None = None
+    # A console script of this Python's own environment, looked for beside its interpreter only
+    # (one elsewhere on PATH would run another Python, without this project).
+    beside_python: bool = False
 
     @property
     def install(self) -> str:
@@ -62,6 +67,12 @@ TOOLS: dict[str, Tool] = {
         Tool("tc", "iproute2", _SBIN),
         Tool("kubectl", "kubectl, from the Kubernetes project's packages (not Debian's)", ci_installs=False),
         Tool("uv", "uv", installer="python3 -m pip install uv"),
+        Tool(
+            "ray",
+            "ray (PyPI)",
+            installer="uv pip install --python .venv/bin/python -e '.[ray]'",
+            beside_python=True,
+        ),
     )
 }
 
@@ -71,6 +82,7 @@ MARKER_TOOLS: dict[str, tuple[str, ...]] = {
     "browser": ("chromium",),
     "postgres": ("initdb", "postgres"),
     "balancer": ("nginx", "haproxy"),
+    "ray": ("ray",),
 }
 
 
@@ -83,6 +95,9 @@ def locate(name: str) -> str | None:
     """The path of tool ``name`` on this machine, or None. Chromium may be named by
     ``RETRYWATCH_CHROMIUM``."""
     tool = TOOLS[name]
+    if tool.beside_python:
+        script = Path(sys.executable).parent / name
+        return str(script) if script.is_file() else None
     if name == "chromium" and (override := os.environ.get("RETRYWATCH_CHROMIUM")):
         return override if Path(override).is_file() else None
     found = shutil.which(name)

@@ -13,6 +13,7 @@ import click
 from foundation.rundir import SUMMARY, RunDirError
 from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, Workload
 from reproduce.dirlock import DirBusy, hold
+from reproduce.executors import EXECUTORS
 from reproduce.options import (
     LOAD,
     MAX_JOBS,
@@ -24,6 +25,7 @@ from reproduce.options import (
     OutputPath,
     parse_backend_options,
     steps_workload,
+    sweep_executor,
     trace_workload,
 )
 from reproduce.planner.whatif import (
@@ -41,7 +43,6 @@ from reproduce.planner.whatif import (
 from reproduce.planner.whatif import (
     headroom as search_headroom,
 )
-from reproduce.runner import cap_jobs
 from reproduce.workloads.steps import STEP_S
 from reproduce.workloads.traces import FORMATS
 
@@ -132,6 +133,19 @@ def _range(text: str) -> tuple[float, float]:
     show_default=True,
     help="Parallel processes (at most the cores this process may use).",
 )
+@click.option(
+    "--executor",
+    "executor_name",
+    type=click.Choice(sorted(EXECUTORS)),
+    default="local",
+    show_default=True,
+    help="Where the points run: processes here (--jobs), or a Ray cluster (docs/reproducing.md).",
+)
+@click.option(
+    "--address",
+    default=None,
+    help="--executor ray: the cluster's HOST:PORT [RAY_ADDRESS, else a Ray started here].",
+)
 @click.option("--headroom", is_flag=True, help="Also search each policy's headroom (bisection over load).")
 @click.option(
     "--headroom-range",
@@ -173,6 +187,8 @@ def whatif_command(
     seeds: int,
     time_scale: float,
     jobs: int,
+    executor_name: str,
+    address: str | None,
     headroom: bool,
     range_text: str,
     precision: float,
@@ -213,11 +229,11 @@ def whatif_command(
         raise click.BadParameter(str(exc), param_hint="'--backend'") from None
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
-    jobs = cap_jobs(jobs, lambda note: click.echo(note, err=True))
+    executor = sweep_executor(executor_name, jobs, address, engine)
     setup = WhatIf(
         backend=engine, backend_name=backend, backend_options=options, model=model,
         client=ClientProfile(name=spec.name, base=spec.config), workload=workload,
-        seed=seed, seeds=seeds, time_scale=time_scale, jobs=jobs, progress=progress,
+        seed=seed, seeds=seeds, time_scale=time_scale, progress=progress, executor=executor,
     )  # fmt: skip
 
     def on_round(n: int, loads: dict[str, float]) -> None:

@@ -41,6 +41,7 @@ from reproduce.conditions import (
     block,
 )
 from reproduce.dirlock import hold
+from reproduce.executors import Executor
 from reproduce.judge.groundtruth import CALLS_FILE, CallTimes, read_calls
 from reproduce.judge.validate import RunInfo, load_runs, replay_firings, truth_of
 from reproduce.registry import Backend
@@ -137,6 +138,7 @@ class WhatIf:
     time_scale: float = 1.0
     jobs: int = 1
     progress: bool = True
+    executor: Executor | None = None  # where the points run (None: ``jobs`` local processes)
 
     def setup(self) -> dict[str, Any]:
         """What a DIR's points were run with (a rerun must match it to reuse them)."""
@@ -330,7 +332,8 @@ class _Points:
         missing = list({s.slug: s for s in specs if s.slug not in done}.values())
         if missing:
             run_many(
-                w.backend, missing, self.dir, jobs=w.jobs, time_scale=w.time_scale, progress=w.progress,
+                w.backend, missing, self.dir, jobs=w.jobs, executor=w.executor, time_scale=w.time_scale,
+                progress=w.progress,
                 meta={"block": BLOCK, "model": w.model, "seed": w.seed, "whatif": w.setup()},
                 stamp={STAMP: w.setup()},
             )  # fmt: skip
