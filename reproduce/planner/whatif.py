@@ -608,7 +608,7 @@ class _Search:
         elif self.unsafe is None:
             kind, text = (
                 "at-least",
-                f"{good} still at the search's upper limit, {self.hi:g}x Ĉ: a lower bound",
+                f"still {good} at the search's upper limit, {self.hi:g}x Ĉ: a lower bound",
             )
         else:
             kind, text = "bracketed", f"{good} at {self.safe:g}x Ĉ, {bad} at {self.unsafe:g}x Ĉ"
