@@ -1082,9 +1082,9 @@ def whatif_delivery_figure(whatif: Mapping[str, Any]) -> go.Figure:
 _OLD_CRITERION = {"name": "metastable", "safe": "no metastable collapse", "unsafe": "a metastable collapse"}
 #: The marks on a policy's curve: whatif.json's key, the label, its colour and dash.
 WHATIF_MARKS = (
-    ("headroom", "headroom", BLUE, "solid"),
-    ("loop_onset", "loop onset", VERMILLION, "dash"),
-    ("overload", "overload", ORANGE, "dot"),
+    ("headroom", "headroom", BLUE, "solid", "top left"),
+    ("loop_onset", "loop onset", VERMILLION, "dash", "top right"),
+    ("overload", "overload", ORANGE, "dot", "bottom right"),
 )
 
 
@@ -1161,6 +1161,7 @@ def whatif_curve_figure(whatif: Mapping[str, Any]) -> go.Figure:
         rows=len(rows), cols=1, shared_xaxes=True, vertical_spacing=0.06,
         subplot_titles=[r["policy"] for r in rows],
     )  # fmt: skip
+    fig.update_annotations(x=0.0, xanchor="left")  # the panels' titles, clear of the marks' labels
     for i, r in enumerate(rows, start=1):
         points = sorted(r["curve"], key=lambda q: float(q["load"]))
         loads = [float(q["load"]) for q in points]
@@ -1182,9 +1183,9 @@ def whatif_curve_figure(whatif: Mapping[str, Any]) -> go.Figure:
         if target is not None:
             fig.add_hline(
                 y=100.0 * target, line={"color": GREY, "dash": "dash", "width": 1}, row=i, col=1,
-                annotation_text=f"objective {100.0 * target:g}%", annotation_position="bottom left",
+                annotation_text=f"objective {100.0 * target:g}%", annotation_position="bottom right",
             )  # fmt: skip
-        for key, label, colour, dash in WHATIF_MARKS:
+        for key, label, colour, dash, where in WHATIF_MARKS:
             mark = r.get(key)
             at = (
                 mark.get("headroom_load" if key == "headroom" else "load")
@@ -1195,7 +1196,7 @@ def whatif_curve_figure(whatif: Mapping[str, Any]) -> go.Figure:
                 continue
             fig.add_vline(
                 x=float(at), line={"color": colour, "dash": dash, "width": 2}, row=i, col=1,
-                annotation_text=f"{label} {float(at):g}x", annotation_position="top",
+                annotation_text=f"{label} {float(at):g}x", annotation_position=where,
             )  # fmt: skip
     fig.update_yaxes(title_text="% of calls", range=[0, 105])
     fig.update_xaxes(title_text="load (× Ĉ)", row=len(rows), col=1)
