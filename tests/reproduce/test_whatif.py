@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from detector.signals import DELIVERY_OBJECTIVE
+from foundation.groundtruth import Collapse, GroundTruth, JudgedSpan
 from foundation.rundir import RunDirError, read_summary
 from reproduce.cli import reproduce
 from reproduce.planner.whatif import (
@@ -32,6 +33,7 @@ from reproduce.planner.whatif import (
     Objective,
     Point,
     WhatIfError,
+    overload_end,
     parse_policies,
 )
 from reproduce.runner import usable_cores
@@ -150,6 +152,21 @@ def test_the_headroom_criterion_says_what_makes_a_load_unsafe() -> None:
                 ["--recovery-deadlines", "0"], ["--curve", "1,x"], ["--curve", "0,1"]):  # fmt: skip
         result = CliRunner().invoke(reproduce, ["whatif", "--headroom", *bad, "--out", "unused"])
         assert result.exit_code == 2 and bad[0] in result.output and "Traceback" not in result.output, bad
+
+
+def test_a_collapse_is_timed_from_when_arrivals_fall_back_below_capacity() -> None:
+    """Without a pulse, arrivals fall back below Ĉ at the end of the last window-long stretch
+    planned at Ĉ or more (2 calls/s to 100 s, then 0.5/s, at Ĉ = 1/s: the window starting at
+    80 s is the last holding 60 calls); with a pulse, at its end; never before the collapse."""
+    planned = sorted([i / 2 for i in range(200)] + [100 + 2 * i for i in range(250)])
+    span = JudgedSpan(start_s=0, end_s=600, align_s=0, window_s=60, deadline_s=120, capacity=1.0)
+    truth = GroundTruth(span, [], [])
+    assert overload_end(Collapse(50, 400, ended=True), truth, planned) == pytest.approx(140, abs=1)
+    assert overload_end(Collapse(500, 560, ended=True), truth, planned) == 500
+    pulse = GroundTruth(JudgedSpan(0, 600, 100, 60, 120, 1.0, pulse_start_s=0, pulse_end_s=100), [], [])
+    assert overload_end(Collapse(50, 400, ended=True), pulse, planned) == 100
+    with pytest.raises(WhatIfError, match="between 0 and 1"):
+        Objective(target=1.0)
 
 
 def _delivered_share(points: Path) -> tuple[float, dict[str, Any]]:
