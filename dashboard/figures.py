@@ -1078,10 +1078,35 @@ def whatif_delivery_figure(whatif: Mapping[str, Any]) -> go.Figure:
     return fig
 
 
+#: A what-if's criterion words when whatif.json names none (one written before it did).
+_OLD_CRITERION = {"name": "metastable", "safe": "no metastable collapse", "unsafe": "a metastable collapse"}
+#: The marks on a policy's curve: whatif.json's key, the label, its colour and dash.
+WHATIF_MARKS = (
+    ("headroom", "headroom", BLUE, "solid", "top left"),
+    ("loop_onset", "loop onset", VERMILLION, "dash", "top right"),
+    ("overload", "overload", ORANGE, "dot", "bottom right"),
+)
+
+
+def whatif_criterion(whatif: Mapping[str, Any]) -> dict[str, str]:
+    """The criterion a what-if's headroom was searched by: ``name``, what a ``safe`` and an
+    ``unsafe`` load are (whatif.json's ``criterion``)."""
+    found = whatif.get("criterion")
+    if not isinstance(found, Mapping):
+        return dict(_OLD_CRITERION)
+    return {k: str(found.get(k, v)) for k, v in _OLD_CRITERION.items()}
+
+
+def whatif_mark_text(mark: Any) -> str:
+    """A curve's mark (loop onset, overload) in words: ``at 2x Ĉ (not at 1.5x)`` or ``not seen``."""
+    return str(mark.get("says", "–")) if isinstance(mark, Mapping) else "–"
+
+
 def whatif_headroom_figure(whatif: Mapping[str, Any]) -> go.Figure:
-    """Per policy, the loads its headroom search tried (safe: green, a metastable collapse:
-    vermillion) and the headroom found (a bar; hatched where it is a bound)."""
-    title = "Headroom per policy: the largest load without a metastable collapse"
+    """Per policy, the loads its headroom search tried (safe by the criterion in force: green;
+    unsafe: vermillion) and the headroom found (a bar; hatched where it is a bound)."""
+    words = whatif_criterion(whatif)
+    title = f"Headroom per policy: the largest load safe by '{words['name']}' ({words['safe']})"
     rows = [r for r in whatif_rows(whatif) if r["headroom"] is not None]
     if not rows:
         return _empty_figure("no headroom search (run whatif with --headroom)", title)
@@ -1101,7 +1126,7 @@ def whatif_headroom_figure(whatif: Mapping[str, Any]) -> go.Figure:
             hovertemplate="%{y}: %{text}<extra></extra>",
         )
     )
-    for safe, label, colour in ((True, "safe", BLUISH_GREEN), (False, "metastable collapse", VERMILLION)):
+    for safe, label, colour in ((True, words["safe"], BLUISH_GREEN), (False, words["unsafe"], VERMILLION)):
         xs, ys = [], []
         for r in rows:
             for t in r["headroom"].get("tried") or []:
@@ -1118,4 +1143,62 @@ def whatif_headroom_figure(whatif: Mapping[str, Any]) -> go.Figure:
         height=120 + 40 * len(rows),
         margin={"l": 120, "r": 20, "t": 50, "b": 40},
     )
+    return fig
+
+
+def whatif_curve_figure(whatif: Mapping[str, Any]) -> go.Figure:
+    """Per policy (one panel each), the share of calls delivered within the deadline, late and
+    failed against load, from every load run; the delivery objective drawn as a line, and the
+    headroom, the loop's onset and the overload marked where they were found."""
+    words = whatif_criterion(whatif)
+    title = f"Calls by fate against load per policy (headroom by '{words['name']}')"
+    rows = [r for r in whatif_rows(whatif) if isinstance(r.get("curve"), list) and r["curve"]]
+    if not rows:
+        return _empty_figure("no curve (a what-if written before it recorded one)", title)
+    objective = whatif.get("objective")
+    target = float(objective["target"]) if isinstance(objective, Mapping) and "target" in objective else None
+    fig = make_subplots(
+        rows=len(rows), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+        subplot_titles=[r["policy"] for r in rows],
+    )  # fmt: skip
+    fig.update_annotations(x=0.0, xanchor="left")  # the panels' titles, clear of the marks' labels
+    for i, r in enumerate(rows, start=1):
+        points = sorted(r["curve"], key=lambda q: float(q["load"]))
+        loads = [float(q["load"]) for q in points]
+        for key, label, colour in WHATIF_PARTS:
+            fig.add_trace(
+                go.Scatter(
+                    x=loads,
+                    y=[100.0 * float(q.get(f"{key}_share") or 0.0) for q in points],
+                    mode="lines+markers",
+                    name=label,
+                    legendgroup=key,
+                    showlegend=i == 1,
+                    line={"color": colour},
+                    hovertemplate=f"{r['policy']} at %{{x:g}}x Ĉ<br>{label}: %{{y:.1f}}%<extra></extra>",
+                ),
+                row=i,
+                col=1,
+            )
+        if target is not None:
+            fig.add_hline(
+                y=100.0 * target, line={"color": GREY, "dash": "dash", "width": 1}, row=i, col=1,
+                annotation_text=f"objective {100.0 * target:g}%", annotation_position="bottom right",
+            )  # fmt: skip
+        for key, label, colour, dash, where in WHATIF_MARKS:
+            mark = r.get(key)
+            at = (
+                mark.get("headroom_load" if key == "headroom" else "load")
+                if isinstance(mark, Mapping)
+                else None
+            )
+            if at is None:
+                continue
+            fig.add_vline(
+                x=float(at), line={"color": colour, "dash": dash, "width": 2}, row=i, col=1,
+                annotation_text=f"{label} {float(at):g}x", annotation_position=where,
+            )  # fmt: skip
+    fig.update_yaxes(title_text="% of calls", range=[0, 105])
+    fig.update_xaxes(title_text="load (× Ĉ)", row=len(rows), col=1)
+    fig.update_layout(title=title, height=180 + 220 * len(rows), margin={"l": 60, "r": 20, "t": 80, "b": 40})
     return fig

@@ -146,6 +146,8 @@ WHATIF_COLUMNS = (
     "loop formed",
     "alerts fired (first)",
     "headroom",
+    "loop onset",
+    "overload",
 )
 
 
@@ -154,7 +156,8 @@ def _pct(share: Any) -> str:
 
 
 def whatif_section(whatif: dict[str, Any]) -> list[Any]:
-    """A what-if's policies side by side (a table), its calls by fate and its headroom (figures)."""
+    """A what-if's policies side by side (a table), its calls by fate, its headroom and each
+    policy's curve against load (figures)."""
     rows = []
     for r in figures.whatif_rows(whatif):
         p = r["at_load"]
@@ -170,6 +173,8 @@ def whatif_section(whatif: dict[str, Any]) -> list[Any]:
             figures.whatif_loops_text(p),
             figures.whatif_alerts_text(p),
             figures.whatif_headroom_text(r["headroom"]),
+            figures.whatif_mark_text(r.get("loop_onset")),
+            figures.whatif_mark_text(r.get("overload")),
         )
         rows.append(html.Tr([html.Td(c) for c in cells]))
     table = html.Table(
@@ -180,6 +185,7 @@ def whatif_section(whatif: dict[str, Any]) -> list[Any]:
         table,
         dcc.Graph(id="graph-whatif-delivery", figure=figures.whatif_delivery_figure(whatif)),
         dcc.Graph(id="graph-whatif-headroom", figure=figures.whatif_headroom_figure(whatif)),
+        dcc.Graph(id="graph-whatif-curve", figure=figures.whatif_curve_figure(whatif)),
         html.Div(str(whatif.get("safe_rule", "")), style=style.NOTE),
     ]
 

@@ -30,12 +30,17 @@ from reproduce.options import (
 )
 from reproduce.planner.whatif import (
     CRITERIA,
+    DEFAULT_CRITERION,
     HEADROOM_RANGE,
     POLICIES,
     PRECISION,
+    Objective,
     WhatIf,
     WhatIfError,
     compare,
+    criterion_words,
+    curve,
+    marks,
     parse_policies,
     policy_table,
     write_whatif,
@@ -46,13 +51,6 @@ from reproduce.planner.whatif import (
 from reproduce.workloads.steps import STEP_S
 from reproduce.workloads.traces import FORMATS
 
-#: How a load counts as safe in a headroom search (whatif.json's ``safe_rule``; docs/reproducing.md).
-SAFE_RULE = (
-    "A load counts as safe when none of its seeds' runs enters a metastable collapse (a collapse "
-    "in which first attempts arrived below Ĉ while executions were created at or above Ĉ; one "
-    "whose kind is unknown counts as one), or with --unsafe-on collapse, any collapse. Bisection "
-    "assumes more load never makes a policy safe."
-)
 DEFAULT_POLICIES = "none,default,budget,coalescing,lookup-first"
 
 
@@ -65,6 +63,20 @@ def _range(text: str) -> tuple[float, float]:
     if not (0 < bounds[0] < bounds[1] and math.isfinite(bounds[1])):
         raise click.BadParameter(f"{text!r} is not LO:HI with 0 < LO < HI", param_hint="'--headroom-range'")
     return bounds
+
+
+def _loads(text: str | None) -> list[float]:
+    if not text:
+        return []
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        loads = [math.nan]
+    if not loads or not all(math.isfinite(x) and x > 0 for x in loads):
+        raise click.BadParameter(
+            f"{text!r} is not loads M,M,... (positive multiples of Ĉ)", param_hint="'--curve'"
+        )
+    return loads
 
 
 @click.command("whatif")
@@ -162,12 +174,36 @@ def _range(text: str) -> tuple[float, float]:
     help="--headroom: stop when safe and unsafe loads are this close.",
 )
 @click.option(
+    "--criterion",
     "--unsafe-on",
     "criterion",
     type=click.Choice(CRITERIA),
-    default="metastable",
+    default=DEFAULT_CRITERION,
     show_default=True,
-    help="--headroom: what makes a load unsafe: a metastable collapse, or any collapse.",
+    help="--headroom: what makes a load unsafe: missing the delivery objective, any collapse, or a "
+    "metastable collapse only (--unsafe-on is the older spelling).",
+)
+@click.option(
+    "--objective",
+    "target",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=Objective().target,
+    show_default=True,
+    help="The delivery objective: the share of calls to deliver within the deadline.",
+)
+@click.option(
+    "--recovery-deadlines",
+    type=click.FloatRange(0, min_open=True),
+    default=Objective().recovery_deadlines,
+    show_default=True,
+    help="The delivery objective: every collapse over within this many deadlines of arrivals "
+    "falling back below Ĉ.",
+)
+@click.option(
+    "--curve",
+    "curve_text",
+    default=None,
+    help="Also run these loads (M,M,..., multiples of Ĉ) for every policy's curve.",
 )
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def whatif_command(
@@ -193,6 +229,9 @@ def whatif_command(
     range_text: str,
     precision: float,
     criterion: str,
+    target: float,
+    recovery_deadlines: float,
+    curve_text: str | None,
     progress: bool,
 ) -> None:
     """Run one workload (the pulse, --trace or --steps) under each named proxy policy; with --headroom,
@@ -208,6 +247,8 @@ def whatif_command(
     except WhatIfError as exc:
         raise click.BadParameter(str(exc), param_hint="'--policies'") from None
     lo, hi = _range(range_text)
+    fixed = _loads(curve_text)
+    objective = Objective(target, recovery_deadlines)
     trace = trace_workload(trace_path, trace_format, load or 1.0, window_text, None, load_needs_trace=False)
     workload: Workload = steps_workload(steps_text, step_s, trace, None) or trace or PulseWorkload()
     if load is not None:
@@ -242,7 +283,9 @@ def whatif_command(
     try:
         # held until the command ends: the points, whatif.json and the report are one sweep's
         click.get_current_context().with_resource(hold(out))
-        points = compare(setup, policies, out)
+        points = compare(setup, policies, out, objective)
+        if fixed:  # the fixed loads first: they bracket the search too
+            curve(setup, policies, out, fixed, objective)
         found = (
             search_headroom(
                 setup,
@@ -252,11 +295,13 @@ def whatif_command(
                 hi=hi,
                 precision=precision,
                 criterion=criterion,
+                objective=objective,
                 on_round=on_round,
             )
             if headroom
             else {}
         )
+        curves = curve(setup, policies, out, (), objective)
     except (DirBusy, WhatIfError) as exc:
         raise click.BadParameter(str(exc), param_hint="'--out'") from None
     except PresetError as exc:
@@ -272,12 +317,16 @@ def whatif_command(
         "workload": workload.describe(),
         "workload_text": workload.text(),
         "seeds": list(range(seed, seed + seeds)),
-        "safe_rule": SAFE_RULE,
+        "objective": objective.describe(),
+        "criterion": criterion_words(criterion, objective),
+        "safe_rule": criterion_words(criterion, objective)["rule"],
         "policies": {
             p: {
                 "does": sources[p]["does"],
                 "from": sources[p]["from"],
                 "at_load": points[p],
+                "curve": curves[p],
+                **marks(curves[p]),
                 **({"headroom": found[p]} if p in found else {}),
             }
             for p in policies
@@ -293,5 +342,7 @@ def whatif_command(
         )
         if p in found:
             line += f"; headroom: {found[p]['says']}"
+        seen = marks(curves[p])
+        line += f"; loop onset: {seen['loop_onset']['says']}; overload: {seen['overload']['says']}"
         click.echo(line)
     click.echo(f"wrote {path}, {md} and {html}")

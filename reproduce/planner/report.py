@@ -15,10 +15,13 @@ import plotly.io as pio
 
 from dashboard.figures import (
     whatif_alerts_text,
+    whatif_criterion,
+    whatif_curve_figure,
     whatif_delivery_figure,
     whatif_headroom_figure,
     whatif_headroom_text,
     whatif_loops_text,
+    whatif_mark_text,
     whatif_rows,
 )
 from foundation.rundir import REPORT_HTML, REPORT_MD
@@ -74,31 +77,65 @@ def render_markdown(whatif: Mapping[str, Any]) -> str:
         "detector's replay over the runs' series.",
     ]
     searched = [r for r in rows if r["headroom"] is not None]
+    words = whatif_criterion(whatif)
     if searched:
         lines += [
             "",
-            "## Headroom",
+            f"## Headroom (criterion: {words['name']})",
             "",
-            "| policy | headroom | loads tried (safe ✓, metastable collapse ✗) |",
-            "|---|---|---|",
+            f"| policy | headroom | loop onset | overload | loads tried ({words['safe']} ✓, "
+            f"{words['unsafe']} ✗) |",
+            "|---|---|---|---|---|",
         ]
         for r in searched:
             head = r["headroom"]
             tried = ", ".join(
                 f"{float(t['load']):g}{'✓' if t.get('safe') else '✗'}" for t in head.get("tried") or []
             )
-            lines.append(f"| {r['policy']} | {whatif_headroom_text(head)} | {tried} |")
+            lines.append(
+                f"| {r['policy']} | {whatif_headroom_text(head)} | {whatif_mark_text(r.get('loop_onset'))} "
+                f"| {whatif_mark_text(r.get('overload'))} | {tried} |"
+            )
         lines += [
             "",
             f"- {whatif.get('safe_rule', '')}",
+            "- Loop onset: the smallest load run at which a retry loop formed (a metastable "
+            "collapse); overload: the smallest at which the objective was missed without one (the "
+            "engine simply overloaded). Each is bracketed by the loads run, not searched.",
         ]
+    curves = [r for r in rows if isinstance(r.get("curve"), list) and r["curve"]]
+    if curves:
+        lines += ["", "## The curve: calls by fate against load", ""]
+        lines += [
+            "| policy | load (x Ĉ) | within deadline % | late % | failed % | runs meeting the objective "
+            "| what happened |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in curves:
+            for q in sorted(r["curve"], key=lambda q: float(q["load"])):
+                lines.append(
+                    f"| {r['policy']} | {float(q['load']):g} | {_pct(q.get('within_deadline_share'))} "
+                    f"| {_pct(q.get('late_share'))} | {_pct(q.get('failed_share'))} "
+                    f"| {q.get('runs_meeting_objective')}/{q.get('runs')} "
+                    f"| {_STATES.get(str(q.get('state')), '?')} |"
+                )
     return "\n".join(lines) + "\n"
+
+
+_STATES = {
+    "meets": "served",
+    "loop": "retry loop",
+    "overload": "overloaded (no loop)",
+}
 
 
 def render_html(whatif: Mapping[str, Any], markdown: str) -> str:
     figures = [whatif_delivery_figure(whatif)]
-    if any(r["headroom"] is not None for r in whatif_rows(whatif)):
+    rows = whatif_rows(whatif)
+    if any(r["headroom"] is not None for r in rows):
         figures.append(whatif_headroom_figure(whatif))
+    if any(r.get("curve") for r in rows):
+        figures.append(whatif_curve_figure(whatif))
     parts = [
         pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_width="100%")
         for i, fig in enumerate(figures)

@@ -10,9 +10,15 @@ tips. This module answers both on any workload (``reproduce.workloads``): ``--lo
   within the deadline, late, failed; executions per call; collapses and whether a retry loop
   formed, by ``reproduce.judge.groundtruth``; the alerts the detector's replay fired, as
   ``reproduce validate`` replays them);
-* :func:`headroom`: per policy, the largest load at which no run enters a metastable collapse,
-  by bisection to a stated precision (every policy's next load runs in one batch, so the batch
-  fans out over ``jobs`` processes).
+* :func:`headroom`: per policy, the largest load at which it still meets the delivery objective
+  (:class:`Objective`: the share of calls delivered within the deadline, and every collapse over
+  soon after arrivals fall back below Ĉ), by bisection to a stated precision (every policy's next
+  load runs in one batch, so the batch fans out over ``jobs`` processes); beside it, from every
+  load run, where the retry loop first forms (*loop onset*) and where the engine is simply
+  overloaded (the objective missed without a loop). ``--criterion`` keeps the older answers
+  (:data:`CRITERIA`);
+* :func:`curve`: per policy, every load run in DIR judged (delivered within the deadline, late,
+  failed against load): the curve, not only the point.
 
 Every point (policy, load, seed) is a run of ``reproduce.runner.run_many`` in ``DIR/points`` (a
 reproduce output directory of its own: ``reproduce validate DIR/points`` reads it). A rerun
@@ -24,6 +30,7 @@ seed and time scale) is not this sweep's. One sweep writes a DIR at a time (``re
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detector.signals import DELIVERY_OBJECTIVE, check_objective
+from foundation.groundtruth import Collapse, GroundTruth
 from foundation.rundir import SUMMARY, WHATIF, WHATIF_POINTS, RunDirError, read_summary
 from reproduce.conditions import (
     ClientProfile,
@@ -49,13 +58,16 @@ from reproduce.runner import run_many
 
 __all__ = [
     "BLOCK",
+    "CRITERIA",
     "POINTS",
     "POLICIES",
     "STAMP",
+    "Objective",
     "Point",
     "WhatIf",
     "WhatIfError",
     "compare",
+    "curve",
     "headroom",
     "parse_policies",
     "write_whatif",
@@ -97,10 +109,26 @@ POLICIES: dict[str, ProxyPolicy] = {
 #: Bisection bounds of ``--headroom`` (multiples of Ĉ) and its default precision.
 HEADROOM_RANGE = (0.5, 6.0)
 PRECISION = 0.05
-#: What makes a load unsafe in the headroom search: a metastable collapse (the default), or any
-#: collapse (a sustained overload above Ĉ is a collapse but never metastable: first attempts
-#: stay above Ĉ, so only "collapse" finds where a trace replayed above Ĉ stops being served).
-CRITERIA = ("metastable", "collapse")
+#: What makes a load unsafe in the headroom search, by ``--criterion``: missing the delivery
+#: objective (the default: :class:`Objective`); any collapse; or a metastable collapse only (a
+#: sustained overload above Ĉ is a collapse but never metastable, so by that criterion an engine
+#: overloaded for good stays "safe": it answers where the loop forms, not how much load is served).
+CRITERIA = ("objective", "collapse", "metastable")
+DEFAULT_CRITERION = CRITERIA[0]
+#: Per criterion: what a safe load is, and what an unsafe one is (whatif.json's ``criterion``; the
+#: report's and the dashboard's labels). ``{objective}``: :meth:`Objective.text`.
+CRITERION_WORDS: dict[str, tuple[str, str]] = {
+    "objective": ("meets the delivery objective", "misses the delivery objective"),
+    "collapse": ("no collapse", "a collapse"),
+    "metastable": ("no metastable collapse", "a metastable collapse"),
+}
+#: How long a collapse may outlast the overload behind it, in deadlines, and still meet the
+#: objective. NOTE: once arrivals fall back below Ĉ, the calls already waiting miss their deadline
+#: for at most one deadline; a second deadline drains the backlog they leave behind (the recovery
+#: rule's queue check holds a collapse open until it has), at the study's hold of 0.6 Ĉ a backlog
+#: of about 0.4 x Ĉ x 120 s. Longer, the backlog is retries feeding themselves: a loop, or
+#: an engine that cannot catch up. At the study's 120-s deadline: 240 s, four recovery windows.
+RECOVERY_DEADLINES = 2.0
 _DIGITS = 4  # loads are rounded to this many decimals (they name the points' runs)
 #: The key under which each point's summary entry records the settings of the sweep that ran it.
 STAMP = "whatif_setup"
@@ -120,6 +148,51 @@ def parse_policies(text: str) -> list[str]:
     if unknown:
         raise WhatIfError(f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}")
     return names
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The delivery objective a load must meet to count as safe: in every seed's run, at least
+    ``target`` of the calls planned in the judged span delivered within the deadline (the
+    protocol's 98 % rule, the detector's :data:`DELIVERY_OBJECTIVE`), and every collapse over
+    within ``recovery_deadlines`` deadlines of arrivals falling back below Ĉ."""
+
+    target: float = DELIVERY_OBJECTIVE
+    recovery_deadlines: float = RECOVERY_DEADLINES
+
+    def __post_init__(self) -> None:
+        try:
+            check_objective(self.target)
+        except ValueError as exc:
+            raise WhatIfError(str(exc)) from None
+        if not (math.isfinite(self.recovery_deadlines) and self.recovery_deadlines > 0):
+            raise WhatIfError(f"the recovery limit must be a positive number of deadlines, got "
+                              f"{self.recovery_deadlines!r}")  # fmt: skip
+
+    def text(self) -> str:
+        return (
+            f"at least {100 * self.target:g} % of calls delivered within the deadline, and every "
+            f"collapse over within {self.recovery_deadlines:g} deadlines of arrivals falling back below Ĉ"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"target": self.target, "recovery_deadlines": self.recovery_deadlines, "text": self.text()}
+
+
+def overload_end(collapse: Collapse, truth: GroundTruth, planned: Sequence[float]) -> float:
+    """When arrivals fell back below Ĉ for ``collapse`` (run seconds): the pulse's end for a run
+    with a pulse; otherwise the end of the last stretch one window long, starting before the
+    collapse ends, in which calls were planned at Ĉ or more (``planned`` sorted); never before
+    the collapse's start."""
+    span = truth.span
+    if span.pulse_end_s is not None:
+        return max(collapse.start_s, span.pulse_end_s)
+    need, w = span.capacity * span.window_s, span.window_s
+    end = collapse.start_s
+    for i in range(bisect.bisect_left(planned, collapse.end_s)):
+        if bisect.bisect_left(planned, planned[i] + w) - i >= need:
+            end = max(end, planned[i] + w)
+    return end
 
 
 @dataclass(frozen=True)
@@ -182,15 +255,34 @@ class Point:
     pulse: dict[str, int] | None = None  # the pulse cohort's within / late / failed (pulse runs)
     alerts: dict[str, list[float]] = field(default_factory=dict)  # alertname -> first fired, per run
     recovered: int = 0
+    met: int = 0  # runs that met the objective
+    slow_collapses: int = 0  # collapses not over within the objective's limit (one never over too)
+    run_shares: list[float | None] = field(default_factory=list)  # per run: delivered within the deadline
 
     @property
     def safe(self) -> bool:
         """No run entered a metastable collapse (a collapse whose kind is unknown counts as one)."""
         return self.loops == 0
 
+    @property
+    def meets_objective(self) -> bool:
+        """Every run met the delivery objective it was judged by."""
+        return self.runs > 0 and self.met == self.runs
+
     def safe_under(self, criterion: str) -> bool:
-        """Safe by ``criterion`` (:data:`CRITERIA`): no metastable collapse, or no collapse at all."""
+        """Safe by ``criterion`` (:data:`CRITERIA`): the delivery objective met in every run, no
+        collapse at all, or no metastable collapse."""
+        if criterion == "objective":
+            return self.meets_objective
         return self.safe and (criterion == "metastable" or self.collapses == 0)
+
+    @property
+    def state(self) -> str:
+        """What happened at this load: ``loop`` (a metastable collapse formed), ``overload`` (the
+        objective missed without one) or ``meets`` (the objective met)."""
+        if not self.safe:
+            return "loop"
+        return "meets" if self.meets_objective else "overload"
 
     def to_dict(self) -> dict[str, Any]:
         def share(n: int) -> float | None:
@@ -213,6 +305,11 @@ class Point:
             "loop_for_s": self.loop_for_s,
             "recovered": self.recovered,
             "safe": self.safe,
+            "meets_objective": self.meets_objective,
+            "runs_meeting_objective": self.met,
+            "slow_collapses": self.slow_collapses,
+            "run_within_deadline_shares": self.run_shares,
+            "state": self.state,
         }
         if self.pulse is not None:
             out["pulse"] = self.pulse
@@ -229,9 +326,15 @@ def _fates(calls: Sequence[CallTimes], deadline_s: float) -> tuple[int, int, int
 
 
 def _judge(
-    policy: str, load: float, infos: Sequence[RunInfo], entries: Mapping[str, Mapping[str, Any]], alerts: bool
+    policy: str,
+    load: float,
+    infos: Sequence[RunInfo],
+    entries: Mapping[str, Mapping[str, Any]],
+    alerts: bool,
+    objective: Objective,
 ) -> Point:
-    calls = within = late = failed = collapses = loops = recovered = 0
+    calls = within = late = failed = collapses = loops = recovered = met = slow = 0
+    shares: list[float | None] = []
     executions = 0.0
     loop_at: list[float | None] = []
     loop_for: list[float] = []
@@ -241,9 +344,17 @@ def _judge(
         entry = entries[info.slug]
         if info.calls is None:
             raise RunDirError(f"run {info.slug!r} has no {CALLS_FILE}: it cannot be judged")
+        truth = truth_of(info)
         records = read_calls(info.calls)
+        if truth is not None:  # the calls of the judged span (a pulse run's: every planned call)
+            records = [c for c in records if truth.span.start_s <= c.planned_at < truth.span.end_s]
         w, lt, f = _fates(records, info.deadline_s)
         calls, within, late, failed = calls + len(records), within + w, late + lt, failed + f
+        share = w / len(records) if records else None
+        shares.append(None if share is None else round(share, 4))
+        n_slow = _slow_collapses(truth, records, info.deadline_s, objective)
+        slow += n_slow
+        met += truth is not None and (share is None or share >= objective.target) and n_slow == 0
         executions += float(entry.get("executions", {}).get("created") or 0.0)
         recovered += bool(entry.get("recovered"))
         if not info.trace:
@@ -252,7 +363,6 @@ def _judge(
             pulse = pulse or {"calls": 0, "within_deadline": 0, "late": 0, "failed": 0}
             for key, n in (("calls", len(cohort)), ("within_deadline", w), ("late", lt), ("failed", f)):
                 pulse[key] += n
-        truth = truth_of(info)
         found = [] if truth is None else truth.collapses
         collapses += len(found)
         loop = [c for c in found if c.metastable is not False]
@@ -265,8 +375,22 @@ def _judge(
                 fired[firing.alertname].append(firing.fired_at_s)
     return Point(
         policy, load, len(infos), calls, within, late, failed, executions, collapses, loops, loop_at,
-        loop_for, pulse, {k: sorted(v) for k, v in sorted(fired.items())}, recovered,
+        loop_for, pulse, {k: sorted(v) for k, v in sorted(fired.items())}, recovered, met, slow, shares,
     )  # fmt: skip
+
+
+def _slow_collapses(
+    truth: GroundTruth | None, calls: Sequence[CallTimes], deadline_s: float, objective: Objective
+) -> int:
+    """The collapses of a run not over within the objective's limit after arrivals fell back
+    below Ĉ (one that runs to the end of the judged span is never over)."""
+    if truth is None:
+        return 0  # an unknown record meets no objective anyway
+    planned = sorted(c.planned_at for c in calls)
+    limit = objective.recovery_deadlines * deadline_s
+    return sum(
+        not c.ended or c.end_s > overload_end(c, truth, planned) + limit + 1e-9 for c in truth.collapses
+    )
 
 
 class _Points:
@@ -338,14 +462,30 @@ class _Points:
                 stamp={STAMP: w.setup()},
             )  # fmt: skip
 
-    def judge(self, policy: str, load: float, *, alerts: bool) -> Point:
+    def loads(self, policy: str) -> list[float]:
+        """Every load at which all of ``policy``'s seeds have run in DIR, in order."""
+        done = self._done()
+        found = set()
+        for entry in done.values():
+            variant = str(entry.get("variant"))
+            if entry.get("condition") != policy or not variant.startswith(_VARIANT):
+                continue
+            try:
+                load = float(variant.removeprefix(_VARIANT))
+            except ValueError:
+                continue
+            if all(self.whatif.spec(policy, load, r).slug in done for r in range(self.whatif.seeds)):
+                found.add(load)
+        return sorted(found)
+
+    def judge(self, policy: str, load: float, *, alerts: bool, objective: Objective) -> Point:
         slugs = [self.whatif.spec(policy, load, r).slug for r in range(self.whatif.seeds)]
         entries = self._done()
         infos = {i.slug: i for i in load_runs(self.dir)}
         lost = [s for s in slugs if s not in infos or s not in entries]
         if lost:
             raise RunDirError(f"{self.dir}/{SUMMARY} lost point {lost[0]!r}: was DIR written by another?")
-        return _judge(policy, load, [infos[s] for s in slugs], entries, alerts)
+        return _judge(policy, load, [infos[s] for s in slugs], entries, alerts, objective)
 
 
 def _plain(value: Any) -> Any:
@@ -359,14 +499,65 @@ def _differing(theirs: Any, ours: Mapping[str, Any]) -> list[str]:
     return sorted(k for k in {*given, *ours} if given.get(k) != ours.get(k))
 
 
-def compare(whatif: WhatIf, policies: Sequence[str], out: Path) -> dict[str, dict[str, Any]]:
+def compare(
+    whatif: WhatIf, policies: Sequence[str], out: Path, objective: Objective | None = None
+) -> dict[str, dict[str, Any]]:
     """The workload at its own load under each policy: policy -> its point (with alerts).
     ``DirBusy`` when another sweep writes ``out``."""
+    objective = objective or Objective()
     with hold(out):
         points = _Points(whatif, out)
         load = whatif.workload.load
         points.ensure([(p, load) for p in policies])
-        return {p: points.judge(p, load, alerts=True).to_dict() for p in policies}
+        return {p: points.judge(p, load, alerts=True, objective=objective).to_dict() for p in policies}
+
+
+def curve(
+    whatif: WhatIf,
+    policies: Sequence[str],
+    out: Path,
+    loads: Sequence[float] = (),
+    objective: Objective | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Per policy, every load run in DIR (the what-if's own, the headroom search's, earlier
+    sweeps' of the same settings) and ``loads`` (run first where missing), each judged against
+    ``objective``: policy -> its points in order of load. ``DirBusy`` when another sweep writes
+    ``out``."""
+    objective = objective or Objective()
+    bad = [x for x in loads if not (math.isfinite(x) and x > 0)]
+    if bad:
+        raise WhatIfError(f"a curve's loads must be positive multiples of Ĉ, got {bad[0]!r}")
+    with hold(out):
+        points = _Points(whatif, out)
+        points.ensure([(p, round(x, _DIGITS)) for p in policies for x in loads])
+        return {
+            p: [points.judge(p, x, alerts=False, objective=objective).to_dict() for x in points.loads(p)]
+            for p in policies
+        }
+
+
+def _first(points: Sequence[Mapping[str, Any]], state: str) -> dict[str, Any]:
+    """Where ``state`` (a point's) first shows on a curve: the smallest load at which it does,
+    and the largest below it at which it does not (the bracket the points give)."""
+    ordered = sorted(points, key=lambda q: float(q["load"]))
+    at = next((float(q["load"]) for q in ordered if q["state"] == state), None)
+    if at is None:
+        top = float(ordered[-1]["load"]) if ordered else None
+        return {
+            "load": None,
+            "below": top,
+            "says": "not seen" + ("" if top is None else f" up to {top:g}x Ĉ"),
+        }
+    below = max((float(q["load"]) for q in ordered if float(q["load"]) < at), default=None)
+    says = f"at {at:g}x Ĉ" + ("" if below is None else f" (not at {below:g}x)")
+    return {"load": at, "below": below, "says": says}
+
+
+def marks(points: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """From a policy's curve: ``loop_onset``, the smallest load at which a retry loop formed (a
+    metastable collapse), and ``overload``, the smallest at which the objective was missed without
+    one, each with the largest load below it at which it was not seen."""
+    return {"loop_onset": _first(points, "loop"), "overload": _first(points, "overload")}
 
 
 @dataclass
@@ -376,10 +567,19 @@ class _Search:
 
     lo: float
     hi: float
-    criterion: str = "metastable"
-    safe: float | None = None
-    unsafe: float | None = None
+    criterion: str = DEFAULT_CRITERION
     tried: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def unsafe(self) -> float | None:
+        return min((t["load"] for t in self.tried if not t["safe"]), default=None)
+
+    @property
+    def safe(self) -> float | None:
+        """The largest safe load below the smallest unsafe one (a safe load above an unsafe one,
+        seeds' noise, never raises the headroom)."""
+        cap = math.inf if self.unsafe is None else self.unsafe
+        return max((t["load"] for t in self.tried if t["safe"] and t["load"] < cap), default=None)
 
     def next_load(self, precision: float) -> float | None:
         tried = {t["load"] for t in self.tried}
@@ -399,27 +599,22 @@ class _Search:
                 "safe": safe,
                 "loops": point.loops,
                 "collapses": point.collapses,
+                "meets_objective": point.meets_objective,
                 "runs": point.runs,
             }
         )
-        if safe:
-            self.safe = point.load if self.safe is None else max(self.safe, point.load)
-        else:
-            self.unsafe = point.load if self.unsafe is None else min(self.unsafe, point.load)
 
     def result(self, precision: float) -> dict[str, Any]:
+        good, bad = CRITERION_WORDS[self.criterion]
         if self.safe is None:
-            kind, text = (
-                "below",
-                f"unsafe ({self.criterion}) already at the search's lower limit, {self.lo:g}x Ĉ",
-            )
+            kind, text = "below", f"{bad} already at the search's lower limit, {self.lo:g}x Ĉ"
         elif self.unsafe is None:
-            kind, text = "at-least", f"still safe at the search's upper limit, {self.hi:g}x Ĉ: a lower bound"
-        else:
             kind, text = (
-                "bracketed",
-                f"safe at {self.safe:g}x Ĉ, unsafe ({self.criterion}) at {self.unsafe:g}x Ĉ",
+                "at-least",
+                f"still {good} at the search's upper limit, {self.hi:g}x Ĉ: a lower bound",
             )
+        else:
+            kind, text = "bracketed", f"{good} at {self.safe:g}x Ĉ, {bad} at {self.unsafe:g}x Ĉ"
         reached = (
             None if self.safe is None or self.unsafe is None else round(self.unsafe - self.safe, _DIGITS)
         )
@@ -444,15 +639,17 @@ def headroom(
     lo: float = HEADROOM_RANGE[0],
     hi: float = HEADROOM_RANGE[1],
     precision: float = PRECISION,
-    criterion: str = "metastable",
+    criterion: str = DEFAULT_CRITERION,
+    objective: Objective | None = None,
     on_round: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per policy, the largest load in ``[lo, hi]`` at which none of the seeds' runs enters a
-    metastable collapse (``criterion`` "collapse": any collapse), to within ``precision``
-    (assuming more load never helps: bisection).
-    The workload's own load counts first (when inside the range), then the upper limit, the
-    lower, and midpoints; each round runs every policy's next load in one batch. ``DirBusy`` when
-    another sweep writes ``out``."""
+    """Per policy, the largest load in ``[lo, hi]`` at which every seed's run meets ``objective``
+    (``criterion`` "collapse": has no collapse; "metastable": no metastable collapse), to within
+    ``precision`` (assuming more load never helps: bisection).
+    Every load already run in DIR counts first (the workload's own, a curve's, an earlier
+    search's), then the upper limit, the lower, and midpoints; each round runs every policy's next
+    load in one batch. ``DirBusy`` when another sweep writes ``out``."""
+    objective = objective or Objective()
     if not (0 < lo < hi and math.isfinite(hi)):
         raise WhatIfError(f"the headroom search needs 0 < LO < HI, got {lo!r}:{hi!r}")
     if not (math.isfinite(precision) and precision > 0):
@@ -460,7 +657,7 @@ def headroom(
     if criterion not in CRITERIA:
         raise WhatIfError(f"unknown criterion {criterion!r}; known: {', '.join(CRITERIA)}")
     with hold(out):
-        return _search(_Points(whatif, out), policies, lo, hi, precision, criterion, on_round)
+        return _search(_Points(whatif, out), policies, lo, hi, precision, criterion, objective, on_round)
 
 
 def _search(
@@ -470,15 +667,14 @@ def _search(
     hi: float,
     precision: float,
     criterion: str,
+    objective: Objective,
     on_round: Callable[[int, dict[str, float]], None] | None,
 ) -> dict[str, dict[str, Any]]:
-    whatif = points.whatif
     searches = {p: _Search(lo, hi, criterion) for p in policies}
-    own = round(whatif.workload.load, _DIGITS)
-    if lo <= own <= hi:  # the workload's own load (compare's points) brackets the search too
-        points.ensure([(p, own) for p in policies])
-        for p in policies:
-            searches[p].record(points.judge(p, own, alerts=False))
+    for p in policies:  # the loads already run (compare's, a curve's) bracket the search too
+        for load in points.loads(p):
+            if lo <= load <= hi:
+                searches[p].record(points.judge(p, load, alerts=False, objective=objective))
     rounds = 0
     while True:
         asked = {p: s.next_load(precision) for p, s in searches.items()}
@@ -490,8 +686,29 @@ def _search(
             on_round(rounds, todo)
         points.ensure(list(todo.items()))
         for p, load in todo.items():
-            searches[p].record(points.judge(p, load, alerts=False))
+            searches[p].record(points.judge(p, load, alerts=False, objective=objective))
     return {p: s.result(precision) for p, s in searches.items()}
+
+
+def criterion_words(criterion: str, objective: Objective) -> dict[str, str]:
+    """whatif.json's ``criterion``: its name, what a safe and an unsafe load are, and the rule in
+    a sentence (the report's and the dashboard's labels)."""
+    good, bad = CRITERION_WORDS[criterion]
+    rule = {
+        "objective": f"A load counts as safe when every seed's run meets the delivery objective: "
+        f"{objective.text()} (when arrivals fall back: a pulse's end, or else the end of the last "
+        "window in which calls were planned at Ĉ or more). The share is over every call planned in "
+        "the run's judged span (a pulse run: base, pulse and hold); a collapse still under way at "
+        "the span's end is never over.",
+        "collapse": "A load counts as safe when none of its seeds' runs collapses (a window of "
+        "calls delivered below the protocol's 98 % within the deadline).",
+        "metastable": "A load counts as safe when none of its seeds' runs enters a metastable "
+        "collapse (first attempts below Ĉ while executions were created at or above Ĉ; one whose "
+        "kind is unknown counts as one): an engine overloaded for good is never metastable, so "
+        "this answers where the loop forms, not how much load is served.",
+    }[criterion]
+    return {"name": criterion, "safe": good, "unsafe": bad, "rule": rule + " Bisection assumes "
+            "more load never makes a policy safe."}  # fmt: skip
 
 
 def write_whatif(out: Path, body: Mapping[str, Any]) -> Path:

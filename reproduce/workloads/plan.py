@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from detector.signals import DELIVERY_OBJECTIVE
 from reproduce.workloads.calls import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 from reproduce.workloads.client import ClientConfig
 from reproduce.workloads.traces.planned import Segments
@@ -59,7 +60,7 @@ class RecoveryRule:
     """docs/protocol.md §6's recovery thresholds, at the study's scale: the plan gives judges its
     growth limit in run seconds (:attr:`RunPlan.max_growth_per_s`)."""
 
-    min_delivered: float = 0.98  # share of a window's calls delivered within the deadline
+    min_delivered: float = DELIVERY_OBJECTIVE  # share of a window's calls delivered within the deadline
     max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
     max_growth_per_s: float = 0.01  # their growth (least-squares slope) over a window, per study second
 

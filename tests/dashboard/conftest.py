@@ -234,14 +234,31 @@ def whatif_dir(points_dir: Path) -> Path:
             "recovered": 0 if loops else 1, "safe": not loops, **extra,
         }  # fmt: skip
 
+    def on_curve(load: float, within: int, late: int, failed: int, state: str) -> dict[str, Any]:
+        return {**point(within, late, failed, int(state == "loop")), "load": load, "state": state}
+
     body = {
         "load": 2.7,
         "workload_text": "the study's pulse",
-        "safe_rule": "A load counts as safe when none of its seeds' runs enters a metastable collapse.",
+        "objective": {"target": 0.98, "recovery_deadlines": 2.0},
+        "criterion": {
+            "name": "objective",
+            "safe": "meets the delivery objective",
+            "unsafe": "misses the delivery objective",
+        },
+        "safe_rule": "A load counts as safe when every seed's run meets the delivery objective.",
         "policies": {
             "none": {
                 "does": "a plain proxy",
                 "at_load": point(171, 0, 609, 1, alerts={"VLLMMetastableRetryLoop": [30.0]}),
+                "curve": [
+                    on_curve(0.5, 780, 0, 0, "meets"),
+                    on_curve(1.325, 770, 10, 0, "meets"),
+                    on_curve(1.4, 700, 80, 0, "overload"),
+                    on_curve(2.7, 171, 0, 609, "loop"),
+                ],
+                "loop_onset": {"load": 2.7, "below": 1.4, "says": "at 2.7x Ĉ (not at 1.4x)"},
+                "overload": {"load": 1.4, "below": 1.325, "says": "at 1.4x Ĉ (not at 1.325x)"},
                 "headroom": {
                     "headroom_load": 1.325,
                     "kind": "bracketed",

@@ -217,8 +217,9 @@ def test_experiments_page_shows_a_trace_runs_arrivals_and_collapses(
 def test_experiments_page_shows_a_whatif_side_by_side(
     browser: Any, api: StaticDetectorAPI, runs_dir: Path
 ) -> None:
-    """A what-if's DIR (whatif.json beside its points): the policies' table and both figures
-    drawn in the browser (delivery per policy, headroom per policy with the load tried), its
+    """A what-if's DIR (whatif.json beside its points): the policies' table and its figures
+    drawn in the browser (delivery per policy, headroom per policy with the load tried, the
+    curve against load), its
     points' runs below as any run."""
     root = whatif_dir(runs_dir)
     with ServedApp(DashboardConfig(detector_url=api.url, runs_dir=root)) as served:
@@ -229,7 +230,7 @@ def test_experiments_page_shows_a_whatif_side_by_side(
         for text in ("none", "coalescing", "1.325x Ĉ (within 0.0687)", "≥ 6x Ĉ (bound)"):
             assert text in table, text
         tab.page.wait_for_function(
-            "() => ['graph-whatif-delivery', 'graph-whatif-headroom'].every(id => "
+            "() => ['graph-whatif-delivery', 'graph-whatif-headroom', 'graph-whatif-curve'].every(id => "
             "document.querySelector('#' + id + ' .js-plotly-plot')?._fullData !== undefined)",
             timeout=DRAW_TIMEOUT_MS,
         )

@@ -450,11 +450,15 @@ def test_experiments_shows_a_whatif_side_by_side_with_headroom(
 ) -> None:
     root = whatif_dir(runs_dir)
     page = str(experiments.layout(context(api, root)))
-    assert "whatif-table" in page and "graph-whatif-delivery" in page and "graph-whatif-headroom" in page
-    # the policies side by side: fates, executions per call, loops and alerts, and the headroom
+    for graph in ("graph-whatif-delivery", "graph-whatif-headroom", "graph-whatif-curve"):
+        assert graph in page, graph
+    assert "whatif-table" in page
+    # the policies side by side: fates, executions per call, loops and alerts, the headroom, and
+    # beside it where the loop formed and where the engine was simply overloaded
     for text in (
         "21.9", "78.1", "3.34", "1/1 runs, from 28 s, held up to 41.5 s", "VLLMMetastableRetryLoop (30 s)",
         "none (0/1)", "1.325x Ĉ (within 0.0687)", "≥ 6x Ĉ (bound)", "0/1", "1/1",
+        "loop onset", "at 2.7x Ĉ (not at 1.4x)", "at 1.4x Ĉ (not at 1.325x)",
     ):  # fmt: skip
         assert text in page, text
     # its points' runs are listed below, as any reproduce output's
@@ -463,6 +467,37 @@ def test_experiments_shows_a_whatif_side_by_side_with_headroom(
     assert "not recovered" in summary
     headroom = figures.whatif_headroom_figure(json.loads((root / "whatif.json").read_text()))
     assert list(headroom.data[0].x) == [1.325, 6.0] and list(headroom.data[2].x) == [2.7]
+
+
+def test_whatif_figures_name_the_criterion_in_force_and_draw_the_curve(runs_dir: Path) -> None:
+    """The headroom figure's title and legend name the criterion whatif.json was searched by (a
+    what-if written before it named one: the metastable collapse it was); the curve draws each
+    policy's fates against load, the objective as a line, and the headroom, the loop's onset
+    and the overload where they were found."""
+    body = json.loads((whatif_dir(runs_dir) / "whatif.json").read_text())
+    headroom = figures.whatif_headroom_figure(body)
+    assert "safe by 'objective' (meets the delivery objective)" in headroom.layout.title.text
+    assert [t.name for t in headroom.data[1:]] == [
+        "tried: meets the delivery objective",
+        "tried: misses the delivery objective",
+    ]
+    old = {k: v for k, v in body.items() if k not in ("criterion", "objective")}
+    assert "metastable" in figures.whatif_headroom_figure(old).layout.title.text
+    assert figures.whatif_headroom_figure(old).data[2].name == "tried: a metastable collapse"
+    curve = figures.whatif_curve_figure(body)
+    assert "'objective'" in curve.layout.title.text
+    # only "none" has a curve: within / late / failed against load
+    assert [t.name for t in curve.data] == ["within the deadline", "late", "failed"]
+    assert list(curve.data[0].x) == [0.5, 1.325, 1.4, 2.7]
+    assert [round(y, 1) for y in curve.data[2].y] == [0.0, 0.0, 0.0, 78.1]
+    lines = {(s.type, s.x0 if s.type == "line" and s.x0 == s.x1 else s.y0) for s in curve.layout.shapes}
+    assert {("line", 98.0), ("line", 1.325), ("line", 2.7), ("line", 1.4)} <= lines
+    notes = {a.text for a in curve.layout.annotations}
+    assert {"objective 98%", "headroom 1.325x", "loop onset 2.7x", "overload 1.4x"} <= notes
+    assert (
+        "no curve"
+        in figures.whatif_curve_figure(old | {"policies": {"x": {"at_load": {}}}}).layout.annotations[0].text
+    )
 
 
 def test_experiments_names_a_broken_whatif(api: StaticDetectorAPI, runs_dir: Path) -> None:

@@ -1,5 +1,7 @@
 """``reproduce whatif`` through its command on the simulator: the composition block's ordering
-on the pulse, a headroom search that resumes from the points already in DIR, usage errors, and
+on the pulse, a headroom search that resumes from the points already in DIR, a headroom against
+the delivery objective checked by replaying its load and the load just above, the curve,
+usage errors, and
 a DIR that one sweep writes at a time, whose workers die with it, whose finished points are never
 lost and whose points of other settings are refused."""
 
@@ -18,18 +20,24 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from detector.signals import DELIVERY_OBJECTIVE
+from foundation.groundtruth import Collapse, GroundTruth, JudgedSpan
 from foundation.rundir import RunDirError, read_summary
 from reproduce.cli import reproduce
 from reproduce.planner.whatif import (
     CRITERIA,
     POLICIES,
     POLICY_SOURCES,
+    RECOVERY_DEADLINES,
     STAMP,
+    Objective,
     Point,
     WhatIfError,
+    overload_end,
     parse_policies,
 )
 from reproduce.runner import usable_cores
+from reproduce.workloads.plan import RecoveryRule
 
 from .test_runner import SMALL
 
@@ -79,11 +87,26 @@ def test_the_pulse_reproduces_the_composition_blocks_ordering(composition: Path)
 def test_headroom_brackets_the_loop_and_resumes_from_the_points_in_dir(composition: Path) -> None:
     before = {r["slug"] for r in read_summary(composition / "points")["runs"]}
     result = invoke(
-        "--policies", "none", "--headroom", "--headroom-range", "1:2.7", "--precision", "0.5",
-        "--out", str(composition),
-    )  # fmt: skip
+        "--policies",
+        "none",
+        "--headroom",
+        "--headroom-range",
+        "1:2.7",
+        "--precision",
+        "0.5",
+        "--unsafe-on",
+        "metastable",
+        "--out",
+        str(composition),
+    )  # fmt: skip  (the older spelling of --criterion, with its meaning: a loop is unsafe)
     assert result.exit_code == 0, result.output
-    head = json.loads((composition / "whatif.json").read_text())["policies"]["none"]["headroom"]
+    body = json.loads((composition / "whatif.json").read_text())
+    head = body["policies"]["none"]["headroom"]
+    assert head["criterion"] == body["criterion"]["name"] == "metastable"
+    assert (
+        "largest load safe by 'metastable' (no metastable collapse)"
+        in (composition / "report.html").read_text()
+    )
     tried = {t["load"]: t["safe"] for t in head["tried"]}
     # the pulse's own load (2.7, already run: reused) loops; the search brackets the headroom
     assert tried[2.7] is False and head["kind"] == "bracketed"
@@ -105,20 +128,95 @@ def test_a_dir_of_other_settings_is_refused_and_bad_policies_named(composition: 
     assert set(POLICIES) == set(POLICY_SOURCES)
 
 
-def _point(collapses: int, loops: int) -> Point:
+def _point(collapses: int, loops: int, met: int) -> Point:
     return Point("none", 2.0, runs=1, calls=10, within_deadline=5, late=0, failed=5, executions=1.0,
-                 collapses=collapses, loops=loops, loop_at_s=[None], loop_for_s=[0.0])  # fmt: skip
+                 collapses=collapses, loops=loops, loop_at_s=[None], loop_for_s=[0.0], met=met)  # fmt: skip
 
 
 def test_the_headroom_criterion_says_what_makes_a_load_unsafe() -> None:
-    """A sustained overload above Ĉ collapses without a loop: safe by the default criterion (no
-    metastable collapse), unsafe by "collapse"; a loop is unsafe by both."""
-    overload, loop, served = _point(collapses=1, loops=0), _point(collapses=1, loops=1), _point(0, 0)
-    assert [overload.safe_under(c) for c in CRITERIA] == [True, False]
-    assert [loop.safe_under(c) for c in CRITERIA] == [False, False]
-    assert [served.safe_under(c) for c in CRITERIA] == [True, True]
-    result = CliRunner().invoke(reproduce, ["whatif", "--headroom", "--unsafe-on", "sometimes"])
-    assert result.exit_code == 2 and "--unsafe-on" in result.output
+    """A sustained overload above Ĉ misses the objective and collapses without a loop: unsafe by
+    the default criterion (the objective) and by "collapse", "safe" only by "metastable"; a loop
+    broken in time that still meets the objective is safe by it alone."""
+    assert CRITERIA[0] == "objective"  # the default
+    overload, served = _point(collapses=1, loops=0, met=0), _point(0, 0, met=1)
+    broken, loop = _point(collapses=1, loops=1, met=1), _point(collapses=1, loops=1, met=0)
+    assert [overload.safe_under(c) for c in CRITERIA] == [False, False, True]
+    assert [served.safe_under(c) for c in CRITERIA] == [True, True, True]
+    assert [broken.safe_under(c) for c in CRITERIA] == [True, False, False]
+    assert [loop.safe_under(c) for c in CRITERIA] == [False, False, False]
+    assert (overload.state, served.state, broken.state) == ("overload", "meets", "loop")
+    # the objective is the protocol's 98 % rule: one constant, the ground truth's and the detector's
+    assert Objective().target == DELIVERY_OBJECTIVE == RecoveryRule().min_delivered
+    assert Objective().recovery_deadlines == RECOVERY_DEADLINES
+    for bad in (["--unsafe-on", "sometimes"], ["--criterion", "sometimes"], ["--objective", "1"],
+                ["--recovery-deadlines", "0"], ["--curve", "1,x"], ["--curve", "0,1"]):  # fmt: skip
+        result = CliRunner().invoke(reproduce, ["whatif", "--headroom", *bad, "--out", "unused"])
+        assert result.exit_code == 2 and bad[0] in result.output and "Traceback" not in result.output, bad
+
+
+def test_a_collapse_is_timed_from_when_arrivals_fall_back_below_capacity() -> None:
+    """Without a pulse, arrivals fall back below Ĉ at the end of the last window-long stretch
+    planned at Ĉ or more (2 calls/s to 100 s, then 0.5/s, at Ĉ = 1/s: the window starting at
+    80 s is the last holding 60 calls); with a pulse, at its end; never before the collapse."""
+    planned = sorted([i / 2 for i in range(200)] + [100 + 2 * i for i in range(250)])
+    span = JudgedSpan(start_s=0, end_s=600, align_s=0, window_s=60, deadline_s=120, capacity=1.0)
+    truth = GroundTruth(span, [], [])
+    assert overload_end(Collapse(50, 400, ended=True), truth, planned) == pytest.approx(140, abs=1)
+    assert overload_end(Collapse(500, 560, ended=True), truth, planned) == 500
+    pulse = GroundTruth(JudgedSpan(0, 600, 100, 60, 120, 1.0, pulse_start_s=0, pulse_end_s=100), [], [])
+    assert overload_end(Collapse(50, 400, ended=True), pulse, planned) == 100
+    with pytest.raises(WhatIfError, match="between 0 and 1"):
+        Objective(target=1.0)
+
+
+def _delivered_share(points: Path) -> tuple[float, dict[str, Any]]:
+    """From a what-if's one point, read straight from its call records: the share of its calls
+    delivered within the deadline of their first attempt; and its summary entry."""
+    (entry,) = read_summary(points)["runs"]
+    calls = [json.loads(line) for line in (points / "runs" / entry["slug"] / "attempts.jsonl").open()]
+    deadline = float(entry["deadline_s"])
+    within = [c for c in calls if c["delivered_at"] is not None
+              and c["delivered_at"] <= c["attempts"][0]["sent_at"] + deadline + 1e-9]  # fmt: skip
+    return len(within) / len(calls), entry
+
+
+def test_the_headroom_meets_the_objective_there_and_misses_it_just_above(tmp_path: Path) -> None:
+    """The default criterion is the delivery objective: the search's answer, replayed alone (its
+    load and the next load it tried, each in a DIR of its own), meets the objective there, as the
+    call records themselves show, and misses it just above; every load run is on the curve."""
+    search = tmp_path / "search"
+    result = invoke(
+        "--policies", "budget", "--load", "1", "--headroom", "--headroom-range", "1:3",
+        "--precision", "0.2", "--curve", "2", "--out", str(search),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    body = json.loads((search / "whatif.json").read_text())
+    policy = body["policies"]["budget"]
+    head = policy["headroom"]
+    assert head["criterion"] == body["criterion"]["name"] == "objective" and head["kind"] == "bracketed"
+    assert body["objective"]["target"] == DELIVERY_OBJECTIVE
+    safe, unsafe = head["headroom_load"], round(head["headroom_load"] + head["precision_reached"], 4)
+    assert 1 < safe < unsafe <= 3 and head["precision_reached"] <= 0.2
+    # the curve holds every load the search ran (and the fixed one), with its fates' shares
+    tried = {t["load"] for t in head["tried"]}
+    assert tried | {1.0, 2.0} <= {q["load"] for q in policy["curve"]}
+    for q in policy["curve"]:
+        assert abs(q["within_deadline_share"] + q["late_share"] + q["failed_share"] - 1) < 1e-3
+        assert q["meets_objective"] == (q["load"] <= safe)
+    assert policy["overload"]["load"] is None or policy["overload"]["load"] > safe
+    for load, holds in ((safe, True), (unsafe, False)):
+        alone = tmp_path / f"at{load:g}"
+        result = invoke("--policies", "budget", "--load", f"{load:g}", "--out", str(alone))
+        assert result.exit_code == 0, result.output
+        point = json.loads((alone / "whatif.json").read_text())["policies"]["budget"]["at_load"]
+        share, entry = _delivered_share(alone / "points")
+        assert point["meets_objective"] is holds and point["within_deadline_share"] == round(share, 4)
+        over = [c for c in entry["collapses"] if not c["ended"] or c["end_s"] - entry["pulse"]["end_s"]
+                > RECOVERY_DEADLINES * entry["deadline_s"]]  # fmt: skip
+        assert (share >= DELIVERY_OBJECTIVE and not over) is holds, (load, share, over)
+    report = (search / "report.md").read_text()
+    assert "## Headroom (criterion: objective)" in report and "| budget | 2 |" in report
+    assert "metastable collapse ✗" not in report
 
 
 # --- one sweep per DIR, workers that die with it, points that are never lost or mixed ---------
