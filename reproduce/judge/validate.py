@@ -31,6 +31,8 @@ import click
 from detector.signals import WINDOWS, Windows
 from detector.thresholds import ALERTS, AlertKind, AlertRule
 from foundation.rundir import (
+    RULES_VALIDATION,
+    RULES_VALIDATION_MD,
     SUMMARY,
     VALIDATION,
     VALIDATION_MD,
@@ -40,8 +42,6 @@ from foundation.rundir import (
 from reproduce.judge.validation.foreign import (
     DEFAULT_INTERVAL,
     DEFAULT_JOB,
-    RULES_VALIDATION,
-    RULES_VALIDATION_MD,
     RuleFileError,
     RulesUnavailable,
     render_rules_markdown,

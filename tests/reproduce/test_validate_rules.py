@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from foundation.rundir import RULES_VALIDATION, RULES_VALIDATION_MD
 from reproduce.conditions import expand
 from reproduce.judge.validate import validate
-from reproduce.judge.validation.foreign import RULES_VALIDATION, RULES_VALIDATION_MD, reach_s, slot_s
+from reproduce.judge.validation.foreign import reach_s, slot_s
 from reproduce.registry import get_backend
 from reproduce.runner import run_many
 from rules.backfill import BLOCK_S, format_duration
@@ -110,7 +111,7 @@ def test_the_series_carry_the_job_label_given(scored: dict[str, Any]) -> None:
 @pytest.mark.promtool
 def test_the_markdown_table_has_a_row_per_alert(scored: dict[str, Any]) -> None:
     assert "| QueueAbove500 | 1/1 | 0/1 | 0 |" in scored["stdout"]
-    assert "| NeverMatches | 0/1 | 0/1 | 0 | — | 0/2 | 2 |" in scored["stdout"]
+    assert "| NeverMatches | 0/1 | 0/1 | 0 | — | 0/2 | 2 | — |" in scored["stdout"]
 
 
 @pytest.mark.promtool

@@ -41,13 +41,11 @@ from typing import Any
 
 import yaml
 
-from foundation.rundir import RunDirError, read_validation
+from foundation.rundir import RULES_VALIDATION, RULES_VALIDATION_MD, RunDirError, read_validation
 from foundation.timeseries import Snapshot, read_series
 from reproduce.judge.validation.runs import Firing, RunInfo, RunResult, firings_of
 from reproduce.judge.validation.scoring import ground_truth_summary, score_alert
 
-RULES_VALIDATION = "rules-validation.json"
-RULES_VALIDATION_MD = "rules-validation.md"
 #: The ``job`` label every backfilled series carries unless the caller names another.
 DEFAULT_JOB = "vllm"
 #: The evaluation interval of a group that sets none (Prometheus' own ``evaluation_interval``).
@@ -373,6 +371,7 @@ def ours_pages(validation: Mapping[str, Any] | None) -> dict[str, Any] | None:
             "lead_time_s": cause.get("lead_time_s"),
             "collapses": symptom.get("collapses"),
             "collapses_detected": symptom.get("collapses_detected"),
+            "symptom_delay_s": symptom.get("lead_time_s"),
         }
     return out
 
@@ -395,24 +394,25 @@ def render_rules_markdown(report: Mapping[str, Any]) -> str:
         f'Prometheus with `job="{report["job"]}"`.',
         "",
         "| alert | fired in loops | fired in recovering runs | false-positive runs | median lead (s) "
-        "| collapses covered | collapses silent |",
-        "|---|---|---|---|---|---|---|",
+        "| collapses covered | collapses silent | median delay after a collapse began (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in alerts.items():
         lines.append(
             f"| {name} | {s['fired_in_loop_runs']}/{s['runs_not_recovered']} "
             f"| {s['fired_in_recovered_runs']}/{s['runs_recovered']} | {s['false_positive_runs']} "
             f"| {_num(s['lead_time_s']['median'])} | {s['collapses_detected']}/{s['collapses']} "
-            f"| {s['collapses_silent']} |"
+            f"| {s['collapses_silent']} | {_num(s['as_symptom']['lead_time_s']['median'])} |"
         )
     for tier, s in (report.get("ours") or {}).items():
-        hits = None if s["recall"] is None else round(s["recall"] * (s["runs_not_recovered"] or 0))
+        hits = 0 if s["recall"] is None else round(s["recall"] * (s["runs_not_recovered"] or 0))
         silent = None if s["collapses"] is None else s["collapses"] - (s["collapses_detected"] or 0)
         lines.append(
             f"| ours: {tier} tier's pages | {hits}/{s['runs_not_recovered']} "
             f"| {s['fired_in_recovered_runs']}/{recovered} | {s['false_positive_runs']} "
             f"| {_num((s['lead_time_s'] or {}).get('median'))} "
-            f"| {s['collapses_detected']}/{s['collapses']} | {silent} |"
+            f"| {s['collapses_detected']}/{s['collapses']} | {silent} "
+            f"| {_num((s['symptom_delay_s'] or {}).get('median'))} |"
         )
     lines += [
         "",
@@ -421,7 +421,8 @@ def render_rules_markdown(report: Mapping[str, Any]) -> str:
         "which it fired at all; *false-positive runs*: runs where it started firing outside the "
         "overload and its collapses; *median lead*: its first firing from the pulse's start on, "
         "minus the pulse's end (negative: before the pulse ended); *collapses covered*: collapses "
-        "of the ground truth it fired during (a symptom's recall); *silent*: those it missed."
+        "of the ground truth it fired during (a symptom's recall); *silent*: those it missed; *delay*: "
+        "its first firing during a collapse it covered, from the collapse's start."
         + ("" if report.get("ours") else " Our own pages appear here once `validation.json` is written."),
         "",
     ]
