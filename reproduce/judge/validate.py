@@ -5,9 +5,9 @@ scores each alert against the runs' ground truth over time, which every run reco
 summary entry when it ended (``reproduce.judge.groundtruth``: its collapses, which are metastable).
 One module a job (``reproduce.judge.validation``): ``runs`` parses the runs, ``scoring`` scores each
 alert by its kind and each tier's pages, ``targets`` checks the targets the alerts are held to,
-``markdown`` writes ``validation.md``; this module assembles ``validation.json``
-(:func:`build_report`), replays a run (:func:`replay_firings`) and is the command, and keeps the
-public names importers use.
+``markdown`` writes ``validation.md``, ``foreign`` scores another rule file's alerts in a real
+Prometheus (``--rules``); this module assembles ``validation.json`` (:func:`build_report`), replays
+a run (:func:`replay_firings`) and is the command, and keeps the public names importers use.
 
 A run without a pulse (a replayed trace, a stepped load) is aligned on the burst that started its
 first collapse (summary.json's ``burst``, ``reproduce.judge.groundtruth.burst_before``; the run's busiest

@@ -40,6 +40,8 @@ groups:
         expr: max by (model_name) (vllm:num_requests_waiting{job="engine"}) > 500
       - alert: QueueOnTheDefaultJob
         expr: max by (model_name) (vllm:num_requests_waiting{job="vllm"}) > 500
+      - alert: QueueAbove500
+        expr: max(vllm:num_requests_waiting) > 5000
 """
 
 
@@ -106,6 +108,13 @@ def test_the_series_carry_the_job_label_given(scored: dict[str, Any]) -> None:
     loop_run = next(r for r in scored["runs"] if r["condition"] == LOOP)
     labels = {a["labels"] for a in loop_run["alerts"] if a["alertname"] == "QueueOnTheJobGiven"}
     assert labels == {"model_name=qwen2.5-7b-h100"}
+
+
+@pytest.mark.promtool
+def test_a_second_rule_of_one_name_is_scored_apart(scored: dict[str, Any]) -> None:
+    second = scored["alerts"]["QueueAbove500#2"]
+    assert second["rule"]["expr"] == "max(vllm:num_requests_waiting) > 5000"
+    assert second["recall"] == 0.0 and scored["alerts"]["QueueAbove500"]["recall"] == 1.0
 
 
 @pytest.mark.promtool

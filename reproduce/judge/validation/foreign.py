@@ -85,7 +85,9 @@ def _one_line(text: str) -> str:
 def load_rule_file(
     path: Path, *, default_interval: str = DEFAULT_INTERVAL, promtool: str = "promtool"
 ) -> tuple[list[dict[str, Any]], list[ForeignAlert]]:
-    """The file's recording rules and alerts, once ``promtool check rules`` accepts it."""
+    """The file's recording rules and alerts, once ``promtool check rules`` accepts it. An alert
+    name used by more than one rule (a warning and a critical threshold, say) is scored once per
+    rule: the second is ``NAME#2``, and so on, in the file's order."""
     from rules.backfill import parse_duration
 
     if shutil.which(promtool) is None:
@@ -111,8 +113,8 @@ def load_rule_file(
                 records.append(dict(rule))
                 continue
             name = str(rule["alert"])
-            if any(a.name == name for a in alerts):
-                raise RuleFileError(f"{path}: alert {name} is defined twice; each is scored by its name")
+            taken = sum(1 for a in alerts if a.name.split("#")[0] == name)
+            name = f"{name}#{taken + 1}" if taken else name  # a second rule of one name: NAME#2
             alerts.append(
                 ForeignAlert(
                     name=name,
