@@ -277,7 +277,7 @@ def _backfill(
     promtool: str,
     timeout: float,
 ) -> None:
-    group = {"name": group_name, "interval": f"{step_s:g}s", "rules": [dict(r) for r in rules]}
+    group = {"name": group_name, "interval": format_duration(step_s), "rules": [dict(r) for r in rules]}
     rule_file.write_text(yaml.safe_dump({"groups": [group]}, sort_keys=False), encoding="utf-8")
     _run(
         [
@@ -289,7 +289,7 @@ def _backfill(
             f"--url={prom.url}",
             f"--start={int(start_unix_s)}",
             f"--end={math.ceil(end_unix_s)}",
-            f"--eval-interval={step_s:g}s",
+            f"--eval-interval={format_duration(step_s)}",
             f"--output-dir={out_dir}",
             str(rule_file),
         ],
@@ -478,6 +478,13 @@ class RunEpisode:
 
 _DURATION_RE = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0}
+
+
+def format_duration(seconds: float) -> str:
+    """A Prometheus duration for ``seconds`` (``5s``; ``500ms`` for a run at a time scale: rule
+    files and promtool take whole units only)."""
+    ms = round(seconds * 1000)
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 def parse_duration(text: str) -> float:

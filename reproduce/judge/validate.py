@@ -5,9 +5,9 @@ scores each alert against the runs' ground truth over time, which every run reco
 summary entry when it ended (``reproduce.judge.groundtruth``: its collapses, which are metastable).
 One module a job (``reproduce.judge.validation``): ``runs`` parses the runs, ``scoring`` scores each
 alert by its kind and each tier's pages, ``targets`` checks the targets the alerts are held to,
-``markdown`` writes ``validation.md``; this module assembles ``validation.json``
-(:func:`build_report`), replays a run (:func:`replay_firings`) and is the command, and keeps the
-public names importers use.
+``markdown`` writes ``validation.md``, ``foreign`` scores another rule file's alerts in a real
+Prometheus (``--rules``); this module assembles ``validation.json`` (:func:`build_report`), replays
+a run (:func:`replay_firings`) and is the command, and keeps the public names importers use.
 
 A run without a pulse (a replayed trace, a stepped load) is aligned on the burst that started its
 first collapse (summary.json's ``burst``, ``reproduce.judge.groundtruth.burst_before``; the run's busiest
@@ -31,11 +31,21 @@ import click
 from detector.signals import WINDOWS, Windows
 from detector.thresholds import ALERTS, AlertKind, AlertRule
 from foundation.rundir import (
+    RULES_VALIDATION,
+    RULES_VALIDATION_MD,
     SUMMARY,
     VALIDATION,
     VALIDATION_MD,
     NotARunDir,
     RunDirError,
+)
+from reproduce.judge.validation.foreign import (
+    DEFAULT_INTERVAL,
+    DEFAULT_JOB,
+    RuleFileError,
+    RulesUnavailable,
+    render_rules_markdown,
+    validate_rules_dir,
 )
 from reproduce.judge.validation.markdown import render_markdown, summary_markdown
 from reproduce.judge.validation.runs import Firing, RunInfo, RunResult, load_runs, truth_of
@@ -157,6 +167,16 @@ def all_alertnames() -> list[str]:
     return [a.name for a in ALERTS]
 
 
+def _infos(out_dir: Path, block: str | None) -> list[RunInfo]:
+    """The runs of ``out_dir`` to validate: every one, or one block's."""
+    infos = load_runs(out_dir)
+    if block is not None and block != PAPER:
+        infos = [i for i in infos if i.block == block]
+        if not infos:
+            raise RunDirError(f"{out_dir / SUMMARY}: no run of block {block!r}")
+    return infos
+
+
 def validate_dir(
     out_dir: Path,
     *,
@@ -166,11 +186,7 @@ def validate_dir(
     block: str | None = None,
 ) -> dict[str, Any]:
     """Validate every run of ``out_dir`` (or of one block), write validation.json and .md."""
-    infos = load_runs(out_dir)
-    if block is not None and block != PAPER:
-        infos = [i for i in infos if i.block == block]
-        if not infos:
-            raise RunDirError(f"{out_dir / SUMMARY}: no run of block {block!r}")
+    infos = _infos(out_dir, block)
     results = []
     for info in infos:
         truth = info.truth
@@ -192,15 +208,48 @@ def validate_dir(
 @click.command("validate")
 @click.argument("out_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--block", default=None, help="Validate only the runs of this block (paper: every run).")
-def validate(out_dir: Path, block: str | None) -> None:
+@click.option(
+    "--rules",
+    "rule_file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Score this Prometheus rule file's alerts instead, evaluated by a real Prometheus over the "
+    "runs (e.g. rules/peers/llm-d.yml): writes DIR/rules-validation.json and .md.",
+)
+@click.option(
+    "--rules-job",
+    default=DEFAULT_JOB,
+    show_default=True,
+    help="--rules: the job label every backfilled series carries (the rules may select on it).",
+)
+@click.option(
+    "--rules-interval",
+    default=DEFAULT_INTERVAL,
+    show_default=True,
+    help="--rules: the evaluation interval of a group that sets none.",
+)
+def validate(
+    out_dir: Path, block: str | None, rule_file: Path | None, rules_job: str, rules_interval: str
+) -> None:
     """Replay every run of a reproduce output DIR through the detector and score each alert
     against the runs' ground truth over time; print the scores (the tables docs/results.md
-    quotes) and write DIR/validation.json and DIR/validation.md."""
+    quotes) and write DIR/validation.json and DIR/validation.md. With --rules, score another
+    rule file's alerts over the same runs instead (docs/reproducing.md)."""
     try:
+        if rule_file is not None:
+            infos = _infos(out_dir, block)
+            report = validate_rules_dir(
+                out_dir, infos, rule_file, job=rules_job, default_interval=rules_interval
+            )
+            click.echo(render_rules_markdown(report))
+            click.echo(f"wrote {out_dir / RULES_VALIDATION} and {out_dir / RULES_VALIDATION_MD}")
+            return
         report = validate_dir(out_dir, block=block)
     except NotARunDir as exc:  # a usage mistake: exit 2, and nothing was written
         raise click.BadParameter(str(exc), param_hint="'DIR'") from None
-    except RunDirError as exc:
+    except RuleFileError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--rules'") from None
+    except (RunDirError, RulesUnavailable) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo("\n".join(summary_markdown(report)))
     click.echo(f"wrote {out_dir / VALIDATION} and {out_dir / VALIDATION_MD}")
