@@ -70,6 +70,7 @@ class HttpProtocol:
     max_context: int = MAX_CONTEXT
     hold_s: float | None = None  # None: the protocol's hold
     scrape_interval_s: float = 5.0  # the simulator's cadence, at the study's scale
+    gauge_window_study_s: float = 60.0  # the proxy's derived gauges' window, at the study's scale
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "prompt_mean", "response_median"):
@@ -119,15 +120,13 @@ class HttpProtocol:
             shaping=self.shaping(),
         )
 
-    @property
-    def scrape_every_s(self) -> float:
-        """Seconds between scrapes of the proxy, in run time (never under half a second)."""
-        return max(0.5, self.scrape_interval_s / self.time_scale)
+    def scrape_every_s(self, plan: RunPlan) -> float:
+        """Seconds between scrapes of the proxy in ``plan``'s run (never under half a second)."""
+        return max(0.5, plan.run_s(self.scrape_interval_s))
 
-    @property
-    def window_s(self) -> float:
-        """The proxy's sliding window for its derived gauges (60 s at the study's scale)."""
-        return 60.0 / self.time_scale
+    def gauge_window_s(self, plan: RunPlan) -> float:
+        """The proxy's sliding window for its derived gauges in ``plan``'s run seconds."""
+        return plan.run_s(self.gauge_window_study_s)
 
     def with_hold(self, hold_s: float) -> HttpProtocol:
         """The same protocol with a shorter or longer hold (study-scale seconds)."""
