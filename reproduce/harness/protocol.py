@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from reproduce.conditions import Condition, PulseWorkload, engine_cap_for
+from reproduce.sim.metrics import PROXY_WINDOW_S
 from reproduce.workloads.base import Shaping
 from reproduce.workloads.calls import MAX_CONTEXT, WorkloadSpec
 from reproduce.workloads.plan import RunPlan, generated_spec
@@ -70,7 +71,6 @@ class HttpProtocol:
     max_context: int = MAX_CONTEXT
     hold_s: float | None = None  # None: the protocol's hold
     scrape_interval_s: float = 5.0  # the simulator's cadence, at the study's scale
-    gauge_window_study_s: float = 60.0  # the proxy's derived gauges' window, at the study's scale
 
     def __post_init__(self) -> None:
         for name in ("time_scale", "prompt_mean", "response_median"):
@@ -125,8 +125,9 @@ class HttpProtocol:
         return max(0.5, plan.run_s(self.scrape_interval_s))
 
     def gauge_window_s(self, plan: RunPlan) -> float:
-        """The proxy's sliding window for its derived gauges in ``plan``'s run seconds."""
-        return plan.run_s(self.gauge_window_study_s)
+        """The proxy's sliding window for its derived gauges in ``plan``'s run seconds (the
+        simulator's, 60 s at the study's scale)."""
+        return plan.run_s(PROXY_WINDOW_S)
 
     def with_hold(self, hold_s: float) -> HttpProtocol:
         """The same protocol with a shorter or longer hold (study-scale seconds)."""
