@@ -26,9 +26,17 @@ import click
 
 from detector.episodes import DEFAULT_RETENTION_DAYS
 from detector.runbook import DEFAULT_HOST, DEFAULT_PORT, runbook_option, served_pattern
-from detector.signals import MAX_INSTANCES, PROMETHEUS_JOBS, TIERS, Tier, between_buckets, describe_deadline
+from detector.signals import (
+    MAX_INSTANCES,
+    PROMETHEUS_JOBS,
+    TIERS,
+    WINDOWS,
+    Tier,
+    between_buckets,
+    describe_deadline,
+)
 from detector.sources.scrape import SERIES_LIMIT
-from detector.thresholds import tier_rules
+from detector.thresholds import scale_rules, tier_rules
 from foundation.logs import announce, check_port, log_options, setup_logging
 from foundation.options import FiniteFloatRange, listen_host
 from foundation.redact import redact_url
@@ -245,14 +253,18 @@ def detect(
         ) from None
     # No deadline assumed: stated, else the proxy's per instance, else missing (see --deadline).
     config = SignalConfig(
-        capacity=capacity, deadline=deadline, time_scale=time_scale, assumed_deadline=None, log_deadlines=True
+        capacity=capacity,
+        deadline=deadline,
+        windows=WINDOWS.scaled(time_scale),
+        assumed_deadline=None,
+        log_deadlines=True,
     )
     detector = Detector(
         source,
         store,
         notifiers=notifiers,
         config=config,
-        rules=tier_rules(tier),
+        rules=scale_rules(tier_rules(tier), time_scale),
         runbook_pattern=pattern,
         max_engines=max_engines,
         lease=lease,

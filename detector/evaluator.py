@@ -15,7 +15,7 @@ signal makes a condition false, as an absent series does in PromQL; the NoData r
 
 Engines are keyed by their ``instance`` label (vLLM's ``engine`` label is "0" on every vLLM, so
 it cannot tell engines apart); an alert keeps the labels it had when it fired, so its resolve
-matches its episode. ``time_scale`` K divides every rule's ``for`` and ``keep_firing_for``.
+matches its episode. A scaled run's rules come already scaled (``AlertRule.scaled``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from detector.signals import EngineLabels, SignalFrame
-from detector.thresholds import ALERTS, AlertRule, causes_text, engine_model, holds, scale_rules
+from detector.thresholds import ALERTS, AlertRule, causes_text, engine_model, holds
 
 State = Literal["pending", "firing"]
 TransitionKind = Literal["firing", "resolved"]
@@ -161,12 +161,11 @@ def render_description(
 class Evaluator:
     """Holds the active alerts between evaluations; feed it frames in time order.
 
-    ``rules`` are given at real time; ``time_scale`` (K) divides their durations (K = 1: as given).
+    ``rules``' durations are in the frames' seconds (a scaled run's: ``scale_rules``).
     """
 
-    def __init__(self, rules: Iterable[AlertRule] = ALERTS, *, time_scale: float = 1.0) -> None:
-        self.time_scale = time_scale
-        self.rules: tuple[AlertRule, ...] = scale_rules(rules, time_scale)
+    def __init__(self, rules: Iterable[AlertRule] = ALERTS) -> None:
+        self.rules: tuple[AlertRule, ...] = tuple(rules)
         # (alertname, instance) -> state
         self._active: dict[tuple[str, str], AlertState] = {}
         self.last_eval: float | None = None

@@ -12,9 +12,16 @@ from pathlib import Path
 
 from detector.episodes import AlertEpisode, EpisodeLog
 from detector.evaluator import Evaluator
-from detector.signals import WINDOWS, SignalConfig, SignalEngine, Windows
+from detector.signals import (
+    DEFAULT_DEADLINE_S,
+    WINDOWS,
+    SignalConfig,
+    SignalEngine,
+    Windows,
+    check_time_scale,
+)
 from detector.sources.replay import load_snapshots
-from detector.thresholds import ALERTS, AlertRule
+from detector.thresholds import ALERTS, AlertRule, scale_rules
 from foundation import metricnames as mn
 from foundation.timeseries import read_series
 
@@ -27,17 +34,16 @@ def replay_run(
     interval: float | None = None,
     rules: tuple[AlertRule, ...] = ALERTS,
     instance: str | None = None,
-    time_scale: float = 1.0,
     windows: Windows = WINDOWS,
+    assumed_deadline: float | None = DEFAULT_DEADLINE_S,
 ) -> list[AlertEpisode]:
     """Replay one run's ``metrics.jsonl`` and return every alert episode, in firing order.
 
     ``capacity`` (Ĉ, calls/s) and ``deadline`` (s) override the series' own gauges; pass None
     to use the exported (or estimated) values. ``interval``: evaluate every ``interval`` seconds
-    of run time instead of at each snapshot. ``time_scale`` (K): the run was scaled by K
-    (``reproduce --time-scale K``), so every signal window and every alert's ``for`` and
-    hysteresis are divided by K (K = 1: real time). ``windows``: the signals' windows at K = 1
-    (the detector's own by default; another to see what a different window would have done).
+    of run time instead of at each snapshot. ``rules``, ``windows`` and ``assumed_deadline`` (the
+    vLLM tier's deadline where none is known) are in run seconds: a scaled run's come already
+    divided (:func:`replay_reproduce_run`).
     Episodes still firing at the end have ``resolved_at = None``.
     """
     if capacity is not None and not capacity > 0:
@@ -46,10 +52,12 @@ def replay_run(
         raise ValueError(f"deadline must be positive seconds, got {deadline!r}")
     if interval is not None and not interval > 0:
         raise ValueError(f"interval must be positive seconds, got {interval!r}")
-    config = SignalConfig(capacity=capacity, deadline=deadline, time_scale=time_scale, windows=windows)
+    config = SignalConfig(
+        capacity=capacity, deadline=deadline, windows=windows, assumed_deadline=assumed_deadline
+    )
     snapshots = load_snapshots(Path(series_path), instance)
     signals = SignalEngine(config)
-    evaluator = Evaluator(rules, time_scale=config.time_scale)
+    evaluator = Evaluator(rules)
     log = EpisodeLog()
     if not snapshots:
         return []
@@ -78,10 +86,11 @@ def replay_reproduce_run(
     *,
     windows: Windows = WINDOWS,
 ) -> list[AlertEpisode]:
-    """One run of a reproduce output folder through the detector: at the run's time scale
-    (``time_scale`` in its summary entry), and, like Prometheus, with Ĉ and the deadline read
-    from the run's own gauges; the summary's ``capacity`` and ``deadline`` stand in only where
-    the series does not export them."""
+    """One run of a reproduce output folder through the detector, and, like Prometheus, with Ĉ
+    and the deadline read from the run's own gauges; the summary's ``capacity`` and ``deadline``
+    stand in only where the series does not export them. The one place a replay applies the
+    run's K (its summary entry's ``time_scale``): the alerts, ``windows`` (the study's) and the
+    assumed deadline in the run's seconds."""
     try:
         first = next(read_series(Path(series_path)), None)
     except OSError:
@@ -91,6 +100,7 @@ def replay_reproduce_run(
         series_path,
         capacity=None if mn.CAPACITY in exported else capacity,
         deadline=None if mn.CLIENT_DEADLINE in exported else deadline,
-        time_scale=time_scale,
-        windows=windows,
+        rules=scale_rules(ALERTS, time_scale),
+        windows=windows.scaled(time_scale),
+        assumed_deadline=DEFAULT_DEADLINE_S / check_time_scale(time_scale),
     )

@@ -274,7 +274,7 @@ class Detector:
         self._last_tick_mono: float | None = None  # ``monotonic`` at the last clock reading
         self.signals = SignalEngine(config, max_instances=max_engines)
         self._left_out = 0  # engines left out at the last fetch (a warning on each change)
-        self.evaluator = Evaluator(self.rules, time_scale=self.signals.config.time_scale)
+        self.evaluator = Evaluator(self.rules)
         self.history = SignalHistory(history_points, max_engines=max_engines)  # every engine followed
         self._history_left_out: list[str] = []
         self.metrics = DetectorMetrics(self.rules)

@@ -23,7 +23,7 @@ import logging
 import math
 import typing
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from detector import capacity as predictor
@@ -47,20 +47,16 @@ class Windows:
     # the short one says the burn is still going on, the long one that it is not a blip.
     slo_short_s: float = 60.0
     slo_long_s: float = 300.0
+    # Ĉ predicted below saturation (``detector.capacity``): the fit's window and its sub-windows
+    predict_s: float = predictor.PREDICT_WINDOW_S
+    predict_part_s: float = predictor.PART_S
 
     def scaled(self, time_scale: float) -> Windows:
         """Every window divided by ``time_scale`` (K); K = 1: itself."""
         k = check_time_scale(time_scale)
         if k == 1.0:
             return self
-        return Windows(
-            rate_s=self.rate_s / k,
-            prompt_gap_s=self.prompt_gap_s / k,
-            capacity_estimate_s=self.capacity_estimate_s / k,
-            gauge_lookback_s=self.gauge_lookback_s / k,
-            slo_short_s=self.slo_short_s / k,
-            slo_long_s=self.slo_long_s / k,
-        )
+        return replace(self, **{f.name: getattr(self, f.name) / k for f in fields(self)})
 
 
 WINDOWS = Windows()
@@ -867,30 +863,23 @@ class SignalFrame:
 class SignalConfig:
     """Operator overrides: configured Ĉ and deadline win over exported and estimated values.
 
-    ``time_scale`` (K): the source runs K times faster than real time (a scaled reproduce run),
-    so every window is divided by K (and every alert duration: see the evaluator)."""
+    Every duration is in the source's own seconds: a scaled reproduce run's ``windows`` and
+    ``assumed_deadline`` come already divided (``Windows.scaled``), like the evaluator's rules."""
 
     capacity: float | None = None
     deadline: float | None = None
-    # the vLLM tier's deadline where none is stated nor exported (real seconds; None: missing, and
-    # the tier's NoData says so): the rendered rules' default, which a replay compares against
+    # the vLLM tier's deadline where none is stated nor exported (None: missing, and the tier's
+    # NoData says so): the rendered rules' default, which a replay compares against
     assumed_deadline: float | None = DEFAULT_DEADLINE_S
     # log each instance's deadline once as found, and warn where it falls between vLLM's e2e
     # buckets (the live detector does; a replay does not)
     log_deadlines: bool = False
     windows: Windows = WINDOWS
-    time_scale: float = 1.0
     # the delivery SLO's objective (the Prometheus rules are rendered at the default)
     objective: float = DELIVERY_OBJECTIVE
 
     def __post_init__(self) -> None:
-        self.time_scale = check_time_scale(self.time_scale)
         self.objective = check_objective(self.objective)
-
-    @property
-    def scaled_windows(self) -> Windows:
-        """The windows in use: ``windows`` divided by ``time_scale``."""
-        return self.windows.scaled(self.time_scale)
 
 
 @dataclass
@@ -990,7 +979,7 @@ class SignalEngine:
         max_instances: int = MAX_INSTANCES,
     ) -> None:
         self.config = config or SignalConfig()
-        self.windows = w = self.config.scaled_windows
+        self.windows = w = self.config.windows
         self.retention_s = (
             retention_s or max(w.rate_s, w.prompt_gap_s, w.gauge_lookback_s, w.slo_long_s) + 30.0
         )
@@ -1189,15 +1178,16 @@ class SignalEngine:
     def _predicted(self, hist: _EngineHistory, now: float) -> predictor.CapacityPrediction | None:
         """Ĉ predicted from vLLM's series over the last five minutes (``detector.capacity``),
         refitted once per sub-window of the fit (a five-minute figure moves little faster)."""
-        if not 0.0 <= now - hist.predicted[0] < predictor.PART_S / self.config.time_scale:
-            lo, hi = self._window(hist, now, predictor.PREDICT_WINDOW_S / self.config.time_scale)
+        w = self.windows
+        if not 0.0 <= now - hist.predicted[0] < w.predict_part_s:
+            lo, hi = self._window(hist, now, w.predict_s)
             prediction = predictor.predict_over(
                 hist.times[lo:hi],
                 hist.rows[lo:hi],
                 _PREDICTOR_COLUMNS,
                 now,
-                window_s=predictor.PREDICT_WINDOW_S / self.config.time_scale,
-                part_s=predictor.PART_S / self.config.time_scale,
+                window_s=w.predict_s,
+                part_s=w.predict_part_s,
             )
             hist.predicted = (now, prediction)
         return hist.predicted[1]
@@ -1245,7 +1235,6 @@ class SignalEngine:
         stated = self.config.deadline
         exported = self._deadline(hist, now) if stated is None else None
         assumed = self.config.assumed_deadline
-        assumed = None if assumed is None else assumed / self.config.time_scale
         abandons = self._gauge(hist, "deadline_abandons", now)
         note = describe_deadline(stated, exported, source, abandons, assumed)
         between = None if deadline is None else between_buckets(deadline)
@@ -1277,8 +1266,7 @@ class SignalEngine:
         deadline = self._deadline(hist, now)
         assumed = self.config.assumed_deadline
         if deadline is None and assumed is not None:
-            # unscaled: the assumed one is real seconds, as is every stated deadline at K = 1
-            deadline = assumed / self.config.time_scale
+            deadline = assumed
         v["vllm_deadline"] = deadline
         bucket = None if deadline is None else deadline_bucket(deadline)
         in_time_key = None if bucket is None else f"vllm_e2e_le_{le_label(bucket)}"

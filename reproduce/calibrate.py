@@ -7,9 +7,8 @@ is the slope of a least-squares line through the waiting-queue samples over the 
 
 A stage runner is any callable ``run_stage(rate, duration_s, stage_index) -> StageObservation``
 taking the rate in calls per (its own) second; ``sim_stage_runner`` runs stages on the engine
-model, another runner can drive a real engine. ``time_scale`` compresses stages for a faster
-engine: the runner gets ``rate * time_scale`` for ``stage_s / time_scale`` seconds, and rates it
-measures are divided by ``time_scale`` again.
+model, another runner can drive a real engine. Stages and rates are in the runner's own seconds:
+a scaled run's calibration gives stages already shortened (``reproduce.harness.calibration``).
 """
 
 from __future__ import annotations
@@ -120,7 +119,6 @@ def calibrate(
     stage_s: float = 300.0,
     factor: float = 1.5,
     growth_threshold: float = 0.1,
-    time_scale: float = 1.0,
     max_stages: int = 12,
     use_observed_rate: bool = True,
 ) -> CalibrationResult:
@@ -133,16 +131,16 @@ def calibrate(
         raise CalibrationError(f"start_rate must be a positive call rate, got {start_rate!r}")
     if factor <= 1.0:
         raise CalibrationError(f"factor must be > 1, got {factor!r}")
-    if stage_s <= 0 or time_scale <= 0:
-        raise CalibrationError("stage_s and time_scale must be > 0")
+    if stage_s <= 0:
+        raise CalibrationError("stage_s must be > 0")
     stages: list[StageSummary] = []
     rate = start_rate
     for index in range(max_stages):
-        obs = run_stage(rate * time_scale, stage_s / time_scale, index)
+        obs = run_stage(rate, stage_s, index)
         if obs.duration_s <= 0:
             raise CalibrationError(f"stage {index}: the runner reported a duration of {obs.duration_s}")
-        growth = queue_growth_rate(obs.waiting_samples) / time_scale
-        arrival_rate = obs.arrivals / obs.duration_s / time_scale
+        growth = queue_growth_rate(obs.waiting_samples)
+        arrival_rate = obs.arrivals / obs.duration_s
         saturated = growth >= growth_threshold
         stages.append(
             StageSummary(
@@ -150,7 +148,7 @@ def calibrate(
                 planned_rate=rate,
                 arrival_rate=arrival_rate,
                 growth_rate=growth,
-                completion_rate=obs.completed / obs.duration_s / time_scale,
+                completion_rate=obs.completed / obs.duration_s,
                 saturated=saturated,
             )
         )

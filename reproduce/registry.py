@@ -49,7 +49,7 @@ class Backend(ABC):
     name: str = "base"
     parallel: bool = False
 
-    def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:  # noqa: B027
+    def prepare(self, runs: Sequence[RunSpec]) -> None:  # noqa: B027
         """Once, before any run, in the calling process (e.g. calibrate what the runs need)."""
 
     @abstractmethod

@@ -109,7 +109,7 @@ def run_many(
     full_meta = {"backend": backend.name, "time_scale": time_scale, **(meta or {})}
 
     with _sigterm_exits():
-        backend.prepare(runs, time_scale)  # before anything is created: it checks the runs' models
+        backend.prepare(runs)  # before anything is created: it checks the runs' models
         try:
             with hold(out):
                 own = {r.slug for r in runs}

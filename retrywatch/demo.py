@@ -36,7 +36,9 @@ from foundation.options import FiniteFloatRange, listen_host
 from foundation.processes import ManagedProcess, ProcessStartError, log_tail
 from foundation.timeseries import parse_exposition
 from reproduce.engine.presets import PresetError, preset_capacity
+from reproduce.workloads.calls import WorkloadSpec
 from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import PULSE
 
 if TYPE_CHECKING:
     from reproduce.harness.openloop import OpenLoopStats
@@ -75,6 +77,20 @@ class DemoPlan:
     @property
     def cancel_after_s(self) -> float:
         return CANCEL_AFTER_S / self.time_scale
+
+    def workload(self, seed: int, capacity_engine: float | None = None, **fields: Any) -> WorkloadSpec:
+        """The load's workload (the study's pulse unless ``fields`` say otherwise) at Ĉ
+        ``capacity_engine`` (default: this engine's), its phases and arrivals in wall seconds."""
+        capacity = self.capacity_engine if capacity_engine is None else capacity_engine
+        return WorkloadSpec(
+            capacity=capacity, seed=seed, time_scale=self.time_scale, max_context=32_768, **fields
+        )
+
+    @property
+    def pulse_text(self) -> str:
+        """When the pulse runs, in wall seconds from the load's start (``120-227 s`` at K = 1)."""
+        start, end = next((s, e) for name, s, e in self.workload(seed=0).phase_bounds() if name == PULSE)
+        return f"{start:.0f}-{end:.0f} s"
 
 
 def demo_plan(
@@ -251,14 +267,10 @@ async def _episodes(http: httpx.AsyncClient, detector_url: str) -> list[str]:
 
 async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed: int) -> None:
     from reproduce.harness.openloop import OpenLoopStats
-    from reproduce.workloads.calls import WorkloadSpec
     from reproduce.workloads.plan import plan_run
     from retrywatch.demo_load import run_load
 
-    spec = WorkloadSpec(
-        capacity=plan.capacity_engine, seed=seed, time_scale=plan.time_scale, max_context=32_768
-    )
-    run_plan = plan_run(spec, ClientConfig())
+    run_plan = plan_run(plan.workload(seed), ClientConfig())
     bounds = [(p.name, p.start_s, p.end_s) for p in run_plan.phases]
     proxy, detector = services[1], services[2]
     stats = OpenLoopStats()
@@ -358,7 +370,7 @@ def how_long(duration_s: float) -> str:
 
 
 def _what_to_watch(plan: DemoPlan, dashboard_url: str, duration_s: float) -> str:
-    pulse = f"{120 / plan.time_scale:.0f}-{227 / plan.time_scale:.0f} s"
+    pulse = plan.pulse_text
     if plan.with_controls:
         story = (
             "With controls (coalescing + cancellation deferred by "

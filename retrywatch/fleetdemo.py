@@ -136,9 +136,13 @@ class FleetPlan:
     time_scale: float
     with_controls: bool
 
+    def replica_plan(self, replica: Replica) -> single.DemoPlan:
+        """The single-engine demo's plan of ``replica``: its numbers in wall seconds."""
+        return single.DemoPlan(replica.preset, self.time_scale, replica.capacity_engine, self.with_controls)
+
     @property
     def deadline_s(self) -> float:
-        return ClientConfig().deadline_s / self.time_scale
+        return self.replica_plan(self.replicas[0]).deadline_s
 
     @property
     def load_capacity_engine(self) -> float:
@@ -148,7 +152,7 @@ class FleetPlan:
 
     def capacity(self, replica: Replica) -> float:
         """Ĉ of ``replica`` in calls per wall second."""
-        return replica.capacity_engine * self.time_scale
+        return self.replica_plan(replica).capacity
 
 
 def fleet_plan(n: int, *, with_controls: bool = False, time_scale: float | None = None) -> FleetPlan:
@@ -335,9 +339,8 @@ class FleetDemo:
         for r in plan.replicas:
             # The single-engine demo's proxy (its "no control" condition, or with controls), at
             # this replica's capacity.
-            replica_plan = single.DemoPlan(r.preset, plan.time_scale, r.capacity_engine, plan.with_controls)
             settings: ProxySettings = single.proxy_settings(
-                replica_plan, self.engine_url(r), host, ports.proxy(r)
+                plan.replica_plan(r), self.engine_url(r), host, ports.proxy(r)
             )
             out.append(
                 Service(
@@ -524,18 +527,13 @@ async def drive(
     """Drive the pulse through nginx for ``duration_s`` (or until ``stop_when(firing)``), reporting
     the clients' counts and each replica's firing alerts; every alert that fired, by instance."""
     from reproduce.harness.openloop import OpenLoopStats
-    from reproduce.workloads.calls import WorkloadSpec, paper_phases
+    from reproduce.workloads.calls import paper_phases
     from reproduce.workloads.plan import plan_run
     from retrywatch.demo_load import run_load
 
     plan = fleet.plan
-    spec = WorkloadSpec(
-        capacity=plan.load_capacity_engine,
-        seed=seed,
-        phases=paper_phases(PULSE_MULTIPLE),
-        time_scale=plan.time_scale,
-        max_context=32_768,
-    )
+    first = plan.replica_plan(plan.replicas[0])
+    spec = first.workload(seed, plan.load_capacity_engine, phases=paper_phases(PULSE_MULTIPLE))
     run_plan = plan_run(spec, ClientConfig())
     bounds = [(p.name, p.start_s, p.end_s) for p in run_plan.phases]
     stats = OpenLoopStats()
@@ -592,7 +590,7 @@ def _what_to_watch(fleet: FleetDemo, duration_s: float) -> str:
             f"  {r.name}: engine ({r.preset}, Ĉ {plan.capacity(r):.2f} calls/s) {fleet.engine_url(r)}, "
             f"proxy {fleet.proxy_url(r)}"
         )
-    pulse = f"{120 / plan.time_scale:.0f}-{227 / plan.time_scale:.0f} s"
+    pulse = plan.replica_plan(plan.replicas[0]).pulse_text
     lines += [
         f"  nginx        {fleet.nginx_url}   (clients' address)",
         f"  Prometheus   {fleet.prometheus_url}   (alerts: {fleet.prometheus_url}/alerts)",

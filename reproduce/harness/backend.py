@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -192,8 +191,11 @@ class HttpBackend(Backend):
         proto = cpu_scaled(time_scale) if sizes == "scaled" else study(time_scale)
         return proto.with_hold(self.hold_s) if self.hold_s is not None else proto
 
-    def engine_for(self, run: RunSpec, folder: Path, queue_cap: int | None) -> EngineBackend:
-        """A fresh engine backend for one run (its files in ``folder``)."""
+    def engine_for(
+        self, run: RunSpec, folder: Path, queue_cap: int | None, time_scale: float = 1.0
+    ) -> EngineBackend:
+        """A fresh engine backend for one run (its files in ``folder``); the emulated engine runs
+        at the run's K (its ``--time-scale``)."""
         o = self.options
         timeout = float(o.get("startup_timeout_s", 300.0))
         bound = float(o.get("bound_s", 3_600.0))
@@ -216,7 +218,7 @@ class HttpBackend(Backend):
             return EmulatedBackend(
                 folder,
                 preset=o.get("preset") or run.model,
-                time_scale=self._time_scale,
+                time_scale=time_scale,
                 max_num_queued_reqs=queue_cap,
                 startup_timeout_s=timeout,
                 bound_s=bound,
@@ -235,11 +237,6 @@ class HttpBackend(Backend):
         )
 
     # --- Backend API ---------------------------------------------------------------------
-
-    _time_scale: float = 1.0
-
-    def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
-        self._time_scale = time_scale
 
     def capacity_of(self, run: RunSpec, protocol: HttpProtocol) -> tuple[float, dict[str, object]]:
         """Ĉ of ``run`` in calls per wall second, and how it was found: ``capacity=`` where given;
@@ -261,7 +258,6 @@ class HttpBackend(Backend):
         return capacity * k, {"method": method, "simulator": source}
 
     def run(self, job: RunJob) -> dict[str, Any]:
-        self._time_scale = job.time_scale
         run = job.run
         protocol = self.protocol(job.time_scale)
         capacity, capacity_source = self.capacity_of(run, protocol)
@@ -272,7 +268,7 @@ class HttpBackend(Backend):
         queue_cap = None
         if q_study is not None:
             queue_cap = self.queue_cap or scaled_queue_cap(q_study, capacity, plan.deadline_s)
-        engine = self.engine_for(run, folder, queue_cap)
+        engine = self.engine_for(run, folder, queue_cap, plan.time_scale)
         policy = run.condition.policy.config(plan)
         with engine as endpoint:
             if self.kind == "external":
@@ -287,7 +283,7 @@ class HttpBackend(Backend):
                 workdir=folder,
                 capacity=capacity,
                 vocab_size=endpoint.vocab_size,
-                window_s=protocol.window_s,
+                window_s=protocol.gauge_window_s(plan),
             )
             with proxy as proxy_url, ExitStack() as stack:
                 if self.prometheus_targets is not None:
@@ -305,7 +301,7 @@ class HttpBackend(Backend):
                                 workdir=folder,
                                 capacity=capacity,
                                 deadline_s=plan.deadline_s,
-                                interval_s=max(1.0, protocol.scrape_every_s),
+                                interval_s=max(1.0, protocol.scrape_every_s(plan)),
                                 time_scale=plan.time_scale,
                                 tier=tier,
                                 name="detector" if tier == "proxy" else f"detector-{tier}",
@@ -318,7 +314,7 @@ class HttpBackend(Backend):
                         endpoint,
                         folder,
                         plan=plan,
-                        scrape_every_s=protocol.scrape_every_s,
+                        scrape_every_s=protocol.scrape_every_s(plan),
                         seed=run.seed,
                     )
                 )

@@ -48,7 +48,7 @@ class DetectorProcess(ChildServer):
         self.capacity = capacity
         self.deadline_s = deadline_s
         self.interval_s = interval_s
-        self.time_scale = time_scale  # a scaled run's K: the detector divides its windows by it
+        self.time_scale = time_scale  # a scaled run's K, for `detect --time-scale`
 
     def command(self, port: int) -> list[str]:
         db = self.workdir / f"{self.name}.db"

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from reproduce.conditions import Condition, PulseWorkload, engine_cap_for
+from reproduce.sim.metrics import PROXY_WINDOW_S
 from reproduce.workloads.base import Shaping
 from reproduce.workloads.calls import MAX_CONTEXT, WorkloadSpec
 from reproduce.workloads.plan import RunPlan, generated_spec
@@ -119,15 +120,14 @@ class HttpProtocol:
             shaping=self.shaping(),
         )
 
-    @property
-    def scrape_every_s(self) -> float:
-        """Seconds between scrapes of the proxy, in run time (never under half a second)."""
-        return max(0.5, self.scrape_interval_s / self.time_scale)
+    def scrape_every_s(self, plan: RunPlan) -> float:
+        """Seconds between scrapes of the proxy in ``plan``'s run (never under half a second)."""
+        return max(0.5, plan.run_s(self.scrape_interval_s))
 
-    @property
-    def window_s(self) -> float:
-        """The proxy's sliding window for its derived gauges (60 s at the study's scale)."""
-        return 60.0 / self.time_scale
+    def gauge_window_s(self, plan: RunPlan) -> float:
+        """The proxy's sliding window for its derived gauges in ``plan``'s run seconds (the
+        simulator's, 60 s at the study's scale)."""
+        return plan.run_s(PROXY_WINDOW_S)
 
     def with_hold(self, hold_s: float) -> HttpProtocol:
         """The same protocol with a shorter or longer hold (study-scale seconds)."""

@@ -103,7 +103,7 @@ def main(
         backend = get_backend(
             "external", engine_url=endpoint.url, capacity=capacity, sizes="scaled", model=model
         )
-        backend.prepare([run], time_scale)
+        backend.prepare([run])
         real = backend.run(RunJob(run, out, time_scale=time_scale))
         backend.close()
     (simulated,) = simulate_beside(measured, [run], protocol, log=click.echo, stage_calls=stage_calls)

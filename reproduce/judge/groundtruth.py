@@ -117,7 +117,7 @@ def span_of(run: Mapping[str, Any]) -> JudgedSpan:
         window_s=float(window),
         deadline_s=float(run["deadline_s"]),
         capacity=float(run["capacity"]),
-        max_growth_per_s=RecoveryRule().max_growth_per_s * float(run.get("time_scale") or 1.0),
+        max_growth_per_s=RecoveryRule().growth_per_run_s(float(run.get("time_scale") or 1.0)),
         pulse_start_s=pulse_start,
         pulse_end_s=pulse_end,
     )

@@ -80,7 +80,7 @@ class SimBackend(Backend):
                 f"workload: {exc}; name its phases with phase_names, one of them 'pulse'"
             ) from None
 
-    def prepare(self, runs: Sequence[RunSpec], time_scale: float) -> None:
+    def prepare(self, runs: Sequence[RunSpec]) -> None:
         for model in dict.fromkeys(r.model for r in runs):
             if model not in PRESET_NAMES:  # before any run: a PresetError, not a worker's failure
                 raise PresetError(f"unknown engine preset {model!r}; choose one of {', '.join(PRESET_NAMES)}")
@@ -107,7 +107,7 @@ class SimBackend(Backend):
         """Ĉ of run ``r`` in calls per study second and how it was found (found now if need be)."""
         key = self._capacity_key(r)
         if key not in self.capacities:
-            self.prepare([r], 1.0)
+            self.prepare([r])
         return self.capacities[key], self.capacity_sources[key]
 
     def _capacity_key(self, r: RunSpec) -> tuple[str, str]:

@@ -64,6 +64,10 @@ class RecoveryRule:
     max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
     max_growth_per_s: float = 0.01  # their growth (least-squares slope) over a window, per study second
 
+    def growth_per_run_s(self, time_scale: float) -> float:
+        """The growth limit per run-second of a run at ``time_scale``: the one place K scales it."""
+        return self.max_growth_per_s * time_scale
+
 
 class PlanError(ValueError):
     """A plan that cannot be built or judged as asked; the message says what is missing."""
@@ -175,7 +179,7 @@ class RunPlan:
     @property
     def max_growth_per_s(self) -> float:
         """The recovery rule's growth limit of the waiting executions, per run-second."""
-        return RecoveryRule().max_growth_per_s * self.time_scale
+        return RecoveryRule().growth_per_run_s(self.time_scale)
 
     @property
     def pulse(self) -> Phase | None:

@@ -120,7 +120,7 @@ def test_engines_are_grouped_by_instance_and_bounded() -> None:
 
 
 def test_an_instance_the_source_stops_naming_is_forgotten_unless_the_source_went_silent() -> None:
-    lookback = SignalConfig().scaled_windows.gauge_lookback_s
+    lookback = SignalConfig().windows.gauge_lookback_s
     eng = SignalEngine(max_instances=2)
     named: dict[float, set[str]] = {}
     left_out: dict[float, int] = {}

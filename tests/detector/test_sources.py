@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from detector.service import Detector
-from detector.signals import SignalConfig, SignalEngine
+from detector.signals import WINDOWS, SignalConfig, SignalEngine
 from detector.sources.prometheus import SERIES_PER_ENGINE, PrometheusSource
 from detector.sources.scrape import ScrapeSource
 from detector.store import EpisodeStore
@@ -106,7 +106,7 @@ def test_a_target_service_discovery_drops_is_forgotten_and_the_one_that_stays_is
     both = [f"127.0.0.1:{s.port}" for s in (stays, leaves)]
     sd.write_text(json.dumps([{"targets": both}]))
     source = PrometheusSource(prometheus_factory(sd), backfill_s=10.0, step_s=1.0)
-    engine = SignalEngine(SignalConfig(time_scale=60.0))  # the 5-min lookback in 5 s
+    engine = SignalEngine(SignalConfig(windows=WINDOWS.scaled(60.0)))  # the 5-min lookback in 5 s
 
     def named() -> set[str]:
         result = source.fetch(time.time())

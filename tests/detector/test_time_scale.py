@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,9 +18,16 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.evaluator import Evaluator
-from detector.replay import replay_run
-from detector.signals import WINDOWS, EngineLabels, SignalConfig, SignalEngine, SignalFrame
-from detector.thresholds import ALERTS, NO_DATA, scale_rules
+from detector.replay import replay_reproduce_run, replay_run
+from detector.signals import (
+    DEFAULT_DEADLINE_S,
+    WINDOWS,
+    EngineLabels,
+    SignalConfig,
+    SignalEngine,
+    SignalFrame,
+)
+from detector.thresholds import ALERTS, NO_DATA, AlertRule, scale_rules
 from detector.thresholds import tier_rules as _tier_rules
 from foundation.processes import free_port
 from foundation.timeseries import read_series, write_series
@@ -33,6 +41,16 @@ from tests.reproduce.small_engine import CAPACITY, ENGINE, WORKLOAD
 PROXY = _tier_rules("proxy")  # these runs are the proxy tier's: a proxy's series
 
 CONDITIONS = ("retries-on-cancel-off", "retries-off-cancel-off")
+
+
+def at(k: float, rules: tuple[AlertRule, ...] = ALERTS) -> dict[str, Any]:
+    """``replay_run``'s rules, windows and assumed deadline for a run at K (run seconds)."""
+    return {
+        "rules": scale_rules(rules, k),
+        "windows": WINDOWS.scaled(k),
+        "assumed_deadline": DEFAULT_DEADLINE_S / k,
+    }
+
 
 # The episodes of the study-scale run of retries-on-cancel-off, seed 1, as the engine model
 # steps it today (values move when its mechanism does; times did not when it took in vLLM's
@@ -73,9 +91,9 @@ def test_time_scale_1_is_bit_identical_to_real_time(runs: dict[tuple[float, str]
     default = replay_run(path, rules=PROXY)
     assert _summary(default) == EXPECTED_K1
     assert {e.labels for e in default} == {EngineLabels("", "test", path.parent.name)}
-    explicit = replay_run(path, time_scale=1.0, rules=PROXY)
+    explicit = replay_run(path, **at(1.0, PROXY))
     assert [e.as_dict() for e in explicit] == [e.as_dict() for e in default]
-    gridded = replay_run(path, interval=5.0, time_scale=1, rules=PROXY)
+    gridded = replay_run(path, interval=5.0, **at(1, PROXY))
     assert _summary(gridded) == EXPECTED_K1
     # K = 1 leaves every duration as it is (the same objects)
     assert WINDOWS.scaled(1.0) is WINDOWS and scale_rules(ALERTS, 1.0) == ALERTS
@@ -87,7 +105,7 @@ def test_a_scaled_run_replayed_at_its_scale_alerts_like_the_study_scale_run(
     runs: dict[tuple[float, str], Path], key: str
 ) -> None:
     study = {e.alertname: e for e in replay_run(runs[(1.0, key)], rules=PROXY)}
-    scaled = {e.alertname: e for e in replay_run(runs[(10.0, key)], time_scale=10.0, rules=PROXY)}
+    scaled = {e.alertname: e for e in replay_run(runs[(10.0, key)], **at(10.0, PROXY))}
     assert set(scaled) == set(study)
     for name, ep in scaled.items():
         # at the study's scale (x K), within a few evaluations of the study-scale run
@@ -108,7 +126,7 @@ def test_validation_replays_a_scaled_run_at_its_scale(runs: dict[tuple[float, st
     got = [(f.alertname, f.fired_at_s, f.resolved_at_s) for f in replay_firings(info)]
     want = [
         (e.alertname, round(e.started_at, 3), None if e.resolved_at is None else round(e.resolved_at, 3))
-        for e in replay_run(path, time_scale=10.0)  # validation scores every rule
+        for e in replay_run(path, **at(10.0))  # validation scores every rule
     ]
     assert got == want
     assert RETRY_LOOP in [name for name, _, _ in got]
@@ -134,19 +152,20 @@ def test_durations_scale_and_thresholds_stay() -> None:
         assert scaled.for_s == rule.for_s / 10 and scaled.keep_firing_for_s == rule.keep_firing_for_s / 10
     w = WINDOWS.scaled(4.0)
     assert (w.rate_s, w.prompt_gap_s, w.capacity_estimate_s, w.gauge_lookback_s) == (15.0, 75.0, 900.0, 75.0)
-    assert SignalEngine(SignalConfig(time_scale=4.0)).windows == w
+    assert (w.predict_s, w.predict_part_s) == (75.0, 3.75)
+    assert SignalEngine(SignalConfig(windows=w)).windows == w
     for bad in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="time scale"):
-            SignalConfig(time_scale=bad)
+            WINDOWS.scaled(bad)
         with pytest.raises(ValueError, match="time scale"):
-            Evaluator(time_scale=bad)
+            scale_rules(ALERTS, bad)
 
 
 def test_the_evaluator_divides_for_and_keep_firing_for() -> None:
     labels = EngineLabels("0", "m", "a")
 
     def transitions(k: float, missing_until: float, end: float) -> list[tuple[str, float]]:
-        ev = Evaluator([NO_DATA], time_scale=k)
+        ev = Evaluator(scale_rules([NO_DATA], k))
         out = []
         t = 0.0
         while t <= end:
@@ -159,9 +178,9 @@ def test_the_evaluator_divides_for_and_keep_firing_for() -> None:
     assert transitions(1.0, 3.0, 5.0) == []  # at real time 3 s of missing data is not enough
 
 
-def test_replay_run_rejects_a_bad_time_scale(runs: dict[tuple[float, str], Path]) -> None:
+def test_replay_reproduce_run_rejects_a_bad_time_scale(runs: dict[tuple[float, str], Path]) -> None:
     with pytest.raises(ValueError, match="time scale"):
-        replay_run(runs[(10.0, CONDITIONS[0])], time_scale=0)
+        replay_reproduce_run(runs[(10.0, CONDITIONS[0])], None, None, 0)
 
 
 def test_cli_time_scale_option_and_the_http_runs_detector_process(tmp_path: Path) -> None:
@@ -182,7 +201,7 @@ def test_detect_replays_a_scaled_run_with_the_env_var(
     tmp_path: Path, runs: dict[tuple[float, str], Path]
 ) -> None:
     series = runs[(10.0, "retries-off-cancel-off")]
-    expected = replay_run(series, time_scale=10.0, rules=PROXY)
+    expected = replay_run(series, **at(10.0, PROXY))
     port = free_port()
     env = {**os.environ, "RETRYWATCH_TIME_SCALE": "10", "RETRYWATCH_DB": f"sqlite:///{tmp_path / 'd.db'}"}
     proc = subprocess.Popen(

@@ -72,13 +72,6 @@ def test_stages_grow_by_the_factor_until_the_queue_grows() -> None:
     assert [s.saturated for s in result.stages] == [False, False, False, True]
 
 
-def test_time_scale_compresses_stages_and_rescales_rates() -> None:
-    seen: list[tuple[float, float]] = []
-    result = calibrate(linear_engine(30.0, seen), start_rate=1.0, time_scale=10.0, use_observed_rate=False)
-    assert seen[0] == (10.0, 30.0)
-    assert result.capacity == pytest.approx(3.0, abs=1e-6)
-
-
 def test_a_queue_below_threshold_is_not_saturated_and_no_saturation_is_an_error() -> None:
     seen: list[tuple[float, float]] = []
     # growth 0.05 calls/s at 1.5 is under the 0.1 threshold; 2.25 saturates

@@ -26,8 +26,8 @@ def test_cpu_scaled_protocol_divides_durations_and_token_lengths() -> None:
     )
     assert client.retries == 3
     assert (proto.prompt_mean, proto.shared_prefix_len, proto.response_median) == (1_200.0, 200, 30.0)
-    assert proto.scrape_every_s == pytest.approx(0.5)
-    assert proto.window_s == pytest.approx(6.0)
+    assert proto.scrape_every_s(plan) == pytest.approx(0.5)
+    assert proto.gauge_window_s(plan) == pytest.approx(6.0)
 
 
 def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> None:

@@ -32,7 +32,7 @@ def _run(tmp_path: Path, block: str, condition: str, client: str = "study", **op
     (spec,) = expand(block, models="qwen2.5-7b-h100", runs=1, conditions=[condition])
     spec = with_client(spec, PROFILES[client])
     backend = get_backend("emulated", sizes="scaled", **options)
-    backend.prepare([spec], K)
+    backend.prepare([spec])
     try:
         return backend.run(RunJob(spec, tmp_path, time_scale=K))
     finally:

@@ -85,7 +85,7 @@ def _run_while_the_client_keeps_up(
     the entry as ``prometheus_alerts`` (seconds from the run's start, its engine's wait included)."""
     reason = None
     for attempt in (1, 2):
-        backend.prepare([spec], K)
+        backend.prepare([spec])
         started = time.time()
         entry = backend.run(RunJob(spec, out, time_scale=K))
         entry["prometheus_alerts"] = prometheus.firing(started, time.time())
