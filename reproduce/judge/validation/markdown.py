@@ -166,10 +166,10 @@ def _trace_reading(report: Mapping[str, Any]) -> list[str]:
 
 
 def _error(stats: Mapping[str, Any]) -> str:
-    def pct(v: float | None) -> str:
-        return NA if v is None else f"{100 * v:+.1f} %" if v < 0 else f"{100 * v:.1f} %"
+    def pct(v: float | None, sign: str = "") -> str:
+        return NA if v is None else f"{round(100 * v, 1) + 0.0:{sign}.1f} %"  # + 0.0: no "-0.0"
 
-    return f"{pct(stats['signed_median'])} · {pct(stats['median'])} / {pct(stats['max'])}"
+    return f"{pct(stats['signed_median'], '+')} · {pct(stats['median'])} / {pct(stats['max'])}"
 
 
 def learned_markdown(report: Mapping[str, Any]) -> list[str]:
