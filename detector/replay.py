@@ -1,4 +1,5 @@
 """``replay_run``: a reproduce run's series through the detector, as fast as possible;
+``replay_snapshots``: the same over snapshots already read, with an eye on the signals;
 ``replay_reproduce_run``: one run of a reproduce output folder, the way ``retrywatch reproduce
 validate`` and the dashboard's runs page judge it.
 
@@ -8,6 +9,7 @@ Evaluation happens on the replay clock: at every snapshot (or on a fixed grid wi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from detector.episodes import AlertEpisode, EpisodeLog
@@ -17,13 +19,14 @@ from detector.signals import (
     WINDOWS,
     SignalConfig,
     SignalEngine,
+    SignalFrame,
     Windows,
     check_time_scale,
 )
 from detector.sources.replay import load_snapshots
 from detector.thresholds import ALERTS, AlertRule, scale_rules
 from foundation import metricnames as mn
-from foundation.timeseries import read_series
+from foundation.timeseries import Snapshot, read_series
 
 
 def replay_run(
@@ -55,16 +58,41 @@ def replay_run(
     config = SignalConfig(
         capacity=capacity, deadline=deadline, windows=windows, assumed_deadline=assumed_deadline
     )
-    snapshots = load_snapshots(Path(series_path), instance)
+    return replay_snapshots(
+        load_snapshots(Path(series_path), instance), config, interval=interval, rules=rules
+    )
+
+
+FrameObserver = Callable[[float, list[SignalFrame]], None]
+
+
+def replay_snapshots(
+    snapshots: Sequence[Snapshot],
+    config: SignalConfig,
+    *,
+    interval: float | None = None,
+    rules: tuple[AlertRule, ...] = ALERTS,
+    on_frames: FrameObserver | None = None,
+) -> list[AlertEpisode]:
+    """:func:`replay_run` over snapshots already read (and, for a replay with nothing stated,
+    rewritten): every alert episode, in firing order. ``on_frames`` sees the signals computed at
+    each evaluation (its time and every instance's frame), e.g. to tell when Ĉ became known."""
     signals = SignalEngine(config)
     evaluator = Evaluator(rules)
     log = EpisodeLog()
     if not snapshots:
         return []
+
+    def evaluate(t: float) -> None:
+        frames = signals.compute(t)
+        if on_frames is not None:
+            on_frames(t, frames)
+        log.apply(evaluator.evaluate(t, frames))
+
     if interval is None:
         for snap in snapshots:
             signals.add(snap)
-            log.apply(evaluator.evaluate(snap.t, signals.compute(snap.t)))
+            evaluate(snap.t)
         return log.episodes
     i = 0
     t = snapshots[0].t
@@ -73,7 +101,7 @@ def replay_run(
         while i < len(snapshots) and snapshots[i].t <= t + 1e-9:
             signals.add(snapshots[i])
             i += 1
-        log.apply(evaluator.evaluate(t, signals.compute(t)))
+        evaluate(t)
         t += interval
     return log.episodes
 

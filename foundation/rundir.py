@@ -27,6 +27,8 @@ __all__ = [
     "SUMMARY",
     "VALIDATION",
     "VALIDATION_MD",
+    "VALIDATION_NOTHING_STATED",
+    "VALIDATION_NOTHING_STATED_MD",
     "WHATIF",
     "WHATIF_POINTS",
     "NotARunDir",
@@ -45,6 +47,9 @@ VALIDATION_MD = "validation.md"
 #: ``reproduce validate --rules FILE``: another rule file's alerts scored over the runs.
 RULES_VALIDATION = "rules-validation.json"
 RULES_VALIDATION_MD = "rules-validation.md"
+#: ``reproduce validate --nothing-stated``'s, beside the stated one.
+VALIDATION_NOTHING_STATED = "validation-nothing-stated.json"
+VALIDATION_NOTHING_STATED_MD = "validation-nothing-stated.md"
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
 #: ``retrywatch reproduce whatif``'s result: policies side by side and each one's headroom.
@@ -53,7 +58,16 @@ WHATIF = "whatif.json"
 WHATIF_POINTS = "points"
 #: What ``reproduce validate`` and ``reproduce report`` derive from the runs of a DIR: stale once
 #: its runs change, so ``reproduce run`` removes them.
-DERIVED = (VALIDATION, VALIDATION_MD, RULES_VALIDATION, RULES_VALIDATION_MD, REPORT_MD, REPORT_HTML)
+DERIVED = (
+    VALIDATION,
+    VALIDATION_MD,
+    VALIDATION_NOTHING_STATED,
+    VALIDATION_NOTHING_STATED_MD,
+    RULES_VALIDATION,
+    RULES_VALIDATION_MD,
+    REPORT_MD,
+    REPORT_HTML,
+)
 #: The largest JSON file of a DIR read (a summary of 5000 runs is ~10 MB).
 MAX_JSON_BYTES = 64 * 1024 * 1024
 # What a path that is not a regular file is, for the message (anything else: "not a regular file").

@@ -36,6 +36,8 @@ from foundation.rundir import (
     SUMMARY,
     VALIDATION,
     VALIDATION_MD,
+    VALIDATION_NOTHING_STATED,
+    VALIDATION_NOTHING_STATED_MD,
     NotARunDir,
     RunDirError,
 )
@@ -48,6 +50,7 @@ from reproduce.judge.validation.foreign import (
     validate_rules_dir,
 )
 from reproduce.judge.validation.markdown import render_markdown, summary_markdown
+from reproduce.judge.validation.nothingstated import learned_summary, replay_nothing_stated
 from reproduce.judge.validation.runs import Firing, RunInfo, RunResult, load_runs, truth_of
 from reproduce.judge.validation.scoring import ground_truth_summary, score_alert, score_tiers, tier_pages
 from reproduce.judge.validation.targets import BACKLOG, RETRY_LOOP, SILENCE, check_targets, loop_formed_at_s
@@ -151,16 +154,7 @@ def replay_firings(info: RunInfo, windows: Windows = WINDOWS) -> list[Firing]:
     episodes = replay_reproduce_run(
         info.series, info.capacity, info.deadline_s, info.time_scale, windows=windows
     )
-    return [
-        Firing(
-            alertname=e.alertname,
-            fired_at_s=round(float(e.started_at), 3),
-            resolved_at_s=None if e.resolved_at is None else round(float(e.resolved_at), 3),
-            why=str(getattr(e, "description", "") or ""),
-            value=None if e.value is None else float(e.value),
-        )
-        for e in episodes
-    ]
+    return [Firing.of(e) for e in episodes]
 
 
 def all_alertnames() -> list[str]:
@@ -184,24 +178,36 @@ def validate_dir(
     alertnames: Sequence[str] | None = None,
     kinds: Mapping[str, AlertKind] | None = None,
     block: str | None = None,
+    nothing_stated: bool = False,
 ) -> dict[str, Any]:
-    """Validate every run of ``out_dir`` (or of one block), write validation.json and .md."""
+    """Validate every run of ``out_dir`` (or of one block), write validation.json and .md; with
+    ``nothing_stated``, replay each run with neither Ĉ nor the deadline stated
+    (``reproduce.judge.validation.nothingstated``, ``replayer`` unused) and write the same report
+    with ``"nothing_stated": true`` at its top and what each run ``learned``, beside the stated
+    one (validation-nothing-stated.json and .md)."""
     infos = _infos(out_dir, block)
+    unstated = [replay_nothing_stated(info) for info in infos] if nothing_stated else []
     results = []
-    for info in infos:
+    for i, info in enumerate(infos):
         truth = info.truth
         results.append(
             RunResult(
                 info,
-                replayer(info),
+                unstated[i].firings if nothing_stated else replayer(info),
                 None if truth is None else truth.collapses,
                 None if truth is None else truth.windows,
             )
         )
     names = list(alertnames) if alertnames is not None else all_alertnames()
     report = build_report(results, names, kinds)
-    (out_dir / VALIDATION).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out_dir / VALIDATION_MD).write_text(render_markdown(report), encoding="utf-8")
+    json_name, md_name = VALIDATION, VALIDATION_MD
+    if nothing_stated:
+        report = {"nothing_stated": True, "learned": learned_summary(unstated), **report}
+        for entry, run in zip(report["runs"], unstated, strict=True):
+            entry["learned"] = run.learned()
+        json_name, md_name = VALIDATION_NOTHING_STATED, VALIDATION_NOTHING_STATED_MD
+    (out_dir / json_name).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out_dir / md_name).write_text(render_markdown(report), encoding="utf-8")
     return report
 
 
@@ -228,8 +234,19 @@ def validate_dir(
     show_default=True,
     help="--rules: the evaluation interval of a group that sets none.",
 )
+@click.option(
+    "--nothing-stated",
+    is_flag=True,
+    help="Give the detector neither Ĉ nor the deadline: both learned from the series, as live "
+    "(written to DIR/validation-nothing-stated.json and .md, beside the stated validation).",
+)
 def validate(
-    out_dir: Path, block: str | None, rule_file: Path | None, rules_job: str, rules_interval: str
+    out_dir: Path,
+    block: str | None,
+    rule_file: Path | None,
+    rules_job: str,
+    rules_interval: str,
+    nothing_stated: bool,
 ) -> None:
     """Replay every run of a reproduce output DIR through the detector and score each alert
     against the runs' ground truth over time; print the scores (the tables docs/results.md
@@ -244,7 +261,7 @@ def validate(
             click.echo(render_rules_markdown(report))
             click.echo(f"wrote {out_dir / RULES_VALIDATION} and {out_dir / RULES_VALIDATION_MD}")
             return
-        report = validate_dir(out_dir, block=block)
+        report = validate_dir(out_dir, block=block, nothing_stated=nothing_stated)
     except NotARunDir as exc:  # a usage mistake: exit 2, and nothing was written
         raise click.BadParameter(str(exc), param_hint="'DIR'") from None
     except RuleFileError as exc:
@@ -252,4 +269,9 @@ def validate(
     except (RunDirError, RulesUnavailable) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo("\n".join(summary_markdown(report)))
-    click.echo(f"wrote {out_dir / VALIDATION} and {out_dir / VALIDATION_MD}")
+    names = (
+        (VALIDATION_NOTHING_STATED, VALIDATION_NOTHING_STATED_MD)
+        if nothing_stated
+        else (VALIDATION, VALIDATION_MD)
+    )
+    click.echo(f"wrote {out_dir / names[0]} and {out_dir / names[1]}")

@@ -37,7 +37,9 @@ class Scraper:
         self.policy = policy
         self.engine_samples = engine_samples
         self.window = SlidingWindow(window_s)
-        self.collector = PolicyCollector(policy, self.window, capacity, lambda: True)
+        # the run's proxy is given the clients' deadline (the plan's), as the study's was: stated
+        stated = policy.deadline_s is not None
+        self.collector = PolicyCollector(policy, self.window, capacity, lambda: True, deadline_stated=stated)
 
     def snapshot(self, t: float) -> Snapshot:
         """One scrape at simulated time ``t``: the proxy's series, then the engine's passthrough."""

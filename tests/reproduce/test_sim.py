@@ -103,6 +103,8 @@ def test_counters_stay_balanced_and_names_are_the_contract() -> None:
         finished = fate["completed"] + fate["orphaned"] + fate["cancelled"] + fate["failed"] + fate["refused"]
         assert v(mn.EXECUTIONS_DISPATCHED) == finished + v(mn.EXECUTIONS_LIVE)
         assert v(mn.CAPACITY) == CAPACITY and v(mn.CLIENT_DEADLINE) == pytest.approx(12.0)
+        # the run's proxy was given the deadline: its series says so (not "learned")
+        assert v(mn.CLIENT_DEADLINE_SOURCE, source=mn.DEADLINE_STATED) == 1.0
         assert v(mn.UPSTREAM_UP) == 1.0
         assert v(mn.VLLM_NUM_WAITING) is not None and v(mn.VLLM_PREFIX_CACHE_QUERIES) is not None
     final = result.snapshots[-1]

@@ -165,16 +165,57 @@ def _trace_reading(report: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _error(stats: Mapping[str, Any]) -> str:
+    def pct(v: float | None, sign: str = "") -> str:
+        return NA if v is None else f"{round(100 * v, 1) + 0.0:{sign}.1f} %"  # + 0.0: no "-0.0"
+
+    return f"{pct(stats['signed_median'], '+')} · {pct(stats['median'])} / {pct(stats['max'])}"
+
+
+def learned_markdown(report: Mapping[str, Any]) -> list[str]:
+    """With nothing stated: what the detector learned of Ĉ and the deadline, and when."""
+    learned = report.get("learned")
+    if not report.get("nothing_stated") or not learned:
+        return []
+    lines = [
+        "## Learned, nothing stated",
+        "",
+        "The detector was given neither Ĉ nor the clients' deadline: Ĉ learned from the series "
+        "(saturated measurement, else predicted from vLLM's series), the deadline from the clients' "
+        "abandons by the proxy's learner (reproduce/judge/validation/nothingstated.py).",
+        "",
+        "| number | runs learned in | known before the overload | known at, median / max (s) "
+        "| sources when first known | error when first known | error when the overload began |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, n in learned.items():
+        sources = ", ".join(f"{k} {v}" for k, v in n["sources"].items()) or NA
+        lines.append(
+            f"| {name} | {n['learned_in']} of {n['runs']} | {n['known_before_overload']} "
+            f"| {_pair(n['known_at_s'])} | {sources} | {_error(n['error_when_known'])} "
+            f"| {_error(n['error_at_overload'])} |"
+        )
+    lines += [
+        "",
+        "- **error**: the learned value over the run's true one (its calibrated Ĉ, its client's "
+        "deadline) minus 1: signed median · median / max of its size. **known before the overload**: "
+        "runs where it was known when the pulse (a trace: the burst it is aligned on) began.",
+        "",
+    ]
+    return lines
+
+
 def summary_markdown(report: Mapping[str, Any]) -> list[str]:
     """The scores: the ground truth, a table per kind with its legend, and per block."""
     gt = report["ground_truth"]
     lines = [
-        "# Alert validation",
+        "# Alert validation" + (", nothing stated" if report.get("nothing_stated") else ""),
         "",
         "Each alert of the detector, replayed over every run, against the runs' ground truth over "
         'time (docs/protocol.md, "Ground truth over time"). Times are seconds from the run\'s '
         "start (with `--time-scale K`, the study's seconds divided by K).",
         "",
+        *learned_markdown(report),
         "## Ground truth",
         "",
         f"- {gt['runs']} runs, {gt['runs_with_call_records']} with call records: "

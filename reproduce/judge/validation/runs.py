@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detector.episodes import AlertEpisode
 from foundation.groundtruth import Collapse, GroundTruth, GroundTruthError, Window
 from foundation.rundir import (
     SUMMARY,
@@ -37,6 +38,17 @@ class Firing:
     resolved_at_s: float | None
     why: str = ""
     value: float | None = None  # the alert's value when it fired (creation / Ĉ for the loop)
+
+    @classmethod
+    def of(cls, episode: AlertEpisode) -> Firing:
+        """A detector's alert episode as a firing."""
+        return cls(
+            alertname=episode.alertname,
+            fired_at_s=round(float(episode.started_at), 3),
+            resolved_at_s=None if episode.resolved_at is None else round(float(episode.resolved_at), 3),
+            why=episode.description or "",
+            value=None if episode.value is None else float(episode.value),
+        )
 
     def overlaps(self, start: float, end: float) -> bool:
         """Firing at some moment of [start, end]."""
@@ -68,6 +80,9 @@ class RunInfo:
     #: A replayed trace: no pulse; ``pulse_start_s`` / ``pulse_end_s`` hold the burst it is
     #: aligned on, and its windows are aligned to the run's start.
     trace: bool = False
+    #: When the run's client gave an attempt up (its plan's ``client.attempt_timeout_s``, run
+    #: seconds): the deadline a proxy learns from abandons; None where the plan does not say.
+    attempt_timeout_s: float | None = None
     #: The run's ground-truth record (summary.json's ``collapses`` and ``judged``); None for a run
     #: written before runs recorded it that has no call records to compute it from.
     truth: GroundTruth | None = field(default=None, compare=False, repr=False)
@@ -151,6 +166,15 @@ def _hold_creation(run: Mapping[str, Any]) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
+def _attempt_timeout(run: Mapping[str, Any]) -> float | None:
+    plan = run.get("plan")
+    client = plan.get("client") if isinstance(plan, Mapping) else None
+    value = client.get("attempt_timeout_s") if isinstance(client, Mapping) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
 def load_runs(out_dir: Path) -> list[RunInfo]:
     """Read ``out_dir/summary.json`` into :class:`RunInfo`s; a clear error names a bad run."""
     summary_path = out_dir / SUMMARY
@@ -201,6 +225,7 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 hold_end_s=None if hold_end is None else _number(hold_end, where),
                 calls=calls if calls.is_file() else None,
                 trace=trace,
+                attempt_timeout_s=_attempt_timeout(run),
                 truth=truth,
             )
         )
