@@ -493,8 +493,8 @@ VLLM_ABANDONED_WORK_SUSTAINED = AlertRule(
 )
 
 # NOTE (tuning, on the engine-cap block's simulated training runs only: seeds 4000, 4002, 4004,
-# 4006, 4008 and 4010, each run with `--seed S`, 24 capped runs, 14 recovering, 16 not recovered
-# of which the proxy tier's VLLMMetastableRetryLoop fired in 13): behind a queue cap
+# 4006, 4008 and 4010, each run with `--seed S`: 36 capped runs, 20 recovering, 16 not recovered
+# (all at Q = 338), in 13 of which the proxy tier's VLLMMetastableRetryLoop fired): behind a queue cap
 # (--max-num-queued-reqs Q) vLLM's unfinished requests cannot pass Q, and with Q = Ĉ × deadline
 # neither shape above forms: its queue stays under one deadline's work. The loop there is the
 # queue pinned near the cap: vLLM refuses most of the pulse (HTTP 503, counted in
