@@ -153,6 +153,9 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     "vllm_queue_time_sum": (f"{mn.VLLM_QUEUE_TIME}_sum", None),
     "vllm_queue_time_count": (f"{mn.VLLM_QUEUE_TIME}_count", None),
     "vllm_finished_prompt_tokens": (f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum", None),
+    # the requests vLLM's queue cap refused (vLLM 0.32 on; every reason): an older vLLM has none,
+    # and the signals that read it are absent there, never missing data
+    "vllm_refused": (mn.VLLM_ADMISSION_REJECTIONS, None),
     # what Ĉ's prediction below saturation reads (``detector.capacity``)
     **{f"predictor {name}": (name, None) for name in predictor.PREDICTOR_SERIES},
 }
@@ -166,6 +169,7 @@ for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
 _COUNTER_IDX: tuple[int, ...] = tuple(
     i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith(("_total", "_bucket", "_count", "_sum"))
 )
+_REFUSED = _RAW_INDEX["vllm_refused"]
 _PREDICTOR_COLUMNS = {name: _RAW_INDEX[f"predictor {name}"] for name in predictor.PREDICTOR_SERIES}
 _COUNTER_NAMES: frozenset[str] = frozenset(RAW[RAW_KEYS[i]][0] for i in _COUNTER_IDX)
 
@@ -426,8 +430,10 @@ def _delivery_error_promql(window: str) -> str:
 
 
 def _range(seconds: float) -> str:
-    """A PromQL range: whole minutes as ``5m``, else seconds."""
+    """A PromQL range: whole hours as ``1h``, whole minutes as ``5m``, else seconds."""
     whole = int(seconds)
+    if whole % 3600 == 0:
+        return f"{whole // 3600}h"
     return f"{whole // 60}m" if whole % 60 == 0 else f"{whole}s"
 
 
@@ -485,6 +491,8 @@ def _sum_rate(metric: str, window: str, selector: str = "") -> str:
 _E2E_BUCKET = f"{mn.VLLM_E2E_LATENCY}_bucket"
 _E2E_COUNT = f"{mn.VLLM_E2E_LATENCY}_count"
 _PROMPT_SUM = f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum"
+#: How far back the vLLM tier looks for the queue cap's refusals: the window Ĉ is estimated over.
+_REFUSAL_LOOKBACK = _range(WINDOWS.capacity_estimate_s)
 _DEFAULT_BUCKET = deadline_bucket(DEFAULT_DEADLINE_S)
 assert _DEFAULT_BUCKET == DEFAULT_DEADLINE_S, "the default deadline must be one of vLLM's latency buckets"
 #: The e2e bucket the Prometheus rules count as "within the deadline" (rendered at the default).
@@ -558,6 +566,32 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "vllm",
     ),
     SignalSpec(
+        "vllm_running_requests",
+        "requests",
+        "vLLM's running batch.",
+        _vr("requests_running:sum"),
+        _vj(f"sum by (instance) ({mn.VLLM_NUM_RUNNING})"),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_refusal_rate",
+        "1/s",
+        "Requests vLLM's queue cap (--max-num-queued-reqs) refused per second, every reason (HTTP "
+        f"503; {mn.VLLM_ADMISSION_REJECTIONS}, vLLM 0.32 on: absent where vLLM does not count them).",
+        _vr("requests_refused:rate1m"),
+        _vj(_sum_rate(mn.VLLM_ADMISSION_REJECTIONS, _W)),
+        "vllm",
+    ),
+    SignalSpec(
+        "vllm_refused_recently",
+        "bool",
+        f"1 where vLLM's queue cap refused a request within the last {_REFUSAL_LOOKBACK} (its queue "
+        "met the cap), else 0; absent where vLLM does not count refusals.",
+        _vr(f"requests_refused:any{_REFUSAL_LOOKBACK}"),
+        _vj(f"sum by (instance) (increase({mn.VLLM_ADMISSION_REJECTIONS}[{_REFUSAL_LOOKBACK}])) > bool 0"),
+        "vllm",
+    ),
+    SignalSpec(
         "vllm_capacity",
         "calls/s",
         "Ĉ as the vLLM tier knows it: stated (--capacity, or a series "
@@ -599,6 +633,16 @@ VLLM_RATIOS: tuple[Ratio, ...] = (
         guard=False,
     ),
     Ratio(
+        "vllm_occupancy_deadline_ratio",
+        "vLLM's unfinished requests (waiting and running) in deadlines of work at Ĉ: about how many "
+        "deadlines a request admitted now takes to finish. A queue cap Q holds it under "
+        "Q / (Ĉ × deadline).",
+        ("vllm_waiting_requests", "vllm_running_requests"),
+        ("vllm_capacity", "vllm_deadline"),
+        product=True,
+        guard=False,
+    ),
+    Ratio(
         "vllm_late_fraction",
         "Share of the requests vLLM finished that took longer than the deadline (e2e histogram).",
         ("vllm_in_time_rate",),
@@ -634,43 +678,54 @@ def _vllm_ratio_specs() -> list[SignalSpec]:
 
 
 def _vllm_error_promql(window: str) -> str:
-    """The vLLM tier's delivery error ratio over ``window``: 1 − (share of finishes within the
-    deadline) × (prompt tokens that reached their first token over those admitted, at most 1), as
-    :func:`vllm_delivery_error` computes it; absent when nothing was admitted nor finished."""
+    """The vLLM tier's delivery error ratio over ``window``: 1 − (share of the requests finished or
+    refused that finished within the deadline) × (prompt tokens that reached their first token over
+    those admitted, at most 1), as :func:`vllm_delivery_error` computes it; absent when nothing was
+    admitted, finished nor refused. Refusals count 0 where vLLM does not count them (before 0.32)."""
     in_time = _sum_rate(_E2E_BUCKET, window, _IN_TIME)
     count = _sum_rate(_E2E_COUNT, window)
+    refused = f"({_sum_rate(mn.VLLM_ADMISSION_REJECTIONS, window)} or {count} * 0)"
+    judged = f"({count} + on (instance) {refused})"
     admitted = _sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, window)
     started = _sum_rate(mn.VLLM_PROMPT_TOKENS, window)
-    answered = f"({in_time} / ({count} > 0) or ({admitted} > 0) * 0 unless on (instance) {count} > 0)"
-    kept = f"(clamp_max({started} / ({admitted} > 0), 1) or ({count} > 0) * 0 + 1)"
+    answered = f"({in_time} / ({judged} > 0) or ({admitted} > 0) * 0 unless on (instance) {judged} > 0)"
+    kept = f"(clamp_max({started} / ({admitted} > 0), 1) or ({judged} > 0) * 0 + 1)"
     return _vj(f"1 - {answered} * {kept}")
 
 
 def vllm_delivery_error(
-    in_time: float | None, count: float | None, admitted: float | None, started: float | None
+    in_time: float | None,
+    count: float | None,
+    admitted: float | None,
+    started: float | None,
+    refused: float | None = None,
 ) -> float | None:
     """The vLLM tier's delivery error ratio from the rates over one window (see
     :func:`_vllm_error_promql`): a request not answered in time is one that finished later than
-    the deadline, or one admitted that never reached its first token (its client left: vLLM
-    drops it unrecorded, so only its prompt tokens, counted at admission, show it; a prompt is
-    counted again at its first token, a prefill later).
+    the deadline, one its queue cap refused (``refused``: HTTP 503, counted by vLLM 0.32 on; None
+    where it is not counted, as 0), or one admitted that never reached its first token (its client
+    left: vLLM drops it unrecorded, so only its prompt tokens, counted at admission, show it; a
+    prompt is counted again at its first token, a prefill later).
 
     NOTE: prompt tokens at the first token, not those of finished requests: a request's decode
     lasts tens of seconds, so over a minute the finished ones lag the admitted ones by a share
     that swings with every change of load (on the training runs that alone read as a burn above
     3 at start and after pulses), while a prefill lasts a second or two. Requests aborted during
-    their decode are left out, and so are those abandoned before admission: vLLM counts neither."""
-    if count is not None and count > 0:
+    their decode are left out, and so are those abandoned before admission: vLLM counts neither.
+    A refused request is judged when refused, a finished one when it finishes: each refusal of a
+    retried call counts (a call refused three times is three requests not answered)."""
+    judged = None if count is None else count + (refused or 0.0)
+    if judged is not None and judged > 0:
         if in_time is None:
             return None  # no bucket at the deadline: finishes in time cannot be told
-        answered = in_time / count
+        answered = in_time / judged
     elif admitted is not None and admitted > 0:
-        answered = 0.0  # nothing finished while requests were admitted
+        answered = 0.0  # nothing finished nor refused while requests were admitted
     else:
         return None
     if started is not None and admitted is not None and admitted > 0:
         kept = min(1.0, started / admitted)
-    elif count is not None and count > 0:
+    elif judged is not None and judged > 0:
         kept = 1.0
     else:
         return None
@@ -908,6 +963,9 @@ class _EngineHistory:
     counters: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, float]] = field(
         default_factory=OrderedDict
     )
+    # vLLM's refusals over a window longer than the raw history: the time of the sample before
+    # each one that counted a refusal, the last hour's (see :meth:`SignalEngine._refused_within`)
+    refusal_steps: list[float] = field(default_factory=list)
 
 
 def _by_instance(snapshot: Snapshot, default_instance: str) -> dict[str, list[Sample]]:
@@ -1026,6 +1084,9 @@ class SignalEngine:
                     continue
                 prev = hist.last_adj[idx]
                 hist.last_adj[idx] = row[idx] = increase if math.isnan(prev) else prev + increase
+            refused = row[_REFUSED]
+            if hist.rows and refused > hist.rows[-1][_REFUSED]:  # NaN on either side: False
+                hist.refusal_steps.append(hist.times[-1])
             hist.times.append(snapshot.t)
             hist.rows.append(row)
             hist.source_up = True
@@ -1105,6 +1166,9 @@ class SignalEngine:
             del hist.times[:cut]
             del hist.rows[:cut]
         horizon = now - self.windows.capacity_estimate_s
+        steps = hist.refusal_steps
+        if steps and steps[0] < horizon:
+            del steps[: bisect.bisect_left(steps, horizon - 1e-9)]
         for tier, samples in hist.capacity_samples.items():
             if samples and samples[0][0] < horizon - 600:
                 hist.capacity_samples[tier] = [s for s in samples if s[0] >= horizon]
@@ -1134,6 +1198,16 @@ class SignalEngine:
         if last <= first or times[last] <= times[first]:
             return None
         return (rows[last][idx] - rows[first][idx]) / (times[last] - times[first])
+
+    def _refused_within(self, hist: _EngineHistory, now: float, width: float) -> float | None:
+        """1 where vLLM counted a refusal over ``[now - width, now]``, 0 where it counted none,
+        None where it does not count them (as ``increase(...[width]) > bool 0``)."""
+        last = self._last_row(hist, now)
+        if last is None or math.isnan(last[_REFUSED]):
+            return None
+        steps = hist.refusal_steps
+        i = bisect.bisect_left(steps, now - width - 1e-9)
+        return 1.0 if i < len(steps) and steps[i] <= now + 1e-9 else 0.0
 
     def _gauge(self, hist: _EngineHistory, key: str, now: float) -> float | None:
         # The latest scrape only: a series absent from it is stale, as Prometheus marks it.
@@ -1262,6 +1336,9 @@ class SignalEngine:
         v["vllm_queue_time_rate"] = rate("vllm_queue_time_sum")
         v["vllm_queue_time_finish_rate"] = rate("vllm_queue_time_count")
         v["vllm_waiting_requests"] = self._gauge(hist, "waiting", now)
+        v["vllm_running_requests"] = self._gauge(hist, "running", now)
+        v["vllm_refusal_rate"] = rate("vllm_refused")
+        v["vllm_refused_recently"] = self._refused_within(hist, now, w.capacity_estimate_s)
         v["vllm_capacity"] = capacity = self._capacity(hist, now, "vllm")
         deadline = self._deadline(hist, now)
         assumed = self.config.assumed_deadline
@@ -1284,6 +1361,7 @@ class SignalEngine:
                 rate("vllm_e2e_count", width),
                 rate("prefix_queries", width),
                 rate("prompt_tokens", width),
+                rate("vllm_refused", width),
             )
             v[f"vllm_delivery_error_ratio_{span}"] = errors
             v[f"vllm_delivery_burn_rate_{span}"] = (

@@ -492,6 +492,50 @@ VLLM_ABANDONED_WORK_SUSTAINED = AlertRule(
     tier="vllm",
 )
 
+# NOTE (tuning, on the engine-cap block's simulated training runs only: seeds 4000, 4002, 4004,
+# 4006, 4008 and 4010, each run with `--seed S`: 36 capped runs, 20 recovering, 16 not recovered
+# (all at Q = 338), in 13 of which the proxy tier's VLLMMetastableRetryLoop fired): behind a queue cap
+# (--max-num-queued-reqs Q) vLLM's unfinished requests cannot pass Q, and with Q = Ĉ × deadline
+# neither shape above forms: its queue stays under one deadline's work. The loop there is the
+# queue pinned near the cap: vLLM refuses most of the pulse (HTTP 503, counted in
+# vllm:admission_rejections_total), and then retries of the calls that timed out keep its waiting
+# and running requests near Q while it works at about Ĉ. A recovering engine drains from the cap
+# instead. With a refusal in the last hour (the cap is there and was met), unfinished requests of
+# at least 0.7 deadlines of work at Ĉ were held for at most 415 s in the recovering runs and for
+# 445 to 870 s in the runs that did not recover: held 3.5 deadlines (420 s) it fires in all 16
+# and in no recovering run. The margin is thin (30 s): a cap at Ĉ × deadline is the loop's edge,
+# and the runs that did not recover drained slowly, not at all, or just after the run's hold.
+VLLM_CAP_LOOP_OCCUPANCY = 0.7
+VLLM_CAP_LOOP_HOLD_DEADLINES = 3.5
+_CAP_LOOP_HOLD_S = VLLM_CAP_LOOP_HOLD_DEADLINES * DEFAULT_DEADLINE_S  # its `for`
+
+VLLM_RETRY_LOOP_AT_QUEUE_CAP = AlertRule(
+    name="VLLMRetryLoopAtQueueCap",
+    severity="critical",
+    summary=(
+        "vLLM's queue cap has refused requests and its queue has stayed near the cap for minutes: "
+        "retries of the requests it refused or answered too late keep it full."
+    ),
+    description=(
+        "Instance {instance}{engine_model} has refused requests at its queue cap "
+        "(--max-num-queued-reqs) within the hour and has held {value:.2f} deadlines of work at "
+        f"capacity unfinished for {_CAP_LOOP_HOLD_S / 60:g} minutes without draining: most likely a "
+        "retry loop held at the cap. Confirm with the proxy's VLLMMetastableRetryLoop; shed load or "
+        "stop retries."
+    ),
+    condition=All(
+        (
+            Cmp("vllm_occupancy_deadline_ratio", ">=", VLLM_CAP_LOOP_OCCUPANCY),
+            Cmp("vllm_refused_recently", ">", 0.0),
+        )
+    ),
+    for_s=_CAP_LOOP_HOLD_S,
+    keep_firing_for_s=120.0,
+    value_signal="vllm_occupancy_deadline_ratio",
+    unit="ratio",
+    tier="vllm",
+)
+
 VLLM_QUEUE_BEYOND_DEADLINE = AlertRule(
     name="VLLMQueueBeyondDeadline",
     severity="warning",
@@ -554,8 +598,8 @@ VLLM_TIER_NO_DATA = AlertRule(
     summary="The detector has no data from vLLM itself: the vLLM tier's verdicts cannot be trusted.",
     description=(
         "The vLLM tier cannot evaluate instance {instance}{engine_model}: missing {missing}. No "
-        "VLLMRetryLoopSuspected, VLLMAbandonedWorkSustained, VLLMQueueBeyondDeadline or "
-        "VLLMRequestsNotAnsweredInTime here means nothing while this fires."
+        "VLLMRetryLoopSuspected, VLLMAbandonedWorkSustained, VLLMRetryLoopAtQueueCap, "
+        "VLLMQueueBeyondDeadline or VLLMRequestsNotAnsweredInTime here means nothing while this fires."
     ),
     condition=Cmp("vllm_data_missing", ">", 0.0),
     for_s=15.0,
@@ -571,6 +615,7 @@ VLLM_TIER_NO_DATA = AlertRule(
 ALERTS: tuple[AlertRule, ...] = (
     VLLM_RETRY_LOOP_SUSPECTED,
     VLLM_ABANDONED_WORK_SUSTAINED,
+    VLLM_RETRY_LOOP_AT_QUEUE_CAP,
     VLLM_QUEUE_BEYOND_DEADLINE,
     VLLM_REQUESTS_NOT_ANSWERED_IN_TIME,
     VLLM_TIER_NO_DATA,

@@ -413,6 +413,29 @@ VLLM_SCENARIOS: tuple[AlertScenarios, ...] = (
         ),
     ),
     AlertScenarios(
+        "VLLMRetryLoopAtQueueCap",
+        (
+            # The queue pinned at a cap: vLLM refuses 1 request/s from 300 to 400 s (a refusal in
+            # the last hour from 305 on: the counter first grows between 300 and 305), and holds
+            # 200 waiting and 20 running from 100 to 850 s: (200 + 20) / (2/s x 120 s) = 0.917
+            # deadlines of work unfinished. Onset 305, firing 420 s later (725); clear 850.
+            Case(
+                "refusals at the cap, then the queue held near it for minutes",
+                {
+                    **_STATED_CAPACITY,
+                    "vllm:num_requests_waiting": lambda t: 200.0 if 100 <= t < 850 else 2.0,
+                    'vllm:admission_rejections_total{reason="max_num_queued_reqs"}': (
+                        lambda t: min(max(t - 300.0, 0.0), 100.0)
+                    ),
+                },
+                onset_s=305,
+                clear_s=850,
+                value_at_fire=220 / 240,
+                value_at_last=220 / 240,
+            ),
+        ),
+    ),
+    AlertScenarios(
         "VLLMQueueBeyondDeadline",
         (
             # The waiting queue at 300 from 300 to 600 s: 300 / (2/s x 120 s) = 1.25 deadlines.
@@ -442,6 +465,21 @@ VLLM_SCENARIOS: tuple[AlertScenarios, ...] = (
                 clear_s=655,
                 value_at_fire=0.5 / (1 - 0.98),
                 value_at_last=10 / 2.4,
+            ),
+            # vLLM's queue cap refuses 2 requests/s from 300 to 600 s while it finishes 2/s in
+            # time: refused over finished + refused. At 300 + x the refusals over a window W are
+            # 2x/W per second, the error x/(W + x), a burn of 50x/(W + x): >= 3 over 300 s from
+            # x = 19.1 (over 60 s from x = 3.8), so onset 320, firing at 350 with the short
+            # window's burn at 50 x 50 / 110. After 600 + y the short window's refusals are
+            # r = 2(60 - y)/60 per second, a burn of 50r/(2 + r): below 3 from y = 56.2, so clear
+            # 660 (at y = 55: r = 1/6, a burn of 50/13).
+            Case(
+                "vLLM's queue cap refuses half of the requests",
+                {'vllm:admission_rejections_total{reason="max_num_queued_reqs"}': counter(0, 2)},
+                onset_s=320,
+                clear_s=660,
+                value_at_fire=2500 / 110,
+                value_at_last=50 / 13,
             ),
         ),
     ),

@@ -111,7 +111,7 @@ def test_vllm_0_6_cannot_page_and_says_why(server: TestServer) -> None:
     for page in VLLM_PAGES:
         assert line(out, page).startswith("  CANNOT")
     assert "VLLMTierNoData (warning)" in line(out, "VLLMTierNoData") and "  ok" in line(out, "VLLMTierNoData")
-    assert out.rstrip().endswith("3 of 3 pages cannot fire")
+    assert out.rstrip().endswith("4 of 4 pages cannot fire")
     # a deadline its buckets tell: the symptom page can fire (read at le=60)
     code, out = doctor("--vllm", server.url, "--capacity", "2", "--deadline", "60")
     assert line(out, "VLLMRequestsNotAnsweredInTime").startswith("  ok")
@@ -122,11 +122,11 @@ def test_vllm_0_32_with_c_and_deadline_stated_can_page(server: TestServer) -> No
     code, out = doctor("--vllm", server.url, "--capacity", "2.78", "--deadline", "120")
     assert code == 0, out
     assert "release     vLLM 0.32.0-0.34.0 (V1)" in out
-    assert "8 of 8 vLLM series the alerts read are present" in out
+    assert "9 of 9 vLLM series the alerts read are present" in out
     assert "Ĉ           2.78 calls/s (stated)" in out
     assert "proxy tier  not judged: no proxy (--proxy URL)" in out
     assert all(line(out, r.name).startswith("  ok") for r in ALERTS if r.tier == "vllm")
-    assert out.rstrip().endswith("every page (3) can fire")
+    assert out.rstrip().endswith("every page (4) can fire")
 
 
 def test_without_c_the_pages_that_need_it_cannot_evaluate_until_stated(server: TestServer) -> None:
@@ -162,7 +162,9 @@ def test_a_renamed_series_costs_one_alternative_and_names_what_the_release_serve
     )
     assert renamed in loop
     assert line(out, "VLLMAbandonedWorkSustained").startswith("  CANNOT")
-    assert out.rstrip().endswith("1 of 3 pages cannot fire")
+    # before 0.32 vLLM counts no refusals: the queue-cap page cannot fire (nor is there a cap to hide a loop)
+    assert line(out, "VLLMRetryLoopAtQueueCap").startswith("  CANNOT")
+    assert out.rstrip().endswith("2 of 4 pages cannot fire")
 
 
 def test_behind_a_real_proxys_metrics_both_tiers_are_judged(server: TestServer) -> None:
@@ -236,11 +238,11 @@ def test_through_a_real_prometheus_without_the_rules_no_page_can_fire(
     server.body = vllm_text(family("0.32.0"))
     prom = prometheus_factory(f"127.0.0.1:{server.port}")  # scraped as job retrywatch
     args = ("--prometheus", prom, "--vllm-job", "retrywatch", "--capacity", "2")
-    wait_until(lambda: "8 of 8" in doctor(*args)[1], 30, "vLLM's series in Prometheus")
+    wait_until(lambda: "9 of 9" in doctor(*args)[1], 30, "vLLM's series in Prometheus")
     code, out = doctor(*args)
     assert code == 1
     assert "release     vLLM 0.32.0-0.34.0 (V1)" in out
-    assert "rules       0 of 5 retrywatch alerts loaded, 0 evaluating" in out
+    assert "rules       0 of 6 retrywatch alerts loaded, 0 evaluating" in out
     for page in VLLM_PAGES:
         assert line(out, page).endswith("not loaded in Prometheus' rules (retrywatch mixin)")
     # scraped as OpenMetrics, vLLM's colons become _: the doctor says so rather than "missing"
@@ -278,7 +280,7 @@ def test_through_a_real_prometheus_with_the_stated_rules_every_page_can_fire(
         wait_until(lambda: doctor("--prometheus", prom)[0] == 0, 30, "every page able to fire")
         code, out = doctor("--prometheus", prom, "--vllm", server.url)
     assert code == 0, out
-    assert "rules       5 of 5 retrywatch alerts loaded, 5 evaluating" in out
+    assert "rules       6 of 6 retrywatch alerts loaded, 6 evaluating" in out
     assert "Ĉ           2.5 calls/s (exported)" in out and "deadline    120 s (exported)" in out
     assert "release     vLLM 0.32.0-0.34.0 (V1)" in out and "Prometheus lacks" not in out
-    assert out.rstrip().endswith("every page (3) can fire")
+    assert out.rstrip().endswith("every page (4) can fire")

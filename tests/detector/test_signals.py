@@ -335,6 +335,68 @@ def test_the_vllm_tier_counts_admitted_prompts_that_never_start_as_not_answered(
     assert _frame(eng, 400.0).values["vllm_delivery_error_ratio_short"] == pytest.approx(0.4)
 
 
+def _with_refusals(snap: Snapshot, refused: float) -> Snapshot:
+    """``snap`` with vLLM 0.32's refusal counter at ``refused`` (no ``engine`` label, as vLLM's)."""
+    labels = {"model_name": "m", "reason": "max_num_queued_reqs"}
+    return Snapshot(snap.t, [*snap.samples, (mn.VLLM_ADMISSION_REJECTIONS, labels, refused)])
+
+
+def test_the_vllm_tier_counts_refused_requests_as_not_answered_and_reads_none_where_uncounted() -> None:
+    """2 finishes/s, all in time, while the queue cap refuses 2/s: half of the requests judged
+    (finished or refused) were not answered; a vLLM that does not count refusals reads 0 errors,
+    with no missing data, and a vLLM that refuses everything, finishing nothing, 1."""
+    for refused, expected in ((2.0, 0.5), (None, 0.0)):
+        eng = SignalEngine(SignalConfig(capacity=2.0))
+        t = 0.0
+        while t <= 400:
+            snap = _vllm_alone(
+                t, waiting=10, finished=2 * t, in_time=2 * t, admitted=2000 * t, started=2000 * t
+            )
+            eng.add(snap if refused is None else _with_refusals(snap, refused * t), "v")
+            t += 5.0
+        frame = _frame(eng, 400.0)
+        v = frame.values
+        assert v["vllm_delivery_error_ratio_short"] == pytest.approx(expected)
+        assert v["vllm_delivery_error_ratio_long"] == pytest.approx(expected)
+        assert v["vllm_refusal_rate"] == (None if refused is None else pytest.approx(refused))
+        assert v["vllm_refused_recently"] == (None if refused is None else 1.0)
+        assert v["vllm_data_missing"] == 0.0 and frame.missing_for("vllm") == ()
+    eng = SignalEngine(SignalConfig(capacity=2.0))
+    for i in range(81):
+        eng.add(
+            _with_refusals(
+                _vllm_alone(5.0 * i, waiting=0, finished=0, in_time=0, admitted=0, started=0), 15.0 * i
+            ),
+            "v",
+        )
+    assert _frame(eng, 400.0).values["vllm_delivery_error_ratio_short"] == pytest.approx(1.0)
+
+
+def test_a_refusal_is_remembered_for_the_lookback_past_the_raw_history() -> None:
+    """The queue cap refuses from 100 to 200 s only: an hour (the lookback) after the last
+    refusal's step the tier still says refused recently, a scrape later it no longer does; the
+    unfinished requests in deadlines of work at Ĉ are waiting + running over Ĉ × deadline."""
+    eng = SignalEngine(SignalConfig(capacity=2.0))
+    seen: dict[float, float | None] = {}
+    t = 0.0
+    while t <= 3900.0:
+        refused = min(max(t - 100.0, 0.0), 100.0)
+        eng.add(
+            _with_refusals(
+                _vllm_alone(t, waiting=200, finished=t, in_time=t, admitted=1000 * t, started=1000 * t),
+                refused,
+            ),
+            "v",
+        )
+        if t in (100.0, 105.0, 3795.0, 3800.0):
+            seen[t] = _frame(eng, t).values["vllm_refused_recently"]
+        t += 5.0
+    # the last step that counted a refusal starts at 195 s: within [t - 3600, t] until 3795
+    assert seen == {100.0: 0.0, 105.0: 1.0, 3795.0: 1.0, 3800.0: 0.0}
+    v = _frame(eng, 3900.0).values
+    assert v["vllm_occupancy_deadline_ratio"] == pytest.approx((200 + 8) / 240)
+
+
 def test_a_stated_deadline_picks_the_bucket_at_or_below_it_and_without_one_the_verdict_is_unknown() -> None:
     assert deadline_bucket(120.0) == 120.0 and deadline_bucket(100.0) == 60.0
     assert deadline_bucket(0.2) is None  # below vLLM's first bucket: finishes in time cannot be told

@@ -36,6 +36,7 @@ EXPECTED = {
     "VLLMRetrywatchNoData": ("warning", "data", "proxy"),
     "VLLMRetryLoopSuspected": ("critical", "cause", "vllm"),
     "VLLMAbandonedWorkSustained": ("critical", "cause", "vllm"),
+    "VLLMRetryLoopAtQueueCap": ("critical", "cause", "vllm"),
     "VLLMQueueBeyondDeadline": ("warning", "cause", "vllm"),
     "VLLMRequestsNotAnsweredInTime": ("critical", "symptom", "vllm"),
     "VLLMTierNoData": ("warning", "data", "vllm"),
