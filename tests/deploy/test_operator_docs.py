@@ -114,15 +114,15 @@ def _server(tmp: Path, name: str, *args: str) -> tuple[ManagedProcess, str]:
 @pytest.fixture(scope="module")
 def expositions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """``/metrics`` of a proxy without ``--capacity`` and ``--deadline`` ("bare"), of one with both
-    ("configured"), both in front of a port nobody listens on, and of a detector scraping the first
-    ("detector")."""
+    and recording its traffic ("configured"), both in front of a port nobody listens on, and of a
+    detector scraping the first ("detector")."""
     tmp = tmp_path_factory.mktemp("operator-docs")
     engine = f"--upstream=http://127.0.0.1:{free_port()}"
     servers: dict[str, tuple[ManagedProcess, str]] = {}
     try:
         servers["bare"] = _server(tmp, "bare", "proxy", engine)
         servers["configured"] = _server(
-            tmp, "configured", "proxy", engine, "--capacity=2.78", "--deadline=120"
+            tmp, "configured", "proxy", engine, "--capacity=2.78", "--deadline=120", f"--record={tmp / 'rec'}"
         )
         db = f"--db=sqlite:///{tmp / 'detector.db'}"
         servers["detector"] = _server(
