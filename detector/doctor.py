@@ -30,7 +30,7 @@ from foundation.timeseries import Sample
 from foundation.vllmbuckets import le_label
 from foundation.vllmreleases import CANONICAL, ReleaseFamily, release_for
 
-Status = Literal["ok", "approximate", "partial", "blocked"]
+Status = Literal["ok", "approximate", "partial", "blocked", "n/a"]
 #: Exit status when a page (an alert of severity critical) cannot fire.
 EXIT_PAGE_BLOCKED = 1
 #: The series of the two numbers an operator states (the rules read each "> 0").
@@ -291,13 +291,30 @@ def _verdict(
             elif not evaluated:
                 notes.append("loaded in Prometheus, not evaluated yet")
     status: Status = "ok"
-    if reasons:
+    if reasons and _no_queue_cap(reasons, facts):
+        # The queue-cap loop needs a cap: a vLLM that cannot refuse has no such loop to page on.
+        status, reasons = "n/a", []
+        notes.insert(0, "this vLLM has no engine queue cap (--max-num-queued-reqs): no such loop can form")
+    elif reasons:
         status = "blocked"
     elif any(n.startswith("its alternative") for n in notes):
         status = "partial"
     elif notes:
         status = "approximate"
     return AlertVerdict(rule.name, rule.severity, rule.tier, status, tuple(reasons), tuple(notes))
+
+
+def _no_queue_cap(reasons: Sequence[str], facts: _Facts) -> bool:
+    """Whether the alert is blocked by, among others, the admission-rejections counter of a release
+    that serves none (vLLM before 0.32 has no ``--max-num-queued-reqs``): whatever else it
+    lacks, there is no cap for it to page on."""
+    family = facts.family
+    return (
+        family is not None
+        and mn.VLLM_ADMISSION_REJECTIONS in family.series
+        and family.series[mn.VLLM_ADMISSION_REJECTIONS] is None
+        and any(mn.VLLM_ADMISSION_REJECTIONS in r for r in reasons)
+    )
 
 
 def _value(samples: Iterable[Sample], name: str) -> float | None:
@@ -446,6 +463,7 @@ _STATUS_WORD: dict[Status, str] = {
     "approximate": "approx",
     "partial": "partial",
     "blocked": "CANNOT",
+    "n/a": "n/a",
 }
 
 
@@ -511,7 +529,7 @@ def render_text(report: Report) -> str:
             why = "; ".join((*a.reasons, *a.notes))
             lines.append(f"  {_STATUS_WORD[a.status]:<8} {a.name} ({kind})" + (f": {why}" if why else ""))
     blocked = report.pages_blocked
-    pages = sum(1 for a in report.alerts if a.page)
+    pages = sum(1 for a in report.alerts if a.page and a.status != "n/a")
     verdict = f"{len(blocked)} of {pages} pages cannot fire" if blocked else f"every page ({pages}) can fire"
     lines.append(f"{'verdict':<11} {verdict}")
     return "\n".join(lines) + "\n"
