@@ -312,7 +312,11 @@ def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = No
         {p: str(found[p]["kind"]) for p in job.policies}, out,
     )  # fmt: skip
     write_whatif(out, {"daily": day.to_dict(), "headroom": found})
-    History(job.url).add(day)
+    store = History(job.url)
+    try:
+        store.add(day)
+    finally:
+        store.close()
     (job.state / LATEST).write_text(json.dumps(day.to_dict(), indent=1) + "\n", encoding="utf-8")
     return day
 
