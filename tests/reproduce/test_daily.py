@@ -227,3 +227,56 @@ def test_the_warning_passes_its_promtool_tests() -> None:
                               cwd=daily.RULES_DIR, check=False)  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "SUCCESS" in proc.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_command_serves_the_schedule_and_a_run_on_demand_then_stops_on_sigterm(tmp_path: Path) -> None:
+    """The real command, serving: no series before a run, ``POST /run`` starts one, the series
+    appear, SIGTERM ends it."""
+    import signal
+    import sys
+    import urllib.error
+    import urllib.request
+
+    write_recording(tmp_path / "rec", seconds=200.0, burst=(100.0, 130.0))
+    port = _free_port()
+    command = [sys.executable, "-m", "retrywatch", "reproduce", *BASE, "--recording",
+               str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--policies", "none,default",
+               "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def get(path: str, data: bytes | None = None) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + path, data=data), timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, text = get("/metrics")
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.2)
+        assert status == 200 and "retrywatch_headroom_load" not in text
+        assert get("/run", b"")[0] == 202
+        while "retrywatch_headroom_load" not in text and time.monotonic() < deadline + 60:
+            time.sleep(0.5)
+            text = get("/metrics")[1]
+        assert 'retrywatch_headroom_load{in_force="true",policy="default"}' in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "each day at 04:00 UTC" in out
