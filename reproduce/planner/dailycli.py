@@ -193,6 +193,7 @@ def plan_daily_command(
     """Replay the recording's last day under each policy, find each one's headroom against the
     delivery objective, keep the history and serve it as series (VLLMHeadroomLow reads them)."""
     from detector.store import StoreOpenError
+    from reproduce.engine.presets import PRESET_NAMES, PresetError
     from reproduce.registry import BackendNotFound, get_backend
     from reproduce.workloads.client import ClientConfigError
     from reproduce.workloads.clients import parse_client
@@ -217,6 +218,11 @@ def plan_daily_command(
         raise click.BadParameter(str(exc), param_hint="'--backend'") from None
     except (TypeError, ValueError) as exc:
         raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    if backend == "sim" and model not in PRESET_NAMES:  # before any run (the schedule's would only log it)
+        raise click.BadParameter(
+            f"unknown engine preset {model!r}; choose one of {', '.join(PRESET_NAMES)}",
+            param_hint="'--model'",
+        )
     state.mkdir(parents=True, exist_ok=True)
     setup = WhatIf(
         backend=engine, backend_name=backend, backend_options=options, model=model,
@@ -237,6 +243,8 @@ def plan_daily_command(
     if once:
         try:
             day = run_day(job)
+        except PresetError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--model'") from None
         except (DailyError, WhatIfError, ValueError, RuntimeError, OSError) as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
         click.echo(day.says())

@@ -195,6 +195,7 @@ def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> N
         (["--policies", "none,budget"], "--policy-in-force"),
         (["--margin", "-1"], "--margin"),
         (["--headroom-range", "3:1"], "--headroom-range"),
+        (["--model", "nosuch"], "--model"),
     ],
 )
 def test_bad_input_is_one_usage_line(tmp_path: Path, args: list[str], hint: str) -> None:
