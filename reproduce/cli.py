@@ -65,6 +65,10 @@ LAZY_SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "reproduce.planner.cli:whatif_command",
         "One workload under each named proxy policy, and each one's headroom (--headroom).",
     ),
+    "plan-daily": (
+        "reproduce.planner.dailycli:plan_daily_command",
+        "The daily what-if on the proxy's recording: each policy's headroom, served as series.",
+    ),
     "calibrate-http": (
         "reproduce.harness.cli:calibrate_http_command",
         "Measure Ĉ of a real, emulated or external engine over HTTP.",
