@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from detector.replay import ReplayScale, replay_reproduce_run
 from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
 from foundation import metricnames as mn
 from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
@@ -68,8 +69,6 @@ class RunsDir:
         if key in self.alerts:
             return self.alerts[key], "validation.json"
         if key not in self._replayed:
-            from detector.replay import replay_reproduce_run  # lazy: only for runs not yet validated
-
             episodes = replay_reproduce_run(self.series_path(run), *capacity_deadline(run), time_scale(run))
             self._replayed[key] = [
                 {
@@ -244,10 +243,11 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
     """Read a run's metrics series and compute its signals."""
     snapshots = list(read_series(runs_dir.series_path(run)))
     capacity, deadline = capacity_deadline(run)
+    scale = ReplayScale.of(time_scale(run))  # the detector's windows in the run's seconds
     return series_signals(
         snapshots,
         capacity=capacity,
         deadline_s=deadline,
-        window_s=RATE_WINDOW_S / time_scale(run),  # a scaled run's durations are all divided by K
-        windows=WINDOWS.scaled(time_scale(run)),
+        window_s=scale.run_s(RATE_WINDOW_S),
+        windows=scale.windows,
     )

@@ -1,7 +1,8 @@
 """``replay_run``: a reproduce run's series through the detector, as fast as possible;
 ``replay_snapshots``: the same over snapshots already read, with an eye on the signals;
 ``replay_reproduce_run``: one run of a reproduce output folder, the way ``retrywatch reproduce
-validate`` and the dashboard's runs page judge it.
+validate`` and the dashboard's runs page judge it; ``ReplayScale``: the detector's settings at a
+run's time scale, built once, for every replay of a scaled run.
 
 Evaluation happens on the replay clock: at every snapshot (or on a fixed grid with
 ``interval``), times in seconds from the run's start.
@@ -10,6 +11,7 @@ Evaluation happens on the replay clock: at every snapshot (or on a fixed grid wi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from detector.episodes import AlertEpisode, EpisodeLog
@@ -106,6 +108,29 @@ def replay_snapshots(
     return log.episodes
 
 
+@dataclass(frozen=True)
+class ReplayScale:
+    """A run's time scale K and the detector's settings at it, built once (:meth:`of`): the
+    alerts, the study's ``windows`` and the assumed deadline in the run's seconds."""
+
+    time_scale: float
+    rules: tuple[AlertRule, ...]
+    windows: Windows
+    assumed_deadline: float
+
+    @classmethod
+    def of(cls, time_scale: float = 1.0, windows: Windows = WINDOWS) -> ReplayScale:
+        """The one place a replay applies a run's K (its summary entry's ``time_scale``)."""
+        rules = scale_rules(ALERTS, time_scale)
+        scaled = windows.scaled(time_scale)
+        k = check_time_scale(time_scale)
+        return cls(k, rules, scaled, DEFAULT_DEADLINE_S / k)
+
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in the run's seconds."""
+        return study_s / self.time_scale
+
+
 def replay_reproduce_run(
     series_path: Path | str,
     capacity: float | None,
@@ -116,19 +141,19 @@ def replay_reproduce_run(
 ) -> list[AlertEpisode]:
     """One run of a reproduce output folder through the detector, and, like Prometheus, with Ĉ
     and the deadline read from the run's own gauges; the summary's ``capacity`` and ``deadline``
-    stand in only where the series does not export them. The one place a replay applies the
-    run's K (its summary entry's ``time_scale``): the alerts, ``windows`` (the study's) and the
-    assumed deadline in the run's seconds."""
+    stand in only where the series does not export them. The alerts, ``windows`` (the study's)
+    and the assumed deadline are in the run's seconds (:class:`ReplayScale`)."""
     try:
         first = next(read_series(Path(series_path)), None)
     except OSError:
         first = None  # replay_run says what is wrong with the file
     exported = {name for name, _, _ in first.samples} if first is not None else set()
+    scale = ReplayScale.of(time_scale, windows)
     return replay_run(
         series_path,
         capacity=None if mn.CAPACITY in exported else capacity,
         deadline=None if mn.CLIENT_DEADLINE in exported else deadline,
-        rules=scale_rules(ALERTS, time_scale),
-        windows=windows.scaled(time_scale),
-        assumed_deadline=DEFAULT_DEADLINE_S / check_time_scale(time_scale),
+        rules=scale.rules,
+        windows=scale.windows,
+        assumed_deadline=scale.assumed_deadline,
     )

@@ -3,7 +3,7 @@
 Starts, as subprocesses stopped by PID, the emulated engine (``retrywatch emulate``, scaled
 time), the proxy (``retrywatch proxy``), the detector (``retrywatch detect --exporter``, SQLite
 in a temporary folder) and the dashboard (``retrywatch dashboard``); then drives the study's
-pulse (base 0.6 Ĉ, pulse 2.7 Ĉ, hold 0.6 Ĉ, all durations divided by the time scale) with
+pulse (base 0.6 Ĉ, pulse 2.7 Ĉ, hold 0.6 Ĉ, planned once in wall seconds) with
 retrying clients (``retrywatch.demo_load``). Without controls the proxy runs the study's "no
 control" condition (retries on, no coalescing, cancellation off): the pulse's backlog outlives
 the deadline, retries keep the engine saturated and the detector's ``VLLMMetastableRetryLoop``
@@ -21,7 +21,7 @@ import tempfile
 import time
 import webbrowser
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +38,7 @@ from foundation.timeseries import parse_exposition
 from reproduce.engine.presets import PresetError, preset_capacity
 from reproduce.workloads.calls import WorkloadSpec
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import PULSE
+from reproduce.workloads.plan import RunPlan, outline
 
 if TYPE_CHECKING:
     from reproduce.harness.openloop import OpenLoopStats
@@ -50,7 +50,6 @@ __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 DEMO_PRESET = "qwen3-14b-h100"
 #: Engine seconds per wall second: the protocol's 947-s trace plays in under 4 minutes.
 DEMO_TIME_SCALE = 4.0
-DEADLINE_S = ClientConfig().deadline_s  # the study's client deadline (engine seconds)
 CANCEL_AFTER_S = PolicyConfig().cancel_after_s  # the study's deferred cancellation W (engine seconds)
 VOCAB_SIZE = 32_000
 SERVICES = ("engine", "proxy", "detector", "dashboard")
@@ -58,50 +57,52 @@ SERVICES = ("engine", "proxy", "detector", "dashboard")
 
 @dataclass(frozen=True)
 class DemoPlan:
-    """Every number the demo runs with, in wall seconds (already divided by the time scale)."""
+    """Every number the demo runs with: the study's pulse and client planned once (``run``, in wall
+    seconds) for an engine of ``preset``; the services and the banner read it from there."""
 
     preset: str
-    time_scale: float
     capacity_engine: float  # Ĉ in calls per engine second
     with_controls: bool
+    spec: WorkloadSpec  # the study's pulse at Ĉ (seed 0), its phases and arrivals in wall seconds
+    run: RunPlan  # spec's phases and the study's client in wall seconds (no calls)
 
     @property
     def capacity(self) -> float:
         """Ĉ in calls per wall second."""
-        return self.capacity_engine * self.time_scale
+        return self.run.run_rate(self.capacity_engine)
 
     @property
     def deadline_s(self) -> float:
-        return DEADLINE_S / self.time_scale
+        return self.run.deadline_s
 
     @property
     def cancel_after_s(self) -> float:
-        return CANCEL_AFTER_S / self.time_scale
+        return self.run.run_s(CANCEL_AFTER_S)
 
     def workload(self, seed: int, capacity_engine: float | None = None, **fields: Any) -> WorkloadSpec:
         """The load's workload (the study's pulse unless ``fields`` say otherwise) at Ĉ
         ``capacity_engine`` (default: this engine's), its phases and arrivals in wall seconds."""
         capacity = self.capacity_engine if capacity_engine is None else capacity_engine
-        return WorkloadSpec(
-            capacity=capacity, seed=seed, time_scale=self.time_scale, max_context=32_768, **fields
-        )
+        return replace(self.spec, capacity=capacity, seed=seed, **fields)
 
     @property
     def pulse_text(self) -> str:
         """When the pulse runs, in wall seconds from the load's start (``120-227 s`` at K = 1)."""
-        start, end = next((s, e) for name, s, e in self.workload(seed=0).phase_bounds() if name == PULSE)
-        return f"{start:.0f}-{end:.0f} s"
+        pulse = self.run.pulse
+        assert pulse is not None  # the study's pulse has one
+        return f"{pulse.start_s:.0f}-{pulse.end_s:.0f} s"
 
 
 def demo_plan(
     with_controls: bool, preset: str = DEMO_PRESET, time_scale: float = DEMO_TIME_SCALE
 ) -> DemoPlan:
-    """The demo's numbers: Ĉ of ``preset`` (its calibration), durations divided by ``time_scale``."""
+    """The demo's numbers: Ĉ of ``preset`` (its calibration), planned at ``time_scale``."""
     try:
         capacity = preset_capacity(preset)
     except PresetError as exc:
         raise click.UsageError(str(exc)) from None
-    return DemoPlan(preset, time_scale, capacity, with_controls)
+    spec = WorkloadSpec(capacity=capacity, seed=0, time_scale=time_scale, max_context=32_768)
+    return DemoPlan(preset, capacity, with_controls, spec, outline(spec, ClientConfig()))
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
             "--model",
             plan.preset,
             "--time-scale",
-            f"{plan.time_scale:g}",
+            f"{plan.run.time_scale:g}",
             "--vocab-size",
             str(VOCAB_SIZE),
             "--host",
@@ -386,7 +387,7 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str, duration_s: float) -> str
         )
     return (
         f"\nDashboard: {dashboard_url}\n"
-        f"Time runs {plan.time_scale:g}x faster than the study's: capacity {plan.capacity:.2f} calls/s, "
+        f"Time runs {plan.run.time_scale:g}x faster than the study's: capacity {plan.capacity:.2f} calls/s, "
         f"deadline {plan.deadline_s:g} s, pulse at {pulse} (2.7x capacity).\n{story}\n"
         "Watch executions created vs capacity, the engine's waiting queue, and the alerts.\n"
         f"{how_long(duration_s)}\n"

@@ -48,8 +48,8 @@ from exporter.settings import ProxySettings
 from foundation.logs import announce, check_port, setup_logging
 from foundation.options import FiniteFloatRange
 from foundation.processes import ManagedProcess, log_tail
-from reproduce.engine.presets import preset_capacity
 from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import RunPlan
 from retrywatch import demo as single
 from rules.generate import RULES_PATH
 
@@ -130,19 +130,24 @@ class Replica:
 
 @dataclass(frozen=True)
 class FleetPlan:
-    """Every number the fleet demo runs with."""
+    """Every number the fleet demo runs with: each replica's single-engine plan, planned once."""
 
     replicas: tuple[Replica, ...]
-    time_scale: float
     with_controls: bool
+    replica_plans: tuple[single.DemoPlan, ...]  # by replica, in the order of ``replicas``
 
     def replica_plan(self, replica: Replica) -> single.DemoPlan:
         """The single-engine demo's plan of ``replica``: its numbers in wall seconds."""
-        return single.DemoPlan(replica.preset, self.time_scale, replica.capacity_engine, self.with_controls)
+        return self.replica_plans[replica.index - 1]
+
+    @property
+    def run(self) -> RunPlan:
+        """Replica 1's run plan (the pulse's phases and the client, in wall seconds)."""
+        return self.replica_plans[0].run
 
     @property
     def deadline_s(self) -> float:
-        return self.replica_plan(self.replicas[0]).deadline_s
+        return self.run.deadline_s
 
     @property
     def load_capacity_engine(self) -> float:
@@ -155,15 +160,16 @@ class FleetPlan:
         return self.replica_plan(replica).capacity
 
 
-def fleet_plan(n: int, *, with_controls: bool = False, time_scale: float | None = None) -> FleetPlan:
-    """N replicas; ``time_scale`` None: the single-engine demo's."""
-    if time_scale is None:
-        time_scale = single.DEMO_TIME_SCALE
+def fleet_plan(
+    n: int, *, with_controls: bool = False, time_scale: float = single.DEMO_TIME_SCALE
+) -> FleetPlan:
+    """N replicas, each planned at ``time_scale``."""
     if not 2 <= n <= MAX_REPLICAS:
         raise click.UsageError(f"--fleet takes 2 to {MAX_REPLICAS} replicas, got {n}")
     presets = [TIPPED_PRESET] + [HEALTHY_PRESET] * (n - 1)
-    replicas = tuple(Replica(i, p, preset_capacity(p)) for i, p in enumerate(presets, start=1))
-    return FleetPlan(replicas, time_scale, with_controls)
+    plans = tuple(single.demo_plan(with_controls, p, time_scale) for p in presets)
+    replicas = tuple(Replica(i, p.preset, p.capacity_engine) for i, p in enumerate(plans, start=1))
+    return FleetPlan(replicas, with_controls, plans)
 
 
 @dataclass(frozen=True)
@@ -326,7 +332,7 @@ class FleetDemo:
                         "--served-model-name",
                         SERVED_MODEL,
                         "--time-scale",
-                        f"{plan.time_scale:g}",
+                        f"{plan.run.time_scale:g}",
                         "--vocab-size",
                         vocab,
                         "--host",
@@ -583,7 +589,7 @@ def _what_to_watch(fleet: FleetDemo, duration_s: float) -> str:
     lines = [
         "",
         f"The fleet: {len(plan.replicas)} replicas behind nginx (consistent hash of X-Call-Id), "
-        f"time {plan.time_scale:g}x faster than the study's, deadline {plan.deadline_s:g} s.",
+        f"time {plan.run.time_scale:g}x faster than the study's, deadline {plan.deadline_s:g} s.",
     ]
     for r in plan.replicas:
         lines.append(
@@ -631,7 +637,7 @@ def run_fleet_demo(
     host: str,
     seed: int,
     ports: FleetPorts,
-    time_scale: float | None = None,
+    time_scale: float = single.DEMO_TIME_SCALE,
     log_level: str = "warning",
     log_format: str = "text",
 ) -> None:
@@ -709,9 +715,9 @@ FLEET_OPTIONS: tuple[click.Option, ...] = (
     click.Option(
         ["--time-scale"],
         type=FiniteFloatRange(1.0, 16.0),
-        default=None,
-        help="With --fleet: engine seconds per wall second [default: the single-engine demo's, "
-        f"{single.DEMO_TIME_SCALE:g}].",
+        default=single.DEMO_TIME_SCALE,
+        show_default=True,
+        help="With --fleet: engine seconds per wall second (the single-engine demo's).",
     ),
 )
 

@@ -43,13 +43,13 @@ def test_controls_switch_the_proxy_between_no_control_and_coalescing_with_deferr
     assert "--coalesce" in controlled["proxy"] and _value(controlled["proxy"], "--cancellation") == "deferred"
     plan = demo_plan(with_controls=True)
     # Deferred by W = 10 study seconds, scaled like every other duration.
-    assert float(_value(controlled["proxy"], "--cancel-after")) == pytest.approx(10.0 / plan.time_scale)
+    assert float(_value(controlled["proxy"], "--cancel-after")) == pytest.approx(10.0 / plan.run.time_scale)
     for commands in (plain, controlled):
-        assert _value(commands["engine"], "--time-scale") == f"{plan.time_scale:g}"
+        assert _value(commands["engine"], "--time-scale") == f"{plan.run.time_scale:g}"
         assert _value(commands["proxy"], "--upstream") == f"http://127.0.0.1:{ports['engine']}"
         assert _value(commands["detector"], "--exporter") == f"http://127.0.0.1:{ports['proxy']}/metrics"
         assert float(_value(commands["detector"], "--capacity")) == pytest.approx(plan.capacity, rel=1e-3)
-        assert float(_value(commands["detector"], "--deadline")) == pytest.approx(120.0 / plan.time_scale)
+        assert float(_value(commands["detector"], "--deadline")) == pytest.approx(120.0 / plan.run.time_scale)
         assert _value(commands["detector"], "--db").startswith(f"sqlite:///{tmp_path}")
         assert _value(commands["dashboard"], "--detector") == f"http://127.0.0.1:{ports['detector']}"
     # the pulse the story names is the load's own (120-227 study seconds), at the demo's K
@@ -58,7 +58,7 @@ def test_controls_switch_the_proxy_between_no_control_and_coalescing_with_deferr
         for p in plan_run(plan.workload(seed=1), ClientConfig()).phases
         if p.name == "pulse"
     )
-    assert (start, end) == pytest.approx((120.0 / plan.time_scale, 227.0 / plan.time_scale))
+    assert (start, end) == pytest.approx((120.0 / plan.run.time_scale, 227.0 / plan.run.time_scale))
     assert plan.pulse_text == f"{start:.0f}-{end:.0f} s"
 
 

@@ -116,7 +116,12 @@ class EngineDriver:
 
     # --- clock -----------------------------------------------------------------------------
     def scaled_wall(self) -> float:
+        """The wall clock since the start in engine seconds: one of the two places K converts."""
         return (self._clock() - self._wall0) * self.time_scale
+
+    def wall_s(self, engine_s: float) -> float:
+        """``engine_s`` engine seconds in wall seconds: the other place K converts."""
+        return engine_s / self.time_scale
 
     def now(self) -> float:
         """The engine's clock (seconds); it jumps to the scaled wall clock only while idle.
@@ -173,11 +178,11 @@ class EngineDriver:
             start = self._engine_now
             end = start + float(duration)
             # Sleep until the wall time at which the engine clock reaches ``end``.
-            delay = end / self.time_scale - (self._clock() - self._wall0)
+            delay = self.wall_s(end) - (self._clock() - self._wall0)
             await asyncio.sleep(max(0.0, delay))
             self._engine_now = end
             self.lag_s = max(0.0, self.scaled_wall() - end)
-            if self.lag_s > LAG_WARNING_S * self.time_scale:
+            if self.wall_s(self.lag_s) > LAG_WARNING_S:
                 self._warn_lag()
             events = self.engine.finish_step(end)
             self.steps += 1

@@ -253,9 +253,10 @@ class HttpBackend(Backend):
 
         preset = str(self.options.get("preset") or run.model)
         capacity, source = SimBackend().capacity_of(replace(run, model=preset))
-        k = protocol.time_scale
-        method = f"the simulator's Ĉ of {preset} ({capacity:.3f} calls/s) x the time scale {k:g}"
-        return capacity * k, {"method": method, "simulator": source}
+        method = (
+            f"the simulator's Ĉ of {preset} ({capacity:.3f} calls/s) x the time scale {protocol.time_scale:g}"
+        )
+        return protocol.run_rate(capacity), {"method": method, "simulator": source}
 
     def run(self, job: RunJob) -> dict[str, Any]:
         run = job.run

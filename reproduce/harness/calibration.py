@@ -299,9 +299,9 @@ def settled_samples(
 
 
 def stage_lengths(protocol: HttpProtocol) -> tuple[float, float]:
-    """(stage, confirm stage) in wall seconds: the protocol's 300-s stage divided by its time
-    scale, and ``CONFIRM_STAGE_MULTIPLE`` times that."""
-    stage_s = 300.0 / protocol.time_scale
+    """(stage, confirm stage) in wall seconds: the protocol's 300-s stage in its run seconds, and
+    ``CONFIRM_STAGE_MULTIPLE`` times that."""
+    stage_s = protocol.run_s(300.0)
     return stage_s, CONFIRM_STAGE_MULTIPLE * stage_s
 
 

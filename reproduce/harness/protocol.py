@@ -120,6 +120,15 @@ class HttpProtocol:
             shaping=self.shaping(),
         )
 
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in this protocol's run seconds (before a run is planned:
+        a calibration stage; a planned run reads :meth:`RunPlan.run_s`)."""
+        return study_s / self.time_scale
+
+    def run_rate(self, per_study_s: float) -> float:
+        """A rate per study second (the simulator's Ĉ) per run-second."""
+        return per_study_s * self.time_scale
+
     def scrape_every_s(self, plan: RunPlan) -> float:
         """Seconds between scrapes of the proxy in ``plan``'s run (never under half a second)."""
         return max(0.5, plan.run_s(self.scrape_interval_s))

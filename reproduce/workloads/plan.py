@@ -41,6 +41,7 @@ __all__ = [
     "check_pulse",
     "generated_spec",
     "make_plan",
+    "outline",
     "plan_run",
 ]
 
@@ -176,6 +177,10 @@ class RunPlan:
         """A duration at the study's scale in this run's seconds: the one place K divides one."""
         return study_s / self.time_scale
 
+    def run_rate(self, per_study_s: float) -> float:
+        """A rate at the study's scale (Ĉ in calls per engine second) per run-second."""
+        return per_study_s * self.time_scale
+
     @property
     def max_growth_per_s(self) -> float:
         """The recovery rule's growth limit of the waiting executions, per run-second."""
@@ -271,9 +276,13 @@ def plan_run(workload: WorkloadSpec, client: ClientConfig, *, tail_windows: int 
     )
 
 
+def outline(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
+    """The plan of a run of ``workload`` without its calls: its phases, ``client`` and the recovery
+    window in run seconds, for what reads a run's numbers before its calls are generated."""
+    return make_plan((), _phases(workload), client, workload.time_scale)
+
+
 def check_pulse(workload: WorkloadSpec) -> None:
     """Raise :class:`PlanError` unless a run of ``workload`` has a pulse and a hold to judge
     (before any run starts, instead of in the middle of one)."""
-    RunPlan(
-        calls=(), client=ClientConfig(), time_scale=workload.time_scale, phases=_phases(workload)
-    ).timeline()
+    outline(workload, ClientConfig()).timeline()

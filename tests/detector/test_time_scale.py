@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.evaluator import Evaluator
-from detector.replay import replay_reproduce_run, replay_run
+from detector.replay import ReplayScale, replay_reproduce_run, replay_run
 from detector.signals import (
     DEFAULT_DEADLINE_S,
     WINDOWS,
@@ -181,6 +181,17 @@ def test_the_evaluator_divides_for_and_keep_firing_for() -> None:
 def test_replay_reproduce_run_rejects_a_bad_time_scale(runs: dict[tuple[float, str], Path]) -> None:
     with pytest.raises(ValueError, match="time scale"):
         replay_reproduce_run(runs[(10.0, CONDITIONS[0])], None, None, 0)
+
+
+def test_a_replay_scale_holds_the_rules_windows_and_assumed_deadline_in_the_runs_seconds() -> None:
+    scale = ReplayScale.of(10.0)
+    assert scale.rules == scale_rules(ALERTS, 10.0)
+    assert scale.windows == WINDOWS.scaled(10.0) and scale.windows != WINDOWS
+    assert scale.assumed_deadline == pytest.approx(DEFAULT_DEADLINE_S / 10.0)
+    assert scale.run_s(30.0) == pytest.approx(3.0)
+    assert ReplayScale.of(1.0).windows == WINDOWS and ReplayScale.of(1.0).rules == ALERTS
+    with pytest.raises(ValueError, match="time scale"):
+        ReplayScale.of(float("nan"))
 
 
 def test_cli_time_scale_option_and_the_http_runs_detector_process(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from reproduce.workloads.calls import WorkloadSpec, generate_trace
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import Phase, PlanError, RunPlan, plan_run
+from reproduce.workloads.plan import Phase, PlanError, RunPlan, outline, plan_run
 from retrywatch.cli import main
 
 
@@ -95,3 +95,13 @@ def test_a_workload_without_a_pulse_plans_calls_but_has_no_pulse_to_judge() -> N
     )
     with pytest.raises(PlanError, match="after its pulse"):
         last.timeline()
+
+
+def test_an_outline_is_the_runs_plan_without_its_calls_in_run_seconds() -> None:
+    spec = WorkloadSpec(capacity=2.0, seed=3, time_scale=4.0)
+    planned, outlined = plan_run(spec, ClientConfig()), outline(spec, ClientConfig())
+    assert outlined.calls == () and planned.calls
+    assert outlined.describe() == {**planned.describe(), "calls": 0}
+    assert outlined.deadline_s == pytest.approx(ClientConfig().deadline_s / 4.0)
+    assert outlined.run_s(60.0) == pytest.approx(15.0)
+    assert outlined.run_rate(2.0) == pytest.approx(8.0)  # Ĉ per study second -> per run-second

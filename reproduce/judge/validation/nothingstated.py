@@ -45,10 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from detector.capacity import CAPACITY_SOURCES
-from detector.replay import replay_snapshots
-from detector.signals import DEFAULT_DEADLINE_S, WINDOWS, SignalConfig, SignalFrame, Windows, check_time_scale
+from detector.replay import ReplayScale, replay_snapshots
+from detector.signals import WINDOWS, SignalConfig, SignalFrame, Windows
 from detector.sources.replay import load_snapshots, run_slug
-from detector.thresholds import ALERTS, scale_rules
 from exporter.deadlines import DeadlineLearner
 from foundation import metricnames as mn
 from foundation.rundir import RunDirError
@@ -214,14 +213,10 @@ def replay_nothing_stated(info: RunInfo, windows: Windows = WINDOWS) -> NothingS
             )
             deadline.note(t, frame.values.get("deadline"), mn.DEADLINE_LEARNED, info.pulse_start_s)
 
-    # At the run's time scale, as ``replay_reproduce_run`` replays a stated run.
-    config = SignalConfig(
-        windows=windows.scaled(info.time_scale),
-        assumed_deadline=DEFAULT_DEADLINE_S / check_time_scale(info.time_scale),
-    )
-    episodes = replay_snapshots(
-        snapshots, config, rules=scale_rules(ALERTS, info.time_scale), on_frames=observe
-    )
+    # In the run's seconds, as ``replay_reproduce_run`` replays a stated run.
+    scale = ReplayScale.of(info.time_scale, windows)
+    config = SignalConfig(windows=scale.windows, assumed_deadline=scale.assumed_deadline)
+    episodes = replay_snapshots(snapshots, config, rules=scale.rules, on_frames=observe)
     return NothingStatedRun([Firing.of(e) for e in episodes], capacity, deadline)
 
 
