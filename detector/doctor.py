@@ -28,7 +28,7 @@ from detector.thresholds import ALERTS, AlertRule, AnyOf, Cmp, Condition, leaves
 from foundation import metricnames as mn
 from foundation.timeseries import Sample
 from foundation.vllmbuckets import le_label
-from foundation.vllmreleases import CANONICAL, ReleaseFamily, release_for
+from foundation.vllmreleases import CANONICAL, ReleaseFamily, canonical_name, release_for
 
 Status = Literal["ok", "approximate", "partial", "blocked", "n/a"]
 #: Exit status when a page (an alert of severity critical) cannot fire.
@@ -216,7 +216,9 @@ class _Facts:
 
 
 def _family_name(sample_name: str) -> str:
-    """The canonical series a sample name belongs to (a histogram's _bucket/_count/_sum)."""
+    """The canonical series a sample name belongs to (a histogram's _bucket/_count/_sum, an older
+    release's name for it)."""
+    sample_name = canonical_name(sample_name)
     for suffix in _HISTOGRAM_SUFFIXES:
         base = sample_name.removesuffix(suffix)
         if base != sample_name and base in CANONICAL:

@@ -32,8 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 
-from detector.signals import HELPER_RECORDS, RAW, SIGNALS, SIGNALS_BY_NAME, UP, WINDOWS
+from detector.signals import HELPER_RECORDS, SERVED_NAMES, SIGNALS, SIGNALS_BY_NAME, UP, WINDOWS
 from detector.thresholds import AlertRule, Condition, leaves
+from foundation.vllmreleases import canonical_name
 
 __all__ = ["Need", "Selector", "alert_series", "expression_needs", "is_learned", "signal_needs"]
 
@@ -46,7 +47,7 @@ _RECORDS: dict[str, str] = {
     **{record: expr for helpers in HELPER_RECORDS.values() for record, expr in helpers},
     **{spec.record: spec.promql for spec in SIGNALS},
 }
-_RAW_NAMES: frozenset[str] = frozenset({name for name, _ in RAW.values()} | {UP})
+_RAW_NAMES: frozenset[str] = SERVED_NAMES
 _NAME = re.compile(r"(?<![\w:.])([A-Za-z_:][\w:]*)(\{[^}]*\})?")
 _MATCHER = re.compile(r'(\w+)\s*(=~|!=|!~|=)\s*"((?:[^"\\]|\\.)*)"')
 _RANGE = re.compile(r"\[(\d+)([smhd])\]")
@@ -194,9 +195,9 @@ def _signals(cond: Condition) -> list[str]:
 
 def alert_series(rule: AlertRule) -> tuple[str, ...]:
     """Every raw series name ``rule`` may read, through any alternative, sorted (``up`` and
-    learned records left out)."""
+    learned records left out; an older vLLM's name for one as the name it stands for)."""
     names = {
-        Selector.parse(series).name
+        canonical_name(Selector.parse(series).name)
         for signal in _signals(rule.condition)
         for alt in signal_needs(signal)
         for series in alt

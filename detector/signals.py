@@ -31,6 +31,7 @@ from foundation import metricnames as mn
 from foundation.ratios import RATIOS, Ratio
 from foundation.timeseries import Sample, Snapshot
 from foundation.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
+from foundation.vllmreleases import SAMPLE_ALIASES
 
 log = logging.getLogger("retrywatch.detector")
 
@@ -165,6 +166,17 @@ _BY_NAME: dict[str, list[tuple[int, tuple[str, str] | None]]] = {}
 for _i, (_key, (_name, _flt)) in enumerate(RAW.items()):
     _BY_NAME.setdefault(_name, []).append((_i, _flt))
 
+# Other names older vLLM releases serve a raw series under (``foundation.vllmreleases``: the
+# ``gpu_`` prefix-cache counters and KV gauge, time per output token): alias sample name -> the
+# raw name it stands for, and each raw name's aliases. Both evaluators read an alias only where
+# the raw name is absent (PromQL ``rate(new[w]) or rate(old[w])``; :func:`_by_instance`).
+_ALIAS_OF: dict[str, str] = {a: c for a, c in SAMPLE_ALIASES.items() if c in _BY_NAME}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    c: tuple(a for a, of in _ALIAS_OF.items() if of == c) for c in set(_ALIAS_OF.values())
+}
+#: Every sample name the raw quantities are read from: their own and their aliases, and ``up``.
+SERVED_NAMES: frozenset[str] = frozenset({name for name, _ in RAW.values()} | set(_ALIAS_OF) | {UP})
+
 # counters: vLLM's and the proxy's ``_total`` s, and a histogram's buckets, count and sum
 _COUNTER_IDX: tuple[int, ...] = tuple(
     i for i, key in enumerate(RAW_KEYS) if RAW[key][0].endswith(("_total", "_bucket", "_count", "_sum"))
@@ -249,8 +261,15 @@ def _j(expr: str) -> str:
     return f"({expr}) * on (instance) group_left (engine, model) {ENGINE_INFO_RECORD}"
 
 
+def _rates(metric: str, window: str, selector: str = "") -> str:
+    """``rate(metric[window])``, or where a vLLM release serves ``metric`` under another name too,
+    the rate of the first name served (``or`` matches label sets, the metric name left out)."""
+    names = (metric, *_ALIASES.get(metric, ()))
+    return " or ".join(f"rate({name}{selector}[{window}])" for name in names)
+
+
 def _rate(metric: str, window: str, selector: str = "") -> str:
-    return _j(f"sum by (instance) (rate({metric}{selector}[{window}]))")
+    return _j(f"sum by (instance) ({_rates(metric, window, selector)})")
 
 
 def _gauge(metric: str, agg: str = "sum", flt: str = "") -> str:
@@ -485,7 +504,7 @@ def _vj(expr: str) -> str:
 
 
 def _sum_rate(metric: str, window: str, selector: str = "") -> str:
-    return f"sum by (instance) (rate({metric}{selector}[{window}]))"
+    return f"sum by (instance) ({_rates(metric, window, selector)})"
 
 
 _E2E_BUCKET = f"{mn.VLLM_E2E_LATENCY}_bucket"
@@ -970,13 +989,22 @@ class _EngineHistory:
 
 def _by_instance(snapshot: Snapshot, default_instance: str) -> dict[str, list[Sample]]:
     """The samples of the raw series, grouped by their ``instance`` label (``default_instance``
-    where they have none); an instance whose target answered (``up`` not 0) without any has none."""
+    where they have none); an instance whose target answered (``up`` not 0) without any has none.
+    An alias's samples (an older vLLM's name) stand for the raw series where an instance has none
+    under its own name."""
     out: dict[str, list[Sample]] = {}
+    aliased: dict[str, list[Sample]] = {}
     for sample in snapshot.samples:
         if sample[0] == UP and sample[2] != 0:
             out.setdefault(sample[1].get("instance", default_instance), [])
         elif sample[0] in _BY_NAME:
             out.setdefault(sample[1].get("instance", default_instance), []).append(sample)
+        elif sample[0] in _ALIAS_OF:
+            aliased.setdefault(sample[1].get("instance", default_instance), []).append(sample)
+    for instance, samples in aliased.items():
+        own = out.setdefault(instance, [])
+        served = {name for name, _, _ in own}
+        own.extend((_ALIAS_OF[n], labels, v) for n, labels, v in samples if _ALIAS_OF[n] not in served)
     return out
 
 

@@ -40,10 +40,13 @@ from foundation.timeseries import Sample
 from foundation.vllmbuckets import le_label, request_tokens_buckets
 
 __all__ = [
+    "ALIASES",
     "CANONICAL",
     "FAMILIES",
+    "SAMPLE_ALIASES",
     "Exported",
     "ReleaseFamily",
+    "canonical_name",
     "covering",
     "release_for",
 ]
@@ -466,6 +469,44 @@ def _build() -> tuple[ReleaseFamily, ...]:
 
 #: Every family, by first release (V0 before V1 where both start together).
 FAMILIES: Final = _build()
+#: Each canonical series' kind (the same in every family that serves it).
+_KIND: Final = {c: s.kind for f in FAMILIES for c, s in f.series.items() if s is not None}
+
+
+def _aliases() -> Mapping[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for family in FAMILIES:
+        for canonical in CANONICAL:
+            served = [family.series[canonical], family.deprecated.get(canonical)]
+            for s in served:
+                if s is not None and s.name != canonical and s.name not in out.setdefault(canonical, []):
+                    out[canonical].append(s.name)
+    return MappingProxyType({c: tuple(names) for c, names in out.items() if names})
+
+
+#: Each canonical series that some release serves under another name -> those other names, in the
+#: order the families first serve them (``vllm:prefix_cache_queries_total`` ->
+#: ``vllm:gpu_prefix_cache_queries_total``). A reader of a canonical series reads the first of
+#: its names an exposition carries: no release serves two of them with different meanings.
+ALIASES: Final = _aliases()
+
+
+#: Each sample name of an alias -> the canonical sample name it stands for (a histogram's
+#: ``_bucket``/``_count``/``_sum`` each).
+SAMPLE_ALIASES: Final = MappingProxyType(
+    {
+        alias + suffix: canonical + suffix
+        for canonical, names in ALIASES.items()
+        for alias in names
+        for suffix in (("_bucket", "_count", "_sum") if _KIND[canonical] == "histogram" else ("",))
+    }
+)
+
+
+def canonical_name(sample_name: str) -> str:
+    """The canonical sample name a served sample name stands for (:data:`SAMPLE_ALIASES`); the
+    name itself when it is no alias."""
+    return SAMPLE_ALIASES.get(sample_name, sample_name)
 
 
 # --- which family an exposition looks like ----------------------------------------------------

@@ -20,7 +20,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from requests.exceptions import RequestException, Timeout
 from urllib3.util.retry import Retry
 
-from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, RAW, UP
+from detector.signals import MAX_INSTANCES, PROMETHEUS_JOB, SERVED_NAMES, UP
 from detector.sources import AnswerTooLarge, AnswerTooSlow, FetchResult, read_whole
 from foundation.redact import redact_text, redact_url
 from foundation.timeseries import Sample, Snapshot
@@ -64,7 +64,7 @@ class WholeAnswerSession(requests.Session):
 
 
 def _selector(job: str | None) -> str:
-    names = sorted({name for name, _ in RAW.values()} | {UP})
+    names = sorted(SERVED_NAMES)
     pattern = "|".join(re.escape(n) for n in names)
     job_part = f',job="{job}"' if job else ""
     return f'{{__name__=~"{pattern}"{job_part}}}'

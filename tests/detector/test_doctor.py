@@ -152,23 +152,17 @@ def test_a_deadline_between_buckets_is_read_at_the_bound_below_and_said(server: 
     assert line(out, "VLLMAbandonedWorkSustained").startswith("  ok")  # reads no bucket
 
 
-def test_a_renamed_series_costs_one_alternative_and_names_what_the_release_serves(server: TestServer) -> None:
+def test_a_renamed_series_is_read_under_the_name_the_release_serves(server: TestServer) -> None:
+    # 0.9.1 serves the prefix-cache queries only as vllm:gpu_prefix_cache_queries_total: the rules
+    # and the detector read that name where the new one is absent
     server.body = vllm_text(family("0.9.1"))
     code, out = doctor("--vllm", server.url, "--capacity", "2")
-    assert code == 1
-    renamed = (
-        "missing vllm:prefix_cache_queries_total (this release serves it as "
-        "vllm:gpu_prefix_cache_queries_total)"
-    )
-    loop = line(out, "VLLMRetryLoopSuspected")
-    assert (
-        loop.startswith("  partial") and "its alternative on vllm_unfinished_fraction cannot evaluate" in loop
-    )
-    assert renamed in loop
-    assert line(out, "VLLMAbandonedWorkSustained").startswith("  CANNOT")
+    assert code == 0, out
+    assert "missing vllm:prefix_cache_queries_total" not in out
+    assert line(out, "VLLMRetryLoopSuspected").startswith("  ok")
+    assert line(out, "VLLMAbandonedWorkSustained").startswith("  ok")
     # before 0.32 vLLM has no queue cap and counts no refusals: the queue-cap page does not apply
     assert line(out, "VLLMRetryLoopAtQueueCap").startswith("  n/a")
-    assert out.rstrip().endswith("1 of 3 pages cannot fire")
 
 
 def test_behind_a_real_proxys_metrics_both_tiers_are_judged(server: TestServer) -> None:
