@@ -28,6 +28,7 @@ from detector.thresholds import ALERTS, PROMETHEUS_ALERTS
 from foundation.processes import ManagedProcess, free_port
 from reproduce.conditions import PAPER, expand
 from reproduce.harness.protocol import scaled_queue_cap
+from reproduce.planner import daily
 from retrywatch.cli import main as cli
 from tests.deploy.conftest import REPO
 
@@ -94,7 +95,8 @@ def test_every_option_of_a_documented_command_line_exists(doc: Path) -> None:
 
 
 def test_every_alert_the_documents_name_exists() -> None:
-    alerts = {rule.name for rule in ALERTS} | {rule.name for rule in PROMETHEUS_ALERTS}
+    # VLLMHeadroomLow: the daily what-if's own rule group (rules/headroom/), from its planner.
+    alerts = {rule.name for rule in ALERTS} | {rule.name for rule in PROMETHEUS_ALERTS} | {daily.ALERT}
     for doc in DOCS:
         named = set(re.findall(r"\bVLLM[A-Za-z]+", doc.read_text(encoding="utf-8")))
         assert named <= alerts, f"{doc.relative_to(REPO)} names unknown alerts: {sorted(named - alerts)}"
@@ -148,6 +150,9 @@ def test_every_metric_the_documents_name_is_exposed(expositions: dict[str, str])
             *([family.name + "_total"] if family.type == "counter" else []),
         )
     }
+    # The daily what-if's series, served by `retrywatch reproduce plan-daily` once it has run
+    # (tests/reproduce/test_daily.py scrapes them from the real command).
+    exposed |= {daily.HEADROOM_SERIES, daily.PEAK_SERIES, daily.MARGIN_SERIES, daily.LAST_RUN_SERIES}
     for doc in DOCS:
         # `$retrywatch_...` is an nginx variable, `instance:retrywatch_...` a recording rule,
         # `retrywatch_example.csv` a file.
