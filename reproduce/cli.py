@@ -25,7 +25,6 @@ from reproduce.conditions import (
     block_slugs,
     expand,
 )
-from reproduce.executors import EXECUTORS
 from reproduce.options import (
     LOAD,
     MAX_JOBS,
@@ -37,6 +36,7 @@ from reproduce.options import (
     STEPS_HELP,
     TIME_SCALE,
     OutputPath,
+    executor_options,
     parse_backend_options,
     steps_workload,
     sweep_executor,
@@ -210,19 +210,7 @@ def _capacity_hint(model: str, capacity: float) -> str:
 @click.option(
     "--jobs", type=click.IntRange(1, MAX_JOBS), default=1, show_default=True, help="Parallel processes."
 )
-@click.option(
-    "--executor",
-    "executor_name",
-    type=click.Choice(sorted(EXECUTORS)),
-    default="local",
-    show_default=True,
-    help="Where the runs execute: processes here (--jobs), or a Ray cluster (docs/reproducing.md).",
-)
-@click.option(
-    "--address",
-    default=None,
-    help="--executor ray: the cluster's HOST:PORT [RAY_ADDRESS, else a Ray started here].",
-)
+@executor_options("runs")
 @click.option(
     "--out",
     type=OutputPath(path_type=Path, file_okay=False),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "STEP_S_HELP",
     "TIME_SCALE",
     "OutputPath",
+    "executor_options",
     "parse_backend_options",
     "steps_workload",
     "sweep_executor",
@@ -76,6 +78,26 @@ class OutputPath(click.Path):
         if not os.access(parent, os.W_OK | os.X_OK):
             self.fail(f"{target} cannot be written: {parent} is not writable.", param, ctx)
         return path
+
+
+def executor_options(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--executor`` and ``--address`` of a sweep's command; ``what`` names what its runs are."""
+    from reproduce.executors import EXECUTORS
+
+    executor = click.option(
+        "--executor",
+        "executor_name",
+        type=click.Choice(sorted(EXECUTORS)),
+        default="local",
+        show_default=True,
+        help=f"Where the {what} execute: processes here (--jobs), or a Ray cluster (docs/reproducing.md).",
+    )
+    address = click.option(
+        "--address",
+        default=None,
+        help="--executor ray: the running cluster's HOST:PORT [RAY_ADDRESS].",
+    )
+    return lambda command: executor(address(command))
 
 
 def sweep_executor(name: str, jobs: int, address: str | None, engine: Backend) -> Executor:

@@ -13,7 +13,6 @@ import click
 from foundation.rundir import SUMMARY, RunDirError
 from reproduce.conditions import MODELS, ClientProfile, PulseWorkload, Workload
 from reproduce.dirlock import DirBusy, hold
-from reproduce.executors import EXECUTORS
 from reproduce.options import (
     LOAD,
     MAX_JOBS,
@@ -23,6 +22,7 @@ from reproduce.options import (
     STEPS_HELP,
     TIME_SCALE,
     OutputPath,
+    executor_options,
     parse_backend_options,
     steps_workload,
     sweep_executor,
@@ -145,19 +145,7 @@ def _loads(text: str | None) -> list[float]:
     show_default=True,
     help="Parallel processes (at most the cores this process may use).",
 )
-@click.option(
-    "--executor",
-    "executor_name",
-    type=click.Choice(sorted(EXECUTORS)),
-    default="local",
-    show_default=True,
-    help="Where the points run: processes here (--jobs), or a Ray cluster (docs/reproducing.md).",
-)
-@click.option(
-    "--address",
-    default=None,
-    help="--executor ray: the cluster's HOST:PORT [RAY_ADDRESS, else a Ray started here].",
-)
+@executor_options("points")
 @click.option("--headroom", is_flag=True, help="Also search each policy's headroom (bisection over load).")
 @click.option(
     "--headroom-range",
