@@ -36,6 +36,7 @@ from reproduce.options import (
     STEPS_HELP,
     TIME_SCALE,
     OutputPath,
+    backend_of,
     executor_options,
     parse_backend_options,
     steps_workload,
@@ -310,7 +311,6 @@ def run(
     from foundation.rundir import DERIVED, SUMMARY, RunDirError, read_summary
     from reproduce.dirlock import DirBusy
     from reproduce.engine.presets import PresetError
-    from reproduce.registry import BackendNotFound, get_backend
     from reproduce.runner import run_many
 
     trace = trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
@@ -346,12 +346,7 @@ def run(
 
         specs = [with_pulse(spec, pulse_multiple) for spec in specs]
     options = parse_backend_options(backend_options)
-    try:
-        engine = get_backend(backend, **options)
-    except BackendNotFound as exc:
-        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
-    except (TypeError, ValueError) as exc:
-        raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    engine = backend_of(backend, options)
     executor = sweep_executor(executor_name, jobs, address, engine)
     derived = [name for name in DERIVED if (out / name).exists()]
     if derived and not force:

@@ -34,6 +34,7 @@ __all__ = [
     "STEP_S_HELP",
     "TIME_SCALE",
     "OutputPath",
+    "backend_of",
     "executor_options",
     "parse_backend_options",
     "steps_workload",
@@ -112,6 +113,19 @@ def sweep_executor(name: str, jobs: int, address: str | None, engine: Backend) -
         raise click.BadParameter(str(exc), param_hint="'--executor'") from None
     click.get_current_context().with_resource(closing(executor))
     return executor
+
+
+def backend_of(name: str, options: dict[str, Any]) -> Backend:
+    """``--backend`` with its options (``parse_backend_options``) as a backend; a usage error
+    naming the option at fault when the name or an option is not the backend's."""
+    from reproduce.registry import BackendNotFound, get_backend
+
+    try:
+        return get_backend(name, **options)
+    except BackendNotFound as exc:
+        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
+    except (TypeError, ValueError) as exc:
+        raise click.BadParameter(f"backend {name!r}: {exc}", param_hint="'--backend-option'") from None
 
 
 def parse_backend_options(pairs: tuple[str, ...]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from reproduce.options import (
     STEPS_HELP,
     TIME_SCALE,
     OutputPath,
+    backend_of,
     executor_options,
     parse_backend_options,
     steps_workload,
@@ -226,7 +227,6 @@ def whatif_command(
     search each one's largest safe load. Writes DIR/whatif.json, DIR/report.md and report.html."""
     from reproduce.engine.presets import PresetError
     from reproduce.planner.report import write_whatif_report
-    from reproduce.registry import BackendNotFound, get_backend
     from reproduce.workloads.client import ClientConfigError
     from reproduce.workloads.clients import parse_client
 
@@ -252,12 +252,7 @@ def whatif_command(
             param_hint="'--out'",
         )
     options = parse_backend_options(backend_options)
-    try:
-        engine = get_backend(backend, **options)
-    except BackendNotFound as exc:
-        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
-    except (TypeError, ValueError) as exc:
-        raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    engine = backend_of(backend, options)
     executor = sweep_executor(executor_name, jobs, address, engine)
     setup = WhatIf(
         backend=engine, backend_name=backend, backend_options=options, model=model,

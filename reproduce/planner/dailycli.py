@@ -14,7 +14,15 @@ import click
 
 from reproduce.conditions import MODELS, ClientProfile, PulseWorkload
 from reproduce.executors import EXECUTORS
-from reproduce.options import LOAD, MAX_JOBS, MAX_RUNS, TIME_SCALE, parse_backend_options, sweep_executor
+from reproduce.options import (
+    LOAD,
+    MAX_JOBS,
+    MAX_RUNS,
+    TIME_SCALE,
+    backend_of,
+    parse_backend_options,
+    sweep_executor,
+)
 from reproduce.planner.cli import DEFAULT_POLICIES, _range
 from reproduce.planner.daily import (
     DEFAULT_AT,
@@ -194,7 +202,6 @@ def plan_daily_command(
     delivery objective, keep the history and serve it as series (VLLMHeadroomLow reads them)."""
     from detector.store import StoreOpenError
     from reproduce.engine.presets import PRESET_NAMES, PresetError
-    from reproduce.registry import BackendNotFound, get_backend
     from reproduce.workloads.client import ClientConfigError
     from reproduce.workloads.clients import parse_client
 
@@ -212,12 +219,7 @@ def plan_daily_command(
     except ClientConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="'--client'") from None
     options = parse_backend_options(backend_options)
-    try:
-        engine = get_backend(backend, **options)
-    except BackendNotFound as exc:
-        raise click.BadParameter(str(exc), param_hint="'--backend'") from None
-    except (TypeError, ValueError) as exc:
-        raise click.BadParameter(f"backend {backend!r}: {exc}", param_hint="'--backend-option'") from None
+    engine = backend_of(backend, options)
     if backend == "sim" and model not in PRESET_NAMES:  # before any run (the schedule's would only log it)
         raise click.BadParameter(
             f"unknown engine preset {model!r}; choose one of {', '.join(PRESET_NAMES)}",
