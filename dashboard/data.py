@@ -8,6 +8,7 @@ Everything the pages show comes through ``DetectorClient`` (alerts, episodes, he
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -145,6 +146,29 @@ class Health:
     last_scrape_at: float | None
 
 
+@dataclass(frozen=True)
+class Known:
+    """One input of the detector's (Ĉ or the deadline) as it knows it now: its value (None:
+    missing), where it comes from (``stated``, ``saturated``, ``predicted``, ``learned``, ...)
+    and since when it has been known."""
+
+    value: float | None
+    source: str | None
+    since: float | None
+
+
+@dataclass(frozen=True)
+class EngineInputs(_EngineLabels):
+    """An engine's Ĉ and deadline per tier (``/inputs``), and Ĉ predicted below saturation with
+    its range (value, low, high) where there is one."""
+
+    labels: dict[str, str]
+    capacity: dict[str, Known]  # tier -> Ĉ
+    deadline: dict[str, Known]  # tier -> the deadline
+    predicted: tuple[float, float, float] | None
+    history_from: float | None  # where the detector's history (and so "since") begins
+
+
 class SignalSource(Protocol):
     """Where time series of the detector's signals come from."""
 
@@ -256,6 +280,45 @@ def parse_episodes(payload: Any) -> list[Episode]:
             )
         )
     return episodes
+
+
+def _known(obj: Any, key: str, where: str) -> Known:
+    if not isinstance(obj, Mapping):
+        raise ShapeError(f"detector {where}: {key} must be an object")
+    value = _opt_float(obj.get("value"), "value", where)
+    source = obj.get("source")
+    return Known(
+        value=value if value is not None and math.isfinite(value) and value > 0 else None,
+        source=None if source is None else str(source),
+        since=_opt_time(obj.get("since"), "since", where),
+    )
+
+
+def parse_inputs(payload: Any) -> list[EngineInputs]:
+    where = "/inputs"
+    out = []
+    for item in _list(payload, "engines", where):
+        tiers = _field(item, "tiers", where)
+        if not isinstance(tiers, Mapping):
+            raise ShapeError(f"detector {where}: tiers must be an object")
+        capacity = {str(t): _known(_field(v, "capacity", where), "capacity", where) for t, v in tiers.items()}
+        deadline = {str(t): _known(_field(v, "deadline", where), "deadline", where) for t, v in tiers.items()}
+        pred = item.get("predicted")
+        predicted = None
+        if isinstance(pred, Mapping):
+            predicted = tuple(_float(pred.get(k), k, where) for k in ("value", "low", "high"))
+        labels = _labels(item, where)
+        labels.setdefault("instance", str(_field(item, "instance", where)))
+        out.append(
+            EngineInputs(
+                labels=labels,
+                capacity=capacity,
+                deadline=deadline,
+                predicted=predicted,  # type: ignore[arg-type]  # three floats
+                history_from=_opt_time(item.get("history_from"), "history_from", where),
+            )
+        )
+    return out
 
 
 def parse_points(points: Any, where: str) -> np.ndarray:
@@ -377,6 +440,11 @@ class DetectorClient:
 
     def health(self) -> Health:
         return parse_health(self._get("/healthz"))
+
+    def inputs(self) -> list[EngineInputs]:
+        """Each engine's Ĉ and deadline with where they come from (a detector before ``/inputs``
+        answers 404: ``DetectorUnavailable``)."""
+        return parse_inputs(self._get("/inputs"))
 
 
 def engine_of(labels: Mapping[str, str]) -> str:

@@ -1,16 +1,22 @@
 """The live page's at-a-glance tiles: five ratios that say whether an engine serves clients
 or retries, each coloured by the detector's verdict (the alerts that read it), never by a
-threshold of the dashboard's own: thresholds have one definition, in detector/thresholds.py.
+threshold of the dashboard's own: thresholds have one definition, in detector/thresholds.py;
+and, before them, the two numbers every alert counts in, Ĉ and the clients' deadline, each with
+where it comes from (stated, learned, or missing and what it needs: :func:`input_tiles`).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from dashboard.data import EngineInputs, Known
 from dashboard.figures import Points, latest
+from detector.capacity import PREDICT_WINDOW_S
+from exporter.deadlines import MIN_ABANDONS
 from foundation.ratios import RATIOS
 
 RATIOS_BY_NAME = {ratio.name: ratio for ratio in RATIOS}
@@ -171,3 +177,91 @@ def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[st
             status = "alert" if firing else "ok"
         out.append(Tile(spec.key, spec.label, spec.explanation, value, text, status, firing, detail))
     return out
+
+
+# --- Ĉ and the deadline: stated, learned or missing ---------------------------------------------
+
+#: The tier whose Ĉ and deadline the tiles show: the vLLM tier's, which every detector evaluates
+#: (a proxy tier's that differs is said beside it).
+INPUT_TIER = "vllm"
+SOURCE_WORDS = {
+    "stated": "stated",
+    "saturated": "learned: measured while vLLM's queue never emptied",
+    "predicted": "learned: predicted below saturation",
+    "learned": "learned by the proxy from the ages at which clients abandon attempts",
+    "proxy": "the proxy's",
+    "assumed": "assumed (not stated, not learned)",
+}
+#: Beside the value: stated, learned (predicted or saturated), or how else it is known.
+SOURCE_SHORT = {
+    "stated": "stated",
+    "saturated": "learned (saturated)",
+    "predicted": "learned (predicted)",
+    "learned": "learned",
+    "proxy": "the proxy's",
+    "assumed": "assumed",
+}
+CAPACITY_NEEDS = (
+    "missing: state it (retrywatch detect --capacity C, calls/s), or let vLLM serve "
+    f"{PREDICT_WINDOW_S / 60:g} minutes of ordinary traffic and the detector predicts it (it needs "
+    "vLLM 0.10.2 or later: vllm:inter_token_latency_seconds)"
+)
+DEADLINE_NEEDS = (
+    "missing: state it (--deadline S, to the detector or the proxy), or scrape the proxy in front of "
+    f"vLLM: it learns the deadline once {MIN_ABANDONS} or more clients have given up at their timeout"
+)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
+
+
+def _since(known: Known, history_from: float | None) -> str:
+    if known.since is None:
+        return ""
+    if history_from is not None and known.since <= history_from:
+        return f"since {_clock(known.since)} or before (the detector's history begins there)"
+    return f"since {_clock(known.since)}"
+
+
+def _input_tile(
+    key: str, label: str, known: Known | None, unit: str, needs: str, history_from: float | None
+) -> Tile:
+    if known is None or known.value is None:
+        return Tile(key, label, needs, None, "missing", "nodata", ())
+    source = known.source or "unknown"
+    words = SOURCE_WORDS.get(source, source)
+    return Tile(
+        key, label, f"{words}; {_since(known, history_from)}".rstrip("; "), known.value,
+        f"{known.value:.3g} {unit}", "ok", (), SOURCE_SHORT.get(source, source),
+    )  # fmt: skip
+
+
+def input_tiles(inputs: EngineInputs | None, error: str | None = None) -> list[Tile]:
+    """The tiles of an engine's Ĉ and deadline: value, source, the prediction's range, since when
+    known; "missing" with what it needs. ``error``: why the detector did not say (an older one
+    without ``/inputs``, or one that does not answer)."""
+    if inputs is None:
+        why = error or "the detector follows no such engine"
+        return [
+            Tile("input_capacity", "Ĉ", why, None, "no data", "nodata", ()),
+            Tile("input_deadline", "deadline", why, None, "no data", "nodata", ()),
+        ]
+    cap = inputs.capacity.get(INPUT_TIER)
+    capacity = _input_tile("input_capacity", "Ĉ", cap, "calls/s", CAPACITY_NEEDS, inputs.history_from)
+    if cap is not None and cap.value is not None and cap.source == "predicted" and inputs.predicted:
+        _, low, high = inputs.predicted
+        capacity = replace(capacity, detail=f"learned (predicted, {low:.3g} to {high:.3g})")
+    proxy = inputs.capacity.get("proxy")
+    if proxy is not None and proxy.value is not None and cap is not None and proxy.source != cap.source:
+        more = f"; the proxy tier's: {proxy.value:.3g} calls/s ({proxy.source})"
+        capacity = replace(capacity, explanation=capacity.explanation + more)
+    deadline = _input_tile(
+        "input_deadline",
+        "deadline",
+        inputs.deadline.get(INPUT_TIER),
+        "s",
+        DEADLINE_NEEDS,
+        inputs.history_from,
+    )
+    return [capacity, deadline]

@@ -8,12 +8,16 @@ Prometheus target, the replayed run's slug): ``GET /signals`` lists instances, a
 ``model`` stay labels. Each alert and episode carries its ``runbook_url`` (``detector.runbook``).
 ``engine=`` or ``since=`` on ``/signals`` without ``name=`` is a 400, not ignored (which would
 return every engine's list); ``/episodes`` while the database does not answer is a 503.
+``/inputs`` says, per engine, where Ĉ and the deadline come from (stated, learned, or missing),
+with the prediction's range and since when each is known.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import HTMLResponse
@@ -35,11 +39,81 @@ INDEX = (
     ("/alerts", "the alerts firing now (JSON)"),
     ("/episodes", "past and open alert episodes (JSON)"),
     ("/signals", "the signals' recent history (JSON)"),
+    ("/inputs", "where each engine's Ĉ and deadline come from (JSON)"),
     ("/runbook", "what each alert means and what to do"),
     ("/metrics", "the detector's own metrics (Prometheus)"),
     ("/healthz", "whether the source answers (JSON)"),
     ("/docs", "the API's reference"),
 )
+
+
+#: Each tier's signals of Ĉ and of the deadline in force (``detector.signals``).
+INPUT_SIGNALS = {"proxy": ("capacity", "deadline"), "vllm": ("vllm_capacity", "vllm_deadline")}
+
+
+def known_since(points: np.ndarray) -> tuple[float | None, float | None]:
+    """The newest value of a signal's history and the time from which it has had a value at every
+    evaluation since (None, None while it has none now)."""
+    if not points.shape[0] or not math.isfinite(points[-1, 1]):
+        return None, None
+    gaps = np.flatnonzero(~np.isfinite(points[:, 1]))
+    first = int(gaps[-1]) + 1 if gaps.size else 0
+    return float(points[-1, 1]), float(points[first, 0])
+
+
+def _deadline_source(key: tuple[float | None, float | None, str | None, float | None] | None) -> str | None:
+    """Where the deadline in force comes from (``SignalEngine._note_deadline``'s key): stated (to the
+    detector, or to the proxy), learned (by the proxy), the proxy's (no source series), assumed."""
+    if key is None:
+        return None
+    stated, exported, source, assumed = key
+    if stated is not None:
+        return "stated"
+    if exported is not None:
+        return source if source in ("stated", "learned") else "proxy"
+    return "assumed" if assumed is not None else None
+
+
+def engine_inputs(detector: Detector) -> list[dict[str, object]]:
+    """Per engine: each tier's Ĉ and deadline (value, source, since when known), the prediction
+    below saturation with its range, and when the detector's history of it begins."""
+    # NOTE: the sources and the prediction live in the signal engine's per-engine state, read here
+    # (a copy of the mapping: an evaluation may add or forget an engine meanwhile).
+    followed = dict(detector.signals._engines)
+    out: list[dict[str, object]] = []
+    for labels in detector.history.engines():
+        hist = followed.get(labels.instance)
+        tiers: dict[str, object] = {}
+        begins: float | None = None
+        for tier, (cap_name, dl_name) in INPUT_SIGNALS.items():
+            got: dict[str, tuple[float | None, float | None]] = dict.fromkeys(
+                (cap_name, dl_name), (None, None)
+            )
+            for name in (cap_name, dl_name):
+                for _, points in detector.history.series(name, engine=labels.instance):
+                    got[name] = known_since(points)
+                    begins = float(points[0, 0]) if points.shape[0] else begins
+            cap_source = None if hist is None else hist.capacity_source.get(tier)  # type: ignore[call-overload]
+            dl_source = None if hist is None else _deadline_source(hist.deadline_key)
+            tiers[tier] = {
+                "capacity": {"value": got[cap_name][0], "since": got[cap_name][1],
+                             "source": cap_source if got[cap_name][0] is not None else None},
+                "deadline": {"value": got[dl_name][0], "since": got[dl_name][1],
+                             "source": dl_source if got[dl_name][0] is not None else None},
+            }  # fmt: skip
+        prediction = None if hist is None else hist.predicted[1]
+        out.append(
+            {
+                "instance": labels.instance,
+                "labels": labels.as_dict(),
+                "tiers": tiers,
+                "predicted": None
+                if prediction is None
+                else {"value": prediction.capacity, "low": prediction.low, "high": prediction.high},
+                "history_from": begins,
+            }
+        )
+    return out
 
 
 def create_app(detector: Detector) -> FastAPI:
@@ -116,6 +190,10 @@ def create_app(detector: Detector) -> FastAPI:
             "series": [{"labels": labels.as_dict(), "points": points} for labels, points in series],
         }
         return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+    @app.get("/inputs")
+    def inputs() -> dict[str, object]:
+        return {"engines": engine_inputs(detector), "evaluated_at": detector.evaluator.last_eval}
 
     @app.get("/healthz")
     def healthz() -> dict[str, object]:

@@ -1,4 +1,5 @@
-"""Live page: per engine, the alert state (a banner while anything fires), its tiles and five
+"""Live page: per engine, the alert state (a banner while anything fires), Ĉ and the deadline
+with where they come from (stated, learned or missing), its tiles and five
 panels (attempts vs Ĉ, execution fates, queues vs executions created × deadline, prompt
 tokens, the delivery SLO's burn), with alert episodes shaded, refreshed on a timer, over a
 chosen time range.
@@ -18,10 +19,18 @@ from dash import Input, Output, State, dcc, html
 
 from dashboard import figures, style
 from dashboard.context import Context
-from dashboard.data import Alert, DetectorError, Episode, engine_of, instance_label, signals_for_engine
+from dashboard.data import (
+    Alert,
+    DetectorError,
+    EngineInputs,
+    Episode,
+    engine_of,
+    instance_label,
+    signals_for_engine,
+)
 from dashboard.figures import Shade
 from dashboard.pages import Page, range_choice, runbook_link, text_choice
-from dashboard.tiles import Tile, tiles
+from dashboard.tiles import Tile, input_tiles, tiles
 from detector.thresholds import SEVERITIES
 
 RANGES: tuple[tuple[str, int], ...] = (("5 min", 300), ("15 min", 900), ("1 h", 3600), ("6 h", 21600))
@@ -51,6 +60,8 @@ class LiveView:
     source_up: bool = True
     signals: dict[str, np.ndarray] = field(default_factory=dict)
     episodes: list[Episode] = field(default_factory=list)
+    inputs: EngineInputs | None = None  # Ĉ and the deadline, where they come from
+    inputs_error: str | None = None  # why the detector did not say
 
     @property
     def engine_alerts(self) -> list[Alert]:
@@ -65,7 +76,10 @@ class LiveView:
         # before an outage is no value now.
         since = self.now - figures.TILE_LOOKBACK_S
         recent = {name: points[points[:, 0] >= since] for name, points in self.signals.items()}
-        return tiles(recent, {a.alertname for a in self.engine_alerts})
+        return [
+            *input_tiles(self.inputs, self.inputs_error),
+            *tiles(recent, {a.alertname for a in self.engine_alerts}),
+        ]
 
     def figures(self) -> list[go.Figure]:
         rev = f"{self.engine}:{self.range_s:g}"  # a new engine or range resets any zoom
@@ -101,6 +115,7 @@ def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | No
         view.alerts = alerts
         since = ref_now - range_s
         view.episodes = ctx.detector.episodes(since=since, engine=engine or None)
+        view.inputs, view.inputs_error = engine_inputs(ctx, engine)
 
         def fetch() -> dict[str, np.ndarray]:
             out = signals_for_engine(ctx.signals, figures.LIVE_SIGNALS, engine=engine, since=since)
@@ -124,6 +139,20 @@ def live_view(ctx: Context, engine: str | None, range_s: int, *, now: float | No
             engine=engine, now=now or time.time(), range_s=range_s, error=str(exc), source_up=False
         )
     return view
+
+
+def engine_inputs(ctx: Context, engine: str | None) -> tuple[EngineInputs | None, str | None]:
+    """The engine's Ĉ and deadline as the detector knows them, or why it does not say (a detector
+    without ``/inputs`` answers 404: the rest of the page does not depend on it)."""
+    try:
+        found = ctx.detector.inputs()
+    except DetectorError:
+        return (
+            None,
+            "the detector does not say where Ĉ and the deadline come from (an older detector, without /inputs)",
+        )
+    mine = next((i for i in found if i.engine == engine), None) if engine else (found[0] if found else None)
+    return mine, None if mine is not None else "the detector follows no such engine yet"
 
 
 # --- rendering --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class StaticDetectorAPI:
         self._up = True
         self._last_scrape: float | None = None  # set by outage(); else the newest point
         self._evaluated_at: float | None = None  # set by outage(); else the last scrape
+        self._inputs: list[dict[str, Any]] | None = None  # /inputs' engines; None: a 404, as before it
         self.requests: dict[str, int] = {}  # path -> requests answered (for tests)
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
@@ -77,6 +78,12 @@ class StaticDetectorAPI:
     def set_episodes(self, episodes: Sequence[Mapping[str, Any]]) -> None:
         with self._lock:
             self._episodes = [dict(e) for e in episodes]
+
+    def set_inputs(self, engines: Sequence[Mapping[str, Any]] | None) -> None:
+        """``/inputs``' engines, as a real detector answers them (``detector.api``); None: no
+        ``/inputs`` at all (a detector from before it)."""
+        with self._lock:
+            self._inputs = None if engines is None else [dict(e) for e in engines]
 
     def set_source_up(self, up: bool) -> None:
         with self._lock:
@@ -126,6 +133,8 @@ class StaticDetectorAPI:
                 return 200, {"episodes": self._filter_episodes(query)}
             if path == "/signals":
                 return self._signal_answer(query)
+            if path == "/inputs" and self._inputs is not None:
+                return 200, {"engines": list(self._inputs), "evaluated_at": last}
             if path == "/healthz":
                 status = "ok" if self._up else "degraded"
                 return 200, {"status": status, "source": {"up": self._up, "last_scrape_at": last}}
