@@ -63,6 +63,14 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="A `retrywatch reproduce run` output directory for the Experiments page.",
 )
 @click.option(
+    "--plan",
+    "plan_dir",
+    envvar="RETRYWATCH_PLAN_DIR",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="A `retrywatch reproduce plan-daily` state directory (its --out) for the Headroom page.",
+)
+@click.option(
     "--host", envvar="RETRYWATCH_DASHBOARD_HOST", default="127.0.0.1", show_default=True, callback=listen_host
 )
 @click.option(
@@ -85,6 +93,7 @@ def dashboard(
     detector_url: str,
     prometheus_url: str | None,
     runs_dir: Path | None,
+    plan_dir: Path | None,
     host: str,
     port: int,
     refresh_s: float,
@@ -102,7 +111,11 @@ def dashboard(
     setup_logging(log_level, log_format, [detector_url, prometheus_url])
     try:
         config = DashboardConfig(
-            detector_url=detector_url, prometheus_url=prometheus_url, runs_dir=runs_dir, refresh_s=refresh_s
+            detector_url=detector_url,
+            prometheus_url=prometheus_url,
+            runs_dir=runs_dir,
+            plan_dir=plan_dir,
+            refresh_s=refresh_s,
         )
         app = create_app(config)
     except ValueError as exc:
@@ -112,6 +125,7 @@ def dashboard(
     if prometheus_url:
         source += f", Prometheus {redact_url(prometheus_url)}"
     runs = f"; runs from {runs_dir}" if runs_dir else ""
+    runs += f"; daily what-if from {plan_dir}" if plan_dir else ""
     announce(f"retrywatch dashboard on {base_url(host, port)}/ ({source}){runs}; state: none of its own")
     app.server.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     bounds = HttpBounds(host=host, port=port, max_connections=MAX_CONNECTIONS)

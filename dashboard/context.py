@@ -27,6 +27,7 @@ class DashboardConfig:
     detector_url: str
     prometheus_url: str | None = None
     runs_dir: Path | None = None
+    plan_dir: Path | None = None  # ``retrywatch reproduce plan-daily --out``: the Headroom page's
     refresh_s: float = 5.0
     timeout_s: float = 5.0
 

@@ -1202,3 +1202,74 @@ def whatif_curve_figure(whatif: Mapping[str, Any]) -> go.Figure:
     fig.update_xaxes(title_text="load (× Ĉ)", row=len(rows), col=1)
     fig.update_layout(title=title, height=180 + 220 * len(rows), margin={"l": 60, "r": 20, "t": 80, "b": 40})
     return fig
+
+
+# --- the daily what-if's headroom over the days (``retrywatch reproduce plan-daily``) --------
+
+
+def headroom_history_figure(days: Sequence[Mapping[str, Any]]) -> go.Figure:
+    """Each day's headroom per policy (multiples of Ĉ, lines and markers), the policy in force's
+    drawn thick and named, the day's observed peak marked, and the warning's margin line: the
+    observed peak × (1 + margin), below which the policy in force warns (``VLLMHeadroomLow``).
+    ``days``: oldest first, each with ``run_at`` (Unix s), ``headroom_load`` (policy -> load),
+    ``observed_peak_load``, ``policy_in_force`` and ``margin`` (plan-daily's ``daily`` object)."""
+    title = "Headroom per day and policy: the peak load each leaves before the delivery objective is missed"
+    if not days:
+        return _empty_figure("no daily run yet", title)
+    fig = go.Figure()
+    x = [1000.0 * float(d["run_at"]) for d in days]  # a date axis: milliseconds since the epoch
+    policies = _ordered_unique(p for d in days for p in d["headroom_load"])
+    for i, policy in enumerate(policies):
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[d["headroom_load"].get(policy) for d in days],
+                mode="lines+markers",
+                name=policy,
+                line={"color": PALETTE[i % len(PALETTE)], "width": 1.5, "dash": "dot"},
+                marker={"size": 7},
+                hovertemplate=f"{policy}: %{{y:.3g}}x Ĉ<extra></extra>",
+            )
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[d["headroom_load"].get(d["policy_in_force"]) for d in days],
+            mode="lines+markers",
+            name="policy in force",
+            text=[d["policy_in_force"] for d in days],
+            line={"color": BLACK, "width": 3.5},
+            marker={"size": 11, "symbol": "diamond"},
+            hovertemplate="in force: %{text}, %{y:.3g}x Ĉ<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[float(d["observed_peak_load"]) * (1 + float(d["margin"])) for d in days],
+            mode="lines",
+            name="warning below: peak × (1 + margin)",
+            line={"color": VERMILLION, "width": 2, "dash": "dash", "shape": "hv"},
+            text=[f"{100 * float(d['margin']):g} %" for d in days],
+            hovertemplate="warns below %{y:.3g}x Ĉ (margin %{text})<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[float(d["observed_peak_load"]) for d in days],
+            mode="markers",
+            name="observed peak",
+            marker={"color": VERMILLION, "size": 12, "symbol": "x"},
+            hovertemplate="observed peak %{y:.3g}x Ĉ<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=title,
+        xaxis={"title": "daily run (UTC)", "type": "date"},
+        yaxis={"title": "peak load (× Ĉ)", "rangemode": "tozero"},
+        height=420,
+        margin={"l": 60, "r": 20, "t": 50, "b": 40},
+        legend={"orientation": "h", "y": -0.2},
+    )
+    return fig

@@ -52,9 +52,9 @@ def runbook_link(runbook_url: str, detector_url: str, class_name: str) -> html.A
 
 
 def _pages() -> tuple[Page, ...]:
-    from dashboard.pages import experiments, history, live
+    from dashboard.pages import experiments, headroom, history, live
 
-    return (live.PAGE, history.PAGE, experiments.PAGE)
+    return (live.PAGE, history.PAGE, experiments.PAGE, headroom.PAGE)
 
 
 PAGES: tuple[Page, ...] = _pages()

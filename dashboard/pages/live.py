@@ -149,7 +149,7 @@ def engine_inputs(ctx: Context, engine: str | None) -> tuple[EngineInputs | None
     except DetectorError:
         return (
             None,
-            "the detector does not say where Ĉ and the deadline come from (an older detector, without /inputs)",
+            "the detector does not say where Ĉ and the deadline come from (an older one, without /inputs)",
         )
     mine = next((i for i in found if i.engine == engine), None) if engine else (found[0] if found else None)
     return mine, None if mine is not None else "the detector follows no such engine yet"

@@ -49,7 +49,8 @@ def _proxy_deadline(snap: Snapshot) -> Snapshot:
 @pytest.fixture(scope="module")
 def series(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("inputs") / "metrics.jsonl"
-    write_series(path, [_proxy_deadline(s) for s in _vllm_only(MODEL, 15, LOW_LOAD)])
+    workload: dict[str, object] = dict(LOW_LOAD)
+    write_series(path, [_proxy_deadline(s) for s in _vllm_only(MODEL, 15, workload)])
     return path
 
 
@@ -86,7 +87,7 @@ def test_nothing_stated_both_are_learned_with_the_range_and_since_when(series: P
     assert cap.source == "predicted" and cap.value == pytest.approx(STUDY_CAPACITY[MODEL], rel=0.2)
     assert engine.predicted is not None
     value, low, high = engine.predicted
-    assert low <= value == cap.value <= high and low < high
+    assert cap.value == value and low <= value <= high and low < high
     assert cap.since is not None and 0.0 < cap.since < 240.0  # predicted once enough sub-windows were in
     assert deadline.source == "learned" and deadline.value == LEARNED_S and deadline.since == LEARNED_AT
     capacity_tile, deadline_tile = input_tiles(engine)
