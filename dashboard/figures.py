@@ -1247,9 +1247,10 @@ def headroom_history_figure(days: Sequence[Mapping[str, Any]]) -> go.Figure:
         go.Scatter(
             x=x,
             y=[float(d["observed_peak_load"]) * (1 + float(d["margin"])) for d in days],
-            mode="lines",
+            mode="lines+markers",
             name="warning below: peak × (1 + margin)",
-            line={"color": VERMILLION, "width": 2, "dash": "dash", "shape": "hv"},
+            line={"color": VERMILLION, "width": 2, "dash": "dash"},
+            marker={"symbol": "line-ew-open", "size": 18},
             text=[f"{100 * float(d['margin']):g} %" for d in days],
             hovertemplate="warns below %{y:.3g}x Ĉ (margin %{text})<extra></extra>",
         )

@@ -327,6 +327,29 @@ def trace_runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# --- a plan-daily state directory --------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two daily runs of the real ``retrywatch reproduce plan-daily --once`` on the planner's own
+    test recording (seconds each): the default policy in force, then none with a larger margin
+    (as an operator would after switching)."""
+    from reproduce.planner.daily import RUNS_DIR
+    from tests.reproduce.test_daily import invoke, write_recording
+    from tests.reproduce.test_runner import SMALL
+
+    root = tmp_path_factory.mktemp("plan")
+    write_recording(root / "rec")
+    out = root / "state"
+    args = ["--once", "--policies", "none,default", "--capacity", str(SMALL["capacity"])]
+    for extra in ([], ["--policy-in-force", "none", "--margin", "0.5"]):
+        result = invoke("--recording", str(root / "rec"), "--out", str(out), *args, *extra)
+        assert result.exit_code == 0, result.output
+    assert len(list((out / RUNS_DIR).iterdir())) == 2  # each run its own directory (its UTC second)
+    return out
+
+
 # --- the app on a real HTTP server thread --------------------------------------------------
 
 

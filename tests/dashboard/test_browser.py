@@ -242,3 +242,22 @@ def test_experiments_page_shows_a_whatif_side_by_side(
         tab.screenshot("experiments-whatif.png")
         assert tab.errors == []
         tab.close()
+
+
+def test_headroom_page(browser: Any, api: StaticDetectorAPI, plan_dir: Path) -> None:
+    """The Headroom page of two real plan-daily runs: reached from the nav, its answer, the days'
+    headroom with the observed peak marked, and the newest run's curves drawn."""
+    with ServedApp(DashboardConfig(detector_url=api.url, plan_dir=plan_dir)) as served:
+        tab = Page(browser)
+        tab.page.goto(served.url + "/history")
+        tab.page.click("#nav-headroom")
+        tab.wait_graphs(2)
+        assert tab.page.url.endswith("/headroom")
+        assert "than the policy in force (none)" in tab.page.locator("#headroom-answer").inner_text() or (
+            "The policy in force, none" in tab.page.locator("#headroom-answer").inner_text()
+        )
+        assert tab.trace_max("graph-headroom-history", "observed peak") > 0
+        assert tab.trace_max("graph-headroom-curves", "within the deadline") == 100.0
+        tab.screenshot("headroom.png")
+        assert tab.errors == []
+        tab.close()

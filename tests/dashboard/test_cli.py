@@ -22,7 +22,7 @@ from tests.exporter.support import endless_head
 def test_help_lists_the_options() -> None:
     result = CliRunner().invoke(main, ["dashboard", "--help"])
     assert result.exit_code == 0
-    for option in ("--detector", "--prometheus", "--runs", "--host", "--port", "--refresh"):
+    for option in ("--detector", "--prometheus", "--runs", "--plan", "--host", "--port", "--refresh"):
         assert option in result.output
     assert "127.0.0.1" in result.output  # loopback by default
 
@@ -31,6 +31,8 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
     runner = CliRunner()
     missing = runner.invoke(main, ["dashboard", "--runs", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+    missing = runner.invoke(main, ["dashboard", "--plan", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and "'--plan'" in missing.output and "does not exist" in missing.output
     bad_url = runner.invoke(main, ["dashboard", "--detector", "ops:s3cretpw@localhost:8200"])
     assert bad_url.exit_code == 2 and "http://" in bad_url.output and "s3cretpw" not in bad_url.output
     env = runner.invoke(main, ["dashboard", "--refresh", "0.5"], env={"RETRYWATCH_DETECTOR_URL": "http://x"})

@@ -20,24 +20,12 @@ from dashboard.pages import PAGES, headroom
 from detector.runbook import runbook_html
 from reproduce.planner import daily
 from reproduce.planner.whatif import WhatIf, curve, marks
-from tests.reproduce.test_daily import invoke, write_recording
 from tests.reproduce.test_runner import SMALL
 
-ARGS = ["--once", "--policies", "none,default", "--capacity", str(SMALL["capacity"])]
 
-
-@pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two daily runs of the real command: the default policy in force, then none with a
-    larger margin (as an operator would after switching)."""
-    root = tmp_path_factory.mktemp("plan")
-    write_recording(root / "rec")
-    out = root / "state"
-    for extra in ([], ["--policy-in-force", "none", "--margin", "0.5"]):
-        result = invoke("--recording", str(root / "rec"), "--out", str(out), *ARGS, *extra)
-        assert result.exit_code == 0, result.output
-    assert len(list((out / daily.RUNS_DIR).iterdir())) == 2  # each run its own directory
-    return out
+@pytest.fixture
+def state(plan_dir: Path) -> Path:
+    return plan_dir
 
 
 def test_the_page_reads_the_planners_names() -> None:
