@@ -185,7 +185,7 @@ def tiles(signals: Mapping[str, Points | None], firing_alertnames: Collection[st
 #: (a proxy tier's that differs is said beside it).
 INPUT_TIER = "vllm"
 SOURCE_WORDS = {
-    "stated": "stated",
+    "stated": "stated to the detector, or by the proxy's series",
     "saturated": "learned: measured while vLLM's queue never emptied",
     "predicted": "learned: predicted below saturation",
     "learned": "learned by the proxy from the ages at which clients abandon attempts",

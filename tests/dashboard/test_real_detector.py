@@ -83,6 +83,12 @@ def test_live_page_against_the_real_detector(browser: Any, processes: dict[str, 
     assert engines == ["episode"]  # the replayed run's slug is its instance, the detector's key
     assert tab.page.locator("#live-engine").inner_text().strip() == engines[0]  # selected by default
     assert "on episode (qwen) since" in banner.inner_text()  # by instance and model, never "on 0"
+    # Ĉ and the deadline first, with where they come from: the run's series state both (the
+    # deadline as the proxy's gauge alone, without its source series)
+    capacity = tab.page.locator("#tile-input_capacity").inner_text()
+    deadline = tab.page.locator("#tile-input_deadline").inner_text()
+    assert "2.8 calls/s" in capacity and "stated" in capacity and "since" in capacity
+    assert "120 s" in deadline and "the proxy's" in deadline
     tab.screenshot("live-real-detector.png")
     # the recovery: the loop's condition clears and it keeps firing a while, shown as resolving
     tab.page.wait_for_function(
