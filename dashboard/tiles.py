@@ -16,7 +16,6 @@ from typing import Literal
 from dashboard.data import EngineInputs, Known
 from dashboard.figures import Points, latest
 from detector.capacity import PREDICT_WINDOW_S
-from exporter.deadlines import MIN_ABANDONS
 from foundation.ratios import RATIOS
 
 RATIOS_BY_NAME = {ratio.name: ratio for ratio in RATIOS}
@@ -208,7 +207,8 @@ CAPACITY_NEEDS = (
 )
 DEADLINE_NEEDS = (
     "missing: state it (--deadline S, to the detector or the proxy), or scrape the proxy in front of "
-    f"vLLM: it learns the deadline once {MIN_ABANDONS} or more clients have given up at their timeout"
+    "vLLM: it learns the deadline once enough clients have given up at their timeout (docs/operator.md, "
+    '"How the deadline is found")'
 )
 
 
