@@ -61,25 +61,10 @@ def known_since(points: np.ndarray) -> tuple[float | None, float | None]:
     return float(points[-1, 1]), float(points[first, 0])
 
 
-def _deadline_source(key: tuple[float | None, float | None, str | None, float | None] | None) -> str | None:
-    """Where the deadline in force comes from (``SignalEngine._note_deadline``'s key): stated (to the
-    detector, or to the proxy), learned (by the proxy), the proxy's (no source series), assumed."""
-    if key is None:
-        return None
-    stated, exported, source, assumed = key
-    if stated is not None:
-        return "stated"
-    if exported is not None:
-        return source if source in ("stated", "learned") else "proxy"
-    return "assumed" if assumed is not None else None
-
-
 def engine_inputs(detector: Detector) -> list[dict[str, object]]:
     """Per engine: each tier's Ĉ and deadline (value, source, since when known), the prediction
     below saturation with its range, and when the detector's history of it begins."""
-    # NOTE: the sources and the prediction live in the signal engine's per-engine state, read here
-    # (a copy of the mapping: an evaluation may add or forget an engine meanwhile).
-    followed = dict(detector.signals._engines)
+    followed = detector.signals.inputs()
     out: list[dict[str, object]] = []
     for labels in detector.history.engines():
         hist = followed.get(labels.instance)
@@ -94,14 +79,14 @@ def engine_inputs(detector: Detector) -> list[dict[str, object]]:
                     got[name] = known_since(points)
                     begins = float(points[0, 0]) if points.shape[0] else begins
             cap_source = None if hist is None else hist.capacity_source.get(tier)  # type: ignore[call-overload]
-            dl_source = None if hist is None else _deadline_source(hist.deadline_key)
+            dl_source = None if hist is None else hist.deadline_source
             tiers[tier] = {
                 "capacity": {"value": got[cap_name][0], "since": got[cap_name][1],
                              "source": cap_source if got[cap_name][0] is not None else None},
                 "deadline": {"value": got[dl_name][0], "since": got[dl_name][1],
                              "source": dl_source if got[dl_name][0] is not None else None},
             }  # fmt: skip
-        prediction = None if hist is None else hist.predicted[1]
+        prediction = None if hist is None else hist.predicted
         out.append(
             {
                 "instance": labels.instance,

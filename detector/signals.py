@@ -23,6 +23,7 @@ import logging
 import math
 import typing
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
@@ -956,6 +957,30 @@ class SignalConfig:
         self.objective = check_objective(self.objective)
 
 
+@dataclass(frozen=True)
+class EngineInputs:
+    """Where one engine's Ĉ and deadline come from now (:meth:`SignalEngine.inputs`): each tier's
+    Ĉ source (``predictor.CAPACITY_SOURCES``), the deadline's (stated, learned, the proxy's,
+    assumed; None before any evaluation) and Ĉ predicted below saturation, if any."""
+
+    capacity_source: Mapping[Tier, str | None]
+    deadline_source: str | None
+    predicted: predictor.CapacityPrediction | None
+
+
+def _deadline_source(key: tuple[float | None, float | None, str | None, float | None] | None) -> str | None:
+    """Where the deadline in force comes from, from :meth:`SignalEngine._note_deadline`'s key
+    (stated, exported by the proxy with its source, assumed)."""
+    if key is None:
+        return None
+    stated, exported, source, assumed = key
+    if stated is not None:
+        return "stated"
+    if exported is not None:
+        return source if source in ("stated", "learned") else "proxy"
+    return "assumed" if assumed is not None else None
+
+
 @dataclass
 class _EngineHistory:
     times: list[float] = field(default_factory=list)
@@ -1076,6 +1101,16 @@ class SignalEngine:
     @property
     def instances(self) -> list[str]:
         return list(self._engines)
+
+    def inputs(self) -> dict[str, EngineInputs]:
+        """Per followed instance, where its Ĉ and deadline come from now (a copy: an evaluation
+        may add or forget an engine meanwhile)."""
+        return {
+            instance: EngineInputs(
+                dict(hist.capacity_source), _deadline_source(hist.deadline_key), hist.predicted[1]
+            )
+            for instance, hist in list(self._engines.items())
+        }
 
     def add(self, snapshot: Snapshot, default_instance: str = "") -> int:
         """Record one scrape (samples grouped by their ``instance`` label); returns how many of

@@ -33,6 +33,7 @@ __all__ = [
     "WHATIF_POINTS",
     "NotARunDir",
     "RunDirError",
+    "read_json",
     "read_summary",
     "read_validation",
     "read_whatif",
@@ -95,7 +96,7 @@ def regular_file(path: Path, root: Path, max_bytes: int) -> Path:
     at most ``max_bytes``; otherwise RunDirError saying what it is. A FIFO, a device or a socket
     is never opened (opening one for reading can wait forever), nor a file outside ``root``.
 
-    NOTE: a file swapped for a FIFO between this check and its read is not covered; ``_read_json``
+    NOTE: a file swapped for a FIFO between this check and its read is not covered; ``read_json``
     below is, by opening without waiting and checking the open file again."""
     resolved = path.resolve()
     if root.resolve() not in resolved.parents:
@@ -116,7 +117,7 @@ def _check_stat(path: Path, st: os.stat_result, max_bytes: int) -> None:
         raise RunDirError(f"{path} is {st.st_size} bytes, over the {max_bytes}-byte bound; it is not read")
 
 
-def _read_json(path: Path, root: Path) -> Any:
+def read_json(path: Path, root: Path) -> Any:
     """``path``'s JSON, read only if it is a regular file inside ``root`` (``regular_file``)."""
     resolved = regular_file(path, root, MAX_JSON_BYTES)
     # O_NONBLOCK: a file swapped for a FIFO since the check opens at once instead of waiting
@@ -145,7 +146,7 @@ def read_summary(out: Path) -> dict[str, Any]:
             f"{path}: not found; {SUMMARY} does not exist until `retrywatch reproduce run ... --out {out}`"
             " writes it"
         )
-    data = _read_json(path, out)
+    data = read_json(path, out)
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise RunDirError(f"{path} must hold {{'runs': [...]}}")
     return data
@@ -156,7 +157,7 @@ def read_validation(out: Path) -> dict[str, Any] | None:
     path = out / VALIDATION
     if not path.exists():
         return None
-    data = _read_json(path, out)
+    data = read_json(path, out)
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise RunDirError(f"{path} must hold {{'runs': [...]}}")
     return data
@@ -167,7 +168,7 @@ def read_whatif(out: Path) -> dict[str, Any] | None:
     path = out / WHATIF
     if not path.exists():
         return None
-    data = _read_json(path, out)
+    data = read_json(path, out)
     if not isinstance(data, dict) or not isinstance(data.get("policies"), dict):
         raise RunDirError(f"{path} must hold {{'policies': {{...}}}}")
     return data

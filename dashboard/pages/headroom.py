@@ -26,7 +26,7 @@ from dashboard import figures, style
 from dashboard.context import Context
 from dashboard.pages import Page
 from detector.signals import DELIVERY_OBJECTIVE
-from foundation.rundir import WHATIF, WHATIF_POINTS, RunDirError, _read_json, read_summary
+from foundation.rundir import WHATIF, WHATIF_POINTS, RunDirError, read_json, read_summary
 
 PATH = "/headroom"
 #: Where plan-daily keeps each run (``reproduce.planner.daily.RUNS_DIR``).
@@ -82,7 +82,7 @@ def load_plan(state: Path | None) -> Plan:
         return plan
     runs = state / RUNS_DIR
     try:
-        dirs = sorted(d for d in runs.iterdir() if d.is_dir()) if runs.is_dir() else []
+        dirs = sorted(d for d in runs.iterdir() if d.is_dir() and not d.is_symlink()) if runs.is_dir() else []
     except OSError as exc:
         plan.notes.append(f"{runs} cannot be listed: {exc}")
         return plan
@@ -102,7 +102,7 @@ def load_plan(state: Path | None) -> Plan:
             plan.notes.append(f"{where}: not written (a run still under way, or one that failed); skipped.")
             continue
         try:
-            body = _read_json(d / WHATIF, state)
+            body = read_json(d / WHATIF, state)
             plan.days.append({**_day(body, where), "dir": d})
             newest = (d, body)
         except BROKEN as exc:
