@@ -32,7 +32,7 @@ from foundation import metricnames as mn
 from foundation.ratios import RATIOS, Ratio
 from foundation.timeseries import Sample, Snapshot
 from foundation.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
-from foundation.vllmreleases import SAMPLE_ALIASES
+from foundation.vllmreleases import SAMPLE_ALIASES, WAITING_FOR_CAPACITY
 
 log = logging.getLogger("retrywatch.detector")
 
@@ -131,6 +131,8 @@ RAW: dict[str, tuple[str, tuple[str, str] | None]] = {
     "delivered_late": (mn.CALLS_DELIVERED, ("within_deadline", "false")),
     "missed_deadline": (mn.CALLS_MISSED_DEADLINE, None),
     "waiting": (mn.VLLM_NUM_WAITING, None),
+    # the part of it waiting for capacity, not deferred (vLLM 0.20 on): what the queues read
+    "waiting_for_capacity": (mn.VLLM_NUM_WAITING_BY_REASON, ("reason", WAITING_FOR_CAPACITY)),
     "running": (mn.VLLM_NUM_RUNNING, None),
     "queued": (mn.EXECUTIONS_QUEUED, None),
     "capacity_gauge": (mn.CAPACITY, None),
@@ -277,6 +279,12 @@ def _gauge(metric: str, agg: str = "sum", flt: str = "") -> str:
     return _j(f"{agg} by (instance) ({metric}{flt})")
 
 
+#: vLLM's requests waiting for capacity: where vLLM splits its waiting queue by reason (0.20 on),
+#: those not deferred (``foundation.vllmreleases.WAITING_FOR_CAPACITY``), else the whole queue.
+_WAITING_FOR_CAPACITY = (
+    f'sum by (instance) ({mn.VLLM_NUM_WAITING_BY_REASON}{{reason="{WAITING_FOR_CAPACITY}"}})'
+    f" or sum by (instance) ({mn.VLLM_NUM_WAITING})"
+)
 _W = f"{int(WINDOWS.rate_s)}s"
 _GW = f"{int(WINDOWS.prompt_gap_s)}s"
 
@@ -377,9 +385,9 @@ _BASE_SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec(
         "vllm_waiting",
         "executions",
-        "vLLM's waiting queue.",
+        "vLLM's requests waiting for capacity (its waiting queue less those it defers, 0.20 on).",
         _r("vllm_waiting:sum"),
-        _gauge(mn.VLLM_NUM_WAITING),
+        _j(_WAITING_FOR_CAPACITY),
     ),
     SignalSpec(
         "vllm_running",
@@ -580,9 +588,9 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec(
         "vllm_waiting_requests",
         "requests",
-        "vLLM's waiting queue.",
+        "vLLM's requests waiting for capacity (its waiting queue less those it defers, 0.20 on).",
         _vr("requests_waiting:sum"),
-        _vj(f"sum by (instance) ({mn.VLLM_NUM_WAITING})"),
+        _vj(_WAITING_FOR_CAPACITY),
         "vllm",
     ),
     SignalSpec(
@@ -883,10 +891,7 @@ HELPER_RECORDS: dict[Tier, tuple[tuple[str, str], ...]] = {
         (_r("capacity_estimate:avg1h"), f"avg_over_time({_r('saturated_completion:rate5m')}[1h])"),
         (
             _r("queue_executions:sum"),
-            _j(
-                f"sum by (instance) ({mn.VLLM_NUM_WAITING})"
-                f" + on (instance) sum by (instance) ({mn.EXECUTIONS_QUEUED})"
-            ),
+            _j(f"({_WAITING_FOR_CAPACITY}) + on (instance) sum by (instance) ({mn.EXECUTIONS_QUEUED})"),
         ),
     ),
 }
@@ -1279,6 +1284,13 @@ class SignalEngine:
             return None
         return last[_RAW_INDEX[key]]
 
+    def _waiting_key(self, hist: _EngineHistory, now: float) -> str:
+        """The raw key of vLLM's requests waiting for capacity: ``waiting_for_capacity`` where the
+        latest scrape has it (vLLM 0.20 on), else the whole queue (as ``_WAITING_FOR_CAPACITY``)."""
+        last = self._last_row(hist, now)
+        served = last is not None and not math.isnan(last[_RAW_INDEX["waiting_for_capacity"]])
+        return "waiting_for_capacity" if served else "waiting"
+
     def _deriv(self, hist: _EngineHistory, keys: tuple[str, ...], now: float, width: float) -> float | None:
         idxs = [_RAW_INDEX[k] for k in keys]
         lo, hi = self._window(hist, now, width)
@@ -1398,7 +1410,8 @@ class SignalEngine:
         v["vllm_finished_prompt_tokens_rate"] = rate("vllm_finished_prompt_tokens")
         v["vllm_queue_time_rate"] = rate("vllm_queue_time_sum")
         v["vllm_queue_time_finish_rate"] = rate("vllm_queue_time_count")
-        v["vllm_waiting_requests"] = self._gauge(hist, "waiting", now)
+        waiting_key = self._waiting_key(hist, now)
+        v["vllm_waiting_requests"] = self._gauge(hist, waiting_key, now)
         v["vllm_running_requests"] = self._gauge(hist, "running", now)
         v["vllm_refusal_rate"] = rate("vllm_refused")
         v["vllm_refused_recently"] = self._refused_within(hist, now, w.capacity_estimate_s)
@@ -1417,7 +1430,7 @@ class SignalEngine:
         v["vllm_in_time_rate"] = in_time(w.rate_s)
         for ratio in VLLM_RATIOS:
             v[ratio.name] = ratio.value(v)
-        v["vllm_queue_growth_rate"] = self._deriv(hist, ("waiting",), now, w.rate_s)
+        v["vllm_queue_growth_rate"] = self._deriv(hist, (waiting_key,), now, w.rate_s)
         for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
             errors = vllm_delivery_error(
                 in_time(width),
@@ -1462,14 +1475,15 @@ class SignalEngine:
         v["delivered_rate_late"] = rate("delivered_late")
         v["prompt_tokens_counted_rate"] = rate("prompt_tokens", w.prompt_gap_s)
         v["prompt_tokens_admitted_rate"] = rate("prefix_queries", w.prompt_gap_s)
-        v["vllm_waiting"] = waiting = self._gauge(hist, "waiting", now)
+        waiting_key = self._waiting_key(hist, now)
+        v["vllm_waiting"] = waiting = self._gauge(hist, waiting_key, now)
         v["vllm_running"] = self._gauge(hist, "running", now)
         v["proxy_queued"] = self._gauge(hist, "queued", now)
         v["capacity"] = capacity = self._capacity(hist, now, "proxy")
         v["deadline"] = deadline = self._deadline(hist, now)
         for ratio in RATIOS:  # each reads signals computed above, or a ratio before it
             v[ratio.name] = ratio.value(v)
-        v["queue_growth_rate"] = self._deriv(hist, ("waiting", "queued"), now, w.rate_s)
+        v["queue_growth_rate"] = self._deriv(hist, (waiting_key, "queued"), now, w.rate_s)
         for span, width in (("short", w.slo_short_s), ("long", w.slo_long_s)):
             missed, good = rate("missed_deadline", width), rate("delivered_within", width)
             judged = None if missed is None or good is None else missed + good

@@ -44,6 +44,8 @@ __all__ = [
     "CANONICAL",
     "FAMILIES",
     "SAMPLE_ALIASES",
+    "WAITING_DEFERRED",
+    "WAITING_FOR_CAPACITY",
     "Exported",
     "ReleaseFamily",
     "canonical_name",
@@ -77,6 +79,18 @@ CANONICAL: Final = (
     mn.VLLM_REQUEST_PROMPT_TOKENS,
     mn.VLLM_REQUEST_GENERATION_TOKENS,
 )
+
+
+#: ``vllm:num_requests_waiting_by_reason``'s ``reason`` values (V1, 0.20.0 on). vLLM's V1 metrics
+#: logger sets, every time its scheduler reports: ``capacity`` to the requests in the scheduler's
+#: waiting queue (waiting for room in the batch: sequences, tokens, KV blocks), ``deferred`` to
+#: those it set aside this step for a transient constraint that is not capacity (its skipped
+#: waiting queue: a KV transfer from a remote prefill still in flight, a structured-output grammar
+#: still compiling, the LoRA budget, a KV connector that cannot yet say what it holds), and
+#: ``vllm:num_requests_waiting`` to their sum. Read in ``vllm/v1/metrics/loggers.py`` (the gauge,
+#: its documentation and the sum) and ``vllm/v1/core/sched/scheduler.py`` (what is skipped).
+WAITING_FOR_CAPACITY: Final = "capacity"
+WAITING_DEFERRED: Final = "deferred"
 
 
 @dataclass(frozen=True)
@@ -447,7 +461,8 @@ def _build() -> tuple[ReleaseFamily, ...]:
             "0.31.0",
             "V1",
             v1,
-            "0.20.0 added num_requests_waiting_by_reason (reason capacity or deferred).",
+            "0.20.0 added num_requests_waiting_by_reason (reason capacity or deferred: "
+            "WAITING_FOR_CAPACITY, WAITING_DEFERRED); num_requests_waiting is their sum.",
         )
     )
     v1 = dict(v1)

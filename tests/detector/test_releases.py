@@ -18,7 +18,15 @@ from detector.thresholds import ALERTS, AnyOf, Cmp, Condition
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, parse_exposition
 from foundation.vllmbuckets import le_label
-from foundation.vllmreleases import ALIASES, FAMILIES, SAMPLE_ALIASES, ReleaseFamily, canonical_name
+from foundation.vllmreleases import (
+    ALIASES,
+    FAMILIES,
+    SAMPLE_ALIASES,
+    WAITING_DEFERRED,
+    WAITING_FOR_CAPACITY,
+    ReleaseFamily,
+    canonical_name,
+)
 
 MAX_MODEL_LEN = 2048
 CAPACITY = 4.0  # calls/s, stated
@@ -28,7 +36,10 @@ FINISHED_PER_STEP = 10  # 2 requests/s
 PROMPT = 100  # tokens per request
 OUTPUT = 50
 E2E_S = 3.0  # every request finishes in 3 s, in time for the 120-s default deadline
-WAITING, RUNNING = 2.0, 6.0
+WAITING, RUNNING = 3.0, 6.0
+#: Of the waiting requests, those vLLM defers (0.20 on: a KV transfer in flight, a grammar compiling,
+#: the LoRA budget): not waiting for capacity, so no part of the queues the tiers read.
+DEFERRED = 1.0
 
 
 def _scrapes(family: ReleaseFamily) -> list[Snapshot]:
@@ -36,17 +47,26 @@ def _scrapes(family: ReleaseFamily) -> list[Snapshot]:
     series it serves (its deprecated names beside, as it serves them), one engine, one model."""
     registry = CollectorRegistry()
     counters: list[tuple[str, Any]] = []
-    gauges: list[tuple[str, Any]] = []
+    gauges: list[tuple[float, Any]] = []
     histograms: list[tuple[str, Any]] = []
     series = [*((c, s) for c, s in family.series.items() if s is not None), *family.deprecated.items()]
+    level = {mn.VLLM_NUM_WAITING: WAITING, mn.VLLM_NUM_RUNNING: RUNNING, mn.VLLM_KV_CACHE_USAGE: 0.4}
+    # vLLM's waiting queue by reason: the two parts of the whole (vllmreleases' WAITING_* facts)
+    by_reason = {WAITING_FOR_CAPACITY: WAITING - DEFERRED, WAITING_DEFERRED: DEFERRED}
     for canonical, s in series:
-        reason = "capacity" if s.kind == "gauge" else "max_num_queued_reqs"
-        label_values = {"engine": "0", "model_name": "m", "finished_reason": "stop", "reason": reason}
+        label_values = {"engine": "0", "model_name": "m", "finished_reason": "stop"}
+        label_values["reason"] = "max_num_queued_reqs"
         values = [label_values[lb] for lb in s.labels]
         if s.kind == "counter":
             counters.append((canonical, Counter(s.name, "help", s.labels, registry=registry).labels(*values)))
+        elif canonical == mn.VLLM_NUM_WAITING_BY_REASON:
+            gauge = Gauge(s.name, "help", s.labels, registry=registry)
+            for reason, value in by_reason.items():
+                label_values["reason"] = reason
+                gauges.append((value, gauge.labels(*(label_values[lb] for lb in s.labels))))
         elif s.kind == "gauge":
-            gauges.append((canonical, Gauge(s.name, "help", s.labels, registry=registry).labels(*values)))
+            child = Gauge(s.name, "help", s.labels, registry=registry).labels(*values)
+            gauges.append((level.get(canonical, 1.0), child))
         else:
             h = Histogram(s.name, "help", s.labels, registry=registry, buckets=s.bounds(MAX_MODEL_LEN))
             histograms.append((canonical, h.labels(*values)))
@@ -69,7 +89,6 @@ def _scrapes(family: ReleaseFamily) -> list[Snapshot]:
         mn.VLLM_REQUEST_PROMPT_TOKENS: PROMPT,
         mn.VLLM_REQUEST_GENERATION_TOKENS: OUTPUT,
     }
-    level = {mn.VLLM_NUM_WAITING: WAITING, mn.VLLM_NUM_RUNNING: RUNNING, mn.VLLM_KV_CACHE_USAGE: 0.4}
     snapshots = []
     for i in range(SCRAPES):
         if i:
@@ -78,8 +97,8 @@ def _scrapes(family: ReleaseFamily) -> list[Snapshot]:
             for name, h in histograms:
                 for _ in range(FINISHED_PER_STEP):
                     h.observe(observed[name])
-        for name, g in gauges:
-            g.set(level.get(name, 1.0))
+        for value, g in gauges:
+            g.set(value)
         samples = parse_exposition(generate_latest(registry).decode(), keep_histograms=True)
         snapshots.append(Snapshot(t=i * STEP_S, samples=[*samples, ("up", {}, 1.0)]))
     return snapshots
@@ -148,13 +167,15 @@ def test_every_vllm_tier_signal_the_family_supports_evaluates_once(family: Relea
             assert values[signal] is not None, signal
     # the steady state's rates, whichever name the family serves them under, and never doubled
     # where it serves an old name beside the new one
+    splits = family.series[mn.VLLM_NUM_WAITING_BY_REASON] is not None
     expected = {
         "vllm_finish_rate": FINISHED_PER_STEP / STEP_S,
         "vllm_e2e_finish_rate": FINISHED_PER_STEP / STEP_S,
         "vllm_in_time_rate": FINISHED_PER_STEP / STEP_S,
         "vllm_admitted_tokens_rate": PROMPT * FINISHED_PER_STEP / STEP_S,
         "vllm_finished_prompt_tokens_rate": PROMPT * FINISHED_PER_STEP / STEP_S,
-        "vllm_waiting_requests": WAITING,
+        # the deferred requests not counted where vLLM tells them apart
+        "vllm_waiting_requests": WAITING - DEFERRED if splits else WAITING,
         "vllm_running_requests": RUNNING,
         "vllm_unfinished_fraction": 0.0,
         "vllm_late_fraction": 0.0,

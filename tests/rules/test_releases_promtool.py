@@ -1,6 +1,7 @@
 """Every vLLM release family through the rendered rules (``promtool test rules``): a steady state
 exported as the family serves it records every vLLM-tier signal its series support (older names
-read), the admitted prompt tokens once where a release serves the old name beside the new one."""
+read), the admitted prompt tokens once where a release serves the old name beside the new one,
+and the waiting requests without those vLLM defers where it tells them apart."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 from detector.signals import PROMETHEUS_JOBS, tier_signals
 from foundation import metricnames as mn
 from foundation.vllmbuckets import le_label
-from foundation.vllmreleases import FAMILIES, ReleaseFamily
+from foundation.vllmreleases import FAMILIES, WAITING_DEFERRED, WAITING_FOR_CAPACITY, ReleaseFamily
 from rules import generate
-from tests.detector.test_releases import CAPACITY, MAX_MODEL_LEN, supported
+from tests.detector.test_releases import CAPACITY, DEFERRED, MAX_MODEL_LEN, WAITING, supported
 
 pytestmark = pytest.mark.promtool
 
@@ -37,7 +38,13 @@ def _input_series(family: ReleaseFamily) -> list[dict[str, str]]:
     series = [*((c, s) for c, s in family.series.items() if s is not None), *family.deprecated.items()]
     for canonical, s in series:
         labels = f'job="{job}",instance="{INSTANCE}",' + ",".join(f'{lb}="{values[lb]}"' for lb in s.labels)
-        if s.kind == "gauge":
+        if canonical == mn.VLLM_NUM_WAITING_BY_REASON:  # the two parts of the whole queue
+            for reason, value in ((WAITING_FOR_CAPACITY, WAITING - DEFERRED), (WAITING_DEFERRED, DEFERRED)):
+                by_reason = labels.replace('reason="max_num_queued_reqs"', f'reason="{reason}"')
+                out.append({"series": f"{s.name}{{{by_reason}}}", "values": f"{value:g}x{STEPS}"})
+        elif canonical == mn.VLLM_NUM_WAITING:
+            out.append({"series": f"{s.name}{{{labels}}}", "values": f"{WAITING:g}x{STEPS}"})
+        elif s.kind == "gauge":
             out.append({"series": f"{s.name}{{{labels}}}", "values": f"2x{STEPS}"})
         elif s.kind == "counter":
             step = 0 if canonical == mn.VLLM_ADMISSION_REJECTIONS else PER_STEP * PROMPT
@@ -80,6 +87,14 @@ def test_each_family_records_the_vllm_tier_signals_its_series_support(
                 ],
             }
         )
+    waiting = WAITING if family.series[mn.VLLM_NUM_WAITING_BY_REASON] is None else WAITING - DEFERRED
+    tests.append(
+        {
+            "expr": "sum by (instance) (instance:retrywatch_vllmtier_requests_waiting:sum)",
+            "eval_time": at,
+            "exp_samples": [{"labels": f'{{instance="{INSTANCE}"}}', "value": waiting}],
+        }
+    )
     doc = {
         "rule_files": [str(generate.RULES_PATH)],
         "evaluation_interval": f"{STEP_S}s",
