@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, alert_expr
+from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, PrometheusAlert, alert_expr
 from rules import generate, learned, unittests
 from rules.backfill import parse_duration
 
@@ -74,7 +74,8 @@ ALL_ALERT_NAMES = [
 def test_every_alert_once_with_the_detector_thresholds() -> None:
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert list(by_name) == ALL_ALERT_NAMES
-    for extra in (*learned.EXTRA_ALERTS, *PROMETHEUS_ALERTS):
+    extras: list[learned.ExtraAlert | PrometheusAlert] = [*learned.EXTRA_ALERTS, *PROMETHEUS_ALERTS]
+    for extra in extras:
         rule = by_name[extra.name]
         assert (rule["expr"], parse_duration(rule["for"])) == (extra.expr, extra.for_s)
         assert rule["labels"] == {"severity": extra.severity}
