@@ -6,6 +6,10 @@ in a real Prometheus (``rules.backfill.evaluate_rules``), then pairs each alert'
 order: they agree when both have the same episodes, each fired and resolved within one
 evaluation interval of the other. Prints one line per disagreeing run and a total; exits 1 on
 any disagreement. Needs ``promtool`` and ``prometheus`` (Debian's ``prometheus`` package).
+
+The replay assumes no deadline where no series states one, as ``retrywatch detect`` and the rules
+do; the alerts only the rules evaluate (``rules.learned.EXTRA_ALERTS``, on how they found the
+deadline) are left out of the comparison.
 """
 
 from __future__ import annotations
@@ -44,9 +48,18 @@ def disagreements(python: Sequence[Key], prometheus: Sequence[Key], *, tolerance
 
 
 def python_verdict(series_path: Path) -> list[Key]:
+    """The detector's episodes on a run, with no deadline assumed (as the rules)."""
     from detector.replay import replay_run
 
-    return sorted((e.alertname, e.started_at, e.resolved_at) for e in replay_run(series_path))
+    episodes = replay_run(series_path, assumed_deadline=None)
+    return sorted((e.alertname, e.started_at, e.resolved_at) for e in episodes)
+
+
+def rules_only() -> frozenset[str]:
+    """The alerts only the rules evaluate: no Python verdict to compare them with."""
+    from rules.learned import EXTRA_ALERTS
+
+    return frozenset(a.name for a in EXTRA_ALERTS)
 
 
 def prometheus_verdicts(runs: Mapping[str, Sequence[Snapshot]], rules_path: Path) -> dict[str, list[Key]]:
@@ -54,8 +67,11 @@ def prometheus_verdicts(runs: Mapping[str, Sequence[Snapshot]], rules_path: Path
     from rules.generate import group_job
 
     doc = yaml.safe_load(rules_path.read_text(encoding="utf-8"))
+    skip = rules_only()
     return {
-        instance: sorted((e.alertname, e.fired_at_s, e.resolved_at_s) for e in episodes)
+        instance: sorted(
+            (e.alertname, e.fired_at_s, e.resolved_at_s) for e in episodes if e.alertname not in skip
+        )
         for instance, episodes in evaluate_rules(runs, doc, job=group_job).items()
     }
 

@@ -6,7 +6,8 @@ definitions produce (tests/rules/test_generate.py
 asserts the same, so the rules and the Python detector can never drift apart).
 
 Sources: recording rules (name, PromQL) from ``detector.signals.recording_rules(tier)`` with their
-help text as comments; alerts from ``detector.thresholds.ALERTS`` with their PromQL from
+help text as comments, the vLLM tier's Ĉ and deadline as ``rules.learned`` computes them where
+nothing is stated (its records, and its two alerts on the deadline after the tier's); alerts from ``detector.thresholds.ALERTS`` with their PromQL from
 ``detector.thresholds.alert_expr``, then ``detector.thresholds.PROMETHEUS_ALERTS`` (alerts on
 Prometheus' own scrapes, which only Prometheus evaluates). Everything sits in one rule group,
 recording rules first: Prometheus evaluates a group's rules in order at one timestamp, so each alert reads the
@@ -32,8 +33,9 @@ from typing import Any
 
 import click
 
-from detector.runbook import DEFAULT_PATTERN, runbook_option
+from detector.runbook import DEFAULT_PATTERN, runbook_option, runbook_url
 from detector.signals import PROMETHEUS_JOBS, Tier
+from rules import learned
 
 RULES_PATH = Path(__file__).resolve().parent / "retrywatch.rules.yml"
 GROUP_NAME = "retrywatch"
@@ -118,15 +120,34 @@ def _block(key: str, text: str, indent: str) -> list[str]:
     return [f"{indent}{key}: |-", *(f"{indent}  {line}" for line in text.splitlines())]
 
 
+def _records(tier: Tier) -> list[dict[str, Any]]:
+    """The tier's recording rules; the vLLM tier's with Ĉ and the deadline as ``rules.learned``
+    computes them (its helper records ahead of the signals, the Ĉ source after Ĉ)."""
+    from detector.signals import HELPER_RECORDS, recording_rules
+
+    rules = recording_rules(tier)
+    if tier != "vllm":
+        return [{"record": name, "expr": expr} for name, expr in rules]
+    head = len(HELPER_RECORDS[tier])
+    out: list[dict[str, Any]] = []
+    for i, (name, expr) in enumerate(rules):
+        if i == head:
+            out += [{"record": n, "expr": e} for n, e in learned.helper_records()]
+        out.append({"record": name, "expr": learned.rewrite(name, expr)})
+        if name == learned.CAPACITY_RECORD:
+            source, source_expr = learned.source_record()
+            out.append({"record": source, "expr": source_expr})
+    return out
+
+
 def rule_documents(runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
     """The rules as data (what ``yaml.safe_load`` of the generated file must return), each alert's
     ``runbook_url`` from ``runbook_pattern`` (``detector.runbook``)."""
-    from detector.signals import recording_rules
     from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, alert_expr, promql_template
 
     groups = []
     for tier, group_name in GROUP_NAMES.items():
-        rules: list[dict[str, Any]] = [{"record": name, "expr": expr} for name, expr in recording_rules(tier)]
+        rules: list[dict[str, Any]] = _records(tier)
         for alert in ALERTS:
             if alert.tier != tier:
                 continue
@@ -144,6 +165,21 @@ def rule_documents(runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
                 "runbook_url": alert.runbook_url(runbook_pattern),
             }
             rules.append(rule)
+        if tier == "vllm":
+            for learned_alert in learned.EXTRA_ALERTS:  # on how the rules found the deadline
+                rules.append(
+                    {
+                        "alert": learned_alert.name,
+                        "expr": learned_alert.expr,
+                        "for": duration(learned_alert.for_s),
+                        "labels": {"severity": learned_alert.severity},
+                        "annotations": {
+                            "summary": learned_alert.summary,
+                            "description": learned_alert.description,
+                            "runbook_url": runbook_url(runbook_pattern, learned_alert.name),
+                        },
+                    }
+                )
         if tier == "proxy":
             for extra in PROMETHEUS_ALERTS:  # on Prometheus' own scrapes: no Python counterpart
                 rules.append(
@@ -169,6 +205,7 @@ def render(runbook_pattern: str = DEFAULT_PATTERN) -> str:
 
     help_by_record = {s.record: f"{s.help} [{s.unit}] (signal {s.name})" for s in SIGNALS}
     help_by_record.update(_HELPER_COMMENTS)
+    help_by_record.update(learned.EXTRA_COMMENTS)
     doc = rule_documents(runbook_pattern)
     lines = [HEADER.rstrip("\n"), "groups:"]
     ind = "      "

@@ -1,17 +1,17 @@
 """The rules for an operator's own Prometheus: vLLM's scrape job, the deadline and Ĉ as stated.
 
-``rules/retrywatch.rules.yml`` (``rules.generate``) is rendered at the vLLM tier's defaults: vLLM
-scraped as job ``vllm`` (the tier's NoData reads that job's ``up``), requests within the deadline
-counted in vLLM's e2e latency bucket at the default deadline, the deadline the default unless a
-``retrywatch_client_deadline_seconds`` series states it, and Ĉ estimated online unless a
-``retrywatch_capacity_calls_per_second`` series states it (``detector.signals``, and the runbook's
-vLLM-tier section). :func:`render` gives the same file for what the operator states:
+``rules/retrywatch.rules.yml`` (``rules.generate``) needs nothing stated: vLLM scraped as job
+``vllm`` (the tier's NoData reads that job's ``up``), the deadline from a
+``retrywatch_client_deadline_seconds`` series (a proxy's, stated or learned) or missing, Ĉ stated
+by a ``retrywatch_capacity_calls_per_second`` series, else estimated at saturation, else predicted
+from vLLM's counters (``rules.learned``). :func:`render` gives the same file for what the
+operator states:
 
 - the vLLM tier's group reads the given job's ``up``;
-- a stated deadline moves the in-time bucket to vLLM's bound at or below it
-  (``detector.signals.deadline_bucket``) and is recorded as ``retrywatch_client_deadline_seconds``
-  per vLLM target, at the head of the vLLM tier's group (so the rules reading it see it in the
-  same evaluation);
+- a stated deadline is recorded as ``retrywatch_client_deadline_seconds`` per vLLM target, at the
+  head of the vLLM tier's group (so the rules reading it see it in the same evaluation); the rules
+  count finishes within it in vLLM's e2e bucket at or below it (``detector.signals.deadline_bucket``),
+  and one between two bounds fires ``VLLMDeadlineBetweenBuckets`` (info) rather than rounding;
 - a stated Ĉ is recorded as ``retrywatch_capacity_calls_per_second`` there too.
 
 The proxy tier's group is unchanged (the proxy exports both numbers itself), or left out before
@@ -23,9 +23,8 @@ from __future__ import annotations
 import math
 
 from detector.runbook import DEFAULT_PATTERN
-from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOBS, VLLM_DEADLINE_LE, deadline_bucket
+from detector.signals import DEFAULT_DEADLINE_S, PROMETHEUS_JOBS, deadline_bucket
 from foundation import metricnames as mn
-from foundation.vllmbuckets import le_label
 from rules import generate
 
 _INTERVAL = generate.duration(generate.EVALUATION_INTERVAL_S)
@@ -58,14 +57,14 @@ def check_job(job: str) -> str:
     return job
 
 
-def in_time_bucket(deadline_s: float) -> str:
-    """The ``le`` of vLLM's e2e latency bucket that counts requests within ``deadline_s``."""
+def check_deadline(deadline_s: float) -> float:
+    """A deadline the rules can use: seconds > 0, at or above vLLM's first e2e latency bound
+    (below it, no bucket counts finishes in time)."""
     if not (math.isfinite(deadline_s) and deadline_s > 0):
         raise StatedError(f"the deadline must be a number of seconds > 0, got {deadline_s!r}")
-    bound = deadline_bucket(deadline_s)
-    if bound is None:
+    if deadline_bucket(deadline_s) is None:
         raise StatedError(f"a deadline of {deadline_s:g} s is below vLLM's first e2e latency bucket")
-    return le_label(bound)
+    return deadline_s
 
 
 def _record(comment: str, name: str, job: str, value: float) -> str:
@@ -83,15 +82,16 @@ def render(
     runbook_pattern: str = DEFAULT_PATTERN,
     *,
     vllm_job: str = PROMETHEUS_JOBS["vllm"],
-    deadline_s: float = DEFAULT_DEADLINE_S,
+    deadline_s: float | None = DEFAULT_DEADLINE_S,
     capacity: float | None = None,
     proxy_tier: bool = True,
 ) -> str:
-    """The rules file's text for vLLM scraped as ``vllm_job``, the clients' ``deadline_s`` and Ĉ
-    (``capacity``, calls/s; None: estimated online); without the proxy tier's group unless
-    ``proxy_tier``."""
+    """The rules file's text for vLLM scraped as ``vllm_job``, the clients' ``deadline_s`` (None:
+    a proxy's series, else missing) and Ĉ (``capacity``, calls/s; None: estimated at saturation,
+    else predicted); without the proxy tier's group unless ``proxy_tier``."""
     job = check_job(vllm_job)
-    le = in_time_bucket(deadline_s)
+    if deadline_s is not None:
+        check_deadline(deadline_s)
     if capacity is not None and not (math.isfinite(capacity) and capacity > 0):
         raise StatedError(f"Ĉ must be a number of calls per second > 0, got {capacity!r}")
     text = generate.render(runbook_pattern)
@@ -99,11 +99,11 @@ def render(
         proxy_head = f"  - name: {generate.GROUP_NAMES['proxy']}\n"
         text = text[: text.index(proxy_head)].rstrip("\n") + "\n"
     text = _replace(text, _up(PROMETHEUS_JOBS["vllm"]), _up(job))
-    text = _replace(text, f'le="{VLLM_DEADLINE_LE}"', f'le="{le}"')
-    text = _replace(text, f"le={VLLM_DEADLINE_LE}", f"le={le}")  # the help comments
-    stated = _record(
-        "The clients' deadline, as stated (seconds).", mn.CLIENT_DEADLINE, job, float(deadline_s)
-    )
+    stated = ""
+    if deadline_s is not None:
+        stated += _record(
+            "The clients' deadline, as stated (seconds).", mn.CLIENT_DEADLINE, job, float(deadline_s)
+        )
     if capacity is not None:
         stated += _record("Ĉ, as stated (calls per second).", mn.CAPACITY, job, float(capacity))
     return _replace(text, _GROUP_HEAD, _GROUP_HEAD + stated)

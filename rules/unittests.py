@@ -97,12 +97,13 @@ def baseline(tier: Tier = "proxy") -> dict[str, Curve]:
 
 
 def vllm_baseline() -> dict[str, Curve]:
-    """A healthy vLLM scraped alone (job ``vllm``, no retrywatch series at all): it finishes 2
-    requests/s, each queued 1 s and answered within the deadline, with 1000-token prompts, and two
-    requests always waiting, so its queue never empties and Ĉ is estimated from its finish rate
-    (the deadline is the default, 120 s)."""
+    """A healthy vLLM scraped alone (job ``vllm``, no proxy): it finishes 2 requests/s, each queued
+    1 s and answered within the deadline, with 1000-token prompts, and two requests always
+    waiting, so its queue never empties and Ĉ is estimated from its finish rate. The clients'
+    deadline, 120 s, is stated as a series (as ``rules.stated`` records it): the rules assume none."""
     return {
         'up{job="vllm"}': gauge(1),
+        "retrywatch_client_deadline_seconds": gauge(120),
         "vllm:num_requests_waiting": gauge(2),
         "vllm:num_requests_running": gauge(20),
         'vllm:request_success_total{finished_reason="length"}': counter(2),

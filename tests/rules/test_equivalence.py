@@ -30,7 +30,7 @@ from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, read_series, write_series
 from rules import generate, unittests
 from rules.backfill import RunEpisode, evaluate_rules
-from rules.equivalence import Key, disagreements
+from rules.equivalence import Key, disagreements, python_verdict, rules_only
 
 pytestmark = pytest.mark.promtool
 
@@ -186,11 +186,13 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory, promtool: str, prometheus
         path = out / slug / "metrics.jsonl"
         path.parent.mkdir()
         write_series(path, snaps)
-        python[slug] = sorted((e.alertname, e.started_at, e.resolved_at) for e in replay_run(path))
+        python[slug] = python_verdict(path)
     doc = yaml.safe_load(generate.RULES_PATH.read_text(encoding="utf-8"))
     prom = evaluate_rules(runs, doc, job=generate.group_job, promtool=promtool, prometheus=prometheus_binary)
+    skip = rules_only()
     prometheus: dict[str, list[Key]] = {
-        slug: sorted((e.alertname, e.fired_at_s, e.resolved_at_s) for e in eps) for slug, eps in prom.items()
+        slug: sorted((e.alertname, e.fired_at_s, e.resolved_at_s) for e in eps if e.alertname not in skip)
+        for slug, eps in prom.items()
     }
     return {"python": python, "prometheus": prometheus, "episodes": prom}
 
@@ -223,6 +225,17 @@ def test_nodata_when_the_deadline_is_unknown(verdicts: dict) -> None:
     py = _only(verdicts["python"][DEADLINE_UNKNOWN], "VLLMRetrywatchNoData")
     pr = _only(verdicts["prometheus"][DEADLINE_UNKNOWN], "VLLMRetrywatchNoData")
     assert py and _match(py, pr) == []
+
+
+def test_neither_assumes_a_deadline_the_proxy_stopped_exporting(verdicts: dict) -> None:
+    """The vLLM tier reads the proxy's deadline too: without it both say NoData, and the rules'
+    VLLMDeadlineMissing says why (no 120 s assumed)."""
+    py = _only(verdicts["python"][DEADLINE_UNKNOWN], "VLLMTierNoData")
+    pr = _only(verdicts["prometheus"][DEADLINE_UNKNOWN], "VLLMTierNoData")
+    assert py and _match(py, pr) == []
+    missing = [e for e in verdicts["episodes"][DEADLINE_UNKNOWN] if e.alertname == "VLLMDeadlineMissing"]
+    assert missing and all(300 <= e.fired_at_s <= 400 for e in missing)
+    assert "VLLMDeadlineMissing" not in {e.alertname for e in verdicts["episodes"][LOST]}
 
 
 def test_nodata_when_missed_deadlines_are_not_counted(verdicts: dict) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, alert_expr
-from rules import generate, unittests
+from detector.thresholds import ALERTS, PROMETHEUS_ALERTS, PrometheusAlert, alert_expr
+from rules import generate, learned, unittests
 from rules.backfill import parse_duration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,10 +61,21 @@ def test_the_file_parses_to_the_rule_documents() -> None:
     assert yaml.safe_load(generate.RULES_PATH.read_text(encoding="utf-8")) == generate.rule_documents()
 
 
+# In the file's order: the vLLM tier's alerts, then the rules' own on its deadline
+# (``rules.learned``), then the proxy tier's and those on Prometheus' own scrapes.
+ALL_ALERT_NAMES = [
+    *(a.name for a in ALERTS if a.tier == "vllm"),
+    *(a.name for a in learned.EXTRA_ALERTS),
+    *(a.name for a in ALERTS if a.tier == "proxy"),
+    *(a.name for a in PROMETHEUS_ALERTS),
+]
+
+
 def test_every_alert_once_with_the_detector_thresholds() -> None:
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
-    assert list(by_name) == [a.name for a in (*ALERTS, *PROMETHEUS_ALERTS)]
-    for extra in PROMETHEUS_ALERTS:
+    assert list(by_name) == ALL_ALERT_NAMES
+    extras: list[learned.ExtraAlert | PrometheusAlert] = [*learned.EXTRA_ALERTS, *PROMETHEUS_ALERTS]
+    for extra in extras:
         rule = by_name[extra.name]
         assert (rule["expr"], parse_duration(rule["for"])) == (extra.expr, extra.for_s)
         assert rule["labels"] == {"severity": extra.severity}
@@ -175,9 +186,7 @@ def test_the_runbook_links_follow_the_one_option(tmp_path: Path) -> None:
         for r in g["rules"]
         if "alert" in r
     }
-    assert links == {
-        a.name: f"https://wiki.example/retrywatch#{a.name}" for a in (*ALERTS, *PROMETHEUS_ALERTS)
-    }
+    assert links == {name: f"https://wiki.example/retrywatch#{name}" for name in ALL_ALERT_NAMES}
     tests = "".join(unittests.unit_test_files(wiki).values())  # promtool expects the same links
     assert tests.count("runbook_url: https://wiki.example/retrywatch#") > len(ALERTS)
     stale = CliRunner().invoke(generate.main, ["--check", "--runbook-url", wiki])

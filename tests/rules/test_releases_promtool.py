@@ -33,6 +33,8 @@ def _input_series(family: ReleaseFamily) -> list[dict[str, str]]:
     out = [
         {"series": f'up{{job="{job}",instance="{INSTANCE}"}}', "values": f"1x{STEPS}"},
         {"series": f'{mn.CAPACITY}{{job="{job}",instance="{INSTANCE}"}}', "values": f"{CAPACITY:g}x{STEPS}"},
+        # the deadline as an operator states it (the rules assume none)
+        {"series": f'{mn.CLIENT_DEADLINE}{{job="{job}",instance="{INSTANCE}"}}', "values": f"120x{STEPS}"},
     ]
     values = {"engine": "0", "model_name": "m", "finished_reason": "stop", "reason": "max_num_queued_reqs"}
     series = [*((c, s) for c, s in family.series.items() if s is not None), *family.deprecated.items()]

@@ -14,9 +14,11 @@ from detector.signals import DEFAULT_DEADLINE_S, VLLM_DEADLINE_LE
 from foundation import metricnames as mn
 from rules.backfill import parse_duration
 from rules.generate import rule_documents
+from rules.learned import DEADLINE_BUCKET
 from rules.scaled import at_deadline, lookback_delta, main, scale_expr, scaled_documents, write_scaled
 
 RANGES = re.compile(r"\[([0-9a-z]+)(?::[0-9a-z]*)?\]")
+OFFSETS = re.compile(r"\boffset ([0-9a-z]+)")
 
 
 def test_every_range_subquery_and_offset_is_divided() -> None:
@@ -40,11 +42,17 @@ def test_the_scaled_rules_keep_every_threshold_and_divide_every_duration() -> No
             for key in ("for", "keep_firing_for"):
                 if key in rule:
                     assert parse_duration(other[key]) == pytest.approx(parse_duration(rule[key]) / 10)
-            old, new = RANGES.findall(rule["expr"]), RANGES.findall(other["expr"])
-            assert [parse_duration(n) for n in new] == pytest.approx([parse_duration(o) / 10 for o in old])
-            # outside its durations and the vLLM tier's deadline, the expression is the same
-            at_k = at_deadline(rule["expr"], DEFAULT_DEADLINE_S / 10)
-            assert RANGES.sub("[]", at_k) == RANGES.sub("[]", other["expr"])
+            for durations in (RANGES, OFFSETS):
+                old, new = durations.findall(rule["expr"]), durations.findall(other["expr"])
+                assert [parse_duration(n) for n in new] == pytest.approx(
+                    [parse_duration(o) / 10 for o in old]
+                )
+
+            # outside its durations, the expression is the same (the deadline is a series)
+            def bare(expr: str) -> str:
+                return OFFSETS.sub("offset", RANGES.sub("[]", expr))
+
+            assert bare(rule["expr"]) == bare(other["expr"])
     assert lookback_delta(10.0) == "30s"
 
 
@@ -66,16 +74,14 @@ def test_the_command_writes_them_and_refuses_a_bad_scale(tmp_path: Path) -> None
     assert not (tmp_path / "bad.yml").exists()
 
 
-def test_the_vllm_tier_reads_the_e2e_bucket_at_the_deadline_at_k() -> None:
-    in_time = f'{mn.VLLM_E2E_LATENCY}_bucket{{le="{VLLM_DEADLINE_LE}"}}'
+def test_the_vllm_tier_reads_the_e2e_bucket_at_the_deadline_in_force_at_any_k() -> None:
+    """The rules pick the e2e bucket from the deadline series (``rules.learned``) and assume no
+    deadline: nothing in them names the default's bucket or value, at K as at 1."""
+    fixed = f'{mn.VLLM_E2E_LATENCY}_bucket{{le="{VLLM_DEADLINE_LE}"}}'
     exprs = [r["expr"] for g in rule_documents()["groups"] for r in g["rules"]]
-    assert any(in_time in e for e in exprs)  # the rules as generated read the default deadline's
-    scaled = [r["expr"] for g in scaled_documents(10.0)["groups"] for r in g["rules"]]
-    assert not any(in_time in e for e in scaled)
-    # 12 s at K = 10: the largest of vLLM's bounds at or below it, 10 s
-    assert any(f'{mn.VLLM_E2E_LATENCY}_bucket{{le="10.0"}}' in e for e in scaled)
-    assert any(f"* 0 + {DEFAULT_DEADLINE_S / 10:g}" in e for e in scaled)
-    stated = [r["expr"] for g in scaled_documents(10.0, deadline_s=30.0)["groups"] for r in g["rules"]]
-    assert any(f'{mn.VLLM_E2E_LATENCY}_bucket{{le="30.0"}}' in e for e in stated)
+    for k in (1.0, 10.0):
+        scaled = [r["expr"] for g in scaled_documents(k)["groups"] for r in g["rules"]]
+        assert not any(fixed in e or f"* 0 + {DEFAULT_DEADLINE_S / k:g}" in e for e in scaled)
+        assert any(f"and on (instance, le) {DEADLINE_BUCKET}" in e for e in scaled)
     with pytest.raises(ValueError, match="below vLLM's first e2e latency bucket"):
         at_deadline(exprs[0], 0.1)

@@ -76,7 +76,7 @@ def test_the_vllm_tier_reads_the_stated_job_deadline_and_capacity(tmp_path: Path
 @pytest.mark.promtool
 def test_the_repositorys_rules_know_neither_the_job_nor_the_numbers(tmp_path: Path) -> None:
     """The same series under the job "engines" and the rules as rendered at the defaults: no
-    NoData (its job has no target), the default deadline and its bucket: why the bundle takes
+    NoData (its job has no target) and no deadline (none is assumed): why the bundle takes
     them."""
     _promtool_test(
         tmp_path,
@@ -84,8 +84,31 @@ def test_the_repositorys_rules_know_neither_the_job_nor_the_numbers(tmp_path: Pa
         "engines",
         [
             _at(_per_instance("vllm_data_missing"), None),
-            _at(_per_instance("vllm_deadline"), 120.0),
-            _at(_per_instance("vllm_in_time_rate"), 0.4),
+            # no deadline series: none assumed, so nothing counts as in time
+            _at(_per_instance("vllm_deadline"), None),
+            _at(_per_instance("vllm_in_time_rate"), None),
+        ],
+    )
+
+
+@pytest.mark.promtool
+def test_without_a_stated_deadline_the_tier_says_it_is_missing(tmp_path: Path) -> None:
+    """Ĉ stated, the deadline not (and no proxy): no default deadline, and NoData says so."""
+    text = stated.render(vllm_job="engines", deadline_s=None, capacity=2.5)
+    records = [r.get("record") for r in yaml.safe_load(text)["groups"][0]["rules"]]
+    assert (
+        "retrywatch_client_deadline_seconds" not in records
+        and "retrywatch_capacity_calls_per_second" in records
+    )
+    _promtool_test(
+        tmp_path,
+        text,
+        "engines",
+        [
+            _at(_per_instance("vllm_capacity"), 2.5),
+            _at(_per_instance("vllm_deadline"), None),
+            _at(_per_instance("vllm_queue_deadline_ratio"), None),
+            _at(_per_instance("vllm_data_missing"), 1.0),
         ],
     )
 
