@@ -23,7 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from detector.signals import DELIVERY_OBJECTIVE
+from detector.replay import ReplaySettings
+from detector.signals import DEFAULT_DEADLINE_S, DELIVERY_OBJECTIVE, WINDOWS
+from detector.thresholds import ALERTS, scale_rules
 from reproduce.workloads.calls import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 from reproduce.workloads.client import ClientConfig
 from reproduce.workloads.traces.planned import Segments
@@ -36,9 +38,11 @@ __all__ = [
     "Phase",
     "PlanError",
     "RecoveryRule",
+    "RunClock",
     "RunPlan",
     "Timeline",
     "check_pulse",
+    "detector_settings",
     "generated_spec",
     "make_plan",
     "outline",
@@ -72,6 +76,29 @@ class RecoveryRule:
 
 class PlanError(ValueError):
     """A plan that cannot be built or judged as asked; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """A planned run's seconds against the study's, for what judges the run after it ran (a
+    validation target at the study's scale, in the run's seconds): read back from the run's
+    summary entry (:meth:`of_record`), the time scale its plan applied, never a reader's own."""
+
+    k: float = 1.0
+
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in the run's seconds."""
+        return study_s / self.k
+
+    @classmethod
+    def of_record(cls, entry: Mapping[str, Any]) -> RunClock:
+        """The clock of a run's summary entry (its ``time_scale``; absent: the study's). Raises
+        :class:`PlanError` for one that is not a finite number > 0."""
+        value = entry.get("time_scale", 1.0)
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(number) and number > 0):
+            raise PlanError(f"'time_scale' must be a finite number > 0, got {value!r}")
+        return cls(float(number))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +214,11 @@ class RunPlan:
         return RecoveryRule().growth_per_run_s(self.time_scale)
 
     @property
+    def detector(self) -> ReplaySettings:
+        """The detector's alerts, windows and assumed deadline in this run's seconds."""
+        return detector_settings(self.time_scale)
+
+    @property
     def pulse(self) -> Phase | None:
         """The phase named ``pulse``, or None (a workload without a designated pulse)."""
         return next((p for p in self.phases if p.name == PULSE), None)
@@ -218,12 +250,15 @@ class RunPlan:
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale,
-        and the client's numbers in run seconds."""
+        and the client's numbers, the recovery rule's growth limit and the detector's settings in
+        run seconds: what judges and the dashboard read instead of re-deriving them from K."""
         return {
             "time_scale": self.time_scale,
             "deadline_s": self.deadline_s,
             "horizon_s": self.horizon_s,
             "window_s": self.window_s,
+            "max_growth_per_s": self.max_growth_per_s,
+            "detector": self.detector.record(),
             "client": self.client.describe(),
             "calls": len(self.calls),
             "phases": [p.to_dict() for p in self.phases],
@@ -259,6 +294,12 @@ def make_plan(
         segments=dict(segments or {}),
         tail_s=tail_windows * RECOVERY_WINDOW_S / k,
     )
+
+
+def detector_settings(k: float) -> ReplaySettings:
+    """The detector's settings for a run at time scale ``k``: its alerts' durations, its windows
+    and its assumed deadline divided by K (K = 1: the study's)."""
+    return ReplaySettings(scale_rules(ALERTS, k), WINDOWS.scaled(k), DEFAULT_DEADLINE_S / k)
 
 
 def generated_spec(capacity: float, *, seed: int, time_scale: float, **fields: Any) -> WorkloadSpec:
