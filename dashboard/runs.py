@@ -43,13 +43,6 @@ MAX_RUNS = 5000
 MAX_SERIES_BYTES = 256 * 1024 * 1024
 
 
-def replay_settings(run: Mapping[str, Any]) -> ReplaySettings:
-    """The detector's settings in the run's seconds, as its plan recorded them (summary.json's
-    ``plan.detector``; the study's for a run that recorded none)."""
-    plan = run.get("plan")
-    return ReplaySettings.of_record(plan.get("detector") if isinstance(plan, Mapping) else None)
-
-
 def capacity_deadline(run: Mapping[str, Any]) -> tuple[float | None, float | None]:
     """Ĉ (calls/s) and the client deadline (s) as the run's summary entry gives them; None for
     one it leaves out (the run's series may export it)."""
@@ -75,7 +68,7 @@ class RunsDir:
             return self.alerts[key], "validation.json"
         if key not in self._replayed:
             episodes = replay_reproduce_run(
-                self.series_path(run), *capacity_deadline(run), replay_settings(run)
+                self.series_path(run), *capacity_deadline(run), ReplaySettings.of_entry(run)
             )
             self._replayed[key] = [
                 {
@@ -250,7 +243,7 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
     """Read a run's metrics series and compute its signals."""
     snapshots = list(read_series(runs_dir.series_path(run)))
     capacity, deadline = capacity_deadline(run)
-    windows = replay_settings(run).windows  # the detector's, in the run's seconds
+    windows = ReplaySettings.of_entry(run).windows  # the detector's, in the run's seconds
     return series_signals(
         snapshots,
         capacity=capacity,

@@ -129,6 +129,20 @@ class ReplaySettings:
         }
 
     @classmethod
+    def of_entry(cls, entry: Mapping[str, Any]) -> ReplaySettings:
+        """The settings a reproduce run's summary entry recorded (its ``plan.detector``); the
+        study's for an unscaled run that recorded none. ValueError for a scaled run that did not
+        record them (written before runs did) or for a record that does not fit."""
+        plan = entry.get("plan")
+        record = plan.get("detector") if isinstance(plan, Mapping) else None
+        if record is None and entry.get("time_scale") not in (None, 1, 1.0):
+            raise ValueError(
+                "a scaled run written before runs recorded their detector settings "
+                "(summary.json's plan.detector): run it again"
+            )
+        return cls.of_record(record)
+
+    @classmethod
     def of_record(cls, record: Mapping[str, Any] | None) -> ReplaySettings:
         """The settings :meth:`record` wrote; None (a run written before runs recorded them): the
         study's. Raises ValueError for a record that does not fit."""

@@ -89,6 +89,9 @@ def test_a_scaled_run_is_drawn_and_replayed_at_its_scale(tmp_path: Path) -> None
     assert [x["alertname"] for x in fast_alerts] == [x["alertname"] for x in alerts]
     fired = [x["fired_at_s"] for x in alerts]
     assert [x["fired_at_s"] * 10 for x in fast_alerts] == pytest.approx(fired)
+    # A scaled run that recorded no settings is refused, never replayed at the study's.
+    with pytest.raises(ValueError, match="run it again"):
+        run_signals(b, {k: v for k, v in fast.items() if k != "plan"})
 
 
 def test_counter_reset_gives_nan_not_a_negative_rate() -> None:

@@ -149,11 +149,8 @@ def _run_number(value: Any, where: str) -> int:
 
 def _recorded(run: Mapping[str, Any], where: str) -> tuple[RunClock, ReplaySettings]:
     """The run's clock and detector settings as its plan recorded them."""
-    plan = run.get("plan")
     try:
-        return RunClock.of_record(run), ReplaySettings.of_record(
-            plan.get("detector") if isinstance(plan, Mapping) else None
-        )
+        return RunClock.of_record(run), ReplaySettings.of_entry(run)
     except ValueError as exc:
         raise RunDirError(f"{where}: {exc}") from None
 
