@@ -154,8 +154,15 @@ def rate_window(outs: list[Path], rates_s: list[float]) -> None:
     for out in outs:
         infos = load_runs(out)
         for rate_s in rates_s:
-            over = dataclasses.replace(WINDOWS, rate_s=rate_s)
-            results = [RunResult(info, replay_firings(info, over)) for info in infos]
+            results = [
+                RunResult(
+                    info,
+                    replay_firings(
+                        info, dataclasses.replace(info.detector.windows, rate_s=info.run_s(rate_s))
+                    ),
+                )
+                for info in infos
+            ]
             score = score_alert(RETRY_LOOP, results)
             fired = [
                 r.info.slug

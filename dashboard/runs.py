@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from detector.replay import ReplayScale, replay_reproduce_run
+from detector.replay import ReplaySettings, replay_reproduce_run
 from detector.signals import DELIVERY_OBJECTIVE, WINDOWS, Windows
 from foundation import metricnames as mn
 from foundation.ratios import PROMPT_TOKEN_GAP, Ratio
@@ -30,7 +30,10 @@ from foundation.rundir import (
 )
 from foundation.timeseries import Snapshot, read_series
 
-RATE_WINDOW_S = 30.0  # at the study's scale
+#: The charts' rates are over half the detector's rate window (30 s at the study's scale): a
+#: run's own, as its plan recorded it, so a scaled run's charts are the study's at its scale.
+RATE_WINDOW_SHARE = 0.5
+RATE_WINDOW_S = WINDOWS.rate_s * RATE_WINDOW_SHARE
 # Calls arriving (first attempts) and calls delivered within the deadline, per second over each
 # step of the series: the finest it holds, so a replayed trace's bursts are drawn unsmoothed.
 STEP_SIGNALS: tuple[str, str] = ("call_arrival_rate_step", "delivered_within_deadline_rate_step")
@@ -38,11 +41,6 @@ MAX_RUNS = 5000
 # The largest metrics series drawn: a study-scale run's is ~2 MB; a day of 1-s snapshots ~500 MB,
 # more than a page should parse in a request.
 MAX_SERIES_BYTES = 256 * 1024 * 1024
-
-
-def time_scale(run: Mapping[str, Any]) -> float:
-    """The run's time scale K (``reproduce --time-scale``): every duration of it divided by K."""
-    return float(run.get("time_scale") or 1.0)
 
 
 def capacity_deadline(run: Mapping[str, Any]) -> tuple[float | None, float | None]:
@@ -69,7 +67,9 @@ class RunsDir:
         if key in self.alerts:
             return self.alerts[key], "validation.json"
         if key not in self._replayed:
-            episodes = replay_reproduce_run(self.series_path(run), *capacity_deadline(run), time_scale(run))
+            episodes = replay_reproduce_run(
+                self.series_path(run), *capacity_deadline(run), ReplaySettings.of_entry(run)
+            )
             self._replayed[key] = [
                 {
                     "alertname": ep.alertname,
@@ -243,11 +243,11 @@ def run_signals(runs_dir: RunsDir, run: Mapping[str, Any]) -> dict[str, np.ndarr
     """Read a run's metrics series and compute its signals."""
     snapshots = list(read_series(runs_dir.series_path(run)))
     capacity, deadline = capacity_deadline(run)
-    scale = ReplayScale.of(time_scale(run))  # the detector's windows in the run's seconds
+    windows = ReplaySettings.of_entry(run).windows  # the detector's, in the run's seconds
     return series_signals(
         snapshots,
         capacity=capacity,
         deadline_s=deadline,
-        window_s=scale.run_s(RATE_WINDOW_S),
-        windows=scale.windows,
+        window_s=windows.rate_s * RATE_WINDOW_SHARE,
+        windows=windows,
     )

@@ -6,7 +6,7 @@ Public entry points:
 - ``detector.signals``: signal names, units, recording rules and their Python computation;
 - ``detector.evaluator.Evaluator``: Prometheus' ``for`` / ``keep_firing_for`` state machine;
 - ``detector.replay.replay_run``: a reproduce run's series through the detector, as fast as possible;
-  ``replay_reproduce_run``: one run of a reproduce output at its own time scale, as validation
+  ``replay_reproduce_run``: one run of a reproduce output in its own seconds, as validation
   and the dashboard judge it;
 - ``detector.service.Detector`` + ``detector.api.create_app``: the running detector and its API;
 - ``retrywatch detect`` (``detector.cli``).

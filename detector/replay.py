@@ -1,8 +1,8 @@
 """``replay_run``: a reproduce run's series through the detector, as fast as possible;
 ``replay_snapshots``: the same over snapshots already read, with an eye on the signals;
 ``replay_reproduce_run``: one run of a reproduce output folder, the way ``retrywatch reproduce
-validate`` and the dashboard's runs page judge it; ``ReplayScale``: the detector's settings at a
-run's time scale, built once, for every replay of a scaled run.
+validate`` and the dashboard's runs page judge it; ``ReplaySettings``: the detector's settings in
+a run's seconds, as the run's plan recorded them (summary.json's ``plan.detector``).
 
 Evaluation happens on the replay clock: at every snapshot (or on a fixed grid with
 ``interval``), times in seconds from the run's start.
@@ -10,9 +10,10 @@ Evaluation happens on the replay clock: at every snapshot (or on a fixed grid wi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from detector.episodes import AlertEpisode, EpisodeLog
 from detector.evaluator import Evaluator
@@ -23,10 +24,9 @@ from detector.signals import (
     SignalEngine,
     SignalFrame,
     Windows,
-    check_time_scale,
 )
 from detector.sources.replay import load_snapshots
-from detector.thresholds import ALERTS, AlertRule, scale_rules
+from detector.thresholds import ALERTS, AlertRule
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, read_series
 
@@ -109,51 +109,79 @@ def replay_snapshots(
 
 
 @dataclass(frozen=True)
-class ReplayScale:
-    """A run's time scale K and the detector's settings at it, built once (:meth:`of`): the
-    alerts, the study's ``windows`` and the assumed deadline in the run's seconds."""
+class ReplaySettings:
+    """The detector's settings for a replay of a run, in the run's seconds: the alerts, the
+    signals' windows and the assumed deadline. A run's plan makes them (``reproduce.workloads.plan``)
+    and records them (:meth:`record`); readers take them back (:meth:`of_record`), never
+    re-deriving them. The defaults are the study's."""
 
-    time_scale: float
-    rules: tuple[AlertRule, ...]
-    windows: Windows
-    assumed_deadline: float
+    rules: tuple[AlertRule, ...] = ALERTS
+    windows: Windows = WINDOWS
+    assumed_deadline: float = DEFAULT_DEADLINE_S
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready: the windows, the assumed deadline and each alert's ``for`` and
+        ``keep_firing_for`` (seconds)."""
+        return {
+            "windows": asdict(self.windows),
+            "assumed_deadline_s": self.assumed_deadline,
+            "alerts": {r.name: [r.for_s, r.keep_firing_for_s] for r in self.rules},
+        }
 
     @classmethod
-    def of(cls, time_scale: float = 1.0, windows: Windows = WINDOWS) -> ReplayScale:
-        """The one place a replay applies a run's K (its summary entry's ``time_scale``)."""
-        rules = scale_rules(ALERTS, time_scale)
-        scaled = windows.scaled(time_scale)
-        k = check_time_scale(time_scale)
-        return cls(k, rules, scaled, DEFAULT_DEADLINE_S / k)
+    def of_entry(cls, entry: Mapping[str, Any]) -> ReplaySettings:
+        """The settings a reproduce run's summary entry recorded (its ``plan.detector``); the
+        study's for an unscaled run that recorded none. ValueError for a scaled run that did not
+        record them (written before runs did) or for a record that does not fit."""
+        plan = entry.get("plan")
+        record = plan.get("detector") if isinstance(plan, Mapping) else None
+        if record is None and entry.get("time_scale") not in (None, 1, 1.0):
+            raise ValueError(
+                "a scaled run written before runs recorded their detector settings "
+                "(summary.json's plan.detector): run it again"
+            )
+        return cls.of_record(record)
 
-    def run_s(self, study_s: float) -> float:
-        """A duration at the study's scale in the run's seconds."""
-        return study_s / self.time_scale
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any] | None) -> ReplaySettings:
+        """The settings :meth:`record` wrote; None (a run written before runs recorded them): the
+        study's. Raises ValueError for a record that does not fit."""
+        if record is None:
+            return cls()
+        try:
+            windows = Windows(**{k: float(v) for k, v in record["windows"].items()})
+            durations = record["alerts"]
+            rules = tuple(
+                replace(r, for_s=float(durations[r.name][0]), keep_firing_for_s=float(durations[r.name][1]))
+                if r.name in durations
+                else r
+                for r in ALERTS
+            )
+            return cls(rules, windows, float(record["assumed_deadline_s"]))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"the run's recorded detector settings do not fit: {exc}") from None
 
 
 def replay_reproduce_run(
     series_path: Path | str,
     capacity: float | None,
     deadline: float | None,
-    time_scale: float = 1.0,
-    *,
-    windows: Windows = WINDOWS,
+    settings: ReplaySettings = ReplaySettings(),
 ) -> list[AlertEpisode]:
     """One run of a reproduce output folder through the detector, and, like Prometheus, with Ĉ
     and the deadline read from the run's own gauges; the summary's ``capacity`` and ``deadline``
-    stand in only where the series does not export them. The alerts, ``windows`` (the study's)
-    and the assumed deadline are in the run's seconds (:class:`ReplayScale`)."""
+    stand in only where the series does not export them. ``settings``: the alerts, windows and
+    assumed deadline in the run's seconds, as its plan recorded them (:class:`ReplaySettings`)."""
     try:
         first = next(read_series(Path(series_path)), None)
     except OSError:
         first = None  # replay_run says what is wrong with the file
     exported = {name for name, _, _ in first.samples} if first is not None else set()
-    scale = ReplayScale.of(time_scale, windows)
     return replay_run(
         series_path,
         capacity=None if mn.CAPACITY in exported else capacity,
         deadline=None if mn.CLIENT_DEADLINE in exported else deadline,
-        rules=scale.rules,
-        windows=scale.windows,
-        assumed_deadline=scale.assumed_deadline,
+        rules=settings.rules,
+        windows=settings.windows,
+        assumed_deadline=settings.assumed_deadline,
     )

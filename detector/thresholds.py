@@ -43,7 +43,6 @@ from detector.signals import (
     PROMETHEUS_JOB,
     RECORD_NAMES,
     WINDOWS,
-    check_time_scale,
 )
 from detector.signals import TIERS as TIERS  # what an alert needs: declared with the signals
 from detector.signals import Tier as Tier
@@ -109,12 +108,14 @@ class AlertRule:
         return runbook_url(pattern, self.name)
 
     def scaled(self, time_scale: float) -> AlertRule:
-        """The rule for a run whose durations are all divided by ``time_scale`` (K): ``for`` and
-        ``keep_firing_for`` divided by K; thresholds (ratios, or zero) unchanged. K = 1: itself."""
-        k = check_time_scale(time_scale)
-        if k == 1.0:
+        """The rule for a run whose durations are all divided by ``time_scale`` (K, checked by
+        whoever holds it): ``for`` and ``keep_firing_for`` divided by K; thresholds (ratios, or
+        zero) unchanged. K = 1: itself."""
+        if time_scale == 1.0:
             return self
-        return replace(self, for_s=self.for_s / k, keep_firing_for_s=self.keep_firing_for_s / k)
+        return replace(
+            self, for_s=self.for_s / time_scale, keep_firing_for_s=self.keep_firing_for_s / time_scale
+        )
 
     def signals(self) -> list[str]:
         """Every signal the condition reads, in order, without repeats."""

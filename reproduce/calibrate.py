@@ -209,7 +209,6 @@ def sim_stage_runner(
                 phases=((duration_s, 1.0),),
                 phase_names=("stage",),
                 seed=stage_seed,
-                time_scale=1.0,
             )
             trace = generate_trace(spec)
         env = Environment()

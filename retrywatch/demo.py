@@ -63,7 +63,7 @@ class DemoPlan:
     preset: str
     capacity_engine: float  # Ĉ in calls per engine second
     with_controls: bool
-    spec: WorkloadSpec  # the study's pulse at Ĉ (seed 0), its phases and arrivals in wall seconds
+    spec: WorkloadSpec  # the study's pulse at Ĉ (seed 0), its phases and arrivals in engine seconds
     run: RunPlan  # spec's phases and the study's client in wall seconds (no calls)
 
     @property
@@ -79,11 +79,13 @@ class DemoPlan:
     def cancel_after_s(self) -> float:
         return self.run.run_s(CANCEL_AFTER_S)
 
-    def workload(self, seed: int, capacity_engine: float | None = None, **fields: Any) -> WorkloadSpec:
-        """The load's workload (the study's pulse unless ``fields`` say otherwise) at Ĉ
-        ``capacity_engine`` (default: this engine's), its phases and arrivals in wall seconds."""
+    def planned(self, seed: int, capacity_engine: float | None = None, **fields: Any) -> RunPlan:
+        """The load's run (the study's pulse unless ``fields`` say otherwise) at Ĉ
+        ``capacity_engine`` (default: this engine's), planned at :attr:`run`'s clock: its calls,
+        phases and the study's client in wall seconds."""
         capacity = self.capacity_engine if capacity_engine is None else capacity_engine
-        return replace(self.spec, capacity=capacity, seed=seed, **fields)
+        spec = replace(self.spec, capacity=capacity, seed=seed, **fields)
+        return self.run.clock.plan_spec(spec, ClientConfig())
 
     @property
     def pulse_text(self) -> str:
@@ -101,8 +103,8 @@ def demo_plan(
         capacity = preset_capacity(preset)
     except PresetError as exc:
         raise click.UsageError(str(exc)) from None
-    spec = WorkloadSpec(capacity=capacity, seed=0, time_scale=time_scale, max_context=32_768)
-    return DemoPlan(preset, capacity, with_controls, spec, outline(spec, ClientConfig()))
+    spec = WorkloadSpec(capacity=capacity, seed=0, max_context=32_768)
+    return DemoPlan(preset, capacity, with_controls, spec, outline(spec, ClientConfig(), time_scale))
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
             "--model",
             plan.preset,
             "--time-scale",
-            f"{plan.run.time_scale:g}",
+            f"{plan.run.clock.k:g}",
             "--vocab-size",
             str(VOCAB_SIZE),
             "--host",
@@ -268,10 +270,9 @@ async def _episodes(http: httpx.AsyncClient, detector_url: str) -> list[str]:
 
 async def _run(plan: DemoPlan, services: list[_Service], duration_s: float, seed: int) -> None:
     from reproduce.harness.openloop import OpenLoopStats
-    from reproduce.workloads.plan import plan_run
     from retrywatch.demo_load import run_load
 
-    run_plan = plan_run(plan.workload(seed), ClientConfig())
+    run_plan = plan.planned(seed)
     bounds = [(p.name, p.start_s, p.end_s) for p in run_plan.phases]
     proxy, detector = services[1], services[2]
     stats = OpenLoopStats()
@@ -387,7 +388,7 @@ def _what_to_watch(plan: DemoPlan, dashboard_url: str, duration_s: float) -> str
         )
     return (
         f"\nDashboard: {dashboard_url}\n"
-        f"Time runs {plan.run.time_scale:g}x faster than the study's: capacity {plan.capacity:.2f} calls/s, "
+        f"Time runs {plan.run.clock.k:g}x faster than the study's: capacity {plan.capacity:.2f} calls/s, "
         f"deadline {plan.deadline_s:g} s, pulse at {pulse} (2.7x capacity).\n{story}\n"
         "Watch executions created vs capacity, the engine's waiting queue, and the alerts.\n"
         f"{how_long(duration_s)}\n"

@@ -5,7 +5,7 @@ The demos drive their engines with the same driver the experiments use
 starts at its planned time whether or not earlier calls were answered (open loop), and its
 attempts follow the study's client model (deadline on the whole attempt, backoff, Retry-After,
 giving up). The run is planned once (``reproduce.workloads.plan.plan_run``: the trace, its phases and
-the client, divided by the time scale there). The demo reads the client's live counts
+the client in wall seconds). The demo reads the client's live counts
 (``OpenLoopStats``) for its progress lines, and bounds the calls in progress.
 """
 

@@ -48,7 +48,6 @@ from exporter.settings import ProxySettings
 from foundation.logs import announce, check_port, setup_logging
 from foundation.options import FiniteFloatRange
 from foundation.processes import ManagedProcess, log_tail
-from reproduce.workloads.client import ClientConfig
 from reproduce.workloads.plan import RunPlan
 from retrywatch import demo as single
 from rules.generate import RULES_PATH
@@ -332,7 +331,7 @@ class FleetDemo:
                         "--served-model-name",
                         SERVED_MODEL,
                         "--time-scale",
-                        f"{plan.run.time_scale:g}",
+                        f"{plan.run.clock.k:g}",
                         "--vocab-size",
                         vocab,
                         "--host",
@@ -534,13 +533,11 @@ async def drive(
     the clients' counts and each replica's firing alerts; every alert that fired, by instance."""
     from reproduce.harness.openloop import OpenLoopStats
     from reproduce.workloads.calls import paper_phases
-    from reproduce.workloads.plan import plan_run
     from retrywatch.demo_load import run_load
 
     plan = fleet.plan
     first = plan.replica_plan(plan.replicas[0])
-    spec = first.workload(seed, plan.load_capacity_engine, phases=paper_phases(PULSE_MULTIPLE))
-    run_plan = plan_run(spec, ClientConfig())
+    run_plan = first.planned(seed, plan.load_capacity_engine, phases=paper_phases(PULSE_MULTIPLE))
     bounds = [(p.name, p.start_s, p.end_s) for p in run_plan.phases]
     stats = OpenLoopStats()
     load = asyncio.create_task(
@@ -589,7 +586,7 @@ def _what_to_watch(fleet: FleetDemo, duration_s: float) -> str:
     lines = [
         "",
         f"The fleet: {len(plan.replicas)} replicas behind nginx (consistent hash of X-Call-Id), "
-        f"time {plan.run.time_scale:g}x faster than the study's, deadline {plan.deadline_s:g} s.",
+        f"time {plan.run.clock.k:g}x faster than the study's, deadline {plan.deadline_s:g} s.",
     ]
     for r in plan.replicas:
         lines.append(

@@ -27,10 +27,10 @@ from detector.signals import (
     DEFAULT_DEADLINE_S,
     VLLM_DEADLINE_LE,
     WINDOWS,
-    check_time_scale,
     deadline_bucket,
 )
 from foundation import metricnames as mn
+from foundation.options import FiniteFloatRange
 from foundation.vllmbuckets import le_label
 from rules.backfill import parse_duration
 from rules.generate import duration, rule_documents
@@ -43,7 +43,7 @@ _OFFSET = re.compile(rf"(\boffset\s+-?)({_DURATION})")
 
 def scale_duration(text: str, time_scale: float) -> str:
     """A Prometheus duration divided by K (``1m`` at K = 10: ``6s``)."""
-    return duration(parse_duration(text) / check_time_scale(time_scale))
+    return duration(parse_duration(text) / time_scale)
 
 
 def scale_expr(expr: str, time_scale: float) -> str:
@@ -75,7 +75,7 @@ def scaled_documents(
     """``rules.generate.rule_documents`` with every duration divided by ``time_scale`` (K = 1:
     the rules as generated), the vLLM tier's deadline at ``deadline_s`` (default: the default
     deadline divided by K)."""
-    k = check_time_scale(time_scale)
+    k = time_scale
     deadline = DEFAULT_DEADLINE_S / k if deadline_s is None else deadline_s
     doc = rule_documents(runbook_pattern)
     for group in doc["groups"]:
@@ -104,14 +104,11 @@ def write_scaled(
 
 
 @click.command()
-@click.argument("time_scale", type=float)
+@click.argument("time_scale", type=FiniteFloatRange(min=0.0, min_open=True))
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 def main(time_scale: float, path: Path) -> None:
     """Write the rules at TIME_SCALE (every duration divided by it) to PATH."""
-    try:
-        write_scaled(path, time_scale)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="'TIME_SCALE'") from None
+    write_scaled(path, time_scale)
     click.echo(
         f"wrote {path} (durations divided by {time_scale:g}; run Prometheus with "
         f"--query.lookback-delta={lookback_delta(time_scale)})"

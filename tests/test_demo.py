@@ -15,8 +15,6 @@ import pytest
 
 from foundation.processes import free_port
 from reproduce.harness.openloop import OpenLoopStats
-from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import plan_run
 from retrywatch.demo import closing_summary, dashboard_link, dashboard_range_s, demo_commands, demo_plan
 
 
@@ -53,11 +51,7 @@ def test_controls_switch_the_proxy_between_no_control_and_coalescing_with_deferr
         assert _value(commands["detector"], "--db").startswith(f"sqlite:///{tmp_path}")
         assert _value(commands["dashboard"], "--detector") == f"http://127.0.0.1:{ports['detector']}"
     # the pulse the story names is the load's own (120-227 study seconds), at the demo's K
-    start, end = next(
-        (p.start_s, p.end_s)
-        for p in plan_run(plan.workload(seed=1), ClientConfig()).phases
-        if p.name == "pulse"
-    )
+    start, end = next((p.start_s, p.end_s) for p in plan.planned(seed=1).phases if p.name == "pulse")
     assert (start, end) == pytest.approx((120.0 / plan.run.time_scale, 227.0 / plan.run.time_scale))
     assert plan.pulse_text == f"{start:.0f}-{end:.0f} s"
 

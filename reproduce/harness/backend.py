@@ -185,10 +185,10 @@ class HttpBackend(Backend):
 
     # --- protocol and engines ----------------------------------------------------------
 
-    def protocol(self, time_scale: float) -> HttpProtocol:
+    def protocol(self, k: float) -> HttpProtocol:
         gpu = bool(self.options.get("gpu", False))
         sizes = self.sizes or ("scaled" if self.kind == "vllm" and not gpu else "study")
-        proto = cpu_scaled(time_scale) if sizes == "scaled" else study(time_scale)
+        proto = cpu_scaled(k) if sizes == "scaled" else study(k)
         return proto.with_hold(self.hold_s) if self.hold_s is not None else proto
 
     def engine_for(
@@ -253,10 +253,9 @@ class HttpBackend(Backend):
 
         preset = str(self.options.get("preset") or run.model)
         capacity, source = SimBackend().capacity_of(replace(run, model=preset))
-        method = (
-            f"the simulator's Ĉ of {preset} ({capacity:.3f} calls/s) x the time scale {protocol.time_scale:g}"
-        )
-        return protocol.run_rate(capacity), {"method": method, "simulator": source}
+        clock = protocol.clock
+        method = f"the simulator's Ĉ of {preset} ({capacity:.3f} calls/s) x the time scale {clock.k:g}"
+        return clock.run_rate(capacity), {"method": method, "simulator": source}
 
     def run(self, job: RunJob) -> dict[str, Any]:
         run = job.run

@@ -196,11 +196,10 @@ def protocol_stage_calls(protocol: HttpProtocol) -> StageCalls:
     """A stage's calls with the protocol's prompts and responses, at Poisson arrivals."""
 
     def draw(rate: float, duration_s: float, seed: int) -> list[PlannedCall]:
-        # A workload spec counts durations at the study's scale: the stage lasts ``duration_s``
-        # run seconds, i.e. ``duration_s x K`` study seconds, at ``rate`` calls per run second.
+        # The stage's own clock: ``duration_s`` run seconds at ``rate`` calls per run second.
         spec = dataclasses.replace(
             protocol.workload(rate, seed=seed),
-            phases=((duration_s * protocol.time_scale, 1.0),),
+            phases=((duration_s, 1.0),),
             phase_names=("stage",),
         )
         return generate_trace(spec)
@@ -301,7 +300,7 @@ def settled_samples(
 def stage_lengths(protocol: HttpProtocol) -> tuple[float, float]:
     """(stage, confirm stage) in wall seconds: the protocol's 300-s stage in its run seconds, and
     ``CONFIRM_STAGE_MULTIPLE`` times that."""
-    stage_s = protocol.run_s(300.0)
+    stage_s = protocol.clock.run_s(300.0)
     return stage_s, CONFIRM_STAGE_MULTIPLE * stage_s
 
 
@@ -445,7 +444,7 @@ def calibrate_http(
     stage_calls: StageCalls | None = None,
 ) -> CalibrationResult:
     """Ĉ of the engine at ``engine_url`` in calls per wall second, by docs/protocol.md §5 with stages of
-    300 s divided by the protocol's time scale (30 s at K = 10), the confirm stages
+    300 s in the protocol's run seconds (30 s at K = 10), the confirm stages
     ``CONFIRM_STAGE_MULTIPLE`` times that.
 
     Rates are in calls per wall second: a real engine does not run K times faster, so they are

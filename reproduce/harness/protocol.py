@@ -1,28 +1,27 @@
 """The protocol an HTTP run follows: the study's (docs/protocol.md §3–4) or a scaled copy for a CPU engine.
 
-At time scale K every duration of the protocol is divided by K (phases, deadline, backoff,
-horizon, recovery windows, the proxy's deferral and budget window). On a GPU and on the
+The protocol's durations are the study's: a run's plan (``reproduce.workloads.plan``) puts them
+in the run's seconds at its K, and the run reads them off the plan. On a GPU and on the
 emulated engine (which itself runs K times faster than wall time) prompts and responses keep
 the study's lengths. On a real vLLM on CPU the engine cannot run faster, so ``cpu_scaled``
-also divides the token lengths by K: at K = 10, prompts of ~1,200 tokens sharing a 200-token
+divides the token lengths by K: at K = 10, prompts of ~1,200 tokens sharing a 200-token
 prefix, responses with a median of 30 tokens, and a 12-s deadline. What decides whether a
 pulse tips the engine (its backlog, (m - 1) x Ĉ x pulse length, against one deadline) is the
 same multiple of the deadline at every K, whatever Ĉ the engine has.
 
-Ĉ here is always in calls per run-second (wall seconds on a real engine); a workload spec
-takes Ĉ at the study's scale, so ``workload`` divides it by K.
+Ĉ here is always in calls per run-second (wall seconds on a real engine).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from reproduce.conditions import Condition, PulseWorkload, engine_cap_for
 from reproduce.sim.metrics import PROXY_WINDOW_S
 from reproduce.workloads.base import Shaping
 from reproduce.workloads.calls import MAX_CONTEXT, WorkloadSpec
-from reproduce.workloads.plan import RunPlan, generated_spec
+from reproduce.workloads.plan import RunClock, RunPlan
 
 __all__ = [
     "CI_HOLD_S",
@@ -58,11 +57,12 @@ CI_HOLD_S = 1_440.0
 
 @dataclass(frozen=True, slots=True)
 class HttpProtocol:
-    """Token lengths, hold and time scale of an HTTP run. Durations are at the study's scale;
-    the phases are the protocol's (``reproduce.workloads.calls.PULSE_PROTOCOL``), the hold ``hold_s``
-    long where given. A run is planned by :meth:`plan`, and judged on that plan."""
+    """Token lengths, hold and clock of an HTTP run. Durations are at the study's scale; the
+    phases are the protocol's (``reproduce.workloads.calls.PULSE_PROTOCOL``), the hold ``hold_s``
+    long where given. A run is planned by :meth:`plan` at ``clock`` (the run's K), and judged on
+    that plan; before a plan exists (a calibration's stage) ``clock`` converts a study duration."""
 
-    time_scale: float = 1.0
+    clock: RunClock = field(default_factory=RunClock)
     prompt_mean: float = _STUDY_PROMPT_MEAN
     prompt_std: float = 1_200.0
     shared_prefix_len: int = 2_000
@@ -73,7 +73,7 @@ class HttpProtocol:
     scrape_interval_s: float = 5.0  # the simulator's cadence, at the study's scale
 
     def __post_init__(self) -> None:
-        for name in ("time_scale", "prompt_mean", "response_median"):
+        for name in ("prompt_mean", "response_median"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"HttpProtocol.{name} must be positive, got {value!r}")
@@ -81,10 +81,10 @@ class HttpProtocol:
             raise ValueError(f"HttpProtocol.hold_s must be positive, got {self.hold_s!r}")
 
     def workload(self, capacity: float, *, seed: int) -> WorkloadSpec:
-        """The study's pulse under this protocol at Ĉ = ``capacity`` calls per run-second (the
-        calibration's probe)."""
+        """The study's pulse under this protocol's token lengths at Ĉ = ``capacity`` calls per
+        second of its own (the calibration's stages replace its phases with their own)."""
         fields = {**PulseWorkload().fields(hold_s=self.hold_s), **self.shaping().fields}
-        return generated_spec(capacity, seed=seed, time_scale=self.time_scale, **fields)
+        return WorkloadSpec(capacity=capacity, seed=seed, **fields)
 
     @property
     def token_scale(self) -> float:
@@ -110,24 +110,10 @@ class HttpProtocol:
 
     def plan(self, capacity: float, condition: Condition, *, seed: int) -> RunPlan:
         """The run of ``condition`` at Ĉ = ``capacity`` calls per run-second, planned once by its
-        workload (``reproduce.workloads``) under this protocol's :meth:`shaping`: its calls,
-        phases and client (the condition's retries) in run seconds."""
-        return condition.workload.plan(
-            capacity,
-            condition.client.config(),
-            seed=seed,
-            time_scale=self.time_scale,
-            shaping=self.shaping(),
-        )
-
-    def run_s(self, study_s: float) -> float:
-        """A duration at the study's scale in this protocol's run seconds (before a run is planned:
-        a calibration stage; a planned run reads :meth:`RunPlan.run_s`)."""
-        return study_s / self.time_scale
-
-    def run_rate(self, per_study_s: float) -> float:
-        """A rate per study second (the simulator's Ĉ) per run-second."""
-        return per_study_s * self.time_scale
+        workload (``reproduce.workloads``) under this protocol's :meth:`shaping` at its clock:
+        its calls, phases and client (the condition's retries) in run seconds."""
+        client = condition.client.config()
+        return self.clock.plan(condition.workload, capacity, client, seed=seed, shaping=self.shaping())
 
     def scrape_every_s(self, plan: RunPlan) -> float:
         """Seconds between scrapes of the proxy in ``plan``'s run (never under half a second)."""
@@ -143,16 +129,15 @@ class HttpProtocol:
         return replace(self, hold_s=hold_s)
 
 
-def study(time_scale: float = 1.0) -> HttpProtocol:
-    """The study's protocol at time scale K, token lengths unchanged (GPU, emulated engine)."""
-    return HttpProtocol(time_scale=time_scale)
+def study(k: float = 1.0) -> HttpProtocol:
+    """The study's protocol at K, token lengths unchanged (GPU, emulated engine)."""
+    return HttpProtocol(RunClock(k))
 
 
-def cpu_scaled(time_scale: float = 10.0, *, max_context: int = 8_192) -> HttpProtocol:
-    """The study's protocol with durations and token lengths divided by K (a real vLLM on CPU)."""
-    k = float(time_scale)
+def cpu_scaled(k: float = 10.0, *, max_context: int = 8_192) -> HttpProtocol:
+    """The study's protocol at K with token lengths divided by K (a real vLLM on CPU)."""
     return HttpProtocol(
-        time_scale=k,
+        RunClock(k),
         prompt_mean=_STUDY_PROMPT_MEAN / k,
         prompt_std=1_200.0 / k,
         shared_prefix_len=round(2_000 / k),

@@ -1,7 +1,7 @@
 """``retrywatch proxy`` started as a subprocess with a condition's flags, in front of an engine.
 
-The settings are the condition's policy (``ProxyPolicy.config``, durations already divided
-by the time scale) plus what the proxy needs to know about the run: Ĉ for its derived gauges
+The settings are the condition's policy (``ProxyPolicy.config`` of the run's plan: durations in
+the run's seconds) plus what the proxy needs to know about the run: Ĉ for its derived gauges
 and the engine's vocabulary size for its token-ID guard (the clients' deadline is the policy's).
 """
 

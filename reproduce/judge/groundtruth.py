@@ -2,13 +2,13 @@
 collapses, and which of them are metastable.
 
 A *collapse* is a stretch in which the calls that arrive are not delivered within the deadline.
-Calls are grouped by planned arrival into the recovery rule's 60-s windows (study seconds,
-divided by the run's time scale); a window in which fewer than 98 % of its calls are delivered
+Calls are grouped by planned arrival into the recovery rule's 60-s windows (in the run's
+seconds, as its plan recorded them); a window in which fewer than 98 % of its calls are delivered
 within the deadline is *bad*. A collapse starts in a bad window, at the planned arrival of the
 first of its calls that missed the deadline, and ends at the end of the last window before two
 consecutive *good* windows, good as the recovery rule counts a window (at least 98 % delivered
 within the deadline, and the executions waiting in the proxy and the engine averaging at most
-two and growing by at most 0.01/s); without two such windows it runs to the end of the run's
+two and growing by at most 0.01/s, per study second); without two such windows it runs to the end of the run's
 judged span (for the pulse protocol, the end of the hold). The queue conditions hold a collapse
 open (a backlog that still waits is not over), but never start one: a queue whose calls are
 all delivered in time is not a collapse.
@@ -105,10 +105,11 @@ def span_of(run: Mapping[str, Any]) -> JudgedSpan:
         end = run.get("duration_s")
     plan = run.get("plan")
     window = plan.get("window_s") if isinstance(plan, Mapping) else None
-    if end is None or window is None:
+    growth = plan.get("max_growth_per_s") if isinstance(plan, Mapping) else None
+    if end is None or window is None or growth is None:
         raise RunDirError(
-            f"run {run.get('slug', '?')!r}: needs 'hold_end_s' or 'duration_s', and 'plan.window_s' "
-            "(a summary.json written before runs recorded their plan: run it again)"
+            f"run {run.get('slug', '?')!r}: needs 'hold_end_s' or 'duration_s', 'plan.window_s' and "
+            "'plan.max_growth_per_s' (a summary.json written before runs recorded their plan: run it again)"
         )
     return JudgedSpan(
         start_s=0.0,
@@ -117,7 +118,7 @@ def span_of(run: Mapping[str, Any]) -> JudgedSpan:
         window_s=float(window),
         deadline_s=float(run["deadline_s"]),
         capacity=float(run["capacity"]),
-        max_growth_per_s=RecoveryRule().growth_per_run_s(float(run.get("time_scale") or 1.0)),
+        max_growth_per_s=float(growth),
         pulse_start_s=pulse_start,
         pulse_end_s=pulse_end,
     )

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
-from detector.signals import WINDOWS, Windows
+from detector.signals import Windows
 from detector.thresholds import ALERTS, AlertKind, AlertRule
 from foundation.rundir import (
     RULES_VALIDATION,
@@ -146,14 +147,13 @@ def build_report(
 Replayer = Callable[[RunInfo], list[Firing]]
 
 
-def replay_firings(info: RunInfo, windows: Windows = WINDOWS) -> list[Firing]:
-    """Replay one run's series through the detector (its signals over ``windows``) and return
-    its episodes."""
+def replay_firings(info: RunInfo, windows: Windows | None = None) -> list[Firing]:
+    """Replay one run's series through the detector at the settings its plan recorded (its
+    signals over ``windows`` instead where given, in the run's seconds) and return its episodes."""
     from detector.replay import replay_reproduce_run  # the detector's public replay API
 
-    episodes = replay_reproduce_run(
-        info.series, info.capacity, info.deadline_s, info.time_scale, windows=windows
-    )
+    settings = info.detector if windows is None else replace(info.detector, windows=windows)
+    episodes = replay_reproduce_run(info.series, info.capacity, info.deadline_s, settings)
     return [Firing.of(e) for e in episodes]
 
 

@@ -76,8 +76,8 @@ class WorkloadSpec:
     """Every parameter of a trace, explicit. Lengths are in tokens, times in seconds.
 
     ``phases`` is a sequence of ``(duration_s, multiple_of_capacity)``; the arrival rate in a
-    phase is ``multiple * capacity`` calls/s. ``time_scale`` divides every duration and arrival
-    time (the trace is compressed, same calls), for scaled experiments on a faster engine.
+    phase is ``multiple * capacity`` calls/s, at the study's scale: a run's plan
+    (``reproduce.workloads.plan.plan_run``) puts its calls and phases in the run's seconds.
     ``phase_names`` defaults to base/pulse/hold for three phases, ``phase<i>`` otherwise.
     """
 
@@ -94,7 +94,6 @@ class WorkloadSpec:
     response_median: float = 300.0
     response_sigma: float = _RESPONSE_SIGMA_DEFAULT
     max_context: int = MAX_CONTEXT
-    time_scale: float = 1.0
     call_id_prefix: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -124,8 +123,6 @@ class WorkloadSpec:
             raise WorkloadError("response_median must be >= 1 token and response_sigma >= 0")
         if self.max_context <= self.shared_prefix_len + 1:
             raise WorkloadError("max_context must leave room for a prompt and one output token")
-        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
-            raise WorkloadError(f"time_scale must be positive, got {self.time_scale!r}")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -138,15 +135,15 @@ class WorkloadSpec:
 
     @property
     def duration_s(self) -> float:
-        """Total planned duration of the arrivals, already divided by ``time_scale``."""
-        return sum(d for d, _ in self.phases) / self.time_scale
+        """Total planned duration of the arrivals."""
+        return sum(d for d, _ in self.phases)
 
     def phase_bounds(self) -> list[tuple[str, float, float]]:
-        """``(name, start_s, end_s)`` of every phase, divided by ``time_scale``."""
+        """``(name, start_s, end_s)`` of every phase."""
         out: list[tuple[str, float, float]] = []
         t = 0.0
         for name, (duration, _) in zip(self.names, self.phases, strict=True):
-            out.append((name, t / self.time_scale, (t + duration) / self.time_scale))
+            out.append((name, t, t + duration))
             t += duration
         return out
 
@@ -195,11 +192,10 @@ def generate_trace(spec: WorkloadSpec) -> list[PlannedCall]:
     response = np.rint(rng.lognormal(math.log(spec.response_median), spec.response_sigma, size=n))
     response = np.clip(response.astype(np.int64), 1, spec.max_context - prompt)
     prefix = spec.call_id_prefix or f"s{spec.seed}"
-    scale = spec.time_scale
     return [
         PlannedCall(
             call_id=f"{prefix}-{i:06d}",
-            arrival_s=arrivals[i] / scale,
+            arrival_s=arrivals[i],
             prompt_len=int(prompt[i]),
             shared_prefix_len=spec.shared_prefix_len,
             response_len=int(response[i]),
@@ -276,5 +272,5 @@ def segment_token_ids(
 
 
 def phase_rates(spec: WorkloadSpec) -> Sequence[float]:
-    """Planned arrival rate of each phase in calls per (scaled) second."""
-    return [m * spec.capacity * spec.time_scale for _, m in spec.phases]
+    """Planned arrival rate of each phase in calls per second."""
+    return [m * spec.capacity for _, m in spec.phases]

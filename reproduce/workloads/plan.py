@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from detector.signals import DELIVERY_OBJECTIVE
+from detector.replay import ReplaySettings
+from detector.signals import DEFAULT_DEADLINE_S, DELIVERY_OBJECTIVE, WINDOWS
+from detector.thresholds import ALERTS, scale_rules
 from reproduce.workloads.calls import PlannedCall, WorkloadSpec, generate_trace, prompt_segments
 from reproduce.workloads.client import ClientConfig
 from reproduce.workloads.traces.planned import Segments
+
+if TYPE_CHECKING:
+    from reproduce.workloads.base import Shaping, Workload
 
 __all__ = [
     "PULSE",
@@ -36,12 +41,15 @@ __all__ = [
     "Phase",
     "PlanError",
     "RecoveryRule",
+    "RunClock",
     "RunPlan",
     "Timeline",
     "check_pulse",
+    "detector_settings",
     "generated_spec",
     "make_plan",
     "outline",
+    "plan_generated",
     "plan_run",
 ]
 
@@ -72,6 +80,50 @@ class RecoveryRule:
 
 class PlanError(ValueError):
     """A plan that cannot be built or judged as asked; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """A run's time scale K, checked once: what plans a run at it (:meth:`plan`), what converts a
+    study-scale number into the run's before a plan exists (a calibration's stage, the
+    simulator's Ĉ), and, read back from a run's summary entry (:meth:`of_record`), what a
+    validation target at the study's scale is in the run's seconds: never a reader's own K."""
+
+    k: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.k, int | float) and math.isfinite(self.k) and self.k > 0):
+            raise PlanError(f"time scale must be a finite number > 0, got {self.k!r}")
+
+    def run_s(self, study_s: float) -> float:
+        """A duration at the study's scale in the run's seconds."""
+        return study_s / self.k
+
+    def run_rate(self, per_study_s: float) -> float:
+        """A rate per study second (the simulator's Ĉ) per run-second."""
+        return per_study_s * self.k
+
+    def plan_spec(self, workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
+        """:func:`plan_run` at this clock: a generated workload (study seconds) for clients of
+        ``client`` (the study's), in run seconds."""
+        return plan_run(workload, client, self.k)
+
+    def plan(
+        self, workload: Workload, capacity: float, client: ClientConfig, *, seed: int, shaping: Shaping
+    ) -> RunPlan:
+        """``workload``'s run at Ĉ = ``capacity`` calls per run-second, for clients of ``client``
+        (the study's), planned at this clock: every time of it in run seconds."""
+        return workload.plan(capacity, client, seed=seed, time_scale=self.k, shaping=shaping)
+
+    @classmethod
+    def of_record(cls, entry: Mapping[str, Any]) -> RunClock:
+        """The clock of a run's summary entry (its ``time_scale``; absent: the study's). Raises
+        :class:`PlanError` for one that is not a finite number > 0."""
+        value = entry.get("time_scale", 1.0)
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(number) and number > 0):
+            raise PlanError(f"'time_scale' must be a finite number > 0, got {value!r}")
+        return cls(float(number))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +209,7 @@ class RunPlan:
     tail_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
-            raise PlanError(f"time_scale must be positive, got {self.time_scale!r}")
+        RunClock(self.time_scale)  # K checked where it is checked everywhere
         if not (math.isfinite(self.window_s) and self.window_s > 0):
             raise PlanError(f"window_s must be positive, got {self.window_s!r}")
         names = [p.name for p in self.phases]
@@ -185,6 +236,16 @@ class RunPlan:
     def max_growth_per_s(self) -> float:
         """The recovery rule's growth limit of the waiting executions, per run-second."""
         return RecoveryRule().growth_per_run_s(self.time_scale)
+
+    @property
+    def clock(self) -> RunClock:
+        """The clock this run was planned at."""
+        return RunClock(self.time_scale)
+
+    @property
+    def detector(self) -> ReplaySettings:
+        """The detector's alerts, windows and assumed deadline in this run's seconds."""
+        return detector_settings(self.time_scale)
 
     @property
     def pulse(self) -> Phase | None:
@@ -218,23 +279,33 @@ class RunPlan:
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready description (summary.json's ``plan``): phases, deadline, horizon, scale,
-        and the client's numbers in run seconds."""
+        and the client's numbers, the recovery rule's growth limit and the detector's settings in
+        run seconds: what judges and the dashboard read instead of re-deriving them from K."""
         return {
             "time_scale": self.time_scale,
             "deadline_s": self.deadline_s,
             "horizon_s": self.horizon_s,
             "window_s": self.window_s,
+            "max_growth_per_s": self.max_growth_per_s,
+            "detector": self.detector.record(),
             "client": self.client.describe(),
             "calls": len(self.calls),
             "phases": [p.to_dict() for p in self.phases],
         }
 
 
-def _phases(workload: WorkloadSpec) -> tuple[Phase, ...]:
+def _phases(workload: WorkloadSpec, k: float) -> tuple[Phase, ...]:
+    """The workload's phases (study seconds) in the run's: divided by K."""
     return tuple(
-        Phase(name, start, end, multiple)
+        Phase(name, start / k, end / k, multiple)
         for (name, start, end), (_, multiple) in zip(workload.phase_bounds(), workload.phases, strict=True)
     )
+
+
+def _calls(workload: WorkloadSpec, k: float) -> list[PlannedCall]:
+    """The workload's calls with their arrivals (study seconds) in the run's: divided by K."""
+    calls = generate_trace(workload)
+    return calls if k == 1.0 else [replace(c, arrival_s=c.arrival_s / k) for c in calls]
 
 
 def make_plan(
@@ -261,25 +332,53 @@ def make_plan(
     )
 
 
+def detector_settings(k: float) -> ReplaySettings:
+    """The detector's settings for a run at time scale ``k``: its alerts' durations, its windows
+    and its assumed deadline divided by K (K = 1: the study's)."""
+    k = _check(k)
+    return ReplaySettings(scale_rules(ALERTS, k), WINDOWS.scaled(k), DEFAULT_DEADLINE_S / k)
+
+
 def generated_spec(capacity: float, *, seed: int, time_scale: float, **fields: Any) -> WorkloadSpec:
     """The spec of a generated workload (``fields``: phases and lengths at the study's scale) for
-    a run at Ĉ = ``capacity`` calls per run-second: the spec takes Ĉ per study second and
-    divides its own arrivals and phases by the time scale."""
-    return WorkloadSpec(capacity=capacity / time_scale, seed=seed, time_scale=time_scale, **fields)
+    a run at Ĉ = ``capacity`` calls per run-second: the spec takes Ĉ per study second;
+    :func:`plan_run` divides its arrivals and phases by the time scale."""
+    return WorkloadSpec(capacity=capacity / time_scale, seed=seed, **fields)
 
 
-def plan_run(workload: WorkloadSpec, client: ClientConfig, *, tail_windows: int = 0) -> RunPlan:
-    """Plan a run of ``workload`` (its trace, its phases) for clients of ``client`` (at the
-    study's scale, put in run seconds by :func:`make_plan`)."""
-    return make_plan(
-        generate_trace(workload), _phases(workload), client, workload.time_scale, tail_windows=tail_windows
-    )
+def plan_run(
+    workload: WorkloadSpec, client: ClientConfig, time_scale: float = 1.0, *, tail_windows: int = 0
+) -> RunPlan:
+    """Plan a run of ``workload`` (its trace, its phases, at the study's scale) for clients of
+    ``client`` (the study's), everything put in run seconds here and by :func:`make_plan`."""
+    k = _check(time_scale)
+    return make_plan(_calls(workload, k), _phases(workload, k), client, k, tail_windows=tail_windows)
 
 
-def outline(workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
+def plan_generated(
+    capacity: float,
+    client: ClientConfig,
+    *,
+    seed: int,
+    time_scale: float,
+    tail_windows: int = 0,
+    **fields: Any,
+) -> RunPlan:
+    """:func:`plan_run` of :func:`generated_spec`: a generated workload's run at Ĉ = ``capacity``
+    calls per run-second."""
+    spec = generated_spec(capacity, seed=seed, time_scale=time_scale, **fields)
+    return plan_run(spec, client, time_scale, tail_windows=tail_windows)
+
+
+def outline(workload: WorkloadSpec, client: ClientConfig, time_scale: float = 1.0) -> RunPlan:
     """The plan of a run of ``workload`` without its calls: its phases, ``client`` and the recovery
     window in run seconds, for what reads a run's numbers before its calls are generated."""
-    return make_plan((), _phases(workload), client, workload.time_scale)
+    k = _check(time_scale)
+    return make_plan((), _phases(workload, k), client, k)
+
+
+def _check(time_scale: float) -> float:
+    return RunClock(float(time_scale)).k
 
 
 def check_pulse(workload: WorkloadSpec) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from reproduce.workloads.base import STUDY_MIX, Shaping, TokenMix
 from reproduce.workloads.calls import PULSE_MULTIPLE, paper_phases
-from reproduce.workloads.plan import generated_spec, plan_run
+from reproduce.workloads.plan import plan_generated
 
 if TYPE_CHECKING:
     from reproduce.conditions import RunSpec
@@ -78,7 +78,7 @@ class PulseWorkload:
         self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
     ) -> RunPlan:
         fields = {**self.fields(hold_s=shaping.hold_s), **shaping.fields}
-        return plan_run(generated_spec(capacity, seed=seed, time_scale=time_scale, **fields), client)
+        return plan_generated(capacity, client, seed=seed, time_scale=time_scale, **fields)
 
 
 def with_pulse(run: RunSpec, multiple: float) -> RunSpec:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from reproduce.workloads.base import STUDY_MIX, Shaping, TokenMix
-from reproduce.workloads.plan import REPLAY_TAIL_WINDOWS, generated_spec, plan_run
+from reproduce.workloads.plan import REPLAY_TAIL_WINDOWS, plan_generated
 
 if TYPE_CHECKING:
     from reproduce.workloads.client import ClientConfig
@@ -107,14 +107,11 @@ class SteppedWorkload:
     def plan(
         self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
     ) -> RunPlan:
-        spec = generated_spec(
-            capacity,
-            seed=seed,
-            time_scale=time_scale,
-            **{
-                **shaping.fields,
-                "phases": tuple((self.step_s, m) for m in self.steps),
-                "phase_names": tuple(f"step{i + 1}" for i in range(len(self.steps))),
-            },
+        fields = {
+            **shaping.fields,
+            "phases": tuple((self.step_s, m) for m in self.steps),
+            "phase_names": tuple(f"step{i + 1}" for i in range(len(self.steps))),
+        }
+        return plan_generated(
+            capacity, client, seed=seed, time_scale=time_scale, tail_windows=REPLAY_TAIL_WINDOWS, **fields
         )
-        return plan_run(spec, client, tail_windows=REPLAY_TAIL_WINDOWS)

@@ -269,13 +269,16 @@ class TraceWorkload:
     ) -> RunPlan:
         """Its calls at ``load`` × Ĉ, lengths × the shaping's token scale (``seed`` unused: the
         trace fixes every call)."""
-        return plan_trace(
-            self,
-            capacity,
+        replay = plan_trace(
+            self, capacity, client, token_scale=shaping.token_scale, max_context=shaping.max_context
+        )
+        return make_plan(
+            replay.calls,
+            replay.phases,
             client,
             time_scale,
-            token_scale=shaping.token_scale,
-            max_context=shaping.max_context,
+            segments=replay.segments,
+            tail_windows=REPLAY_TAIL_WINDOWS,
         )
 
 
@@ -283,13 +286,13 @@ def plan_trace(
     workload: TraceWorkload,
     capacity: float,
     client: ClientConfig,
-    time_scale: float = 1.0,
     *,
     token_scale: float = 1.0,
     max_context: int = MAX_CONTEXT,
 ) -> RunPlan:
     """Plan a replay of ``workload`` at its load × ``capacity`` (Ĉ, calls per run-second, as the
-    engine runs) for clients of ``client`` (at the study's scale, divided by ``time_scale``),
+    engine runs) for clients of ``client`` (the study's, as given: :meth:`TraceWorkload.plan`
+    puts them and the recovery window in a scaled run's seconds),
     every token length × ``token_scale`` and cut to ``max_context`` (``TraceWorkload.calls``).
     Its one phase is named ``trace``: without a pulse, the run is judged by its ground truth
     over time.
@@ -304,4 +307,4 @@ def plan_trace(
             segments[call.planned.call_id] = call.segments
     end = calls[-1].arrival_s if calls else 0.0
     phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
-    return make_plan(calls, (phase,), client, time_scale, segments=segments, tail_windows=REPLAY_TAIL_WINDOWS)
+    return make_plan(calls, (phase,), client, 1.0, segments=segments, tail_windows=REPLAY_TAIL_WINDOWS)

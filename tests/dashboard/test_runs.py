@@ -26,6 +26,7 @@ from dashboard.runs import (
 from foundation import metricnames as mn
 from foundation.rundir import MAX_JSON_BYTES, RunDirError, read_whatif
 from foundation.timeseries import Snapshot, read_series, write_series
+from reproduce.workloads.plan import detector_settings
 from tests.dashboard.conftest import summary_run, write_run_series
 
 
@@ -60,7 +61,7 @@ def test_run_signals_follow_the_counters(runs_dir: Path) -> None:
 def test_a_scaled_run_is_drawn_and_replayed_at_its_scale(tmp_path: Path) -> None:
     """A run at time scale K = 10 (every duration divided by 10, every rate times 10) gets the
     same charts and alerts as the study-scale run, at a tenth of its times: both the rates'
-    window and the detector's replay are divided by K."""
+    window and the detector's replay are the run's own, as its plan recorded them."""
     study, scaled = tmp_path / "study", tmp_path / "scaled"
     run = summary_run("retries-on", 1, recovered=False)
     write_run_series(study / run["series"], collapse=True)
@@ -72,7 +73,8 @@ def test_a_scaled_run_is_drawn_and_replayed_at_its_scale(tmp_path: Path) -> None
     ]
     (scaled / run["series"]).parent.mkdir(parents=True)
     write_series(scaled / run["series"], snaps)
-    fast = {**run, "time_scale": 10.0, "capacity": 28.0, "duration_s": 60.0}
+    recorded = {"detector": detector_settings(10.0).record()}  # what the run's plan wrote
+    fast = {**run, "time_scale": 10.0, "capacity": 28.0, "duration_s": 60.0, "plan": recorded}
     (scaled / "summary.json").write_text(json.dumps({"runs": [fast]}))
     a, b = load_runs(study), load_runs(scaled)
     key = run_key(run)
@@ -87,6 +89,9 @@ def test_a_scaled_run_is_drawn_and_replayed_at_its_scale(tmp_path: Path) -> None
     assert [x["alertname"] for x in fast_alerts] == [x["alertname"] for x in alerts]
     fired = [x["fired_at_s"] for x in alerts]
     assert [x["fired_at_s"] * 10 for x in fast_alerts] == pytest.approx(fired)
+    # A scaled run that recorded no settings is refused, never replayed at the study's.
+    with pytest.raises(ValueError, match="run it again"):
+        run_signals(b, {k: v for k, v in fast.items() if k != "plan"})
 
 
 def test_counter_reset_gives_nan_not_a_negative_rate() -> None:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from detector.cli import detect
 from detector.evaluator import Evaluator
-from detector.replay import ReplayScale, replay_reproduce_run, replay_run
+from detector.replay import ReplaySettings, replay_reproduce_run, replay_run
 from detector.signals import (
     DEFAULT_DEADLINE_S,
     WINDOWS,
@@ -35,6 +35,7 @@ from reproduce.conditions import block
 from reproduce.harness.detectorproc import DetectorProcess
 from reproduce.judge.validate import RETRY_LOOP, RunInfo, replay_firings
 from reproduce.sim import SimSpec, simulate
+from reproduce.workloads.plan import RunClock, detector_settings
 from tests.detector.conftest import wait_until
 from tests.reproduce.small_engine import CAPACITY, ENGINE, WORKLOAD
 
@@ -121,7 +122,8 @@ def test_validation_replays_a_scaled_run_at_its_scale(runs: dict[tuple[float, st
     info = RunInfo(
         block="diagnostic", condition="retries-on-cancel-off", model="test", run=1, recovered=False,
         recovery_time_s=None, pulse_start_s=12.0, pulse_end_s=22.7, duration_s=143.5, deadline_s=12.0,
-        capacity=CAPACITY * 10, time_scale=10.0, series=path, shed_or_attached=False,
+        capacity=CAPACITY * 10, series=path, shed_or_attached=False,
+        clock=RunClock(10.0), detector=detector_settings(10.0),
     )  # fmt: skip
     got = [(f.alertname, f.fired_at_s, f.resolved_at_s) for f in replay_firings(info)]
     want = [
@@ -154,11 +156,9 @@ def test_durations_scale_and_thresholds_stay() -> None:
     assert (w.rate_s, w.prompt_gap_s, w.capacity_estimate_s, w.gauge_lookback_s) == (15.0, 75.0, 900.0, 75.0)
     assert (w.predict_s, w.predict_part_s) == (75.0, 3.75)
     assert SignalEngine(SignalConfig(windows=w)).windows == w
-    for bad in (0.0, -1.0, math.nan, math.inf):
+    for bad in (0.0, -1.0, math.nan, math.inf):  # K is checked once, where the plan applies it
         with pytest.raises(ValueError, match="time scale"):
-            WINDOWS.scaled(bad)
-        with pytest.raises(ValueError, match="time scale"):
-            scale_rules(ALERTS, bad)
+            detector_settings(bad)
 
 
 def test_the_evaluator_divides_for_and_keep_firing_for() -> None:
@@ -178,20 +178,20 @@ def test_the_evaluator_divides_for_and_keep_firing_for() -> None:
     assert transitions(1.0, 3.0, 5.0) == []  # at real time 3 s of missing data is not enough
 
 
-def test_replay_reproduce_run_rejects_a_bad_time_scale(runs: dict[tuple[float, str], Path]) -> None:
-    with pytest.raises(ValueError, match="time scale"):
-        replay_reproduce_run(runs[(10.0, CONDITIONS[0])], None, None, 0)
-
-
-def test_a_replay_scale_holds_the_rules_windows_and_assumed_deadline_in_the_runs_seconds() -> None:
-    scale = ReplayScale.of(10.0)
-    assert scale.rules == scale_rules(ALERTS, 10.0)
-    assert scale.windows == WINDOWS.scaled(10.0) and scale.windows != WINDOWS
-    assert scale.assumed_deadline == pytest.approx(DEFAULT_DEADLINE_S / 10.0)
-    assert scale.run_s(30.0) == pytest.approx(3.0)
-    assert ReplayScale.of(1.0).windows == WINDOWS and ReplayScale.of(1.0).rules == ALERTS
-    with pytest.raises(ValueError, match="time scale"):
-        ReplayScale.of(float("nan"))
+def test_replay_reproduce_run_replays_at_the_settings_the_plan_recorded(
+    runs: dict[tuple[float, str], Path],
+) -> None:
+    """A scaled run's settings, recorded by its plan and read back (never re-derived from K),
+    replay it as :func:`at` does; a record that does not fit is one clear error."""
+    path = runs[(10.0, CONDITIONS[0])]
+    settings = ReplaySettings.of_record(detector_settings(10.0).record())
+    assert settings == detector_settings(10.0)
+    assert settings.windows == WINDOWS.scaled(10.0) and settings.windows != WINDOWS
+    assert settings.assumed_deadline == pytest.approx(DEFAULT_DEADLINE_S / 10.0)
+    assert ReplaySettings.of_record(None) == ReplaySettings() == detector_settings(1.0)
+    assert replay_reproduce_run(path, None, None, settings) == replay_run(path, **at(10.0))
+    with pytest.raises(ValueError, match="recorded detector settings"):
+        ReplaySettings.of_record({"windows": {"nope": 1.0}, "alerts": {}, "assumed_deadline_s": 1.0})
 
 
 def test_cli_time_scale_option_and_the_http_runs_detector_process(tmp_path: Path) -> None:

@@ -148,15 +148,18 @@ def test_span_of_a_summary_entry_reads_its_times() -> None:
         "deadline_s": 12.0,
         "capacity": 97.7,
         "duration_s": 180.0,
-        "plan": {"window_s": 6.0},
+        "plan": {"window_s": 6.0, "max_growth_per_s": 0.1},
     }
     span = span_of(entry)
     assert (span.end_s, span.align_s, span.window_s, span.deadline_s) == (94.7, 22.7, 6.0, 12.0)
+    assert span.max_growth_per_s == 0.1  # the plan's, as recorded: never re-derived from K
     assert span_of({**entry, "hold_end_s": None}).end_s == 180.0
     with pytest.raises(RunDirError, match="needs 'hold_end_s' or 'duration_s'"):
         span_of({k: v for k, v in entry.items() if k not in ("hold_end_s", "duration_s")})
     with pytest.raises(RunDirError, match=r"'plan\.window_s'"):  # never a window re-derived from K
         span_of({k: v for k, v in entry.items() if k != "plan"})
+    with pytest.raises(RunDirError, match=r"'plan\.max_growth_per_s'"):
+        span_of({**entry, "plan": {"window_s": 6.0}})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 from reproduce.conditions import block
 from reproduce.harness.backend import HttpBackend, HttpBackendError
 from reproduce.harness.protocol import cpu_scaled, study
-from reproduce.workloads.calls import generate_trace
 
 RETRIES_ON = block("diagnostic").condition("retries-on-cancel-off")
 
@@ -33,8 +32,8 @@ def test_cpu_scaled_protocol_divides_durations_and_token_lengths() -> None:
 def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> None:
     capacity = 4.0  # calls per wall second
     proto = cpu_scaled(10).with_hold(7_200.0)  # a long hold for a tight rate estimate
-    trace = generate_trace(proto.workload(capacity, seed=3))
-    timeline = proto.plan(capacity, RETRIES_ON, seed=3).timeline()
+    plan = proto.plan(capacity, RETRIES_ON, seed=3)
+    trace, timeline = plan.calls, plan.timeline()
     hold = [c for c in trace if c.phase == "hold"]
     assert len(hold) / timeline.hold_s == pytest.approx(0.6 * capacity, rel=0.05)
     pulse = [c for c in trace if c.phase == "pulse"]

@@ -24,7 +24,7 @@ from reproduce.workloads.plan import RunPlan, plan_run
 
 def study_plan(time_scale: float = 1.0) -> RunPlan:
     """The study's pulse run planned at time scale ``time_scale`` (Ĉ = 1 call/s)."""
-    return plan_run(WorkloadSpec(capacity=1.0, time_scale=time_scale), ClientConfig())
+    return plan_run(WorkloadSpec(capacity=1.0), ClientConfig(), time_scale)
 
 
 TL = study_plan().timeline()

@@ -71,12 +71,20 @@ def test_the_study_plan_at_two_time_scales() -> None:
     timeline = study.timeline()
     assert (timeline.pulse_start, timeline.pulse_end, timeline.hold_end) == (120.0, 227.0, 947.0)
     assert (study.deadline_s, study.horizon_s, timeline.window_s) == (120.0, 840.0, 60.0)
-    fast = plan_run(WorkloadSpec(capacity=1.0, time_scale=10.0), ClientConfig(deadline_s=60.0))
+    fast = plan_run(WorkloadSpec(capacity=1.0), ClientConfig(deadline_s=60.0), 10.0)
     # Every duration divided once: the client's deadline and backoff, the phases, the windows.
     assert fast.deadline_s == pytest.approx(6.0) == fast.timeline().deadline_s
     assert fast.client.backoff_max_s == pytest.approx(0.3)
     assert fast.timeline().pulse_end == pytest.approx(22.7) and fast.timeline().window_s == pytest.approx(6.0)
     assert [c.arrival_s for c in fast.calls] == pytest.approx([c.arrival_s / 10 for c in study.calls])
+    # The detector's settings and the recovery rule's growth limit in the run's seconds, recorded
+    # for the judges and the dashboard to read back.
+    described = fast.describe()
+    assert described["max_growth_per_s"] == pytest.approx(0.1)
+    assert described["detector"]["windows"]["rate_s"] == pytest.approx(6.0)
+    assert described["detector"]["assumed_deadline_s"] == pytest.approx(12.0)
+    with pytest.raises(PlanError, match="time scale must be a finite number > 0"):
+        plan_run(WorkloadSpec(capacity=1.0), ClientConfig(), 0.0)
 
 
 def test_a_workload_without_a_pulse_plans_calls_but_has_no_pulse_to_judge() -> None:
@@ -98,10 +106,11 @@ def test_a_workload_without_a_pulse_plans_calls_but_has_no_pulse_to_judge() -> N
 
 
 def test_an_outline_is_the_runs_plan_without_its_calls_in_run_seconds() -> None:
-    spec = WorkloadSpec(capacity=2.0, seed=3, time_scale=4.0)
-    planned, outlined = plan_run(spec, ClientConfig()), outline(spec, ClientConfig())
+    spec = WorkloadSpec(capacity=2.0, seed=3)
+    planned, outlined = plan_run(spec, ClientConfig(), 4.0), outline(spec, ClientConfig(), 4.0)
     assert outlined.calls == () and planned.calls
     assert outlined.describe() == {**planned.describe(), "calls": 0}
     assert outlined.deadline_s == pytest.approx(ClientConfig().deadline_s / 4.0)
     assert outlined.run_s(60.0) == pytest.approx(15.0)
     assert outlined.run_rate(2.0) == pytest.approx(8.0)  # Ĉ per study second -> per run-second
+    assert outlined.clock.plan_spec(spec, ClientConfig()) == planned  # the same clock, the same run

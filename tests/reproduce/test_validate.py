@@ -48,7 +48,6 @@ def _info(
         duration_s=1800.0,
         deadline_s=120.0,
         capacity=2.78,
-        time_scale=1.0,
         series=Path("unused"),
         shed_or_attached=controlled,
         hold_creation_x_capacity=0.85,
@@ -241,6 +240,8 @@ def test_cli_writes_the_files_and_reports_bad_input(tmp_path: Path) -> None:
         (lambda run: run.update(run=1.5), "'run' must be a whole number"),
         (lambda run: run.update(time_scale=0), "'time_scale' must be a finite number > 0"),
         (lambda run: run.update(time_scale=-2.0), "'time_scale' must be a finite number > 0"),
+        (lambda run: run.update(plan={"detector": {"windows": {}}}), "recorded detector settings"),
+        (lambda run: run.update(time_scale=10.0), "before runs recorded their detector settings"),
     ],
 )
 def test_bad_summary_gets_a_clear_error(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]

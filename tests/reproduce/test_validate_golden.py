@@ -34,7 +34,6 @@ def results(ns: Any) -> list[Any]:
             "duration_s": 1500.0,
             "deadline_s": 120.0,
             "capacity": 2.78,
-            "time_scale": 1.0,
             "series": Path("unused"),
             "shed_or_attached": run % 2 == 0,
             "hold_creation_x_capacity": 0.85 + 0.1 * run,

@@ -16,6 +16,8 @@ from reproduce.workloads.calls import (
     prompt_token_ids,
     shared_prefix_segment_id,
 )
+from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import plan_run
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:
@@ -57,14 +59,16 @@ def test_mixed_prompts_gives_about_half_short_prompts() -> None:
     assert 0.45 < short / len(trace) < 0.55
 
 
-def test_time_scale_compresses_the_same_calls() -> None:
-    full = generate_trace(WorkloadSpec(capacity=2.0, seed=5))
-    fast = generate_trace(WorkloadSpec(capacity=2.0, seed=5, time_scale=10.0))
-    assert len(full) == len(fast)
-    for a, b in zip(full, fast, strict=True):
-        assert b.arrival_s == pytest.approx(a.arrival_s / 10.0)
+def test_a_plan_at_a_time_scale_compresses_the_same_calls() -> None:
+    """A spec is at the study's scale; its plan divides every arrival and phase by K, once."""
+    spec = WorkloadSpec(capacity=2.0, seed=5)
+    full = generate_trace(spec)
+    fast = plan_run(spec, ClientConfig(), 10.0)
+    assert len(full) == len(fast.calls)
+    for a, b in zip(full, fast.calls, strict=True):
+        assert b.arrival_s == a.arrival_s / 10.0
         assert (a.prompt_len, a.response_len, a.phase) == (b.prompt_len, b.response_len, b.phase)
-    assert WorkloadSpec(capacity=2.0, time_scale=10.0).duration_s == pytest.approx(94.7)
+    assert spec.duration_s == pytest.approx(947.0) and fast.phases[-1].end_s == pytest.approx(94.7)
 
 
 def test_pulse_multiple_and_custom_phases() -> None:
@@ -83,7 +87,6 @@ def test_pulse_multiple_and_custom_phases() -> None:
         {"capacity": 1.0, "phases": ()},
         {"capacity": 1.0, "phases": ((-1.0, 1.0),)},
         {"capacity": 1.0, "phase_names": ("a",)},
-        {"capacity": 1.0, "time_scale": 0.0},
         {"capacity": 1.0, "prompt_mean": 1_000.0},
     ],
 )

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from detector.capacity import CAPACITY_SOURCES
-from detector.replay import ReplayScale, replay_snapshots
-from detector.signals import WINDOWS, SignalConfig, SignalFrame, Windows
+from detector.replay import replay_snapshots
+from detector.signals import SignalConfig, SignalFrame, Windows
 from detector.sources.replay import load_snapshots, run_slug
 from exporter.deadlines import DeadlineLearner
 from foundation import metricnames as mn
@@ -193,7 +193,7 @@ def unstated_snapshots(
     return out
 
 
-def replay_nothing_stated(info: RunInfo, windows: Windows = WINDOWS) -> NothingStatedRun:
+def replay_nothing_stated(info: RunInfo, windows: Windows | None = None) -> NothingStatedRun:
     """Replay one run with nothing stated (module docstring): its firings and what was learned."""
     instance = run_slug(info.series)
     snapshots = unstated_snapshots(load_snapshots(info.series, instance), abandons_of(info.calls), instance)
@@ -213,10 +213,11 @@ def replay_nothing_stated(info: RunInfo, windows: Windows = WINDOWS) -> NothingS
             )
             deadline.note(t, frame.values.get("deadline"), mn.DEADLINE_LEARNED, info.pulse_start_s)
 
-    # In the run's seconds, as ``replay_reproduce_run`` replays a stated run.
-    scale = ReplayScale.of(info.time_scale, windows)
-    config = SignalConfig(windows=scale.windows, assumed_deadline=scale.assumed_deadline)
-    episodes = replay_snapshots(snapshots, config, rules=scale.rules, on_frames=observe)
+    # At the settings the run's plan recorded, as ``replay_reproduce_run`` replays a stated run.
+    settings = info.detector
+    windows = settings.windows if windows is None else windows
+    config = SignalConfig(windows=windows, assumed_deadline=settings.assumed_deadline)
+    episodes = replay_snapshots(snapshots, config, rules=settings.rules, on_frames=observe)
     return NothingStatedRun([Firing.of(e) for e in episodes], capacity, deadline)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from detector.episodes import AlertEpisode
+from detector.replay import ReplaySettings
 from foundation.groundtruth import Collapse, GroundTruth, GroundTruthError, Window
 from foundation.rundir import (
     SUMMARY,
@@ -26,6 +27,7 @@ from foundation.rundir import (
     series_path,
 )
 from reproduce.judge.groundtruth import CALLS_FILE, legacy_truth
+from reproduce.workloads.plan import RunClock
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,6 @@ class RunInfo:
     duration_s: float
     deadline_s: float
     capacity: float
-    time_scale: float
     series: Path
     shed_or_attached: bool
     hold_creation_x_capacity: float | None = None  # executions created over the primary window, in Ĉ
@@ -87,10 +88,14 @@ class RunInfo:
     #: written before runs recorded it that has no call records to compute it from.
     truth: GroundTruth | None = field(default=None, compare=False, repr=False)
 
+    #: The run's seconds against the study's, and the detector's settings in them, as its plan
+    #: recorded them (summary.json's entry and ``plan.detector``).
+    clock: RunClock = field(default_factory=RunClock)
+    detector: ReplaySettings = field(default_factory=ReplaySettings, compare=False, repr=False)
+
     def run_s(self, study_s: float) -> float:
-        """A duration at the study's scale in this run's seconds (the run's time scale, as its
-        plan applied it): the one place validation converts one."""
-        return study_s / self.time_scale
+        """A duration at the study's scale in this run's seconds, by the run's recorded clock."""
+        return self.clock.run_s(study_s)
 
     @property
     def recovery_at_s(self) -> float | None:
@@ -142,11 +147,12 @@ def _run_number(value: Any, where: str) -> int:
     return value
 
 
-def _time_scale(value: Any, where: str) -> float:
-    k = _number(value, where)
-    if k <= 0:
-        raise RunDirError(f"{where}: 'time_scale' must be a finite number > 0, got {value!r}")
-    return k
+def _recorded(run: Mapping[str, Any], where: str) -> tuple[RunClock, ReplaySettings]:
+    """The run's clock and detector settings as its plan recorded them."""
+    try:
+        return RunClock.of_record(run), ReplaySettings.of_entry(run)
+    except ValueError as exc:
+        raise RunDirError(f"{where}: {exc}") from None
 
 
 def _shed_or_attached(run: Mapping[str, Any]) -> bool:
@@ -204,6 +210,7 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
             )
         except GroundTruthError as exc:
             raise RunDirError(f"{where}: {exc}") from None
+        clock, detector = _recorded(run, where)
         infos.append(
             RunInfo(
                 block=str(_field(run, "block", where)),
@@ -217,7 +224,6 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 duration_s=_number(_field(run, "duration_s", where), where),
                 deadline_s=_number(_field(run, "deadline_s", where), where),
                 capacity=_number(_field(run, "capacity", where), where),
-                time_scale=_time_scale(run.get("time_scale", 1.0), where),
                 series=series,
                 shed_or_attached=_shed_or_attached(run),
                 hold_creation_x_capacity=_hold_creation(run),
@@ -227,6 +233,8 @@ def load_runs(out_dir: Path) -> list[RunInfo]:
                 trace=trace,
                 attempt_timeout_s=_attempt_timeout(run),
                 truth=truth,
+                clock=clock,
+                detector=detector,
             )
         )
     return infos
