@@ -7,7 +7,8 @@ asserts the same, so the rules and the Python detector can never drift apart).
 
 Sources: recording rules (name, PromQL) from ``detector.signals.recording_rules(tier)`` with their
 help text as comments, the vLLM tier's Ĉ and deadline as ``rules.learned`` computes them where
-nothing is stated (its records, and its two alerts on the deadline after the tier's); alerts from ``detector.thresholds.ALERTS`` with their PromQL from
+nothing is stated (its records, and its two alerts on the deadline after the tier's); alerts from
+``detector.thresholds.ALERTS`` with their PromQL from
 ``detector.thresholds.alert_expr``, then ``detector.thresholds.PROMETHEUS_ALERTS`` (alerts on
 Prometheus' own scrapes, which only Prometheus evaluates). Everything sits in one rule group,
 recording rules first: Prometheus evaluates a group's rules in order at one timestamp, so each alert reads the
