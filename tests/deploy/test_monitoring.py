@@ -66,7 +66,8 @@ def test_alertmanager_groups_by_replica_and_routes_each_alert_by_severity() -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
     config = yaml.safe_load(ALERTMANAGER_YML.read_text(encoding="utf-8"))
     assert "instance" in config["route"]["group_by"]
-    receivers = {"critical": "pager", "warning": "chat"}
+    # info (a note on the setup, e.g. a deadline between vLLM's buckets): Alertmanager's UI only
+    receivers = {"critical": "pager", "warning": "chat", "info": "default"}
     assert {a["labels"]["severity"] for a in ALERTS} <= set(receivers)
     for alert in ALERTS:
         labels = {"alertname": alert["alert"], "instance": "retrywatch-engine-0", **alert["labels"]}
