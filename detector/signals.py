@@ -88,10 +88,12 @@ TIERS: tuple[Tier, ...] = typing.get_args(Tier)
 #: that job's ``up``).
 PROMETHEUS_JOBS: dict[Tier, str] = {"proxy": "retrywatch", "vllm": "vllm"}
 PROMETHEUS_JOB = PROMETHEUS_JOBS["proxy"]
-#: The clients' deadline the rendered rules' vLLM tier assumes where no series states one (the
-#: study's, and a common client timeout), as does a replay (``SignalConfig.assumed_deadline``);
-#: ``retrywatch detect`` assumes none: stated, else the proxy's, else missing. It must be one of
-#: vLLM's latency buckets, since finishes within it are read off the e2e histogram at that bucket.
+#: The study's clients' deadline (a common client timeout): what a replay assumes where no series
+#: states one (``SignalConfig.assumed_deadline``), what ``retrywatch mixin --deadline`` and
+#: ``rules.stated`` state by default, and the deadlines the vLLM tier's held alerts' ``for`` s are
+#: counted in. The rendered rules assume none (``vllm_deadline``: the series, else absent), nor
+#: does ``retrywatch detect``: stated, else the proxy's, else missing. It must be one of vLLM's
+#: latency buckets, so that a deadline stated by default is read off the e2e histogram exactly.
 DEFAULT_DEADLINE_S = 120.0
 ENGINE_INFO_RECORD = "instance:retrywatch_engine:info"
 VLLM_ENGINE_INFO_RECORD = "instance:retrywatch_vllmtier_engine:info"
@@ -184,7 +186,7 @@ _COUNTER_NAMES: frozenset[str] = frozenset(RAW[RAW_KEYS[i]][0] for i in _COUNTER
 # counts missed deadlines only while it knows the deadline (its --deadline): without that counter
 # the symptom alert is blind, so it is needed, as the deadline is.
 NEEDED_RAW: tuple[str, ...] = ("attempts_first", "created", "waiting", "missed_deadline")
-# The vLLM tier's: vLLM's queue, its finishes and its e2e histogram (the deadline has a default).
+# The vLLM tier's: vLLM's queue, its finishes and its e2e histogram (Ĉ and the deadline too).
 NEEDED_VLLM_RAW: tuple[str, ...] = ("waiting", "vllm_finished", "vllm_e2e_count")
 
 
@@ -515,9 +517,44 @@ _PROMPT_SUM = f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum"
 _REFUSAL_LOOKBACK = _range(WINDOWS.capacity_estimate_s)
 _DEFAULT_BUCKET = deadline_bucket(DEFAULT_DEADLINE_S)
 assert _DEFAULT_BUCKET == DEFAULT_DEADLINE_S, "the default deadline must be one of vLLM's latency buckets"
-#: The e2e bucket the Prometheus rules count as "within the deadline" (rendered at the default).
+#: The e2e bucket of the default deadline (``le`` label): the rules choose theirs per instance
+#: from the deadline in force (:data:`DEADLINE_BUCKET_RECORD`), never this one.
 VLLM_DEADLINE_LE = le_label(_DEFAULT_BUCKET)
-_IN_TIME = f'{{le="{VLLM_DEADLINE_LE}"}}'
+#: Ĉ predicted below saturation from vLLM's own counters: the fit of ``detector.capacity`` in
+#: PromQL, recorded by the helper records of ``rules.learned`` (rules only: the detector fits in
+#: Python).
+CAPACITY_PREDICTED_RECORD = _vr("capacity_predicted:calls_per_second")
+#: vLLM's e2e bucket at or below the deadline in force, labelled ``le``, valued the seconds from
+#: that bound up to the deadline (``rules.learned`` records it; the detector picks the bucket
+#: with :func:`deadline_bucket`). Absent without a deadline, or one below vLLM's first bound.
+DEADLINE_BUCKET_RECORD = _vr("client_deadline_beyond_bucket:seconds")
+#: The raw series each of the two records above reads (what ``detector.needs`` follows them to,
+#: their PromQL being the rules'): the prediction's, as the detector's; the deadline's series.
+RULES_ONLY_RECORDS: dict[str, tuple[str, ...]] = {
+    CAPACITY_PREDICTED_RECORD: predictor.PREDICTOR_SERIES,
+    DEADLINE_BUCKET_RECORD: (mn.CLIENT_DEADLINE,),
+}
+
+
+def _sum_rate_in_time(window: str) -> str:
+    """Requests vLLM finished within the deadline, per second over ``window``: the e2e bucket at
+    or below the deadline in force (``and on (instance, le)`` its record): absent where no
+    deadline is known."""
+    names = (_E2E_BUCKET, *_ALIASES.get(_E2E_BUCKET, ()))
+    bucket = f"and on (instance, le) {DEADLINE_BUCKET_RECORD}"
+    rates = " or ".join(f"(rate({name}[{window}]) {bucket})" for name in names)
+    return f"sum by (instance) ({rates})"
+
+
+_STATED_CAPACITY = f"max by (instance) ({mn.CAPACITY} > 0)"
+#: Where the vLLM tier's Ĉ comes from, in order of precedence (``detector.capacity.CAPACITY_SOURCES``).
+VLLM_CAPACITY_SOURCES: tuple[tuple[str, str], ...] = (
+    ("stated", _STATED_CAPACITY),
+    # an estimate of 0 (a hung engine: its queue full, nothing finishing) is no estimate
+    ("saturated", f"({_vr('capacity_estimate:avg1h')} > 0)"),
+    ("predicted", f"({CAPACITY_PREDICTED_RECORD} > 0)"),
+)
+assert tuple(name for name, _ in VLLM_CAPACITY_SOURCES) == predictor.CAPACITY_SOURCES
 
 _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec(
@@ -539,10 +576,10 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec(
         "vllm_in_time_rate",
         "1/s",
-        "Requests vLLM finished within the deadline per second (the e2e histogram's bucket at the "
-        f"deadline: le={VLLM_DEADLINE_LE} in the rules).",
+        "Requests vLLM finished within the deadline per second (the e2e histogram's bucket at or "
+        f"below the deadline: {DEADLINE_BUCKET_RECORD}'s le); absent without a deadline.",
         _vr("e2e_finished_in_time:rate1m"),
-        _vj(_sum_rate(_E2E_BUCKET, _W, _IN_TIME)),
+        _vj(_sum_rate_in_time(_W)),
         "vllm",
     ),
     SignalSpec(
@@ -615,21 +652,21 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "vllm_capacity",
         "calls/s",
         "Ĉ as the vLLM tier knows it: stated (--capacity, or a series "
-        f"{mn.CAPACITY}), else estimated online from vLLM's finish rate while its queue never emptied.",
+        f"{mn.CAPACITY}), else estimated online from vLLM's finish rate while its queue never "
+        "emptied (an hour's average), else predicted below saturation from vLLM's own counters "
+        f"({CAPACITY_PREDICTED_RECORD}).",
         _vr("capacity:calls_per_second"),
-        _vj(f"max by (instance) ({mn.CAPACITY} > 0) or ({_vr('capacity_estimate:avg1h')} > 0)"),
+        _vj(" or on (instance) ".join(expr for _, expr in VLLM_CAPACITY_SOURCES)),
         "vllm",
     ),
     SignalSpec(
         "vllm_deadline",
         "s",
-        f"The clients' deadline: stated (--deadline, or a series {mn.CLIENT_DEADLINE}), else "
-        f"{DEFAULT_DEADLINE_S:g} s.",
+        f"The clients' deadline: stated (--deadline, or a series {mn.CLIENT_DEADLINE}: the stated "
+        "rules', or a proxy's, stated or learned), else absent: the alerts that read it cannot "
+        "evaluate, and the tier's NoData fires.",
         _vr("client_deadline:seconds"),
-        _vj(
-            f"max by (instance) ({mn.CLIENT_DEADLINE} > 0)"
-            f" or count by (instance) ({mn.VLLM_NUM_WAITING}) * 0 + {DEFAULT_DEADLINE_S:g}"
-        ),
+        _vj(f"max by (instance) ({mn.CLIENT_DEADLINE} > 0)"),
         "vllm",
     ),
 )
@@ -702,7 +739,7 @@ def _vllm_error_promql(window: str) -> str:
     refused that finished within the deadline) × (prompt tokens that reached their first token over
     those admitted, at most 1), as :func:`vllm_delivery_error` computes it; absent when nothing was
     admitted, finished nor refused. Refusals count 0 where vLLM does not count them (before 0.32)."""
-    in_time = _sum_rate(_E2E_BUCKET, window, _IN_TIME)
+    in_time = _sum_rate_in_time(window)
     count = _sum_rate(_E2E_COUNT, window)
     refused = f"({_sum_rate(mn.VLLM_ADMISSION_REJECTIONS, window)} or {count} * 0)"
     judged = f"({count} + on (instance) {refused})"
@@ -796,11 +833,17 @@ _VLLM_SIGNALS: tuple[SignalSpec, ...] = (
     SignalSpec(
         "vllm_data_missing",
         "bool",
-        "1 when vLLM's target is down or one of its needed series (or Ĉ) is missing.",
+        "1 when vLLM's target is down or one of its needed series (or Ĉ, or the deadline) is missing.",
         _vr("data_missing:bool"),
         _data_missing_promql(
             "vllm",
-            (mn.VLLM_NUM_WAITING, mn.VLLM_REQUEST_SUCCESS, _E2E_COUNT, _vr("capacity:calls_per_second")),
+            (
+                mn.VLLM_NUM_WAITING,
+                mn.VLLM_REQUEST_SUCCESS,
+                _E2E_COUNT,
+                _vr("capacity:calls_per_second"),
+                _vr("client_deadline:seconds"),
+            ),
         ),
         "vllm",
     ),
@@ -941,7 +984,7 @@ class SignalConfig:
     capacity: float | None = None
     deadline: float | None = None
     # the vLLM tier's deadline where none is stated nor exported (None: missing, and the tier's
-    # NoData says so): the rendered rules' default, which a replay compares against
+    # NoData says so, as in the rendered rules): a replay assumes the study's
     assumed_deadline: float | None = DEFAULT_DEADLINE_S
     # log each instance's deadline once as found, and warn where it falls between vLLM's e2e
     # buckets (the live detector does; a replay does not)

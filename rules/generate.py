@@ -6,8 +6,9 @@ definitions produce (tests/rules/test_generate.py
 asserts the same, so the rules and the Python detector can never drift apart).
 
 Sources: recording rules (name, PromQL) from ``detector.signals.recording_rules(tier)`` with their
-help text as comments, the vLLM tier's Ĉ and deadline as ``rules.learned`` computes them where
-nothing is stated (its records, and its two alerts on the deadline after the tier's); alerts from
+help text as comments, and the vLLM tier's rules-only records its Ĉ and deadline read where nothing
+is stated (``rules.learned``: the fit of Ĉ, the deadline's bucket, the Ĉ source, and two alerts on
+the deadline after the tier's); alerts from
 ``detector.thresholds.ALERTS`` with their PromQL from
 ``detector.thresholds.alert_expr``, then ``detector.thresholds.PROMETHEUS_ALERTS`` (alerts on
 Prometheus' own scrapes, which only Prometheus evaluates). Everything sits in one rule group,
@@ -122,8 +123,8 @@ def _block(key: str, text: str, indent: str) -> list[str]:
 
 
 def _records(tier: Tier) -> list[dict[str, Any]]:
-    """The tier's recording rules; the vLLM tier's with Ĉ and the deadline as ``rules.learned``
-    computes them (its helper records ahead of the signals, the Ĉ source after Ĉ)."""
+    """The tier's recording rules; the vLLM tier's with the records of ``rules.learned`` that its
+    signals read (its helper records ahead of the signals, the Ĉ source after Ĉ)."""
     from detector.signals import HELPER_RECORDS, recording_rules
 
     rules = recording_rules(tier)
@@ -134,7 +135,7 @@ def _records(tier: Tier) -> list[dict[str, Any]]:
     for i, (name, expr) in enumerate(rules):
         if i == head:
             out += [{"record": n, "expr": e} for n, e in learned.helper_records()]
-        out.append({"record": name, "expr": learned.rewrite(name, expr)})
+        out.append({"record": name, "expr": expr})
         if name == learned.CAPACITY_RECORD:
             source, source_expr = learned.source_record()
             out.append({"record": source, "expr": source_expr})

@@ -1,6 +1,9 @@
-"""The vLLM tier's Ĉ and deadline in PromQL, where nobody states them (``rules.generate`` applies it).
+"""The rules-only part of the vLLM tier's Ĉ and deadline, where nobody states them: the records
+the tier's signals read by name (``detector.signals``: ``vllm_capacity``, ``vllm_deadline``, the
+in-time rates), the record of Ĉ's source, and two alerts on the deadline (``rules.generate``
+renders them into the tier's group).
 
-Ĉ: stated (a ``retrywatch_capacity_calls_per_second`` series), else the saturated estimate
+Ĉ (``vllm_capacity``): stated (a ``retrywatch_capacity_calls_per_second`` series), else the saturated estimate
 (vLLM's finish rate averaged over an hour of a queue that never emptied), else predicted below
 saturation from vLLM's own counters, the model of ``detector.capacity`` (read its docstring):
 ``busy = a·steps + c·prompt + β·decoded`` fitted by least squares over 15-s sub-windows of the
@@ -34,10 +37,11 @@ Only vLLM 0.10.2 on exports ``vllm:inter_token_latency_seconds``: without it, no
 
 The deadline: stated (a ``retrywatch_client_deadline_seconds`` series: ``rules.stated`` records
 one, a proxy scraped under the same instance exports the one it was given or learned), else
-missing: no default. The e2e bucket that counts finishes in time is chosen per instance from the
-deadline in force (``detector.signals.deadline_bucket``: vLLM's bound at or below it), recorded
-as a series labelled with its ``le`` whose value is the seconds from that bound up to the
-deadline; the in-time rates keep only that bucket (``and on (instance, le)``). A deadline between
+missing: no default (``vllm_deadline``). The e2e bucket that counts finishes in time is chosen
+per instance from the deadline in force (``detector.signals.deadline_bucket``: vLLM's bound at or
+below it), recorded as a series labelled with its ``le`` whose value is the seconds from that
+bound up to the deadline; the in-time rates keep only that bucket (``and on (instance, le)``, in
+``detector.signals``). A deadline between
 two bounds is not rounded silently: ``VLLMDeadlineBetweenBuckets`` (info) says which finishes
 count as late; a missing deadline, or one below vLLM's first bound, fires ``VLLMDeadlineMissing``
 (warning) beside the tier's NoData.
@@ -46,12 +50,18 @@ count as late; a missing deadline, or one below vLLM's first bound, fires ``VLLM
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from detector.capacity import DEFAULT_MAX_NUM_SEQS, PART_S, PREDICT_WINDOW_S
-from detector.signals import PROMETHEUS_JOBS, VLLM_DEADLINE_LE, VLLM_ENGINE_INFO_RECORD
+from detector.signals import (
+    CAPACITY_PREDICTED_RECORD,
+    DEADLINE_BUCKET_RECORD,
+    PROMETHEUS_JOBS,
+    RECORD_NAMES,
+    VLLM_CAPACITY_SOURCES,
+    VLLM_ENGINE_INFO_RECORD,
+)
 from detector.thresholds import ENGINE_MODEL_TEMPLATE
 from foundation import metricnames as mn
 from foundation.vllmbuckets import REQUEST_LATENCY_BUCKETS, le_label
@@ -66,7 +76,7 @@ __all__ = [
     "EXTRA_COMMENTS",
     "ExtraAlert",
     "helper_records",
-    "rewrite",
+    "source_record",
 ]
 
 
@@ -89,14 +99,11 @@ _WINDOW_MEAN = _dur(PREDICT_WINDOW_S - 1)
 _SUB = f"[{_WINDOW_MEAN}:{_PART}]"
 _VLLM_UP = f'up{{job="{PROMETHEUS_JOBS["vllm"]}"}}'
 
-CAPACITY_RECORD = _vr("capacity:calls_per_second")
-CAPACITY_PREDICTED = _vr("capacity_predicted:calls_per_second")
+CAPACITY_RECORD = RECORD_NAMES["vllm_capacity"]
+CAPACITY_PREDICTED = CAPACITY_PREDICTED_RECORD
 CAPACITY_SOURCE = _vr("capacity_source:info")
-DEADLINE_RECORD = _vr("client_deadline:seconds")
-DEADLINE_BUCKET = _vr("client_deadline_beyond_bucket:seconds")
-_ESTIMATE = _vr("capacity_estimate:avg1h")
-_IN_TIME_RECORD = _vr("e2e_finished_in_time:rate1m")
-_DATA_MISSING = _vr("data_missing:bool")
+DEADLINE_RECORD = RECORD_NAMES["vllm_deadline"]
+DEADLINE_BUCKET = DEADLINE_BUCKET_RECORD
 
 # per-evaluation records of the fit
 _RUNNING = _vr("capacity_fit_running:sum")
@@ -257,25 +264,12 @@ def helper_records() -> list[tuple[str, str]]:
     return rows
 
 
-_STATED_CAPACITY = f"max by (instance) ({mn.CAPACITY} > 0)"
-_SOURCES = (
-    ("stated", _STATED_CAPACITY),
-    ("saturated", f"({_ESTIMATE} > 0)"),
-    ("predicted", f"({CAPACITY_PREDICTED} > 0)"),
-)
-_CAPACITY = " or on (instance) ".join(expr for _, expr in _SOURCES)
 _CAPACITY_SOURCE = " or on (instance) ".join(
-    f'label_replace({expr} * 0 + 1, "source", "{name}", "", "")' for name, expr in _SOURCES
+    f'label_replace({expr} * 0 + 1, "source", "{name}", "", "")' for name, expr in VLLM_CAPACITY_SOURCES
 )
-_DEADLINE = f"max by (instance) ({mn.CLIENT_DEADLINE} > 0)"
 
-#: Comments of the records this module adds or redefines (their help text).
+#: Comments of the records this module adds (their help text).
 EXTRA_COMMENTS: dict[str, str] = {
-    CAPACITY_RECORD: (
-        "Ĉ as the vLLM tier knows it [calls/s]: stated (a series "
-        f"{mn.CAPACITY}), else estimated online from vLLM's finish rate while its queue never "
-        f"emptied, else predicted below saturation ({CAPACITY_PREDICTED})."
-    ),
     CAPACITY_SOURCE: "1, labelled source=stated|saturated|predicted: where the Ĉ in force comes from.",
     CAPACITY_PREDICTED: (
         "Ĉ predicted from vLLM's own counters (detector/capacity.py's model, rules/learned.py): "
@@ -288,18 +282,9 @@ EXTRA_COMMENTS: dict[str, str] = {
     _COEF: "Each subset's least-squares step cost (Cramer's rule), labelled subset and term.",
     _RESID: "Each subset's residual sum of squares, kept where its coefficients are all >= 0.",
     _X[0]: "Steps per second over the 15-s sub-window ending now (busy share × decodes / decode time).",
-    DEADLINE_RECORD: (
-        f"The clients' deadline [s]: stated (a series {mn.CLIENT_DEADLINE}: rules.stated's, or a "
-        "proxy's, stated or learned), else absent: the deadline alerts cannot evaluate and "
-        "VLLMDeadlineMissing says so."
-    ),
     DEADLINE_BUCKET: (
         "vLLM's e2e bucket at or below the deadline (label le), valued the seconds from it up to "
         "the deadline: above 0, finishes in between count as late (VLLMDeadlineBetweenBuckets)."
-    ),
-    _IN_TIME_RECORD: (
-        "Requests vLLM finished within the deadline per second [1/s] (the e2e histogram's bucket "
-        f"at or below the deadline: {DEADLINE_BUCKET}'s le)."
     ),
 }
 
@@ -345,36 +330,6 @@ EXTRA_ALERTS: tuple[ExtraAlert, ...] = (
         0.0,
     ),
 )
-
-_E2E_BUCKET_RATE = re.compile(
-    rf"rate\({re.escape(mn.VLLM_E2E_LATENCY)}_bucket\{{le=\"{re.escape(VLLM_DEADLINE_LE)}\"\}}\[([0-9a-z]+)\]\)"
-)
-
-
-def _replace(text: str, old: str, new: str) -> str:
-    if old not in text:  # the detector's rules changed shape: this module must follow
-        raise RuntimeError(f"the vLLM tier's rules no longer contain {old!r}")
-    return text.replace(old, new)
-
-
-def rewrite(record: str, expr: str) -> str:
-    """A vLLM-tier record's expression with Ĉ, the deadline and the in-time bucket as above."""
-    if record == CAPACITY_RECORD:
-        return _join(_CAPACITY)
-    if record == DEADLINE_RECORD:
-        return _join(_DEADLINE)
-    if record == _DATA_MISSING:
-        up_count = f"(count by (instance) ({_VLLM_UP}) * 0 + 1)"
-        tail = f" or max by (instance) ({_VLLM_UP}) * 0"
-        needed = f" or ({up_count} unless on (instance) count by (instance) ({DEADLINE_RECORD}))"
-        return _replace(expr, tail, needed + tail)
-    out, n = _E2E_BUCKET_RATE.subn(
-        lambda m: (
-            f"(rate({mn.VLLM_E2E_LATENCY}_bucket[{m.group(1)}]) and on (instance, le) {DEADLINE_BUCKET})"
-        ),
-        expr,
-    )
-    return out if n else expr
 
 
 def source_record() -> tuple[str, str]:

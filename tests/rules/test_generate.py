@@ -42,6 +42,20 @@ def test_a_group_per_tier_with_its_own_alerts_and_records() -> None:
     assert generate.group_job(generate.GROUP_NAMES["vllm"]) == "vllm"
 
 
+def test_every_signal_is_recorded_with_its_own_promql_and_only_rules_only_records_are_added() -> None:
+    """One fact: the rules record each signal exactly as ``detector.signals`` declares it (nothing
+    rewrites a spec after the fact); ``rules.learned`` adds records, never replaces one."""
+    from detector.signals import HELPER_RECORDS, RULES_ONLY_RECORDS, SIGNALS
+
+    recorded = {r["record"]: r["expr"] for r in _rules() if "record" in r}
+    for spec in SIGNALS:
+        assert recorded[spec.record] == spec.promql, spec.name
+    declared = {s.record for s in SIGNALS} | {n for helpers in HELPER_RECORDS.values() for n, _ in helpers}
+    added = {name for name, _ in learned.helper_records()} | {learned.source_record()[0]}
+    assert set(recorded) == declared | added and not declared & added
+    assert set(RULES_ONLY_RECORDS) <= added
+
+
 def test_committed_files_are_what_the_definitions_generate() -> None:
     stale = generate.stale_files()
     assert stale == [], f"out of date, run `python -m rules.generate`: {[str(p) for p in stale]}"
