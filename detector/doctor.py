@@ -6,12 +6,15 @@ What each alert needs comes from its declaration (``detector.needs``); the verdi
 follows its condition tree: a comparison needs its signal, ``All`` every term, ``AnyOf`` one term
 (an alert left with fewer alternatives says which it lost). A signal evaluates when one of its
 alternatives has every series present, where Ĉ and the deadline count as present once stated
-(``--capacity``, ``--deadline``), exported (the proxy's gauges, the stated rules' records) or, for
-Ĉ, learned (the rules' online estimate, in Prometheus). The vLLM tier reads requests finished
-within the deadline off vLLM's e2e latency bucket at the deadline (``deadline_bucket``): a bucket
-vLLM does not serve cannot tell the deadline, and a deadline between buckets is read at the bound
-below it. Nothing read is shown but series names and the two numbers (no sample of a prompt), and
-every URL is shown masked (``foundation.redact``).
+(``--capacity``, ``--deadline``) or exported (the proxy's gauges, the stated rules' records); Ĉ
+also once learned (the rules' online estimate at saturation, in Prometheus), or as predicted from
+vLLM's counters where vLLM serves every series the fit reads (``detector.capacity``: vLLM 0.10.2
+on). A deadline is never assumed: without one the alerts that read it cannot evaluate (the rules'
+VLLMDeadlineMissing and the tier's NoData fire). The vLLM tier reads requests finished within the
+deadline off vLLM's e2e latency bucket at the deadline (``deadline_bucket``): a bucket vLLM does
+not serve cannot tell the deadline, and a deadline between buckets is read at the bound below it.
+Nothing read is shown but series names and the two numbers (no sample of a prompt), and every URL
+is shown masked (``foundation.redact``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from detector.capacity import PREDICTOR_SERIES
 from detector.needs import Need, Selector, is_learned, signal_needs
-from detector.signals import DEFAULT_DEADLINE_S, TIERS, UP, Tier, deadline_bucket
+from detector.signals import TIERS, UP, Tier, deadline_bucket
 from detector.thresholds import ALERTS, AlertRule, AnyOf, Cmp, Condition, leaves
 from foundation import metricnames as mn
 from foundation.timeseries import Sample
 from foundation.vllmbuckets import le_label
-from foundation.vllmreleases import CANONICAL, ReleaseFamily, canonical_name, release_for
+from foundation.vllmreleases import CANONICAL, FAMILIES, ReleaseFamily, canonical_name, release_for
 
 Status = Literal["ok", "approximate", "partial", "blocked", "n/a"]
 #: Exit status when a page (an alert of severity critical) cannot fire.
@@ -37,10 +41,33 @@ EXIT_PAGE_BLOCKED = 1
 STATED = (mn.CAPACITY, mn.CLIENT_DEADLINE)
 _E2E_BUCKET = f"{mn.VLLM_E2E_LATENCY}_bucket"
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
-NO_CAPACITY = "no Ĉ stated (--capacity) or learned yet"
-#: How Ĉ is learned when not stated (detector.signals: the online estimate, in both evaluators).
+NO_CAPACITY = "no Ĉ stated (--capacity), predicted or learned yet"
+#: How Ĉ is learned at saturation when not stated (both evaluators' online estimate).
 LEARNING = "learned online once vLLM's queue has stayed non-empty for 5 minutes"
 NO_DEADLINE = "no deadline: not stated (--deadline) nor exported by the proxy"
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part.removeprefix("post")) for part in version.split("."))
+
+
+def _predictor_family(sample_name: str) -> str:
+    base = sample_name.removesuffix("_sum").removesuffix("_count")
+    return base if base in CANONICAL else sample_name
+
+
+#: The canonical series Ĉ's prediction reads (``detector.capacity``), by family name.
+PREDICTOR_FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(map(_predictor_family, PREDICTOR_SERIES)))
+#: The first vLLM release serving every series the prediction reads under its name (the rules
+#: read no older name for them): ``foundation.vllmreleases``' facts.
+PREDICTING_SINCE = min(
+    (f.first for f in FAMILIES if all(f.exported(c) == c for c in PREDICTOR_FAMILIES)), key=_release_key
+)
+#: How Ĉ is predicted when not stated (the rules' fit of ``detector.capacity``, as the detector's).
+PREDICTING = (
+    f"predicted from vLLM's counters over its first minutes of decoding (vLLM {PREDICTING_SINCE} on), "
+    "before any saturation"
+)
 NO_PROXY = "no proxy (--proxy URL)"
 #: Where keeping vLLM's colons through a Prometheus scrape is told.
 COLONS_DOC = "docs/operator.md, Keep vLLM's colons"
@@ -78,7 +105,11 @@ class Number:
     """Ĉ or the deadline: its value in force and where it comes from."""
 
     value: float | None
-    source: str  # "stated", "exported", "learned", "assumed", "not stated"
+    # Ĉ: "stated", "exported", "learned", "predicted" or "not stated"; the deadline: "stated",
+    # "exported" or "missing"
+    source: str
+    #: Ĉ not stated: the series its prediction reads that are missing (none: it can be predicted)
+    lacking: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,7 +164,7 @@ class _Facts:
     family: ReleaseFamily | None
     no_proxy: str | None  # why no proxy series can be there; None: a proxy was read
     no_vllm: str | None  # why no vLLM series can be there; None: vLLM's were read
-    deadline: float
+    deadline: float | None  # None: missing
     by_name: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,16 +175,15 @@ class _Facts:
 
     def effective(self, series: str) -> Selector | None:
         """The series as read at the deadline in force: the e2e bucket at its bound (None below
-        vLLM's first bound)."""
+        vLLM's first bound; any bucket without a deadline, whose absence is said apart)."""
         sel = Selector.parse(series)
-        if sel.name != _E2E_BUCKET:
+        if sel.name != _E2E_BUCKET or self.deadline is None:
             return sel
         bound = deadline_bucket(self.deadline)
         if bound is None:
             return None
-        return Selector(
-            sel.name, tuple(m if m[0] != "le" else ("le", "=", le_label(bound)) for m in sel.matchers)
-        )
+        matchers = sorted((*(m for m in sel.matchers if m[0] != "le"), ("le", "=", le_label(bound))))
+        return Selector(sel.name, tuple(matchers))
 
     def present(self, series: str) -> bool:
         if is_learned(series):
@@ -184,6 +214,8 @@ class _Facts:
 
     def _bucket_why(self) -> str:
         d = self.deadline
+        if d is None:
+            return f"missing {_E2E_BUCKET}"
         bound = deadline_bucket(d)
         bounds = self._bounds()
         if bound is None:
@@ -206,6 +238,8 @@ class _Facts:
 
     def note_between_buckets(self) -> str | None:
         d = self.deadline
+        if d is None:
+            return None
         bound = deadline_bucket(d)
         if bound is None or math.isclose(bound, d):
             return None
@@ -341,23 +375,13 @@ def diagnose(
     family = release_for(vllm_view) if vllm_view else None
     learned = prometheus.learned if prometheus is not None else frozenset()
 
-    cap_seen = _value(seen, mn.CAPACITY)
-    cap_learned = any(is_learned(r) and r in learned and "capacity" in r for r in learned)
-    if capacity is not None:
-        cap = Number(capacity, "stated")
-    elif cap_seen is not None:
-        cap = Number(cap_seen, "exported")
-    elif cap_learned:
-        cap = Number(None, "learned")
-    else:
-        cap = Number(None, "not stated")
     dl_seen = _value(seen, mn.CLIENT_DEADLINE)
     if deadline is not None:
         dl = Number(deadline, "stated")
     elif dl_seen is not None:
         dl = Number(dl_seen, "exported")
     else:
-        dl = Number(DEFAULT_DEADLINE_S, "assumed")
+        dl = Number(None, "missing")
     # the numbers stated here count as the series that state them in the rules (rules.stated)
     stated: list[Sample] = []
     if capacity is not None:
@@ -378,8 +402,25 @@ def diagnose(
         family,
         no_proxy=None if proxy_seen else ("the proxy did not answer" if proxy_given else NO_PROXY),
         no_vllm=None if any(s[0].startswith("vllm:") for s in seen) else _no_vllm(endpoints, prometheus),
-        deadline=dl.value or DEFAULT_DEADLINE_S,
+        deadline=dl.value,
     )
+    cap_seen = _value(seen, mn.CAPACITY)
+    cap_learned = any(is_learned(r) and r in learned and "capacity" in r for r in learned)
+    lacking_prediction = tuple(
+        f + facts._hint(f)
+        for f in PREDICTOR_FAMILIES
+        if not all(facts.present(s) for s in PREDICTOR_SERIES if _predictor_family(s) == f)
+    )
+    if capacity is not None:
+        cap = Number(capacity, "stated")
+    elif cap_seen is not None:
+        cap = Number(cap_seen, "exported")
+    elif cap_learned:
+        cap = Number(None, "learned")
+    elif not lacking_prediction:
+        cap = Number(None, "predicted")
+    else:
+        cap = Number(None, "not stated", lacking_prediction)
     tiers: tuple[Tier, ...] = TIERS if proxy_seen or proxy_given else ("vllm",)
     rules = prometheus.rules if prometheus is not None else None
     alerts = tuple(
@@ -469,12 +510,25 @@ _STATUS_WORD: dict[Status, str] = {
 }
 
 
-def _number_line(label: str, n: Number, unit: str, missing: str) -> str:
-    if n.source == "assumed" or (n.value is None and n.source != "learned"):
-        return f"{label:<11} not stated: {missing}"
-    if n.value is None:
+def _number_line(label: str, n: Number, unit: str, unknown: str) -> str:
+    """``unknown``: how a number without a value will be known (or why it will not)."""
+    if n.value is not None:
+        return f"{label:<11} {n.value:g} {unit} ({n.source})"
+    if n.source == "learned":
         return f"{label:<11} learned (Prometheus' rules)"
-    return f"{label:<11} {n.value:g} {unit} ({n.source})"
+    if n.source == "predicted":
+        return f"{label:<11} {unknown}"
+    return f"{label:<11} {n.source}: {unknown}"
+
+
+def _capacity_missing(n: Number) -> str:
+    """What the Ĉ line says where Ĉ has no value: how it will be known."""
+    if n.source == "predicted":
+        return f"{PREDICTING}; --capacity C states yours"
+    return (
+        f"the alerts that need it cannot evaluate until it is (--capacity C) or {LEARNING}; "
+        f"no prediction from vLLM's counters (vLLM {PREDICTING_SINCE} on): missing {', '.join(n.lacking)}"
+    )
 
 
 def render_text(report: Report) -> str:
@@ -506,20 +560,17 @@ def render_text(report: Report) -> str:
             "Ĉ",
             report.capacity,
             "calls/s",
-            f"the alerts that need it cannot evaluate until it is (--capacity C) or {LEARNING}",
+            _capacity_missing(report.capacity),
         )
     )
-    proxy_tier = (
-        "; the proxy tier's alerts that need it cannot evaluate until it is"
-        if "proxy" in report.tiers
-        else ""
-    )
+    tiers = "either tier's" if "proxy" in report.tiers else "the"
     lines.append(
         _number_line(
             "deadline",
             report.deadline,
             "s",
-            f"the vLLM tier assumes {DEFAULT_DEADLINE_S:g} s (--deadline S){proxy_tier}",
+            f"not stated (--deadline S) nor exported by a proxy: {tiers} alerts that read it cannot "
+            "evaluate until it is (none is assumed); VLLMTierNoData and VLLMDeadlineMissing fire",
         )
     )
     if "proxy" not in report.tiers:

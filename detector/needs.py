@@ -7,10 +7,12 @@ series (vLLM's, the proxy's, ``up``), and so answers, for a signal or an alert
 (``detector/thresholds.py``), which series it needs, with no list kept by hand.
 
 A need is a set of alternatives, each a set of series all needed (:data:`Need`): PromQL's ``or``
-gives alternatives (Ĉ stated, or learned online; the deadline stated, or the vLLM tier's default),
+gives alternatives (Ĉ stated, learned online at saturation, or predicted from vLLM's counters),
 every other operator needs both sides. A series is written as the rules select it
-(``retrywatch_attempts_total{kind="first"}``, ``vllm:e2e_request_latency_seconds_bucket{le="120.0"}``)
-without its ``job`` matcher.
+(``retrywatch_attempts_total{kind="first"}``, ``vllm:e2e_request_latency_seconds_bucket``: its
+bucket is the one at the deadline in force) without its ``job`` matcher. The two records the
+signals read whose PromQL only the rules hold (``rules.learned``: Ĉ predicted, the deadline's
+bucket) stand for the raw series ``detector.signals.RULES_ONLY_RECORDS`` names.
 
 NOTE on what is not followed:
 - ``X unless Y``: an alternative that evaluates only while ``Y`` is absent (the vLLM tier's delivery
@@ -32,7 +34,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 
-from detector.signals import HELPER_RECORDS, SERVED_NAMES, SIGNALS, SIGNALS_BY_NAME, UP, WINDOWS
+from detector.signals import (
+    HELPER_RECORDS,
+    RULES_ONLY_RECORDS,
+    SERVED_NAMES,
+    SIGNALS,
+    SIGNALS_BY_NAME,
+    UP,
+    WINDOWS,
+)
 from detector.thresholds import AlertRule, Condition, leaves
 from foundation.vllmreleases import canonical_name
 
@@ -159,6 +169,8 @@ def _segment(text: str) -> Need:
             need = _product(need, frozenset({frozenset({str(Selector.parse(m[0]))})}))
         elif name in _RECORDS:
             need = _product(need, _record_needs(name))
+        elif name in RULES_ONLY_RECORDS:
+            need = _product(need, frozenset({frozenset(RULES_ONLY_RECORDS[name])}))
     return need
 
 

@@ -12,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from detector.capacity import PREDICTOR_SERIES
+from detector.doctor import PREDICTING_SINCE
 from detector.doctorread import ReadError, read_metrics
 from detector.needs import alert_series, signal_needs
 from detector.signals import RAW, UP
@@ -73,9 +75,11 @@ def test_every_alert_needs_only_series_the_detector_reads_and_the_vllm_tier_noth
     raw_names = {name for name, _ in RAW.values()}
     for rule in ALERTS:
         assert set(alert_series(rule)) <= raw_names, rule.name
-        if rule.tier == "vllm":  # Ĉ's series is the stated number, not the proxy's
-            assert {n for n in alert_series(rule) if n.startswith("retrywatch_")} <= {mn.CAPACITY}
+        if rule.tier == "vllm":  # Ĉ's and the deadline's series are the stated numbers, not the proxy's
+            stated = {mn.CAPACITY, mn.CLIENT_DEADLINE}
+            assert {n for n in alert_series(rule) if n.startswith("retrywatch_")} <= stated
     assert alert_series(ALERTS_BY_NAME["VLLMRequestsNotAnsweredInTime"]) == (
+        mn.CLIENT_DEADLINE,
         f"{mn.VLLM_E2E_LATENCY}_bucket",
         f"{mn.VLLM_E2E_LATENCY}_count",
         mn.VLLM_NUM_WAITING,
@@ -83,17 +87,20 @@ def test_every_alert_needs_only_series_the_detector_reads_and_the_vllm_tier_noth
 
 
 def test_or_gives_alternatives_and_unless_guarded_ones_are_not_counted_on() -> None:
-    # Ĉ: stated (its series) or learned (the rules' hourly estimate)
+    # Ĉ: stated (its series), learned (the rules' hourly estimate) or predicted (the series the
+    # fit reads: the detector's, followed through the record only the rules define)
     assert signal_needs("vllm_capacity") == {
         frozenset({mn.CAPACITY, mn.VLLM_NUM_WAITING}),
         frozenset({"instance:retrywatch_vllmtier_capacity_estimate:avg1h", mn.VLLM_NUM_WAITING}),
+        frozenset({*PREDICTOR_SERIES, mn.VLLM_NUM_WAITING}),
     }
-    # the vLLM tier's deadline has a default; the proxy tier's must be stated or exported
-    assert signal_needs("vllm_deadline") == {frozenset({mn.VLLM_NUM_WAITING})}
+    # no tier assumes a deadline: stated or exported
+    assert signal_needs("vllm_deadline") == {frozenset({mn.CLIENT_DEADLINE, mn.VLLM_NUM_WAITING})}
     assert signal_needs("deadline") == {frozenset({mn.CLIENT_DEADLINE, mn.VLLM_NUM_WAITING})}
-    # the delivery error's "nothing finished" branch holds only while nothing finishes
+    # the delivery error's "nothing finished" branch holds only while nothing finishes; its
+    # in-time finishes are the e2e bucket the deadline's record picks
     (need,) = signal_needs("vllm_delivery_error_ratio_short")
-    assert f'{mn.VLLM_E2E_LATENCY}_bucket{{le="120.0"}}' in need
+    assert {f"{mn.VLLM_E2E_LATENCY}_bucket", mn.CLIENT_DEADLINE} <= need
     assert signal_needs("vllm_data_missing") == {frozenset({UP})}
 
 
@@ -102,7 +109,7 @@ def test_or_gives_alternatives_and_unless_guarded_ones_are_not_counted_on() -> N
 
 def test_vllm_0_6_cannot_page_and_says_why(server: TestServer) -> None:
     server.body = vllm_text(family("0.6.0"))
-    code, out = doctor("--vllm", server.url, "--capacity", "2")
+    code, out = doctor("--vllm", server.url, "--capacity", "2", "--deadline", "120")
     assert code == 1
     assert "release     vLLM 0.6.0-0.6.3 (V0)" in out
     assert "missing vllm:prefix_cache_queries_total (this release does not serve it)" in out
@@ -126,21 +133,51 @@ def test_vllm_0_32_with_c_and_deadline_stated_can_page(server: TestServer) -> No
     code, out = doctor("--vllm", server.url, "--capacity", "2.78", "--deadline", "120")
     assert code == 0, out
     assert "release     vLLM 0.32.0-0.34.0 (V1)" in out
-    assert "9 of 9 vLLM series the alerts read are present" in out
+    assert "13 of 13 vLLM series the alerts read are present" in out
     assert "Ĉ           2.78 calls/s (stated)" in out
     assert "proxy tier  not judged: no proxy (--proxy URL)" in out
     assert all(line(out, r.name).startswith("  ok") for r in ALERTS if r.tier == "vllm")
     assert out.rstrip().endswith("every page (4) can fire")
 
 
-def test_without_c_the_pages_that_need_it_cannot_evaluate_until_stated(server: TestServer) -> None:
+def test_without_c_it_is_predicted_from_vllms_counters_where_vllm_serves_them(server: TestServer) -> None:
+    assert PREDICTING_SINCE == "0.10.2"  # vllm:inter_token_latency_seconds, and the new names
     server.body = vllm_text(family("0.32.0"))
-    code, out = doctor("--vllm", server.url)
+    code, out = doctor("--vllm", server.url, "--deadline", "120")
+    assert code == 0, out
+    predicted = "Ĉ           predicted from vLLM's counters over its first minutes of decoding"
+    assert predicted + " (vLLM 0.10.2 on), before any saturation" in out
+    assert all(line(out, r.name).startswith("  ok") for r in ALERTS if r.tier == "vllm")
+    report = json.loads(doctor("--vllm", server.url, "--format", "json")[1])
+    assert report["capacity"]["source"] == "predicted"
+
+
+def test_without_c_on_an_older_vllm_the_pages_that_need_it_wait_for_saturation(server: TestServer) -> None:
+    # 0.9.1 serves time per output token, not the inter-token latency the rules' fit reads
+    server.body = vllm_text(family("0.9.1"))
+    code, out = doctor("--vllm", server.url, "--deadline", "120")
     assert code == 1
-    assert "Ĉ           not stated: the alerts that need it cannot evaluate until it is (--capacity C)" in out
-    assert "deadline    not stated: the vLLM tier assumes 120 s (--deadline S)" in out
-    assert line(out, "VLLMRetryLoopSuspected").endswith("no Ĉ stated (--capacity) or learned yet")
+    waits = "Ĉ           not stated: the alerts that need it cannot evaluate until it is (--capacity C)"
+    assert waits + " or learned online once vLLM's queue has stayed non-empty for 5 minutes" in out
+    lacking = "no prediction from vLLM's counters (vLLM 0.10.2 on): missing vllm:inter_token_latency_seconds"
+    assert lacking + " (this release serves it as vllm:time_per_output_token_seconds)" in out
+    assert "no Ĉ stated (--capacity), predicted or learned yet" in line(out, "VLLMRetryLoopSuspected")
     assert line(out, "VLLMRequestsNotAnsweredInTime").startswith("  ok")  # needs no Ĉ
+
+
+def test_without_a_deadline_none_is_assumed_and_the_alerts_reading_it_cannot_evaluate(
+    server: TestServer,
+) -> None:
+    server.body = vllm_text(family("0.32.0"))
+    code, out = doctor("--vllm", server.url, "--capacity", "2")
+    assert code == 1
+    assert "deadline    missing: not stated (--deadline S) nor exported by a proxy" in out
+    assert "VLLMTierNoData and VLLMDeadlineMissing fire" in out and "120" not in out
+    no_deadline = "no deadline: not stated (--deadline) nor exported by the proxy"
+    assert line(out, "VLLMRequestsNotAnsweredInTime").startswith("  CANNOT") and no_deadline in out
+    assert line(out, "VLLMTierNoData").startswith("  ok")  # it fires: the deadline is missing
+    report = json.loads(doctor("--vllm", server.url, "--capacity", "2", "--format", "json")[1])
+    assert report["deadline"] == {"value": None, "source": "missing", "lacking": []}
 
 
 def test_a_deadline_between_buckets_is_read_at_the_bound_below_and_said(server: TestServer) -> None:
@@ -156,7 +193,7 @@ def test_a_renamed_series_is_read_under_the_name_the_release_serves(server: Test
     # 0.9.1 serves the prefix-cache queries only as vllm:gpu_prefix_cache_queries_total: the rules
     # and the detector read that name where the new one is absent
     server.body = vllm_text(family("0.9.1"))
-    code, out = doctor("--vllm", server.url, "--capacity", "2")
+    code, out = doctor("--vllm", server.url, "--capacity", "2", "--deadline", "120")
     assert code == 0, out
     assert "missing vllm:prefix_cache_queries_total" not in out
     assert line(out, "VLLMRetryLoopSuspected").startswith("  ok")
@@ -197,7 +234,7 @@ def test_behind_a_real_proxys_metrics_both_tiers_are_judged(server: TestServer) 
 def test_json_credentials_and_an_engine_that_does_not_answer(server: TestServer) -> None:
     server.body = vllm_text(family("0.32.0"))
     url = server.url.replace("http://", "http://user:s3cretpw@") + "/v1"
-    code, out = doctor("--vllm", url, "--capacity", "2", "--format", "json")
+    code, out = doctor("--vllm", url, "--capacity", "2", "--deadline", "120", "--format", "json")
     assert "s3cretpw" not in out
     report = json.loads(out)
     assert code == report["exit_code"] == 0
@@ -235,8 +272,8 @@ def test_through_a_real_prometheus_without_the_rules_no_page_can_fire(
 ) -> None:
     server.body = vllm_text(family("0.32.0"))
     prom = prometheus_factory(f"127.0.0.1:{server.port}")  # scraped as job retrywatch
-    args = ("--prometheus", prom, "--vllm-job", "retrywatch", "--capacity", "2")
-    wait_until(lambda: "9 of 9" in doctor(*args)[1], 30, "vLLM's series in Prometheus")
+    args = ("--prometheus", prom, "--vllm-job", "retrywatch", "--capacity", "2", "--deadline", "120")
+    wait_until(lambda: "13 of 13" in doctor(*args)[1], 30, "vLLM's series in Prometheus")
     code, out = doctor(*args)
     assert code == 1
     assert "release     vLLM 0.32.0-0.34.0 (V1)" in out

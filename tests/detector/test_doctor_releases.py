@@ -1,7 +1,7 @@
 """``retrywatch doctor`` on every vLLM release family, end to end: the family's ``/metrics`` (built
 from ``foundation.vllmreleases``: every series it serves, under its names, labels and buckets,
 with requests finishing) served by a real HTTP server on loopback and read through the CLI
-(``retrywatch doctor --vllm URL --capacity C``). Its verdict line for each vLLM-tier alert is
+(``retrywatch doctor --vllm URL --capacity C --deadline S``). Its verdict line for each vLLM-tier alert is
 checked twice: against the facts (whether the family serves what the alert's condition reads) and
 against ``promtool`` evaluating the rendered rules over the same exposition (an alert can evaluate
 where every record its condition reads is recorded: ``and`` for all of, ``or`` for any of).
@@ -34,6 +34,7 @@ VLLM_ALERTS = [r for r in ALERTS if r.tier == "vllm"]
 EVALUATES = ("ok", "approx", "partial")  # the doctor's words for an alert that can evaluate
 STEP_S, STEPS = 5, 80
 INSTANCE = "v"
+DEADLINE_S = 120.0  # stated: the rules assume none
 FINISHED = 10  # requests finished between two scrapes
 OBSERVED = {  # seconds (or tokens) each finished request adds to a histogram
     mn.VLLM_QUEUE_TIME: 0.5,
@@ -82,11 +83,15 @@ def exposition(family: ReleaseFamily) -> str:
 
 def _input_series(text: str) -> list[dict[str, str]]:
     """The exposition as promtool input: each counter (and histogram sample) growing by its value
-    every step, each gauge at its value; retrywatch's job and instance, Ĉ stated."""
+    every step, each gauge at its value; retrywatch's job and instance, Ĉ and the deadline stated."""
     job = PROMETHEUS_JOBS["vllm"]
     out = [
         {"series": f'up{{job="{job}",instance="{INSTANCE}"}}', "values": f"1x{STEPS}"},
         {"series": f'{mn.CAPACITY}{{job="{job}",instance="{INSTANCE}"}}', "values": f"{CAPACITY:g}x{STEPS}"},
+        {
+            "series": f'{mn.CLIENT_DEADLINE}{{job="{job}",instance="{INSTANCE}"}}',
+            "values": f"{DEADLINE_S:g}x{STEPS}",
+        },
     ]
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
@@ -124,7 +129,8 @@ def server() -> Iterator[TestServer]:
 
 def _verdicts(url: str) -> dict[str, str]:
     """The doctor's first word for each vLLM-tier alert, run through the CLI over HTTP."""
-    res = CliRunner().invoke(main, ["doctor", "--vllm", url, "--capacity", f"{CAPACITY:g}"])
+    args = ["--vllm", url, "--capacity", f"{CAPACITY:g}", "--deadline", f"{DEADLINE_S:g}"]
+    res = CliRunner().invoke(main, ["doctor", *args])
     assert res.exception is None or isinstance(res.exception, SystemExit), res.output
     assert res.exit_code in (0, 1), res.output
     out: dict[str, str] = {}

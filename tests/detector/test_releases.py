@@ -13,7 +13,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from detector.doctor import Endpoint, diagnose
 from detector.needs import Selector, signal_needs
-from detector.signals import SignalConfig, SignalEngine, SignalFrame, tier_signals
+from detector.signals import (
+    DEFAULT_DEADLINE_S,
+    VLLM_DEADLINE_LE,
+    SignalConfig,
+    SignalEngine,
+    SignalFrame,
+    tier_signals,
+)
 from detector.thresholds import ALERTS, AnyOf, Cmp, Condition
 from foundation import metricnames as mn
 from foundation.timeseries import Snapshot, parse_exposition
@@ -119,12 +126,17 @@ def _served(family: ReleaseFamily) -> dict[str, list[dict[str, str]]]:
 
 
 def supported(signal: str, family: ReleaseFamily) -> bool:
-    """Whether one of ``signal``'s alternatives reads only series ``family`` serves (Ĉ as stated)."""
+    """Whether one of ``signal``'s alternatives reads only series ``family`` serves (Ĉ and the
+    deadline as stated: the e2e bucket read at the default deadline's)."""
     served = _served(family)
+    bucket = f"{mn.VLLM_E2E_LATENCY}_bucket"
     for alternative in signal_needs(signal):
         selectors = [Selector.parse(series) for series in alternative]
+        at_deadline = Selector(bucket, (("le", "=", VLLM_DEADLINE_LE),))
+        selectors = [at_deadline if s.name == bucket else s for s in selectors]
         if all(
-            sel.name == mn.CAPACITY or any(sel.matches(sel.name, lb) for lb in served.get(sel.name, ()))
+            sel.name in (mn.CAPACITY, mn.CLIENT_DEADLINE)
+            or any(sel.matches(sel.name, lb) for lb in served.get(sel.name, ()))
             for sel in selectors
         ):
             return True
@@ -198,7 +210,7 @@ def test_every_vllm_tier_alert_the_doctor_calls_ok_evaluates(family: ReleaseFami
         proxy_samples=None,
         prometheus=None,
         capacity=CAPACITY,
-        deadline=None,
+        deadline=DEFAULT_DEADLINE_S,  # the engine's assumed one
     )
     assert report.release == family.name
     verdicts = {a.name: a for a in report.alerts}
