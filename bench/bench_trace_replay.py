@@ -6,13 +6,15 @@ files), with Ĉ given (``--backend-option capacity=``) so that calibration is no
 
 * **speed**: an hour of trace, the Azure code slice shipped (30 minutes) twice over, written to a
   temporary file in the retrywatch layout: simulated seconds of the run per wall second of the
-  simulation (the run's own ``wall_s``), and calls per wall second; beside it, measured in turn
+  simulation (the run's own ``wall_s``), and calls per wall second; the same per CPU second of
+  the simulation (its ``cpu_s``: on a shared machine the wall time also counts the time other
+  processes had the core, the CPU time far less so); beside it, measured in turn
   with it (``--repeats`` times each, medians), two replays of the hour at once as two child
   processes (as ``--jobs 2`` runs them): their simulated seconds together per wall second of
   the longer simulation. Target: ≥ 1,000× real time with two jobs.
   With ``--baseline DIR`` (a checkout of the code before a change, e.g. a ``git worktree``),
   each repeat also replays the hour with that code, in turn with the current code's replay,
-  so that both see the same machine: the same line for it, then the ratio of the medians.
+  so that both see the same machine: the same line for it, then the ratios of the medians.
 * **memory**: ``--calls`` calls (1,000,000 by default) synthesized on the fly in the retrywatch
   layout, row by row (the Azure slice's lengths and gaps, repeated): the child's peak resident
   memory (``ru_maxrss``). Target: ≤ 2 GiB, the trace streamed.
@@ -118,6 +120,11 @@ def simulated(entry: dict[str, object]) -> tuple[float, float]:
     return float(entry["duration_s"]), float(entry["wall_s"])  # type: ignore[arg-type]
 
 
+def cpu(entry: dict[str, object]) -> float:
+    """A run's simulation's CPU seconds."""
+    return float(entry["cpu_s"])  # type: ignore[arg-type]
+
+
 def two_jobs(trace: Path, root: Path, capacity: float, code: Path | None = None) -> tuple[float, float]:
     """Two replays at once, as two child processes: their simulated seconds together per wall
     second of the longer simulation, and the wall time of the two commands."""
@@ -136,6 +143,7 @@ class Speed:
     def __init__(self, code: Path | None) -> None:
         self.code = code
         self.one: list[float] = []  # the simulation's wall seconds, one job
+        self.one_cpu: list[float] = []  # its CPU seconds
         self.two: list[float] = []  # simulated seconds per wall second, two jobs
         self.sim_s = self.wall = self.peak = self.both_wall = 0.0
 
@@ -143,15 +151,18 @@ class Speed:
         entry, self.wall, self.peak = replay(hour, root / "one", capacity, self.code)
         self.sim_s, sim_wall = simulated(entry)
         self.one.append(sim_wall)
+        self.one_cpu.append(cpu(entry))
         rate, self.both_wall = two_jobs(hour, root / "two", capacity, self.code)
         self.two.append(rate)
 
     def line(self, n: int, capacity: float, repeats: int) -> str:
         sim_s, sim_wall, two = self.sim_s, statistics.median(self.one), statistics.median(self.two)
+        sim_cpu = statistics.median(self.one_cpu)
         return (
             f"speed: an hour of trace ({n:,} calls) at --load 1, Ĉ = {capacity:g} calls/s, "
             f"medians of {repeats}: one job {sim_s:.0f} simulated s in {sim_wall:.2f} s of simulation = "
-            f"{sim_s / sim_wall:,.0f}x real time, {n / sim_wall:,.0f} calls per wall s (the whole command "
+            f"{sim_s / sim_wall:,.0f}x real time, {n / sim_wall:,.0f} calls per wall s; "
+            f"{sim_cpu:.2f} CPU s = {sim_s / sim_cpu:,.0f}x per CPU second (the whole command "
             f"{self.wall:.1f} s, peak RSS {self.peak:.0f} MiB); two jobs at once {two:,.0f}x real "
             f"time together (the two commands {self.both_wall:.1f} s)"
         )
@@ -184,8 +195,12 @@ def main() -> None:
         if before is not None:
             print(f"before ({args.baseline}): {before.line(n, args.capacity, args.repeats)}")
             one = statistics.median(before.one) / statistics.median(now.one)
+            one_cpu = statistics.median(before.one_cpu) / statistics.median(now.one_cpu)
             two = statistics.median(now.two) / statistics.median(before.two)
-            print(f"one job {one:.2f}x as fast as before, two jobs {two:.2f}x (ratios of the medians)")
+            print(
+                f"one job {one:.2f}x as fast as before ({one_cpu:.2f}x in CPU time), two jobs {two:.2f}x "
+                "(ratios of the medians)"
+            )
         if args.skip_memory:
             return
         big = root / "million.csv"

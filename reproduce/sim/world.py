@@ -58,6 +58,7 @@ from reproduce.workloads.plan import RunPlan
 __all__ = ["SimResult", "SimSpec", "simulate"]
 
 SNAPSHOT_EVERY_S = 5.0  # at the study's scale
+_FIRST_TOKEN, _FINISHED = engine_link.EventKind.FIRST_TOKEN, engine_link.EventKind.FINISHED
 _RUN_YOUNG_PASS_EVERY = 50_000  # the collector's young-generation threshold during a run
 
 
@@ -137,6 +138,7 @@ class _World:
         self.policy = Policy(spec.condition.policy.config(plan))
         self.engine = engine
         self.engine.bind(self.env, self._on_engine_event)
+        self.tracing = spec.condition.engine.tracing  # (read on every attempt)
         self.by_subscriber: dict[int, _Call] = {}
         self.by_execution: dict[int, _Call] = {}
         # the calls' records only: a call's state (its prompt's segments) is dropped once it is over
@@ -158,9 +160,10 @@ class _World:
             self.env.schedule(trace[0].arrival_s, self._arrive, 0)
 
     def _arrive(self, index: int) -> None:
-        plan = self.trace[index]
-        if index + 1 < len(self.trace):
-            self.env.schedule(self.trace[index + 1].arrival_s, self._arrive, index + 1)
+        trace = self.trace
+        plan = trace[index]
+        if index + 1 < len(trace):
+            self.env.schedule(trace[index + 1].arrival_s, self._arrive, index + 1)
         record = self.client.new_call(
             plan.call_id,
             plan.arrival_s,
@@ -191,7 +194,7 @@ class _World:
         call.deadline = self.env.schedule(attempt.deadline_at, self._give_up, call, decision.subscriber_id)
         if isinstance(decision, Created):
             self.by_execution[decision.execution_id] = call
-            if self.spec.condition.engine.tracing and attempt.is_retry:
+            if self.tracing and attempt.is_retry:
                 self.retries.append((decision.execution_id, call.last_execution, attempt.deadline_at))
             call.last_execution = decision.execution_id
         elif isinstance(decision, Attached):
@@ -270,22 +273,23 @@ class _World:
 
     def _on_engine_event(self, kind: engine_link.EventKind, execution_id: int) -> None:
         now = self.env.now
-        if kind is engine_link.EventKind.FIRST_TOKEN:
-            execution = self.policy.execution(execution_id)
-            self.policy.on_first_token(now, execution_id)
+        policy = self.policy
+        if kind is _FIRST_TOKEN:
+            execution = policy.execution(execution_id)
+            policy.on_first_token(now, execution_id)
             if execution is not None:
                 for sub in execution.subscribers:
                     call = self.by_subscriber.get(sub)
                     if call is not None:
                         self._first_byte(call, now)
-        elif kind is engine_link.EventKind.FINISHED:
-            execution = self.policy.execution(execution_id)
+        elif kind is _FINISHED:
+            execution = policy.execution(execution_id)
             subscribers = list(execution.subscribers) if execution is not None else []
-            effects = self.policy.on_completed(now, execution_id)
+            effects = policy.on_completed(now, execution_id)
             self.by_execution.pop(execution_id, None)
             for sub in subscribers:
                 call = self.by_subscriber.pop(sub, None)
-                self.policy.on_subscriber_delivered(now, sub)
+                policy.on_subscriber_delivered(now, sub)
                 if call is None or call.subscriber != sub:
                     continue
                 call.subscriber = None
@@ -294,7 +298,8 @@ class _World:
                     call.deadline = None
                 self.client.delivered(call.record, now)
                 self.outstanding -= 1
-            self._apply(effects)
+            if effects:
+                self._apply(effects)
         # ABORTED: the policy finished the execution when it cancelled it; nothing to do.
 
     # --- the run --------------------------------------------------------------------------

@@ -40,8 +40,8 @@ from reproduce.workloads.traces import (
     TraceError,
     TraceRecord,
     is_regular_file,
+    rate_factor,
     read_trace,
-    rescale_to_rate,
     to_trace_calls,
     window,
 )
@@ -206,10 +206,11 @@ class TraceWorkload:
         then cut to the engine's ``max_context``. A replay longer than ``MAX_REPLAY_S`` is a
         ``TraceError`` (``replay_span_s``)."""
         self.check_capacity(capacity)
-        records = rescale_to_rate(self.records(), self.load * capacity, self.facts.source_rate)
+        factor = rate_factor(self.load * capacity, self.facts.source_rate)  # (``rescale_to_rate``)
+        records = self.records()
         if token_scale != 1.0:
             records = (scale_tokens(r, token_scale) for r in records)
-        return to_trace_calls(records, max_context=max_context, source=self.path)
+        return to_trace_calls(records, max_context=max_context, source=self.path, time_factor=factor)
 
     def replay_span_s(self, capacity: float) -> float:
         """Run seconds from the first call to the last at ``load`` × ``capacity``: (calls - 1) /

@@ -14,7 +14,10 @@ from reproduce.workloads.calls import PlannedCall
 from reproduce.workloads.traces import (
     TraceError,
     TraceRecord,
+    mean_rate,
+    rate_factor,
     read_trace,
+    rescale_arrivals,
     to_planned_calls,
     to_trace_calls,
     trace_segments,
@@ -53,6 +56,29 @@ def test_segments_of_a_record_without_blocks_are_unique_to_the_call() -> None:
     assert [n for _, n in trace_segments(record, "a")] == [1000]
     assert trace_segments(record, "a") == trace_segments(record, "a")  # a retry hits its own blocks
     assert trace_segments(record, "a") != trace_segments(record, "b")
+
+
+def test_the_planned_segments_are_trace_segments_of_each_call_with_or_without_blocks() -> None:
+    plain = [
+        TraceRecord(0.0, 1000, 5),
+        TraceRecord(0.5, 0, 3, prefix_blocks=(7, 8)),  # blocks of no size: none
+        TraceRecord(0.7, 900, 3, block_tokens=512),  # a size, no blocks: none
+    ]
+    records = [*plain, *read_trace(EXAMPLE), *itertools.islice(read_trace(MOONCAKE), 40)]
+    calls = list(to_trace_calls(records, max_context=4_000))
+    assert {c.blocks > 0 for c in calls} == {False, True}
+    for record, call in zip(records, calls, strict=True):
+        segments = trace_segments(record, call.planned.call_id, call.planned.prompt_len)
+        assert call.segments == segments
+        assert sum(n for _, n in segments) == call.planned.prompt_len
+
+
+def test_time_factor_rescales_as_rescale_arrivals_does() -> None:
+    records = list(read_trace(MOONCAKE))
+    factor = rate_factor(7.3, mean_rate(records))
+    assert list(to_trace_calls(records, time_factor=factor)) == list(
+        to_trace_calls(rescale_arrivals(records, factor))
+    )
 
 
 def test_mooncake_calls_share_exactly_their_common_leading_blocks() -> None:

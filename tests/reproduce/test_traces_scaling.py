@@ -14,6 +14,7 @@ from reproduce.workloads.traces import (
     TraceRecord,
     mean_rate,
     parse_window,
+    rate_factor,
     read_trace,
     rescale_arrivals,
     rescale_to_rate,
@@ -65,6 +66,10 @@ def test_burstiness_survives_rescaling() -> None:
 def test_bad_rates_are_refused() -> None:
     with pytest.raises(TraceError, match="target rate must be a positive number"):
         list(rescale_to_rate(read_trace(AZURE_CODE), 0.0, 1.0))
+    with pytest.raises(TraceError, match="source rate must be a positive number"):
+        rate_factor(1.0, math.inf)
+    with pytest.raises(TraceError, match="time factor must be a positive number"):
+        rate_factor(1e-300, 1e300)  # (a factor past a float's range)
     with pytest.raises(TraceError, match="time factor must be a positive number"):
         list(rescale_arrivals(read_trace(AZURE_CODE), math.nan))
     with pytest.raises(TraceError, match="at least two calls"):

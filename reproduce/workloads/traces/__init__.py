@@ -6,7 +6,7 @@ The public surface a run plan calls:
   ``TraceRecord``s, in time order, arrivals counted from the first request, every line and
   reorder window bounded, a pipe read once (``reproduce.workloads.traces.reader``; layouts in
   ``reproduce.workloads.traces.layouts``); ``is_regular_file``: whether a path can be read twice.
-* ``mean_rate``, ``rescale_to_rate``, ``rescale_arrivals``, ``window``, ``parse_window``:
+* ``mean_rate``, ``rescale_to_rate``, ``rate_factor``, ``rescale_arrivals``, ``window``, ``parse_window``:
   pure functions over the record stream (``reproduce.workloads.traces.scaling``).
 * ``to_trace_calls`` / ``to_planned_calls``: records as ``PlannedCall``s, with prompt segments
   that keep prefix-block sharing (``reproduce.workloads.traces.planned``).
@@ -25,6 +25,7 @@ from reproduce.workloads.traces.records import TraceError, TraceRecord
 from reproduce.workloads.traces.scaling import (
     mean_rate,
     parse_window,
+    rate_factor,
     rescale_arrivals,
     rescale_to_rate,
     window,
@@ -39,6 +40,7 @@ __all__ = [
     "is_regular_file",
     "mean_rate",
     "parse_window",
+    "rate_factor",
     "read_trace",
     "rescale_arrivals",
     "rescale_to_rate",

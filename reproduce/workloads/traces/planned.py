@@ -52,11 +52,21 @@ Segments = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True, slots=True)
 class TraceCall:
-    """A planned call of a trace and its prompt as chained segments ``(segment_id, n_tokens)``."""
+    """A planned call of a trace and its prompt as chained segments ``(segment_id, n_tokens)``.
+
+    The segments of a call without prefix blocks (one segment unique to the call) are made when
+    asked for: a replay asks only for those of calls with blocks (``RunPlan.segments``), and
+    hashing an id for each of the others was a tenth of a replay's planning."""
 
     planned: PlannedCall
-    segments: Segments
+    block_segments: Segments = ()  # its segments if it has prefix blocks, () if not
     blocks: int = 0  # how many of the segments are prefix blocks (shareable with other calls)
+
+    @property
+    def segments(self) -> Segments:
+        if self.blocks:
+            return self.block_segments
+        return _unique_segment(self.planned.call_id, self.planned.prompt_len)
 
 
 def _stable_id(*parts: object) -> int:
@@ -65,9 +75,20 @@ def _stable_id(*parts: object) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+def _has_blocks(record: TraceRecord) -> bool:
+    return record.block_tokens > 0 and bool(record.prefix_blocks)
+
+
+def _unique_segment(call_id: str, length: int) -> Segments:
+    """The prompt of a call without prefix blocks: one segment unique to the call."""
+    return ((_stable_id("trace-call", call_id, 0, 0), length),)
+
+
 def trace_segments(record: TraceRecord, call_id: str, prompt_len: int | None = None) -> Segments:
     """The prompt of ``record`` (``prompt_len`` tokens, its own length by default) as segments."""
     length = record.prompt_tokens if prompt_len is None else prompt_len
+    if not _has_blocks(record):
+        return _unique_segment(call_id, length)
     segments: list[tuple[int, int]] = []
     previous = 0
     covered = 0
@@ -91,8 +112,10 @@ def to_trace_calls(
     max_context: int | None = None,
     max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS,
     source: str = "<trace>",
+    time_factor: float = 1.0,
 ) -> Iterator[TraceCall]:
-    """Each record as a ``TraceCall`` (streams).
+    """Each record as a ``TraceCall`` (streams), its arrival × ``time_factor`` (as
+    ``rescale_arrivals``, without a copy of each record; the factor is the caller's to check).
 
     A record's own call id is kept; otherwise ``{call_id_prefix}-{index:06d}``. A call id is one
     call: a second row with the same id is a ``TraceError`` naming both lines (rows are calls,
@@ -126,24 +149,26 @@ def to_trace_calls(
         if max_context is not None:
             prompt = min(prompt, max_context - 1)
             response = min(response, max_context - prompt)
-        segments = trace_segments(record, call_id, prompt)
-        shared = 0
-        reusable = True
-        n_blocks = min(len(record.prefix_blocks), len(segments)) if record.block_tokens else 0
-        for segment_id, n_tokens in segments[:n_blocks]:
-            hit = segment_id in seen
-            if hit:
-                seen.move_to_end(segment_id)
-            else:
-                seen[segment_id] = None
-                if len(seen) > max_tracked_blocks:
-                    seen.popitem(last=False)
-            reusable = reusable and hit
-            if reusable:
-                shared += n_tokens
+        segments: Segments = ()
+        n_blocks = shared = 0
+        if _has_blocks(record):
+            segments = trace_segments(record, call_id, prompt)
+            n_blocks = min(len(record.prefix_blocks), len(segments))
+            reusable = True
+            for segment_id, n_tokens in segments[:n_blocks]:
+                hit = segment_id in seen
+                if hit:
+                    seen.move_to_end(segment_id)
+                else:
+                    seen[segment_id] = None
+                    if len(seen) > max_tracked_blocks:
+                        seen.popitem(last=False)
+                reusable = reusable and hit
+                if reusable:
+                    shared += n_tokens
         planned = PlannedCall(
             call_id=call_id,
-            arrival_s=record.arrival_s,
+            arrival_s=record.arrival_s if time_factor == 1.0 else record.arrival_s * time_factor,
             prompt_len=prompt,
             shared_prefix_len=shared,
             response_len=response,

@@ -497,16 +497,17 @@ def _json_object(text: str, source: str, line: int) -> dict[str, object]:
 
 
 def _record(row: Row, base: float, line: int) -> TraceRecord:
+    # (positional: a frozen record's keyword arguments cost a tenth of a row's reading)
     return TraceRecord(
-        arrival_s=row.time_s - base,
-        prompt_tokens=row.prompt_tokens,
-        output_tokens=row.output_tokens,
-        call_id=row.call_id,
-        session=row.session,
-        tenant=row.tenant,
-        prefix_blocks=row.prefix_blocks,
-        block_tokens=row.block_tokens,
-        line=line,
+        row.time_s - base,  # arrival_s
+        row.prompt_tokens,
+        row.output_tokens,
+        row.call_id,
+        row.session,
+        row.tenant,
+        row.prefix_blocks,
+        row.block_tokens,
+        line,
     )
 
 

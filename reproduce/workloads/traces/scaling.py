@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 from reproduce.workloads.traces.records import TraceError, TraceRecord
 
-__all__ = ["mean_rate", "parse_window", "rescale_arrivals", "rescale_to_rate", "window"]
+__all__ = ["mean_rate", "parse_window", "rate_factor", "rescale_arrivals", "rescale_to_rate", "window"]
 
 
 def mean_rate(records: Iterable[TraceRecord]) -> float:
@@ -38,12 +38,26 @@ def mean_rate(records: Iterable[TraceRecord]) -> float:
     return (n - 1) / (last - first)
 
 
-def rescale_arrivals(records: Iterable[TraceRecord], factor: float) -> Iterator[TraceRecord]:
-    """Every arrival times ``factor`` (> 0): < 1 compresses the trace (more load), > 1 stretches it."""
+def _time_factor(factor: float) -> float:
     if not (math.isfinite(factor) and factor > 0):
         raise TraceError(f"the time factor must be a positive number, got {factor!r}")
+    return factor
+
+
+def rescale_arrivals(records: Iterable[TraceRecord], factor: float) -> Iterator[TraceRecord]:
+    """Every arrival times ``factor`` (> 0): < 1 compresses the trace (more load), > 1 stretches it."""
+    _time_factor(factor)
     for record in records:
         yield record.arriving_at(record.arrival_s * factor)
+
+
+def rate_factor(target_rate: float, source_rate: float) -> float:
+    """The factor of every arrival that gives a trace of mean rate ``source_rate`` the mean
+    rate ``target_rate`` (calls/s), checked as ``rescale_arrivals`` checks it."""
+    for name, value in (("target rate", target_rate), ("source rate", source_rate)):
+        if not (math.isfinite(value) and value > 0):
+            raise TraceError(f"the {name} must be a positive number of calls per second, got {value!r}")
+    return _time_factor(source_rate / target_rate)
 
 
 def rescale_to_rate(
@@ -52,10 +66,7 @@ def rescale_to_rate(
     """The trace with mean rate ``target_rate`` calls/s, its burst shape kept.
 
     ``source_rate`` is the trace's own mean rate (``mean_rate`` of a first pass)."""
-    for name, value in (("target rate", target_rate), ("source rate", source_rate)):
-        if not (math.isfinite(value) and value > 0):
-            raise TraceError(f"the {name} must be a positive number of calls per second, got {value!r}")
-    return rescale_arrivals(records, source_rate / target_rate)
+    return rescale_arrivals(records, rate_factor(target_rate, source_rate))
 
 
 def parse_window(text: str) -> tuple[float, float]:
