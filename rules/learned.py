@@ -70,7 +70,9 @@ __all__ = [
     "CAPACITY_PREDICTED",
     "CAPACITY_RECORD",
     "CAPACITY_SOURCE",
+    "DEADLINE_BETWEEN_BUCKETS",
     "DEADLINE_BUCKET",
+    "DEADLINE_MISSING",
     "DEADLINE_RECORD",
     "EXTRA_ALERTS",
     "EXTRA_COMMENTS",
@@ -301,9 +303,12 @@ class ExtraAlert:
     for_s: float
 
 
+DEADLINE_MISSING = "VLLMDeadlineMissing"
+DEADLINE_BETWEEN_BUCKETS = "VLLMDeadlineBetweenBuckets"
+
 EXTRA_ALERTS: tuple[ExtraAlert, ...] = (
     ExtraAlert(
-        "VLLMDeadlineMissing",
+        DEADLINE_MISSING,
         "warning",
         "The vLLM tier knows no usable clients' deadline: its deadline alerts cannot evaluate.",
         "Instance {{ $labels.instance }}" + ENGINE_MODEL_TEMPLATE + " has no clients' deadline: none is "
@@ -317,7 +322,7 @@ EXTRA_ALERTS: tuple[ExtraAlert, ...] = (
         60.0,
     ),
     ExtraAlert(
-        "VLLMDeadlineBetweenBuckets",
+        DEADLINE_BETWEEN_BUCKETS,
         "info",
         "The clients' deadline falls between vLLM's e2e latency buckets: finishes just under it "
         "count as late.",

@@ -5,9 +5,8 @@ detector divides its ``for``s and its signal windows by the same K (``AlertRule.
 ``Windows.scaled``). A real Prometheus beside such a run needs the same rules with every duration
 divided by K: the group's evaluation interval, each alert's ``for`` and ``keep_firing_for``, and
 every range, subquery and offset in each expression. Thresholds are ratios (or zero) and stay.
-The vLLM tier reads finishes within the clients' deadline off vLLM's e2e latency histogram at the
-deadline's bucket (``detector.signals.deadline_bucket``), and assumes a default deadline when none
-is stated: both follow the deadline at K (the default divided by K, unless one is given).
+The vLLM tier's deadline and its e2e bucket come from the deadline series (``rules.learned``), as
+at K = 1: a run at K states its scaled deadline, and the bucket at or below it is chosen then.
 :func:`lookback_delta` is the Prometheus flag that scales its gauges' lookback the same way.
 
 ``python -m rules.scaled K FILE`` writes them (one file, YAML that Prometheus and promtool load).
@@ -23,15 +22,8 @@ from typing import Any
 import click
 
 from detector.runbook import DEFAULT_PATTERN
-from detector.signals import (
-    DEFAULT_DEADLINE_S,
-    VLLM_DEADLINE_LE,
-    WINDOWS,
-    deadline_bucket,
-)
-from foundation import metricnames as mn
+from detector.signals import WINDOWS
 from foundation.options import FiniteFloatRange
-from foundation.vllmbuckets import le_label
 from rules.backfill import parse_duration
 from rules.generate import duration, rule_documents
 
@@ -58,31 +50,16 @@ def scale_expr(expr: str, time_scale: float) -> str:
     return _OFFSET.sub(lambda m: m.group(1) + scale_duration(m.group(2), time_scale), out)
 
 
-def at_deadline(expr: str, deadline_s: float) -> str:
-    """A vLLM-tier expression read at another deadline: the e2e histogram's bucket at the
-    deadline's (a clear error below vLLM's first bound) and the default deadline replaced."""
-    bucket = deadline_bucket(deadline_s)
-    if bucket is None:
-        raise ValueError(f"a deadline of {deadline_s:g} s is below vLLM's first e2e latency bucket")
-    e2e = f"{mn.VLLM_E2E_LATENCY}_bucket"
-    out = expr.replace(f'{e2e}{{le="{VLLM_DEADLINE_LE}"}}', f'{e2e}{{le="{le_label(bucket)}"}}')
-    return out.replace(f"* 0 + {DEFAULT_DEADLINE_S:g}", f"* 0 + {deadline_s:g}")
-
-
-def scaled_documents(
-    time_scale: float, runbook_pattern: str = DEFAULT_PATTERN, *, deadline_s: float | None = None
-) -> dict[str, Any]:
+def scaled_documents(time_scale: float, runbook_pattern: str = DEFAULT_PATTERN) -> dict[str, Any]:
     """``rules.generate.rule_documents`` with every duration divided by ``time_scale`` (K = 1:
-    the rules as generated), the vLLM tier's deadline at ``deadline_s`` (default: the default
-    deadline divided by K)."""
+    the rules as generated)."""
     k = time_scale
-    deadline = DEFAULT_DEADLINE_S / k if deadline_s is None else deadline_s
     doc = rule_documents(runbook_pattern)
     for group in doc["groups"]:
         if "interval" in group:
             group["interval"] = scale_duration(group["interval"], k)
         for rule in group["rules"]:
-            rule["expr"] = at_deadline(scale_expr(rule["expr"], k), deadline)
+            rule["expr"] = scale_expr(rule["expr"], k)
             for key in ("for", "keep_firing_for"):
                 if key in rule:
                     rule[key] = scale_duration(rule[key], k)
@@ -94,11 +71,9 @@ def lookback_delta(time_scale: float) -> str:
     return duration(WINDOWS.scaled(time_scale).gauge_lookback_s)
 
 
-def write_scaled(
-    path: Path, time_scale: float, runbook_pattern: str = DEFAULT_PATTERN, *, deadline_s: float | None = None
-) -> Path:
+def write_scaled(path: Path, time_scale: float, runbook_pattern: str = DEFAULT_PATTERN) -> Path:
     """Write the scaled rules to ``path`` (JSON is YAML: Prometheus and promtool read it)."""
-    doc = scaled_documents(time_scale, runbook_pattern, deadline_s=deadline_s)
+    doc = scaled_documents(time_scale, runbook_pattern)
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return path
 

@@ -80,7 +80,7 @@ def prometheus_beside(
     workdir.mkdir(parents=True, exist_ok=True)
     targets.write_text("[]\n", encoding="utf-8")
     instance = urlsplit(engine_url).netloc
-    rules = write_scaled(workdir / "scaled.rules.yml", time_scale, deadline_s=deadline_s)
+    rules = write_scaled(workdir / "scaled.rules.yml", time_scale)
     stated = workdir / "stated.rules.yml"
     # What an operator without the proxy states (the proxy exports both for its own instance).
     stated.write_text(
