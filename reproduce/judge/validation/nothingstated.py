@@ -23,7 +23,7 @@ deadline. A learning proxy exports no missed-deadline counter before it knows a 
 replay drops that series until the learned one is published; from then on it is the run's own
 (counted against the true deadline, which the learned one matches within a few per cent), and the
 delivered-within-deadline counter is the run's throughout. The vLLM tier, with no proxy's deadline,
-falls back to the rules' default (``detector.signals.DEFAULT_DEADLINE_S``), as live.
+has none (its deadline alerts cannot evaluate and its NoData says so), as live and in the rules.
 
 Each run gets ``learned``: for Ĉ (the proxy tier's) and the deadline, when the detector first
 knew it (``known_at_s``, seconds from the run's start; None: never), its value then, where it came
@@ -213,10 +213,12 @@ def replay_nothing_stated(info: RunInfo, windows: Windows | None = None) -> Noth
             )
             deadline.note(t, frame.values.get("deadline"), mn.DEADLINE_LEARNED, info.pulse_start_s)
 
-    # At the settings the run's plan recorded, as ``replay_reproduce_run`` replays a stated run.
+    # At the settings the run's plan recorded, as ``replay_reproduce_run`` replays a stated run,
+    # but assuming no deadline: like `retrywatch detect` and the rules, the vLLM tier has one only
+    # once the proxy publishes what it learned.
     settings = info.detector
     windows = settings.windows if windows is None else windows
-    config = SignalConfig(windows=windows, assumed_deadline=settings.assumed_deadline)
+    config = SignalConfig(windows=windows, assumed_deadline=None)
     episodes = replay_snapshots(snapshots, config, rules=settings.rules, on_frames=observe)
     return NothingStatedRun([Firing.of(e) for e in episodes], capacity, deadline)
 
