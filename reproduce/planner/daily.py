@@ -5,6 +5,8 @@ An operator asks each day: with the traffic this service really had, how much mo
 take under the policy in force before it misses the delivery objective, and would another policy
 leave more? This module answers it, pure enough to test:
 
+* :func:`detector_capacity`: the engine's Ĉ as its detector knows it (the detector's
+  ``/metrics``: ``retrywatch_detector_capacity_calls_per_second`` and its source);
 * :func:`observe`: the last ``window_s`` of a recording (``retrywatch proxy --record DIR``, read
   as a trace of layout ``recording``): its calls, mean rate and peak rate (the busiest
   :data:`PEAK_WINDOW_S` of it);
@@ -30,6 +32,8 @@ import json
 import math
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from sqlalchemy import (
     Boolean,
@@ -54,7 +59,6 @@ from sqlalchemy import (
 
 from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.store import make_engine
-from foundation.rundir import SUMMARY, read_summary
 from reproduce.planner.whatif import (
     PRECISION,
     WhatIf,
@@ -77,6 +81,7 @@ __all__ = [
     "HeadroomCollector",
     "History",
     "Window",
+    "detector_capacity",
     "observe",
     "parse_at",
     "render_rules",
@@ -106,14 +111,74 @@ HEADROOM_SERIES = "retrywatch_headroom_load"
 PEAK_SERIES = "retrywatch_observed_peak_load"
 MARGIN_SERIES = "retrywatch_headroom_margin"
 LAST_RUN_SERIES = "retrywatch_headroom_last_run_timestamp_seconds"
+#: The detector's series of Ĉ in force (``detector.service.DetectorMetrics.capacity``), labelled
+#: instance, tier and source; which of an engine's is taken when it has several: the stated over
+#: the measured over the predicted, the proxy's tier over vLLM's.
+DETECTOR_CAPACITY = "retrywatch_detector_capacity_calls_per_second"
+SOURCE_ORDER = ("stated", "saturated", "predicted")
+TIER_ORDER = ("proxy", "vllm")
+#: How long the detector has to answer.
+DETECTOR_TIMEOUT_S = 10.0
 #: How long the warning's condition must hold (the series change once a day).
 ALERT_FOR_S = 300.0
 RULES_DIR = Path(__file__).resolve().parents[2] / "rules" / "headroom"
 RULES_PATH = RULES_DIR / "headroom.rules.yml"
 
 
+NO_CAPACITY = (
+    "the engine's Ĉ is needed: give --capacity (calls/s) or --detector URL (the detector that "
+    "follows this engine)"
+)
+
+
 class DailyError(ValueError):
     """A daily what-if that cannot run as asked (no recording, too few calls, bad settings)."""
+
+
+def detector_capacity(url: str, instance: str | None = None) -> tuple[float, str]:
+    """The engine's Ĉ (calls/s) as the detector at ``url`` publishes it on ``/metrics``, and
+    where it came from; ``instance``: which engine, needed when the detector follows several."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=DETECTOR_TIMEOUT_S) as reply:
+            text = reply.read().decode("utf-8")
+    except (OSError, ValueError) as exc:  # refused, timed out, an HTTP error, not a URL
+        why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        raise DailyError(f"the detector at {url} does not answer: {why}") from None
+    try:
+        found = [
+            (s.labels, s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == DETECTOR_CAPACITY and s.value > 0 and math.isfinite(s.value)
+        ]
+    except ValueError as exc:
+        raise DailyError(f"{url}/metrics is not a Prometheus exposition: {exc}") from None
+    engines = sorted({labels.get("instance", "") for labels, _ in found})
+    if not engines:
+        raise DailyError(
+            f"the detector at {url} publishes no Ĉ ({DETECTOR_CAPACITY}) yet: give --capacity, or run "
+            "once it has measured or predicted one"
+        )
+    if instance is None and len(engines) > 1:
+        raise DailyError(
+            f"the detector at {url} follows {len(engines)} engines ({', '.join(engines)}): "
+            "name one (--engine)"
+        )
+    chosen = engines[0] if instance is None else instance
+    mine = [(labels, v) for labels, v in found if labels.get("instance") == chosen]
+    if not mine:
+        raise DailyError(f"the detector at {url} has no Ĉ for engine {chosen!r}; it has {', '.join(engines)}")
+
+    def rank(item: tuple[dict[str, str], float]) -> tuple[int, int]:
+        labels = item[0]
+        source, tier = labels.get("source", ""), labels.get("tier", "")
+        return (
+            SOURCE_ORDER.index(source) if source in SOURCE_ORDER else len(SOURCE_ORDER),
+            TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER),
+        )
+
+    labels, value = min(mine, key=rank)
+    return value, f"the detector's ({url}): {chosen}, tier {labels.get('tier')}, {labels.get('source')}"
 
 
 def parse_at(text: str) -> tuple[int, int]:
@@ -192,12 +257,14 @@ class DailyJob:
     policies: Sequence[str]
     policy_in_force: str = POLICY_IN_FORCE
     margin: float = MARGIN
-    capacity: float | None = None  # the engine's Ĉ, calls/s (None: the simulator's for the model)
+    capacity: float | None = None  # the engine's Ĉ, calls/s (None: the detector's, read each run)
     window_s: float = WINDOW_S
     precision: float = PRECISION
     lo: float = HEADROOM_RANGE[0]
     hi: float = HEADROOM_RANGE[1]
     database: str | None = None  # a SQLAlchemy URL (None: SQLite in ``state``)
+    detector: str | None = None  # the detector's base URL, read for Ĉ where ``capacity`` is None
+    engine: str | None = None  # the detector's instance label of this engine (None: its only one)
 
     def __post_init__(self) -> None:
         names = parse_policies(",".join(self.policies))
@@ -207,6 +274,15 @@ class DailyJob:
             raise DailyError(f"the margin must be a non-negative fraction, got {self.margin!r}")
         if self.capacity is not None and not (math.isfinite(self.capacity) and self.capacity > 0):
             raise DailyError(f"Ĉ must be a positive number of calls per second, got {self.capacity!r}")
+        if self.capacity is None and self.detector is None:
+            raise DailyError(NO_CAPACITY)
+
+    def read_capacity(self) -> tuple[float, str]:
+        """Ĉ and its source: the one stated, else the detector's now."""
+        if self.capacity is not None:
+            return self.capacity, "given"
+        assert self.detector is not None  # __post_init__
+        return detector_capacity(self.detector, self.engine)
 
     @property
     def url(self) -> str:
@@ -278,31 +354,19 @@ class Day:
         }  # fmt: skip
 
 
-def _sim_capacity(points: Path) -> float:
-    """The simulator's Ĉ of the replay (every point records the same one)."""
-    for entry in read_summary(points)["runs"]:
-        if isinstance(entry, dict) and isinstance(entry.get("capacity"), int | float):
-            return float(entry["capacity"])
-    raise DailyError(f"{points}/{SUMMARY} records no Ĉ: give --capacity")
-
-
 def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = None) -> Day:
     """Replay the recording's last window under each policy, find each one's headroom, and add
     the run to the history (``end_s``: the window's end, seconds from the recording's first call;
     None: its last call)."""
     run_at = time.time() if now is None else now
     window = observe(job.recording, job.window_s, end_s)
+    capacity, source = job.read_capacity()  # before the replays: a detector that fails, fails fast
     workload = TraceWorkload(str(job.recording), "recording", 1.0, window.start_s, window.end_s + 1e-6)
     stamp = datetime.fromtimestamp(run_at, UTC).strftime("%Y%m%dT%H%M%SZ")
     out = job.state / RUNS_DIR / f"{stamp}-w{window.start_s:.0f}-{window.end_s:.0f}"
     out.mkdir(parents=True, exist_ok=True)
     setup = replace(job.whatif, workload=workload)
     found = headroom(setup, list(job.policies), out, lo=job.lo, hi=job.hi, precision=job.precision)
-    if job.capacity is not None:
-        capacity, source = job.capacity, "given"
-    else:
-        capacity = _sim_capacity(out / "points")
-        source = f"the simulator's Ĉ of {setup.model} on this traffic"
     # the safe mean load (multiples of the simulator's Ĉ) as the peak load of this traffic's shape
     # (multiples of Ĉ): the observed peak is the observed mean times the same ratio
     safe = {p: float(f["headroom_load"] or 0.0) for p, f in found.items()}
