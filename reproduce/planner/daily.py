@@ -108,6 +108,7 @@ LATEST = "latest.json"
 #: The warning and the series it reads.
 ALERT = "VLLMHeadroomLow"
 HEADROOM_SERIES = "retrywatch_headroom_load"
+BEST_SERIES = "retrywatch_headroom_best_load"
 PEAK_SERIES = "retrywatch_observed_peak_load"
 MARGIN_SERIES = "retrywatch_headroom_margin"
 LAST_RUN_SERIES = "retrywatch_headroom_last_run_timestamp_seconds"
@@ -330,10 +331,15 @@ class Day:
             f"{self.window.end_s - self.window.start_s:g} s); {p} leaves {self.ratio(p):.3g}x of it"
             + (f" (below 1 + margin {self.margin:g}: {ALERT})" if self.low else "")
         )
-        if best != p and self.headroom[best] > self.headroom[p]:
-            more = self.headroom[best] - self.headroom[p]
-            text += f"; {best} would leave {self.ratio(best):.3g}x (+{more:.3g}x Ĉ)"
+        if best != p:
+            more, gain = self.headroom[best] - self.headroom[p], self.gain()
+            text += f"; {best} leaves the most: {self.ratio(best):.3g}x (+{more:.3g}x Ĉ, {gain:.3g}x {p}'s)"
         return text
+
+    def gain(self) -> float:
+        """The most headroom of any policy over the policy in force's (inf where it leaves none)."""
+        best, mine = self.headroom[self.best()], self.headroom[self.policy_in_force]
+        return best / mine if mine > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -350,6 +356,7 @@ class Day:
             "kind": self.kind,
             "low": self.low,
             "best": self.best(),
+            "gain": self.gain(),
             "says": self.says(),
         }  # fmt: skip
 
@@ -483,6 +490,14 @@ class HeadroomCollector(Collector):
         for p, h in sorted(day.headroom.items()):
             head.add_metric([p, str(p == day.policy_in_force).lower()], h)
         yield head
+        best = GaugeMetricFamily(
+            BEST_SERIES,
+            "The most headroom any configured policy leaves (multiples of Ĉ), labelled with that policy "
+            "(the policy in force where it ties).",
+            labels=["policy"],
+        )
+        best.add_metric([day.best()], day.headroom[day.best()])
+        yield best
         yield GaugeMetricFamily(
             PEAK_SERIES, f"The replayed window's peak load: its most calls in {PEAK_WINDOW_S:g} s, per "
             "second, in multiples of Ĉ.", value=day.observed_peak_load,
@@ -505,6 +520,15 @@ def alert_expr() -> str:
     )
 
 
+def gain_query() -> str:
+    """The best policy's headroom over the policy in force's, labelled with the best policy: a
+    ``printf`` format taking the instance twice (the warning's description queries it)."""
+    return (
+        f"{BEST_SERIES}{{instance=%q}} / ignoring (policy) group_left max without (policy, in_force) "
+        f'({HEADROOM_SERIES}{{instance=%q, in_force="true"}})'
+    )
+
+
 def render_rules() -> str:
     """``rules/headroom/headroom.rules.yml``: the ``VLLMHeadroomLow`` warning."""
     return f"""\
@@ -524,9 +548,9 @@ groups:
       summary: The policy in force leaves less headroom than the stated margin over the observed peak.
       description: 'On {{{{ $labels.instance }}}} the policy in force leaves {{{{ $value | printf "%.2f" }}}}x
         the window''s observed peak load before the delivery objective is missed (less than 1 + the
-        margin). Best: {{{{ with
-        query "topk(1, {HEADROOM_SERIES})" }}}}{{{{ . | first | label "policy" }}}} at {{{{ . | first | value
-        | printf "%.2f" }}}}x Ĉ{{{{ end }}}}.'
+        margin). Most headroom: {{{{ with printf `{gain_query()}` $labels.instance $labels.instance
+        | query }}}}{{{{ . | first | label "policy" }}}}, {{{{ . | first | value | printf "%.2f" }}}}x the
+        policy in force''s{{{{ end }}}}.'
       runbook_url: {runbook_url(DEFAULT_PATTERN, ALERT)}
 """
 

@@ -161,6 +161,34 @@ def test_once_runs_the_window_under_each_policy_and_keeps_the_history(tmp_path: 
     history.close()
 
 
+def test_the_answer_names_the_policy_that_leaves_the_most_and_by_how_much(tmp_path: Path) -> None:
+    """Clients that give an attempt up at 40 s (under the 120-s deadline) retry within it: with no
+    control each retry is one more execution and the burst's queue feeds itself, while the default
+    recipe attaches it to the live one; the budget sheds the retries (calls failed). The simulator
+    finds less headroom for no control and the budget than for the default recipe."""
+    write_recording(tmp_path / "rec")
+    result = once(tmp_path, "--policies", "none,default,budget", "--policy-in-force", "none",
+                  "--client", "deadline=40", "--precision", "0.1")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    history = History(f"sqlite:///{tmp_path / 'state' / daily.HISTORY_FILE}")
+    (day,) = history.days()
+    head = day.headroom
+    assert head["default"] > head["none"] and head["default"] > head["budget"], head
+    assert day.best() == "default" and day.gain() == pytest.approx(head["default"] / head["none"])
+    more = head["default"] - head["none"]
+    assert (
+        f"default leaves the most: {day.ratio('default'):.3g}x (+{more:.3g}x Ĉ, {day.gain():.3g}x none's)"
+        in result.output
+    )
+    registry = CollectorRegistry()
+    registry.register(HeadroomCollector(history))
+    assert (
+        registry.get_sample_value("retrywatch_headroom_best_load", {"policy": "default"}) == head["default"]
+    )
+    assert registry.get_sample_value("retrywatch_headroom_best_load", {"policy": "none"}) is None
+    history.close()
+
+
 def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> None:
     from starlette.testclient import TestClient
 
