@@ -1,27 +1,81 @@
 """How long the daily what-if takes: ``retrywatch reproduce plan-daily --once`` on a synthetic
-recording of ``--hours`` (default 24), five policies, headroom to 0.05 Ĉ.
+recording of ``--hours`` (default 24), five policies, headroom to 0.05 Ĉ, on the local executor
+or on two Ray workers.
 
 Writes the recording in the proxy's layout (``daily_growth.write_days``: a diurnal swing of
 +-50 % and a burst, mean ``--mean-load`` x Ĉ), then runs the whole command as a child process on
 the study's engine preset with Ĉ stated (the Azure slice's, as ``bench_whatif.py --trace hour``:
 calibration is not timed) and prints its wall time, the points run and each policy's headroom.
+``--executor ray`` starts a Ray head of two CPUs on loopback in a temp dir of its own (two
+workers), runs the command on it and stops the head's processes by their session, never by
+``ray stop`` (which would end every Ray on the machine).
 
-    .venv/bin/python bench/bench_daily.py [--hours 24] [--mean-load 0.3] [--jobs 2]
-        [--policies none,default,budget,coalescing,lookup-first] [--precision 0.05]
+    .venv/bin/python bench/bench_daily.py [--hours 24] [--mean-load 0.3] [--executor local|ray]
+        [--jobs 2] [--policies none,default,budget,coalescing,lookup-first] [--precision 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench_trace_replay import DEFAULT_CAPACITY, MODEL
 from daily_growth import write_days
+
+# every process of the cluster and its driver: no usage report, no token (as the executor tests)
+RAY_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+WORKERS = 2
+
+
+def _session_processes(session: int) -> set[int]:
+    found = set()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (p / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z" and int(fields[3]) == session:
+                found.add(int(p.name))
+    return found
+
+
+@contextlib.contextmanager
+def ray_head(workers: int) -> Iterator[str]:
+    """A Ray head of ``workers`` CPUs on loopback; its address. Stopped by its session's ids."""
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="bd-ray-", dir="/tmp")  # short: Ray's socket paths live under it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    argv = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={workers}",
+            "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"]  # fmt: skip
+    start = subprocess.Popen(argv, env=RAY_ENV, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        out = start.communicate(timeout=180)[0].decode()
+        if start.returncode != 0:
+            raise SystemExit(f"ray start failed:\n{out[-2000:]}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig, grace_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+            for pid in _session_processes(start.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + grace_s
+            while _session_processes(start.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        subprocess.run(["rm", "-rf", temp], check=False)
 
 
 def main() -> None:
@@ -30,9 +84,10 @@ def main() -> None:
     parser.add_argument("--mean-load", type=float, default=0.3)
     parser.add_argument("--policies", default="none,default,budget,coalescing,lookup-first")
     parser.add_argument("--precision", default="0.05")
-    parser.add_argument("--jobs", default="2")
+    parser.add_argument("--executor", choices=("local", "ray"), default="local")
+    parser.add_argument("--jobs", default=str(WORKERS), help="--executor local: runs at a time")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-daily-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-daily-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
         started = time.perf_counter()
         write_days(root / "rec", [args.mean_load * DEFAULT_CAPACITY], args.hours * 3600, seed=3)
@@ -42,10 +97,15 @@ def main() -> None:
             str(root / "rec"), "--out", str(root / "state"), "--window-hours", f"{args.hours:g}",
             "--model", MODEL, "--capacity", f"{DEFAULT_CAPACITY}", "--backend-option",
             f"capacity={DEFAULT_CAPACITY}", "--policies", args.policies, "--precision", args.precision,
-            "--jobs", args.jobs,
         ]  # fmt: skip
+        if args.executor == "ray":
+            command += ["--executor", "ray", "--address", stack.enter_context(ray_head(WORKERS))]
+            how = f"--executor ray ({WORKERS} workers)"
+        else:
+            command += ["--jobs", args.jobs]
+            how = f"--executor local --jobs {args.jobs}"
         started = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, check=False, env=RAY_ENV)
         wall = time.perf_counter() - started
         if done.returncode != 0:
             raise SystemExit(f"plan-daily failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -54,8 +114,7 @@ def main() -> None:
         points = len(json.loads((run / "points" / "summary.json").read_text(encoding="utf-8"))["runs"])
         print(
             f"{args.hours:g} h recording ({latest['window']['calls']:,} calls, written in {written:.1f} s), "
-            f"{args.policies}, --precision {args.precision}, --jobs {args.jobs}: {wall:.1f} s wall, "
-            f"{points} points run"
+            f"{args.policies}, --precision {args.precision}, {how}: {wall:.1f} s wall, {points} points run"
         )
         print(latest["says"])
 

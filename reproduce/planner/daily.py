@@ -5,6 +5,8 @@ An operator asks each day: with the traffic this service really had, how much mo
 take under the policy in force before it misses the delivery objective, and would another policy
 leave more? This module answers it, pure enough to test:
 
+* :func:`detector_capacity`: the engine's Ĉ as its detector knows it (the detector's
+  ``/metrics``: ``retrywatch_detector_capacity_calls_per_second`` and its source);
 * :func:`observe`: the last ``window_s`` of a recording (``retrywatch proxy --record DIR``, read
   as a trace of layout ``recording``): its calls, mean rate and peak rate (the busiest
   :data:`PEAK_WINDOW_S` of it);
@@ -30,6 +32,8 @@ import json
 import math
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from sqlalchemy import (
     Boolean,
@@ -54,7 +59,6 @@ from sqlalchemy import (
 
 from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.store import make_engine
-from foundation.rundir import SUMMARY, read_summary
 from reproduce.planner.whatif import (
     PRECISION,
     WhatIf,
@@ -77,6 +81,7 @@ __all__ = [
     "HeadroomCollector",
     "History",
     "Window",
+    "detector_capacity",
     "observe",
     "parse_at",
     "render_rules",
@@ -103,17 +108,78 @@ LATEST = "latest.json"
 #: The warning and the series it reads.
 ALERT = "VLLMHeadroomLow"
 HEADROOM_SERIES = "retrywatch_headroom_load"
+BEST_SERIES = "retrywatch_headroom_best_load"
 PEAK_SERIES = "retrywatch_observed_peak_load"
 MARGIN_SERIES = "retrywatch_headroom_margin"
 LAST_RUN_SERIES = "retrywatch_headroom_last_run_timestamp_seconds"
+#: The detector's series of Ĉ in force (``detector.service.DetectorMetrics.capacity``), labelled
+#: instance, tier and source; which of an engine's is taken when it has several: the stated over
+#: the measured over the predicted, the proxy's tier over vLLM's.
+DETECTOR_CAPACITY = "retrywatch_detector_capacity_calls_per_second"
+SOURCE_ORDER = ("stated", "saturated", "predicted")
+TIER_ORDER = ("proxy", "vllm")
+#: How long the detector has to answer.
+DETECTOR_TIMEOUT_S = 10.0
 #: How long the warning's condition must hold (the series change once a day).
 ALERT_FOR_S = 300.0
 RULES_DIR = Path(__file__).resolve().parents[2] / "rules" / "headroom"
 RULES_PATH = RULES_DIR / "headroom.rules.yml"
 
 
+NO_CAPACITY = (
+    "the engine's Ĉ is needed: give --capacity (calls/s) or --detector URL (the detector that "
+    "follows this engine)"
+)
+
+
 class DailyError(ValueError):
     """A daily what-if that cannot run as asked (no recording, too few calls, bad settings)."""
+
+
+def detector_capacity(url: str, instance: str | None = None) -> tuple[float, str]:
+    """The engine's Ĉ (calls/s) as the detector at ``url`` publishes it on ``/metrics``, and
+    where it came from; ``instance``: which engine, needed when the detector follows several."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=DETECTOR_TIMEOUT_S) as reply:
+            text = reply.read().decode("utf-8")
+    except (OSError, ValueError) as exc:  # refused, timed out, an HTTP error, not a URL
+        why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        raise DailyError(f"the detector at {url} does not answer: {why}") from None
+    try:
+        found = [
+            (s.labels, s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == DETECTOR_CAPACITY and s.value > 0 and math.isfinite(s.value)
+        ]
+    except ValueError as exc:
+        raise DailyError(f"{url}/metrics is not a Prometheus exposition: {exc}") from None
+    engines = sorted({labels.get("instance", "") for labels, _ in found})
+    if not engines:
+        raise DailyError(
+            f"the detector at {url} publishes no Ĉ ({DETECTOR_CAPACITY}) yet: give --capacity, or run "
+            "once it has measured or predicted one"
+        )
+    if instance is None and len(engines) > 1:
+        raise DailyError(
+            f"the detector at {url} follows {len(engines)} engines ({', '.join(engines)}): "
+            "name one (--engine)"
+        )
+    chosen = engines[0] if instance is None else instance
+    mine = [(labels, v) for labels, v in found if labels.get("instance") == chosen]
+    if not mine:
+        raise DailyError(f"the detector at {url} has no Ĉ for engine {chosen!r}; it has {', '.join(engines)}")
+
+    def rank(item: tuple[dict[str, str], float]) -> tuple[int, int]:
+        labels = item[0]
+        source, tier = labels.get("source", ""), labels.get("tier", "")
+        return (
+            SOURCE_ORDER.index(source) if source in SOURCE_ORDER else len(SOURCE_ORDER),
+            TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER),
+        )
+
+    labels, value = min(mine, key=rank)
+    return value, f"the detector's ({url}): {chosen}, tier {labels.get('tier')}, {labels.get('source')}"
 
 
 def parse_at(text: str) -> tuple[int, int]:
@@ -192,12 +258,14 @@ class DailyJob:
     policies: Sequence[str]
     policy_in_force: str = POLICY_IN_FORCE
     margin: float = MARGIN
-    capacity: float | None = None  # the engine's Ĉ, calls/s (None: the simulator's for the model)
+    capacity: float | None = None  # the engine's Ĉ, calls/s (None: the detector's, read each run)
     window_s: float = WINDOW_S
     precision: float = PRECISION
     lo: float = HEADROOM_RANGE[0]
     hi: float = HEADROOM_RANGE[1]
     database: str | None = None  # a SQLAlchemy URL (None: SQLite in ``state``)
+    detector: str | None = None  # the detector's base URL, read for Ĉ where ``capacity`` is None
+    engine: str | None = None  # the detector's instance label of this engine (None: its only one)
 
     def __post_init__(self) -> None:
         names = parse_policies(",".join(self.policies))
@@ -207,6 +275,15 @@ class DailyJob:
             raise DailyError(f"the margin must be a non-negative fraction, got {self.margin!r}")
         if self.capacity is not None and not (math.isfinite(self.capacity) and self.capacity > 0):
             raise DailyError(f"Ĉ must be a positive number of calls per second, got {self.capacity!r}")
+        if self.capacity is None and self.detector is None:
+            raise DailyError(NO_CAPACITY)
+
+    def read_capacity(self) -> tuple[float, str]:
+        """Ĉ and its source: the one stated, else the detector's now."""
+        if self.capacity is not None:
+            return self.capacity, "given"
+        assert self.detector is not None  # __post_init__
+        return detector_capacity(self.detector, self.engine)
 
     @property
     def url(self) -> str:
@@ -254,10 +331,15 @@ class Day:
             f"{self.window.end_s - self.window.start_s:g} s); {p} leaves {self.ratio(p):.3g}x of it"
             + (f" (below 1 + margin {self.margin:g}: {ALERT})" if self.low else "")
         )
-        if best != p and self.headroom[best] > self.headroom[p]:
-            more = self.headroom[best] - self.headroom[p]
-            text += f"; {best} would leave {self.ratio(best):.3g}x (+{more:.3g}x Ĉ)"
+        if best != p:
+            more, gain = self.headroom[best] - self.headroom[p], self.gain()
+            text += f"; {best} leaves the most: {self.ratio(best):.3g}x (+{more:.3g}x Ĉ, {gain:.3g}x {p}'s)"
         return text
+
+    def gain(self) -> float:
+        """The most headroom of any policy over the policy in force's (inf where it leaves none)."""
+        best, mine = self.headroom[self.best()], self.headroom[self.policy_in_force]
+        return best / mine if mine > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -274,16 +356,9 @@ class Day:
             "kind": self.kind,
             "low": self.low,
             "best": self.best(),
+            "gain": self.gain(),
             "says": self.says(),
         }  # fmt: skip
-
-
-def _sim_capacity(points: Path) -> float:
-    """The simulator's Ĉ of the replay (every point records the same one)."""
-    for entry in read_summary(points)["runs"]:
-        if isinstance(entry, dict) and isinstance(entry.get("capacity"), int | float):
-            return float(entry["capacity"])
-    raise DailyError(f"{points}/{SUMMARY} records no Ĉ: give --capacity")
 
 
 def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = None) -> Day:
@@ -292,17 +367,13 @@ def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = No
     None: its last call)."""
     run_at = time.time() if now is None else now
     window = observe(job.recording, job.window_s, end_s)
+    capacity, source = job.read_capacity()  # before the replays: a detector that fails, fails fast
     workload = TraceWorkload(str(job.recording), "recording", 1.0, window.start_s, window.end_s + 1e-6)
     stamp = datetime.fromtimestamp(run_at, UTC).strftime("%Y%m%dT%H%M%SZ")
     out = job.state / RUNS_DIR / f"{stamp}-w{window.start_s:.0f}-{window.end_s:.0f}"
     out.mkdir(parents=True, exist_ok=True)
     setup = replace(job.whatif, workload=workload)
     found = headroom(setup, list(job.policies), out, lo=job.lo, hi=job.hi, precision=job.precision)
-    if job.capacity is not None:
-        capacity, source = job.capacity, "given"
-    else:
-        capacity = _sim_capacity(out / "points")
-        source = f"the simulator's Ĉ of {setup.model} on this traffic"
     # the safe mean load (multiples of the simulator's Ĉ) as the peak load of this traffic's shape
     # (multiples of Ĉ): the observed peak is the observed mean times the same ratio
     safe = {p: float(f["headroom_load"] or 0.0) for p, f in found.items()}
@@ -419,6 +490,14 @@ class HeadroomCollector(Collector):
         for p, h in sorted(day.headroom.items()):
             head.add_metric([p, str(p == day.policy_in_force).lower()], h)
         yield head
+        best = GaugeMetricFamily(
+            BEST_SERIES,
+            "The most headroom any configured policy leaves (multiples of Ĉ), labelled with that policy "
+            "(the policy in force where it ties).",
+            labels=["policy"],
+        )
+        best.add_metric([day.best()], day.headroom[day.best()])
+        yield best
         yield GaugeMetricFamily(
             PEAK_SERIES, f"The replayed window's peak load: its most calls in {PEAK_WINDOW_S:g} s, per "
             "second, in multiples of Ĉ.", value=day.observed_peak_load,
@@ -441,6 +520,15 @@ def alert_expr() -> str:
     )
 
 
+def gain_query() -> str:
+    """The best policy's headroom over the policy in force's, labelled with the best policy: a
+    ``printf`` format taking the instance twice (the warning's description queries it)."""
+    return (
+        f"{BEST_SERIES}{{instance=%q}} / ignoring (policy) group_left max without (policy, in_force) "
+        f'({HEADROOM_SERIES}{{instance=%q, in_force="true"}})'
+    )
+
+
 def render_rules() -> str:
     """``rules/headroom/headroom.rules.yml``: the ``VLLMHeadroomLow`` warning."""
     return f"""\
@@ -460,9 +548,9 @@ groups:
       summary: The policy in force leaves less headroom than the stated margin over the observed peak.
       description: 'On {{{{ $labels.instance }}}} the policy in force leaves {{{{ $value | printf "%.2f" }}}}x
         the window''s observed peak load before the delivery objective is missed (less than 1 + the
-        margin). Best: {{{{ with
-        query "topk(1, {HEADROOM_SERIES})" }}}}{{{{ . | first | label "policy" }}}} at {{{{ . | first | value
-        | printf "%.2f" }}}}x Ĉ{{{{ end }}}}.'
+        margin). Most headroom: {{{{ with printf `{gain_query()}` $labels.instance $labels.instance
+        | query }}}}{{{{ . | first | label "policy" }}}}, {{{{ . | first | value | printf "%.2f" }}}}x the
+        policy in force''s{{{{ end }}}}.'
       runbook_url: {runbook_url(DEFAULT_PATTERN, ALERT)}
 """
 

@@ -28,6 +28,7 @@ from reproduce.planner.daily import (
     DEFAULT_AT,
     HEADROOM_RANGE,
     MARGIN,
+    NO_CAPACITY,
     POLICY_IN_FORCE,
     WINDOW_S,
     DailyError,
@@ -144,8 +145,21 @@ def make_app(history: History, runner: Runner) -> Any:
     "--capacity",
     type=LOAD,
     default=None,
-    help="The engine's Ĉ, calls/s (the detector's retrywatch_capacity_calls_per_second) [the "
-    "simulator's for --model on this traffic].",
+    help="The engine's Ĉ, calls/s; wins over --detector's.",
+)
+@click.option(
+    "--detector",
+    default=None,
+    metavar="URL",
+    help="The detector following this engine (its base URL): Ĉ read from its /metrics at each run "
+    "(retrywatch_detector_capacity_calls_per_second: stated, else measured, else predicted).",
+)
+@click.option(
+    "--engine",
+    "engine_instance",
+    default=None,
+    metavar="INSTANCE",
+    help="--detector: this engine's instance label [its only one].",
 )
 @click.option("--database", default=None, help="History database URL [sqlite in STATE_DIR].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Serve /metrics and POST /run here.")
@@ -181,6 +195,8 @@ def plan_daily_command(
     policy_in_force: str,
     margin: float,
     capacity: float | None,
+    detector: str | None,
+    engine_instance: str | None,
     database: str | None,
     host: str,
     port: int,
@@ -205,6 +221,8 @@ def plan_daily_command(
     from reproduce.workloads.client import ClientConfigError
     from reproduce.workloads.clients import parse_client
 
+    if capacity is None and detector is None:
+        raise click.UsageError(NO_CAPACITY)
     try:
         hour, minute = parse_at(at_text)
     except DailyError as exc:
@@ -235,7 +253,7 @@ def plan_daily_command(
     try:
         job = DailyJob(
             recording, state, setup, policies, policy_in_force, margin, capacity, window_hours * 3600,
-            precision, lo, hi, database,
+            precision, lo, hi, database, detector, engine_instance,
         )  # fmt: skip
         history = History(job.url)
     except DailyError as exc:

@@ -35,6 +35,7 @@ from .test_runner import SMALL
 OPTIONS = [f"--backend-option={k}={json.dumps(v)}" for k, v in SMALL.items()]
 # the small engine, ten times faster than the study; a coarse search keeps a run to seconds
 BASE = ["plan-daily", "--time-scale", "10", "--headroom-range", "0.25:4", "--precision", "0.5", *OPTIONS]
+CAPACITY = ["--capacity", str(SMALL["capacity"])]
 T0 = 1_765_000_000.0  # the recording's first Unix second
 
 
@@ -86,6 +87,13 @@ def invoke(*args: str) -> Any:
     return CliRunner().invoke(reproduce, [*BASE, *args], catch_exceptions=False)
 
 
+def once(tmp_path: Path, *args: str) -> Any:
+    """``--once`` on ``tmp_path``'s rec/ into state/, Ĉ stated."""
+    return invoke(
+        "--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once", *CAPACITY, *args
+    )
+
+
 def series(history: History) -> dict[str, float | None]:
     registry = CollectorRegistry()
     registry.register(HeadroomCollector(history))
@@ -120,13 +128,13 @@ def test_once_runs_the_window_under_each_policy_and_keeps_the_history(tmp_path: 
     arrivals = write_recording(tmp_path / "rec")
     state = tmp_path / "state"
     args = ["--recording", str(tmp_path / "rec"), "--out", str(state), "--once", "--policies", "none,default"]
-    result = invoke(*args)
+    result = invoke(*args, "--capacity", str(SMALL["capacity"]))
     assert result.exit_code == 0, result.output
     history = History(f"sqlite:///{state / daily.HISTORY_FILE}")
     (day,) = history.days()
     rel = [a - arrivals[0] for a in arrivals]
     assert day.window.calls == len(arrivals) and day.policy_in_force == "default" and day.margin == MARGIN
-    assert day.capacity == SMALL["capacity"]  # no --capacity: the simulator's Ĉ of the replay
+    assert day.capacity == SMALL["capacity"] and day.capacity_source == "given"
     assert day.observed_peak_load == pytest.approx(peak_rate(rel) / SMALL["capacity"], rel=1e-9)
     # each headroom is the search's safe mean load, as a peak of this traffic's shape
     found = json.loads((next((state / "runs").iterdir()) / "whatif.json").read_text())["headroom"]
@@ -153,6 +161,34 @@ def test_once_runs_the_window_under_each_policy_and_keeps_the_history(tmp_path: 
     history.close()
 
 
+def test_the_answer_names_the_policy_that_leaves_the_most_and_by_how_much(tmp_path: Path) -> None:
+    """Clients that give an attempt up at 40 s (under the 120-s deadline) retry within it: with no
+    control each retry is one more execution and the burst's queue feeds itself, while the default
+    recipe attaches it to the live one; the budget sheds the retries (calls failed). The simulator
+    finds less headroom for no control and the budget than for the default recipe."""
+    write_recording(tmp_path / "rec")
+    result = once(tmp_path, "--policies", "none,default,budget", "--policy-in-force", "none",
+                  "--client", "deadline=40", "--precision", "0.1")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    history = History(f"sqlite:///{tmp_path / 'state' / daily.HISTORY_FILE}")
+    (day,) = history.days()
+    head = day.headroom
+    assert head["default"] > head["none"] and head["default"] > head["budget"], head
+    assert day.best() == "default" and day.gain() == pytest.approx(head["default"] / head["none"])
+    more = head["default"] - head["none"]
+    assert (
+        f"default leaves the most: {day.ratio('default'):.3g}x (+{more:.3g}x Ĉ, {day.gain():.3g}x none's)"
+        in result.output
+    )
+    registry = CollectorRegistry()
+    registry.register(HeadroomCollector(history))
+    assert (
+        registry.get_sample_value("retrywatch_headroom_best_load", {"policy": "default"}) == head["default"]
+    )
+    assert registry.get_sample_value("retrywatch_headroom_best_load", {"policy": "none"}) is None
+    history.close()
+
+
 def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> None:
     from starlette.testclient import TestClient
 
@@ -169,8 +205,9 @@ def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> N
     profile = ClientProfile(name=spec.name, base=spec.config)
     setup = WhatIf(engine, "sim", SMALL, MODELS[0], profile, PulseWorkload(), time_scale=10.0, progress=False)
     job = daily.DailyJob(
-        tmp_path / "rec", tmp_path / "state", setup, ["none", "default"], precision=0.5, lo=0.25, hi=4.0
-    )
+        tmp_path / "rec", tmp_path / "state", setup, ["none", "default"], capacity=SMALL["capacity"],
+        precision=0.5, lo=0.25, hi=4.0,
+    )  # fmt: skip
     (tmp_path / "state").mkdir()
     history = History(job.url)
     with TestClient(make_app(history, Runner(job))) as client:
@@ -200,17 +237,21 @@ def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> N
 )
 def test_bad_input_is_one_usage_line(tmp_path: Path, args: list[str], hint: str) -> None:
     write_recording(tmp_path / "rec", seconds=20.0, burst=(0.0, 0.0))
-    result = invoke("--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once", *args)
+    result = once(tmp_path, *args)
     assert result.exit_code == 2 and hint in result.output and "Traceback" not in result.output
 
 
 def test_a_recording_too_short_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     (tmp_path / "rec").mkdir()
-    result = invoke("--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once")
+    result = invoke(
+        "--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once", *CAPACITY
+    )
     assert result.exit_code == 1 and "without trace files" in result.output
     one = (T0, T0 + 4, 1200, 20, True, 64, "call1", "client", 0, "created", None, "delivered", False)
     (tmp_path / "rec" / "attempts-20251206T054640.000000Z-000001.jsonl").write_text(format_record(one))
-    result = invoke("--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once")
+    result = invoke(
+        "--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once", *CAPACITY
+    )
     assert result.exit_code == 1 and "needs at least two" in result.output
     assert "Traceback" not in result.output
 
@@ -250,7 +291,7 @@ def test_the_command_serves_the_schedule_and_a_run_on_demand_then_stops_on_sigte
     port = _free_port()
     command = [sys.executable, "-m", "retrywatch", "reproduce", *BASE, "--recording",
                str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--policies", "none,default",
-               "--port", str(port)]  # fmt: skip
+               "--port", str(port), *CAPACITY]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
 
