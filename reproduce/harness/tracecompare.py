@@ -1,5 +1,5 @@
 """A request trace replayed on a real vLLM on CPU and on the simulator's model of that engine,
-side by side: what ``tests/reproduce/test_vllm_pulse.py`` does for the study's pulse, for a trace.
+side by side: what ``tests/reproduce/harness/test_vllm_pulse.py`` does for the study's pulse, for a trace.
 
 ``python -m reproduce.harness.tracecompare --trace FILE --load X --out DIR`` starts vLLM
 (``--python``, ``--model``, niced as every CPU engine here), and then:

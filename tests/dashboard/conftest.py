@@ -336,7 +336,7 @@ def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     test recording (seconds each): the default policy in force, then none with a larger margin
     (as an operator would after switching)."""
     from reproduce.planner.daily import RUNS_DIR
-    from tests.reproduce.test_daily import invoke, write_recording
+    from tests.reproduce.planner.test_daily import invoke, write_recording
     from tests.reproduce.test_runner import SMALL
 
     root = tmp_path_factory.mktemp("plan")

@@ -29,8 +29,8 @@ from rules.backfill import (
     write_blocks,
 )
 from rules.generate import GROUP_NAMES, RULES_PATH
-from tests.reproduce.test_sim import DIAG
-from tests.reproduce.test_sim import run as simulated_run
+from tests.reproduce.sim.test_sim import DIAG
+from tests.reproduce.sim.test_sim import run as simulated_run
 from tests.rules.test_equivalence import fluid_run
 from tests.systemtools import require
 

@@ -154,7 +154,7 @@ def test_every_metric_the_documents_name_is_exposed(expositions: dict[str, str])
         )
     }
     # The daily what-if's series, served by `retrywatch reproduce plan-daily` once it has run
-    # (tests/reproduce/test_daily.py scrapes them from the real command).
+    # (tests/reproduce/planner/test_daily.py scrapes them from the real command).
     exposed |= {daily.HEADROOM_SERIES, daily.BEST_SERIES, daily.PEAK_SERIES, daily.MARGIN_SERIES,
                 daily.LAST_RUN_SERIES}  # fmt: skip
     for doc in DOCS:

@@ -8,7 +8,7 @@ import dataclasses
 from detector.thresholds import ALERTS, CALLS_NOT_DELIVERED_IN_TIME, RETRY_LOOP, TIERS, AlertRule
 from reproduce.judge.groundtruth import Collapse
 from reproduce.judge.validate import Firing, RunResult, build_report, render_markdown, tier_pages
-from tests.reproduce.test_validate import _info
+from tests.reproduce.judge.test_validate import _info
 
 FULL = RETRY_LOOP.name
 # A page of the other tier, as the vLLM-only tier declares its own: same kind, same severity.

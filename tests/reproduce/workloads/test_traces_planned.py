@@ -23,7 +23,7 @@ from reproduce.workloads.traces import (
     trace_segments,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[3] / "reproduce" / "workloads" / "traces" / "data"
 MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"
 EXAMPLE = DATA / "retrywatch_example.csv"
 ENGINE_BLOCK = 16

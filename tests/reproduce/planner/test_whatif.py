@@ -38,8 +38,7 @@ from reproduce.planner.whatif import (
 )
 from reproduce.runner import usable_cores
 from reproduce.workloads.plan import RecoveryRule
-
-from .test_runner import SMALL
+from tests.reproduce.test_runner import SMALL
 
 # The small engine of the runner's tests, ten times faster than the study: a what-if of four
 # policies runs in a few seconds. Seed 21 tunes nothing.

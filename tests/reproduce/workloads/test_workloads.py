@@ -26,12 +26,11 @@ from reproduce.workloads.registry import WORKLOADS
 from reproduce.workloads.steps import STEP_S, SteppedWorkload, StepsError, parse_steps
 from reproduce.workloads.trace import TraceWorkload
 from retrywatch.cli import main
-
-from .test_runner import SMALL
+from tests.reproduce.test_runner import SMALL
 
 MODEL = "qwen2.5-7b-h100"
 EXAMPLE = (
-    Path(__file__).resolve().parents[2]
+    Path(__file__).resolve().parents[3]
     / "reproduce"
     / "workloads"
     / "traces"

@@ -16,7 +16,7 @@ import pytest
 from reproduce.workloads.traces import FORMATS, TraceError, TraceRecord, read_trace
 from reproduce.workloads.traces.reader import MAX_LINE_CHARS
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[3] / "reproduce" / "workloads" / "traces" / "data"
 AZURE_CODE = DATA / "azure_code_2023_30min.csv.gz"
 AZURE_CONV = DATA / "azure_conv_2023_5min.csv"
 MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"

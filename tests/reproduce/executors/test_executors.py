@@ -30,8 +30,7 @@ from reproduce.executors.local import LocalExecutor
 from reproduce.executors.ray import RAY_MISSING
 from reproduce.registry import Backend, RunJob
 from reproduce.runner import run_many
-
-from .test_runner import SMALL
+from tests.reproduce.test_runner import SMALL
 
 OPTIONS = [f"--backend-option={k}={json.dumps(v)}" for k, v in SMALL.items()]
 # Three policies, two seeds: six short simulated runs (a second or two each on the small engine).

@@ -28,9 +28,8 @@ from reproduce.planner.daily import (
     History,
     observe,
 )
+from tests.reproduce.test_runner import SMALL
 from tests.systemtools import require
-
-from .test_runner import SMALL
 
 OPTIONS = [f"--backend-option={k}={json.dumps(v)}" for k, v in SMALL.items()]
 # the small engine, ten times faster than the study; a coarse search keeps a run to seconds

@@ -1,7 +1,7 @@
 """validation.json and validation.md, byte for byte, for a fixed set of runs: pulse runs that
 recover or not, with and without their ground truth, a replayed trace, every alert's firings. The
 golden files were written by the validation before it was split by job; a change to what
-validation says must change them on purpose (``python -m tests.reproduce.test_validate_golden``
+validation says must change them on purpose (``python -m tests.reproduce.judge.test_validate_golden``
 rewrites them)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from foundation.groundtruth import Collapse, Window
 from reproduce.judge import validate
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parent.parent / "golden"
 
 
 def results(ns: Any) -> list[Any]:

@@ -29,7 +29,7 @@ from reproduce.workloads.tracecapacity import CACHE_ENV, trace_capacity
 from reproduce.workloads.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
 from retrywatch.cli import main
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[3] / "reproduce" / "workloads" / "traces" / "data"
 AZURE = DATA / "azure_code_2023_30min.csv.gz"
 MOONCAKE = DATA / "mooncake_conversation_4min.jsonl"
 EXAMPLE = DATA / "retrywatch_example.csv"

@@ -22,7 +22,7 @@ from reproduce.workloads.traces import (
     window,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "reproduce" / "workloads" / "traces" / "data"
+DATA = Path(__file__).resolve().parents[3] / "reproduce" / "workloads" / "traces" / "data"
 AZURE_CODE = DATA / "azure_code_2023_30min.csv.gz"
 
 

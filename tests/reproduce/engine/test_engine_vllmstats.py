@@ -10,7 +10,7 @@ from foundation.timeseries import Snapshot
 from foundation.vllmbuckets import SERIES_HISTOGRAMS, bucket_bounds, le_label, request_tokens_buckets
 from reproduce.engine import EngineModel, EventKind
 from reproduce.engine.vllmstats import Histogram
-from tests.reproduce.test_engine_model import Driver, create_engine, request
+from tests.reproduce.engine.test_engine_model import Driver, create_engine, request
 
 #: The families observed when an execution finishes in the engine (and only then).
 AT_FINISH = (

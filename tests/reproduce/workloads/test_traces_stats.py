@@ -15,7 +15,7 @@ import pytest
 from reproduce.workloads.traces import TraceError, TraceRecord, trace_stats
 from reproduce.workloads.traces.facts import format_stats, percentile
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DATA = REPO / "reproduce" / "workloads" / "traces" / "data"
 
 

@@ -31,7 +31,7 @@ from reproduce.workloads.tracecapacity import mix_stage_calls
 #: About what the ``small`` configuration measures on a 2-core machine.
 PROBE = StepProbe(256, 0.05, 2_048, 0.30, 0.012, 32, 0.040)
 MOONCAKE = (
-    Path(__file__).resolve().parents[2]
+    Path(__file__).resolve().parents[3]
     / "reproduce"
     / "workloads"
     / "traces"
