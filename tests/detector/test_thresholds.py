@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from detector.signals import RECORD_NAMES, SIGNALS_BY_NAME, recording_rules, tier_signals
+from detector.signals import RECORD_NAMES, RULES_ONLY_RECORDS, SIGNALS_BY_NAME, recording_rules, tier_signals
 from detector.thresholds import (
     ALERTS,
     ALERTS_BY_NAME,
@@ -59,8 +59,9 @@ def test_a_tier_evaluates_its_own_alerts_with_the_signals_of_its_tier(tier: Tier
 
 def test_the_vllm_tiers_rules_read_vllms_series_and_the_stated_numbers_alone() -> None:
     """A Prometheus that scrapes only vLLM evaluates the vLLM tier's group: its rules read vLLM's
-    series, its own records, and the two numbers the operator states, nothing of the proxy's."""
-    own = {name for name, _ in recording_rules("vllm")}
+    series, its own records (those only the rules compute, ``RULES_ONLY_RECORDS``, included), and
+    the two numbers the operator states, nothing of the proxy's."""
+    own = {name for name, _ in recording_rules("vllm")} | set(RULES_ONLY_RECORDS)
     proxy_records = {name for name, _ in recording_rules("proxy")}
     stated = (mn.CAPACITY, mn.CLIENT_DEADLINE)
     for name, expr in recording_rules("vllm"):
