@@ -26,7 +26,7 @@ ARGS = ["--days", "2", "--window", "120:240", "--first-load", "1.2", "--policies
         "--precision", "0.05", "--held", "--held-days", "1"]  # fmt: skip
 
 
-def test_the_warning_leads_the_first_missed_day_and_stays_quiet_below(tmp_path: Path) -> None:
+def test_each_day_is_recorded_whole_and_warned_of_where_the_rule_says(tmp_path: Path) -> None:
     command = [sys.executable, str(BENCH / "bench_daily_proxy.py"), *ARGS, "--out", str(tmp_path)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
