@@ -497,11 +497,12 @@ def _slo_specs() -> list[SignalSpec]:
 # evaluates it).
 
 
-def _vr(name: str) -> str:
+def vllm_record(name: str) -> str:
+    """The name of the vLLM tier's record ``name`` (``instance:retrywatch_vllmtier_<name>``)."""
     return f"instance:retrywatch_vllmtier_{name}"
 
 
-def _vj(expr: str) -> str:
+def vllm_join(expr: str) -> str:
     """:func:`_j` for the vLLM tier: engine/model labels from its own engine-info record."""
     return f"({expr}) * on (instance) group_left (engine, model) {VLLM_ENGINE_INFO_RECORD}"
 
@@ -523,11 +524,11 @@ VLLM_DEADLINE_LE = le_label(_DEFAULT_BUCKET)
 #: Ĉ predicted below saturation from vLLM's own counters: the fit of ``detector.capacity`` in
 #: PromQL, recorded by the helper records of ``rules.learned`` (rules only: the detector fits in
 #: Python).
-CAPACITY_PREDICTED_RECORD = _vr("capacity_predicted:calls_per_second")
+CAPACITY_PREDICTED_RECORD = vllm_record("capacity_predicted:calls_per_second")
 #: vLLM's e2e bucket at or below the deadline in force, labelled ``le``, valued the seconds from
 #: that bound up to the deadline (``rules.learned`` records it; the detector picks the bucket
 #: with :func:`deadline_bucket`). Absent without a deadline, or one below vLLM's first bound.
-DEADLINE_BUCKET_RECORD = _vr("client_deadline_beyond_bucket:seconds")
+DEADLINE_BUCKET_RECORD = vllm_record("client_deadline_beyond_bucket:seconds")
 #: The raw series each of the two records above reads (what ``detector.needs`` follows them to,
 #: their PromQL being the rules'): the prediction's, as the detector's; the deadline's series.
 RULES_ONLY_RECORDS: dict[str, tuple[str, ...]] = {
@@ -551,7 +552,7 @@ _STATED_CAPACITY = f"max by (instance) ({mn.CAPACITY} > 0)"
 VLLM_CAPACITY_SOURCES: tuple[tuple[str, str], ...] = (
     ("stated", _STATED_CAPACITY),
     # an estimate of 0 (a hung engine: its queue full, nothing finishing) is no estimate
-    ("saturated", f"({_vr('capacity_estimate:avg1h')} > 0)"),
+    ("saturated", f"({vllm_record('capacity_estimate:avg1h')} > 0)"),
     ("predicted", f"({CAPACITY_PREDICTED_RECORD} > 0)"),
 )
 assert tuple(name for name, _ in VLLM_CAPACITY_SOURCES) == predictor.CAPACITY_SOURCES
@@ -561,16 +562,16 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "vllm_finish_rate",
         "1/s",
         "Requests vLLM finished per second, whatever their finished_reason (abandoned ones are in none).",
-        _vr("requests_finished:rate1m"),
-        _vj(_sum_rate(mn.VLLM_REQUEST_SUCCESS, _W)),
+        vllm_record("requests_finished:rate1m"),
+        vllm_join(_sum_rate(mn.VLLM_REQUEST_SUCCESS, _W)),
         "vllm",
     ),
     SignalSpec(
         "vllm_e2e_finish_rate",
         "1/s",
         "Requests observed by vLLM's e2e latency histogram per second (they finished).",
-        _vr("e2e_finished:rate1m"),
-        _vj(_sum_rate(_E2E_COUNT, _W)),
+        vllm_record("e2e_finished:rate1m"),
+        vllm_join(_sum_rate(_E2E_COUNT, _W)),
         "vllm",
     ),
     SignalSpec(
@@ -578,56 +579,56 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "1/s",
         "Requests vLLM finished within the deadline per second (the e2e histogram's bucket at or "
         f"below the deadline: {DEADLINE_BUCKET_RECORD}'s le); absent without a deadline.",
-        _vr("e2e_finished_in_time:rate1m"),
-        _vj(_sum_rate_in_time(_W)),
+        vllm_record("e2e_finished_in_time:rate1m"),
+        vllm_join(_sum_rate_in_time(_W)),
         "vllm",
     ),
     SignalSpec(
         "vllm_admitted_tokens_rate",
         "tokens/s",
         "Prompt tokens vLLM admitted per second (prefix-cache queries, counted at scheduling).",
-        _vr("prompt_tokens_admitted:rate1m"),
-        _vj(_sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, _W)),
+        vllm_record("prompt_tokens_admitted:rate1m"),
+        vllm_join(_sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, _W)),
         "vllm",
     ),
     SignalSpec(
         "vllm_finished_prompt_tokens_rate",
         "tokens/s",
         "Prompt tokens of the requests vLLM finished per second.",
-        _vr("prompt_tokens_finished:rate1m"),
-        _vj(_sum_rate(_PROMPT_SUM, _W)),
+        vllm_record("prompt_tokens_finished:rate1m"),
+        vllm_join(_sum_rate(_PROMPT_SUM, _W)),
         "vllm",
     ),
     SignalSpec(
         "vllm_queue_time_rate",
         "s/s",
         "Seconds finished requests spent queued, per second (the queue-time histogram's sum).",
-        _vr("queue_time_seconds:rate1m"),
-        _vj(_sum_rate(f"{mn.VLLM_QUEUE_TIME}_sum", _W)),
+        vllm_record("queue_time_seconds:rate1m"),
+        vllm_join(_sum_rate(f"{mn.VLLM_QUEUE_TIME}_sum", _W)),
         "vllm",
     ),
     SignalSpec(
         "vllm_queue_time_finish_rate",
         "1/s",
         "Requests observed by the queue-time histogram per second.",
-        _vr("queue_time_finished:rate1m"),
-        _vj(_sum_rate(f"{mn.VLLM_QUEUE_TIME}_count", _W)),
+        vllm_record("queue_time_finished:rate1m"),
+        vllm_join(_sum_rate(f"{mn.VLLM_QUEUE_TIME}_count", _W)),
         "vllm",
     ),
     SignalSpec(
         "vllm_waiting_requests",
         "requests",
         "vLLM's requests waiting for capacity (its waiting queue less those it defers, 0.20 on).",
-        _vr("requests_waiting:sum"),
-        _vj(_WAITING_FOR_CAPACITY),
+        vllm_record("requests_waiting:sum"),
+        vllm_join(_WAITING_FOR_CAPACITY),
         "vllm",
     ),
     SignalSpec(
         "vllm_running_requests",
         "requests",
         "vLLM's running batch.",
-        _vr("requests_running:sum"),
-        _vj(f"sum by (instance) ({mn.VLLM_NUM_RUNNING})"),
+        vllm_record("requests_running:sum"),
+        vllm_join(f"sum by (instance) ({mn.VLLM_NUM_RUNNING})"),
         "vllm",
     ),
     SignalSpec(
@@ -635,8 +636,8 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "1/s",
         "Requests vLLM's queue cap (--max-num-queued-reqs) refused per second, every reason (HTTP "
         f"503; {mn.VLLM_ADMISSION_REJECTIONS}, vLLM 0.32 on: absent where vLLM does not count them).",
-        _vr("requests_refused:rate1m"),
-        _vj(_sum_rate(mn.VLLM_ADMISSION_REJECTIONS, _W)),
+        vllm_record("requests_refused:rate1m"),
+        vllm_join(_sum_rate(mn.VLLM_ADMISSION_REJECTIONS, _W)),
         "vllm",
     ),
     SignalSpec(
@@ -644,8 +645,10 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         "bool",
         f"1 where vLLM's queue cap refused a request within the last {_REFUSAL_LOOKBACK} (its queue "
         "met the cap), else 0; absent where vLLM does not count refusals.",
-        _vr(f"requests_refused:any{_REFUSAL_LOOKBACK}"),
-        _vj(f"sum by (instance) (increase({mn.VLLM_ADMISSION_REJECTIONS}[{_REFUSAL_LOOKBACK}])) > bool 0"),
+        vllm_record(f"requests_refused:any{_REFUSAL_LOOKBACK}"),
+        vllm_join(
+            f"sum by (instance) (increase({mn.VLLM_ADMISSION_REJECTIONS}[{_REFUSAL_LOOKBACK}])) > bool 0"
+        ),
         "vllm",
     ),
     SignalSpec(
@@ -655,8 +658,8 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         f"{mn.CAPACITY}), else estimated online from vLLM's finish rate while its queue never "
         "emptied (an hour's average), else predicted below saturation from vLLM's own counters "
         f"({CAPACITY_PREDICTED_RECORD}).",
-        _vr("capacity:calls_per_second"),
-        _vj(" or on (instance) ".join(expr for _, expr in VLLM_CAPACITY_SOURCES)),
+        vllm_record("capacity:calls_per_second"),
+        vllm_join(" or on (instance) ".join(expr for _, expr in VLLM_CAPACITY_SOURCES)),
         "vllm",
     ),
     SignalSpec(
@@ -665,8 +668,8 @@ _VLLM_BASE_SIGNALS: tuple[SignalSpec, ...] = (
         f"The clients' deadline: stated (--deadline, or a series {mn.CLIENT_DEADLINE}: the stated "
         "rules', or a proxy's, stated or learned), else absent: the alerts that read it cannot "
         "evaluate, and the tier's NoData fires.",
-        _vr("client_deadline:seconds"),
-        _vj(f"max by (instance) ({mn.CLIENT_DEADLINE} > 0)"),
+        vllm_record("client_deadline:seconds"),
+        vllm_join(f"max by (instance) ({mn.CLIENT_DEADLINE} > 0)"),
         "vllm",
     ),
 )
@@ -728,7 +731,7 @@ def _vllm_ratio_specs() -> list[SignalSpec]:
     records = {spec.name: spec.record for spec in _VLLM_BASE_SIGNALS}
     specs = []
     for ratio in VLLM_RATIOS:
-        record = _vr(ratio.name.removeprefix("vllm_").removesuffix("_ratio") + ":ratio1m")
+        record = vllm_record(ratio.name.removeprefix("vllm_").removesuffix("_ratio") + ":ratio1m")
         specs.append(SignalSpec(ratio.name, ratio.unit, ratio.help, record, ratio.promql(records), "vllm"))
         records[ratio.name] = record
     return specs
@@ -747,7 +750,7 @@ def _vllm_error_promql(window: str) -> str:
     started = _sum_rate(mn.VLLM_PROMPT_TOKENS, window)
     answered = f"({in_time} / ({judged} > 0) or ({admitted} > 0) * 0 unless on (instance) {judged} > 0)"
     kept = f"(clamp_max({started} / ({admitted} > 0), 1) or ({judged} > 0) * 0 + 1)"
-    return _vj(f"1 - {answered} * {kept}")
+    return vllm_join(f"1 - {answered} * {kept}")
 
 
 def vllm_delivery_error(
@@ -792,7 +795,7 @@ def vllm_delivery_error(
 def _vllm_slo_specs() -> list[SignalSpec]:
     specs = []
     for span, window in (("short", _SLO_SHORT), ("long", _SLO_LONG)):
-        ratio_record = _vr(f"requests_not_in_time:ratio_rate{window}")
+        ratio_record = vllm_record(f"requests_not_in_time:ratio_rate{window}")
         specs.append(
             SignalSpec(
                 f"vllm_delivery_error_ratio_{span}",
@@ -810,7 +813,7 @@ def _vllm_slo_specs() -> list[SignalSpec]:
                 "ratio",
                 f"The vLLM tier's error ratio over {window} in error budgets (1 − the "
                 f"{DELIVERY_OBJECTIVE:.0%} objective).",
-                _vr(f"requests_not_in_time:burn_rate{window}"),
+                vllm_record(f"requests_not_in_time:burn_rate{window}"),
                 f"{ratio_record} / (1 - {DELIVERY_OBJECTIVE!r})",
                 "vllm",
             )
@@ -826,23 +829,23 @@ _VLLM_SIGNALS: tuple[SignalSpec, ...] = (
         "vllm_queue_growth_rate",
         "requests/s",
         "Least-squares slope of vLLM's waiting queue.",
-        _vr("requests_waiting:deriv1m"),
-        f"deriv({_vr('requests_waiting:sum')}[{_W}])",
+        vllm_record("requests_waiting:deriv1m"),
+        f"deriv({vllm_record('requests_waiting:sum')}[{_W}])",
         "vllm",
     ),
     SignalSpec(
         "vllm_data_missing",
         "bool",
         "1 when vLLM's target is down or one of its needed series (or Ĉ, or the deadline) is missing.",
-        _vr("data_missing:bool"),
+        vllm_record("data_missing:bool"),
         _data_missing_promql(
             "vllm",
             (
                 mn.VLLM_NUM_WAITING,
                 mn.VLLM_REQUEST_SUCCESS,
                 _E2E_COUNT,
-                _vr("capacity:calls_per_second"),
-                _vr("client_deadline:seconds"),
+                vllm_record("capacity:calls_per_second"),
+                vllm_record("client_deadline:seconds"),
             ),
         ),
         "vllm",
@@ -908,12 +911,15 @@ HELPER_RECORDS: dict[Tier, tuple[tuple[str, str], ...]] = {
     "vllm": (
         (VLLM_ENGINE_INFO_RECORD, _engine_info_promql()),
         (
-            _vr("saturated_finish:rate5m"),
+            vllm_record("saturated_finish:rate5m"),
             # Ĉ estimate: vLLM's finish rate over 5 minutes in which its queue never emptied.
             f"{_sum_rate(mn.VLLM_REQUEST_SUCCESS, _GW)}"
             f" and on (instance) (min by (instance) (min_over_time({mn.VLLM_NUM_WAITING}[{_GW}])) > 0)",
         ),
-        (_vr("capacity_estimate:avg1h"), f"avg_over_time({_vr('saturated_finish:rate5m')}[1h])"),
+        (
+            vllm_record("capacity_estimate:avg1h"),
+            f"avg_over_time({vllm_record('saturated_finish:rate5m')}[1h])",
+        ),
     ),
     "proxy": (
         (ENGINE_INFO_RECORD, _engine_info_promql()),

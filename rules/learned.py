@@ -60,7 +60,8 @@ from detector.signals import (
     PROMETHEUS_JOBS,
     RECORD_NAMES,
     VLLM_CAPACITY_SOURCES,
-    VLLM_ENGINE_INFO_RECORD,
+    vllm_join,
+    vllm_record,
 )
 from detector.thresholds import ENGINE_MODEL_TEMPLATE
 from foundation import metricnames as mn
@@ -82,10 +83,6 @@ __all__ = [
 ]
 
 
-def _vr(name: str) -> str:
-    return f"instance:retrywatch_vllmtier_{name}"
-
-
 def _dur(seconds: float) -> str:
     whole = int(seconds)
     return f"{whole // 60}m" if whole % 60 == 0 else f"{whole}s"
@@ -103,32 +100,32 @@ _VLLM_UP = f'up{{job="{PROMETHEUS_JOBS["vllm"]}"}}'
 
 CAPACITY_RECORD = RECORD_NAMES["vllm_capacity"]
 CAPACITY_PREDICTED = CAPACITY_PREDICTED_RECORD
-CAPACITY_SOURCE = _vr("capacity_source:info")
+CAPACITY_SOURCE = vllm_record("capacity_source:info")
 DEADLINE_RECORD = RECORD_NAMES["vllm_deadline"]
 DEADLINE_BUCKET = DEADLINE_BUCKET_RECORD
 
 # per-evaluation records of the fit
-_RUNNING = _vr("capacity_fit_running:sum")
-_KV = _vr("capacity_fit_kv_usage:sum")
-_BUSY_NOW = _vr("capacity_fit_running:bool")
-_BUSY_SHARE = _vr(f"capacity_fit_busy:share{_PART}")
+_RUNNING = vllm_record("capacity_fit_running:sum")
+_KV = vllm_record("capacity_fit_kv_usage:sum")
+_BUSY_NOW = vllm_record("capacity_fit_running:bool")
+_BUSY_SHARE = vllm_record(f"capacity_fit_busy:share{_PART}")
 _X = (
-    _vr(f"capacity_fit_steps:rate{_PART}"),
-    _vr(f"capacity_fit_prompt:rate{_PART}"),
-    _vr(f"capacity_fit_decoded:rate{_PART}"),
+    vllm_record(f"capacity_fit_steps:rate{_PART}"),
+    vllm_record(f"capacity_fit_prompt:rate{_PART}"),
+    vllm_record(f"capacity_fit_decoded:rate{_PART}"),
 )
-_Y = _vr(f"capacity_fit_busy:rate{_PART}")
+_Y = vllm_record(f"capacity_fit_busy:rate{_PART}")
 _TERMS = ("step", "prompt", "decode")
-_COEF = _vr("capacity_fit_candidate:seconds")
-_RESID = _vr("capacity_fit_candidate_residual:sum")
-_COST = _vr(f"capacity_fit_step_cost:seconds{_WINDOW}")
+_COEF = vllm_record("capacity_fit_candidate:seconds")
+_RESID = vllm_record("capacity_fit_candidate_residual:sum")
+_COST = vllm_record(f"capacity_fit_step_cost:seconds{_WINDOW}")
 
 
 def _s(i: int, j: int) -> str:
     """The record of the sum over the window of column i times column j (3: the busy share)."""
     i, j = min(i, j), max(i, j)
     names = ("steps", "prompt", "decoded", "busy")
-    return _vr(f"capacity_fit_{names[i]}_{names[j]}:sum{_WINDOW}")
+    return vllm_record(f"capacity_fit_{names[i]}_{names[j]}:sum{_WINDOW}")
 
 
 def _sum(metric: str) -> str:
@@ -229,10 +226,6 @@ def _bucket() -> str:
     return "\n or ".join(parts)
 
 
-def _join(expr: str) -> str:
-    return f"({expr}) * on (instance) group_left (engine, model) {VLLM_ENGINE_INFO_RECORD}"
-
-
 def helper_records() -> list[tuple[str, str]]:
     """The records the vLLM tier's Ĉ and deadline read, in evaluation order (before its signals)."""
     itl = mn.VLLM_INTER_TOKEN_LATENCY
@@ -316,7 +309,7 @@ EXTRA_ALERTS: tuple[ExtraAlert, ...] = (
         "and no proxy scraped as this instance exports one, or it is below vLLM's first e2e bucket "
         f"({REQUEST_LATENCY_BUCKETS[0]:g} s). VLLMRetryLoopSuspected, VLLMRetryLoopAtQueueCap, "
         "VLLMQueueBeyondDeadline and VLLMRequestsNotAnsweredInTime cannot fire here.",
-        _join(
+        vllm_join(
             f"max by (instance) ({_VLLM_UP}) > 0 unless on (instance) count by (instance) ({DEADLINE_BUCKET})"
         ),
         60.0,
@@ -331,7 +324,7 @@ EXTRA_ALERTS: tuple[ExtraAlert, ...] = (
         "{{ $labels.le }} s count as in time, later ones as late, so the late share and the error "
         "ratio err high (alerts a little early, never late). State a deadline on a bucket bound to "
         "avoid it.",
-        _join(f"{DEADLINE_BUCKET} > 1e-6"),
+        vllm_join(f"{DEADLINE_BUCKET} > 1e-6"),
         0.0,
     ),
 )
@@ -339,4 +332,4 @@ EXTRA_ALERTS: tuple[ExtraAlert, ...] = (
 
 def source_record() -> tuple[str, str]:
     """The record saying where the Ĉ in force comes from (after the Ĉ record)."""
-    return CAPACITY_SOURCE, _join(_CAPACITY_SOURCE)
+    return CAPACITY_SOURCE, vllm_join(_CAPACITY_SOURCE)
