@@ -58,6 +58,7 @@ from sqlalchemy import (
 )
 
 from detector.runbook import DEFAULT_PATTERN, runbook_url
+from detector.sources.scrape import MAX_BODY_BYTES
 from detector.store import make_engine
 from reproduce.planner.whatif import (
     PRECISION,
@@ -120,6 +121,8 @@ SOURCE_ORDER = ("stated", "saturated", "predicted")
 TIER_ORDER = ("proxy", "vllm")
 #: How long the detector has to answer.
 DETECTOR_TIMEOUT_S = 10.0
+#: The most of the detector's /metrics read: the bound the detector's own scrapes keep.
+DETECTOR_MAX_BYTES = MAX_BODY_BYTES
 #: How long the warning's condition must hold (the series change once a day).
 ALERT_FOR_S = 300.0
 RULES_DIR = Path(__file__).resolve().parents[2] / "rules" / "headroom"
@@ -141,10 +144,16 @@ def detector_capacity(url: str, instance: str | None = None) -> tuple[float, str
     where it came from; ``instance``: which engine, needed when the detector follows several."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=DETECTOR_TIMEOUT_S) as reply:
-            text = reply.read().decode("utf-8")
+            raw = reply.read(DETECTOR_MAX_BYTES + 1)
     except (OSError, ValueError) as exc:  # refused, timed out, an HTTP error, not a URL
         why = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         raise DailyError(f"the detector at {url} does not answer: {why}") from None
+    if len(raw) > DETECTOR_MAX_BYTES:
+        raise DailyError(f"{url}/metrics is over the {DETECTOR_MAX_BYTES}-byte bound; it is not read")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DailyError(f"{url}/metrics is not UTF-8 text ({exc})") from None
     try:
         found = [
             (s.labels, s.value)

@@ -80,6 +80,15 @@ def test_the_detector_is_asked_for_this_engine(detector_url: tuple[str, float]) 
         detector_capacity(url, "vllm-b")
 
 
+def test_a_detector_exposition_over_the_bound_is_one_line(
+    detector_url: tuple[str, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = detector_url
+    monkeypatch.setattr(daily, "DETECTOR_MAX_BYTES", 64)
+    with pytest.raises(DailyError, match="over the 64-byte bound"):
+        detector_capacity(url, "vllm-a")
+
+
 def test_without_capacity_or_detector_is_a_usage_error(tmp_path: Path) -> None:
     write_recording(tmp_path / "rec", seconds=20.0, burst=(0.0, 0.0))
     result = invoke("--recording", str(tmp_path / "rec"), "--out", str(tmp_path / "state"), "--once")
