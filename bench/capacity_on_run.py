@@ -9,7 +9,12 @@ of the real-vLLM pulse test kept with ``--basetemp``) and prints
   and the prefill seconds per uncached prompt token (``vllm:request_prefill_time_seconds``);
 - ``detector.capacity``'s prediction over ``--from``–``--to`` (the whole stretch, and each
   ``--window`` ending in it) for each sub-window length of ``--parts``: value over ``--true``,
-  the range, and the fitted step cost.
+  the range, and the fitted step cost;
+- beside it, a variant tried and not adopted (docs/results.md, "Why the prediction misses on the
+  CPU engine"): ``c`` measured, not fitted, as vLLM's prefill time over the uncached prompt
+  tokens (those admitted: prefix-cache queries − hits; or those of the calls the histogram timed:
+  the prompt-token histogram's sum less the window's hit share), then ``a, β ≥ 0`` fitted on
+  ``busy − c·prompt``, and the same ``1/Ĉ = U·c + O·(a/B + β)``.
 
     .venv/bin/python bench/capacity_on_run.py RUN_DIR --true 3.1333 --from 80 --to 166.7 \\
         --window 30 --parts 1.5 3 5 10 15
@@ -21,7 +26,16 @@ import argparse
 import math
 from pathlib import Path
 
-from detector.capacity import PREDICTOR_SERIES, predict_capacity, split_windows, window_totals
+from detector.capacity import (
+    PREDICTOR_SERIES,
+    CapacityPrediction,
+    WindowTotals,
+    _row,  # the fit's rows and solver, as the detector builds and solves them
+    _solve,
+    predict_capacity,
+    split_windows,
+    window_totals,
+)
 from foundation import metricnames as mn
 from foundation.timeseries import read_series
 
@@ -76,15 +90,55 @@ def _engine(samples: Samples, step: float) -> None:
         a = b
 
 
+def _increase(samples: Samples, name: str) -> float:
+    """A counter's increase over ``samples`` (the value after a fall counts, as ``rate()``)."""
+    total, prev = 0.0, None
+    for _, values in samples:
+        v = values.get(name)
+        if v is None:
+            continue
+        if prev is not None:
+            total += v - prev if v >= prev else v
+        prev = v
+    return total
+
+
+def _measured_prefill(
+    samples: Samples, whole: WindowTotals, parts: list[WindowTotals], p: CapacityPrediction, finished: bool
+) -> tuple[float, float] | None:
+    """The variant's (Ĉ, c): c measured over the uncached prompt tokens admitted, or over those of
+    the calls that finished (the ones the prefill histogram timed); None without prefills."""
+    inc = whole.increase
+    queries, hits = inc.get(mn.VLLM_PREFIX_CACHE_QUERIES, 0.0), inc.get(mn.VLLM_PREFIX_CACHE_HITS, 0.0)
+    if finished:
+        share = min(max(hits / queries, 0.0), 1.0) if queries > 0 else 0.0
+        tokens = inc.get(f"{mn.VLLM_REQUEST_PROMPT_TOKENS}_sum", 0.0) * (1.0 - share)
+    else:
+        tokens = queries - hits
+    prefill = _increase(samples, _PREFILL)
+    if tokens <= 0 or prefill <= 0:
+        return None
+    c = prefill / tokens
+    # a, β >= 0 on busy − c·prompt: the detector's solver with the prompt column emptied
+    rows = [(r[0], 0.0, r[2], r[3] - c * r[1]) for r in (_row(w) for w in parts) if r is not None]
+    cost = _solve(rows)
+    if cost is None:
+        return None
+    per_call = p.uncached_prompt_tokens * c + p.output_tokens * (
+        cost.step_s / p.saturated_batch + cost.decode_token_s
+    )
+    return (1.0 / per_call, c) if per_call > 0 else None
+
+
 def _fit(samples: Samples, lo: float, hi: float, window: float, parts: list[float], true: float) -> None:
     ends = [(hi - lo, hi)] + [(window, t) for t in _range(lo + window, hi, window / 2)]
     for part_s in parts:
         for width, t in ends:
             kept = [s for s in samples if max(lo, t - width) - 1e-9 <= s[0] <= t + 1e-9]
-            whole = window_totals(kept)
-            p = None if whole is None else predict_capacity(whole, split_windows(kept, part_s))
+            whole, cut = window_totals(kept), split_windows(kept, part_s)
+            p = None if whole is None else predict_capacity(whole, cut)
             head = f"sub-window {part_s:5.1f} s, window {width:5.1f} s ending {t:6.1f} s:"
-            if p is None:
+            if whole is None or p is None:
                 print(head, "no prediction")
                 continue
             c = p.cost
@@ -93,6 +147,10 @@ def _fit(samples: Samples, lo: float, hi: float, window: float, parts: list[floa
                 f"  a={c.step_s:.3g} c={c.prompt_token_s:.3g} beta={c.decode_token_s:.3g}"
                 f"  U={p.uncached_prompt_tokens:.0f} O={p.output_tokens:.1f} B={p.saturated_batch:.0f}"
             )
+            for label, finished in (("admitted", False), ("finished", True)):
+                m = _measured_prefill(kept, whole, cut, p, finished)
+                text = "none" if m is None else f"{m[0] / true:5.2f}x c={m[1]:.3g}"
+                print(f"{'':10s}prefill measured over {label} tokens: {text}")
 
 
 def _range(start: float, stop: float, step: float) -> list[float]:

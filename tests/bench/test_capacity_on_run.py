@@ -11,7 +11,7 @@ from pathlib import Path
 from detector.capacity import predict_capacity, split_windows, window_totals
 from foundation.timeseries import Snapshot, write_series
 from reproduce.conditions import block
-from reproduce.engine.presets import STUDY_CAPACITY
+from reproduce.engine.presets import STUDY_CAPACITY, preset
 from reproduce.sim import SimSpec, simulate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "capacity_on_run.py"
@@ -43,6 +43,17 @@ def test_it_prints_the_detectors_prediction_over_the_stretch(tmp_path: Path) -> 
     assert expected is not None
     assert printed == round(expected.capacity / true, 2)
     assert 0.8 <= printed <= 1.2
+    # the variant with c measured from vLLM's prefill histogram: a request's prefill time holds
+    # whole steps (its chunks, the others' decodes), so c measured is never below the engine's
+    at = done.stdout.splitlines().index(line)
+    for label, variant in zip(
+        ("admitted", "finished"), done.stdout.splitlines()[at + 1 : at + 3], strict=True
+    ):
+        found = re.search(r"prefill measured over (\w+) tokens:\s+([\d.]+)x c=([\d.e+-]+)", variant)
+        assert found is not None, variant
+        assert found.group(1) == label
+        assert 0.8 <= float(found.group(2)) <= 1.2
+        assert float(found.group(3)) >= preset(MODEL).step_time.per_prompt_token_s
     # the engine table: calls finished in every stretch of the base
     rows = [x.split() for x in done.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s+[\d.]+", x)]
     assert rows and all(float(r[2]) > 0 for r in rows if float(r[1]) <= 240)
