@@ -27,6 +27,13 @@ not the model's error (docs/results.md, "Ĉ learned before saturation", measures
 saturation). It needs vLLM 0.10.2 or later (``vllm:inter_token_latency_seconds``; older releases
 name it otherwise, ``foundation.vllmreleases``): without it there is no prediction. Not
 modelled: a token budget that binds before the KV cache or ``max_num_seqs`` does, and preemption.
+Not met: a low, intermittent batch (vLLM on CPU at 0.6 Ĉ runs one to three sequences with idle
+gaps), where a sub-window holds a call or two and the fit is noise-bound: 1.1-1.5x the calibrated
+Ĉ after 14.5 study minutes (docs/results.md, "Why the prediction misses on the CPU engine").
+There, ``c`` measured instead (vLLM's prefill time over the uncached prompt tokens) gives
+0.97-1.22x per 30-s window, but it breaks the simulator's trace mixes (-34 % to -42 %, or no
+fit): a request's prefill time spans whole steps, shared with decodes and other prefills, so it
+bounds ``c`` from above only.
 """
 
 from __future__ import annotations
