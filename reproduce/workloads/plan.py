@@ -115,7 +115,7 @@ class RunClock:
         object.__setattr__(self, "k", float(k))
 
     @property
-    def scaled(self) -> bool:
+    def is_scaled(self) -> bool:
         """Whether the run is faster than the study (K ≠ 1)."""
         return self.k != 1.0
 
@@ -138,7 +138,7 @@ class RunClock:
     def argv(self) -> list[str]:
         """K for a child process's command line (``--time-scale K``, K exact): none at the
         study's scale, which is every child's default."""
-        return [OPTION, repr(self.k)] if self.scaled else []
+        return [OPTION, repr(self.k)] if self.is_scaled else []
 
     def record(self) -> dict[str, float]:
         """What a summary entry, a plan, a sweep's meta or a what-if's setup records of this clock
@@ -345,7 +345,7 @@ def _phases(workload: WorkloadSpec, clock: RunClock) -> tuple[Phase, ...]:
 def _calls(workload: WorkloadSpec, clock: RunClock) -> list[PlannedCall]:
     """The workload's calls with their arrivals (study seconds) in the run's."""
     calls = generate_trace(workload)
-    return [replace(c, arrival_s=clock.run_s(c.arrival_s)) for c in calls] if clock.scaled else calls
+    return [replace(c, arrival_s=clock.run_s(c.arrival_s)) for c in calls] if clock.is_scaled else calls
 
 
 def make_plan(
