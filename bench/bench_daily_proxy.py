@@ -45,6 +45,7 @@ from reproduce.planner.daily import DailyJob, Day, observe, run_day
 from reproduce.planner.whatif import Objective, WhatIf, overload_end
 from reproduce.registry import get_backend
 from reproduce.workloads.clients import parse_client
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 from reproduce.workloads.trace import TraceWorkload
 
 DATA = Path(__file__).resolve().parents[1] / "reproduce" / "workloads" / "traces" / "data"
@@ -81,21 +82,22 @@ def run(label: str, loads: list[float], args: argparse.Namespace, root: Path) ->
     spec_client = parse_client(args.client)
     profile = ClientProfile(name=spec_client.name, base=spec_client.config)
     backend = get_backend("emulated")
-    protocol = backend.protocol(args.time_scale)  # type: ignore[attr-defined]
+    clock = RunClock(args.time_scale)
+    protocol = backend.protocol(clock)  # type: ignore[attr-defined]
     start, _, end = args.window.partition(":")
     trace = TraceWorkload(str(args.trace), start_s=float(start), end_s=float(end))
     http = WhatIf(backend, "emulated", {}, args.model, profile, trace, seed=args.seed,
-                  time_scale=args.time_scale, progress=False)  # fmt: skip
+                  clock=clock, progress=False)  # fmt: skip
     capacity, how = backend.capacity_of(http.spec(in_force, loads[0], 0), protocol)  # type: ignore[attr-defined]
     sim = get_backend("sim")
     # NOTE: the simulator replays the recording at the study's own scale (time scale 1): the
     # headroom is a multiple of Ĉ, the same at any scale, and on this long-prompt recording the
     # simulator at the emulator's scale judged even 0.05x Ĉ late (left for the what-if's owners).
-    setup = replace(http, backend=sim, backend_name="sim", time_scale=1.0, jobs=args.jobs)
+    setup = replace(http, backend=sim, backend_name="sim", clock=STUDY_CLOCK, jobs=args.jobs)
     folder = root / label
     rec, state = folder / "rec", folder / "state"
     rows: list[dict[str, Any]] = []
-    with EmulatedBackend(folder / "engine", preset=args.model, time_scale=args.time_scale) as endpoint:
+    with EmulatedBackend(folder / "engine", preset=args.model, clock=clock) as endpoint:
         spec0 = http.spec(in_force, loads[0], 0)
         plan0 = protocol.plan(capacity, spec0.condition, seed=spec0.seed)
         proxy = ProxyProcess(

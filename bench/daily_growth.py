@@ -32,6 +32,7 @@ from reproduce.planner.daily import DailyJob, run_day
 from reproduce.planner.whatif import WhatIf, compare
 from reproduce.registry import get_backend
 from reproduce.workloads.clients import parse_client
+from reproduce.workloads.plan import RunClock
 from reproduce.workloads.trace import TraceWorkload
 
 # The runner tests' small engine (Ĉ 9.77 calls/s stated): a day's replay takes seconds.
@@ -86,7 +87,7 @@ def run(label: str, rates: list[float], args: argparse.Namespace, root: Path) ->
     engine = get_backend("sim", **SMALL)
     spec = parse_client("study")
     profile = ClientProfile(name=spec.name, base=spec.config)
-    setup = WhatIf(engine, "sim", SMALL, MODELS[0], profile, PulseWorkload(), time_scale=args.time_scale,
+    setup = WhatIf(engine, "sim", SMALL, MODELS[0], profile, PulseWorkload(), clock=RunClock(args.time_scale),
                    jobs=args.jobs, progress=False)  # fmt: skip
     policies = args.policies.split(",")
     job = DailyJob(rec, root / f"{label}-state", setup, policies, policies[0], capacity=SMALL["capacity"],

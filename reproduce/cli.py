@@ -312,6 +312,7 @@ def run(
     from reproduce.dirlock import DirBusy
     from reproduce.engine.presets import PresetError
     from reproduce.runner import run_many
+    from reproduce.workloads.plan import RunClock
 
     trace = trace_workload(trace_path, trace_format, load, window_text, pulse_multiple)
     workload = steps_workload(steps_text, step_s, trace, pulse_multiple) or trace  # instead of the pulse
@@ -371,7 +372,7 @@ def run(
             specs,
             out,
             executor=executor,
-            time_scale=time_scale,
+            clock=RunClock(time_scale),
             progress=progress,
             meta={"block": block_slug, "model": model, "seed": seed}
             | ({workload.kind: workload.describe()} if workload is not None else {}),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reproduce.conditions import RunSpec
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = [
     "LAZY_MODULES",
@@ -35,11 +36,11 @@ class BackendNotFound(LookupError):
 
 @dataclass(frozen=True)
 class RunJob:
-    """One run to execute and where its files go."""
+    """One run to execute, the clock it runs at and where its files go."""
 
     run: RunSpec
     out: Path
-    time_scale: float = 1.0
+    clock: RunClock = STUDY_CLOCK
 
 
 class Backend(ABC):

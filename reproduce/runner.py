@@ -35,6 +35,7 @@ from reproduce.executors import Executor
 from reproduce.executors.local import LocalExecutor, cap_jobs, usable_cores
 from reproduce.judge.summary import write_summary
 from reproduce.registry import Backend, RunJob
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = ["cap_jobs", "run_many", "usable_cores"]  # the first and last: reproduce.executors.local's
 
@@ -92,12 +93,12 @@ def run_many(
     *,
     jobs: int = 1,
     executor: Executor | None = None,
-    time_scale: float = 1.0,
+    clock: RunClock = STUDY_CLOCK,
     progress: bool = True,
     meta: Mapping[str, Any] | None = None,
     stamp: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Execute ``runs`` with ``backend`` on ``executor`` (None: ``jobs`` local processes); return
+    """Execute ``runs`` with ``backend`` at ``clock`` on ``executor`` (None: ``jobs`` local processes); return
     their summary entries in the order given, each with ``stamp``'s fields added (what a caller
     needs every run to record). ``DirBusy`` when another invocation writes ``out``;
     ``ExecutorError`` when the executor cannot run the backend's runs (nothing is written)."""
@@ -106,7 +107,7 @@ def run_many(
     executor = executor if executor is not None else LocalExecutor(jobs)
     executor.check(backend)
     done: dict[str, dict[str, Any]] = {}
-    full_meta = {"backend": backend.name, "time_scale": time_scale, **(meta or {})}
+    full_meta = {"backend": backend.name, **clock.record(), **(meta or {})}
 
     with _sigterm_exits():
         backend.prepare(runs)  # before anything is created: it checks the runs' models
@@ -129,7 +130,7 @@ def run_many(
                 for name in DERIVED:  # a validation or report of the runs before these would be stale
                     (out / name).unlink(missing_ok=True)
                 with bar:
-                    executor.execute(backend, [RunJob(r, out, time_scale) for r in runs], finished)
+                    executor.execute(backend, [RunJob(r, out, clock) for r in runs], finished)
         finally:
             backend.close()
     return [done[r.slug] for r in runs]

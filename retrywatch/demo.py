@@ -38,7 +38,7 @@ from foundation.timeseries import parse_exposition
 from reproduce.engine.presets import PresetError, preset_capacity
 from reproduce.workloads.calls import WorkloadSpec
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import RunPlan, outline
+from reproduce.workloads.plan import RunClock, RunPlan, outline
 
 if TYPE_CHECKING:
     from reproduce.harness.openloop import OpenLoopStats
@@ -48,8 +48,8 @@ __all__ = ["DemoPlan", "demo", "demo_commands", "demo_plan"]
 #: The emulated engine's preset: the study's Qwen3-14B on one H100, its slowest model, so the
 #: emulated token stream (Ĉ x ~400 tokens per engine second) stays light for a laptop.
 DEMO_PRESET = "qwen3-14b-h100"
-#: Engine seconds per wall second: the protocol's 947-s trace plays in under 4 minutes.
-DEMO_TIME_SCALE = 4.0
+#: Engine seconds per wall second (K = 4): the protocol's 947-s trace plays in under 4 minutes.
+DEMO_CLOCK = RunClock(4.0)
 CANCEL_AFTER_S = PolicyConfig().cancel_after_s  # the study's deferred cancellation W (engine seconds)
 VOCAB_SIZE = 32_000
 SERVICES = ("engine", "proxy", "detector", "dashboard")
@@ -95,16 +95,14 @@ class DemoPlan:
         return f"{pulse.start_s:.0f}-{pulse.end_s:.0f} s"
 
 
-def demo_plan(
-    with_controls: bool, preset: str = DEMO_PRESET, time_scale: float = DEMO_TIME_SCALE
-) -> DemoPlan:
-    """The demo's numbers: Ĉ of ``preset`` (its calibration), planned at ``time_scale``."""
+def demo_plan(with_controls: bool, preset: str = DEMO_PRESET, clock: RunClock = DEMO_CLOCK) -> DemoPlan:
+    """The demo's numbers: Ĉ of ``preset`` (its calibration), planned at ``clock``."""
     try:
         capacity = preset_capacity(preset)
     except PresetError as exc:
         raise click.UsageError(str(exc)) from None
     spec = WorkloadSpec(capacity=capacity, seed=0, max_context=32_768)
-    return DemoPlan(preset, capacity, with_controls, spec, outline(spec, ClientConfig(), time_scale))
+    return DemoPlan(preset, capacity, with_controls, spec, outline(spec, ClientConfig(), clock))
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -146,8 +144,7 @@ def demo_commands(plan: DemoPlan, ports: dict[str, int], host: str, workdir: Pat
             "emulate",
             "--model",
             plan.preset,
-            "--time-scale",
-            f"{plan.run.clock.k:g}",
+            *plan.run.clock.argv(),
             "--vocab-size",
             str(VOCAB_SIZE),
             "--host",

@@ -48,7 +48,7 @@ from exporter.settings import ProxySettings
 from foundation.logs import announce, check_port, setup_logging
 from foundation.options import FiniteFloatRange
 from foundation.processes import ManagedProcess, log_tail
-from reproduce.workloads.plan import RunPlan
+from reproduce.workloads.plan import RunClock, RunPlan
 from retrywatch import demo as single
 from rules.generate import RULES_PATH
 
@@ -159,14 +159,12 @@ class FleetPlan:
         return self.replica_plan(replica).capacity
 
 
-def fleet_plan(
-    n: int, *, with_controls: bool = False, time_scale: float = single.DEMO_TIME_SCALE
-) -> FleetPlan:
-    """N replicas, each planned at ``time_scale``."""
+def fleet_plan(n: int, *, with_controls: bool = False, clock: RunClock = single.DEMO_CLOCK) -> FleetPlan:
+    """N replicas, each planned at ``clock``."""
     if not 2 <= n <= MAX_REPLICAS:
         raise click.UsageError(f"--fleet takes 2 to {MAX_REPLICAS} replicas, got {n}")
     presets = [TIPPED_PRESET] + [HEALTHY_PRESET] * (n - 1)
-    plans = tuple(single.demo_plan(with_controls, p, time_scale) for p in presets)
+    plans = tuple(single.demo_plan(with_controls, p, clock) for p in presets)
     replicas = tuple(Replica(i, p.preset, p.capacity_engine) for i, p in enumerate(plans, start=1))
     return FleetPlan(replicas, with_controls, plans)
 
@@ -330,8 +328,7 @@ class FleetDemo:
                         r.preset,
                         "--served-model-name",
                         SERVED_MODEL,
-                        "--time-scale",
-                        f"{plan.run.clock.k:g}",
+                        *plan.run.clock.argv(),
                         "--vocab-size",
                         vocab,
                         "--host",
@@ -634,7 +631,7 @@ def run_fleet_demo(
     host: str,
     seed: int,
     ports: FleetPorts,
-    time_scale: float = single.DEMO_TIME_SCALE,
+    clock: RunClock = single.DEMO_CLOCK,
     log_level: str = "warning",
     log_format: str = "text",
 ) -> None:
@@ -644,7 +641,7 @@ def run_fleet_demo(
         raise click.ClickException(
             f"the fleet demo needs {', '.join(missing)} (Debian packages): {APT_INSTALL}"
         )
-    plan = fleet_plan(n, with_controls=with_controls, time_scale=time_scale)
+    plan = fleet_plan(n, with_controls=with_controls, clock=clock)
     check_ports_free(plan, ports, host)
     setup_logging(log_level, log_format)
     log_args = ("--log-level", log_level, "--log-format", log_format)  # each process's, in its log
@@ -712,7 +709,7 @@ FLEET_OPTIONS: tuple[click.Option, ...] = (
     click.Option(
         ["--time-scale"],
         type=FiniteFloatRange(1.0, 16.0),
-        default=single.DEMO_TIME_SCALE,
+        default=single.DEMO_CLOCK.k,
         show_default=True,
         help="With --fleet: engine seconds per wall second (the single-engine demo's).",
     ),
@@ -751,7 +748,7 @@ def with_fleet(command: click.Command) -> click.Command:
             host=kwargs["host"],
             seed=kwargs["seed"],
             ports=ports,
-            time_scale=fleet["time_scale"],
+            clock=RunClock(fleet["time_scale"]),
             log_level=kwargs["log_level"],
             log_format=kwargs["log_format"],
         )

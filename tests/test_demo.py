@@ -41,18 +41,18 @@ def test_controls_switch_the_proxy_between_no_control_and_coalescing_with_deferr
     assert "--coalesce" in controlled["proxy"] and _value(controlled["proxy"], "--cancellation") == "deferred"
     plan = demo_plan(with_controls=True)
     # Deferred by W = 10 study seconds, scaled like every other duration.
-    assert float(_value(controlled["proxy"], "--cancel-after")) == pytest.approx(10.0 / plan.run.time_scale)
+    assert float(_value(controlled["proxy"], "--cancel-after")) == pytest.approx(plan.run.run_s(10.0))
     for commands in (plain, controlled):
-        assert _value(commands["engine"], "--time-scale") == f"{plan.run.time_scale:g}"
+        assert float(_value(commands["engine"], "--time-scale")) == plan.run.clock.k
         assert _value(commands["proxy"], "--upstream") == f"http://127.0.0.1:{ports['engine']}"
         assert _value(commands["detector"], "--exporter") == f"http://127.0.0.1:{ports['proxy']}/metrics"
         assert float(_value(commands["detector"], "--capacity")) == pytest.approx(plan.capacity, rel=1e-3)
-        assert float(_value(commands["detector"], "--deadline")) == pytest.approx(120.0 / plan.run.time_scale)
+        assert float(_value(commands["detector"], "--deadline")) == pytest.approx(plan.run.run_s(120.0))
         assert _value(commands["detector"], "--db").startswith(f"sqlite:///{tmp_path}")
         assert _value(commands["dashboard"], "--detector") == f"http://127.0.0.1:{ports['detector']}"
     # the pulse the story names is the load's own (120-227 study seconds), at the demo's K
     start, end = next((p.start_s, p.end_s) for p in plan.planned(seed=1).phases if p.name == "pulse")
-    assert (start, end) == pytest.approx((120.0 / plan.run.time_scale, 227.0 / plan.run.time_scale))
+    assert (start, end) == pytest.approx((plan.run.run_s(120.0), plan.run.run_s(227.0)))
     assert plan.pulse_text == f"{start:.0f}-{end:.0f} s"
 
 

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from foundation.processes import ManagedProcess, free_port, port_taken
+from reproduce.workloads.plan import RunClock
 from retrywatch import fleetdemo
 from retrywatch.fleetdemo import FleetDemo, FleetPorts, fleet_plan, running_fleet
 from tests.systemtools import require
@@ -357,7 +358,7 @@ def _pulse(fleet: FleetDemo, duration_s: float) -> Iterator[dict[str, list[str]]
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[FleetDemo]:
     _require_fleet_tools()
-    plan = fleet_plan(3, time_scale=E2E_TIME_SCALE)
+    plan = fleet_plan(3, clock=RunClock(E2E_TIME_SCALE))
     with running_fleet(plan, free_fleet_ports(3), timeout_s=120) as started:
         yield started
 

@@ -99,6 +99,7 @@ def emulate(
     from foundation.bounds import HttpBounds, base_url
     from foundation.server import serve
     from reproduce.emulate.server import build_app
+    from reproduce.workloads.plan import RunClock
 
     check_port(host, port)
     setup_logging(log_level, log_format)
@@ -106,7 +107,7 @@ def emulate(
         app = build_app(
             preset,
             served_model_name=served_model_name,
-            time_scale=time_scale,
+            clock=RunClock(time_scale),
             max_num_queued_reqs=max_num_queued_reqs,
             max_num_batched_tokens=max_num_batched_tokens,
             vocab_size=vocab_size,

@@ -1,11 +1,12 @@
 """The stepping loop of the emulated engine: the engine model paced by the wall clock.
 
 One asyncio task steps the engine model exactly as the simulator does (``start_step(now)``,
-then ``finish_step(now + duration)``), but sleeps ``duration / time_scale`` wall seconds in
-between. The engine's clock is virtual: it advances by each step's duration and the wall clock
-only paces it, so asyncio's sleep overshoot does not shrink the engine's capacity (a late step
-is followed by a shorter sleep). When the engine is idle its clock jumps to the scaled wall
-clock at the next arrival. Requests join at step boundaries, as in vLLM.
+then ``finish_step(now + duration)``), but sleeps the step's duration in wall seconds (its run
+clock's ``run_s``, K engine seconds per wall second) in between. The engine's clock is virtual:
+it advances by each step's duration and the wall clock only paces it, so asyncio's sleep
+overshoot does not shrink the engine's capacity (a late step is followed by a shorter sleep).
+When the engine is idle its clock jumps to the scaled wall clock at the next arrival. Requests
+join at step boundaries, as in vLLM.
 
 Each request has an :class:`Execution` handle that HTTP handlers await: the driver updates its
 generated-token count after every step (only for executions that are producing tokens, so a
@@ -22,6 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = [
     "EngineDriver",
@@ -83,26 +86,26 @@ def _kind(event: Any) -> str:
 
 
 class EngineDriver:
-    """Steps ``engine`` in wall time scaled by ``time_scale`` (engine seconds per wall second; K,
-    checked by ``retrywatch emulate --time-scale``)."""
+    """Steps ``engine`` in wall time at ``clock`` (its K: engine seconds per wall second);
+    ``monotonic`` is the wall clock."""
 
     def __init__(
         self,
         engine: EngineLike,
         make_request: Callable[[str, Sequence[tuple[int, int]], int], Any],
         *,
-        time_scale: float = 1.0,
+        clock: RunClock = STUDY_CLOCK,
         max_live: int = 16_384,
-        clock: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_live < 1:
             raise ValueError(f"max_live must be >= 1, got {max_live!r}")
         self.engine = engine
         self._make_request = make_request
-        self.time_scale = float(time_scale)
+        self.clock = clock
         self.max_live = max_live
-        self._clock = clock
-        self._wall0 = clock()
+        self._monotonic = monotonic
+        self._wall0 = monotonic()
         self._engine_now = 0.0
         self._idle = True
         self._live: dict[str, Execution] = {}
@@ -115,12 +118,12 @@ class EngineDriver:
 
     # --- clock -----------------------------------------------------------------------------
     def scaled_wall(self) -> float:
-        """The wall clock since the start in engine seconds: one of the two places K converts."""
-        return (self._clock() - self._wall0) * self.time_scale
+        """The wall clock since the start in engine seconds."""
+        return self.clock.study_s(self._monotonic() - self._wall0)
 
     def wall_s(self, engine_s: float) -> float:
-        """``engine_s`` engine seconds in wall seconds: the other place K converts."""
-        return engine_s / self.time_scale
+        """``engine_s`` engine seconds in wall seconds."""
+        return self.clock.run_s(engine_s)
 
     def now(self) -> float:
         """The engine's clock (seconds); it jumps to the scaled wall clock only while idle.
@@ -177,7 +180,7 @@ class EngineDriver:
             start = self._engine_now
             end = start + float(duration)
             # Sleep until the wall time at which the engine clock reaches ``end``.
-            delay = self.wall_s(end) - (self._clock() - self._wall0)
+            delay = self.wall_s(end) - (self._monotonic() - self._wall0)
             await asyncio.sleep(max(0.0, delay))
             self._engine_now = end
             self.lag_s = max(0.0, self.scaled_wall() - end)
@@ -188,14 +191,14 @@ class EngineDriver:
             self._after_step(events)
 
     def _warn_lag(self) -> None:
-        wall = self._clock()
+        wall = self._monotonic()
         if wall - self._lag_warned_at >= 10.0:
             self._lag_warned_at = wall
             log.warning(
                 "the engine clock trails the scaled wall clock by %.1f engine seconds: this machine cannot "
                 "step the engine at time scale %g (capacity in wall time is lower than the preset's)",
                 self.lag_s,
-                self.time_scale,
+                self.clock.k,
             )
 
     def _after_step(self, events: list[Any]) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from reproduce.emulate.app import EmulatorApp, EmulatorSettings
 from reproduce.emulate.driver import EngineDriver
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = ["build_app"]
 
@@ -14,14 +15,15 @@ def build_app(
     preset: str,
     *,
     served_model_name: str | None = None,
-    time_scale: float = 1.0,
+    clock: RunClock = STUDY_CLOCK,
     max_num_queued_reqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     vocab_size: int = 152_064,
     max_live: int = 16_384,
     max_body_bytes: int = 4 * 1024 * 1024,
 ) -> EmulatorApp:
-    """The app serving ``preset`` (raises ``reproduce.engine.PresetError``, a ValueError, if unknown)."""
+    """The app serving ``preset`` at ``clock`` (raises ``reproduce.engine.PresetError``, a
+    ValueError, if unknown)."""
     from reproduce.engine import EngineModel, EngineRequest
     from reproduce.engine import preset as engine_preset
 
@@ -36,7 +38,7 @@ def build_app(
     def make_request(request_id: str, segments: Sequence[tuple[int, int]], max_tokens: int) -> EngineRequest:
         return EngineRequest(request_id, tuple(segments), max_tokens)
 
-    driver = EngineDriver(engine, make_request, time_scale=time_scale, max_live=max_live)
+    driver = EngineDriver(engine, make_request, clock=clock, max_live=max_live)
     settings = EmulatorSettings(
         served_model=served_model_name or preset,
         vocab_size=vocab_size,

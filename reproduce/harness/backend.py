@@ -59,7 +59,7 @@ from reproduce.harness.scrape import MetricsScraper
 from reproduce.judge.summary import run_dir, run_entry, write_run_files
 from reproduce.registry import Backend, RunJob, register_backend
 from reproduce.workloads.client import CallRecord
-from reproduce.workloads.plan import RunPlan
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock, RunPlan
 
 __all__ = ["HttpBackend", "HttpBackendError", "drive_run"]
 
@@ -185,17 +185,17 @@ class HttpBackend(Backend):
 
     # --- protocol and engines ----------------------------------------------------------
 
-    def protocol(self, k: float) -> HttpProtocol:
+    def protocol(self, clock: RunClock) -> HttpProtocol:
         gpu = bool(self.options.get("gpu", False))
         sizes = self.sizes or ("scaled" if self.kind == "vllm" and not gpu else "study")
-        proto = cpu_scaled(k) if sizes == "scaled" else study(k)
+        proto = cpu_scaled(clock) if sizes == "scaled" else study(clock)
         return proto.with_hold(self.hold_s) if self.hold_s is not None else proto
 
     def engine_for(
-        self, run: RunSpec, folder: Path, queue_cap: int | None, time_scale: float = 1.0
+        self, run: RunSpec, folder: Path, queue_cap: int | None, clock: RunClock = STUDY_CLOCK
     ) -> EngineBackend:
         """A fresh engine backend for one run (its files in ``folder``); the emulated engine runs
-        at the run's K (its ``--time-scale``)."""
+        at the run's clock."""
         o = self.options
         timeout = float(o.get("startup_timeout_s", 300.0))
         bound = float(o.get("bound_s", 3_600.0))
@@ -218,7 +218,7 @@ class HttpBackend(Backend):
             return EmulatedBackend(
                 folder,
                 preset=o.get("preset") or run.model,
-                time_scale=time_scale,
+                clock=clock,
                 max_num_queued_reqs=queue_cap,
                 startup_timeout_s=timeout,
                 bound_s=bound,
@@ -259,7 +259,7 @@ class HttpBackend(Backend):
 
     def run(self, job: RunJob) -> dict[str, Any]:
         run = job.run
-        protocol = self.protocol(job.time_scale)
+        protocol = self.protocol(job.clock)
         capacity, capacity_source = self.capacity_of(run, protocol)
         plan = protocol.plan(capacity, run.condition, seed=run.seed)
         folder = run_dir(job.out, run)
@@ -268,7 +268,7 @@ class HttpBackend(Backend):
         queue_cap = None
         if q_study is not None:
             queue_cap = self.queue_cap or scaled_queue_cap(q_study, capacity, plan.deadline_s)
-        engine = self.engine_for(run, folder, queue_cap, plan.time_scale)
+        engine = self.engine_for(run, folder, queue_cap, plan.clock)
         policy = run.condition.policy.config(plan)
         with engine as endpoint:
             if self.kind == "external":
@@ -302,7 +302,7 @@ class HttpBackend(Backend):
                                 capacity=capacity,
                                 deadline_s=plan.deadline_s,
                                 interval_s=max(1.0, protocol.scrape_every_s(plan)),
-                                time_scale=plan.time_scale,
+                                clock=plan.clock,
                                 tier=tier,
                                 name="detector" if tier == "proxy" else f"detector-{tier}",
                             )

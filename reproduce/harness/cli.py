@@ -113,7 +113,9 @@ def calibrate_http_command(
     from reproduce.harness.calibration import calibrate_http
     from reproduce.harness.protocol import cpu_scaled, study
     from reproduce.harness.proxyproc import NO_CONTROL, ProxyProcess
+    from reproduce.workloads.plan import RunClock
 
+    clock = RunClock(time_scale)
     if gpu and backend != "vllm":
         raise click.BadParameter(f"needs --backend vllm, not {backend!r}", param_hint="'--gpu'")
     if nice is not None and backend != "vllm":
@@ -130,12 +132,12 @@ def calibrate_http_command(
         if backend == "vllm":
             engine = VllmBackend(python, model, workdir, gpu=gpu, niceness=nice)
         elif backend == "emulated":
-            engine = EmulatedBackend(workdir, preset=model, time_scale=time_scale)
+            engine = EmulatedBackend(workdir, preset=model, clock=clock)
         else:
             assert engine_url is not None
             engine = ExternalBackend(engine_url)
         scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
-        protocol = cpu_scaled(time_scale) if scaled else study(time_scale)
+        protocol = cpu_scaled(clock) if scaled else study(clock)
         stage_calls = None
         if trace_path is not None:
             stage_calls = _trace_stage_calls(trace_path, trace_format, window_text, protocol)
@@ -159,7 +161,7 @@ def calibrate_http_command(
             )
     except (BackendError, ModelConfigError, CalibrationError) as exc:
         raise click.ClickException(str(exc)) from exc
-    body = {"capacity": result.capacity, "time_scale": time_scale, "model": model, **result.to_dict()}
+    body = {"capacity": result.capacity, **clock.record(), "model": model, **result.to_dict()}
     if trace_path is not None:
         body["trace"] = {"path": trace_path.name, "format": trace_format, "window": window_text}
     if out is not None:

@@ -285,7 +285,7 @@ def simulate_runs(
             condition=run.condition,
             seed=run.seed,
             capacity=capacity,
-            time_scale=protocol.clock.k,
+            clock=protocol.clock,
             workload=options,
             engine={"max_num_batched_tokens": config.max_num_batched_tokens},
             engine_config=config,

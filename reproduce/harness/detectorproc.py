@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from reproduce.harness.childserver import ChildServer, retrywatch_argv
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = ["DetectorProcess"]
 
@@ -34,7 +35,7 @@ class DetectorProcess(ChildServer):
         capacity: float | None = None,
         deadline_s: float | None = None,
         interval_s: float = 1.0,
-        time_scale: float = 1.0,
+        clock: RunClock = STUDY_CLOCK,
         host: str = "127.0.0.1",
         bound_s: float = 3_600.0,
         startup_timeout_s: float = 60.0,
@@ -48,7 +49,7 @@ class DetectorProcess(ChildServer):
         self.capacity = capacity
         self.deadline_s = deadline_s
         self.interval_s = interval_s
-        self.time_scale = time_scale  # a scaled run's K, for `detect --time-scale`
+        self.clock = clock  # a scaled run's, for `detect --time-scale`
 
     def command(self, port: int) -> list[str]:
         db = self.workdir / f"{self.name}.db"
@@ -73,9 +74,7 @@ class DetectorProcess(ChildServer):
             argv += ["--capacity", f"{self.capacity:g}"]
         if self.deadline_s is not None:
             argv += ["--deadline", f"{self.deadline_s:g}"]
-        if self.time_scale != 1.0:
-            argv += ["--time-scale", repr(float(self.time_scale))]
-        return argv
+        return argv + self.clock.argv()
 
     def episodes(self, t0_unix: float) -> list[dict[str, Any]]:
         """Every episode so far, times in seconds from ``t0_unix`` (the run's start)."""

@@ -33,6 +33,7 @@ from reproduce.harness.commands import (
     vllm_command,
 )
 from reproduce.harness.models import ModelConfigError, model_info, prepare_model_dir
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = [
     "CPU_ENGINE_NICENESS",
@@ -292,7 +293,7 @@ class EmulatedBackend(EngineBackend):
         workdir: Path,
         *,
         preset: str,
-        time_scale: float = 1.0,
+        clock: RunClock = STUDY_CLOCK,
         max_num_queued_reqs: int | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
@@ -303,7 +304,7 @@ class EmulatedBackend(EngineBackend):
     ) -> None:
         self.workdir = workdir
         self.preset = preset
-        self.time_scale = time_scale
+        self.clock = clock
         self.max_num_queued_reqs = max_num_queued_reqs
         self.host = host
         self.port = port
@@ -321,8 +322,7 @@ class EmulatedBackend(EngineBackend):
             "emulate",
             "--model",
             self.preset,
-            "--time-scale",
-            f"{self.time_scale:g}",
+            *self.clock.argv(),
             "--host",
             self.host,
             "--port",
@@ -362,6 +362,6 @@ class EmulatedBackend(EngineBackend):
         return {
             "backend": self.kind,
             "preset": self.preset,
-            "time_scale": self.time_scale,
+            **self.clock.record(),
             "max_num_queued_reqs": self.max_num_queued_reqs,
         }

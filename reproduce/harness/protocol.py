@@ -15,13 +15,13 @@ same multiple of the deadline at every K, whatever Ĉ the engine has.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from reproduce.conditions import Condition, PulseWorkload, engine_cap_for
 from reproduce.sim.metrics import PROXY_WINDOW_S
 from reproduce.workloads.base import Shaping
 from reproduce.workloads.calls import MAX_CONTEXT, WorkloadSpec
-from reproduce.workloads.plan import RunClock, RunPlan
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock, RunPlan
 
 __all__ = [
     "CI_HOLD_S",
@@ -62,7 +62,7 @@ class HttpProtocol:
     long where given. A run is planned by :meth:`plan` at ``clock`` (the run's K), and judged on
     that plan; before a plan exists (a calibration's stage) ``clock`` converts a study duration."""
 
-    clock: RunClock = field(default_factory=RunClock)
+    clock: RunClock = STUDY_CLOCK
     prompt_mean: float = _STUDY_PROMPT_MEAN
     prompt_std: float = 1_200.0
     shared_prefix_len: int = 2_000
@@ -129,15 +129,17 @@ class HttpProtocol:
         return replace(self, hold_s=hold_s)
 
 
-def study(k: float = 1.0) -> HttpProtocol:
-    """The study's protocol at K, token lengths unchanged (GPU, emulated engine)."""
-    return HttpProtocol(RunClock(k))
+def study(clock: RunClock = STUDY_CLOCK) -> HttpProtocol:
+    """The study's protocol at ``clock``, token lengths unchanged (GPU, emulated engine)."""
+    return HttpProtocol(clock)
 
 
-def cpu_scaled(k: float = 10.0, *, max_context: int = 8_192) -> HttpProtocol:
-    """The study's protocol at K with token lengths divided by K (a real vLLM on CPU)."""
+def cpu_scaled(clock: RunClock, *, max_context: int = 8_192) -> HttpProtocol:
+    """The study's protocol at ``clock`` with token lengths divided by its K (a real vLLM on CPU):
+    the lengths scale with the clock, as the durations do."""
+    k = clock.k
     return HttpProtocol(
-        RunClock(k),
+        clock,
         prompt_mean=_STUDY_PROMPT_MEAN / k,
         prompt_std=1_200.0 / k,
         shared_prefix_len=round(2_000 / k),

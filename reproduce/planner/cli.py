@@ -229,6 +229,7 @@ def whatif_command(
     from reproduce.planner.report import write_whatif_report
     from reproduce.workloads.client import ClientConfigError
     from reproduce.workloads.clients import parse_client
+    from reproduce.workloads.plan import RunClock
 
     try:
         policies = parse_policies(policies_text)
@@ -257,7 +258,7 @@ def whatif_command(
     setup = WhatIf(
         backend=engine, backend_name=backend, backend_options=options, model=model,
         client=ClientProfile(name=spec.name, base=spec.config), workload=workload,
-        seed=seed, seeds=seeds, time_scale=time_scale, progress=progress, executor=executor,
+        seed=seed, seeds=seeds, clock=RunClock(time_scale), progress=progress, executor=executor,
     )  # fmt: skip
 
     def on_round(n: int, loads: dict[str, float]) -> None:

@@ -220,6 +220,7 @@ def plan_daily_command(
     from reproduce.engine.presets import PRESET_NAMES, PresetError
     from reproduce.workloads.client import ClientConfigError
     from reproduce.workloads.clients import parse_client
+    from reproduce.workloads.plan import RunClock
 
     if capacity is None and detector is None:
         raise click.UsageError(NO_CAPACITY)
@@ -247,7 +248,7 @@ def plan_daily_command(
     setup = WhatIf(
         backend=engine, backend_name=backend, backend_options=options, model=model,
         client=ClientProfile(name=spec.name, base=spec.config), workload=PulseWorkload(), seed=seed,
-        seeds=seeds, time_scale=time_scale, progress=progress,
+        seeds=seeds, clock=RunClock(time_scale), progress=progress,
         executor=sweep_executor(executor_name, jobs, address, engine),
     )  # fmt: skip
     try:

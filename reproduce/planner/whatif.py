@@ -55,6 +55,7 @@ from reproduce.judge.groundtruth import CALLS_FILE, CallTimes, read_calls
 from reproduce.judge.validate import RunInfo, load_runs, replay_firings, truth_of
 from reproduce.registry import Backend
 from reproduce.runner import run_many
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock
 
 __all__ = [
     "BLOCK",
@@ -198,7 +199,7 @@ def overload_end(collapse: Collapse, truth: GroundTruth, planned: Sequence[float
 @dataclass(frozen=True)
 class WhatIf:
     """What every point shares: the backend (by name and options), the model, the clients, the
-    workload (its load set per point), the seeds and the time scale."""
+    workload (its load set per point), the seeds and the clock the points run at."""
 
     backend: Backend
     backend_name: str
@@ -208,7 +209,7 @@ class WhatIf:
     workload: Workload
     seed: int = 0
     seeds: int = 1
-    time_scale: float = 1.0
+    clock: RunClock = STUDY_CLOCK
     jobs: int = 1
     progress: bool = True
     executor: Executor | None = None  # where the points run (None: ``jobs`` local processes)
@@ -222,7 +223,7 @@ class WhatIf:
             "client": self.client.describe(),
             "workload": {"kind": self.workload.kind, **self.workload.identity()},
             "seed": self.seed,
-            "time_scale": self.time_scale,
+            **self.clock.record(),
         }
 
     def spec(self, policy: str, load: float, run: int) -> RunSpec:
@@ -437,7 +438,7 @@ class _Points:
             return f"{policy!r} at {variant!r}, run {run!r}, names no point of a what-if"
         spec = self.whatif.spec(str(policy), load, run)
         own = {"slug": spec.slug, "settings": spec.condition.describe(), "model": spec.model,
-               "seed": spec.seed, "time_scale": self.whatif.time_scale}  # fmt: skip
+               "seed": spec.seed, **self.whatif.clock.record()}  # fmt: skip
         differ += [k for k in _differing({k: entry.get(k) for k in own}, _plain(own)) if k not in differ]
         return f"it differs in {', '.join(differ)}" if differ else None
 
@@ -456,7 +457,7 @@ class _Points:
         missing = list({s.slug: s for s in specs if s.slug not in done}.values())
         if missing:
             run_many(
-                w.backend, missing, self.dir, jobs=w.jobs, executor=w.executor, time_scale=w.time_scale,
+                w.backend, missing, self.dir, jobs=w.jobs, executor=w.executor, clock=w.clock,
                 progress=w.progress,
                 meta={"block": BLOCK, "model": w.model, "seed": w.seed, "whatif": w.setup()},
                 stamp={STAMP: w.setup()},

@@ -133,7 +133,7 @@ class SimBackend(Backend):
             condition=r.condition,
             seed=r.seed,
             capacity=self.capacity_of(r)[0],
-            time_scale=job.time_scale,
+            clock=job.clock,
             client=self.client,
             workload=self.workload,
             engine=self.engine,

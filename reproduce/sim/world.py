@@ -53,7 +53,7 @@ from reproduce.simenv import Environment, EventHandle
 from reproduce.workloads.base import Shaping
 from reproduce.workloads.calls import PlannedCall
 from reproduce.workloads.client import AttemptOutcome, CallRecord, ClientConfig, ClientModel
-from reproduce.workloads.plan import RunPlan
+from reproduce.workloads.plan import STUDY_CLOCK, RunClock, RunPlan
 
 __all__ = ["SimResult", "SimSpec", "simulate"]
 
@@ -64,8 +64,8 @@ _RUN_YOUNG_PASS_EVERY = 50_000  # the collector's young-generation threshold dur
 
 @dataclass(frozen=True)
 class SimSpec:
-    """Everything one simulated run needs. Durations are at the study's scale; ``time_scale``
-    divides them. ``capacity`` is Ĉ of the engine in calls per simulated second (None: the
+    """Everything one simulated run needs. Durations are at the study's scale; ``clock``
+    scales them. ``capacity`` is Ĉ of the engine in calls per simulated second (None: the
     preset's calibrated value). ``workload`` shapes the workload (``reproduce.workloads.Shaping``:
     fields of ``WorkloadSpec``, e.g. shorter prompts for a quick test, a trace's ``token_scale``);
     ``engine`` overrides fields of the preset's ``EngineConfig``."""
@@ -74,7 +74,7 @@ class SimSpec:
     condition: Condition
     seed: int = 0
     capacity: float | None = None
-    time_scale: float = 1.0
+    clock: RunClock = STUDY_CLOCK
     client: ClientConfig | None = None  # instead of the condition's client (its profile's)
     workload: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
@@ -91,7 +91,7 @@ class SimSpec:
             capacity,
             cond.client.config(self.client),
             seed=self.seed,
-            time_scale=self.time_scale,
+            clock=self.clock,
             shaping=Shaping.of(self.workload),
         )
 

@@ -3,7 +3,7 @@ load) offers the code that plans, runs, judges and draws a run, so none of it as
 workload is.
 
 A workload is the load part of a condition (``reproduce.conditions``). It plans a run
-(:meth:`Workload.plan`: its calls, its phases, its client and the time scale, in run seconds);
+(:meth:`Workload.plan`: its calls, its phases, its client and its clock, in run seconds);
 the plan says what the run is judged on (a phase named ``pulse``: the protocol's timeline; none:
 the ground truth over time, aligned on the burst behind each collapse), so judges and the
 dashboard read the plan and the run's summary entry, never the workload's kind. It says what its
@@ -26,7 +26,7 @@ from reproduce.workloads.calls import MAX_CONTEXT
 
 if TYPE_CHECKING:
     from reproduce.workloads.client import ClientConfig
-    from reproduce.workloads.plan import RunPlan
+    from reproduce.workloads.plan import RunClock, RunPlan
     from reproduce.workloads.trace import TraceFacts
 
 __all__ = ["STUDY_MIX", "Shaping", "TokenMix", "Workload"]
@@ -129,8 +129,8 @@ class Workload(Protocol):
         ...
 
     def plan(
-        self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
+        self, capacity: float, client: ClientConfig, *, seed: int, clock: RunClock, shaping: Shaping
     ) -> RunPlan:
-        """The run, planned once: ``capacity`` is Ĉ in calls per run-second, ``client`` at the
-        study's scale; every time of the plan in run seconds."""
+        """The run, planned once at ``clock``: ``capacity`` is Ĉ in calls per run-second,
+        ``client`` at the study's scale; every time of the plan in run seconds."""
         ...

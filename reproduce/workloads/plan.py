@@ -3,8 +3,13 @@
 A :class:`RunPlan` holds what is fixed before a run starts, in the run's own seconds: the
 planned calls (arrival, prompt and response lengths), the workload's phases where it has
 them (name, start, end, multiple of Ĉ: a pulse run's base / pulse / hold), the client the
-calls follow (deadline, backoff, horizon) and the time scale. :func:`plan_run` is the one
+calls follow (deadline, backoff, horizon) and its :class:`RunClock`. :func:`plan_run` is the one
 place where a workload and a client given at the study's scale are divided by the time scale.
+
+The :class:`RunClock` is the one thing that carries K past the command line: a run's job, its
+backend, the simulator's world, the workloads' ``plan``, the emulator's driver and the what-if
+take the clock, and convert with its methods (study ↔ run seconds and rates, the ``--time-scale``
+argument of a child process, the value a summary records), never by dividing by a float.
 
 Whatever judges a run reads the :class:`Timeline` its plan derives: ``reproduce.judge.outcomes``
 (cohorts, recovery windows), ``reproduce.judge.summary`` (the run's entry, with the plan's phases)
@@ -34,10 +39,13 @@ if TYPE_CHECKING:
     from reproduce.workloads.base import Shaping, Workload
 
 __all__ = [
+    "OPTION",
     "PULSE",
+    "RECORD_KEY",
     "RECOVERY_WINDOWS",
     "RECOVERY_WINDOW_S",
     "REPLAY_TAIL_WINDOWS",
+    "STUDY_CLOCK",
     "Phase",
     "PlanError",
     "RecoveryRule",
@@ -73,57 +81,95 @@ class RecoveryRule:
     max_waiting: float = 2.0  # mean executions waiting in proxy + engine over a window
     max_growth_per_s: float = 0.01  # their growth (least-squares slope) over a window, per study second
 
-    def growth_per_run_s(self, time_scale: float) -> float:
-        """The growth limit per run-second of a run at ``time_scale``: the one place K scales it."""
-        return self.max_growth_per_s * time_scale
+    def growth_per_run_s(self, clock: RunClock) -> float:
+        """The growth limit per run-second of a run at ``clock``: the one place K scales it."""
+        return clock.run_rate(self.max_growth_per_s)
 
 
 class PlanError(ValueError):
     """A plan that cannot be built or judged as asked; the message says what is missing."""
 
 
+#: The key under which a run's summary entry, its plan, a sweep's meta and a what-if's setup
+#: record K (:meth:`RunClock.record`, :meth:`RunClock.of_record`).
+RECORD_KEY = "time_scale"
+#: The option by which a child process (``retrywatch detect``, ``retrywatch emulate``) is given K.
+OPTION = "--time-scale"
+
+
 @dataclass(frozen=True)
 class RunClock:
-    """A run's time scale K, checked once: what plans a run at it (:meth:`plan`), what converts a
-    study-scale number into the run's before a plan exists (a calibration's stage, the
-    simulator's Ĉ), and, read back from a run's summary entry (:meth:`of_record`), what a
+    """A run's time scale K (engine or study seconds per run-second), checked once, and the one
+    object that carries it: what plans a run at it (:meth:`plan`), what converts a study-scale
+    number into the run's and back (a calibration's stage, the simulator's Ĉ, the emulator's
+    wall clock), what gives K to a child process (:meth:`argv`) and what a summary records
+    (:meth:`record`); read back from a run's summary entry (:meth:`of_record`), what a
     validation target at the study's scale is in the run's seconds: never a reader's own K."""
 
     k: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.k, int | float) and math.isfinite(self.k) and self.k > 0):
-            raise PlanError(f"time scale must be a finite number > 0, got {self.k!r}")
+        k = self.k
+        if isinstance(k, bool) or not (isinstance(k, int | float) and math.isfinite(k) and k > 0):
+            raise PlanError(f"time scale must be a finite number > 0, got {k!r}")
+        object.__setattr__(self, "k", float(k))
+
+    @property
+    def is_scaled(self) -> bool:
+        """Whether the run is faster than the study (K ≠ 1)."""
+        return self.k != 1.0
 
     def run_s(self, study_s: float) -> float:
-        """A duration at the study's scale in the run's seconds."""
+        """A duration at the study's scale (engine seconds) in the run's seconds (wall seconds)."""
         return study_s / self.k
+
+    def study_s(self, run_s: float) -> float:
+        """A duration in the run's seconds (wall seconds) at the study's scale (engine seconds)."""
+        return run_s * self.k
 
     def run_rate(self, per_study_s: float) -> float:
         """A rate per study second (the simulator's Ĉ) per run-second."""
         return per_study_s * self.k
 
+    def study_rate(self, per_run_s: float) -> float:
+        """A rate per run-second (Ĉ as the run sees it) per study second."""
+        return per_run_s / self.k
+
+    def argv(self) -> list[str]:
+        """K for a child process's command line (``--time-scale K``, K exact): none at the
+        study's scale, which is every child's default."""
+        return [OPTION, repr(self.k)] if self.is_scaled else []
+
+    def record(self) -> dict[str, float]:
+        """What a summary entry, a plan, a sweep's meta or a what-if's setup records of this clock
+        (read back by :meth:`of_record`)."""
+        return {RECORD_KEY: self.k}
+
     def plan_spec(self, workload: WorkloadSpec, client: ClientConfig) -> RunPlan:
         """:func:`plan_run` at this clock: a generated workload (study seconds) for clients of
         ``client`` (the study's), in run seconds."""
-        return plan_run(workload, client, self.k)
+        return plan_run(workload, client, self)
 
     def plan(
         self, workload: Workload, capacity: float, client: ClientConfig, *, seed: int, shaping: Shaping
     ) -> RunPlan:
         """``workload``'s run at Ĉ = ``capacity`` calls per run-second, for clients of ``client``
         (the study's), planned at this clock: every time of it in run seconds."""
-        return workload.plan(capacity, client, seed=seed, time_scale=self.k, shaping=shaping)
+        return workload.plan(capacity, client, seed=seed, clock=self, shaping=shaping)
 
     @classmethod
     def of_record(cls, entry: Mapping[str, Any]) -> RunClock:
-        """The clock of a run's summary entry (its ``time_scale``; absent: the study's). Raises
-        :class:`PlanError` for one that is not a finite number > 0."""
-        value = entry.get("time_scale", 1.0)
+        """The clock of a run's summary entry (its :data:`RECORD_KEY`; absent: the study's).
+        Raises :class:`PlanError` for one that is not a finite number > 0."""
+        value = entry.get(RECORD_KEY, 1.0)
         number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
         if not (math.isfinite(number) and number > 0):
-            raise PlanError(f"'time_scale' must be a finite number > 0, got {value!r}")
+            raise PlanError(f"{RECORD_KEY!r} must be a finite number > 0, got {value!r}")
         return cls(float(number))
+
+
+#: The study's clock (K = 1): every clock's default.
+STUDY_CLOCK = RunClock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,15 +236,15 @@ class Timeline:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """One run, planned: its calls, its phases (optional), its client and its time scale.
+    """One run, planned: its calls, its phases (optional), its client and its clock.
 
     Every time is in run seconds: ``client``'s durations and ``window_s`` are already divided by
-    ``time_scale``, as are the calls' arrivals and the phases.
+    the clock's K, as are the calls' arrivals and the phases.
     """
 
     calls: tuple[PlannedCall, ...]
     client: ClientConfig
-    time_scale: float = 1.0
+    clock: RunClock = STUDY_CLOCK
     phases: tuple[Phase, ...] = ()
     window_s: float = RECOVERY_WINDOW_S
     #: A trace's prompts as chained segments (prefix blocks), by call id, for the calls that
@@ -209,7 +255,6 @@ class RunPlan:
     tail_s: float = 0.0
 
     def __post_init__(self) -> None:
-        RunClock(self.time_scale)  # K checked where it is checked everywhere
         if not (math.isfinite(self.window_s) and self.window_s > 0):
             raise PlanError(f"window_s must be positive, got {self.window_s!r}")
         names = [p.name for p in self.phases]
@@ -225,27 +270,22 @@ class RunPlan:
         return self.client.horizon_s
 
     def run_s(self, study_s: float) -> float:
-        """A duration at the study's scale in this run's seconds: the one place K divides one."""
-        return study_s / self.time_scale
+        """A duration at the study's scale in this run's seconds (:meth:`RunClock.run_s`)."""
+        return self.clock.run_s(study_s)
 
     def run_rate(self, per_study_s: float) -> float:
         """A rate at the study's scale (Ĉ in calls per engine second) per run-second."""
-        return per_study_s * self.time_scale
+        return self.clock.run_rate(per_study_s)
 
     @property
     def max_growth_per_s(self) -> float:
         """The recovery rule's growth limit of the waiting executions, per run-second."""
-        return RecoveryRule().growth_per_run_s(self.time_scale)
-
-    @property
-    def clock(self) -> RunClock:
-        """The clock this run was planned at."""
-        return RunClock(self.time_scale)
+        return RecoveryRule().growth_per_run_s(self.clock)
 
     @property
     def detector(self) -> ReplaySettings:
         """The detector's alerts, windows and assumed deadline in this run's seconds."""
-        return detector_settings(self.time_scale)
+        return detector_settings(self.clock.k)
 
     @property
     def pulse(self) -> Phase | None:
@@ -282,7 +322,7 @@ class RunPlan:
         and the client's numbers, the recovery rule's growth limit and the detector's settings in
         run seconds: what judges and the dashboard read instead of re-deriving them from K."""
         return {
-            "time_scale": self.time_scale,
+            **self.clock.record(),
             "deadline_s": self.deadline_s,
             "horizon_s": self.horizon_s,
             "window_s": self.window_s,
@@ -294,65 +334,65 @@ class RunPlan:
         }
 
 
-def _phases(workload: WorkloadSpec, k: float) -> tuple[Phase, ...]:
-    """The workload's phases (study seconds) in the run's: divided by K."""
+def _phases(workload: WorkloadSpec, clock: RunClock) -> tuple[Phase, ...]:
+    """The workload's phases (study seconds) in the run's."""
     return tuple(
-        Phase(name, start / k, end / k, multiple)
+        Phase(name, clock.run_s(start), clock.run_s(end), multiple)
         for (name, start, end), (_, multiple) in zip(workload.phase_bounds(), workload.phases, strict=True)
     )
 
 
-def _calls(workload: WorkloadSpec, k: float) -> list[PlannedCall]:
-    """The workload's calls with their arrivals (study seconds) in the run's: divided by K."""
+def _calls(workload: WorkloadSpec, clock: RunClock) -> list[PlannedCall]:
+    """The workload's calls with their arrivals (study seconds) in the run's."""
     calls = generate_trace(workload)
-    return calls if k == 1.0 else [replace(c, arrival_s=c.arrival_s / k) for c in calls]
+    return [replace(c, arrival_s=clock.run_s(c.arrival_s)) for c in calls] if clock.is_scaled else calls
 
 
 def make_plan(
     calls: Iterable[PlannedCall],
     phases: Iterable[Phase],
     client: ClientConfig,
-    time_scale: float,
+    clock: RunClock,
     *,
     segments: Mapping[str, Segments] | None = None,
     tail_windows: int = 0,
 ) -> RunPlan:
     """A plan of ``calls`` and ``phases`` (already in run seconds) for clients of ``client``: the
     one place where a study-scale client, the recovery window and the tail after the last call
-    (``tail_windows`` recovery windows) are divided by the time scale."""
-    k = time_scale
+    (``tail_windows`` recovery windows) are put in run seconds at ``clock``."""
     return RunPlan(
         calls=tuple(calls),
-        client=client.scaled(k),
-        time_scale=k,
+        client=client.scaled(clock.k),
+        clock=clock,
         phases=tuple(phases),
-        window_s=RECOVERY_WINDOW_S / k,
+        window_s=clock.run_s(RECOVERY_WINDOW_S),
         segments=dict(segments or {}),
-        tail_s=tail_windows * RECOVERY_WINDOW_S / k,
+        tail_s=clock.run_s(tail_windows * RECOVERY_WINDOW_S),
     )
 
 
 def detector_settings(k: float) -> ReplaySettings:
     """The detector's settings for a run at time scale ``k``: its alerts' durations, its windows
     and its assumed deadline divided by K (K = 1: the study's)."""
-    k = _check(k)
+    k = RunClock(k).k
     return ReplaySettings(scale_rules(ALERTS, k), WINDOWS.scaled(k), DEFAULT_DEADLINE_S / k)
 
 
-def generated_spec(capacity: float, *, seed: int, time_scale: float, **fields: Any) -> WorkloadSpec:
+def generated_spec(capacity: float, *, seed: int, clock: RunClock, **fields: Any) -> WorkloadSpec:
     """The spec of a generated workload (``fields``: phases and lengths at the study's scale) for
     a run at Ĉ = ``capacity`` calls per run-second: the spec takes Ĉ per study second;
-    :func:`plan_run` divides its arrivals and phases by the time scale."""
-    return WorkloadSpec(capacity=capacity / time_scale, seed=seed, **fields)
+    :func:`plan_run` puts its arrivals and phases in run seconds."""
+    return WorkloadSpec(capacity=clock.study_rate(capacity), seed=seed, **fields)
 
 
 def plan_run(
-    workload: WorkloadSpec, client: ClientConfig, time_scale: float = 1.0, *, tail_windows: int = 0
+    workload: WorkloadSpec, client: ClientConfig, clock: RunClock = STUDY_CLOCK, *, tail_windows: int = 0
 ) -> RunPlan:
     """Plan a run of ``workload`` (its trace, its phases, at the study's scale) for clients of
     ``client`` (the study's), everything put in run seconds here and by :func:`make_plan`."""
-    k = _check(time_scale)
-    return make_plan(_calls(workload, k), _phases(workload, k), client, k, tail_windows=tail_windows)
+    return make_plan(
+        _calls(workload, clock), _phases(workload, clock), client, clock, tail_windows=tail_windows
+    )
 
 
 def plan_generated(
@@ -360,25 +400,20 @@ def plan_generated(
     client: ClientConfig,
     *,
     seed: int,
-    time_scale: float,
+    clock: RunClock,
     tail_windows: int = 0,
     **fields: Any,
 ) -> RunPlan:
     """:func:`plan_run` of :func:`generated_spec`: a generated workload's run at Ĉ = ``capacity``
     calls per run-second."""
-    spec = generated_spec(capacity, seed=seed, time_scale=time_scale, **fields)
-    return plan_run(spec, client, time_scale, tail_windows=tail_windows)
+    spec = generated_spec(capacity, seed=seed, clock=clock, **fields)
+    return plan_run(spec, client, clock, tail_windows=tail_windows)
 
 
-def outline(workload: WorkloadSpec, client: ClientConfig, time_scale: float = 1.0) -> RunPlan:
+def outline(workload: WorkloadSpec, client: ClientConfig, clock: RunClock = STUDY_CLOCK) -> RunPlan:
     """The plan of a run of ``workload`` without its calls: its phases, ``client`` and the recovery
     window in run seconds, for what reads a run's numbers before its calls are generated."""
-    k = _check(time_scale)
-    return make_plan((), _phases(workload, k), client, k)
-
-
-def _check(time_scale: float) -> float:
-    return RunClock(float(time_scale)).k
+    return make_plan((), _phases(workload, clock), client, clock)
 
 
 def check_pulse(workload: WorkloadSpec) -> None:

@@ -18,7 +18,7 @@ from reproduce.workloads.plan import plan_generated
 if TYPE_CHECKING:
     from reproduce.conditions import RunSpec
     from reproduce.workloads.client import ClientConfig
-    from reproduce.workloads.plan import RunPlan
+    from reproduce.workloads.plan import RunClock, RunPlan
 
 __all__ = ["PulseWorkload", "with_pulse"]
 
@@ -75,10 +75,10 @@ class PulseWorkload:
         """Its length does not depend on Ĉ: nothing to check."""
 
     def plan(
-        self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
+        self, capacity: float, client: ClientConfig, *, seed: int, clock: RunClock, shaping: Shaping
     ) -> RunPlan:
         fields = {**self.fields(hold_s=shaping.hold_s), **shaping.fields}
-        return plan_generated(capacity, client, seed=seed, time_scale=time_scale, **fields)
+        return plan_generated(capacity, client, seed=seed, clock=clock, **fields)
 
 
 def with_pulse(run: RunSpec, multiple: float) -> RunSpec:

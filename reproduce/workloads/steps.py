@@ -25,7 +25,7 @@ from reproduce.workloads.plan import REPLAY_TAIL_WINDOWS, plan_generated
 
 if TYPE_CHECKING:
     from reproduce.workloads.client import ClientConfig
-    from reproduce.workloads.plan import RunPlan
+    from reproduce.workloads.plan import RunClock, RunPlan
 
 __all__ = ["STEP_S", "SteppedWorkload", "parse_steps"]
 
@@ -105,7 +105,7 @@ class SteppedWorkload:
         """Its length does not depend on Ĉ: nothing to check."""
 
     def plan(
-        self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
+        self, capacity: float, client: ClientConfig, *, seed: int, clock: RunClock, shaping: Shaping
     ) -> RunPlan:
         fields = {
             **shaping.fields,
@@ -113,5 +113,5 @@ class SteppedWorkload:
             "phase_names": tuple(f"step{i + 1}" for i in range(len(self.steps))),
         }
         return plan_generated(
-            capacity, client, seed=seed, time_scale=time_scale, tail_windows=REPLAY_TAIL_WINDOWS, **fields
+            capacity, client, seed=seed, clock=clock, tail_windows=REPLAY_TAIL_WINDOWS, **fields
         )

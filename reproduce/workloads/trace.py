@@ -33,7 +33,7 @@ from typing import ClassVar
 from reproduce.workloads.base import Shaping, TokenMix
 from reproduce.workloads.calls import MAX_CONTEXT, PlannedCall
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import REPLAY_TAIL_WINDOWS, Phase, RunPlan, make_plan
+from reproduce.workloads.plan import REPLAY_TAIL_WINDOWS, Phase, RunClock, RunPlan, make_plan
 from reproduce.workloads.traces import (
     FORMATS,
     TraceCall,
@@ -266,7 +266,7 @@ class TraceWorkload:
         return TokenMix(f"trace:{self.facts.mix_digest}", facts=self.facts)
 
     def plan(
-        self, capacity: float, client: ClientConfig, *, seed: int, time_scale: float, shaping: Shaping
+        self, capacity: float, client: ClientConfig, *, seed: int, clock: RunClock, shaping: Shaping
     ) -> RunPlan:
         """Its calls at ``load`` × Ĉ, lengths × the shaping's token scale (``seed`` unused: the
         trace fixes every call)."""
@@ -277,7 +277,7 @@ class TraceWorkload:
             replay.calls,
             replay.phases,
             client,
-            time_scale,
+            clock,
             segments=replay.segments,
             tail_windows=REPLAY_TAIL_WINDOWS,
         )
@@ -308,4 +308,4 @@ def plan_trace(
             segments[call.planned.call_id] = call.segments
     end = calls[-1].arrival_s if calls else 0.0
     phase = Phase(TRACE_PHASE, 0.0, max(end, 1e-9), workload.load)
-    return make_plan(calls, (phase,), client, 1.0, segments=segments, tail_windows=REPLAY_TAIL_WINDOWS)
+    return make_plan(calls, (phase,), client, RunClock(), segments=segments, tail_windows=REPLAY_TAIL_WINDOWS)

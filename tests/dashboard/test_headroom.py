@@ -20,6 +20,7 @@ from dashboard.pages import PAGES, headroom
 from detector.runbook import runbook_html
 from reproduce.planner import daily
 from reproduce.planner.whatif import WhatIf, curve, marks
+from reproduce.workloads.plan import RunClock
 from tests.reproduce.test_runner import SMALL
 
 
@@ -83,7 +84,7 @@ def _setup(recording: Path, start_s: float, end_s: float) -> WhatIf:
     spec = parse_client("study")
     setup = WhatIf(
         get_backend("sim", **SMALL), "sim", SMALL, MODELS[0], ClientProfile(name=spec.name, base=spec.config),
-        PulseWorkload(), time_scale=10.0, progress=False,
+        PulseWorkload(), clock=RunClock(10.0), progress=False,
     )  # fmt: skip
     return replace(setup, workload=TraceWorkload(str(recording), "recording", 1.0, start_s, end_s + 1e-6))
 

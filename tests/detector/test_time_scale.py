@@ -74,7 +74,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[float, str], Pa
     for k in (1.0, 10.0):
         for key in CONDITIONS:
             cond = block("diagnostic").condition(key)
-            spec = SimSpec(model="test", condition=cond, seed=1, capacity=CAPACITY, time_scale=k,
+            spec = SimSpec(model="test", condition=cond, seed=1, capacity=CAPACITY, clock=RunClock(k),
                            engine_config=ENGINE, workload=WORKLOAD)  # fmt: skip
             path = base / f"diagnostic__{key}__k{k:g}__r1" / "metrics.jsonl"
             path.parent.mkdir()
@@ -198,7 +198,7 @@ def test_cli_time_scale_option_and_the_http_runs_detector_process(tmp_path: Path
     res = CliRunner().invoke(detect, ["--exporter", "http://a/metrics", "--time-scale", "0"])
     assert res.exit_code == 2 and "--time-scale" in res.output
     # reproduce's HTTP driver starts the live detector with the run's K, which the CLI accepts
-    proc = DetectorProcess("http://127.0.0.1:9/metrics", workdir=tmp_path, time_scale=10.0)
+    proc = DetectorProcess("http://127.0.0.1:9/metrics", workdir=tmp_path, clock=RunClock(10.0))
     argv = proc.command(8200)
     assert argv[argv.index("--time-scale") + 1] == "10.0"
     ctx = detect.make_context("detect", argv[argv.index("detect") + 1 :])

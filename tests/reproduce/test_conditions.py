@@ -9,7 +9,7 @@ import pytest
 from exporter.policy import BudgetOrder, Cancellation, QueueOrder
 from reproduce.conditions import BLOCKS, PAPER, ConditionError, PulseWorkload, block, engine_cap_for, expand
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import RunPlan
+from reproduce.workloads.plan import RunClock, RunPlan
 
 
 def test_paper_has_the_studys_137_runs() -> None:
@@ -62,7 +62,7 @@ def test_trigger_sweep_cells() -> None:
 
 
 def _plan(time_scale: float = 1.0) -> RunPlan:
-    return RunPlan(calls=(), client=ClientConfig().scaled(time_scale), time_scale=time_scale)
+    return RunPlan(calls=(), client=ClientConfig().scaled(time_scale), clock=RunClock(time_scale))
 
 
 def test_policy_mapping_of_key_conditions() -> None:

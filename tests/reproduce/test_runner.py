@@ -18,6 +18,7 @@ from reproduce.conditions import expand
 from reproduce.dirlock import LOCK_FILE
 from reproduce.registry import BackendNotFound, backend_names, get_backend
 from reproduce.runner import cap_jobs, run_many, usable_cores
+from reproduce.workloads.plan import RunClock
 
 # A small engine and short prompts so a scaled run takes a fraction of a second: Ĉ = 9.77 calls/s
 # by the simulator's own calibration; its KV cache holds about 50 prompts, as the study's engine
@@ -38,6 +39,8 @@ SMALL: dict[str, Any] = {
     "workload": {"prompt_mean": 1200, "prompt_std": 0, "shared_prefix_len": 200, "response_median": 20},
 }
 
+CLOCK = RunClock(10.0)  # every run here at K = 10
+
 CONTRACT = {
     "block", "condition", "model", "run", "seed", "capacity", "pulse_multiple", "recovered",
     "recovery_time_s", "delivery", "rates_x_capacity", "retries", "executions",
@@ -48,7 +51,7 @@ CONTRACT = {
 
 def test_parallel_runs_write_the_summary_contract(tmp_path: Path) -> None:
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1, seed=2)
-    entries = run_many(get_backend("sim", **SMALL), runs, tmp_path, jobs=2, time_scale=10, progress=False)
+    entries = run_many(get_backend("sim", **SMALL), runs, tmp_path, jobs=2, clock=CLOCK, progress=False)
     assert [e["condition"] for e in entries] == [r.condition.slug for r in runs]
     summary = read_summary(tmp_path)
     assert len(summary["runs"]) == 4 and summary["meta"]["backend"] == "sim"
@@ -81,11 +84,9 @@ def test_parallel_runs_write_the_summary_contract(tmp_path: Path) -> None:
 
 def test_parallel_and_serial_agree_and_reruns_replace_by_slug(tmp_path: Path) -> None:
     runs = expand("composition", models="qwen2.5-7b-h100", runs=1, conditions=["no-control", "coalescing"])
-    serial = run_many(
-        get_backend("sim", **SMALL), runs, tmp_path / "a", jobs=1, time_scale=10, progress=False
-    )
+    serial = run_many(get_backend("sim", **SMALL), runs, tmp_path / "a", jobs=1, clock=CLOCK, progress=False)
     parallel = run_many(
-        get_backend("sim", **SMALL), runs, tmp_path / "a", jobs=2, time_scale=10, progress=False
+        get_backend("sim", **SMALL), runs, tmp_path / "a", jobs=2, clock=CLOCK, progress=False
     )
 
     def strip(e: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +95,7 @@ def test_parallel_and_serial_agree_and_reruns_replace_by_slug(tmp_path: Path) ->
     assert [strip(e) for e in serial] == [strip(e) for e in parallel]
     assert len(read_summary(tmp_path / "a")["runs"]) == 2  # replaced, not appended
     other = expand("deferral", models="qwen2.5-7b-h100", runs=1, conditions=["deferred-cancellation"])
-    run_many(get_backend("sim", **SMALL), other, tmp_path / "a", time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), other, tmp_path / "a", clock=CLOCK, progress=False)
     assert len(read_summary(tmp_path / "a")["runs"]) == 3  # another block's run is added
 
 
@@ -116,7 +117,7 @@ def test_a_summary_that_cannot_be_read_stops_the_runs_and_stays(tmp_path: Path) 
     (tmp_path / "summary.json").write_text('{"runs": [{"slug": "earlier"}]')  # cut short
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)[:1]
     with pytest.raises(RunDirError, match="not valid JSON"):
-        run_many(get_backend("sim", **SMALL), runs, tmp_path, time_scale=10, progress=False)
+        run_many(get_backend("sim", **SMALL), runs, tmp_path, clock=CLOCK, progress=False)
     assert (tmp_path / "summary.json").read_text() == '{"runs": [{"slug": "earlier"}]'
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_FILE) == ["summary.json"]
 
@@ -138,7 +139,7 @@ def test_a_validation_and_a_report_of_earlier_runs_are_removed_with_them(tmp_pat
         (tmp_path / name).write_text("of the runs before\n")
     (tmp_path / "notes.txt").write_text("the operator's\n")
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)[:1]
-    run_many(get_backend("sim", **SMALL), runs, tmp_path, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs, tmp_path, clock=CLOCK, progress=False)
     assert not any((tmp_path / name).exists() for name in DERIVED)
     assert (tmp_path / "notes.txt").exists() and (tmp_path / "summary.json").exists()
 
@@ -157,7 +158,7 @@ def test_a_dir_being_written_is_refused_at_once_and_free_again_when_its_writer_d
     from reproduce.cli import reproduce
 
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1)
-    run_many(get_backend("sim", **SMALL), runs[:1], tmp_path, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs[:1], tmp_path, clock=CLOCK, progress=False)
     before = (tmp_path / "summary.json").read_text()
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE)
     try:
@@ -175,7 +176,7 @@ def test_a_dir_being_written_is_refused_at_once_and_free_again_when_its_writer_d
     finally:
         holder.kill()
         holder.wait()
-    run_many(get_backend("sim", **SMALL), runs[1:2], tmp_path, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs[1:2], tmp_path, clock=CLOCK, progress=False)
     assert [r["slug"] for r in read_summary(tmp_path)["runs"]] == [r.slug for r in runs[:2]]
 
 

@@ -11,6 +11,7 @@ import pytest
 from reproduce.emulate.driver import EngineDriver, EngineRefused, Execution, TooManyLive
 from reproduce.emulate.prompts import segments_of
 from reproduce.engine import EngineModel, EngineRequest, preset
+from reproduce.workloads.plan import RunClock
 
 
 class RecordingEngine(EngineModel):
@@ -33,7 +34,7 @@ def make_request(request_id: str, segments: Sequence[tuple[int, int]], max_token
 
 def driver_for(time_scale: float, **options: object) -> tuple[EngineDriver, RecordingEngine]:
     engine = RecordingEngine(preset("qwen2.5-7b-h100", **options))  # type: ignore[arg-type]
-    return EngineDriver(engine, make_request, time_scale=time_scale, max_live=8), engine
+    return EngineDriver(engine, make_request, clock=RunClock(time_scale), max_live=8), engine
 
 
 async def _until_done(executions: Sequence[Execution], timeout_s: float = 30.0) -> None:
@@ -53,7 +54,7 @@ def test_wall_time_follows_engine_time_without_losing_sleep_overshoot() -> None:
         await _until_done(executions)
         wall = time.monotonic() - start
         stepper.cancel()
-        return wall, sum(engine.durations) / driver.time_scale, [e.tokens for e in executions]
+        return wall, driver.clock.run_s(sum(engine.durations)), [e.tokens for e in executions]
 
     wall, ideal, tokens = asyncio.run(run())
     assert tokens == [1000] * 8

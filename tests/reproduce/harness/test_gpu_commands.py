@@ -104,7 +104,7 @@ def test_tracing_conditions_use_2048_batched_tokens(tmp_path: Path) -> None:
 
 def test_engine_cap_conditions_give_the_studys_queue_caps(tmp_path: Path) -> None:
     # At the study's Ĉ and deadline the scaled cap is the study's own Q.
-    deadline_s = study(1.0).plan(STUDY_CAPACITY, block("engine-cap").conditions[0], seed=0).deadline_s
+    deadline_s = study().plan(STUDY_CAPACITY, block("engine-cap").conditions[0], seed=0).deadline_s
     caps = {}
     backend = HttpBackend("vllm", python=sys.executable, gpu=True, capacity=STUDY_CAPACITY)
     for run in expand("engine-cap", models="qwen2.5-7b-instruct", runs=1):

@@ -24,6 +24,7 @@ from reproduce.harness.calibration import (
 from reproduce.harness.openloop import OpenLoopStats, fell_behind, send_lag
 from reproduce.harness.protocol import cpu_scaled
 from reproduce.workloads.client import AttemptRecord, CallRecord
+from reproduce.workloads.plan import RunClock
 
 
 def batching_engine(c_full: float, half_batch: float) -> StageRunner:
@@ -105,7 +106,7 @@ def test_the_confirm_stage_outlasts_the_saturated_decode_lag() -> None:
     engine = lagging_engine(capacity=3.5, lag_s=17.5)
     short = calibrate_settled(engine, 1.0, stage_s=30.0)
     assert short.capacity < 0.7 * 3.5
-    stage_s, confirm_s = stage_lengths(cpu_scaled(10.0))
+    stage_s, confirm_s = stage_lengths(cpu_scaled(RunClock(10.0)))
     assert (stage_s, confirm_s) == (30.0, 90.0)
     long = calibrate_settled(engine, 1.0, stage_s=stage_s, confirm_stage_s=confirm_s)
     assert long.capacity == pytest.approx(3.5, rel=0.05)

@@ -25,6 +25,7 @@ from reproduce.harness.compare import (
 )
 from reproduce.harness.models import model_info
 from reproduce.harness.protocol import cpu_scaled
+from reproduce.workloads.plan import RunClock
 from reproduce.workloads.trace import TraceWorkload
 from reproduce.workloads.tracecapacity import mix_stage_calls
 
@@ -78,7 +79,7 @@ def test_cpu_engine_config_has_vllm_cpu_scheduler_settings() -> None:
 
 
 def test_simulated_calibration_and_runs_of_the_scaled_protocol() -> None:
-    protocol = cpu_scaled(10)
+    protocol = cpu_scaled(RunClock(10.0))
     config = cpu_engine_config(model_info("small"), step_time_from_probe(PROBE))
     result = sim_calibration(config, protocol, 3.0)
     assert result.capacity > 0
@@ -135,7 +136,7 @@ def test_a_trace_on_the_engine_model_at_the_protocols_token_scale() -> None:
     """A trace replayed beside a real vLLM (``reproduce.harness.tracecompare``): the engine
     model is calibrated on the trace's mix as the protocol sends it (lengths x its token scale)
     and replays the trace at its own Ĉ, judged on its collapses; the table takes a trace's columns."""
-    protocol = cpu_scaled(10)
+    protocol = cpu_scaled(RunClock(10.0))
     workload = TraceWorkload(str(MOONCAKE), None, 3.0, 0.0, 60.0)
     mix = trace_mix(workload, protocol)
     unscaled = workload.scaled_mix(1.0)

@@ -9,12 +9,13 @@ import pytest
 from reproduce.conditions import block
 from reproduce.harness.backend import HttpBackend, HttpBackendError
 from reproduce.harness.protocol import cpu_scaled, study
+from reproduce.workloads.plan import RunClock
 
 RETRIES_ON = block("diagnostic").condition("retries-on-cancel-off")
 
 
 def test_cpu_scaled_protocol_divides_durations_and_token_lengths() -> None:
-    proto = cpu_scaled(10)
+    proto = cpu_scaled(RunClock(10.0))
     plan = proto.plan(4.0, RETRIES_ON, seed=1)
     timeline = plan.timeline()
     assert (timeline.base_s, timeline.pulse_s, timeline.hold_s) == pytest.approx((12.0, 10.7, 72.0))
@@ -31,7 +32,7 @@ def test_cpu_scaled_protocol_divides_durations_and_token_lengths() -> None:
 
 def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> None:
     capacity = 4.0  # calls per wall second
-    proto = cpu_scaled(10).with_hold(7_200.0)  # a long hold for a tight rate estimate
+    proto = cpu_scaled(RunClock(10.0)).with_hold(7_200.0)  # a long hold for a tight rate estimate
     plan = proto.plan(capacity, RETRIES_ON, seed=3)
     trace, timeline = plan.calls, plan.timeline()
     hold = [c for c in trace if c.phase == "hold"]
@@ -44,7 +45,7 @@ def test_trace_rates_are_multiples_of_the_engines_capacity_per_wall_second() -> 
 
 
 def test_study_protocol_keeps_the_study_lengths_at_any_time_scale() -> None:
-    proto = study(20)
+    proto = study(RunClock(20.0))
     assert (proto.prompt_mean, proto.shared_prefix_len, proto.response_median) == (12_000.0, 2_000, 300.0)
     assert proto.plan(1.0, RETRIES_ON, seed=0).deadline_s == pytest.approx(6.0)
 
@@ -83,7 +84,7 @@ def test_with_pulse_changes_only_the_pulse_and_names_it() -> None:
         run.condition.policy,
         run.seed,
     )
-    plan = cpu_scaled(10).plan(4.0, ci.condition, seed=1)
+    plan = cpu_scaled(RunClock(10.0)).plan(4.0, ci.condition, seed=1)
     pulse = [c for c in plan.calls if c.phase == "pulse"]
     assert plan.pulse is not None and plan.pulse.multiple == CI_PULSE_MULTIPLE
     assert len(pulse) / plan.timeline().pulse_s == pytest.approx(CI_PULSE_MULTIPLE * 4.0, rel=0.2)

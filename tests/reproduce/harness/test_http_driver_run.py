@@ -22,6 +22,7 @@ from reproduce.conditions import expand
 from reproduce.judge.summary import write_summary
 from reproduce.registry import RunJob, get_backend
 from reproduce.workloads.clients import PROFILES, with_client
+from reproduce.workloads.plan import RunClock
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def _run(tmp_path: Path, block: str, condition: str, client: str = "study", **op
     backend = get_backend("emulated", sizes="scaled", **options)
     backend.prepare([spec])
     try:
-        return backend.run(RunJob(spec, tmp_path, time_scale=K))
+        return backend.run(RunJob(spec, tmp_path, RunClock(K)))
     finally:
         backend.close()
 

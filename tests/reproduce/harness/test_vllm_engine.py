@@ -24,6 +24,7 @@ from reproduce.harness.detectorproc import DetectorProcess
 from reproduce.harness.engines import EngineEndpoint
 from reproduce.harness.proxyproc import ProxyProcess
 from reproduce.workloads.client import AttemptOutcome
+from reproduce.workloads.plan import RunClock
 from tests.reproduce.vllm_helpers import running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -122,7 +123,7 @@ def test_the_vllm_tier_on_vllm_alone_is_quiet_while_it_is_healthy(
     assert exposed < SERIES_LIMIT / 10
     # One short call at a time, every 0.5 s (within the cap Q = 2); Ĉ stated above what it asks.
     detector = DetectorProcess(f"{engine.url}/metrics", workdir=tmp_path, capacity=5.0, deadline_s=12.0,
-                               interval_s=0.5, time_scale=10.0, tier="vllm")  # fmt: skip
+                               interval_s=0.5, clock=RunClock(10.0), tier="vllm")  # fmt: skip
     with detector, httpx.Client(timeout=30) as client:
         t0 = time.time()
         codes = []

@@ -51,6 +51,7 @@ from reproduce.harness.protocol import CI_HOLD_S, CI_PULSE_MULTIPLE, cpu_scaled
 from reproduce.judge.summary import run_dir, write_summary
 from reproduce.judge.validate import BACKLOG, RETRY_LOOP, tier_pages, validate_dir
 from reproduce.registry import Backend, RunJob, get_backend
+from reproduce.workloads.plan import RunClock
 from reproduce.workloads.pulse import with_pulse
 from tests.reproduce.prometheus_beside import Prometheus, prometheus_beside
 from tests.reproduce.vllm_helpers import running_vllm
@@ -87,7 +88,7 @@ def _run_while_the_client_keeps_up(
     for attempt in (1, 2):
         backend.prepare([spec])
         started = time.time()
-        entry = backend.run(RunJob(spec, out, time_scale=K))
+        entry = backend.run(RunJob(spec, out, RunClock(K)))
         entry["prometheus_alerts"] = prometheus.firing(started, time.time())
         (run_dir(out, spec) / PROMETHEUS_ALERTS).write_text(
             json.dumps(entry["prometheus_alerts"], indent=1) + "\n", encoding="utf-8"
@@ -101,7 +102,7 @@ def _run_while_the_client_keeps_up(
 
 
 def test_calibrated_pulse_retry_loop_and_default_recipe(engine: EngineEndpoint, tmp_path: Path) -> None:
-    protocol = cpu_scaled(K).with_hold(CI_HOLD_S)
+    protocol = cpu_scaled(RunClock(K)).with_hold(CI_HOLD_S)
     # Ĉ through a no-control proxy, and the simulator's engine model of this CPU engine from
     # probes of the idle engine (not outcomes).
     measured = measure_engine(engine, model_info(MODEL), protocol, tmp_path, log=print, probe_multiple=1.0)

@@ -24,6 +24,7 @@ from reproduce.judge.groundtruth import (
 )
 from reproduce.registry import get_backend
 from reproduce.runner import run_many
+from reproduce.workloads.plan import RunClock
 from tests.reproduce.test_runner import SMALL
 
 CAPACITY = 2.0
@@ -174,7 +175,7 @@ def scaled_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ),
         *expand("composition", models="qwen2.5-7b-h100", runs=1, conditions=["coalescing"]),
     ]
-    run_many(get_backend("sim", **SMALL), runs, folder, jobs=2, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs, folder, jobs=2, clock=RunClock(10.0), progress=False)
     return folder
 
 

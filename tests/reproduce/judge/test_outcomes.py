@@ -19,12 +19,12 @@ from reproduce.judge.outcomes import (
 )
 from reproduce.workloads.calls import WorkloadSpec
 from reproduce.workloads.client import AttemptOutcome, AttemptRecord, CallRecord, ClientConfig
-from reproduce.workloads.plan import RunPlan, plan_run
+from reproduce.workloads.plan import RunClock, RunPlan, plan_run
 
 
 def study_plan(time_scale: float = 1.0) -> RunPlan:
     """The study's pulse run planned at time scale ``time_scale`` (Ĉ = 1 call/s)."""
-    return plan_run(WorkloadSpec(capacity=1.0), ClientConfig(), time_scale)
+    return plan_run(WorkloadSpec(capacity=1.0), ClientConfig(), RunClock(time_scale))
 
 
 TL = study_plan().timeline()

@@ -14,6 +14,7 @@ from reproduce.judge.summary import write_summary
 from reproduce.judge.validate import validate_dir
 from reproduce.registry import get_backend
 from reproduce.runner import run_many
+from reproduce.workloads.plan import RunClock
 from tests.dashboard.conftest import Page, browser  # noqa: F401 (the fixture)
 from tests.reproduce.test_runner import SMALL
 
@@ -31,7 +32,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         *expand("tracing", runs=1, conditions=["steps-2k-cancel-on"]),
         *expand("trigger-sweep", models="qwen2.5-7b-h100", runs=1)[:2],
     ]
-    run_many(get_backend("sim", **SMALL), runs, folder, jobs=2, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs, folder, jobs=2, clock=RunClock(10.0), progress=False)
     return folder
 
 

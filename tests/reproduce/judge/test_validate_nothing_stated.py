@@ -20,6 +20,7 @@ from reproduce.judge.validate import validate, validate_dir
 from reproduce.judge.validation.nothingstated import unstated_snapshots
 from reproduce.registry import get_backend
 from reproduce.runner import run_many
+from reproduce.workloads.plan import RunClock
 from tests.reproduce.test_runner import SMALL
 
 LEARNED_KEYS = {"known_at_s", "value", "source", "at_overload", "true_value"}
@@ -37,7 +38,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed=2,
         conditions=["retries-on-cancel-off", "retries-off-cancel-off"],
     )
-    run_many(get_backend("sim", **SMALL), runs, out, jobs=1, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs, out, jobs=1, clock=RunClock(10.0), progress=False)
     validate_dir(out)
     return out
 

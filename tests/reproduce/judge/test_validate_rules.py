@@ -16,6 +16,7 @@ from reproduce.judge.validate import validate
 from reproduce.judge.validation.foreign import reach_s, slot_s
 from reproduce.registry import get_backend
 from reproduce.runner import run_many
+from reproduce.workloads.plan import RunClock
 from rules.backfill import BLOCK_S, format_duration
 from tests.reproduce.test_runner import SMALL
 
@@ -49,7 +50,7 @@ groups:
 def sim_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sim")
     runs = expand("diagnostic", models="qwen2.5-7b-h100", runs=1, seed=3, conditions=[LOOP, DRAIN])
-    run_many(get_backend("sim", **SMALL), runs, out, jobs=1, time_scale=10, progress=False)
+    run_many(get_backend("sim", **SMALL), runs, out, jobs=1, clock=RunClock(10.0), progress=False)
     return out
 
 

@@ -28,6 +28,7 @@ from reproduce.planner.daily import (
     History,
     observe,
 )
+from reproduce.workloads.plan import RunClock
 from tests.reproduce.test_runner import SMALL
 from tests.systemtools import require
 
@@ -202,7 +203,9 @@ def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> N
     from reproduce.conditions import MODELS, ClientProfile, PulseWorkload
 
     profile = ClientProfile(name=spec.name, base=spec.config)
-    setup = WhatIf(engine, "sim", SMALL, MODELS[0], profile, PulseWorkload(), time_scale=10.0, progress=False)
+    setup = WhatIf(
+        engine, "sim", SMALL, MODELS[0], profile, PulseWorkload(), clock=RunClock(10.0), progress=False
+    )
     job = daily.DailyJob(
         tmp_path / "rec", tmp_path / "state", setup, ["none", "default"], capacity=SMALL["capacity"],
         precision=0.5, lo=0.25, hi=4.0,

@@ -14,6 +14,7 @@ from reproduce.judge.outcomes import compute_outcomes
 from reproduce.sim import SimResult, SimSpec, simulate
 from reproduce.workloads.client import AttemptOutcome, ClientConfig
 from reproduce.workloads.clients import parse_client
+from reproduce.workloads.plan import RunClock
 from tests.reproduce.small_engine import CAPACITY, ENGINE, WORKLOAD
 
 TIME_SCALE = 10.0
@@ -25,7 +26,7 @@ def run(condition: Condition, seed: int = 1, **changes: Any) -> tuple[SimSpec, S
         condition=condition,
         seed=seed,
         capacity=CAPACITY,
-        time_scale=TIME_SCALE,
+        clock=RunClock(TIME_SCALE),
         engine_config=ENGINE,
         workload=WORKLOAD,
         **changes,
@@ -85,7 +86,7 @@ def test_retries_with_cancellation_collapse_completions_and_fill_the_queue_to_li
 def test_counters_stay_balanced_and_names_are_the_contract() -> None:
     cond = block("queue-policy").condition("lifo")
     spec, result = run(cond)
-    every = spec.snapshot_every_s / spec.time_scale
+    every = spec.clock.run_s(spec.snapshot_every_s)
     assert result.snapshots[1].t - result.snapshots[0].t == pytest.approx(every)
     known = {v for k, v in vars(mn).items() if k.isupper() and isinstance(v, str)}
     known |= {family + suffix for family in SERIES_HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")}

@@ -24,6 +24,7 @@ from reproduce.judge.validate import load_runs
 from reproduce.sim.engine_link import Engine
 from reproduce.workloads.calls import segment_token_ids
 from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import RunClock
 from reproduce.workloads.trace import MAX_REPLAY_S, TraceWorkload, plan_trace
 from reproduce.workloads.tracecapacity import CACHE_ENV, trace_capacity
 from reproduce.workloads.traces import TraceError, mean_rate, read_trace, to_trace_calls, window
@@ -69,8 +70,8 @@ def test_a_scaled_protocol_scales_a_traces_lengths_and_blocks_and_keeps_them_sha
     workload = TraceWorkload(str(MOONCAKE), end_s=60.0)
     condition = block(TRACE_BLOCK).condition(TRACE_CONDITION)
     condition = replace(condition, workload=workload)
-    study_plan = study(k).plan(3.0, condition, seed=1)
-    cpu_plan = cpu_scaled(k).plan(3.0, condition, seed=1)
+    study_plan = study(RunClock(k)).plan(3.0, condition, seed=1)
+    cpu_plan = cpu_scaled(RunClock(k)).plan(3.0, condition, seed=1)
     assert [c.arrival_s for c in cpu_plan.calls] == [c.arrival_s for c in study_plan.calls]
     assert cpu_plan.client.deadline_s == pytest.approx(120.0 / k)
     for full, scaled in zip(study_plan.calls, cpu_plan.calls, strict=True):
@@ -89,7 +90,7 @@ def test_a_scaled_protocol_scales_a_traces_lengths_and_blocks_and_keeps_them_sha
     assert segment_token_ids(seg_a, 32_000, seed=1) == ids_a  # a retry sends the same prompt
     # prompts are cut to the protocol's context (8,192 tokens on the CPU engine)
     assert max(c.prompt_len + c.response_len for c in study_plan.calls) > 8_192 // 2
-    tiny = replace(cpu_scaled(k), max_context=64)
+    tiny = replace(cpu_scaled(RunClock(k)), max_context=64)
     assert all(c.prompt_len + c.response_len <= 64 for c in tiny.plan(3.0, condition, seed=1).calls)
 
 

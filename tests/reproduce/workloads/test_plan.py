@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 
 from reproduce.workloads.calls import WorkloadSpec, generate_trace
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import Phase, PlanError, RunPlan, outline, plan_run
+from reproduce.workloads.plan import Phase, PlanError, RunClock, RunPlan, outline, plan_run
 from retrywatch.cli import main
 
 
@@ -71,7 +72,7 @@ def test_the_study_plan_at_two_time_scales() -> None:
     timeline = study.timeline()
     assert (timeline.pulse_start, timeline.pulse_end, timeline.hold_end) == (120.0, 227.0, 947.0)
     assert (study.deadline_s, study.horizon_s, timeline.window_s) == (120.0, 840.0, 60.0)
-    fast = plan_run(WorkloadSpec(capacity=1.0), ClientConfig(deadline_s=60.0), 10.0)
+    fast = plan_run(WorkloadSpec(capacity=1.0), ClientConfig(deadline_s=60.0), RunClock(10.0))
     # Every duration divided once: the client's deadline and backoff, the phases, the windows.
     assert fast.deadline_s == pytest.approx(6.0) == fast.timeline().deadline_s
     assert fast.client.backoff_max_s == pytest.approx(0.3)
@@ -84,7 +85,7 @@ def test_the_study_plan_at_two_time_scales() -> None:
     assert described["detector"]["windows"]["rate_s"] == pytest.approx(6.0)
     assert described["detector"]["assumed_deadline_s"] == pytest.approx(12.0)
     with pytest.raises(PlanError, match="time scale must be a finite number > 0"):
-        plan_run(WorkloadSpec(capacity=1.0), ClientConfig(), 0.0)
+        RunClock(0.0)
 
 
 def test_a_workload_without_a_pulse_plans_calls_but_has_no_pulse_to_judge() -> None:
@@ -107,10 +108,27 @@ def test_a_workload_without_a_pulse_plans_calls_but_has_no_pulse_to_judge() -> N
 
 def test_an_outline_is_the_runs_plan_without_its_calls_in_run_seconds() -> None:
     spec = WorkloadSpec(capacity=2.0, seed=3)
-    planned, outlined = plan_run(spec, ClientConfig(), 4.0), outline(spec, ClientConfig(), 4.0)
+    planned, outlined = (
+        plan_run(spec, ClientConfig(), RunClock(4.0)),
+        outline(spec, ClientConfig(), RunClock(4.0)),
+    )
     assert outlined.calls == () and planned.calls
     assert outlined.describe() == {**planned.describe(), "calls": 0}
     assert outlined.deadline_s == pytest.approx(ClientConfig().deadline_s / 4.0)
     assert outlined.run_s(60.0) == pytest.approx(15.0)
     assert outlined.run_rate(2.0) == pytest.approx(8.0)  # Ĉ per study second -> per run-second
     assert outlined.clock.plan_spec(spec, ClientConfig()) == planned  # the same clock, the same run
+
+
+def test_the_clock_converts_both_ways_and_records_what_it_reads_back() -> None:
+    clock = RunClock(4)
+    assert clock.k == 4.0 and isinstance(clock.k, float)  # an int K is the same clock as its float
+    assert clock.run_s(60.0) == 15.0 and clock.study_s(15.0) == 60.0
+    assert clock.run_rate(2.0) == 8.0 and clock.study_rate(8.0) == 2.0
+    assert clock.record() == {"time_scale": 4.0} and RunClock.of_record(clock.record()) == clock
+    assert clock.argv() == ["--time-scale", "4.0"] and RunClock().argv() == []  # K = 1: every child's default
+    third = RunClock(1 / 3)
+    assert float(third.argv()[1]) == third.k  # exact: a child runs at the run's K, not a rounding of it
+    for bad in (True, 0, -1.0, math.inf, math.nan, "4"):
+        with pytest.raises(PlanError, match="time scale must be a finite number > 0"):
+            RunClock(bad)  # type: ignore[arg-type]

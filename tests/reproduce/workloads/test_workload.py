@@ -17,7 +17,7 @@ from reproduce.workloads.calls import (
     shared_prefix_segment_id,
 )
 from reproduce.workloads.client import ClientConfig
-from reproduce.workloads.plan import plan_run
+from reproduce.workloads.plan import RunClock, plan_run
 
 
 def test_same_seed_same_trace_other_seed_other_trace() -> None:
@@ -63,7 +63,7 @@ def test_a_plan_at_a_time_scale_compresses_the_same_calls() -> None:
     """A spec is at the study's scale; its plan divides every arrival and phase by K, once."""
     spec = WorkloadSpec(capacity=2.0, seed=5)
     full = generate_trace(spec)
-    fast = plan_run(spec, ClientConfig(), 10.0)
+    fast = plan_run(spec, ClientConfig(), RunClock(10.0))
     assert len(full) == len(fast.calls)
     for a, b in zip(full, fast.calls, strict=True):
         assert b.arrival_s == a.arrival_s / 10.0

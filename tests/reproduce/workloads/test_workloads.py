@@ -21,6 +21,7 @@ from reproduce.judge.validate import load_runs
 from reproduce.sim.world import SimSpec, simulate
 from reproduce.workloads.base import Shaping, Workload
 from reproduce.workloads.client import ClientConfig
+from reproduce.workloads.plan import RunClock
 from reproduce.workloads.pulse import PulseWorkload
 from reproduce.workloads.registry import WORKLOADS
 from reproduce.workloads.steps import STEP_S, SteppedWorkload, StepsError, parse_steps
@@ -63,7 +64,7 @@ def test_every_kind_runs_and_is_judged_through_the_one_interface(kind: str) -> N
         condition,
         seed=3,
         capacity=SMALL["capacity"],
-        time_scale=10.0,
+        clock=RunClock(10.0),
         workload={**SMALL["workload"], "max_context": 4096},
         engine=SMALL["engine"],
     )
@@ -96,7 +97,7 @@ def test_steps_parse_and_refuse_what_cannot_be_a_load() -> None:
 
 def test_a_stepped_plan_holds_each_step_for_its_time_at_its_multiple() -> None:
     steps = SteppedWorkload((0.5, 1.0, 2.0), step_s=STEP_S)
-    plan = steps.plan(3.0, ClientConfig(), seed=1, time_scale=10.0, shaping=Shaping())
+    plan = steps.plan(3.0, ClientConfig(), seed=1, clock=RunClock(10.0), shaping=Shaping())
     assert [(p.name, p.start_s, p.end_s, p.multiple) for p in plan.phases] == [
         ("step1", 0.0, 30.0, 0.5),
         ("step2", 30.0, 60.0, 1.0),
