@@ -129,6 +129,13 @@ def calibrate_http_command(
         raise click.BadParameter("needs --trace FILE", param_hint=hint)
     engine: EngineBackend
     try:
+        # the user's files are read before the engine is looked for: a bad --trace is a usage
+        # mistake whether or not the engine is installed
+        scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
+        protocol = cpu_scaled(clock) if scaled else study(clock)
+        stage_calls = None
+        if trace_path is not None:
+            stage_calls = _trace_stage_calls(trace_path, trace_format, window_text, protocol)
         if backend == "vllm":
             engine = VllmBackend(python, model, workdir, gpu=gpu, niceness=nice)
         elif backend == "emulated":
@@ -136,11 +143,6 @@ def calibrate_http_command(
         else:
             assert engine_url is not None
             engine = ExternalBackend(engine_url)
-        scaled = sizes == "scaled" or (sizes is None and backend == "vllm" and not gpu)
-        protocol = cpu_scaled(clock) if scaled else study(clock)
-        stage_calls = None
-        if trace_path is not None:
-            stage_calls = _trace_stage_calls(trace_path, trace_format, window_text, protocol)
         with engine as endpoint, ExitStack() as stack:
             click.echo(f"engine {endpoint.model_name} at {redact_url(endpoint.url)}", err=True)
             send_url = None
