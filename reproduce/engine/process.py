@@ -27,12 +27,16 @@ class EngineProcess:
         on_step: Callable[[float, EngineModel], None] | None = None,
         *,
         coalesce: bool = True,
+        on_events: Callable[[list[EngineEvent]], None] | None = None,
     ) -> None:
         self.env = env
         self.engine = engine
         # Safe here: every submit and abort cuts a coalesced run first (see EngineModel's NOTE).
         engine.coalesce_decode_steps = coalesce
         self.on_event = on_event
+        # instead of ``on_event``: each batch of events at once, in order (a driver that loops
+        # over them itself saves a call per event)
+        self.on_events = on_events
         self.on_step = on_step  # called after every finished step (sampling, tests)
         self._step_handle: EventHandle | None = None
 
@@ -86,6 +90,9 @@ class EngineProcess:
         self._forward(events)
 
     def _forward(self, events: list[EngineEvent]) -> None:
-        if self.on_event is not None:
+        if self.on_events is not None:
+            if events:
+                self.on_events(events)
+        elif self.on_event is not None:
             for event in events:
                 self.on_event(event)

@@ -28,6 +28,8 @@ __all__ = [
     "preset_config",
 ]
 
+_FIRST_TOKEN = EventKind.FIRST_TOKEN
+
 
 def preset_config(model: str, **options: Any) -> EngineConfig:
     """The preset's engine configuration (``reproduce.engine.presets``)."""
@@ -94,7 +96,7 @@ class Engine:
         return cls(cfg, trace=trace, labels={"model_name": model})
 
     def bind(self, env: Environment, on_event: Callable[[EventKind, int], None]) -> None:
-        self.process = EngineProcess(env, self.model, self._forward)
+        self.process = EngineProcess(env, self.model, on_events=self._forward)
         self._on_event = on_event
 
     def add(
@@ -105,7 +107,8 @@ class Engine:
         assert process is not None, "bind() the engine to an environment first"
         rid = str(execution_id)
         self._ids[rid] = execution_id
-        if process.submit(EngineRequest(rid, tuple(segments), max_tokens)):
+        prompt = segments if type(segments) is tuple else tuple(segments)
+        if process.submit(EngineRequest(rid, prompt, max_tokens)):
             return True
         del self._ids[rid]
         return False
@@ -114,11 +117,14 @@ class Engine:
         assert self.process is not None, "bind() the engine to an environment first"
         self.process.abort(str(execution_id))
 
-    def _forward(self, event: EngineEvent) -> None:
-        kind, rid = event.kind, event.request_id
-        execution_id = self._ids.get(rid) if kind is EventKind.FIRST_TOKEN else self._ids.pop(rid, None)
-        if execution_id is not None and self._on_event is not None:
-            self._on_event(kind, execution_id)
+    def _forward(self, events: list[EngineEvent]) -> None:
+        ids, on_event = self._ids, self._on_event
+        assert on_event is not None, "bind() the engine to an environment first"
+        for event in events:
+            kind, rid = event.kind, event.request_id
+            execution_id = ids.get(rid) if kind is _FIRST_TOKEN else ids.pop(rid, None)
+            if execution_id is not None:
+                on_event(kind, execution_id)
 
     def metrics_samples(self) -> list[Sample]:
         return self.model.metrics_samples(self.labels)

@@ -75,6 +75,33 @@ def test_step_callback_sees_every_step_or_run_of_decode_steps() -> None:
         assert seen == expected
 
 
+def test_batch_callback_gets_the_same_events_in_the_same_order() -> None:
+    batches: list[list[EngineEvent]] = []
+    runs: list[list[EngineEvent]] = []
+    for batched in (False, True):
+        env = Environment()
+        engine = EngineModel(EngineConfig(num_gpu_blocks=2_000, step_time=STEP, max_num_batched_tokens=512))
+        events: list[EngineEvent] = []
+        if batched:
+
+            def on_events(got: list[EngineEvent], events: list[EngineEvent] = events) -> None:
+                batches.append(got)
+                events.extend(got)
+
+            proc = EngineProcess(env, engine, on_events=on_events)
+        else:
+            proc = EngineProcess(env, engine, events.append)
+        for i, at in enumerate((0.0, 0.001, 0.002, 0.3)):
+            env.schedule(at, proc.submit, EngineRequest(f"r{i}", ((f"r{i}", 300),), 4 + i))
+        env.schedule(0.05, proc.abort, "r2")
+        env.run()
+        runs.append(events)
+    assert runs[0] == runs[1]
+    assert {e.kind for e in runs[1]} == {EventKind.FIRST_TOKEN, EventKind.FINISHED, EventKind.ABORTED}
+    # one call per non-empty batch (a step's events together), never an empty one
+    assert all(batches) and len(batches) < len(runs[1])
+
+
 def run_workload(
     coalesce: bool, deadline_s: float | None, queue_cap: int | None
 ) -> tuple[list[EngineEvent], list[Sample]]:
