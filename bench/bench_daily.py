@@ -94,6 +94,10 @@ def main() -> None:
     parser.add_argument("--jobs", default=str(WORKERS), help="--executor local: runs at a time")
     parser.add_argument("--days", type=int, default=1, help="consecutive days, each run on the same state")
     parser.add_argument("--growth", type=float, default=0.1, help="each day's traffic over the day before's")
+    parser.add_argument(
+        "--compare-cold", action="store_true",
+        help="then search the last day again cold (a state of its own) and compare the answers",
+    )  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-daily-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
@@ -116,27 +120,39 @@ def main() -> None:
         (root / "rec").mkdir()
         print(f"{args.days} day(s) of {args.hours:g} h written in {written:.1f} s; {args.policies}, "
               f"--precision {args.precision}, {how}")  # fmt: skip
-        for k, day in enumerate(sorted((root / "days").iterdir())):
+        days = sorted((root / "days").iterdir())
+        for k, day in enumerate(days):
             shutil.copy(day, root / "rec" / day.name)  # the proxy's file of the day, as it rotates
-            runs = set((root / "state" / "runs").glob("*"))
-            started = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True, check=False, env=RAY_ENV)
-            wall = time.perf_counter() - started
-            if done.returncode != 0:
-                raise SystemExit(f"plan-daily failed ({done.returncode}):\n{done.stderr[-2000:]}")
-            (run,) = set((root / "state" / "runs").glob("*")) - runs
-            body = json.loads((run / "whatif.json").read_text(encoding="utf-8"))
-            points = len(json.loads((run / "points" / "summary.json").read_text(encoding="utf-8"))["runs"])
-            starts = sorted({str(s["start"]["kind"]) for s in body["headroom"].values()})
-            calls = body["daily"]["window"]["calls"]
-            print(
-                f"day {k + 1} (mean {rates[k] / DEFAULT_CAPACITY:.3g}x Ĉ, {calls:,} calls; "
-                f"{'/'.join(starts)} start): {wall:.1f} s wall, {points} points run"
+            last = _day(command, root / "state", f"day {k + 1} (mean {rates[k] / DEFAULT_CAPACITY:.3g}x Ĉ")
+        if args.compare_cold:
+            cold = [root / "cold" if a == str(root / "state") else a for a in command]
+            again = _day(
+                [str(a) for a in cold], root / "cold", f"day {len(days)} again, cold (a state of its own"
             )
-            print(f"  {body['daily']['says']}")
-            for p, search in body["headroom"].items():
-                print(f"  {p}: safe mean load {search['headroom_load']} ({search['kind']}), "
-                      f"{len(search['tried'])} points, start {search['start']}")  # fmt: skip
+            same = all(again[p]["headroom_load"] == last[p]["headroom_load"] for p in last)
+            print(f"the same answers cold and warm: {same}")
+
+
+def _day(command: list[str], state: Path, label: str) -> dict[str, dict[str, object]]:
+    """One run of plan-daily on ``state``; prints its points, wall time and answers; returns its searches."""
+    runs = set((state / "runs").glob("*"))
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=RAY_ENV)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"plan-daily failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    (run,) = set((state / "runs").glob("*")) - runs
+    body = json.loads((run / "whatif.json").read_text(encoding="utf-8"))
+    points = len(json.loads((run / "points" / "summary.json").read_text(encoding="utf-8"))["runs"])
+    starts = sorted({str(s["start"]["kind"]) for s in body["headroom"].values()})
+    calls = body["daily"]["window"]["calls"]
+    print(f"{label}, {calls:,} calls; {'/'.join(starts)} start): {wall:.1f} s wall, {points} points run")
+    print(f"  {body['daily']['says']}")
+    for p, search in body["headroom"].items():
+        print(f"  {p}: safe mean load {search['headroom_load']} ({search['kind']}), "
+              f"{len(search['tried'])} points, start {search['start']}")  # fmt: skip
+    searches: dict[str, dict[str, object]] = body["headroom"]
+    return searches
 
 
 if __name__ == "__main__":
