@@ -12,13 +12,15 @@ tips. This module answers both on any workload (``reproduce.workloads``): ``--lo
   ``reproduce validate`` replays them);
 * :func:`headroom`: per policy, the largest load at which it still meets the delivery objective
   (:class:`Objective`: the share of calls delivered within the deadline, and every collapse over
-  soon after arrivals fall back below Ĉ), by bisection to a stated precision (every policy's next
-  load runs in one batch, so the batch fans out over ``jobs`` processes); beside it, from every
-  load run, where the retry loop first forms (*loop onset*) and where the engine is simply
-  overloaded (the objective missed without a loop). ``--criterion`` keeps the older answers
-  (:data:`CRITERIA`);
+  soon after arrivals fall back below Ĉ), by bisection to a stated precision on a fixed grid of
+  loads (:class:`Grid`), cold or warm from a given load such as yesterday's answer
+  (:class:`HeadroomSearch`; every policy's next load runs in one batch, so the batch fans out over
+  ``jobs`` processes); beside it, from every load run, where the retry loop first forms (*loop
+  onset*) and where the engine is simply overloaded (the objective missed without a loop).
+  ``--criterion`` keeps the older answers (:data:`CRITERIA`);
 * :func:`curve`: per policy, every load run in DIR judged (delivered within the deadline, late,
-  failed against load): the curve, not only the point.
+  failed against load): the curve, not only the point (:func:`headroom_with_curves`: the
+  headroom and the curves from the same points, each judged once).
 
 Every point (policy, load, seed) is a run of ``reproduce.runner.run_many`` in ``DIR/points`` (a
 reproduce output directory of its own: ``reproduce validate DIR/points`` reads it). A rerun
