@@ -1,17 +1,22 @@
 """How long the daily what-if takes: ``retrywatch reproduce plan-daily --once`` on a synthetic
 recording of ``--hours`` (default 24), five policies, headroom to 0.05 Ĉ, on the local executor
-or on two Ray workers.
+or on two Ray workers; with ``--days 2``, on consecutive days, each later one warm from the day
+before.
 
 Writes the recording in the proxy's layout (``daily_growth.write_days``: a diurnal swing of
-+-50 % and a burst, mean ``--mean-load`` x Ĉ), then runs the whole command as a child process on
++-50 % and a burst, mean ``--mean-load`` x Ĉ, each later day ``--growth`` busier), then, per day,
+adds that day's file to the recording and runs the whole command as a child process on the same
+state directory (the first day searches cold, each later one from the day before's answers), on
 the study's engine preset with Ĉ stated (the Azure slice's, as ``bench_whatif.py --trace hour``:
-calibration is not timed) and prints its wall time, the points run and each policy's headroom.
+calibration is not timed), and prints its wall time, the points run, each search's start and
+each policy's headroom.
 ``--executor ray`` starts a Ray head of two CPUs on loopback in a temp dir of its own (two
 workers), runs the command on it and stops the head's processes by their session, never by
 ``ray stop`` (which would end every Ray on the machine).
 
     .venv/bin/python bench/bench_daily.py [--hours 24] [--mean-load 0.3] [--executor local|ray]
         [--jobs 2] [--policies none,default,budget,coalescing,lookup-first] [--precision 0.05]
+        [--days 1] [--growth 0.1]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,17 +86,24 @@ def ray_head(workers: int) -> Iterator[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hours", type=float, default=24.0)
+    parser.add_argument("--hours", type=float, default=24.0, help="each day's length (the window replayed)")
     parser.add_argument("--mean-load", type=float, default=0.3)
     parser.add_argument("--policies", default="none,default,budget,coalescing,lookup-first")
     parser.add_argument("--precision", default="0.05")
     parser.add_argument("--executor", choices=("local", "ray"), default="local")
     parser.add_argument("--jobs", default=str(WORKERS), help="--executor local: runs at a time")
+    parser.add_argument("--days", type=int, default=1, help="consecutive days, each run on the same state")
+    parser.add_argument("--growth", type=float, default=0.1, help="each day's traffic over the day before's")
+    parser.add_argument(
+        "--compare-cold", action="store_true",
+        help="then search the last day again cold (a state of its own) and compare the answers",
+    )  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-daily-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
         started = time.perf_counter()
-        write_days(root / "rec", [args.mean_load * DEFAULT_CAPACITY], args.hours * 3600, seed=3)
+        rates = [args.mean_load * DEFAULT_CAPACITY * (1 + args.growth) ** k for k in range(args.days)]
+        write_days(root / "days", rates, args.hours * 3600, seed=3)
         written = time.perf_counter() - started
         command = [
             sys.executable, "-m", "retrywatch", "reproduce", "plan-daily", "--once", "--recording",
@@ -104,19 +117,42 @@ def main() -> None:
         else:
             command += ["--jobs", args.jobs]
             how = f"--executor local --jobs {args.jobs}"
-        started = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, check=False, env=RAY_ENV)
-        wall = time.perf_counter() - started
-        if done.returncode != 0:
-            raise SystemExit(f"plan-daily failed ({done.returncode}):\n{done.stderr[-2000:]}")
-        latest = json.loads((root / "state" / "latest.json").read_text(encoding="utf-8"))
-        (run,) = (root / "state" / "runs").iterdir()
-        points = len(json.loads((run / "points" / "summary.json").read_text(encoding="utf-8"))["runs"])
-        print(
-            f"{args.hours:g} h recording ({latest['window']['calls']:,} calls, written in {written:.1f} s), "
-            f"{args.policies}, --precision {args.precision}, {how}: {wall:.1f} s wall, {points} points run"
-        )
-        print(latest["says"])
+        (root / "rec").mkdir()
+        print(f"{args.days} day(s) of {args.hours:g} h written in {written:.1f} s; {args.policies}, "
+              f"--precision {args.precision}, {how}")  # fmt: skip
+        days = sorted((root / "days").iterdir())
+        for k, day in enumerate(days):
+            shutil.copy(day, root / "rec" / day.name)  # the proxy's file of the day, as it rotates
+            last = _day(command, root / "state", f"day {k + 1} (mean {rates[k] / DEFAULT_CAPACITY:.3g}x Ĉ")
+        if args.compare_cold:
+            cold = [root / "cold" if a == str(root / "state") else a for a in command]
+            again = _day(
+                [str(a) for a in cold], root / "cold", f"day {len(days)} again, cold (a state of its own"
+            )
+            same = all(again[p]["headroom_load"] == last[p]["headroom_load"] for p in last)
+            print(f"the same answers cold and warm: {same}")
+
+
+def _day(command: list[str], state: Path, label: str) -> dict[str, dict[str, object]]:
+    """One run of plan-daily on ``state``; prints its points, wall time and answers; returns its searches."""
+    runs = set((state / "runs").glob("*"))
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=RAY_ENV)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"plan-daily failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    (run,) = set((state / "runs").glob("*")) - runs
+    body = json.loads((run / "whatif.json").read_text(encoding="utf-8"))
+    points = len(json.loads((run / "points" / "summary.json").read_text(encoding="utf-8"))["runs"])
+    starts = sorted({str(s["start"]["kind"]) for s in body["headroom"].values()})
+    calls = body["daily"]["window"]["calls"]
+    print(f"{label}, {calls:,} calls; {'/'.join(starts)} start): {wall:.1f} s wall, {points} points run")
+    print(f"  {body['daily']['says']}")
+    for p, search in body["headroom"].items():
+        print(f"  {p}: safe mean load {search['headroom_load']} ({search['kind']}), "
+              f"{len(search['tried'])} points, start {search['start']}")  # fmt: skip
+    searches: dict[str, dict[str, object]] = body["headroom"]
+    return searches
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ day's window. Truth per day: the day replayed alone at its own load under the po
 (``reproduce.planner.whatif.compare``), meeting the delivery objective or not. Then the same
 days held flat at 30 % below the first day that missed the objective: the warning should never
 fire there. Prints each day's observed peak, headroom, warning and truth, the lead (days between
-the first warning and the first missed day) and the false alarms.
+the first warning and the first missed day) and the false alarms. Each day after the first
+searches warm from the day before's answers (``reproduce.planner.daily.warm_start``); each row
+gives the loads it ran.
 
     .venv/bin/python bench/daily_growth.py [--days 10] [--day-s 600] [--policies default,budget]
 """
@@ -111,7 +113,7 @@ def run(label: str, rates: list[float], args: argparse.Namespace, root: Path) ->
             "headroom": {p: day.headroom[p] for p in policies},
             "ratio": round(day.ratio(job.policy_in_force), 3), "warn": day.low,
             "meets": point["meets_objective"], "share": point["within_deadline_share"],
-            "wall_s": round(wall, 1),
+            "wall_s": round(wall, 1), "points": sum(len(s["tried"]) for s in day.searches.values()),
             "best": day.best(),
         })  # fmt: skip
         print(label, json.dumps(rows[-1]), flush=True)

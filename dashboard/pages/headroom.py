@@ -6,15 +6,16 @@ latest run's curves (calls delivered within the deadline, late and failed agains
 the objective, headroom, loop onset and overload marked).
 
 It reads what the command persists under DIR: each run's ``runs/<UTC time>-w<start>-<end>/
-whatif.json`` (its ``daily`` answer and each policy's ``headroom`` search) and that run's points
-(``points/summary.json``); the SQL history holds the same answers. A run it cannot read is a
-note on the page, never an error page. The dashboard does not import the planner (it sits below
-``reproduce``): the names it reads are checked against the planner's by its tests.
+whatif.json`` (its ``daily`` answer, each policy's ``headroom`` search, and its ``curves`` with
+their marks, judged by the planner's own ``curve`` and ``marks``); the SQL history holds the same
+answers. A run it cannot read is a note on the page, never an error page. The dashboard does not
+import the planner (it sits below ``reproduce``): the names it reads are checked against the
+planner's by its tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,7 @@ from dash import dcc, html
 from dashboard import figures, style
 from dashboard.context import Context
 from dashboard.pages import Page
-from detector.signals import DELIVERY_OBJECTIVE
-from foundation.rundir import WHATIF, WHATIF_POINTS, RunDirError, read_json, read_summary
+from foundation.rundir import WHATIF, RunDirError, read_json
 
 PATH = "/headroom"
 #: Where plan-daily keeps each run (``reproduce.planner.daily.RUNS_DIR``).
@@ -37,6 +37,8 @@ MAX_DAYS = 400
 BROKEN = (RunDirError, ValueError, TypeError, KeyError, AttributeError, OSError)
 #: The fields of a run's ``daily`` answer the page reads.
 DAY_FIELDS = ("run_at", "headroom_load", "observed_peak_load", "policy_in_force", "margin")
+#: The fates a curve's point gives as shares of its calls (``<fate>_share``).
+SHARES = ("within_deadline", "late", "failed")
 
 
 @dataclass
@@ -116,69 +118,51 @@ def load_plan(state: Path | None) -> Plan:
     return plan
 
 
-def _first(tried: Sequence[Mapping[str, Any]], state: str) -> dict[str, Any]:
-    """Where ``state`` first shows on a policy's tried loads: ``loop`` (a retry loop formed) or
-    ``overload`` (the objective missed without one), as ``reproduce whatif`` marks its curves."""
-
-    def is_state(t: Mapping[str, Any]) -> bool:
-        loop = int(t.get("loops") or 0) > 0
-        return loop if state == "loop" else not loop and not t.get("meets_objective")
-
-    at = next((float(t["load"]) for t in sorted(tried, key=lambda t: float(t["load"])) if is_state(t)), None)
-    return {"load": at}
-
-
 def whatif_curves(run: Path, body: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's curves as ``figures.whatif_curve_figure`` reads a what-if: per policy, the share
-    of the replay's calls delivered within the deadline, late and failed at each load its headroom
-    search ran (its points' summary, over its seeds), its headroom and where a loop formed or the
-    objective was missed first (its search's verdicts), against the delivery objective."""
-    searches = body.get("headroom")
-    if not isinstance(searches, Mapping):
-        raise RunDirError(f"{RUNS_DIR}/{run.name}/{WHATIF}: no 'headroom' searches")
-    totals: dict[tuple[str, float], list[float]] = {}  # (policy, load) -> offered, within, delivered
-    for entry in read_summary(run / WHATIF_POINTS)["runs"]:
-        if not isinstance(entry, Mapping):
-            continue
-        trace = (entry.get("delivery") or {}).get("trace") or {}
-        offered = float(trace.get("offered") or 0)
-        if not offered or trace.get("within_deadline") is None:
-            continue
-        key = (str(entry["condition"]), float(entry["settings"]["load"]))
-        got = totals.setdefault(key, [0.0, 0.0, 0.0])
-        got[0] += offered
-        got[1] += offered * float(trace["within_deadline"])
-        got[2] += offered * float(trace.get("by_horizon") or trace["within_deadline"])
+    """A run's curves as ``figures.whatif_curve_figure`` reads a what-if, from what plan-daily
+    wrote in its ``whatif.json``: per policy its ``curves`` entry (every load its search ran,
+    judged by the planner's ``curve``, and the loop onset and overload its ``marks`` found) and its
+    ``headroom`` search, against the ``objective`` and ``criterion`` it recorded. A run written
+    before plan-daily recorded its curves raises ``RunDirError`` saying so."""
+    where = f"{RUNS_DIR}/{run.name}/{WHATIF}"
+    curves, searches = body.get("curves"), body.get("headroom")
+    if curves is None:
+        raise RunDirError(
+            f"{where} was written before plan-daily recorded its curves; the next run draws them"
+        )
+    if not isinstance(curves, Mapping) or not isinstance(searches, Mapping):
+        raise RunDirError(f"{where}: 'curves' and 'headroom' must be objects")
     policies: dict[str, Any] = {}
-    for policy, search in searches.items():
-        if not isinstance(search, Mapping):
-            continue
-        curve = [
-            {
-                "load": load,
-                "within_deadline_share": within / n,
-                "late_share": max(delivered - within, 0.0) / n,
-                "failed_share": max(n - delivered, 0.0) / n,
-            }
-            for (p, load), (n, within, delivered) in sorted(totals.items())
-            if p == policy
+    for policy, drawn in curves.items():
+        if not isinstance(drawn, Mapping) or not isinstance(drawn.get("curve"), list):
+            raise RunDirError(f"{where}: policy {policy!r} has no curve")
+        points = [
+            {**q, "load": float(q["load"]), **{f"{k}_share": float(q[f"{k}_share"] or 0.0) for k in SHARES}}
+            for q in drawn["curve"]
         ]
-        tried = [t for t in search.get("tried") or [] if isinstance(t, Mapping) and "load" in t]
+        search = searches.get(policy)
         policies[str(policy)] = {
             "at_load": {},
-            "curve": curve,
-            "headroom": dict(search),
-            "loop_onset": _first(tried, "loop"),
-            "overload": _first(tried, "overload"),
+            "curve": points,
+            "headroom": dict(search) if isinstance(search, Mapping) else None,
+            "loop_onset": _mark(drawn.get("loop_onset")),
+            "overload": _mark(drawn.get("overload")),
         }
-    criterion = next(
-        (str(s.get("criterion")) for s in searches.values() if isinstance(s, Mapping)), "objective"
-    )
+    objective = body.get("objective")
+    if not isinstance(objective, Mapping) or "target" not in objective:
+        raise RunDirError(f"{where}: no 'objective' with its target")
+    criterion = body.get("criterion")
     return {
         "policies": policies,
-        "objective": {"target": DELIVERY_OBJECTIVE},
-        "criterion": {"name": criterion, "safe": "meets the objective", "unsafe": "misses it"},
+        "objective": {"target": float(objective["target"])},
+        "criterion": dict(criterion) if isinstance(criterion, Mapping) else None,
     }
+
+
+def _mark(mark: Any) -> dict[str, Any]:
+    """A curve's mark (its ``load``, None where not seen), checked for what the figure reads."""
+    at = mark.get("load") if isinstance(mark, Mapping) else None
+    return {**(mark if isinstance(mark, Mapping) else {}), "load": None if at is None else float(at)}
 
 
 def answer(day: Mapping[str, Any]) -> str:

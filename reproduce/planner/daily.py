@@ -12,7 +12,11 @@ leave more? This module answers it, pure enough to test:
   :data:`PEAK_WINDOW_S` of it);
 * :func:`run_day`: that window replayed on the simulator under each policy (the what-if's
   :func:`~reproduce.planner.whatif.headroom`, through the same executor interface), each one's
-  headroom, and the row of :class:`History` it adds;
+  headroom, and the row of :class:`History` it adds; each policy's search starts warm from the
+  history's newest answer (:func:`warm_start`: that load, then outwards, on the same grid as a
+  cold search, so the answer is a cold search's wherever more load never helps), cold where
+  there is none; its ``whatif.json`` keeps each search, its start, and the curves and marks the
+  dashboard draws (:func:`~reproduce.planner.whatif.curve`, :func:`~reproduce.planner.whatif.marks`);
 * :class:`History`: every run and each policy's headroom in SQL (SQLAlchemy; SQLite by default,
   any URL ``detector.store.make_engine`` takes);
 * :class:`HeadroomCollector`: the latest run as Prometheus series, read fresh on every scrape;
@@ -36,7 +40,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,9 +65,13 @@ from detector.runbook import DEFAULT_PATTERN, runbook_url
 from detector.sources.scrape import MAX_BODY_BYTES
 from detector.store import make_engine
 from reproduce.planner.whatif import (
+    DEFAULT_CRITERION,
     PRECISION,
+    Objective,
     WhatIf,
-    headroom,
+    criterion_words,
+    headroom_with_curves,
+    marks,
     parse_policies,
     write_whatif,
 )
@@ -87,6 +95,7 @@ __all__ = [
     "parse_at",
     "render_rules",
     "run_day",
+    "warm_start",
 ]
 
 #: The window of the recording each run replays: its last day.
@@ -312,6 +321,8 @@ class Day:
     headroom: dict[str, float]  # policy -> peak load it may reach, multiples of Ĉ (0: none found safe)
     kind: dict[str, str]  # policy -> the search's kind: bracketed, at-least, below
     out: Path | None = None
+    # policy -> its search as whatif.json keeps it (this run's only: the history keeps none)
+    searches: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def observed_peak_load(self) -> float:
@@ -345,6 +356,19 @@ class Day:
             text += f"; {best} leaves the most: {self.ratio(best):.3g}x (+{more:.3g}x Ĉ, {gain:.3g}x {p}'s)"
         return text
 
+    def search_text(self, policy: str) -> str:
+        """How ``policy``'s search went: where it started and the loads it ran."""
+        search = self.searches.get(policy)
+        if search is None:
+            return ""
+        start, n = search.get("start") or {}, len(search.get("tried") or [])
+        began = (
+            f"warm start at {start['load']:g}x (the last run's {start['from']:.4g}x)"
+            if start.get("kind") == "warm"
+            else "cold start"
+        )
+        return f"{began}, {n} load{'s' if n != 1 else ''} run"
+
     def gain(self) -> float:
         """The most headroom of any policy over the policy in force's (inf where it leaves none)."""
         best, mine = self.headroom[self.best()], self.headroom[self.policy_in_force]
@@ -371,8 +395,10 @@ class Day:
 
 
 def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = None) -> Day:
-    """Replay the recording's last window under each policy, find each one's headroom, and add
-    the run to the history (``end_s``: the window's end, seconds from the recording's first call;
+    """Replay the recording's last window under each policy, find each one's headroom (each
+    search warm from the history's newest answer where it has one: :func:`warm_start`), write
+    the run's ``whatif.json`` (the answer, each search, the curves and their marks), and add the
+    run to the history (``end_s``: the window's end, seconds from the recording's first call;
     None: its last call)."""
     run_at = time.time() if now is None else now
     window = observe(job.recording, job.window_s, end_s)
@@ -382,16 +408,28 @@ def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = No
     out = job.state / RUNS_DIR / f"{stamp}-w{window.start_s:.0f}-{window.end_s:.0f}"
     out.mkdir(parents=True, exist_ok=True)
     setup = replace(job.whatif, workload=workload)
-    found = headroom(setup, list(job.policies), out, lo=job.lo, hi=job.hi, precision=job.precision)
+    previous, start = warm_start(job)
+    objective = Objective()
+    found, curves = headroom_with_curves(
+        setup, list(job.policies), out, lo=job.lo, hi=job.hi, precision=job.precision,
+        objective=objective, start=start,
+    )  # fmt: skip
     # the safe mean load (multiples of the simulator's Ĉ) as the peak load of this traffic's shape
     # (multiples of Ĉ): the observed peak is the observed mean times the same ratio
     safe = {p: float(f["headroom_load"] or 0.0) for p, f in found.items()}
     day = Day(
         run_at, window, capacity, source, job.policy_in_force, job.margin,
         {p: round(safe[p] * window.peak_to_mean, 4) for p in job.policies},
-        {p: str(found[p]["kind"]) for p in job.policies}, out,
+        {p: str(found[p]["kind"]) for p in job.policies}, out, found,
     )  # fmt: skip
-    write_whatif(out, {"daily": day.to_dict(), "headroom": found})
+    write_whatif(out, {
+        "daily": day.to_dict(),
+        "warm_start": None if previous is None else {"run_at": previous.run_at, "safe_mean_load": start},
+        "objective": objective.describe(),
+        "criterion": criterion_words(DEFAULT_CRITERION, objective),
+        "headroom": found,
+        "curves": {p: {"curve": curves[p], **marks(curves[p])} for p in job.policies},
+    })  # fmt: skip
     store = History(job.url)
     try:
         store.add(day)
@@ -399,6 +437,22 @@ def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = No
         store.close()
     (job.state / LATEST).write_text(json.dumps(day.to_dict(), indent=1) + "\n", encoding="utf-8")
     return day
+
+
+def warm_start(job: DailyJob) -> tuple[Day | None, dict[str, float]]:
+    """The history's newest run and, per policy of ``job`` it searched, its answer as the search
+    took it, a safe *mean* load (its headroom over that window's peak-to-mean ratio; 0 where none
+    was safe): where today's search starts (a policy it did not search starts cold)."""
+    store = History(job.url)
+    try:
+        newest = store.days(limit=1)
+    finally:
+        store.close()
+    if not newest:
+        return None, {}
+    day = newest[0]
+    ratio = day.window.peak_to_mean
+    return day, {p: day.headroom[p] / ratio for p in job.policies if p in day.headroom}
 
 
 # --- the history ------------------------------------------------------------------------------

@@ -271,7 +271,8 @@ def plan_daily_command(
         click.echo(day.says())
         for p in policies:
             click.echo(
-                f"{p}: headroom {day.headroom[p]:g}x Ĉ at peak ({day.kind[p]}), {day.ratio(p):.3g}x the peak"
+                f"{p}: headroom {day.headroom[p]:g}x Ĉ at peak ({day.kind[p]}), {day.ratio(p):.3g}x the "
+                f"peak; {day.search_text(p)}"
             )
         click.echo(f"wrote {day.out} and the history {job.url}")
         return

@@ -12,13 +12,15 @@ tips. This module answers both on any workload (``reproduce.workloads``): ``--lo
   ``reproduce validate`` replays them);
 * :func:`headroom`: per policy, the largest load at which it still meets the delivery objective
   (:class:`Objective`: the share of calls delivered within the deadline, and every collapse over
-  soon after arrivals fall back below Ĉ), by bisection to a stated precision (every policy's next
-  load runs in one batch, so the batch fans out over ``jobs`` processes); beside it, from every
-  load run, where the retry loop first forms (*loop onset*) and where the engine is simply
-  overloaded (the objective missed without a loop). ``--criterion`` keeps the older answers
-  (:data:`CRITERIA`);
+  soon after arrivals fall back below Ĉ), by bisection to a stated precision on a fixed grid of
+  loads (:class:`Grid`), cold or warm from a given load such as yesterday's answer
+  (:class:`HeadroomSearch`; every policy's next load runs in one batch, so the batch fans out over
+  ``jobs`` processes); beside it, from every load run, where the retry loop first forms (*loop
+  onset*) and where the engine is simply overloaded (the objective missed without a loop).
+  ``--criterion`` keeps the older answers (:data:`CRITERIA`);
 * :func:`curve`: per policy, every load run in DIR judged (delivered within the deadline, late,
-  failed against load): the curve, not only the point.
+  failed against load): the curve, not only the point (:func:`headroom_with_curves`: the
+  headroom and the curves from the same points, each judged once).
 
 Every point (policy, load, seed) is a run of ``reproduce.runner.run_many`` in ``DIR/points`` (a
 reproduce output directory of its own: ``reproduce validate DIR/points`` reads it). A rerun
@@ -63,6 +65,8 @@ __all__ = [
     "POINTS",
     "POLICIES",
     "STAMP",
+    "Grid",
+    "HeadroomSearch",
     "Objective",
     "Point",
     "WhatIf",
@@ -70,6 +74,8 @@ __all__ = [
     "compare",
     "curve",
     "headroom",
+    "headroom_with_curves",
+    "marks",
     "parse_policies",
     "write_whatif",
 ]
@@ -400,6 +406,7 @@ class _Points:
     def __init__(self, whatif: WhatIf, out: Path) -> None:
         self.whatif = whatif
         self.dir = out / POINTS
+        self._judged: dict[tuple[str, float, bool, Objective], Point] = {}  # DIR's points, held
         self._check_setup()
 
     def _check_setup(self) -> None:
@@ -480,6 +487,14 @@ class _Points:
         return sorted(found)
 
     def judge(self, policy: str, load: float, *, alerts: bool, objective: Objective) -> Point:
+        """The point judged (once per sweep: its calls are read once, however often it is asked
+        for; DIR is held, so its points do not change under it)."""
+        key = (policy, load, alerts, objective)
+        if key not in self._judged:
+            self._judged[key] = self._judge(policy, load, alerts=alerts, objective=objective)
+        return self._judged[key]
+
+    def _judge(self, policy: str, load: float, *, alerts: bool, objective: Objective) -> Point:
         slugs = [self.whatif.spec(policy, load, r).slug for r in range(self.whatif.seeds)]
         entries = self._done()
         infos = {i.slug: i for i in load_runs(self.dir)}
@@ -531,10 +546,17 @@ def curve(
     with hold(out):
         points = _Points(whatif, out)
         points.ensure([(p, round(x, _DIGITS)) for p in policies for x in loads])
-        return {
-            p: [points.judge(p, x, alerts=False, objective=objective).to_dict() for x in points.loads(p)]
-            for p in policies
-        }
+        return _curves(points, policies, objective)
+
+
+def _curves(
+    points: _Points, policies: Sequence[str], objective: Objective
+) -> dict[str, list[dict[str, Any]]]:
+    """Per policy, every load in DIR judged (each once a sweep): :func:`curve`'s answer."""
+    return {
+        p: [points.judge(p, x, alerts=False, objective=objective).to_dict() for x in points.loads(p)]
+        for p in policies
+    }
 
 
 def _first(points: Sequence[Mapping[str, Any]], state: str) -> dict[str, Any]:
@@ -561,15 +583,92 @@ def marks(points: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     return {"loop_onset": _first(points, "loop"), "overload": _first(points, "overload")}
 
 
-@dataclass
-class _Search:
-    """One policy's bisection: ``safe`` the largest load found safe, ``unsafe`` the smallest found
-    unsafe (None: none yet); ``tried`` every load run, with its verdict."""
+_EPS = 1e-9  # loads closer than this are the same load
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The loads a headroom search probes: the nodes of the bisection of ``[lo, hi]`` down to
+    cells no wider than the precision, each node the midpoint of its cell's ends rounded to
+    :data:`_DIGITS` decimals (as the bisection has always computed it), indexed from 0 (``lo``)
+    to :attr:`top` (``hi``). Every search of the same bounds and precision, cold or warm, probes
+    only these loads, so a threshold in load gets one answer whatever order they are probed in."""
 
     lo: float
     hi: float
+    depth: int
+
+    @classmethod
+    def of(cls, lo: float, hi: float, precision: float) -> Grid:
+        depth = 0
+        while (hi - lo) / 2**depth > precision + _EPS:
+            depth += 1
+        return cls(lo, hi, depth)
+
+    @property
+    def top(self) -> int:
+        return int(2**self.depth)
+
+    def load(self, k: int) -> float:
+        """The load of node ``k`` (0 <= k <= top), found by descending the bisection to it."""
+        left, right, at_left, at_right = 0, self.top, self.lo, self.hi
+        while True:
+            if k == left:
+                return at_left
+            if k == right:
+                return at_right
+            mid = (left + right) // 2
+            at_mid = round((at_left + at_right) / 2, _DIGITS)
+            if k == mid:
+                return at_mid
+            if k < mid:
+                right, at_right = mid, at_mid
+            else:
+                left, at_left = mid, at_mid
+
+    def floor(self, load: float) -> int:
+        """The largest node at or below ``load`` (-1: none)."""
+        below, above = -1, self.top + 1  # load(below) <= load < load(above)
+        while above - below > 1:
+            mid = (below + above) // 2
+            below, above = (mid, above) if self.load(mid) <= load + _EPS else (below, mid)
+        return below
+
+    def ceil(self, load: float) -> int:
+        """The smallest node at or above ``load`` (top + 1: none)."""
+        k = self.floor(load)
+        return k if k >= 0 and self.load(k) >= load - _EPS else k + 1
+
+    def nearest(self, load: float) -> int:
+        """The node nearest ``load`` (clamped to the grid)."""
+        k = min(max(self.floor(load), 0), self.top)
+        if k < self.top and self.load(k + 1) - load < load - self.load(k):
+            return k + 1
+        return k
+
+
+@dataclass
+class HeadroomSearch:
+    """One policy's search for the largest safe load on its :class:`Grid`: ``safe`` the largest
+    load found safe, ``unsafe`` the smallest found unsafe (None: none yet); ``tried`` every load
+    run, with its verdict (:meth:`add`). Cold (``start`` None): the upper limit first, then the
+    lower, then bisection. Warm (``start``, a load, e.g. yesterday's answer): the grid's node
+    nearest it first, then outwards from it one node, two, four, ... (a gallop) until a verdict
+    flips, then bisection. Each probes only the grid's nodes and stops when no node lies between
+    ``safe`` and ``unsafe``; when more load never makes a policy safe, both give the same answer."""
+
+    grid: Grid
     criterion: str = DEFAULT_CRITERION
+    start: float | None = None
     tried: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def lo(self) -> float:
+        return self.grid.lo
+
+    @property
+    def hi(self) -> float:
+        return self.grid.hi
 
     @property
     def unsafe(self) -> float | None:
@@ -582,27 +681,49 @@ class _Search:
         cap = math.inf if self.unsafe is None else self.unsafe
         return max((t["load"] for t in self.tried if t["safe"] and t["load"] < cap), default=None)
 
+    @property
+    def first(self) -> int | None:
+        """The node a warm search probes first (None: a cold search)."""
+        return None if self.start is None else self.grid.nearest(self.start)
+
     def next_load(self, precision: float) -> float | None:
+        """The load to run next (None: the search is done)."""
         tried = {t["load"] for t in self.tried}
-        if self.unsafe is None:
-            return self.hi if self.hi not in tried else None  # safe at the upper limit: a bound
-        if self.safe is None:
-            return self.lo if self.lo not in tried else None  # unsafe at the lower limit
-        if self.unsafe - self.safe <= precision + 1e-9:
+        safe, unsafe, grid, first = self.safe, self.unsafe, self.grid, self.first
+        if safe is None or unsafe is None:
+            if first is None:  # cold: the limits
+                load = self.hi if unsafe is None else self.lo
+            elif safe is None and unsafe is None:
+                load = grid.load(first)
+            elif unsafe is None:  # safe so far: gallop up from the first node
+                assert safe is not None
+                reached = grid.floor(safe) - first
+                load = grid.load(min(grid.top, first + max(1, 2 * reached) if reached >= 0 else first))
+            else:  # unsafe so far: gallop down
+                reached = first - grid.ceil(unsafe)
+                load = grid.load(max(0, first - max(1, 2 * reached) if reached >= 0 else first))
+            return None if load in tried else load  # safe at the upper limit (a bound), unsafe at the lower
+        below, above = grid.floor(safe), grid.ceil(unsafe)
+        if above - below >= 2:  # a node between them: the middle one
+            load = grid.load((below + above) // 2)
+        elif unsafe - safe > precision + _EPS:  # loads already in DIR, off the grid, bracket it
+            load = round((safe + unsafe) / 2, _DIGITS)
+        else:
             return None
-        return round((self.safe + self.unsafe) / 2, _DIGITS)
+        return None if load in tried else load
+
+    def add(self, load: float, safe: bool, **verdict: Any) -> None:
+        """A load run and whether it was safe (``verdict``: what else to keep of it)."""
+        self.tried.append({"load": load, "safe": safe, **verdict})
 
     def record(self, point: Point) -> None:
-        safe = point.safe_under(self.criterion)
-        self.tried.append(
-            {
-                "load": point.load,
-                "safe": safe,
-                "loops": point.loops,
-                "collapses": point.collapses,
-                "meets_objective": point.meets_objective,
-                "runs": point.runs,
-            }
+        self.add(
+            point.load,
+            point.safe_under(self.criterion),
+            loops=point.loops,
+            collapses=point.collapses,
+            meets_objective=point.meets_objective,
+            runs=point.runs,
         )
 
     def result(self, precision: float) -> dict[str, Any]:
@@ -619,6 +740,7 @@ class _Search:
         reached = (
             None if self.safe is None or self.unsafe is None else round(self.unsafe - self.safe, _DIGITS)
         )
+        first = self.first
         return {
             "headroom_load": self.safe,
             "criterion": self.criterion,
@@ -628,6 +750,9 @@ class _Search:
             "precision_reached": reached,
             "lower_limit": self.lo,
             "upper_limit": self.hi,
+            "start": {"kind": "cold"}
+            if first is None
+            else {"kind": "warm", "from": self.start, "load": self.grid.load(first)},
             "tried": sorted(self.tried, key=lambda t: t["load"]),
         }
 
@@ -643,13 +768,37 @@ def headroom(
     criterion: str = DEFAULT_CRITERION,
     objective: Objective | None = None,
     on_round: Callable[[int, dict[str, float]], None] | None = None,
+    start: Mapping[str, float] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per policy, the largest load in ``[lo, hi]`` at which every seed's run meets ``objective``
     (``criterion`` "collapse": has no collapse; "metastable": no metastable collapse), to within
-    ``precision`` (assuming more load never helps: bisection).
+    ``precision`` (assuming more load never helps: bisection on a :class:`Grid`).
     Every load already run in DIR counts first (the workload's own, a curve's, an earlier
-    search's), then the upper limit, the lower, and midpoints; each round runs every policy's next
-    load in one batch. ``DirBusy`` when another sweep writes ``out``."""
+    search's); then, per policy, a cold search (the upper limit, the lower, midpoints) or, where
+    ``start`` gives it a load (policy -> load, e.g. the previous answer), a warm one from there
+    (:class:`HeadroomSearch`); each round runs every policy's next load in one batch. ``DirBusy``
+    when another sweep writes ``out``."""
+    return headroom_with_curves(
+        whatif, policies, out, lo=lo, hi=hi, precision=precision, criterion=criterion,
+        objective=objective, on_round=on_round, start=start,
+    )[0]  # fmt: skip
+
+
+def headroom_with_curves(
+    whatif: WhatIf,
+    policies: Sequence[str],
+    out: Path,
+    *,
+    lo: float = HEADROOM_RANGE[0],
+    hi: float = HEADROOM_RANGE[1],
+    precision: float = PRECISION,
+    criterion: str = DEFAULT_CRITERION,
+    objective: Objective | None = None,
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+    start: Mapping[str, float] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """:func:`headroom`'s answer and, from the same points judged once, :func:`curve`'s (every
+    load in DIR, nothing more run)."""
     objective = objective or Objective()
     if not (0 < lo < hi and math.isfinite(hi)):
         raise WhatIfError(f"the headroom search needs 0 < LO < HI, got {lo!r}:{hi!r}")
@@ -657,25 +806,28 @@ def headroom(
         raise WhatIfError(f"the precision must be a positive multiple of Ĉ, got {precision!r}")
     if criterion not in CRITERIA:
         raise WhatIfError(f"unknown criterion {criterion!r}; known: {', '.join(CRITERIA)}")
+    bad = [x for x in (start or {}).values() if not math.isfinite(x)]
+    if bad:
+        raise WhatIfError(f"a search's start must be a finite load, got {bad[0]!r}")
+    grid = Grid.of(lo, hi, precision)
+    searches = {p: HeadroomSearch(grid, criterion, (start or {}).get(p)) for p in policies}
     with hold(out):
-        return _search(_Points(whatif, out), policies, lo, hi, precision, criterion, objective, on_round)
+        points = _Points(whatif, out)
+        found = _search(points, searches, precision, objective, on_round)
+        return found, _curves(points, policies, objective)
 
 
 def _search(
     points: _Points,
-    policies: Sequence[str],
-    lo: float,
-    hi: float,
+    searches: Mapping[str, HeadroomSearch],
     precision: float,
-    criterion: str,
     objective: Objective,
     on_round: Callable[[int, dict[str, float]], None] | None,
 ) -> dict[str, dict[str, Any]]:
-    searches = {p: _Search(lo, hi, criterion) for p in policies}
-    for p in policies:  # the loads already run (compare's, a curve's) bracket the search too
+    for p, search in searches.items():  # the loads already run (compare's, a curve's) bracket it too
         for load in points.loads(p):
-            if lo <= load <= hi:
-                searches[p].record(points.judge(p, load, alerts=False, objective=objective))
+            if search.lo <= load <= search.hi:
+                search.record(points.judge(p, load, alerts=False, objective=objective))
     rounds = 0
     while True:
         asked = {p: s.next_load(precision) for p, s in searches.items()}

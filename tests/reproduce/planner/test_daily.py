@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.registry import CollectorRegistry
 
+from detector.signals import DELIVERY_OBJECTIVE
 from exporter.recorder import format_record
 from reproduce.cli import reproduce
 from reproduce.planner import daily
@@ -28,6 +29,7 @@ from reproduce.planner.daily import (
     History,
     observe,
 )
+from reproduce.planner.whatif import marks
 from reproduce.workloads.plan import RunClock
 from tests.reproduce.test_runner import SMALL
 from tests.systemtools import require
@@ -144,12 +146,14 @@ def test_once_runs_the_window_under_each_policy_and_keeps_the_history(tmp_path: 
         assert found[p]["tried"], p
     assert day.low == (day.ratio("default") < 1 + MARGIN)
     assert "default leaves" in result.output and "wrote" in result.output
+    assert result.output.count("cold start") == 2 and "warm start" not in result.output
     got = series(history)
     want = {"none": day.headroom["none"], "default": day.headroom["default"]}
     assert got == {**want, "peak": pytest.approx(day.observed_peak_load), "margin": MARGIN, "at": day.run_at}
     # a second run with a stated Ĉ and margin: a second row, and the series follow the latest
     result = invoke(*args, "--capacity", "2", "--margin", "0.5", "--policy-in-force", "none")
     assert result.exit_code == 0, result.output
+    assert result.output.count("warm start at") == 2  # from the first run's answers
     newest, oldest = history.days()
     assert oldest.run_at == day.run_at and newest.run_at >= day.run_at and newest.capacity == 2.0
     assert newest.headroom == day.headroom  # the same points: the same answer, Ĉ only rescales the peak
@@ -224,6 +228,60 @@ def test_the_server_publishes_the_series_and_runs_on_demand(tmp_path: Path) -> N
     assert 'retrywatch_headroom_load{in_force="true",policy="default"}' in text
     assert "retrywatch_observed_peak_load " in text
     history.close()
+
+
+def _job(tmp_path: Path, policies: list[str], **settings: Any) -> daily.DailyJob:
+    from reproduce.conditions import MODELS, ClientProfile, PulseWorkload
+    from reproduce.planner.whatif import WhatIf
+    from reproduce.registry import get_backend
+    from reproduce.workloads.clients import parse_client
+
+    spec = parse_client("study")
+    profile = ClientProfile(name=spec.name, base=spec.config)
+    setup = WhatIf(get_backend("sim", **SMALL), "sim", SMALL, MODELS[0], profile, PulseWorkload(),
+                   time_scale=10.0, progress=False)  # fmt: skip
+    return daily.DailyJob(tmp_path / "rec", tmp_path / "state", setup, policies, capacity=SMALL["capacity"],
+                          **settings)  # fmt: skip
+
+
+def _run(job: daily.DailyJob, day: int) -> dict[str, Any]:
+    done = daily.run_day(job, now=T0 + day * 86_400.0)
+    assert done.out is not None
+    body: dict[str, Any] = json.loads((done.out / "whatif.json").read_text())
+    return body
+
+
+def test_the_next_day_starts_warm_from_the_last_answer_and_finds_the_same_with_fewer_loads(
+    tmp_path: Path,
+) -> None:
+    """The same recording searched cold, then warm from that answer: each policy's headroom is
+    the cold search's, found in fewer loads run (here delivery is monotone in load, as the cold
+    search's own verdicts show); a policy the history has no answer for starts cold; whatif.json
+    says which start each search took, and holds its curves and their marks."""
+    write_recording(tmp_path / "rec")
+    settings = {"precision": 0.1, "lo": 0.25, "hi": 4.0}
+    cold = _run(_job(tmp_path, ["none", "default"], **settings), 1)
+    assert cold["warm_start"] is None
+    warm = _run(_job(tmp_path, ["none", "default", "budget"], **settings), 2)
+    previous = History(f"sqlite:///{tmp_path / 'state' / daily.HISTORY_FILE}").days()[-1]
+    assert warm["warm_start"]["run_at"] == previous.run_at
+    for p in ("none", "default"):
+        before, after = cold["headroom"][p], warm["headroom"][p]
+        tried = sorted((t["load"], t["safe"]) for t in before["tried"])
+        assert [safe for _, safe in tried] == sorted((safe for _, safe in tried), reverse=True), tried
+        assert before["start"] == {"kind": "cold"} and before["kind"] == "bracketed"
+        assert after["start"]["kind"] == "warm" and after["start"]["load"] == before["headroom_load"]
+        assert after["start"]["from"] == pytest.approx(before["headroom_load"], abs=1e-3)
+        for key in ("headroom_load", "kind", "precision_reached"):
+            assert after[key] == before[key], (p, key)
+        assert len(after["tried"]) == 2 < len(before["tried"]) == 2 + 6  # the bisection's depth: 6
+        assert warm["daily"]["headroom_load"][p] == cold["daily"]["headroom_load"][p]
+    assert warm["headroom"]["budget"]["start"] == {"kind": "cold"} and "budget" not in warm["warm_start"]
+    # the curves: every load run, with the marks the planner finds on them
+    for p, drawn in warm["curves"].items():
+        assert [q["load"] for q in drawn["curve"]] == sorted(t["load"] for t in warm["headroom"][p]["tried"])
+        assert drawn["loop_onset"] == marks(drawn["curve"])["loop_onset"]
+    assert warm["objective"]["target"] == DELIVERY_OBJECTIVE and warm["criterion"]["name"] == "objective"
 
 
 @pytest.mark.parametrize(
