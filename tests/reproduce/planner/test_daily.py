@@ -239,7 +239,7 @@ def _job(tmp_path: Path, policies: list[str], **settings: Any) -> daily.DailyJob
     spec = parse_client("study")
     profile = ClientProfile(name=spec.name, base=spec.config)
     setup = WhatIf(get_backend("sim", **SMALL), "sim", SMALL, MODELS[0], profile, PulseWorkload(),
-                   time_scale=10.0, progress=False)  # fmt: skip
+                   clock=RunClock(10.0), progress=False)  # fmt: skip
     return daily.DailyJob(tmp_path / "rec", tmp_path / "state", setup, policies, capacity=SMALL["capacity"],
                           **settings)  # fmt: skip
 
