@@ -41,13 +41,11 @@ from reproduce.planner.whatif import (
     compare,
     criterion_words,
     curve,
+    headroom_with_curves,
     marks,
     parse_policies,
     policy_table,
     write_whatif,
-)
-from reproduce.planner.whatif import (
-    headroom as search_headroom,
 )
 from reproduce.workloads.steps import STEP_S
 from reproduce.workloads.traces import FORMATS
@@ -270,22 +268,13 @@ def whatif_command(
         points = compare(setup, policies, out, objective)
         if fixed:  # the fixed loads first: they bracket the search too
             curve(setup, policies, out, fixed, objective)
-        found = (
-            search_headroom(
-                setup,
-                policies,
-                out,
-                lo=lo,
-                hi=hi,
-                precision=precision,
-                criterion=criterion,
-                objective=objective,
-                on_round=on_round,
-            )
-            if headroom
-            else {}
-        )
-        curves = curve(setup, policies, out, (), objective)
+        if headroom:  # the curves from the search's own points, each judged once
+            found, curves = headroom_with_curves(
+                setup, policies, out, lo=lo, hi=hi, precision=precision, criterion=criterion,
+                objective=objective, on_round=on_round,
+            )  # fmt: skip
+        else:
+            found, curves = {}, curve(setup, policies, out, (), objective)
     except (DirBusy, WhatIfError) as exc:
         raise click.BadParameter(str(exc), param_hint="'--out'") from None
     except PresetError as exc:
