@@ -303,15 +303,18 @@ def test_a_sweep_on_ray_gives_the_local_result_and_resumes_after_its_driver_is_s
         _sweep(out, *on_ray), env=_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
-        finished = _wait_for(lambda: len(e := _entries(out)) > before and e, driver)
+        seen = _wait_for(lambda: len(e := _entries(out)) > before and e, driver)
         assert not _off_loopback({driver.pid})  # the driver too stays on 127.0.0.1
-        assert driver.poll() is None and len(finished) < 6  # killed mid-sweep
+        assert driver.poll() is None and len(seen) < 6  # killed mid-sweep
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=_BOUND_S)
     finally:
         driver.kill()
     assert not _ended(sessions), "runs of a killed driver went on on the cluster"
-    assert _entries(out) == finished
+    # What it left: every point seen before the kill, unchanged, and any that finished between
+    # that look and the kill (a point may land in that instant), each whole.
+    finished = _entries(out)
+    assert all(finished.get(slug) == entry for slug, entry in seen.items()) and len(finished) < 6
 
     # The rerun resumes; a Ray worker killed mid-run costs that run a retry, nothing else.
     rerun = subprocess.Popen(
