@@ -748,7 +748,10 @@ def _vllm_error_promql(window: str) -> str:
     judged = f"({count} + on (instance) {refused})"
     admitted = _sum_rate(mn.VLLM_PREFIX_CACHE_QUERIES, window)
     started = _sum_rate(mn.VLLM_PROMPT_TOKENS, window)
-    answered = f"({in_time} / ({judged} > 0) or ({admitted} > 0) * 0 unless on (instance) {judged} > 0)"
+    # nothing finished nor refused while requests were admitted: none answered in time, once a
+    # deadline is known (without one, late cannot be told from not yet finished)
+    nothing = f"({admitted} > 0) * 0 and on (instance) {DEADLINE_BUCKET_RECORD}"
+    answered = f"({in_time} / ({judged} > 0) or {nothing} unless on (instance) {judged} > 0)"
     kept = f"(clamp_max({started} / ({admitted} > 0), 1) or ({judged} > 0) * 0 + 1)"
     return vllm_join(f"1 - {answered} * {kept}")
 
@@ -759,6 +762,7 @@ def vllm_delivery_error(
     admitted: float | None,
     started: float | None,
     refused: float | None = None,
+    deadline_known: bool = True,
 ) -> float | None:
     """The vLLM tier's delivery error ratio from the rates over one window (see
     :func:`_vllm_error_promql`): a request not answered in time is one that finished later than
@@ -773,13 +777,17 @@ def vllm_delivery_error(
     3 at start and after pulses), while a prefill lasts a second or two. Requests aborted during
     their decode are left out, and so are those abandoned before admission: vLLM counts neither.
     A refused request is judged when refused, a finished one when it finishes: each refusal of a
-    retried call counts (a call refused three times is three requests not answered)."""
+    retried call counts (a call refused three times is three requests not answered). Requests
+    admitted while none finished nor was refused count as not answered only where a deadline is
+    known (``deadline_known``): without one, late cannot be told from not yet finished."""
     judged = None if count is None else count + (refused or 0.0)
     if judged is not None and judged > 0:
         if in_time is None:
             return None  # no bucket at the deadline: finishes in time cannot be told
         answered = in_time / judged
     elif admitted is not None and admitted > 0:
+        if not deadline_known:
+            return None  # late cannot be told from not yet finished
         answered = 0.0  # nothing finished nor refused while requests were admitted
     else:
         return None
@@ -1479,6 +1487,7 @@ class SignalEngine:
                 rate("prefix_queries", width),
                 rate("prompt_tokens", width),
                 rate("vllm_refused", width),
+                deadline_known=bucket is not None,
             )
             v[f"vllm_delivery_error_ratio_{span}"] = errors
             v[f"vllm_delivery_burn_rate_{span}"] = (

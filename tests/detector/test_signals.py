@@ -335,6 +335,22 @@ def test_the_vllm_tier_counts_admitted_prompts_that_never_start_as_not_answered(
     assert _frame(eng, 400.0).values["vllm_delivery_error_ratio_short"] == pytest.approx(0.4)
 
 
+def test_without_a_deadline_the_vllm_tier_does_not_count_unfinished_requests_as_late() -> None:
+    """Admitted requests, none finished yet (a run's first seconds on a slow engine): with no
+    deadline known, late cannot be told from not yet finished, so no error ratio (the live
+    detector and the replay with nothing stated paged VLLMRequestsNotAnsweredInTime here); with
+    one, they count as not answered, as before."""
+    feed = {"finished": 0, "in_time": 0, "admitted": 2000, "started": 2000, "waiting": 0}
+    eng = SignalEngine(SignalConfig(capacity=2.0, assumed_deadline=None))
+    _feed_vllm(eng, 400, **feed)
+    v = _frame(eng, 400.0).values
+    assert v["vllm_deadline"] is None
+    assert v["vllm_delivery_error_ratio_short"] is None and v["vllm_delivery_burn_rate_long"] is None
+    eng = SignalEngine(SignalConfig(capacity=2.0, deadline=120.0))
+    _feed_vllm(eng, 400, **feed)
+    assert _frame(eng, 400.0).values["vllm_delivery_error_ratio_short"] == pytest.approx(1.0)
+
+
 def _with_refusals(snap: Snapshot, refused: float) -> Snapshot:
     """``snap`` with vLLM 0.32's refusal counter at ``refused`` (no ``engine`` label, as vLLM's)."""
     labels = {"model_name": "m", "reason": "max_num_queued_reqs"}
