@@ -53,8 +53,8 @@ def _run(out: Path, model: str, seed: int, trace: str | None, window: str | None
     return float(run["capacity"]), out / "runs" / run["slug"] / "metrics.jsonl"
 
 
-def _samples(path: Path) -> list[tuple[float, dict[str, float]]]:
-    wanted = set(COUNTERS) | set(GAUGES)
+def summed_samples(path: Path, wanted: set[str]) -> list[tuple[float, dict[str, float]]]:
+    """Each snapshot of a run's series: its time and the ``wanted`` series, summed over labels."""
     out = []
     for snap in read_series(path):
         values: dict[str, float] = {}
@@ -91,7 +91,7 @@ def main() -> None:
     for model, trace, window, seed in cases:
         with tempfile.TemporaryDirectory() as tmp:
             true, path = _run(Path(tmp) / "out", model, seed, trace, window)
-            samples = _samples(path)
+            samples = summed_samples(path, set(COUNTERS) | set(GAUGES))
         preds = [(t, _predict(samples, t)) for t in range(60, int(horizon) + 1, 30)]
         known = next(
             (

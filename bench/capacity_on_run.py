@@ -26,6 +26,8 @@ import argparse
 import math
 from pathlib import Path
 
+from bench_learned_capacity import summed_samples
+
 from detector.capacity import (
     PREDICTOR_SERIES,
     CapacityPrediction,
@@ -37,23 +39,10 @@ from detector.capacity import (
     window_totals,
 )
 from foundation import metricnames as mn
-from foundation.timeseries import read_series
 
 Samples = list[tuple[float, dict[str, float]]]
 _PREFILL = f"{mn.VLLM_PREFILL_TIME}_sum"
 _EXTRA = (mn.VLLM_NUM_WAITING, "vllm:request_success_total", _PREFILL)
-
-
-def _samples(path: Path) -> Samples:
-    wanted = set(PREDICTOR_SERIES) | set(_EXTRA)
-    out: Samples = []
-    for snap in read_series(path):
-        values: dict[str, float] = {}
-        for name, _, value in snap.samples:
-            if name in wanted:
-                values[name] = values.get(name, 0.0) + value
-        out.append((snap.t, values))
-    return out
 
 
 def _engine(samples: Samples, step: float) -> None:
@@ -176,7 +165,7 @@ def main() -> None:
     path = args.run / "metrics.jsonl"
     if not path.is_file():
         ap.error(f"{path}: no such file")
-    samples = _samples(path)
+    samples = summed_samples(path, set(PREDICTOR_SERIES) | set(_EXTRA))
     if len(samples) < 2:
         ap.error(f"{path}: fewer than two snapshots")
     hi = samples[-1][0] if args.hi is None else args.hi
