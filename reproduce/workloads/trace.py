@@ -248,7 +248,13 @@ class TraceWorkload:
         }
 
     def at_load(self, load: float) -> TraceWorkload:
-        return replace(self, load=float(load))
+        """The same window at ``load``, with this one's :attr:`facts` if it has them: the first
+        pass does not depend on the load, so a sweep over loads streams the trace for it once
+        (and a run's spec carries them to its worker)."""
+        moved = replace(self, load=float(load))
+        if "facts" in self.__dict__:
+            moved.__dict__["facts"] = self.__dict__["facts"]
+        return moved
 
     def identity(self) -> dict[str, object]:
         """Its file (resolved) and its calls' digest: the same replay whatever its load."""

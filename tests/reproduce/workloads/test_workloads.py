@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -84,6 +85,31 @@ def test_every_kind_runs_and_is_judged_through_the_one_interface(kind: str) -> N
     assert truth.collapses, f"{kind} at its load collapses the small engine"
     assert truth.overload is not None and entry["workload"] == {"kind": kind, "label": workload.label()}
     assert (entry["pulse"] is None) is (result.plan.pulse is None)
+
+
+def test_a_trace_at_another_load_keeps_its_first_pass_and_pickles_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep over loads streams the trace once for its facts: ``at_load`` carries them, and so
+    does the spec a worker is sent; a copy made before any pass streams its own."""
+    import pickle
+
+    scans: list[float] = []
+    scan = TraceWorkload.scan
+
+    def counted(self: TraceWorkload, *args: Any, **kwargs: Any) -> Any:
+        scans.append(self.load)
+        return scan(self, *args, **kwargs)
+
+    monkeypatch.setattr(TraceWorkload, "scan", counted)
+    base = TraceWorkload(str(EXAMPLE), load=1.0)
+    early = base.at_load(2.0)
+    facts = base.facts
+    moved = base.at_load(3.0)
+    assert moved.load == 3.0 and moved.facts is facts and moved.identity() == base.identity()
+    sent = pickle.loads(pickle.dumps(moved))
+    assert sent.facts == facts and sent == moved
+    assert early.facts == facts and scans == [1.0, 2.0]  # the early copy streamed its own
 
 
 def test_steps_parse_and_refuse_what_cannot_be_a_load() -> None:
