@@ -1,14 +1,14 @@
 """How long the daily what-if takes: ``retrywatch reproduce plan-daily --once`` on a synthetic
 recording of ``--hours`` (default 24), five policies, headroom to 0.05 Ĉ, on the local executor
 or on two Ray workers; with ``--days 2``, on consecutive days, each later one warm from the day
-before.
+before (the first starts from the load at which its window's peak reaches Ĉ).
 
 Writes the recording in the proxy's layout (``daily_growth.write_days``: a diurnal swing of
 +-50 % and a burst, mean ``--mean-load`` x Ĉ, each later day ``--growth`` busier), then, per day,
 adds that day's file to the recording and runs the whole command as a child process on the same
-state directory (the first day searches cold, each later one from the day before's answers), on
-the study's engine preset with Ĉ stated (the Azure slice's, as ``bench_whatif.py --trace hour``:
-calibration is not timed), and prints its wall time, the points run, each search's start and
+state directory (the first day from its peak's estimate, each later one from the day before's
+answers), on the study's engine preset with Ĉ stated, the calibrated Ĉ of the days' token mix
+(:func:`mix_capacity`: calibration is not timed), and prints its wall time, the points run, each search's start and
 each policy's headroom.
 ``--executor ray`` starts a Ray head of two CPUs on loopback in a temp dir of its own (two
 workers), runs the command on it and stops the head's processes by their session, never by
@@ -16,7 +16,7 @@ workers), runs the command on it and stops the head's processes by their session
 
     .venv/bin/python bench/bench_daily.py [--hours 24] [--mean-load 0.3] [--executor local|ray]
         [--jobs 2] [--policies none,default,budget,coalescing,lookup-first] [--precision 0.05]
-        [--days 1] [--growth 0.1]
+        [--days 1] [--growth 0.1] [--compare-fresh]
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench_trace_replay import DEFAULT_CAPACITY, MODEL
+from bench_trace_replay import MODEL
 from daily_growth import write_days
+
+from reproduce.conditions import EngineSettings
+from reproduce.sim.engine_link import Engine
+from reproduce.workloads.trace import TraceWorkload
+from reproduce.workloads.tracecapacity import trace_capacity
 
 # every process of the cluster and its driver: no usage report, no token (as the executor tests)
 RAY_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -84,6 +89,18 @@ def ray_head(workers: int) -> Iterator[str]:
         subprocess.run(["rm", "-rf", temp], check=False)
 
 
+def mix_capacity(probe: Path) -> float:
+    """Ĉ of the synthetic days' token mix (every call alike) on :data:`MODEL`, by the simulator's
+    calibration of a probe hour of it (cached; not timed): the Ĉ a detector learns for this
+    traffic, which the daily job reads and states to the simulator, so that the search's loads are
+    multiples of the engine's real capacity for it, as they are in service."""
+    tokens_per_step = EngineSettings().tokens_per_step
+    config = Engine.for_preset(MODEL, tokens_per_step=tokens_per_step).model.config
+    write_days(probe, [1.0], 3600.0, seed=3)
+    facts = TraceWorkload(str(probe), "recording").facts
+    return trace_capacity(MODEL, config, facts, settings=f"tokens_per_step={tokens_per_step}").capacity
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hours", type=float, default=24.0, help="each day's length (the window replayed)")
@@ -95,21 +112,22 @@ def main() -> None:
     parser.add_argument("--days", type=int, default=1, help="consecutive days, each run on the same state")
     parser.add_argument("--growth", type=float, default=0.1, help="each day's traffic over the day before's")
     parser.add_argument(
-        "--compare-cold", action="store_true",
-        help="then search the last day again cold (a state of its own) and compare the answers",
+        "--compare-fresh", action="store_true",
+        help="then search the last day again on a fresh state (no history), compare the answers",
     )  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-daily-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp)
+        capacity = mix_capacity(root / "probe")
         started = time.perf_counter()
-        rates = [args.mean_load * DEFAULT_CAPACITY * (1 + args.growth) ** k for k in range(args.days)]
+        rates = [args.mean_load * capacity * (1 + args.growth) ** k for k in range(args.days)]
         write_days(root / "days", rates, args.hours * 3600, seed=3)
         written = time.perf_counter() - started
         command = [
             sys.executable, "-m", "retrywatch", "reproduce", "plan-daily", "--once", "--recording",
             str(root / "rec"), "--out", str(root / "state"), "--window-hours", f"{args.hours:g}",
-            "--model", MODEL, "--capacity", f"{DEFAULT_CAPACITY}", "--backend-option",
-            f"capacity={DEFAULT_CAPACITY}", "--policies", args.policies, "--precision", args.precision,
+            "--model", MODEL, "--capacity", f"{capacity}", "--backend-option",
+            f"capacity={capacity}", "--policies", args.policies, "--precision", args.precision,
         ]  # fmt: skip
         if args.executor == "ray":
             command += ["--executor", "ray", "--address", stack.enter_context(ray_head(WORKERS))]
@@ -118,19 +136,21 @@ def main() -> None:
             command += ["--jobs", args.jobs]
             how = f"--executor local --jobs {args.jobs}"
         (root / "rec").mkdir()
-        print(f"{args.days} day(s) of {args.hours:g} h written in {written:.1f} s; {args.policies}, "
-              f"--precision {args.precision}, {how}")  # fmt: skip
+        print(f"{args.days} day(s) of {args.hours:g} h written in {written:.1f} s; Ĉ of their mix "
+              f"{capacity:.4g} calls/s; {args.policies}, --precision {args.precision}, {how}")  # fmt: skip
         days = sorted((root / "days").iterdir())
         for k, day in enumerate(days):
             shutil.copy(day, root / "rec" / day.name)  # the proxy's file of the day, as it rotates
-            last = _day(command, root / "state", f"day {k + 1} (mean {rates[k] / DEFAULT_CAPACITY:.3g}x Ĉ")
-        if args.compare_cold:
-            cold = [root / "cold" if a == str(root / "state") else a for a in command]
+            last = _day(command, root / "state", f"day {k + 1} (mean {rates[k] / capacity:.3g}x Ĉ")
+        if args.compare_fresh:
+            fresh = [root / "fresh" if a == str(root / "state") else a for a in command]
             again = _day(
-                [str(a) for a in cold], root / "cold", f"day {len(days)} again, cold (a state of its own"
+                [str(a) for a in fresh],
+                root / "fresh",
+                f"day {len(days)} again, fresh (no history",
             )
             same = all(again[p]["headroom_load"] == last[p]["headroom_load"] for p in last)
-            print(f"the same answers cold and warm: {same}")
+            print(f"the same answers from a fresh state and warm: {same}")
 
 
 def _day(command: list[str], state: Path, label: str) -> dict[str, dict[str, object]]:

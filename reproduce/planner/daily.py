@@ -14,9 +14,11 @@ leave more? This module answers it, pure enough to test:
   :func:`~reproduce.planner.whatif.headroom`, through the same executor interface), each one's
   headroom, and the row of :class:`History` it adds; each policy's search starts warm from the
   history's newest answer (:func:`warm_start`: that load, then outwards, on the same grid as a
-  cold search, so the answer is a cold search's wherever more load never helps), cold where
-  there is none; its ``whatif.json`` keeps each search, its start, and the curves and marks the
-  dashboard draws (:func:`~reproduce.planner.whatif.curve`, :func:`~reproduce.planner.whatif.marks`);
+  cold search, so the answer is a cold search's wherever more load never helps); where there is
+  none, from the load at which the window's busiest minutes reach Ĉ (:func:`starts`), which
+  keeps the first day off the search's costly upper limit; its ``whatif.json`` keeps each search, its
+  start, and the curves and marks the dashboard draws (:func:`~reproduce.planner.whatif.curve`,
+  :func:`~reproduce.planner.whatif.marks`);
 * :class:`History`: every run and each policy's headroom in SQL (SQLAlchemy; SQLite by default,
   any URL ``detector.store.make_engine`` takes);
 * :class:`HeadroomCollector`: the latest run as Prometheus series, read fresh on every scrape;
@@ -39,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -94,7 +96,9 @@ __all__ = [
     "observe",
     "parse_at",
     "render_rules",
+    "replayed",
     "run_day",
+    "starts",
     "warm_start",
 ]
 
@@ -221,10 +225,27 @@ class Window:
     calls: int
     mean_rate: float  # calls/s: (calls - 1) / (last - first arrival), as a trace replay takes it
     peak_rate: float  # calls/s: the most calls in any PEAK_WINDOW_S, over PEAK_WINDOW_S
+    # the calls in each PEAK_WINDOW_S from the first call on (observe's; the history keeps none)
+    bins: tuple[int, ...] = ()
 
     @property
     def peak_to_mean(self) -> float:
         return self.peak_rate / self.mean_rate
+
+    def onset_load(self, share: float) -> float:
+        """The mean load (multiples of Ĉ) at which ``share`` of the window's calls arrive in its
+        :data:`PEAK_WINDOW_S` bins above Ĉ: the busiest bins, holding that share between them,
+        reach Ĉ. A load whose overloaded minutes hold more than the share the delivery objective
+        may miss (``1 - target``) misses it, unless queueing carries them; one just below tends
+        to meet it. Without bins, where the window's peak reaches Ĉ."""
+        if not self.bins:
+            return 1.0 / self.peak_to_mean
+        total, held = sum(self.bins), 0
+        for n in sorted(self.bins, reverse=True):
+            held += n
+            if held >= share * total:
+                return self.mean_rate * PEAK_WINDOW_S / n
+        return 1.0 / self.peak_to_mean  # unreachable: the bins hold every call
 
 
 def observe(
@@ -242,6 +263,7 @@ def observe(
         end_s = max((r.arrival_s for r in read_trace(recording, "recording")), default=0.0)
     start_s = max(0.0, end_s - window_s)
     arrivals: deque[float] = deque()
+    bins: list[int] = []
     n = most = 0
     first = last = 0.0
     for record in read_trace(recording, "recording"):
@@ -256,13 +278,16 @@ def observe(
         while arrivals[0] <= t - peak_window_s:
             arrivals.popleft()
         most = max(most, len(arrivals))
+        k = int((t - first) // peak_window_s)
+        bins.extend([0] * (k + 1 - len(bins)))
+        bins[k] += 1
     if n < 2 or last <= first:
         raise DailyError(
             f"{recording}: the window {start_s:g}..{end_s:g} s holds {n} call(s); a replay needs at "
             "least two at different times"
         )
     mean = (n - 1) / (last - first)
-    return Window(start_s, end_s, n, mean, max(most / peak_window_s, mean))
+    return Window(start_s, end_s, n, mean, max(most / peak_window_s, mean), tuple(bins))
 
 
 @dataclass(frozen=True)
@@ -362,11 +387,10 @@ class Day:
         if search is None:
             return ""
         start, n = search.get("start") or {}, len(search.get("tried") or [])
-        began = (
-            f"warm start at {start['load']:g}x (the last run's {start['from']:.4g}x)"
-            if start.get("kind") == "warm"
-            else "cold start"
-        )
+        began = {
+            "warm": f"warm start at {start.get('load', 0):g}x (the last run's {start.get('from', 0):.4g}x)",
+            "onset": f"start at {start.get('load', 0):g}x (where its busiest minutes reach Ĉ)",
+        }.get(str(start.get("kind")), "cold start")
         return f"{began}, {n} load{'s' if n != 1 else ''} run"
 
     def gain(self) -> float:
@@ -403,16 +427,16 @@ def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = No
     run_at = time.time() if now is None else now
     window = observe(job.recording, job.window_s, end_s)
     capacity, source = job.read_capacity()  # before the replays: a detector that fails, fails fast
-    workload = TraceWorkload(str(job.recording), "recording", 1.0, window.start_s, window.end_s + 1e-6)
     stamp = datetime.fromtimestamp(run_at, UTC).strftime("%Y%m%dT%H%M%SZ")
     out = job.state / RUNS_DIR / f"{stamp}-w{window.start_s:.0f}-{window.end_s:.0f}"
     out.mkdir(parents=True, exist_ok=True)
-    setup = replace(job.whatif, workload=workload)
+    setup = replayed(job, window)
     previous, start = warm_start(job)
     objective = Objective()
+    begin, kinds = starts(job.policies, start, window, objective)
     found, curves = headroom_with_curves(
         setup, list(job.policies), out, lo=job.lo, hi=job.hi, precision=job.precision,
-        objective=objective, start=start,
+        objective=objective, start=begin, start_kind=kinds,
     )  # fmt: skip
     # the safe mean load (multiples of the simulator's Ĉ) as the peak load of this traffic's shape
     # (multiples of Ĉ): the observed peak is the observed mean times the same ratio
@@ -439,6 +463,13 @@ def run_day(job: DailyJob, *, now: float | None = None, end_s: float | None = No
     return day
 
 
+def replayed(job: DailyJob, window: Window) -> WhatIf:
+    """The what-if of ``window``: the job's, replaying the recording over that window (each
+    point sets the load, its mean rate in multiples of Ĉ)."""
+    workload = TraceWorkload(str(job.recording), "recording", 1.0, window.start_s, window.end_s + 1e-6)
+    return replace(job.whatif, workload=workload)
+
+
 def warm_start(job: DailyJob) -> tuple[Day | None, dict[str, float]]:
     """The history's newest run and, per policy of ``job`` it searched, its answer as the search
     took it, a safe *mean* load (its headroom over that window's peak-to-mean ratio; 0 where none
@@ -453,6 +484,20 @@ def warm_start(job: DailyJob) -> tuple[Day | None, dict[str, float]]:
     day = newest[0]
     ratio = day.window.peak_to_mean
     return day, {p: day.headroom[p] / ratio for p in job.policies if p in day.headroom}
+
+
+def starts(
+    policies: Sequence[str], warm: Mapping[str, float], window: Window, objective: Objective
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Where each policy's search starts, and what that start is: the history's answer
+    (``warm``, "warm"), else the mean load at which the window's busiest minutes holding the
+    share of calls the objective may miss reach Ĉ (:meth:`Window.onset_load`, "onset"), near
+    which a policy's headroom lies. Either way the search ends on a cold search's answer
+    wherever more load never helps; the estimate spares the first day the cold search's limits
+    (its 6x point replays the window at six times Ĉ) and most of its midpoints."""
+    onset = window.onset_load(1.0 - objective.target)
+    begin = {p: warm.get(p, onset) for p in policies}
+    return begin, {p: "warm" if p in warm else "onset" for p in policies}
 
 
 # --- the history ------------------------------------------------------------------------------

@@ -460,14 +460,14 @@ class _Points:
         """Run every (policy, load)'s seeds not yet in DIR."""
         w = self.whatif
         done = self._done()
+        setup = w.setup()  # first: a trace's first pass, made here once, goes with each point's spec
         specs = [w.spec(p, load, r) for p, load in asked for r in range(w.seeds)]
         missing = list({s.slug: s for s in specs if s.slug not in done}.values())
         if missing:
             run_many(
                 w.backend, missing, self.dir, jobs=w.jobs, executor=w.executor, clock=w.clock,
-                progress=w.progress,
-                meta={"block": BLOCK, "model": w.model, "seed": w.seed, "whatif": w.setup()},
-                stamp={STAMP: w.setup()},
+                progress=w.progress, meta={"block": BLOCK, "model": w.model, "seed": w.seed, "whatif": setup},
+                stamp={STAMP: setup},
             )  # fmt: skip
 
     def loads(self, policy: str) -> list[float]:
@@ -652,7 +652,8 @@ class HeadroomSearch:
     """One policy's search for the largest safe load on its :class:`Grid`: ``safe`` the largest
     load found safe, ``unsafe`` the smallest found unsafe (None: none yet); ``tried`` every load
     run, with its verdict (:meth:`add`). Cold (``start`` None): the upper limit first, then the
-    lower, then bisection. Warm (``start``, a load, e.g. yesterday's answer): the grid's node
+    lower, then bisection. Warm (``start``, a load, e.g. yesterday's answer or an estimate, which
+    ``start_kind`` names): the grid's node
     nearest it first, then outwards from it one node, two, four, ... (a gallop) until a verdict
     flips, then bisection. Each probes only the grid's nodes and stops when no node lies between
     ``safe`` and ``unsafe``; when more load never makes a policy safe, both give the same answer."""
@@ -660,6 +661,7 @@ class HeadroomSearch:
     grid: Grid
     criterion: str = DEFAULT_CRITERION
     start: float | None = None
+    start_kind: str = "warm"  # what ``start`` is, as the result names it (e.g. "peak": an estimate)
     tried: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -752,7 +754,7 @@ class HeadroomSearch:
             "upper_limit": self.hi,
             "start": {"kind": "cold"}
             if first is None
-            else {"kind": "warm", "from": self.start, "load": self.grid.load(first)},
+            else {"kind": self.start_kind, "from": self.start, "load": self.grid.load(first)},
             "tried": sorted(self.tried, key=lambda t: t["load"]),
         }
 
@@ -769,6 +771,7 @@ def headroom(
     objective: Objective | None = None,
     on_round: Callable[[int, dict[str, float]], None] | None = None,
     start: Mapping[str, float] | None = None,
+    start_kind: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per policy, the largest load in ``[lo, hi]`` at which every seed's run meets ``objective``
     (``criterion`` "collapse": has no collapse; "metastable": no metastable collapse), to within
@@ -776,11 +779,11 @@ def headroom(
     Every load already run in DIR counts first (the workload's own, a curve's, an earlier
     search's); then, per policy, a cold search (the upper limit, the lower, midpoints) or, where
     ``start`` gives it a load (policy -> load, e.g. the previous answer), a warm one from there
-    (:class:`HeadroomSearch`); each round runs every policy's next load in one batch. ``DirBusy``
-    when another sweep writes ``out``."""
+    (:class:`HeadroomSearch`; ``start_kind``, policy -> what its start is, "warm" where unsaid);
+    each round runs every policy's next load in one batch. ``DirBusy`` when another sweep writes ``out``."""
     return headroom_with_curves(
         whatif, policies, out, lo=lo, hi=hi, precision=precision, criterion=criterion,
-        objective=objective, on_round=on_round, start=start,
+        objective=objective, on_round=on_round, start=start, start_kind=start_kind,
     )[0]  # fmt: skip
 
 
@@ -796,6 +799,7 @@ def headroom_with_curves(
     objective: Objective | None = None,
     on_round: Callable[[int, dict[str, float]], None] | None = None,
     start: Mapping[str, float] | None = None,
+    start_kind: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """:func:`headroom`'s answer and, from the same points judged once, :func:`curve`'s (every
     load in DIR, nothing more run)."""
@@ -810,7 +814,10 @@ def headroom_with_curves(
     if bad:
         raise WhatIfError(f"a search's start must be a finite load, got {bad[0]!r}")
     grid = Grid.of(lo, hi, precision)
-    searches = {p: HeadroomSearch(grid, criterion, (start or {}).get(p)) for p in policies}
+    kinds = start_kind or {}
+    searches = {
+        p: HeadroomSearch(grid, criterion, (start or {}).get(p), kinds.get(p, "warm")) for p in policies
+    }
     with hold(out):
         points = _Points(whatif, out)
         found = _search(points, searches, precision, objective, on_round)

@@ -27,9 +27,10 @@ from reproduce.planner.daily import (
     PEAK_WINDOW_S,
     HeadroomCollector,
     History,
+    Window,
     observe,
 )
-from reproduce.planner.whatif import marks
+from reproduce.planner.whatif import headroom, marks
 from reproduce.workloads.plan import RunClock
 from tests.reproduce.test_runner import SMALL
 from tests.systemtools import require
@@ -124,6 +125,19 @@ def test_observe_takes_the_last_window_and_its_busiest_minute(tmp_path: Path) ->
     # a window ending before the burst's end, as a day of a longer recording
     early = observe(tmp_path / "rec", window_s=100.0, end_s=150.0)
     assert early.calls == sum(50.0 <= a <= 150.0 for a in rel)
+    # each minute's calls, from the window's first call on
+    assert sum(whole.bins) == whole.calls and max(whole.bins) <= whole.peak_rate * PEAK_WINDOW_S
+    assert list(whole.bins) == [sum(k * 60 <= a < (k + 1) * 60 for a in rel) for k in range(len(whole.bins))]
+
+
+def test_the_onset_is_where_the_busiest_minutes_holding_the_share_reach_capacity() -> None:
+    mean = 1100 / 6000  # 98 minutes of 10 calls and 2 of 60, over 100 minutes
+    window = Window(0.0, 6000.0, 1100, mean, 1.0, (10,) * 49 + (60,) + (10,) * 49 + (60,))
+    # 2 % of the calls (22) lie in the busiest minute alone: Ĉ there is 60 calls a minute
+    assert window.onset_load(0.02) == pytest.approx(mean * PEAK_WINDOW_S / 60)
+    # 20 % (220): both busy minutes (120) and ten quiet ones: the share is reached at 10 a minute
+    assert window.onset_load(0.2) == pytest.approx(mean * PEAK_WINDOW_S / 10)
+    assert Window(0.0, 10.0, 5, 0.5, 2.0).onset_load(0.02) == 0.25  # no bins: where the peak reaches Ĉ
 
 
 def test_once_runs_the_window_under_each_policy_and_keeps_the_history(tmp_path: Path) -> None:
@@ -146,7 +160,7 @@ def test_once_runs_the_window_under_each_policy_and_keeps_the_history(tmp_path: 
         assert found[p]["tried"], p
     assert day.low == (day.ratio("default") < 1 + MARGIN)
     assert "default leaves" in result.output and "wrote" in result.output
-    assert result.output.count("cold start") == 2 and "warm start" not in result.output
+    assert result.output.count("where its busiest minutes reach Ĉ") == 2 and "warm start" not in result.output
     got = series(history)
     want = {"none": day.headroom["none"], "default": day.headroom["default"]}
     assert got == {**want, "peak": pytest.approx(day.observed_peak_load), "margin": MARGIN, "at": day.run_at}
@@ -251,32 +265,40 @@ def _run(job: daily.DailyJob, day: int) -> dict[str, Any]:
     return body
 
 
-def test_the_next_day_starts_warm_from_the_last_answer_and_finds_the_same_with_fewer_loads(
+def test_the_first_day_starts_at_the_onset_and_the_next_from_the_last_answer_both_on_the_cold_answer(
     tmp_path: Path,
 ) -> None:
-    """The same recording searched cold, then warm from that answer: each policy's headroom is
-    the cold search's, found in fewer loads run (here delivery is monotone in load, as the cold
-    search's own verdicts show); a policy the history has no answer for starts cold; whatif.json
-    says which start each search took, and holds its curves and their marks."""
+    """The first day searches from the mean load at which the window's busiest minutes reach Ĉ,
+    the next day from the last answer; each policy's headroom is what a cold search of the same window
+    finds (here delivery is monotone in load, as the cold search's own verdicts show), the warm
+    one in two loads; a policy the history has no answer for starts at that onset; whatif.json says
+    which start each search took, and holds its curves and their marks."""
     write_recording(tmp_path / "rec")
     settings = {"precision": 0.1, "lo": 0.25, "hi": 4.0}
-    cold = _run(_job(tmp_path, ["none", "default"], **settings), 1)
-    assert cold["warm_start"] is None
+    job = _job(tmp_path, ["none", "default"], **settings)
+    first = _run(job, 1)
+    assert first["warm_start"] is None
+    window = observe(job.recording, job.window_s)
+    cold = headroom(daily.replayed(job, window), ["none", "default"], tmp_path / "cold", **settings)
     warm = _run(_job(tmp_path, ["none", "default", "budget"], **settings), 2)
     previous = History(f"sqlite:///{tmp_path / 'state' / daily.HISTORY_FILE}").days()[-1]
     assert warm["warm_start"]["run_at"] == previous.run_at
+    onset = window.onset_load(1 - DELIVERY_OBJECTIVE)
+    assert window.mean_rate / window.peak_rate <= onset  # the busiest minutes: at most the peak
     for p in ("none", "default"):
-        before, after = cold["headroom"][p], warm["headroom"][p]
-        tried = sorted((t["load"], t["safe"]) for t in before["tried"])
+        truth, before, after = cold[p], first["headroom"][p], warm["headroom"][p]
+        tried = sorted((t["load"], t["safe"]) for t in truth["tried"])
         assert [safe for _, safe in tried] == sorted((safe for _, safe in tried), reverse=True), tried
-        assert before["start"] == {"kind": "cold"} and before["kind"] == "bracketed"
+        assert truth["start"] == {"kind": "cold"} and truth["kind"] == "bracketed"
+        assert before["start"]["kind"] == "onset" and before["start"]["from"] == pytest.approx(onset)
         assert after["start"]["kind"] == "warm" and after["start"]["load"] == before["headroom_load"]
         assert after["start"]["from"] == pytest.approx(before["headroom_load"], abs=1e-3)
         for key in ("headroom_load", "kind", "precision_reached"):
-            assert after[key] == before[key], (p, key)
-        assert len(after["tried"]) == 2 < len(before["tried"]) == 2 + 6  # the bisection's depth: 6
-        assert warm["daily"]["headroom_load"][p] == cold["daily"]["headroom_load"][p]
-    assert warm["headroom"]["budget"]["start"] == {"kind": "cold"} and "budget" not in warm["warm_start"]
+            assert before[key] == truth[key] == after[key], (p, key)
+        assert len(after["tried"]) == 2 < len(truth["tried"]) == 2 + 6  # the bisection's depth: 6
+        assert len(before["tried"]) < len(truth["tried"]), before["tried"]
+        assert warm["daily"]["headroom_load"][p] == first["daily"]["headroom_load"][p]
+    assert warm["headroom"]["budget"]["start"]["kind"] == "onset" and "budget" not in warm["warm_start"]
     # the curves: every load run, with the marks the planner finds on them
     for p, drawn in warm["curves"].items():
         assert [q["load"] for q in drawn["curve"]] == sorted(t["load"] for t in warm["headroom"][p]["tried"])
