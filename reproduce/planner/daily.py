@@ -34,6 +34,7 @@ the headroom's ratio to the observed mean: the share of growth the policy still 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -77,7 +78,7 @@ from reproduce.planner.whatif import (
     parse_policies,
     write_whatif,
 )
-from reproduce.workloads.trace import TraceWorkload
+from reproduce.workloads.trace import MAX_REPLAY_CALLS, TraceWorkload
 from reproduce.workloads.traces import read_trace
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "HeadroomCollector",
     "History",
     "Window",
+    "busiest_stretch",
     "detector_capacity",
     "observe",
     "parse_at",
@@ -227,6 +229,9 @@ class Window:
     peak_rate: float  # calls/s: the most calls in any PEAK_WINDOW_S, over PEAK_WINDOW_S
     # the calls in each PEAK_WINDOW_S from the first call on (observe's; the history keeps none)
     bins: tuple[int, ...] = ()
+    # when this is the busiest stretch of a window holding more calls than a replay may: that
+    # window's start, end and calls (observe's; the history keeps none)
+    cut_from: tuple[float, float, int] | None = None
 
     @property
     def peak_to_mean(self) -> float:
@@ -248,15 +253,41 @@ class Window:
         return 1.0 / self.peak_to_mean  # unreachable: the bins hold every call
 
 
+def busiest_stretch(bins: Sequence[int], most: int) -> tuple[int, int]:
+    """The busiest run of whole bins that holds at most ``most`` calls and is as long as such a
+    run can be wherever it lies: (its first bin, its bins). ``DailyError`` when one bin holds more."""
+    prefix = list(itertools.accumulate(bins, initial=0))
+
+    def busiest(d: int) -> tuple[int, int]:  # the busiest run of d bins: (calls, -first bin)
+        return max((prefix[i + d] - prefix[i], -i) for i in range(len(bins) - d + 1))
+
+    if not bins or busiest(1)[0] > most:
+        raise DailyError(
+            f"a single {PEAK_WINDOW_S:g}-s stretch holds more than {most:,} calls: nothing to replay"
+        )
+    lo, hi = 1, len(bins)  # the longest run whose busiest placement fits (more bins never hold fewer calls)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if busiest(mid)[0] <= most else (lo, mid - 1)
+    return -busiest(lo)[1], lo
+
+
 def observe(
     recording: Path,
     window_s: float = WINDOW_S,
     end_s: float | None = None,
     peak_window_s: float = PEAK_WINDOW_S,
+    most: int = MAX_REPLAY_CALLS,
 ) -> Window:
     """The last ``window_s`` of ``recording`` up to ``end_s`` (seconds from its first call;
     None: its last call), its calls' mean rate and peak rate. Streams the recording (twice
-    when ``end_s`` is None: once to find its end)."""
+    when ``end_s`` is None: once to find its end).
+
+    A window of more than ``most`` calls (a replay's limit, ``MAX_REPLAY_CALLS``) is cut to its
+    busiest stretch (:func:`busiest_stretch`, in whole :data:`PEAK_WINDOW_S` bins) and that
+    stretch is returned, read again, with ``cut_from`` saying what it was cut from. The stretch
+    holds the window's busiest minutes, and the objective judged on it is judged on traffic at
+    least as busy as the whole window's: the headroom found on it does not overstate the window's."""
     if not (math.isfinite(window_s) and window_s > 0):
         raise DailyError(f"the window must be a positive number of seconds, got {window_s!r}")
     if end_s is None:
@@ -264,7 +295,7 @@ def observe(
     start_s = max(0.0, end_s - window_s)
     arrivals: deque[float] = deque()
     bins: list[int] = []
-    n = most = 0
+    n = busiest = 0
     first = last = 0.0
     for record in read_trace(recording, "recording"):
         t = record.arrival_s
@@ -277,7 +308,7 @@ def observe(
         arrivals.append(t)
         while arrivals[0] <= t - peak_window_s:
             arrivals.popleft()
-        most = max(most, len(arrivals))
+        busiest = max(busiest, len(arrivals))
         k = int((t - first) // peak_window_s)
         bins.extend([0] * (k + 1 - len(bins)))
         bins[k] += 1
@@ -286,8 +317,14 @@ def observe(
             f"{recording}: the window {start_s:g}..{end_s:g} s holds {n} call(s); a replay needs at "
             "least two at different times"
         )
+    if n > most:
+        i, d = busiest_stretch(bins, most)
+        cut = observe(
+            recording, d * peak_window_s, first + (i + d) * peak_window_s - 1e-6, peak_window_s, most
+        )
+        return replace(cut, cut_from=cut.cut_from or (start_s, end_s, n))
     mean = (n - 1) / (last - first)
-    return Window(start_s, end_s, n, mean, max(most / peak_window_s, mean), tuple(bins))
+    return Window(start_s, end_s, n, mean, max(busiest / peak_window_s, mean), tuple(bins))
 
 
 @dataclass(frozen=True)
@@ -371,9 +408,14 @@ class Day:
 
     def says(self) -> str:
         p, best = self.policy_in_force, self.best()
+        w = self.window
+        cut = "" if w.cut_from is None else (
+            f", the busiest stretch of {w.cut_from[2]} calls over {w.cut_from[1] - w.cut_from[0]:g} s: a "
+            f"replay holds at most {MAX_REPLAY_CALLS:,}"
+        )  # fmt: skip
         text = (
-            f"observed peak {self.observed_peak_load:.3g}x Ĉ ({self.window.calls} calls over "
-            f"{self.window.end_s - self.window.start_s:g} s); {p} leaves {self.ratio(p):.3g}x of it"
+            f"observed peak {self.observed_peak_load:.3g}x Ĉ ({w.calls} calls over {w.end_s - w.start_s:g} s"
+            f"{cut}); {p} leaves {self.ratio(p):.3g}x of it"
             + (f" (below 1 + margin {self.margin:g}: {ALERT})" if self.low else "")
         )
         if best != p:
@@ -402,7 +444,9 @@ class Day:
         return {
             "run_at": self.run_at,
             "window": {"start_s": self.window.start_s, "end_s": self.window.end_s, "calls": self.window.calls,
-                       "mean_rate": self.window.mean_rate, "peak_rate": self.window.peak_rate},
+                       "mean_rate": self.window.mean_rate, "peak_rate": self.window.peak_rate,
+                       "cut_from": None if (w := self.window.cut_from) is None else
+                       {"start_s": w[0], "end_s": w[1], "calls": w[2]}},
             "capacity": self.capacity,
             "capacity_source": self.capacity_source,
             "observed_peak_load": self.observed_peak_load,

@@ -28,6 +28,7 @@ from reproduce.planner.daily import (
     HeadroomCollector,
     History,
     Window,
+    busiest_stretch,
     observe,
 )
 from reproduce.planner.whatif import headroom, marks
@@ -128,6 +129,31 @@ def test_observe_takes_the_last_window_and_its_busiest_minute(tmp_path: Path) ->
     # each minute's calls, from the window's first call on
     assert sum(whole.bins) == whole.calls and max(whole.bins) <= whole.peak_rate * PEAK_WINDOW_S
     assert list(whole.bins) == [sum(k * 60 <= a < (k + 1) * 60 for a in rel) for k in range(len(whole.bins))]
+
+
+def test_a_window_of_more_calls_than_a_replay_holds_is_cut_to_its_busiest_stretch(tmp_path: Path) -> None:
+    arrivals = write_recording(tmp_path / "rec")
+    rel = [a - arrivals[0] for a in arrivals]
+    whole = observe(tmp_path / "rec", window_s=1e9)
+    assert whole.cut_from is None and whole.calls > 150
+    cut = observe(tmp_path / "rec", window_s=1e9, most=150)
+    assert cut.cut_from == (whole.start_s, whole.end_s, whole.calls)
+    assert cut.calls <= 150 and cut.calls == sum(cut.start_s <= a <= cut.end_s for a in rel)
+    assert cut.start_s <= 200.0 < 260.0 <= cut.end_s + 60.0  # the burst's minutes are in it
+    assert cut.mean_rate > whole.mean_rate
+    # whole minutes: the longest run whose busiest placement fits, and that placement
+    first, d = busiest_stretch(whole.bins, 150)
+    runs = [sum(whole.bins[j : j + d]) for j in range(len(whole.bins) - d + 1)]
+    assert sum(whole.bins[first : first + d]) == max(runs) <= 150
+    assert max(sum(whole.bins[j : j + d + 1]) for j in range(len(whole.bins) - d)) > 150
+    assert cut.end_s - cut.start_s == pytest.approx(d * PEAK_WINDOW_S, abs=1e-5)
+    with pytest.raises(daily.DailyError, match="holds more than 100 calls"):
+        busiest_stretch([5, 200, 5], 100)
+    # what the day says and keeps of it
+    day = daily.Day(T0, cut, 2.0, "given", "default", MARGIN, {"default": 1.0}, {"default": "bracketed"})
+    assert f"the busiest stretch of {whole.calls} calls" in day.says()
+    kept = {"start_s": whole.start_s, "end_s": whole.end_s, "calls": whole.calls}
+    assert day.to_dict()["window"]["cut_from"] == kept
 
 
 def test_the_onset_is_where_the_busiest_minutes_holding_the_share_reach_capacity() -> None:
