@@ -286,8 +286,8 @@ def observe(
     A window of more than ``most`` calls (a replay's limit, ``MAX_REPLAY_CALLS``) is cut to its
     busiest stretch (:func:`busiest_stretch`, in whole :data:`PEAK_WINDOW_S` bins) and that
     stretch is returned, read again, with ``cut_from`` saying what it was cut from. The stretch
-    holds the window's busiest minutes, and the objective judged on it is judged on traffic at
-    least as busy as the whole window's: the headroom found on it does not overstate the window's."""
+    holds the window's busiest minutes: the objective judged on it is judged on traffic at least
+    as busy as the whole window's, a stricter test than on the whole of it."""
     if not (math.isfinite(window_s) and window_s > 0):
         raise DailyError(f"the window must be a positive number of seconds, got {window_s!r}")
     if end_s is None:
