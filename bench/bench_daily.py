@@ -1,15 +1,15 @@
 """How long the daily what-if takes: ``retrywatch reproduce plan-daily --once`` on a synthetic
 recording of ``--hours`` (default 24), five policies, headroom to 0.05 Ĉ, on the local executor
 or on two Ray workers; with ``--days 2``, on consecutive days, each later one warm from the day
-before (the first starts from the load at which its window's peak reaches Ĉ).
+before (the first from the estimate of the overload's onset).
 
 Writes the recording in the proxy's layout (``daily_growth.write_days``: a diurnal swing of
 +-50 % and a burst, mean ``--mean-load`` x Ĉ, each later day ``--growth`` busier), then, per day,
 adds that day's file to the recording and runs the whole command as a child process on the same
-state directory (the first day from its peak's estimate, each later one from the day before's
-answers), on the study's engine preset with Ĉ stated, the calibrated Ĉ of the days' token mix
-(:func:`mix_capacity`: calibration is not timed), and prints its wall time, the points run, each search's start and
-each policy's headroom.
+state directory (the first day from the estimate of the overload's onset, each later one from
+the day before's answers), on the study's engine preset with Ĉ stated, the calibrated Ĉ of the
+days' token mix (:func:`mix_capacity`: calibration is not timed), and prints its wall time, the
+points run, each search's start and each policy's headroom.
 ``--executor ray`` starts a Ray head of two CPUs on loopback in a temp dir of its own (two
 workers), runs the command on it and stops the head's processes by their session, never by
 ``ray stop`` (which would end every Ray on the machine).
