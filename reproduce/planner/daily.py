@@ -34,6 +34,7 @@ the headroom's ratio to the observed mean: the share of growth the policy still 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -245,12 +246,10 @@ class Window:
         to meet it. Without bins, where the window's peak reaches Ĉ."""
         if not self.bins:
             return 1.0 / self.peak_to_mean
-        total, held = sum(self.bins), 0
-        for n in sorted(self.bins, reverse=True):
-            held += n
-            if held >= share * total:
-                return self.mean_rate * PEAK_WINDOW_S / n
-        return 1.0 / self.peak_to_mean  # unreachable: the bins hold every call
+        ordered = sorted(self.bins, reverse=True)
+        held = list(itertools.accumulate(ordered))
+        k = min(bisect.bisect_left(held, share * held[-1]), len(ordered) - 1)
+        return self.mean_rate * PEAK_WINDOW_S / ordered[k]
 
 
 def busiest_stretch(bins: Sequence[int], most: int) -> tuple[int, int]:
@@ -276,7 +275,6 @@ def observe(
     recording: Path,
     window_s: float = WINDOW_S,
     end_s: float | None = None,
-    peak_window_s: float = PEAK_WINDOW_S,
     most: int = MAX_REPLAY_CALLS,
 ) -> Window:
     """The last ``window_s`` of ``recording`` up to ``end_s`` (seconds from its first call;
@@ -306,10 +304,10 @@ def observe(
         first = t if n == 0 else first
         last, n = t, n + 1
         arrivals.append(t)
-        while arrivals[0] <= t - peak_window_s:
+        while arrivals[0] <= t - PEAK_WINDOW_S:
             arrivals.popleft()
         busiest = max(busiest, len(arrivals))
-        k = int((t - first) // peak_window_s)
+        k = int((t - first) // PEAK_WINDOW_S)
         bins.extend([0] * (k + 1 - len(bins)))
         bins[k] += 1
     if n < 2 or last <= first:
@@ -319,12 +317,10 @@ def observe(
         )
     if n > most:
         i, d = busiest_stretch(bins, most)
-        cut = observe(
-            recording, d * peak_window_s, first + (i + d) * peak_window_s - 1e-6, peak_window_s, most
-        )
+        cut = observe(recording, d * PEAK_WINDOW_S, first + (i + d) * PEAK_WINDOW_S - 1e-6, most)
         return replace(cut, cut_from=cut.cut_from or (start_s, end_s, n))
     mean = (n - 1) / (last - first)
-    return Window(start_s, end_s, n, mean, max(busiest / peak_window_s, mean), tuple(bins))
+    return Window(start_s, end_s, n, mean, max(busiest / PEAK_WINDOW_S, mean), tuple(bins))
 
 
 @dataclass(frozen=True)

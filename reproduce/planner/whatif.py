@@ -661,7 +661,7 @@ class HeadroomSearch:
     grid: Grid
     criterion: str = DEFAULT_CRITERION
     start: float | None = None
-    start_kind: str = "warm"  # what ``start`` is, as the result names it (e.g. "peak": an estimate)
+    start_kind: str = "warm"  # what ``start`` is, as the result names it (e.g. "onset": an estimate)
     tried: list[dict[str, Any]] = field(default_factory=list)
 
     @property
