@@ -39,9 +39,8 @@ from bench_trace_replay import MODEL
 from daily_growth import write_days
 
 from reproduce.conditions import EngineSettings
-from reproduce.sim.engine_link import Engine
+from reproduce.sim.backend import trace_mix_capacity
 from reproduce.workloads.trace import TraceWorkload
-from reproduce.workloads.tracecapacity import trace_capacity
 
 # every process of the cluster and its driver: no usage report, no token (as the executor tests)
 RAY_ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -94,11 +93,9 @@ def mix_capacity(probe: Path) -> float:
     calibration of a probe hour of it (cached; not timed): the Ĉ a detector learns for this
     traffic, which the daily job reads and states to the simulator, so that the search's loads are
     multiples of the engine's real capacity for it, as they are in service."""
-    tokens_per_step = EngineSettings().tokens_per_step
-    config = Engine.for_preset(MODEL, tokens_per_step=tokens_per_step).model.config
     write_days(probe, [1.0], 3600.0, seed=3)
     facts = TraceWorkload(str(probe), "recording").facts
-    return trace_capacity(MODEL, config, facts, settings=f"tokens_per_step={tokens_per_step}").capacity
+    return trace_mix_capacity(MODEL, facts, tokens_per_step=EngineSettings().tokens_per_step)[0]
 
 
 def main() -> None:

@@ -32,8 +32,7 @@ from detector.capacity import (
     PREDICTOR_SERIES,
     CapacityPrediction,
     WindowTotals,
-    _row,  # the fit's rows and solver, as the detector builds and solves them
-    _solve,
+    fit_step_cost,
     predict_capacity,
     split_windows,
     window_totals,
@@ -108,9 +107,7 @@ def _measured_prefill(
     if tokens <= 0 or prefill <= 0:
         return None
     c = prefill / tokens
-    # a, β >= 0 on busy − c·prompt: the detector's solver with the prompt column emptied
-    rows = [(r[0], 0.0, r[2], r[3] - c * r[1]) for r in (_row(w) for w in parts) if r is not None]
-    cost = _solve(rows)
+    cost = fit_step_cost(parts, prompt_token_s=c)  # a, β >= 0 on busy − c·prompt
     if cost is None:
         return None
     per_call = p.uncached_prompt_tokens * c + p.output_tokens * (

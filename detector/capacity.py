@@ -225,11 +225,20 @@ def _lstsq(x: list[list[float]], y: list[float]) -> list[float] | None:
     return [a[i][k] / a[i][i] for i in range(k)]
 
 
-def fit_step_cost(parts: Sequence[WindowTotals]) -> StepCost | None:
+def fit_step_cost(parts: Sequence[WindowTotals], *, prompt_token_s: float | None = None) -> StepCost | None:
     """The step cost fitted over sub-windows (module docstring); None with fewer than
-    :data:`MIN_FIT_WINDOWS` that decoded anything, or no non-negative fit."""
+    :data:`MIN_FIT_WINDOWS` that decoded anything, or no non-negative fit. With
+    ``prompt_token_s`` (``c`` known otherwise, e.g. measured), only ``a`` and ``β`` are fitted, on
+    each sub-window's busy time less ``c`` times its prompt tokens."""
     rows = [r for r in (_row(p) for p in parts) if r is not None]
-    return _solve(rows) if len(rows) >= MIN_FIT_WINDOWS else None
+    if len(rows) < MIN_FIT_WINDOWS:
+        return None
+    if prompt_token_s is None:
+        return _solve(rows)
+    cost = _solve(
+        [(steps, 0.0, decoded, busy - prompt_token_s * prompt) for steps, prompt, decoded, busy in rows]
+    )
+    return None if cost is None else StepCost(cost.step_s, prompt_token_s, cost.decode_token_s)
 
 
 def predict_capacity(

@@ -30,7 +30,22 @@ from reproduce.workloads.plan import PlanError, check_pulse
 from reproduce.workloads.trace import TraceFacts
 from reproduce.workloads.tracecapacity import trace_capacity
 
-__all__ = ["SimBackend"]
+__all__ = ["SimBackend", "trace_mix_capacity"]
+
+
+def trace_mix_capacity(
+    model: str, facts: TraceFacts, *, tokens_per_step: int, engine: Mapping[str, Any] | None = None
+) -> tuple[float, dict[str, object]]:
+    """Ĉ of a trace's token mix (``facts``) on the simulator's ``model`` with ``tokens_per_step``
+    and ``engine``'s overrides of the preset (calibrated once, then cached), and how it was found:
+    what a ``sim`` run of that trace runs at, for any caller that must state it beforehand."""
+    overrides = dict(engine or {})
+    config = engine_link.Engine.for_preset(
+        model, tokens_per_step=tokens_per_step, overrides=overrides
+    ).model.config
+    settings = f"tokens_per_step={tokens_per_step}|engine={json.dumps(overrides, sort_keys=True)}"
+    found = trace_capacity(model, config, facts, settings=settings)
+    return found.capacity, found.describe()
 
 
 @dataclass
@@ -92,7 +107,9 @@ class SimBackend(Backend):
             if self.capacity is not None:
                 found: tuple[float, dict[str, object]] = (self.capacity, {"method": "given (capacity=)"})
             elif mix.facts is not None:
-                found = self._trace_capacity(r, mix.facts)
+                found = trace_mix_capacity(
+                    r.model, mix.facts, tokens_per_step=r.condition.engine.tokens_per_step, engine=self.engine
+                )
             elif mix.mixed_prompts:
                 capacity = engine_link.calibrated_capacity(
                     r.model, mixed_prompts=True, workload=self.workload, engine=self.engine
@@ -116,15 +133,6 @@ class SimBackend(Backend):
         if mix.facts is not None:
             return r.model, f"{mix.key}:{r.condition.engine.tokens_per_step}"
         return r.model, mix.key
-
-    def _trace_capacity(self, r: RunSpec, facts: TraceFacts) -> tuple[float, dict[str, object]]:
-        tokens_per_step = r.condition.engine.tokens_per_step
-        config = engine_link.Engine.for_preset(
-            r.model, tokens_per_step=tokens_per_step, overrides=self.engine
-        ).model.config
-        settings = f"tokens_per_step={tokens_per_step}|engine={json.dumps(self.engine, sort_keys=True)}"
-        found = trace_capacity(r.model, config, facts, settings=settings)
-        return found.capacity, found.describe()
 
     def spec_for(self, job: RunJob) -> SimSpec:
         r = job.run

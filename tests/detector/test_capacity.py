@@ -153,6 +153,17 @@ def test_the_fit_recovers_the_step_cost_and_the_formula_follows() -> None:
     assert p.low == pytest.approx(p.capacity, rel=1e-6) and p.high == pytest.approx(p.capacity, rel=1e-6)
 
 
+def test_with_c_given_only_the_step_and_decode_costs_are_fitted() -> None:
+    parts = _parts(_engine(10))
+    given = fit_step_cost(parts, prompt_token_s=COST.prompt_token_s)
+    assert given is not None and given.prompt_token_s == COST.prompt_token_s
+    assert given.step_s == pytest.approx(COST.step_s, rel=1e-6)
+    assert given.decode_token_s == pytest.approx(COST.decode_token_s, rel=1e-6)
+    off = fit_step_cost(parts, prompt_token_s=COST.prompt_token_s * 1.5)  # a c too high: a, β absorb it
+    assert off is not None and off.prompt_token_s == COST.prompt_token_s * 1.5
+    assert (off.step_s, off.decode_token_s) != pytest.approx((COST.step_s, COST.decode_token_s), rel=1e-3)
+
+
 def test_a_mix_change_moves_capacity_on_the_same_engine() -> None:
     """Longer outputs and shorter prompts on the same step cost: Ĉ follows the mix of the window."""
     long_prompts = _engine(10, prompt=10_000, output=400)

@@ -17,10 +17,11 @@ from foundation import metricnames as mn
 from foundation.timeseries import read_series
 from reproduce.calibrate import CalibrationError
 from reproduce.cli import TRACE_BLOCK, TRACE_CONDITION
-from reproduce.conditions import block
+from reproduce.conditions import block, expand
 from reproduce.harness.protocol import cpu_scaled, study
 from reproduce.judge.groundtruth import JudgedSpan, burst_before
 from reproduce.judge.validate import load_runs
+from reproduce.sim.backend import SimBackend, trace_mix_capacity
 from reproduce.sim.engine_link import Engine
 from reproduce.workloads.calls import segment_token_ids
 from reproduce.workloads.client import ClientConfig
@@ -124,6 +125,19 @@ def test_capacity_is_calibrated_on_the_trace_mix_and_cached(tmp_path: Path, monk
     assert facts.mix_digest in first.key and MODEL in first.key
     (tmp_path / "capacity.json").write_text("{not json")
     assert not trace_capacity(MODEL, config, facts).cached  # an unreadable cache: recalibrated
+
+
+def test_a_traces_capacity_stated_beforehand_is_the_one_its_sim_run_runs_at(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    workload = TraceWorkload(str(EXAMPLE))
+    spec = expand(TRACE_BLOCK, models=MODEL, runs=1, conditions=[TRACE_CONDITION])[0]
+    run = replace(spec, condition=spec.condition.with_workload(workload))
+    tokens_per_step = run.condition.engine.tokens_per_step
+    stated, how = trace_mix_capacity(MODEL, workload.facts, tokens_per_step=tokens_per_step)
+    ran, ran_how = SimBackend().capacity_of(run)
+    assert ran == stated and not how.get("cached") and ran_how.get("cached")  # one calibration, one entry
 
 
 def test_a_mix_too_short_to_calibrate_names_the_option_that_gives_capacity(
