@@ -8,8 +8,9 @@ of the real-vLLM pulse test kept with ``--basetemp``) and prints
   and per call, the mean inter-token latency, the mean running and waiting counts, KV-cache use,
   and the prefill seconds per uncached prompt token (``vllm:request_prefill_time_seconds``);
 - ``detector.capacity``'s prediction over ``--from``–``--to`` (the whole stretch, and each
-  ``--window`` ending in it) for each sub-window length of ``--parts``: value over ``--true``,
-  the range, and the fitted step cost;
+  ``--window`` ending every ``--every`` seconds in it) for each sub-window length of ``--parts``:
+  value over ``--true``, the range, and the fitted step cost; then, over those windows, the
+  median, the least and greatest, and how many are within ±15 %;
 - beside it, a variant tried and not adopted (docs/results.md, "Why the prediction misses on the
   CPU engine"): ``c`` measured, not fitted, as vLLM's prefill time over the uncached prompt
   tokens (those admitted: prefix-cache queries − hits; or those of the calls the histogram timed:
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 from pathlib import Path
 
-from bench_learned_capacity import summed_samples
+from bench_learned_capacity import TOLERANCE, summed_samples
 
 from detector.capacity import (
+    PART_S,
     PREDICTOR_SERIES,
     CapacityPrediction,
     WindowTotals,
@@ -116,9 +119,12 @@ def _measured_prefill(
     return (1.0 / per_call, c) if per_call > 0 else None
 
 
-def _fit(samples: Samples, lo: float, hi: float, window: float, parts: list[float], true: float) -> None:
-    ends = [(hi - lo, hi)] + [(window, t) for t in _range(lo + window, hi, window / 2)]
+def _fit(
+    samples: Samples, lo: float, hi: float, window: float, parts: list[float], true: float, every: float
+) -> None:
+    ends = [(hi - lo, hi)] + [(window, t) for t in _range(lo + window, hi, every)]
     for part_s in parts:
+        ratios: list[float] = []
         for width, t in ends:
             kept = [s for s in samples if max(lo, t - width) - 1e-9 <= s[0] <= t + 1e-9]
             whole, cut = window_totals(kept), split_windows(kept, part_s)
@@ -128,6 +134,8 @@ def _fit(samples: Samples, lo: float, hi: float, window: float, parts: list[floa
                 print(head, "no prediction")
                 continue
             c = p.cost
+            if width == window:
+                ratios.append(p.capacity / true)
             print(
                 f"{head} {p.capacity / true:5.2f}x [{p.low / true:.2f}, {p.high / true:.2f}]"
                 f"  a={c.step_s:.3g} c={c.prompt_token_s:.3g} beta={c.decode_token_s:.3g}"
@@ -137,6 +145,13 @@ def _fit(samples: Samples, lo: float, hi: float, window: float, parts: list[floa
                 m = _measured_prefill(kept, whole, cut, p, finished)
                 text = "none" if m is None else f"{m[0] / true:5.2f}x c={m[1]:.3g}"
                 print(f"{'':10s}prefill measured over {label} tokens: {text}")
+        if ratios:
+            within = sum(abs(r - 1.0) <= TOLERANCE for r in ratios)
+            print(
+                f"sub-window {part_s:5.1f} s, the {len(ratios)} windows of {window:g} s: median"
+                f" {statistics.median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f}x,"
+                f" {within} of {len(ratios)} within ±{TOLERANCE:.0%}"
+            )
 
 
 def _range(start: float, stop: float, step: float) -> list[float]:
@@ -154,11 +169,13 @@ def main() -> None:
     ap.add_argument("--from", dest="lo", type=float, default=0.0, help="stretch start (s)")
     ap.add_argument("--to", dest="hi", type=float, default=None, help="stretch end (s; default: the end)")
     ap.add_argument("--window", type=float, default=30.0, help="the detector's window (s)")
-    ap.add_argument("--parts", type=float, nargs="+", default=[1.5], help="sub-window lengths (s)")
+    ap.add_argument("--parts", type=float, nargs="+", default=[PART_S], help="sub-window lengths (s)")
+    ap.add_argument("--every", type=float, default=None, help="seconds between windows' ends (half a window)")
     ap.add_argument("--step", type=float, default=10.0, help="the engine table's stretch (s)")
     args = ap.parse_args()
-    if min(args.true, args.window, args.step, *args.parts) <= 0:
-        ap.error("--true, --window, --step and --parts must be above 0")
+    every = args.window / 2 if args.every is None else args.every
+    if min(args.true, args.window, args.step, every, *args.parts) <= 0:
+        ap.error("--true, --window, --step, --every and --parts must be above 0")
     path = args.run / "metrics.jsonl"
     if not path.is_file():
         ap.error(f"{path}: no such file")
@@ -167,7 +184,7 @@ def main() -> None:
         ap.error(f"{path}: fewer than two snapshots")
     hi = samples[-1][0] if args.hi is None else args.hi
     _engine(samples, args.step)
-    _fit(samples, args.lo, hi, args.window, args.parts, args.true)
+    _fit(samples, args.lo, hi, args.window, args.parts, args.true, every)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ it open-loop calls straight from the harness's client (no proxy, no retries) at 
 prompts sharing a 200-token prefix, median 30 output tokens) on a K = 1 clock, and scrapes vLLM's
 ``/metrics`` every ``--scrape`` seconds (5: the detector's cadence at K = 1) into
 ``OUT/metrics.jsonl``, kept. Then prints ``bench/capacity_on_run.py``'s tables for the stretch
-after ``--skip`` seconds: the detector's 5-min window with 15-s sub-windows (and 5-s, 30-s), and
+after ``--skip`` seconds: the detector's 5-min window with its 5-s sub-windows (and 15-s, 30-s), and
 10-min windows.
 
     RETRYWATCH_VLLM_PYTHON=VENV .venv/bin/python bench/capacity_on_vllm.py --out OUT \\
@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from detector.capacity import PART_S
 from reproduce.harness.engines import VllmBackend
 from reproduce.harness.openloop import OpenLoopClient
 from reproduce.harness.protocol import cpu_scaled
@@ -89,7 +90,7 @@ def main() -> None:
         )
     here = Path(__file__).resolve().parent
     end = str(args.seconds)
-    for window, parts in (("300", ["15", "5", "30"]), ("600", ["15"])):
+    for window, parts in (("300", [f"{PART_S:g}", "15", "30"]), ("600", [f"{PART_S:g}"])):
         argv = [sys.executable, str(here / "capacity_on_run.py"), str(args.out), "--true", str(args.capacity)]
         argv += ["--from", str(args.skip), "--to", end, "--window", window, "--parts", *parts, "--step", "30"]
         subprocess.run(argv, check=True)

@@ -27,13 +27,14 @@ not the model's error (docs/results.md, "Ĉ learned before saturation", measures
 saturation). It needs vLLM 0.10.2 or later (``vllm:inter_token_latency_seconds``; older releases
 name it otherwise, ``foundation.vllmreleases``): without it there is no prediction. Not
 modelled: a token budget that binds before the KV cache or ``max_num_seqs`` does, and preemption.
-Not met: a low, intermittent batch (vLLM on CPU at 0.6 Ĉ runs one to three sequences with idle
-gaps), where a sub-window holds a call or two and the fit is noise-bound: 1.1-1.5x the calibrated
-Ĉ after 14.5 study minutes (docs/results.md, "Why the prediction misses on the CPU engine").
-There, ``c`` measured instead (vLLM's prefill time over the uncached prompt tokens) gives
-0.97-1.22x per 30-s window, but it breaks the simulator's trace mixes (-34 % to -42 %, or no
-fit): a request's prefill time spans whole steps, shared with decodes and other prefills, so it
-bounds ``c`` from above only.
+
+The sub-windows are short (:data:`PART_S`) because a low, intermittent batch needs them: vLLM on
+CPU at 0.5-0.6 Ĉ runs one to three sequences with idle gaps, and over 15-s sub-windows the mix
+barely moves from one to the next, so the fit traded the prompt cost for the per-step one and
+read 0.9-2.4x; over 5-s ones, 0.94-1.28x (docs/results.md, "At K = 1"). ``c`` measured instead
+(vLLM's prefill time over the uncached prompt tokens) suits that engine too, but breaks the
+simulator's trace mixes (-34 % to -42 %, or no fit): a request's prefill time spans whole steps,
+shared with decodes and other prefills, so it bounds ``c`` from above only.
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ __all__ = [
 DEFAULT_MAX_NUM_SEQS = 256
 #: Where the Ĉ in force comes from, in order of precedence.
 CAPACITY_SOURCES = ("stated", "saturated", "predicted")
-#: Sub-windows the fit needs at least, and their length in seconds.
-MIN_FIT_WINDOWS = 4
-PART_S = 15.0
+#: The fit's sub-windows (seconds): one scrape of the detector's and the shipped Prometheus'
+#: 5-s cadence (a longer scrape interval makes each interval one; docs/results.md, "Ĉ learned
+#: before saturation", measures 15-s sub-windows against these on a real engine).
+PART_S = 5.0
+#: Sub-windows the fit needs at least: a minute's worth.
+MIN_FIT_WINDOWS = 12
 #: The window the detector predicts over (seconds): five minutes of any load.
 PREDICT_WINDOW_S = 300.0
 

@@ -6,33 +6,34 @@ renders them into the tier's group).
 Ĉ (``vllm_capacity``): stated (a ``retrywatch_capacity_calls_per_second`` series), else the saturated estimate
 (vLLM's finish rate averaged over an hour of a queue that never emptied), else predicted below
 saturation from vLLM's own counters, the model of ``detector.capacity`` (read its docstring):
-``busy = a·steps + c·prompt + β·decoded`` fitted by least squares over 15-s sub-windows of the
+``busy = a·steps + c·prompt + β·decoded`` fitted by least squares over 5-s sub-windows of the
 last five minutes, then ``1/Ĉ = U·c + O·(a/B + β)``. One recording rule per step:
 
-- per evaluation, the sub-window ending now (``*:rate15s``): the share of evaluations with a
+- per evaluation, the sub-window ending now (``*:rate5s``): the share of evaluations with a
   running batch, steps, uncached prompt tokens and decoded tokens per second, present only where
-  the sub-window decoded anything (the detector's rows, each divided by its 15 s: the same fit).
-  Increases are ``x - x offset 15s`` of the counters summed per instance: exact at any scrape
-  interval up to 15 s (``increase()`` would extrapolate two scrape intervals of three); a counter
-  reset drops that one row or zeroes its prompt tokens (the detector counts the value after it).
-- their sums of products over the window's 15-s subquery steps (the normal equations).
+  the sub-window decoded anything (the detector's rows, each divided by its length: the same fit).
+  Increases are ``x - x offset 5s`` of the counters summed per instance, over the seconds
+  between those two scrapes (``timestamp()``): exact at any scrape interval, a longer one than
+  5 s making each scrape interval one sub-window, as in the detector (``increase()`` would
+  extrapolate); a counter reset drops that one row or zeroes its prompt tokens (the detector
+  counts the value after it).
+- their sums of products over the window's 5-s subquery steps (the normal equations).
 - the non-negative least squares: each of the 7 subsets of (steps, prompt, decoded) solved by
   Cramer's rule (a subset whose Gram determinant is below 1e-12 of its diagonal's product is
   singular, as the detector's pivot test), kept where all its coefficients are >= 0, the kept one
   with the least residual winning (``bottomk``): the detector's enumeration, exactly.
 - the prediction from the window's per-call mix and the saturated batch.
 
-Ranges and subqueries are one second short of their length (``[14s]``, ``[299s:15s]``): they then
+Ranges and subqueries are one second short of their length (``[4s]``, ``[299s:5s]``): they then
 hold the evaluations after a (sub-)window's start, as the detector's samples after its first, in
 Prometheus 2's closed ranges and 3's left-open ones alike.
 
 NOTE (versus ``detector.capacity``): the point estimate only (no range from the two halves), and
-the sub-windows lie on Prometheus' 15-s subquery grid rather than start at the window's first
-scrape. Where the two grids coincide (evaluations 15 s apart from a multiple of 15 s) the rules
-give the detector's number to rounding (1e-13 measured); elsewhere they cut the same five minutes
-differently, which moved the prediction by up to 4.4 % on the simulator's presets (the fit's own
-noise: ``tests/rules/test_learned.py`` measures both). A 5-s scrape and evaluation interval is
-assumed for the match; others change only which evaluations the busy share counts.
+the sub-windows lie on the rule group's 5-s evaluation grid rather than start at the window's
+first scrape. At a 5-s scrape interval the two cut the same sub-windows and give the same number
+to rounding (1e-13 measured); at 10- and 15-s scrapes, within 1e-4 (``tests/rules/test_learned.py``
+measures both). An evaluation interval other than 5 s changes which evaluations the busy share
+counts.
 Only vLLM 0.10.2 on exports ``vllm:inter_token_latency_seconds``: without it, no prediction.
 
 The deadline: stated (a ``retrywatch_client_deadline_seconds`` series: ``rules.stated`` records
@@ -109,6 +110,7 @@ _RUNNING = vllm_record("capacity_fit_running:sum")
 _KV = vllm_record("capacity_fit_kv_usage:sum")
 _BUSY_NOW = vllm_record("capacity_fit_running:bool")
 _BUSY_SHARE = vllm_record(f"capacity_fit_busy:share{_PART}")
+_SPACING = vllm_record(f"capacity_fit_span:seconds{_PART}")
 _X = (
     vllm_record(f"capacity_fit_steps:rate{_PART}"),
     vllm_record(f"capacity_fit_prompt:rate{_PART}"),
@@ -135,6 +137,13 @@ def _sum(metric: str) -> str:
 def _delta(metric: str) -> str:
     """The increase of ``metric`` (summed per instance) over the sub-window ending now."""
     return f"({_sum(metric)} - {_sum(f'{metric} offset {_PART}')})"
+
+
+def _span(metric: str) -> str:
+    """The seconds between the two scrapes of ``metric`` that :func:`_delta` subtracts: the
+    sub-window's length at a scrape interval up to its own, one scrape interval at a longer one."""
+    last, before = (f"max by (instance) (timestamp({m}))" for m in (metric, f"{metric} offset {_PART}"))
+    return f"({last} - {before})"
 
 
 def _increase(metric: str) -> str:
@@ -236,9 +245,10 @@ def helper_records() -> list[tuple[str, str]]:
         (_KV, _sum(mn.VLLM_KV_CACHE_USAGE)),
         (_BUSY_NOW, f"{_RUNNING} > bool 0"),
         (_BUSY_SHARE, f"avg_over_time({_BUSY_NOW}[{_PART_MEAN}])"),
+        (_SPACING, f"{_span(f'{itl}_count')} > 0"),
         (_X[0], steps),
-        (_X[1], f"{uncached} / {PART_S:g} and on (instance) {_X[0]}"),
-        (_X[2], f"{_delta(f'{itl}_count')} / {PART_S:g} and on (instance) {_X[0]}"),
+        (_X[1], f"{uncached} / on (instance) {_SPACING} and on (instance) {_X[0]}"),
+        (_X[2], f"{_delta(f'{itl}_count')} / on (instance) {_SPACING} and on (instance) {_X[0]}"),
         (_Y, f"{_BUSY_SHARE} and on (instance) {_X[0]}"),
     ]
     cols = (*_X, _Y)
@@ -271,12 +281,14 @@ EXTRA_COMMENTS: dict[str, str] = {
         "1 / (U·c + O·(a/B + β)) with the step cost fitted over the last 5 minutes."
     ),
     _COST: (
-        "The fitted step cost (non-negative least squares over 15-s sub-windows): term=step "
+        f"The fitted step cost (non-negative least squares over {PART_S:g}-s sub-windows): term=step "
         "seconds per step (a), prompt per uncached prompt token (c), decode per decoded token (β)."
     ),
     _COEF: "Each subset's least-squares step cost (Cramer's rule), labelled subset and term.",
     _RESID: "Each subset's residual sum of squares, kept where its coefficients are all >= 0.",
-    _X[0]: "Steps per second over the 15-s sub-window ending now (busy share × decodes / decode time).",
+    _X[0]: (
+        f"Steps per second over the {PART_S:g}-s sub-window ending now (busy share × decodes / decode time)."
+    ),
     DEADLINE_BUCKET: (
         "vLLM's e2e bucket at or below the deadline (label le), valued the seconds from it up to "
         "the deadline: above 0, finishes in between count as late (VLLMDeadlineBetweenBuckets)."

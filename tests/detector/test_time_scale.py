@@ -154,7 +154,7 @@ def test_durations_scale_and_thresholds_stay() -> None:
         assert scaled.for_s == rule.for_s / 10 and scaled.keep_firing_for_s == rule.keep_firing_for_s / 10
     w = WINDOWS.scaled(4.0)
     assert (w.rate_s, w.prompt_gap_s, w.capacity_estimate_s, w.gauge_lookback_s) == (15.0, 75.0, 900.0, 75.0)
-    assert (w.predict_s, w.predict_part_s) == (75.0, 3.75)
+    assert (w.predict_s, w.predict_part_s) == (75.0, 1.25)
     assert SignalEngine(SignalConfig(windows=w)).windows == w
     for bad in (0.0, -1.0, math.nan, math.inf):  # K is checked once, where the plan applies it
         with pytest.raises(ValueError, match="time scale"):
