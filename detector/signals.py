@@ -230,7 +230,8 @@ def describe_deadline(
     assumed: float | None = None,
 ) -> str:
     """How a deadline was found, for a start line or a log line: ``stated 120 s`` (the
-    operator's), ``stated by the proxy 120 s``, ``learned 93 s from 57 abandons``, ``the
+    operator's), ``stated by the proxy 120 s``, ``learned 93 s from 57 abandons`` (or ``from the
+    timeout its clients declare``, before any abandon), ``the
     proxy's 120 s`` (no source series), ``assumed 120 s`` or ``missing``."""
     if stated is not None:
         return f"stated {_seconds(stated)} s"
@@ -238,7 +239,9 @@ def describe_deadline(
         if source == mn.DEADLINE_STATED:
             return f"stated by the proxy {_seconds(exported)} s"
         if source == mn.DEADLINE_LEARNED:
-            return f"learned {_seconds(exported)} s from {int(abandons or 0)} abandons"
+            if not abandons:  # before any abandon: the timeout its clients' SDKs declare
+                return f"learned {_seconds(exported)} s from the timeout its clients declare"
+            return f"learned {_seconds(exported)} s from {int(abandons)} abandons"
         return f"the proxy's {_seconds(exported)} s"
     return "missing" if assumed is None else f"assumed {_seconds(assumed)} s"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -25,6 +26,8 @@ DEFAULT_CALL_ID_HEADER = "x-call-id"
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
 # The official OpenAI SDKs send this on their own automatic retries (0 on the first attempt).
 SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"
+#: The read timeout (seconds) the same SDKs declare on every attempt.
+SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
 # Where a caller's credentials travel: Authorization and the API-key headers (Azure OpenAI's
 # ``api-key``, ``x-api-key``). Every one present scopes the caller's keys: the OpenAI SDK always
 # sends Authorization, often with a placeholder key, beside the API-key header a gateway checks.
@@ -102,6 +105,19 @@ def sdk_says_retry(headers: Mapping[str, str]) -> bool | None:
     except ValueError:
         return None
     return count > 0 if count >= 0 else None
+
+
+def sdk_read_timeout(headers: Mapping[str, str]) -> float | None:
+    """The read timeout the client's SDK declares for this attempt (seconds), or None when it
+    declares none usable (absent, not a finite positive number, or longer than 32 characters)."""
+    value = headers.get(SDK_READ_TIMEOUT_HEADER)
+    if value is None or len(value) > 32:
+        return None
+    try:
+        timeout = float(value.strip())
+    except ValueError:
+        return None
+    return timeout if math.isfinite(timeout) and timeout > 0 else None
 
 
 def caller_scope(headers: Mapping[str, str]) -> str | None:

@@ -1,4 +1,5 @@
-"""The clients' deadline, learned from the ages at which attempts are abandoned.
+"""The clients' deadline, learned from the ages at which attempts are abandoned, and until then
+from the timeouts clients declare.
 
 A client that gives up on an attempt at its timeout leaves at that age plus a little network
 jitter, so the abandon ages of one client class pile up in a sharp mode at its deadline; clients
@@ -7,6 +8,13 @@ learner keeps the most recent abandon ages (a bounded ring), finds the sharp mod
 (a cluster: at least a minimum share of the ages within ±5 % of one age, several times denser
 than its flanks), and names each cluster's median its class's deadline. Several sharp modes are
 several classes (e.g. a gateway at 30 s and an SDK at its default 600 s).
+
+Abandons come only once clients have waited a deadline: in ordinary traffic there are none. The
+SDKs built by Stainless (OpenAI's and Anthropic's among them) declare their read timeout on every
+attempt (``x-stainless-read-timeout``, seconds): the age at which a request still waiting for its
+first byte is abandoned. The learner keeps those too (``declare``, a ring of its own) and finds
+their classes the same way; it names them only while the abandons name none, since abandons are
+what clients do, and a class of clients that declares nothing (a gateway) shows only in them.
 
 NOTE: the deadline in force is the class with the most abandons (the clients whose timeouts
 shape the retries the proxy sees), and it changes only when that estimate moves by more than
@@ -49,23 +57,30 @@ _MAX_AGE_S = 7 * 24 * 3600.0
 
 @dataclass(frozen=True)
 class LearnedDeadline:
-    """One client class's deadline: its cluster's median age, and the abandons it rests on."""
+    """One client class's deadline: its cluster's median age, and the abandons it rests on (or,
+    learned from declared timeouts alone, none, and the declarations it rests on)."""
 
     deadline_s: float
     abandons: int
+    declared: int = 0
 
 
 class DeadlineLearner:
-    """Learns the clients' deadlines from abandon ages (``observe``); ``classes`` names them,
-    ``in_force`` the one the proxy uses where none is stated."""
+    """Learns the clients' deadlines from abandon ages (``observe``), and until they name one from
+    declared timeouts (``declare``); ``classes`` names them, ``in_force`` the one the proxy uses
+    where none is stated."""
 
     def __init__(self, max_ages: int = MAX_AGES) -> None:
         if max_ages < MIN_ABANDONS:
             raise ValueError(f"max_ages must be at least {MIN_ABANDONS}, got {max_ages}")
         self._ages: deque[float] = deque(maxlen=max_ages)
+        self._declared: deque[float] = deque(maxlen=max_ages)
         self.observed = 0  # abandons observed in all, kept or not
+        self.declarations = 0  # declared timeouts observed in all, kept or not
         self._classes: tuple[LearnedDeadline, ...] = ()
         self._classes_at = 0  # ``observed`` when ``_classes`` was computed
+        self._declared_classes: tuple[LearnedDeadline, ...] = ()
+        self._declared_at = 0  # ``declarations`` when ``_declared_classes`` was computed
         self._in_force: float | None = None
 
     def observe(self, age_s: float) -> None:
@@ -74,16 +89,34 @@ class DeadlineLearner:
             self._ages.append(age_s)
             self.observed += 1
 
+    def declare(self, timeout_s: float) -> None:
+        """An attempt's client declared it would give up after ``timeout_s`` seconds without an
+        answer (the ``x-stainless-read-timeout`` header)."""
+        if _MIN_AGE_S <= timeout_s <= _MAX_AGE_S:  # NaN fails both
+            self._declared.append(timeout_s)
+            self.declarations += 1
+
     def classes(self) -> tuple[LearnedDeadline, ...]:
-        """The client classes found, most abandons first (at most :data:`MAX_CLASSES`); empty
-        while fewer than :data:`MIN_ABANDONS` ages are kept or no sharp mode stands out."""
+        """The client classes found, most abandons first (at most :data:`MAX_CLASSES`); while
+        the abandons show none (fewer than :data:`MIN_ABANDONS` kept, or no sharp mode), those of
+        the declared timeouts, most declarations first; else empty."""
         if self._classes_at != self.observed:
             self._classes = find_classes(self._ages)
             self._classes_at = self.observed
-        return self._classes
+        if self._classes:
+            return self._classes
+        if self._declared_at != self.declarations:
+            # each class's deadline: the declared value nearest its median (exp of a mean log
+            # would turn a declared 42.5 into 42.50000000000001)
+            self._declared_classes = tuple(
+                LearnedDeadline(_nearest(self._declared, d.deadline_s), 0, d.abandons)
+                for d in find_classes(self._declared)
+            )
+            self._declared_at = self.declarations
+        return self._declared_classes
 
     def in_force(self) -> LearnedDeadline | None:
-        """The class whose deadline is in force (the one with most abandons), its deadline held
+        """The class whose deadline is in force (the first of :meth:`classes`), its deadline held
         within :data:`HYSTERESIS` of the last one in force; None while none is learned."""
         found = self.classes()
         if not found:
@@ -92,7 +125,11 @@ class DeadlineLearner:
         held = self._in_force
         if held is None or abs(top.deadline_s - held) > HYSTERESIS * held:
             self._in_force = held = top.deadline_s
-        return LearnedDeadline(held, top.abandons)
+        return LearnedDeadline(held, top.abandons, top.declared)
+
+
+def _nearest(values: Iterable[float], x: float) -> float:
+    return min(values, key=lambda v: abs(v - x))
 
 
 def find_classes(ages: Iterable[float]) -> tuple[LearnedDeadline, ...]:

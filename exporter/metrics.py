@@ -251,7 +251,8 @@ class PolicyCollector(Collector):
         classes = self.deadlines.classes()
         learned = GaugeMetricFamily(
             mn.CLIENT_DEADLINE_LEARNED,
-            "Each client class's deadline learned from abandon ages, most abandons first; NaN: none.",
+            "Each client class's deadline learned from abandon ages, most abandons first (until they "
+            "name one, from the timeouts clients declare, with no abandons); NaN: none.",
             labels=["class"],
         )
         abandons = GaugeMetricFamily(

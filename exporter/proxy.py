@@ -46,7 +46,14 @@ from starlette.routing import Route
 
 from exporter import sse
 from exporter.admin import executions_listing
-from exporter.callkey import CallIdError, call_key, caller_scope, find_call_id, sdk_says_retry
+from exporter.callkey import (
+    CallIdError,
+    call_key,
+    caller_scope,
+    find_call_id,
+    sdk_read_timeout,
+    sdk_says_retry,
+)
 from exporter.execution import Execution
 from exporter.metrics import ProxyMetrics
 from exporter.policy import (
@@ -421,6 +428,9 @@ class Proxy:
             client_says_retry=sdk_says_retry(headers),
             prompt_tokens=prompt_tokens,
         )
+        declared = sdk_read_timeout(headers)
+        if declared is not None:
+            self.metrics.deadlines.declare(declared)
         result = self.policy.on_attempt(started, attempt)
         decision = result.decision
         if isinstance(decision, Shed):

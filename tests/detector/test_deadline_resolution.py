@@ -61,6 +61,11 @@ def test_each_deadline_is_logged_once_not_per_abandon(caplog: pytest.LogCaptureF
     assert frame.deadline_note == "learned 60 s from 200 abandons"
 
 
+def test_a_deadline_declared_before_any_abandon_says_so() -> None:
+    frame = _frame(SignalConfig(capacity=2.0), (42.5, mn.DEADLINE_LEARNED, 0))
+    assert frame.deadline_note.startswith("learned 42.5 s from the timeout its clients declare")
+
+
 def test_a_replay_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "retrywatch.detector")
     frame = _frame(SignalConfig(capacity=2.0), (93.0, mn.DEADLINE_LEARNED, 57))

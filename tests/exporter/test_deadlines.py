@@ -12,7 +12,14 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from exporter.deadlines import MAX_AGES, MAX_CLASSES, MIN_ABANDONS, DeadlineLearner, find_classes
+from exporter.deadlines import (
+    MAX_AGES,
+    MAX_CLASSES,
+    MIN_ABANDONS,
+    DeadlineLearner,
+    LearnedDeadline,
+    find_classes,
+)
 from exporter.metrics import ProxyMetrics
 from exporter.policy import Policy, PolicyConfig
 from foundation import metricnames as mn
@@ -117,6 +124,27 @@ def test_the_deadline_in_force_holds_within_the_hysteresis() -> None:
 
 def _metrics(deadline_s: float | None) -> ProxyMetrics:
     return ProxyMetrics(Policy(PolicyConfig(deadline_s=deadline_s)), window_s=60.0, capacity=None)
+
+
+def test_declared_timeouts_name_the_deadline_until_abandons_do() -> None:
+    learner = DeadlineLearner()
+    for _ in range(MIN_ABANDONS - 1):
+        learner.declare(600.0)
+    assert learner.in_force() is None  # too few declarations, as too few abandons
+    for bad in (0.0, -5.0, math.nan, math.inf):
+        learner.declare(bad)
+    assert learner.in_force() is None
+    learner.declare(600.0)
+    assert learner.in_force() == LearnedDeadline(600.0, 0, MIN_ABANDONS)
+    for _ in range(3 * MIN_ABANDONS):  # a second class of SDK clients, configured at 60 s
+        learner.declare(60.0)
+    assert [c.deadline_s for c in learner.classes()] == [60.0, 600.0]
+    # clients that declare nothing (a gateway at 30 s) abandon: the abandons name the deadline
+    for age in _timeouts(random.Random(8), 30.0, 20):
+        learner.observe(age)
+    in_force = learner.in_force()
+    assert in_force is not None and in_force.abandons == 20 and in_force.declared == 0
+    assert in_force.deadline_s == pytest.approx(30.0, rel=0.02)
 
 
 def test_metrics_say_the_deadline_is_unknown_then_learned() -> None:
