@@ -122,10 +122,12 @@ def _measured_prefill(
 def _fit(
     samples: Samples, lo: float, hi: float, window: float, parts: list[float], true: float, every: float
 ) -> None:
-    ends = [(hi - lo, hi)] + [(window, t) for t in _range(lo + window, hi, every)]
+    moving = [(window, t) for t in _range(lo + window, hi, every)]
+    same = abs(window - (hi - lo)) < 1e-6 and any(abs(t - hi) < 1e-6 for _, t in moving)
+    stretch = [] if same else [(hi - lo, hi)]  # the whole stretch, unless a moving window is it
     for part_s in parts:
         ratios: list[float] = []
-        for width, t in ends:
+        for i, (width, t) in enumerate(stretch + moving):
             kept = [s for s in samples if max(lo, t - width) - 1e-9 <= s[0] <= t + 1e-9]
             whole, cut = window_totals(kept), split_windows(kept, part_s)
             p = None if whole is None else predict_capacity(whole, cut)
@@ -134,7 +136,7 @@ def _fit(
                 print(head, "no prediction")
                 continue
             c = p.cost
-            if width == window:
+            if i >= len(stretch):
                 ratios.append(p.capacity / true)
             print(
                 f"{head} {p.capacity / true:5.2f}x [{p.low / true:.2f}, {p.high / true:.2f}]"

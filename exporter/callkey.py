@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from collections.abc import Mapping
 from enum import StrEnum
@@ -108,16 +107,16 @@ def sdk_says_retry(headers: Mapping[str, str]) -> bool | None:
 
 
 def sdk_read_timeout(headers: Mapping[str, str]) -> float | None:
-    """The read timeout the client's SDK declares for this attempt (seconds), or None when it
-    declares none usable (absent, not a finite positive number, or longer than 32 characters)."""
+    """The read timeout the client's SDK declares for this attempt (seconds, as sent: the
+    deadline learner bounds it), or None when it declares no number (absent, not one, or longer
+    than 32 characters)."""
     value = headers.get(SDK_READ_TIMEOUT_HEADER)
     if value is None or len(value) > 32:
         return None
     try:
-        timeout = float(value.strip())
+        return float(value.strip())
     except ValueError:
         return None
-    return timeout if math.isfinite(timeout) and timeout > 0 else None
 
 
 def caller_scope(headers: Mapping[str, str]) -> str | None:

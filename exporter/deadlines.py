@@ -106,11 +106,8 @@ class DeadlineLearner:
         if self._classes:
             return self._classes
         if self._declared_at != self.declarations:
-            # each class's deadline: the declared value nearest its median (exp of a mean log
-            # would turn a declared 42.5 into 42.50000000000001)
             self._declared_classes = tuple(
-                LearnedDeadline(_nearest(self._declared, d.deadline_s), 0, d.abandons)
-                for d in find_classes(self._declared)
+                LearnedDeadline(d.deadline_s, 0, d.abandons) for d in find_classes(self._declared)
             )
             self._declared_at = self.declarations
         return self._declared_classes
@@ -128,13 +125,12 @@ class DeadlineLearner:
         return LearnedDeadline(held, top.abandons, top.declared)
 
 
-def _nearest(values: Iterable[float], x: float) -> float:
-    return min(values, key=lambda v: abs(v - x))
-
-
 def find_classes(ages: Iterable[float]) -> tuple[LearnedDeadline, ...]:
-    """The sharp modes of ``ages`` (an iterable of positive seconds), most abandons first."""
-    logs = sorted(math.log(a) for a in ages)
+    """The sharp modes of ``ages`` (an iterable of positive seconds), most abandons first; each
+    mode's deadline is its members' median age, in log space (an even count's two middle ages:
+    their geometric mean), an age itself where the count is odd."""
+    ordered = sorted(ages)
+    logs = [math.log(a) for a in ordered]
     n = len(logs)
     if n < MIN_ABANDONS:
         return ()
@@ -159,11 +155,12 @@ def find_classes(ages: Iterable[float]) -> tuple[LearnedDeadline, ...]:
         flanks = count(centre - 4 * WINDOW, centre + 4 * WINDOW) - peak
         if peak < need or peak < SHARPNESS * flanks / 3:  # flanks span 3 windows' width
             continue
-        members = logs[
-            bisect.bisect_left(logs, centre - 2 * WINDOW) : bisect.bisect_right(logs, centre + 2 * WINDOW)
-        ]
+        lo = bisect.bisect_left(logs, centre - 2 * WINDOW)
+        members = bisect.bisect_right(logs, centre + 2 * WINDOW) - lo
+        mid = lo + members // 2
+        median = ordered[mid] if members % 2 else math.sqrt(ordered[mid - 1] * ordered[mid])
         centres.append(centre)
-        found.append(LearnedDeadline(math.exp(statistics.median(members)), len(members)))
+        found.append(LearnedDeadline(median, members))
     found.sort(key=lambda d: (-d.abandons, d.deadline_s))
     return tuple(found)
 
